@@ -1,0 +1,27 @@
+"""Where in a model: one adapter per architecture family. Importing this package registers them all."""
+
+from . import llama, qwen2  # noqa: F401  (registration by import)
+from .base import (
+    ArchitectureAdapter,
+    AttentionView,
+    BlockView,
+    HeadGeometry,
+    LinearView,
+    MlpView,
+    NormView,
+)
+from .registry import get_adapter, register_adapter, registered_adapters, supported_model_types
+
+__all__ = [
+    "ArchitectureAdapter",
+    "AttentionView",
+    "BlockView",
+    "HeadGeometry",
+    "LinearView",
+    "MlpView",
+    "NormView",
+    "get_adapter",
+    "register_adapter",
+    "registered_adapters",
+    "supported_model_types",
+]

@@ -1,0 +1,303 @@
+"""Where things are in a model: the architecture adapter interface and its read-only views.
+
+Methods never touch module attributes. They read weights through views that always show a linear map as an
+(out, in) matrix, and change the model only through the adapter's mutators (names ending in ``_``), so storage
+quirks (fused projections, transposed Conv1D, remote-code module names) live in one adapter per family.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from ..utils.errors import UnsupportedArchitectureError
+
+NormPosition = Literal["pre", "post", "parallel"]
+PositionScheme = Literal["rope", "alibi", "learned", "sinusoidal", "none"]
+
+
+@dataclass(frozen=True)
+class HeadGeometry:
+    """Shape of an attention block; ``num_heads // num_kv_heads`` query heads share each key/value head."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    @property
+    def queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def query_heads_of(self, kv_heads: Sequence[int]) -> list[int]:
+        """Query heads attached to the given KV heads (query head h reads KV head h // queries_per_kv)."""
+        per_kv = self.queries_per_kv
+        return [g * per_kv + r for g in sorted(kv_heads) for r in range(per_kv)]
+
+    def head_channels(self, heads: Sequence[int]) -> list[int]:
+        """Channels of the concatenated head outputs (the o_proj input) that belong to the given heads."""
+        return [h * self.head_dim + d for h in heads for d in range(self.head_dim)]
+
+
+class LinearView:
+    """A linear map seen as an (out, in) weight and an optional bias, whatever the storage.
+
+    Writes go back to the real module: `set_` replaces the parameters (and the module when the shape changes),
+    so views stay valid for the lifetime of the block they were taken from.
+    """
+
+    def __init__(self, parent: nn.Module, name: str) -> None:
+        self._parent = parent
+        self._name = name
+
+    @property
+    def module(self) -> nn.Linear:
+        return getattr(self._parent, self._name)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight.data
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.module.bias
+        return None if bias is None else bias.data
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Replaces the map by ``x @ weight.T + bias`` (weight is (out, in)), in the module's dtype and device."""
+        old = self.module
+        dtype, device = old.weight.dtype, old.weight.device
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        new.weight = nn.Parameter(weight.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+        if bias is not None:
+            new.bias = nn.Parameter(bias.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+        new.weight.requires_grad_(old.weight.requires_grad)
+        if new.bias is not None:
+            new.bias.requires_grad_(old.weight.requires_grad)
+        setattr(self._parent, self._name, new)
+
+
+class NormView:
+    """A normalisation layer: RMSNorm (`weight` only) or LayerNorm (`weight` and `bias`)."""
+
+    def __init__(self, module: nn.Module, kind: Literal["rms", "layer"]) -> None:
+        self.module = module
+        self.kind = kind
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight.data
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self.module, "bias", None)
+        return None if bias is None else bias.data
+
+    def is_unit(self) -> bool:
+        """True when the norm has unit gain and zero bias, i.e. it only normalises."""
+        unit = bool(torch.all(self.weight == 1))
+        return unit and (self.bias is None or bool(torch.all(self.bias == 0)))
+
+    def set_unit_(self) -> None:
+        """Sets the gain to 1 and the bias to 0 (after they were folded into the projections that read the norm)."""
+        self.module.weight.data.fill_(1.0)
+        if self.bias is not None:
+            self.module.bias.data.zero_()
+
+
+@dataclass
+class AttentionView:
+    q: LinearView
+    k: LinearView
+    v: LinearView
+    o: LinearView
+    geometry: HeadGeometry
+    position_scheme: PositionScheme
+    module: nn.Module
+
+
+@dataclass
+class MlpView:
+    up: LinearView
+    gate: LinearView | None
+    down: LinearView
+    activation: nn.Module
+    module: nn.Module
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.up.out_features
+
+
+@dataclass
+class BlockView:
+    index: int
+    module: nn.Module
+    norm_position: NormPosition
+    attn_norm: NormView
+    mlp_norm: NormView
+    attention: AttentionView
+    mlp: MlpView
+    cross_attention: AttentionView | None = None
+
+
+class ArchitectureAdapter:
+    """Base class of the per-family adapters, bound to one model instance.
+
+    Subclasses declare the `model_types` they serve and the `capabilities` methods may require
+    (e.g. ``{"head_geometry", "gated_mlp", "pre_norm", "concat_heads"}``).
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: Why a capability is missing, for the error raised by `require`.
+    missing_capability_reasons: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+
+    # ----------------------------------------------------------------- reading
+    def stacks(self) -> list[str]:
+        raise NotImplementedError
+
+    def layers(self, stack: str = "decoder") -> nn.ModuleList:
+        raise NotImplementedError
+
+    def base_model(self, stack: str = "decoder") -> nn.Module:
+        """The module whose forward runs embeddings and the stack's layers (no LM head), for calibration."""
+        raise NotImplementedError
+
+    def block_view(self, module: nn.Module, index: int) -> BlockView:
+        """A view over a block module, in the model or standalone (e.g. a flattened block under construction)."""
+        raise NotImplementedError
+
+    def blocks(self, stack: str = "decoder") -> list[BlockView]:
+        return [self.block_view(m, i) for i, m in enumerate(self.layers(stack))]
+
+    def block(self, stack: str, index: int) -> BlockView:
+        return self.block_view(self.layers(stack)[index], index)
+
+    def num_layers(self, stack: str = "decoder") -> int:
+        return len(self.layers(stack))
+
+    def embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> nn.Module | None:
+        return self.model.get_output_embeddings()
+
+    def final_norm(self) -> nn.Module | None:
+        raise NotImplementedError
+
+    def require(self, capabilities: set[str] | frozenset[str], method: str) -> None:
+        """Raises UnsupportedArchitectureError naming what `method` needs and this architecture lacks."""
+        missing = sorted(set(capabilities) - set(self.capabilities))
+        if missing:
+            reasons = "; ".join(self.missing_capability_reasons.get(m, m) for m in missing)
+            raise UnsupportedArchitectureError(
+                f"method {method!r} needs {missing}, which model_type {self.config.model_type!r} does not offer "
+                f"({reasons}). Use a method that only drops or merges whole layers on this architecture."
+            )
+
+    # ---------------------------------------------------------------- mutating
+    def keep_layers_(self, stack: str, indices: Sequence[int]) -> None:
+        """Keeps exactly the layers at `indices` (current positions, ascending) and drops the others."""
+        layers = self.layers(stack)
+        indices = list(indices)
+        if sorted(set(indices)) != indices or any(not 0 <= i < len(layers) for i in indices):
+            raise ValueError(f"keep_layers_ needs ascending unique indices in 0..{len(layers) - 1}, got {indices}.")
+        kept = [layers[i] for i in indices]
+        self._set_layers(stack, nn.ModuleList(kept))
+
+    def delete_layers_(self, stack: str, indices: Sequence[int]) -> None:
+        """Drops the layers at `indices` (current positions)."""
+        layers = self.layers(stack)
+        bad = [i for i in indices if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"delete_layers_ got out-of-range indices {bad} for {len(layers)} layers.")
+        drop = set(indices)
+        self.keep_layers_(stack, [i for i in range(len(layers)) if i not in drop])
+
+    def replace_block_(self, stack: str, index: int, module: nn.Module) -> None:
+        self.layers(stack)[index] = module
+
+    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
+        raise NotImplementedError
+
+    def build_concat_block(self, stack: str, indices: Sequence[int]) -> nn.Module:
+        """A new block holding every head and MLP unit of the blocks at `indices`, which stay untouched.
+
+        The members' norms must already be plain normalisations (gain 1, bias 0): FlattenGPT folds the gains into
+        the projections first, which is what makes one shared norm exact. The result computes the members in
+        parallel on one input and sums their contributions.
+        """
+        raise NotImplementedError
+
+    def keep_heads_(
+        self, block: BlockView, kv_head_indices: Sequence[int], o_weight: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the given key/value heads with every query head attached to them (all heads when not GQA).
+
+        `o_weight` (hidden, kept heads x head_dim) replaces the kept columns of the output projection.
+        """
+        raise NotImplementedError
+
+    def keep_mlp_channels_(
+        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the given MLP channels; `down_weight` (hidden, k) replaces the kept down-projection columns."""
+        raise NotImplementedError
+
+    def reindex_(self, stack: str = "decoder") -> None:
+        """Renumbers every layer index stored in modules (the KV cache is addressed by it)."""
+        raise NotImplementedError
+
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Updates the layer count and per-layer config lists after the stack became `first_indices`.
+
+        Args:
+            stack: The stack that changed.
+            first_indices: For every output layer, the original index whose per-layer config it inherits.
+        """
+        raise NotImplementedError
+
+    def validate(self) -> None:
+        """Checks that the config agrees with the modules and that a tiny forward runs with and without cache."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- helpers
+    def _copy_block(self, module: nn.Module) -> nn.Module:
+        """Deep-copies a block but keeps its reference to the model config shared (attention reads it at run time)."""
+        return copy.deepcopy(module, memo={id(self.config): self.config})
+
+
+def require_unit_norms(views: Sequence[NormView], what: str) -> None:
+    """Raises when a norm that a concatenation would share still carries a gain or bias."""
+    for view in views:
+        if not view.is_unit():
+            raise ValueError(
+                f"cannot concatenate blocks whose {what} norms still carry gains: fold them into the projections "
+                "first (ops.fold_norm_into_linear), then set them to unit gain."
+            )
+
+
+def check_family(model: nn.Module, adapter: type[ArchitectureAdapter]) -> None:
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in adapter.model_types:
+        raise UnsupportedArchitectureError(
+            f"{adapter.__name__} serves model_type {list(adapter.model_types)}, got {model_type!r}."
+        )

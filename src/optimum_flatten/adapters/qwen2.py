@@ -1,0 +1,51 @@
+"""Qwen2 / Qwen2.5 (q/k/v biases, per-layer sliding-window types) and Qwen3 (per-head q_norm/k_norm).
+
+Module layout bound here (transformers 5.x, checked on 5.23): the LLaMA layout plus, for Qwen2,
+``config.layer_types`` read by the model forward at each position (``config.layer_types[i]`` picks the mask) and
+``max_window_layers`` from which those types were derived; for Qwen3, ``self_attn.q_norm`` / ``k_norm`` RMSNorms
+over the head dimension with one gain shared by all heads of a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from .llama import LlamaAdapter
+from .registry import register_adapter
+
+
+@register_adapter
+class Qwen2Adapter(LlamaAdapter):
+    model_types = ("qwen2",)
+
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        first_indices = list(first_indices)
+        old_max_window = getattr(self.config, "max_window_layers", None)
+        super().update_config_(stack, first_indices)
+        if isinstance(old_max_window, int):
+            # Layers at original index >= max_window_layers use the sliding window; keep that boundary on the
+            # same original layers.
+            self.config.max_window_layers = sum(1 for i in first_indices if i < old_max_window)
+
+
+@register_adapter
+class Qwen3Adapter(LlamaAdapter):
+    """Qwen3 blocks can be dropped or merged whole, but not concatenated head-wise.
+
+    Each layer normalises queries and keys per head with one shared gain vector (q_norm, k_norm) *after* the
+    projection. A concatenated block would need two different gains in one attention module, and the gain cannot
+    be folded into the projection because the RMS is taken after it; with RoPE mixing dimension pairs, folding it
+    into the other side of q·k is not exact either.
+    """
+
+    model_types = ("qwen3",)
+    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "layer_drop"})
+    missing_capability_reasons: ClassVar[dict[str, str]] = {
+        "concat_heads": "Qwen3's per-head q_norm/k_norm share one gain per layer, so two layers' heads cannot "
+        "be concatenated into one attention module exactly",
+    }
+
+    def build_concat_block(self, stack: str, indices: Sequence[int]):
+        self.require({"concat_heads"}, "flattengpt")
+        raise AssertionError("unreachable")

@@ -1,0 +1,48 @@
+"""Adapter registry: one adapter class per architecture family, chosen by ``config.model_type``."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..utils.errors import UnsupportedArchitectureError
+
+_ADAPTERS: dict[str, type] = {}
+
+
+def register_adapter(cls: type) -> type:
+    """Class decorator registering `cls` for each of its ``model_types``; a model type can be claimed only once."""
+    if not getattr(cls, "model_types", None):
+        raise TypeError(f"{cls.__name__} declares no model_types to register under.")
+    for model_type in cls.model_types:
+        if model_type in _ADAPTERS and _ADAPTERS[model_type] is not cls:
+            raise ValueError(
+                f"model_type {model_type!r} is already served by {_ADAPTERS[model_type].__name__}; "
+                f"{cls.__name__} cannot register it too."
+            )
+        _ADAPTERS[model_type] = cls
+    return cls
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+def registered_adapters() -> dict[str, type]:
+    return dict(_ADAPTERS)
+
+
+def get_adapter(model: nn.Module):
+    """The adapter for `model`, bound to that instance.
+
+    Raises:
+        UnsupportedArchitectureError: when no adapter serves ``model.config.model_type`` (no silent fallback).
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    cls = _ADAPTERS.get(model_type)
+    if cls is None:
+        raise UnsupportedArchitectureError(
+            f"no adapter for model_type {model_type!r} ({type(model).__name__}). Supported model types: "
+            f"{supported_model_types()}. To add one, see docs/contributing/adding_an_architecture.md."
+        )
+    return cls(model)

@@ -1,0 +1,141 @@
+"""Block-by-block calibration: cached hidden states, one decoder layer on the compute device at a time.
+
+The model runs once with every layer of the stack replaced by a recorder that stores the keyword arguments the
+model passes to that layer (attention mask of the layer's type, rotary embeddings, position ids) and returns its
+input unchanged; that costs one embedding lookup. After that, any block (an original layer, a flattened
+double-width block, a compressed block) can be run on the cached states with the arguments of the position it
+will occupy. With accelerate offload hooks on the layers, calling a layer onloads its weights and offloads them
+afterwards, so peak memory is one layer plus the cached activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..utils.torch_utils import first_output, module_device
+from .data import CalibrationBatch
+
+
+class _StopForward(Exception):
+    """Raised by the last recorder so the model skips its final norm and head."""
+
+
+class _Recorder(nn.Module):
+    def __init__(self, sink: list[dict[str, Any]], stop: bool) -> None:
+        super().__init__()
+        self.sink = sink
+        self.stop = stop
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            raise TypeError("decoder layers are expected to receive everything but the hidden state by keyword")
+        self.sink.append(kwargs)
+        if self.stop:
+            raise _StopForward(hidden_states)
+        return hidden_states
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+class LayerwiseRunner:
+    """Runs a block stack one block at a time over cached calibration hidden states.
+
+    Attributes:
+        inputs: hidden states entering layer 0, one tensor per calibration batch.
+        masks: (batch, seq) token masks, 1 on real tokens; statistics must use them.
+        layer_kwargs: ``layer_kwargs[i][b]`` are the keyword arguments the model passes to layer ``i`` for batch ``b``.
+    """
+
+    def __init__(self, adapter: Any, batches: Sequence[CalibrationBatch], stack: str = "decoder") -> None:
+        self.adapter = adapter
+        self.stack = stack
+        self.masks = [b.attention_mask for b in batches]
+        self.layer_kwargs, self.inputs = self._record(batches)
+
+    @torch.no_grad()
+    def _record(self, batches: Sequence[CalibrationBatch]) -> tuple[list[list[dict[str, Any]]], list[torch.Tensor]]:
+        layers = self.adapter.layers(self.stack)
+        num_layers = len(layers)
+        sinks: list[list[dict[str, Any]]] = [[] for _ in range(num_layers)]
+        originals = list(layers)
+        inputs: list[torch.Tensor] = []
+        base = self.adapter.base_model(self.stack)
+        device = module_device(self.adapter.embeddings())
+        try:
+            for i in range(num_layers):
+                layers[i] = _Recorder(sinks[i], stop=i == num_layers - 1)
+            for batch in batches:
+                try:
+                    base(
+                        input_ids=batch.input_ids.to(device),
+                        attention_mask=batch.attention_mask.to(device),
+                        use_cache=False,
+                    )
+                except _StopForward as stop:
+                    inputs.append(stop.args[0])
+                else:  # pragma: no cover - a model that skips its layers
+                    raise RuntimeError("the model forward never reached its last layer")
+        finally:
+            for i, layer in enumerate(originals):
+                layers[i] = layer
+        return sinks, inputs
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.inputs)
+
+    @torch.no_grad()
+    def run(
+        self,
+        module: nn.Module,
+        position: int,
+        inputs: Sequence[torch.Tensor] | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Runs `module` as the layer at `position` on every batch and returns its outputs.
+
+        Args:
+            module: Any block with the stack's layer signature.
+            position: Original layer index whose call arguments (mask type, rotary embeddings) are used.
+            inputs: Hidden states to feed; defaults to `self.inputs`.
+            on_batch: Called with the batch index before each batch (hooks use it to pick the token mask).
+        """
+        inputs = self.inputs if inputs is None else inputs
+        device = module_device(module)
+        outputs = []
+        for b, hidden in enumerate(inputs):
+            if on_batch is not None:
+                on_batch(b)
+            kwargs = _to_device(self.layer_kwargs[position][b], device)
+            out = first_output(module(hidden.to(device), **kwargs))
+            outputs.append(out.to(hidden.device))
+        return outputs
+
+
+@contextlib.contextmanager
+def capture_module_inputs(module: nn.Module, callback: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Calls `callback` with the (first positional) input of every forward of `module` while the context is open."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+        callback(args[0].detach())
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()

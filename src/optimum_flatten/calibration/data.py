@@ -1,0 +1,230 @@
+"""Calibration text -> token batches, with an explicit size in tokens (nsamples x seqlen)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import CalibrationConfig
+from ..utils.errors import CalibrationDataError
+
+logger = logging.getLogger(__name__)
+
+#: Names resolved through `datasets` when online (WikiText-2 raw train is the FlattenGPT paper's default).
+HUB_DATASETS = {
+    "wikitext2": ("wikitext", "wikitext-2-raw-v1", "train"),
+    "wikitext-2": ("wikitext", "wikitext-2-raw-v1", "train"),
+}
+
+
+@dataclass
+class CalibrationBatch:
+    """One forward's worth of calibration tokens; `attention_mask` is 0 on padding, which every statistic skips."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
+    """Reads calibration texts from any of the accepted forms.
+
+    Args:
+        dataset: A list of strings; a path to a .txt file (one text), a folder of .txt files, a .jsonl/.json file
+            of records, a .parquet file; a `datasets.Dataset`; the name of a bundled corpus (see
+            `optimum_flatten.bundled`); or a dataset name loaded through `datasets` (needs the network).
+        text_column: Field holding the text in records and tables.
+
+    Raises:
+        CalibrationDataError: when nothing usable is found.
+    """
+    if dataset is None:
+        raise CalibrationDataError(
+            "no calibration dataset given; pass dataset= a list of strings, a path (.txt/.jsonl/.json/.parquet or "
+            "a folder of .txt), a datasets.Dataset, or a name such as 'wikitext2'."
+        )
+    if isinstance(dataset, (list, tuple)):
+        if not all(isinstance(t, str) for t in dataset):
+            raise CalibrationDataError("a calibration list must hold strings only.")
+        texts = list(dataset)
+    elif isinstance(dataset, (str, os.PathLike)):
+        texts = _load_from_string(str(dataset), text_column)
+    elif hasattr(dataset, "column_names"):
+        if text_column not in dataset.column_names:
+            raise CalibrationDataError(
+                f"the dataset has no column {text_column!r} (columns: {dataset.column_names}); set text_column."
+            )
+        texts = list(dataset[text_column])
+    else:
+        raise CalibrationDataError(
+            f"unsupported calibration dataset of type {type(dataset).__name__}; pass a list of strings, a path, "
+            "a datasets.Dataset or a dataset name."
+        )
+    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise CalibrationDataError(f"the calibration dataset {_describe(dataset)} holds no non-empty text.")
+    return texts
+
+
+def _load_from_string(value: str, text_column: str) -> list[str]:
+    from .. import bundled
+
+    if value in bundled.CORPORA:
+        return bundled.load_corpus(value)
+    path = Path(value)
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise CalibrationDataError(f"folder {value!r} holds no .txt files.")
+        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            return [path.read_text(encoding="utf-8", errors="replace")]
+        if suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                records = [json.loads(line) for line in handle if line.strip()]
+            return [_field(r, text_column, value) for r in records]
+        if suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            records = data if isinstance(data, list) else data.get("data", data.get(text_column, []))
+            return [r if isinstance(r, str) else _field(r, text_column, value) for r in records]
+        if suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as error:
+                raise ImportError(
+                    "reading .parquet calibration files needs pyarrow: pip install optimum-flatten[data]"
+                ) from error
+            table = pq.read_table(path, columns=[text_column])
+            return [str(t) for t in table.column(text_column).to_pylist()]
+        raise CalibrationDataError(
+            f"unsupported calibration file type {suffix!r}; use .txt, .jsonl, .json or .parquet."
+        )
+    if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".parquet"}:
+        raise CalibrationDataError(f"calibration path {value!r} does not exist.")
+    return _load_hub_dataset(value, text_column)
+
+
+def _load_hub_dataset(name: str, text_column: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"loading the calibration dataset {name!r} by name needs `datasets`: pip install optimum-flatten[data] "
+            "(or pass a local path or a list of strings)"
+        ) from error
+    path, subset, split = HUB_DATASETS.get(name, (name, None, "train"))
+    try:
+        loaded = datasets.load_dataset(path, subset, split=split)
+    except Exception as error:  # network and hub errors come in many types
+        raise CalibrationDataError(
+            f"could not load dataset {name!r} through `datasets` ({type(error).__name__}: {error}). Offline, pass "
+            "a local path or a list of strings instead."
+        ) from error
+    return list(loaded[text_column])
+
+
+def _field(record: Any, column: str, source: str) -> str:
+    if not isinstance(record, dict) or column not in record:
+        raise CalibrationDataError(f"a record in {source!r} has no field {column!r}; set text_column.")
+    return record[column]
+
+
+def _describe(dataset: Any) -> str:
+    return repr(dataset) if isinstance(dataset, (str, os.PathLike)) else f"<{type(dataset).__name__}>"
+
+
+def build_calibration_batches(tokenizer: Any, config: CalibrationConfig) -> list[CalibrationBatch]:
+    """Tokenises the calibration texts into ``nsamples`` sequences of ``seqlen`` tokens, in batches.
+
+    With packing, the texts are joined (separated by the EOS token when the tokenizer has one) and cut into
+    non-overlapping windows, of which ``nsamples`` are drawn with the seed. Without packing, ``nsamples`` texts
+    are drawn, truncated to ``seqlen`` and right-padded.
+
+    Raises:
+        CalibrationDataError: when the text holds fewer than nsamples x seqlen tokens (packing) or fewer than
+            nsamples texts (no packing); the message says how much was found.
+    """
+    if tokenizer is None:
+        raise CalibrationDataError(
+            "calibration needs a tokenizer: pass it to FlattenQuantizer.compress(model, tokenizer) or "
+            "FlattenConfig(tokenizer=...)."
+        )
+    texts = load_texts(config.dataset, config.text_column)
+    rng = random.Random(config.seed)
+    if config.packing:
+        rows, masks = _packed_rows(tokenizer, texts, config, rng)
+    else:
+        rows, masks = _padded_rows(tokenizer, texts, config, rng)
+    batches = []
+    for start in range(0, len(rows), config.batch_size):
+        batches.append(
+            CalibrationBatch(
+                input_ids=torch.stack(rows[start : start + config.batch_size]),
+                attention_mask=torch.stack(masks[start : start + config.batch_size]),
+            )
+        )
+    logger.info(
+        "calibration: %d sequences x %d tokens (%d real tokens) in %d batches",
+        len(rows),
+        config.seqlen,
+        sum(b.num_tokens for b in batches),
+        len(batches),
+    )
+    return batches
+
+
+def _tokenize(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _packed_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rng: random.Random):
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(_tokenize(tokenizer, text))
+        if eos is not None:
+            stream.append(int(eos))
+    needed = config.nsamples * config.seqlen
+    num_windows = len(stream) // config.seqlen
+    if num_windows < config.nsamples:
+        raise CalibrationDataError(
+            f"the calibration text holds {len(stream)} tokens, fewer than nsamples x seqlen = {config.nsamples} x "
+            f"{config.seqlen} = {needed}. Give more text, or lower nsamples or seqlen."
+        )
+    chosen = sorted(rng.sample(range(num_windows), config.nsamples))
+    ids = torch.tensor(stream[: num_windows * config.seqlen], dtype=torch.long).view(num_windows, config.seqlen)
+    rows = [ids[i] for i in chosen]
+    masks = [torch.ones(config.seqlen, dtype=torch.long) for _ in chosen]
+    return rows, masks
+
+
+def _padded_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rng: random.Random):
+    if len(texts) < config.nsamples:
+        raise CalibrationDataError(
+            f"packing=False needs at least nsamples={config.nsamples} texts, found {len(texts)}. Give more texts, "
+            "lower nsamples, or use packing=True."
+        )
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = int(pad) if pad is not None else 0
+    rows, masks = [], []
+    for index in sorted(rng.sample(range(len(texts)), config.nsamples)):
+        tokens = _tokenize(tokenizer, texts[index])[: config.seqlen]
+        row = torch.full((config.seqlen,), pad, dtype=torch.long)
+        mask = torch.zeros(config.seqlen, dtype=torch.long)
+        row[: len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[: len(tokens)] = 1
+        rows.append(row)
+        masks.append(mask)
+    return rows, masks

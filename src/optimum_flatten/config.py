@@ -1,0 +1,391 @@
+"""What to do: the user-facing configuration and the canonical layer plan.
+
+`FlattenConfig` is a transformers quantization config (``quant_method="flatten"``) so that it can travel through
+``from_pretrained(..., quantization_config=...)``; it carries the method name, the depth target, the calibration
+options and the method's own arguments. `LayerPlan` is the one canonical form of a depth change that every method
+produces and every adapter applies.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .utils.errors import InvalidTargetError, did_you_mean
+
+logger = logging.getLogger(__name__)
+
+CONFIG_VERSION = 1
+
+
+@dataclass
+class CalibrationConfig:
+    """How much calibration text to use and how to cut it.
+
+    Attributes:
+        dataset: A list of strings, a path to a .txt/.jsonl/.json/.parquet file or a folder of .txt files, a
+            `datasets.Dataset`, or a dataset name loaded through `datasets` (``"wikitext2"`` is WikiText-2 raw train,
+            the paper's default; needs the network).
+        nsamples: Number of calibration sequences (paper: 128).
+        seqlen: Tokens per sequence (paper: 2048). The calibration size is ``nsamples * seqlen`` tokens.
+        seed: Seed for choosing which windows of the text are used.
+        batch_size: Sequences per forward call while calibrating; bounds activation memory, not the result.
+        packing: True concatenates the texts and cuts non-overlapping ``seqlen`` windows (no padding, the
+            paper's protocol). False keeps one text per row, truncated to ``seqlen`` and right-padded; padding
+            is masked out of every statistic.
+        text_column: Column holding the text in tabular inputs (jsonl, parquet, `datasets`).
+    """
+
+    dataset: Any = None
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    batch_size: int = 8
+    packing: bool = True
+    text_column: str = "text"
+
+    def __post_init__(self) -> None:
+        for name in ("nsamples", "seqlen", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=8.")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """One output layer of a plan: the original layers it is made from (0-based, ascending)."""
+
+    indices: tuple[int, ...]
+
+    @property
+    def is_keep(self) -> bool:
+        return len(self.indices) == 1
+
+
+@dataclass
+class LayerPlan:
+    """The canonical depth change of one block stack.
+
+    An ordered list of output layers, each a group of 0-based *original* indices: a group of one keeps that
+    layer, a larger group merges its members by ``rule``; an original layer that appears in no group is dropped.
+    The plan is a pure decision (no weights are touched), so it can be dry-run, printed, saved and re-applied.
+
+    Attributes:
+        num_layers: Number of layers of the stack before compression.
+        groups: The output layers, in order.
+        rule: How groups of more than one layer are combined (e.g. ``"flatten_prune"``); ``"none"`` when the plan
+            only keeps and drops layers.
+        stack: Name of the block stack the plan applies to (``"decoder"`` for decoder-only LMs).
+        scores: Optional per-layer scores that led to the plan, for the report.
+    """
+
+    num_layers: int
+    groups: list[LayerGroup]
+    rule: str = "none"
+    stack: str = "decoder"
+    scores: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        self.groups = [g if isinstance(g, LayerGroup) else LayerGroup(tuple(int(i) for i in g)) for g in self.groups]
+        previous = -1
+        for group in self.groups:
+            if not group.indices:
+                raise ValueError("a LayerPlan group cannot be empty; list at least one original layer index.")
+            if list(group.indices) != sorted(group.indices) or group.indices[0] <= previous:
+                raise ValueError(
+                    f"LayerPlan groups must be ascending and in layer order, got {self.group_lists()}; "
+                    "sort the indices and the groups."
+                )
+            for index in group.indices:
+                if not 0 <= index < self.num_layers:
+                    raise ValueError(
+                        f"layer index {index} is out of range for a stack of {self.num_layers} layers "
+                        f"(allowed 0..{self.num_layers - 1})."
+                    )
+            previous = group.indices[-1]
+
+    @classmethod
+    def identity(cls, num_layers: int, stack: str = "decoder") -> LayerPlan:
+        """The empty plan: every layer kept."""
+        return cls(num_layers=num_layers, groups=[LayerGroup((i,)) for i in range(num_layers)], stack=stack)
+
+    @classmethod
+    def from_kept(cls, num_layers: int, kept: Iterable[int], stack: str = "decoder") -> LayerPlan:
+        """A layer-drop plan keeping exactly `kept`."""
+        return cls(num_layers=num_layers, groups=[LayerGroup((i,)) for i in sorted(kept)], stack=stack)
+
+    @property
+    def num_output_layers(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_removed(self) -> int:
+        return self.num_layers - self.num_output_layers
+
+    @property
+    def merged_groups(self) -> list[tuple[int, ...]]:
+        return [g.indices for g in self.groups if not g.is_keep]
+
+    @property
+    def dropped_indices(self) -> list[int]:
+        used = {i for g in self.groups for i in g.indices}
+        return [i for i in range(self.num_layers) if i not in used]
+
+    @property
+    def first_indices(self) -> list[int]:
+        """Original index of the first member of every output layer (whose config entries the output inherits)."""
+        return [g.indices[0] for g in self.groups]
+
+    def group_lists(self) -> list[list[int]]:
+        return [list(g.indices) for g in self.groups]
+
+    def describe(self) -> str:
+        """A one-line human summary, e.g. ``30 -> 24 layers; merged [3, 4] [10, 11]; dropped [20]``."""
+        parts = [f"{self.num_layers} -> {self.num_output_layers} layers"]
+        if self.merged_groups:
+            parts.append("merged " + " ".join(str(list(g)) for g in self.merged_groups) + f" ({self.rule})")
+        if self.dropped_indices:
+            parts.append(f"dropped {self.dropped_indices}")
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stack": self.stack,
+            "num_layers": self.num_layers,
+            "rule": self.rule,
+            "groups": self.group_lists(),
+            "scores": self.scores,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerPlan:
+        _reject_unknown(data, {"stack", "num_layers", "rule", "groups", "scores"}, "LayerPlan")
+        return cls(
+            num_layers=int(data["num_layers"]),
+            groups=[LayerGroup(tuple(g)) for g in data["groups"]],
+            rule=data.get("rule", "none"),
+            stack=data.get("stack", "decoder"),
+            scores=data.get("scores"),
+        )
+
+
+_CALIBRATION_FIELDS = tuple(f.name for f in dataclasses.fields(CalibrationConfig))
+
+
+class FlattenConfig(QuantizationConfigMixin):
+    """The whole request: which method, how many layers, which calibration data, and the method's options.
+
+    Calibration options (`dataset`, `nsamples`, `seqlen`, `seed`, `batch_size`, `packing`, `text_column`) and the
+    method's own options (e.g. FlattenGPT's `calibration_mode` or `max_group_size`) may be passed flat; method
+    options are validated against the method's config class, and unknown keys raise with a did-you-mean hint.
+
+    Args:
+        method: Registry key of the compression method (``"flattengpt"``, ``"shortgpt"``, ...).
+        num_layers_to_remove: How many layers the stack loses. Exactly one of this and `target_sparsity`.
+        target_sparsity: Fraction of layers to remove, rounded to the nearest whole layer.
+        method_args: The method's options as a dict (merged with any flat method options).
+        stacks: Which block stacks to compress (``["decoder"]`` for decoder-only LMs).
+        layer_plan: Filled in after compression with the applied plan (provenance); not an input.
+        tokenizer: Only for compress-on-load; never serialised.
+        version: Config format version; a mismatch warns.
+        **kwargs: Calibration options and method options, flat.
+    """
+
+    def __init__(
+        self,
+        method: str = "flattengpt",
+        num_layers_to_remove: int | None = None,
+        target_sparsity: float | None = None,
+        method_args: Mapping[str, Any] | None = None,
+        stacks: Sequence[str] | None = None,
+        layer_plan: Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+        version: int = CONFIG_VERSION,
+        quant_method: str = "flatten",
+        **kwargs: Any,
+    ) -> None:
+        from .methods.registry import get_method_class
+
+        self.quant_method = "flatten"
+        if quant_method != "flatten":
+            raise ValueError(f"FlattenConfig has quant_method 'flatten', got {quant_method!r}.")
+        method_class = get_method_class(method)
+        self.method = method
+        self.num_layers_to_remove = num_layers_to_remove
+        self.target_sparsity = target_sparsity
+        self.stacks = list(stacks) if stacks is not None else None
+        self.layer_plan = dict(layer_plan) if layer_plan is not None else None
+        self.version = int(version)
+        if self.version != CONFIG_VERSION:
+            warnings.warn(
+                f"FlattenConfig version {self.version} differs from this library's {CONFIG_VERSION}; "
+                "fields may be interpreted differently.",
+                stacklevel=2,
+            )
+        self._tokenizer = tokenizer
+
+        calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
+        calibration = kwargs.pop("calibration", None)
+        if isinstance(calibration, CalibrationConfig):
+            calibration = dataclasses.asdict(calibration)
+        if calibration:
+            _reject_unknown(calibration, _CALIBRATION_FIELDS, "calibration")
+            calibration_kwargs = {**calibration, **calibration_kwargs}
+        self.calibration = CalibrationConfig(**calibration_kwargs)
+
+        method_fields = {f.name for f in dataclasses.fields(method_class.config_class)}
+        merged_args = dict(method_args or {})
+        for key in list(kwargs):
+            if key in method_fields:
+                merged_args[key] = kwargs.pop(key)
+        if kwargs:
+            allowed = set(_CALIBRATION_FIELDS) | method_fields | set(_TOP_LEVEL_FIELDS)
+            unknown = sorted(kwargs)
+            raise TypeError(
+                f"FlattenConfig got unknown option(s) {unknown}.{did_you_mean(unknown[0], allowed)} "
+                f"Allowed: {sorted(allowed)}."
+            )
+        self.method_config = method_class.config_class.from_dict(merged_args)
+        self._validate_target()
+
+    # ------------------------------------------------------------------ target
+    def _validate_target(self) -> None:
+        if (self.num_layers_to_remove is None) == (self.target_sparsity is None):
+            raise InvalidTargetError(
+                "give exactly one of num_layers_to_remove and target_sparsity, got "
+                f"num_layers_to_remove={self.num_layers_to_remove!r}, target_sparsity={self.target_sparsity!r}; "
+                "e.g. FlattenConfig(num_layers_to_remove=6) or FlattenConfig(target_sparsity=0.2)."
+            )
+        if self.num_layers_to_remove is not None:
+            n = self.num_layers_to_remove
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise InvalidTargetError(f"num_layers_to_remove must be an integer >= 1, got {n!r}.")
+        if self.target_sparsity is not None:
+            s = self.target_sparsity
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0.0 < float(s) < 1.0:
+                raise InvalidTargetError(f"target_sparsity must be a fraction strictly between 0 and 1, got {s!r}.")
+
+    def resolve_num_layers_to_remove(self, num_layers: int) -> int:
+        """The number of layers to remove from a stack of `num_layers`, checked against what is possible.
+
+        Raises:
+            InvalidTargetError: if the target would remove no layer or every layer.
+        """
+        if self.num_layers_to_remove is not None:
+            n = self.num_layers_to_remove
+            source = f"num_layers_to_remove={n}"
+        else:
+            n = round(float(self.target_sparsity) * num_layers)
+            source = f"target_sparsity={self.target_sparsity} of {num_layers} layers"
+        if not 1 <= n < num_layers:
+            raise InvalidTargetError(
+                f"cannot remove {n} layer(s) ({source}) from a stack of {num_layers}: at least 1 and at most "
+                f"{num_layers - 1} can be removed. Choose a smaller target."
+            )
+        return n
+
+    # ---------------------------------------------------------- serialisation
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def method_args(self) -> dict[str, Any]:
+        return self.method_config.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        calibration = dataclasses.asdict(self.calibration)
+        calibration["dataset"] = describe_dataset(self.calibration.dataset)
+        return {
+            "quant_method": self.quant_method,
+            "method": self.method,
+            "num_layers_to_remove": self.num_layers_to_remove,
+            "target_sparsity": self.target_sparsity,
+            "method_args": self.method_args,
+            "calibration": calibration,
+            "stacks": copy.deepcopy(self.stacks),
+            "layer_plan": copy.deepcopy(self.layer_plan),
+            "version": self.version,
+        }
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    @classmethod
+    def from_dict(cls, config_dict: Mapping[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """Rebuilds a config from `to_dict` output; unknown keys raise (with a did-you-mean hint)."""
+        data = dict(config_dict)
+        config = cls(**data, **kwargs)
+        return (config, {}) if return_unused_kwargs else config
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FlattenConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"FlattenConfig({self.to_dict()})"
+
+
+_TOP_LEVEL_FIELDS = (
+    "method",
+    "num_layers_to_remove",
+    "target_sparsity",
+    "method_args",
+    "stacks",
+    "layer_plan",
+    "tokenizer",
+    "version",
+    "quant_method",
+    "calibration",
+)
+
+
+def describe_dataset(dataset: Any) -> Any:
+    """A JSON-friendly description of a calibration dataset (texts themselves are never serialised)."""
+    if dataset is None or isinstance(dataset, (str, int, float)):
+        return dataset
+    if isinstance(dataset, (list, tuple)):
+        return f"<{len(dataset)} texts>"
+    return f"<{type(dataset).__name__}>"
+
+
+def _reject_unknown(data: Mapping[str, Any], allowed: Iterable[str], what: str) -> None:
+    allowed = list(allowed)
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"{what} got unknown key(s) {unknown}.{did_you_mean(unknown[0], allowed)} Allowed: {sorted(allowed)}."
+        )
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method's options: a dataclass that rejects unknown keys and round-trips through dicts."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MethodConfig:
+        _reject_unknown(data, [f.name for f in dataclasses.fields(cls)], f"{cls.__name__}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+__all__ = [
+    "CONFIG_VERSION",
+    "CalibrationConfig",
+    "FlattenConfig",
+    "LayerGroup",
+    "LayerPlan",
+    "MethodConfig",
+    "describe_dataset",
+]

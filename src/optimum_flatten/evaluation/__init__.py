@@ -1,0 +1,6 @@
+"""Evaluation: perplexity with an explicit protocol, and inference speed."""
+
+from .perplexity import PerplexityResult, perplexity, tokenize_corpus
+from .speed import prefill_tokens_per_second
+
+__all__ = ["PerplexityResult", "perplexity", "prefill_tokens_per_second", "tokenize_corpus"]

@@ -1,0 +1,131 @@
+"""Perplexity of a causal LM on a token stream, with every protocol detail recorded next to the number."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class PerplexityResult:
+    """Perplexity and the protocol that produced it.
+
+    Attributes:
+        perplexity: exp(mean NLL over scored tokens).
+        nll: mean negative log-likelihood in nats.
+        scored_tokens: tokens whose prediction was scored.
+        seqlen: window length fed to the model.
+        stride: step between windows; with stride < seqlen only the last `stride` tokens of a window are scored
+            (the first window scores all but its first token).
+        windows: number of windows.
+        bos: whether a BOS token was prepended to every window.
+    """
+
+    perplexity: float
+    nll: float
+    scored_tokens: int
+    seqlen: int
+    stride: int
+    windows: int
+    bos: bool
+
+    def protocol(self) -> str:
+        return (
+            f"{self.scored_tokens} scored tokens, {self.windows} windows of {self.seqlen}, stride {self.stride}, "
+            f"BOS {'prepended' if self.bos else 'not prepended'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "protocol": self.protocol()}
+
+
+def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
+    """One token stream: the texts tokenised without special tokens, separated by EOS when the tokenizer has one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if eos is not None:
+            stream.append(int(eos))
+    return torch.tensor(stream, dtype=torch.long)
+
+
+@torch.no_grad()
+def perplexity(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    seqlen: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    batch_size: int = 4,
+    bos_token_id: int | None = None,
+) -> PerplexityResult:
+    """Perplexity over `tokens` with windows of `seqlen` tokens advancing by `stride` (default: seqlen).
+
+    Args:
+        model: a causal LM returning `.logits`.
+        tokens: 1-D token stream (see `tokenize_corpus`).
+        seqlen: window length.
+        stride: window step; no token is scored twice, and a window re-reads seqlen - stride tokens of the
+            previous one as context.
+        max_tokens: only the first `max_tokens` tokens of the stream are used (None: all).
+        batch_size: windows per forward.
+        bos_token_id: prepended to every window when given (then windows hold seqlen - 1 stream tokens).
+    """
+    stride = seqlen if stride is None else stride
+    if not 0 < stride <= seqlen:
+        raise ValueError(f"stride must be in 1..seqlen={seqlen}, got {stride}.")
+    stream = tokens if max_tokens is None else tokens[:max_tokens]
+    prefix = 1 if bos_token_id is not None else 0
+    body = seqlen - prefix
+    step = min(stride, body)
+    # (start, end, first scored offset in the window): no token is scored twice; without a BOS a window's first
+    # token is only scored when an earlier window gave it context (stride < seqlen).
+    windows: list[tuple[int, int, int]] = []
+    previous_end = 0
+    for start in range(0, stream.numel(), step):
+        end = min(start + body, stream.numel())
+        first = max(previous_end - start, 0 if prefix else 1)
+        windows.append((start, end, first))
+        previous_end = end
+        if end == stream.numel():
+            break
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    was_training = model.training
+    model.eval()
+    total_nll, total_count = 0.0, 0
+    for b in range(0, len(windows), batch_size):
+        chunk = windows[b : b + batch_size]
+        width = max(e - s for s, e, _ in chunk)
+        ids = torch.zeros(len(chunk), width + prefix, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        score = torch.zeros_like(ids, dtype=torch.bool)
+        for r, (s, e, first) in enumerate(chunk):
+            if prefix:
+                ids[r, 0] = bos_token_id
+            ids[r, prefix : prefix + e - s] = stream[s:e]
+            mask[r, : prefix + e - s] = 1
+            score[r, prefix + first : prefix + e - s] = True
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+        targets = ids[:, 1:].to(device)
+        nll = -log_probs.gather(-1, targets[..., None])[..., 0]
+        selected = score[:, 1:].to(device)
+        total_nll += float(nll[selected].double().sum())
+        total_count += int(selected.sum())
+    model.train(was_training)
+    mean = total_nll / total_count
+    return PerplexityResult(
+        perplexity=math.exp(mean),
+        nll=mean,
+        scored_tokens=total_count,
+        seqlen=seqlen,
+        stride=stride,
+        windows=len(windows),
+        bos=bos_token_id is not None,
+    )

@@ -1,0 +1,84 @@
+"""Atomic save of a compressed model as an ordinary transformers checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..utils.errors import OutputDirectoryError
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME = "flatten_report.json"
+HEATMAP_NAME = "similarity_heatmap.png"
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
+    """Refuses a non-empty directory unless `overwrite`; call it before expensive work so nothing is wasted."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise OutputDirectoryError(
+            f"output directory {str(path)!r} is not empty; choose another path or pass overwrite=True "
+            "(--overwrite on the command line) to replace it."
+        )
+    return path
+
+
+def save_compressed(
+    model: nn.Module,
+    output_dir: str | Path,
+    tokenizer: Any = None,
+    report: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Saves weights (safetensors), config, tokenizer, flatten_report.json, README.md and the heatmap.
+
+    Everything is written into a temporary sibling directory that is renamed into place at the end; on any
+    error the temporary directory is removed and an existing `output_dir` is left untouched.
+    """
+    from .model_card import render_model_card
+    from .plots import plot_similarity
+
+    path = check_output_dir(output_dir, overwrite).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(report or {})
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        files = ["config.json", "model.safetensors", REPORT_NAME, "README.md"]
+        if report.get("similarity") is not None:
+            plot_similarity(report["similarity"], report.get("plan", {}).get("groups"), staging / HEATMAP_NAME)
+            files.append(HEATMAP_NAME)
+        (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        (staging / "README.md").write_text(render_model_card(report), encoding="utf-8")
+        _replace_dir(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("saved compressed model to %s", path)
+    return path
+
+
+def _replace_dir(staging: Path, path: Path) -> None:
+    if path.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        backup.rmdir()
+        path.rename(backup)
+        try:
+            staging.rename(path)
+        except BaseException:
+            backup.rename(path)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        staging.rename(path)

@@ -1,0 +1,74 @@
+"""The README.md model card written beside a compressed checkpoint, generated from the report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_model_card(report: dict[str, Any]) -> str:
+    """Markdown card: base model, method, what was merged or removed, calibration, measured quality, how to load."""
+    plan = report.get("plan", {})
+    groups = plan.get("groups", [])
+    merged = [g for g in groups if len(g) > 1]
+    calibration = report.get("calibration", {})
+    base = report.get("base_model", "unknown")
+    lines = [
+        "---",
+        f"base_model: {base}" if base != "unknown" else "base_model: unknown",
+        "library_name: transformers",
+        "tags:",
+        "- optimum-flatten",
+        f"- {report.get('method', 'unknown')}",
+        "- depth-compression",
+        "---",
+        "",
+        f"# {base} compressed with optimum-flatten ({report.get('method', '?')})",
+        "",
+        f"This is an ordinary `{report.get('architecture', 'transformers')}` checkpoint with "
+        f"{report.get('num_layers_after', '?')} layers instead of {report.get('num_layers_before', '?')}. "
+        "It loads with plain `transformers`; optimum-flatten is not needed.",
+        "",
+        "## What was done",
+        "",
+        f"- Method: `{report.get('method')}` with options `{report.get('method_args', {})}`",
+        f"- Plan: {report.get('plan_summary', '')}",
+    ]
+    if merged:
+        lines.append(f"- Merged groups (original 0-based layer indices): {merged}")
+    dropped = sorted(set(range(plan.get("num_layers", 0))) - {i for g in groups for i in g})
+    if dropped:
+        lines.append(f"- Removed layers (original 0-based indices): {dropped}")
+    lines += [
+        f"- Parameters: {report.get('parameters_before', '?'):,} -> {report.get('parameters_after', '?'):,}"
+        if isinstance(report.get("parameters_before"), int)
+        else "- Parameters: see flatten_report.json",
+        f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
+        f"{calibration.get('seqlen')} tokens ({calibration.get('tokens')} tokens), seed {calibration.get('seed')}",
+        f"- Compression wall time: {report.get('total_seconds', '?')} s",
+        "",
+    ]
+    evaluation = report.get("evaluation")
+    if evaluation:
+        lines += ["## Measured", "", "| model | perplexity | protocol |", "|---|---|---|"]
+        for name in ("dense", "compressed"):
+            if name in evaluation:
+                entry = evaluation[name]
+                lines.append(f"| {name} | {entry['perplexity']:.3f} | {entry.get('protocol', '')} |")
+        lines.append("")
+    lines += [
+        "## How to load",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("path/or/repo")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/or/repo")',
+        "```",
+        "",
+        "## Licence",
+        "",
+        f"{report.get('license') or 'The licence of the base model applies to this derivative.'}",
+        "",
+        "`flatten_report.json` holds the full plan, scores, similarity matrix and timings.",
+        "",
+    ]
+    return "\n".join(lines)

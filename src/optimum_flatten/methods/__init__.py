@@ -1,0 +1,14 @@
+"""How: one file per compression method, each registered by name."""
+
+from __future__ import annotations
+
+
+def _load_builtin_methods() -> None:
+    """Imports the built-in method modules once (explicit list, no package scanning)."""
+    from . import flattengpt, shortgpt  # noqa: F401
+
+
+from .base import CompressionMethod, MethodContext  # noqa: E402
+from .registry import get_method_class, register_method, registered_methods  # noqa: E402
+
+__all__ = ["CompressionMethod", "MethodContext", "get_method_class", "register_method", "registered_methods"]

@@ -1,0 +1,79 @@
+"""The method contract: declare what you need, plan without touching weights, then apply through the adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..calibration.capture import LayerwiseRunner
+from ..calibration.data import CalibrationBatch
+from ..config import LayerPlan, MethodConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MethodContext:
+    """What a method gets besides the adapter: calibration batches, timers, progress and the report it fills."""
+
+    batches: Sequence[CalibrationBatch]
+    stack: str = "decoder"
+    progress: bool = True
+    report: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def new_runner(self, adapter: Any) -> LayerwiseRunner:
+        """A fresh block runner positioned at the input of layer 0 (costs one embedding pass)."""
+        with self.timer("capture"):
+            return LayerwiseRunner(adapter, self.batches, self.stack)
+
+    @contextlib.contextmanager
+    def timer(self, phase: str) -> Iterator[None]:
+        """Adds the wall time of the block to `timings[phase]` (phases nest; each is timed on its own)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def progress_bar(self, total: int, desc: str):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, disable=not self.progress, leave=False)
+
+
+class CompressionMethod(ABC):
+    """A depth-compression method.
+
+    Lifecycle (driven by FlattenQuantizer): `plan` decides from calibration statistics which layers to keep,
+    merge or drop and returns a LayerPlan without touching weights; `apply_` changes weights and blocks through
+    the adapter's mutators only. The quantizer then renumbers layers, updates the config and validates.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[MethodConfig]]
+    requires_calibration: ClassVar[bool] = True
+    required_capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, config: MethodConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        """Returns the plan removing `num_to_remove` layers of `context.stack`."""
+
+    @abstractmethod
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        """Changes the model so that its stack becomes `plan` (before renumbering and config update)."""
+
+
+def apply_layer_drop_(adapter: Any, plan: LayerPlan) -> None:
+    """Applies a keep/drop plan (no merged groups): the shared final step of the layer-drop methods."""
+    if plan.merged_groups:
+        raise ValueError(f"a layer-drop method got a plan with merged groups {plan.merged_groups}.")
+    adapter.keep_layers_(plan.stack, plan.first_indices)

@@ -1,0 +1,265 @@
+"""FlattenGPT (arXiv 2602.08858): merge adjacent layers into one wide layer, then prune it back to the original width.
+
+1. Select: S[i, j] = mean token cosine similarity of the inputs of layers i and j; greedily merge the adjacent
+   pair of groups with the highest similarity (a group is judged by its first and last members).
+2. Flatten: fold every member's norm gains into the projections reading the norm, set the gains to 1, and
+   concatenate heads and MLP channels; the wide block computes the members in parallel on one input.
+3. Prune back: keep the H heads (whole KV groups under GQA) with the largest importance f_i, and the d_int MLP
+   channels with the largest ridge leverage, correcting the down projection with the Nyström formula.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..calibration.capture import LayerwiseRunner, capture_module_inputs
+from ..calibration.stats import SecondMoment
+from ..config import LayerPlan, MethodConfig
+from ..ops import (
+    accumulate_head_importance,
+    default_ridge_lambda,
+    fold_norm_into_linear,
+    greedy_adjacent_groups,
+    kv_group_scores,
+    nystrom_down_correction,
+    o_proj_column_norms,
+    ridge_leverage_scores,
+    top_k_indices,
+)
+from .base import CompressionMethod, MethodContext
+from .registry import register_method
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FlattenGPTConfig(MethodConfig):
+    """Options of FlattenGPT.
+
+    Attributes:
+        calibration_mode: ``"one_pass"`` measures every group on the original model's states (the paper);
+            ``"sequential"`` measures each group on the states produced by the already-compressed layers before it.
+        max_group_size: Largest number of layers merged into one (None: unlimited, as in the paper).
+        ridge_ratio: λ for the leverage scores and the Nyström correction, as a multiple of the mean eigenvalue of
+            C (trace / dim).
+        similarity_band: How many preceding layers each layer is compared with; None computes the full matrix
+            (memory: that many copies of the cached calibration states). Must be at least max_group_size - 1.
+        attention_correction: Not in the paper. Also refit the kept heads' o_proj columns with the same ridge
+            (Nyström) formula used for W_down, on the second moment of the o_proj input, so the kept heads absorb
+            what the pruned heads wrote to the residual stream. Costs one (2·H·head_dim)² second moment per group.
+    """
+
+    calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
+    max_group_size: int | None = 2
+    ridge_ratio: float = 10.0
+    similarity_band: int | None = None
+    attention_correction: bool = False
+
+    def __post_init__(self) -> None:
+        if self.calibration_mode not in ("one_pass", "sequential"):
+            raise ValueError(f"calibration_mode must be 'one_pass' or 'sequential', got {self.calibration_mode!r}.")
+        if self.max_group_size is not None and (not isinstance(self.max_group_size, int) or self.max_group_size < 2):
+            raise ValueError(f"max_group_size must be an integer >= 2 or None, got {self.max_group_size!r}.")
+        if not self.ridge_ratio > 0:
+            raise ValueError(f"ridge_ratio must be > 0, got {self.ridge_ratio!r}.")
+        if self.similarity_band is not None:
+            if not isinstance(self.similarity_band, int) or self.similarity_band < 1:
+                raise ValueError(f"similarity_band must be a positive integer or None, got {self.similarity_band!r}.")
+            if self.max_group_size is None or self.similarity_band < self.max_group_size - 1:
+                raise ValueError(
+                    f"similarity_band={self.similarity_band} cannot judge groups of max_group_size="
+                    f"{self.max_group_size}; use a band of at least max_group_size - 1, or None."
+                )
+
+
+@register_method("flattengpt")
+class FlattenGPTMethod(CompressionMethod):
+    config_class = FlattenGPTConfig
+    requires_calibration = True
+    required_capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads"})
+    config: FlattenGPTConfig
+
+    # -------------------------------------------------------------- selection
+    def similarity_matrix(self, adapter: Any, context: MethodContext) -> torch.Tensor:
+        """S[i, j] (i < j, within the band) = mean cosine similarity of the inputs of layers i and j.
+
+        One layer-by-layer pass of the original model; only the inputs of the last `band` layers are held.
+        """
+        runner = context.new_runner(adapter)
+        num_layers = adapter.num_layers(context.stack)
+        band = self.config.similarity_band or num_layers
+        similarity = torch.full((num_layers, num_layers), float("nan"), dtype=torch.float64)
+        # Unit-normalised copies of the inputs of the last `band` layers: a cosine is then a row-wise dot product.
+        window: deque[tuple[int, list[torch.Tensor]]] = deque(maxlen=band)
+        masks = [m.to(torch.float64) for m in runner.masks]
+        num_tokens = float(sum(m.sum() for m in masks))
+        current = runner.inputs
+        layers = adapter.layers(context.stack)
+        with context.timer("selection"), context.progress_bar(num_layers, "similarity") as bar:
+            for i in range(num_layers):
+                similarity[i, i] = 1.0
+                normalised = [unit_rows(h) for h in current]
+                for j, states in window:
+                    total = sum(
+                        float(((a * b).sum(dim=-1).double() * m.to(a.device)).sum())
+                        for a, b, m in zip(states, normalised, masks, strict=True)
+                    )
+                    similarity[j, i] = similarity[i, j] = total / num_tokens
+                window.append((i, normalised))
+                if i < num_layers - 1:
+                    current = runner.run(layers[i], i, current)
+                bar.set_description(f"block {i + 1}/{num_layers}: similarity")
+                bar.update()
+        return similarity
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        similarity = self.similarity_matrix(adapter, context)
+        groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
+        context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
+        return LayerPlan(
+            num_layers=adapter.num_layers(context.stack),
+            groups=groups,
+            rule="flatten_prune",
+            stack=context.stack,
+        )
+
+    # ------------------------------------------------------------- application
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        runner = context.new_runner(adapter)
+        layers = adapter.layers(context.stack)
+        compressed: dict[int, torch.nn.Module] = {}
+        group_reports = []
+        kept = {i for g in plan.groups for i in g.indices}
+        current = runner.inputs
+        sequential = self.config.calibration_mode == "sequential"
+        with context.progress_bar(plan.num_layers, "flattengpt") as bar:
+            for group in plan.groups:
+                for index in group.indices:
+                    bar.set_description(f"block {index + 1}/{plan.num_layers}: flatten-and-prune")
+                if group.is_keep:
+                    index = group.indices[0]
+                    with context.timer("propagate"):
+                        current = runner.run(layers[index], index, current)
+                    bar.update()
+                    continue
+                block, group_report = self._compress_group(adapter, runner, group.indices, current, context)
+                compressed[group.indices[0]] = block
+                group_reports.append(group_report)
+                with context.timer("propagate"):
+                    if sequential:
+                        current = runner.run(block, group.indices[0], current)
+                    else:
+                        for index in group.indices:
+                            current = runner.run(layers[index], index, current)
+                bar.update(len(group.indices))
+        if len(kept) != plan.num_layers:
+            raise ValueError(f"FlattenGPT plans cover every layer; got dropped layers {plan.dropped_indices}.")
+        for first, block in compressed.items():
+            adapter.replace_block_(context.stack, first, block)
+        adapter.keep_layers_(context.stack, plan.first_indices)
+        context.report["groups"] = group_reports
+
+    def _compress_group(
+        self,
+        adapter: Any,
+        runner: LayerwiseRunner,
+        indices: tuple[int, ...],
+        inputs: list[torch.Tensor],
+        context: MethodContext,
+    ) -> tuple[torch.nn.Module, dict[str, Any]]:
+        stack = context.stack
+        members = [adapter.block(stack, i) for i in indices]
+        target_kv = members[0].attention.geometry.num_kv_heads
+        target_channels = members[0].mlp.intermediate_size
+        with context.timer("flatten"):
+            for member in members:
+                fold_block_norms_(member)
+            wide = adapter.build_concat_block(stack, indices)
+        view = adapter.block_view(wide, indices[0])
+
+        # Attention heads by f_i (eq. 12), whole KV groups under GQA.
+        geometry = view.attention.geometry
+        column_norms = o_proj_column_norms(view.attention.o.weight, geometry.num_heads)
+        head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
+        head_count = 0
+        batch_index = [0]
+        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim) if self.config.attention_correction else None
+
+        def on_heads(x: torch.Tensor) -> None:
+            nonlocal head_sum, head_count
+            mask = runner.masks[batch_index[0]]
+            total, count = accumulate_head_importance(x, column_norms, mask)
+            head_sum += total.cpu()
+            head_count += count
+            if o_moment is not None:
+                o_moment.update(x, mask)
+
+        with context.timer("head_scoring"), capture_module_inputs(view.attention.o.module, on_heads):
+            runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
+        head_scores = head_sum / max(head_count, 1)
+        group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
+        kept_kv = top_k_indices(group_scores, target_kv)
+        o_weight = None
+        if o_moment is not None:
+            with context.timer("solve"):
+                o_second_moment = o_moment.mean()
+                o_lam = default_ridge_lambda(o_second_moment, self.config.ridge_ratio)
+                channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
+                o_weight = nystrom_down_correction(o_second_moment, view.attention.o.weight.T, channels, o_lam).T
+        adapter.keep_heads_(view, kept_kv, o_weight)
+
+        # MLP channels by ridge leverage, on the activations the pruned attention produces.
+        view = adapter.block_view(wide, indices[0])
+        moment = SecondMoment(view.mlp.intermediate_size)
+
+        def on_mlp(x: torch.Tensor) -> None:
+            moment.update(x, runner.masks[batch_index[0]])
+
+        with context.timer("covariance"), capture_module_inputs(view.mlp.down.module, on_mlp):
+            runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
+        with context.timer("solve"):
+            second_moment = moment.mean()
+            lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
+            leverage = ridge_leverage_scores(second_moment, lam)
+            kept_channels = top_k_indices(leverage, target_channels)
+            keep = torch.tensor(kept_channels)
+            corrected = nystrom_down_correction(second_moment, view.mlp.down.weight.T, keep, lam)
+            adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
+        per_member = geometry.num_kv_heads // len(indices)
+        width = target_channels
+        report = {
+            "members": list(indices),
+            "kv_group_scores": [round(float(s), 6) for s in group_scores],
+            "kept_kv_groups": kept_kv,
+            "kept_kv_groups_per_member": [sum(1 for g in kept_kv if g // per_member == m) for m in range(len(indices))],
+            "kept_channels_per_member": [sum(1 for c in kept_channels if c // width == m) for m in range(len(indices))],
+            "ridge_lambda": lam,
+            "calibration_tokens": moment.count,
+        }
+        return wide, report
+
+
+def unit_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """Token vectors scaled to unit length in float32 (normalised in float64 first, so no overflow or bias)."""
+    h = hidden.double()
+    return (h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)).float()
+
+
+def fold_block_norms_(block: Any) -> None:
+    """Folds a pre-norm block's norm gains (and LayerNorm biases) into q/k/v and gate/up, leaving unit norms.
+
+    Function-preserving: the block computes the same outputs before and after.
+    """
+    attention_readers = [block.attention.q, block.attention.k, block.attention.v]
+    mlp_readers = [block.mlp.up] + ([block.mlp.gate] if block.mlp.gate is not None else [])
+    for norm, readers in ((block.attn_norm, attention_readers), (block.mlp_norm, mlp_readers)):
+        if norm.is_unit():
+            continue
+        for linear in readers:
+            linear.set_(*fold_norm_into_linear(linear.weight, linear.bias, norm.weight, norm.bias))
+        norm.set_unit_()

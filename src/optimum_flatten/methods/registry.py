@@ -1,0 +1,43 @@
+"""Method registry: ``@register_method("name")`` in the method's file plus one import in methods/__init__.py."""
+
+from __future__ import annotations
+
+from ..utils.errors import UnknownMethodError, did_you_mean
+
+_METHODS: dict[str, type] = {}
+
+
+def register_method(name: str):
+    """Class decorator registering a CompressionMethod under `name`; a name can be registered only once."""
+
+    def decorator(cls: type) -> type:
+        if name in _METHODS:
+            raise ValueError(f"method {name!r} is already registered by {_METHODS[name].__name__}.")
+        if name != name.lower() or " " in name:
+            raise ValueError(f"method names are lower snake case, got {name!r}.")
+        cls.name = name
+        _METHODS[name] = cls
+        return cls
+
+    return decorator
+
+
+def registered_methods() -> list[str]:
+    from . import _load_builtin_methods
+
+    _load_builtin_methods()
+    return sorted(_METHODS)
+
+
+def get_method_class(name: str) -> type:
+    """The method class registered under `name`.
+
+    Raises:
+        UnknownMethodError: listing the registered names, with a did-you-mean hint.
+    """
+    names = registered_methods()
+    if name not in _METHODS:
+        raise UnknownMethodError(
+            f"unknown method {name!r}.{did_you_mean(str(name), names)} Registered methods: {names}."
+        )
+    return _METHODS[name]

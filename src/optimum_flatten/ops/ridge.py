@@ -1,0 +1,76 @@
+"""MLP channel selection by ridge leverage and the Nyström correction of the down projection (FlattenGPT §3.3).
+
+C is the second moment of the activations entering W_down (channels × channels). Channels are kept by ridge
+leverage s = diag(C (C + λI)⁻¹), and the kept rows of W_D (channels × hidden) absorb what the dropped channels
+contributed:
+
+    W_D' = S_kᵀ W_D + (S_kᵀ C S_k + λI)⁻¹ S_kᵀ C (I − S_k S_kᵀ) W_D
+         = W_D[K] + (C[K,K] + λI)⁻¹ C[K,R] W_D[R]
+
+which is the ridge least-squares fit of the dropped channels' output from the kept channels. Every inverse is a
+Cholesky solve in float64 (with jitter if needed), never an explicit inverse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def default_ridge_lambda(second_moment: torch.Tensor, ratio: float) -> float:
+    """λ = ratio × mean eigenvalue of C (trace / dim); scale-free, so one ratio fits every layer."""
+    c = second_moment.double()
+    return float(ratio) * float(torch.trace(c)) / c.shape[0]
+
+
+def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
+    """Cholesky factor, adding growing diagonal jitter if rounding made the matrix indefinite."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        return factor
+    scale = float(torch.diagonal(matrix).abs().mean().clamp_min(1e-30))
+    eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    for exponent in range(-12, 0):
+        factor, info = torch.linalg.cholesky_ex(matrix + (scale * 10.0**exponent) * eye)
+        if int(info) == 0:
+            return factor
+    raise torch.linalg.LinAlgError("matrix is not positive definite even with jitter; is the calibration data empty?")
+
+
+def ridge_leverage_scores(second_moment: torch.Tensor, lam: float) -> torch.Tensor:
+    """s = diag(C (C + λI)⁻¹), in float64. Scores lie in [0, 1) and sum to the effective dimension of C."""
+    c = second_moment.double()
+    eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
+    factor = _cholesky(c + lam * eye)
+    # C and (C + λI) commute, so diag(C (C+λI)^-1) = diag((C+λI)^-1 C).
+    return torch.diagonal(torch.cholesky_solve(c, factor)).clone()
+
+
+def nystrom_down_correction(
+    second_moment: torch.Tensor, down_rows: torch.Tensor, keep: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """The corrected kept rows of W_D (channels × hidden layout), in float64.
+
+    Args:
+        second_moment: (n, n) C of the activations entering the down projection.
+        down_rows: (n, hidden) W_D, row i being what channel i writes to the residual stream.
+        keep: indices of the k kept channels.
+        lam: ridge λ.
+
+    Returns:
+        (k, hidden) float64 corrected rows for the kept channels, in the order of `keep`.
+    """
+    c = second_moment.double()
+    w = down_rows.double()
+    n = c.shape[0]
+    keep = torch.as_tensor(keep, dtype=torch.long, device=c.device)
+    dropped_mask = torch.ones(n, dtype=torch.bool, device=c.device)
+    dropped_mask[keep] = False
+    dropped = torch.nonzero(dropped_mask).flatten()
+    kept_rows = w[keep]
+    if dropped.numel() == 0:
+        return kept_rows.clone()
+    c_kk = c[keep][:, keep]
+    c_kr = c[keep][:, dropped]
+    eye = torch.eye(keep.numel(), dtype=c.dtype, device=c.device)
+    factor = _cholesky(c_kk + lam * eye)
+    return kept_rows + torch.cholesky_solve(c_kr @ w[dropped], factor)

@@ -1,0 +1,58 @@
+"""Choosing which layers to group, as pure functions of scores."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> list[int]:
+    """Indices of the k largest scores, ascending (ties broken by the lower index, so results are deterministic)."""
+    order = sorted(range(scores.numel()), key=lambda i: (-float(scores[i]), i))
+    return sorted(order[:k])
+
+
+def greedy_adjacent_groups(
+    similarity: torch.Tensor, num_to_remove: int, max_group_size: int | None = None
+) -> list[tuple[int, ...]]:
+    """FlattenGPT's greedy selection (Algorithm 1) with the row/column deletion rule.
+
+    Every layer starts as its own group. At each step the adjacent pair of groups (A, B) whose similarity
+    S[first(A), last(B)] is highest is merged: after merging (l-1, l), column l-1 and row l are deleted, so a group
+    keeps the row of its first member and the column of its last, and a chain of three or more layers is judged
+    by the similarity of its first and last members. Each merge removes one layer.
+
+    Args:
+        similarity: (L, L) matrix, S[i, j] for i < j the mean cosine similarity of the inputs of layers i and j;
+            NaN entries (outside a computed band) are never chosen.
+        num_to_remove: number of merges to perform.
+        max_group_size: largest allowed group (None: no limit).
+
+    Returns:
+        The groups as tuples of original indices, covering 0..L-1 in order.
+
+    Raises:
+        ValueError: when no admissible merge is left before `num_to_remove` merges were made.
+    """
+    num_layers = similarity.shape[0]
+    groups: list[list[int]] = [[i] for i in range(num_layers)]
+    limit = max_group_size if max_group_size is not None else num_layers
+    for step in range(num_to_remove):
+        best, best_score = None, -math.inf
+        for g in range(len(groups) - 1):
+            a, b = groups[g], groups[g + 1]
+            if len(a) + len(b) > limit:
+                continue
+            score = float(similarity[a[0], b[-1]])
+            if math.isnan(score):
+                continue
+            if score > best_score:
+                best, best_score = g, score
+        if best is None:
+            raise ValueError(
+                f"after {step} merge(s) no adjacent groups can be merged within max_group_size={max_group_size}; "
+                f"requested {num_to_remove}. Raise max_group_size or remove fewer layers."
+            )
+        groups[best : best + 2] = [groups[best] + groups[best + 1]]
+    return [tuple(g) for g in groups]

@@ -1,0 +1,144 @@
+"""The compressor: validate -> calibrate -> plan -> apply -> renumber and update config -> validate -> report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adapters import get_adapter
+from .calibration.data import build_calibration_batches
+from .config import FlattenConfig, LayerPlan, describe_dataset
+from .methods.base import MethodContext
+from .methods.registry import get_method_class
+from .utils.torch_utils import count_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class FlattenQuantizer:
+    """Compresses a model's depth in place, as the `FlattenConfig` says.
+
+    Example:
+        >>> quantizer = FlattenQuantizer(FlattenConfig(num_layers_to_remove=6, dataset=texts, nsamples=32))
+        >>> model = quantizer.compress(model, tokenizer)
+        >>> quantizer.save(model, "out", tokenizer)
+
+    Every check that can fail (architecture, capabilities, target, calibration data) runs before any weight is
+    touched, so a refused request leaves the model as it was.
+    """
+
+    def __init__(self, config: FlattenConfig, progress: bool = True) -> None:
+        if not isinstance(config, FlattenConfig):
+            raise TypeError(f"FlattenQuantizer needs a FlattenConfig, got {type(config).__name__}.")
+        self.config = config
+        self.progress = progress
+        self.report: dict[str, Any] = {}
+        self.plan: LayerPlan | None = None
+
+    def _stack(self, adapter: Any) -> str:
+        stacks = self.config.stacks or adapter.stacks()
+        unknown = [s for s in stacks if s not in adapter.stacks()]
+        if unknown:
+            raise ValueError(f"stacks {unknown} do not exist in this model; it has {adapter.stacks()}.")
+        if len(stacks) != 1:
+            raise ValueError(f"this version compresses one stack at a time, got stacks={stacks}.")
+        return stacks[0]
+
+    def compress(self, model: nn.Module, tokenizer: Any = None) -> nn.Module:
+        """Compresses `model` in place and returns it; `self.report` then holds what was done and measured.
+
+        Raises:
+            UnsupportedArchitectureError: no adapter, or the adapter lacks what the method needs.
+            InvalidTargetError: the target removes no layer or every layer.
+            CalibrationDataError: missing tokenizer, unreadable or too little calibration text.
+        """
+        start = time.perf_counter()
+        adapter = get_adapter(model)
+        method_class = get_method_class(self.config.method)
+        method = method_class(self.config.method_config)
+        adapter.require(method_class.required_capabilities, self.config.method)
+        stack = self._stack(adapter)
+        num_layers = adapter.num_layers(stack)
+        num_to_remove = self.config.resolve_num_layers_to_remove(num_layers)
+        tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
+        batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
+
+        params_before = count_parameters(model)
+        context = MethodContext(batches=batches, stack=stack, progress=self.progress)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            with context.timer("plan"):
+                plan = method.plan(adapter, context, num_to_remove)
+            logger.info("%s plan: %s", self.config.method, plan.describe())
+            with context.timer("apply"):
+                method.apply_(adapter, plan, context)
+            with context.timer("export_prep"):
+                adapter.reindex_(stack)
+                adapter.update_config_(stack, plan.first_indices)
+                adapter.validate()
+        model.train(was_training)
+        _drop_own_quantization_config(model)
+        self.plan = plan
+        self.config.layer_plan = plan.to_dict()
+        self.report = {
+            "method": self.config.method,
+            "method_args": self.config.method_args,
+            "model_type": model.config.model_type,
+            "base_model": _base_name(model),
+            "architecture": type(model).__name__,
+            "plan": plan.to_dict(),
+            "plan_summary": plan.describe(),
+            "num_layers_before": num_layers,
+            "num_layers_after": adapter.num_layers(stack),
+            "parameters_before": params_before,
+            "parameters_after": count_parameters(model),
+            "calibration": {
+                "dataset": describe_dataset(self.config.calibration.dataset),
+                "nsamples": self.config.calibration.nsamples,
+                "seqlen": self.config.calibration.seqlen,
+                "seed": self.config.calibration.seed,
+                "packing": self.config.calibration.packing,
+                "tokens": sum(b.num_tokens for b in batches),
+            },
+            "timings_seconds": {k: round(v, 3) for k, v in context.timings.items()},
+            "total_seconds": round(time.perf_counter() - start, 3),
+            **context.report,
+        }
+        return model
+
+    def save(
+        self,
+        model: nn.Module,
+        output_dir: str | Path,
+        tokenizer: Any = None,
+        overwrite: bool = False,
+        extra_report: dict[str, Any] | None = None,
+    ) -> Path:
+        """Writes a plain checkpoint (weights, config, tokenizer), flatten_report.json, a model card and a heatmap.
+
+        The directory is written next to its destination and renamed into place, so an interrupted save leaves
+        no half-written directory. Refuses a non-empty `output_dir` unless `overwrite`.
+        """
+        from .export.checkpoint import save_compressed
+
+        report = {**self.report, **(extra_report or {})}
+        return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
+
+
+def _base_name(model: nn.Module) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "unknown")
+
+
+def _drop_own_quantization_config(model: nn.Module) -> None:
+    """The compressed model is an ordinary model: it must not claim to need our quantizer to load."""
+    qc = getattr(model.config, "quantization_config", None)
+    if isinstance(qc, FlattenConfig) or (isinstance(qc, dict) and qc.get("quant_method") == "flatten"):
+        del model.config.quantization_config
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None

@@ -1,0 +1,1 @@
+"""Small shared helpers: error types, torch helpers."""

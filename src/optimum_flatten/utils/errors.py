@@ -1,0 +1,40 @@
+"""Domain errors.
+
+Each subclasses ValueError or TypeError so callers that already catch those keep working, and each message says
+what was wrong, what was received, what is allowed and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model's architecture has no adapter, or the adapter cannot do what a method needs."""
+
+
+class IndexSensitiveError(ValueError):
+    """Renumbering layers would change the maths (the layer index enters the computation)."""
+
+
+class InvalidTargetError(ValueError):
+    """The compression target cannot be met for this model (e.g. removing every layer)."""
+
+
+class CalibrationDataError(ValueError):
+    """The calibration data is missing, unreadable or too small."""
+
+
+class UnknownMethodError(ValueError):
+    """No compression method is registered under the requested name."""
+
+
+class OutputDirectoryError(ValueError):
+    """The output directory exists and is not empty, and overwriting was not requested."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """Returns a ` Did you mean 'x'?` suffix when `name` is close to one of `choices`, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""

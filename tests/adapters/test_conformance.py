@@ -1,0 +1,218 @@
+"""Every adapter passes the same conformance checks (one subclass per tiny-model factory)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from common import assert_close, greedy_generate_both_ways, logits, sample_ids
+from optimum_flatten import get_adapter
+from optimum_flatten.adapters import registered_adapters
+from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
+from optimum_flatten.methods.flattengpt import fold_block_norms_
+from optimum_flatten.utils.errors import UnsupportedArchitectureError
+
+
+def test_every_registered_adapter_has_a_tiny_factory():
+    missing = [t for t in registered_adapters() if t not in tiny_models.MODEL_TYPES]
+    assert not missing, f"adapters without a tiny-model factory: {missing}"
+
+
+def _runner(adapter, ids):
+    batch = CalibrationBatch(input_ids=ids, attention_mask=torch.ones_like(ids))
+    return LayerwiseRunner(adapter, [batch])
+
+
+def _naive_parallel(members, hidden, kwargs):
+    """Members run in parallel on one input: attention outputs summed, then MLP outputs summed."""
+    attn = sum(m.self_attn(hidden_states=m.input_layernorm(hidden), **_attn_kwargs(kwargs))[0] for m in members)
+    mid = hidden + attn
+    return mid + sum(m.mlp(m.post_attention_layernorm(mid)) for m in members)
+
+
+def _attn_kwargs(kwargs):
+    return {k: v for k, v in kwargs.items() if k in ("attention_mask", "position_embeddings", "past_key_values")}
+
+
+class AdapterConformance:
+    factory: str
+    concat_supported = True
+
+    @pytest.fixture
+    def model(self):
+        return tiny_models.FACTORIES[self.factory]()
+
+    def test_views_match_config(self, model):
+        adapter = get_adapter(model)
+        assert adapter.stacks() == ["decoder"]
+        assert adapter.num_layers() == model.config.num_hidden_layers
+        for block in adapter.blocks():
+            g = block.attention.geometry
+            assert g.num_heads == model.config.num_attention_heads
+            assert g.num_kv_heads == model.config.num_key_value_heads
+            assert g.head_dim * g.num_heads == block.attention.q.out_features
+            assert block.mlp.intermediate_size == model.config.intermediate_size
+            assert block.attention.o.weight.shape == (g.hidden_size, g.num_heads * g.head_dim)
+            assert block.norm_position == "pre"
+
+    def test_norm_folding_preserves_logits(self, model):
+        ids = sample_ids()
+        before = logits(model, ids)
+        adapter = get_adapter(model)
+        for block in adapter.blocks():
+            assert not block.attn_norm.is_unit()
+            fold_block_norms_(block)
+            assert block.attn_norm.is_unit() and block.mlp_norm.is_unit()
+        assert_close(logits(model, ids), before)
+
+    def test_empty_plan_changes_nothing(self, model):
+        ids = sample_ids()
+        before = logits(model, ids)
+        adapter = get_adapter(model)
+        adapter.keep_layers_("decoder", list(range(adapter.num_layers())))
+        adapter.reindex_("decoder")
+        adapter.update_config_("decoder", list(range(adapter.num_layers())))
+        adapter.validate()
+        assert torch.equal(logits(model, ids), before)
+
+    def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
+        kept = [0, 2, 3, 5]
+        reference_config = copy.deepcopy(model.config)
+        reference_config.num_hidden_layers = len(kept)
+        if isinstance(getattr(reference_config, "layer_types", None), list):
+            reference_config.layer_types = [model.config.layer_types[i] for i in kept]
+        reference = AutoModelForCausalLM.from_config(reference_config, dtype=torch.float32).eval()
+        state = {}
+        for name, tensor in model.state_dict().items():
+            if name.startswith("model.layers."):
+                index = int(name.split(".")[2])
+                if index not in kept:
+                    continue
+                name = name.replace(f"model.layers.{index}.", f"model.layers.{kept.index(index)}.", 1)
+            state[name] = tensor
+        reference.load_state_dict(state)
+        adapter = get_adapter(model)
+        adapter.keep_layers_("decoder", kept)
+        adapter.reindex_("decoder")
+        adapter.update_config_("decoder", kept)
+        adapter.validate()
+        ids = sample_ids()
+        assert_close(logits(model, ids), logits(reference, ids))
+        with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
+        assert torch.equal(with_cache, without_cache)
+
+    def test_concat_before_pruning_equals_members_in_parallel(self, model):
+        adapter = get_adapter(model)
+        if not self.concat_supported:
+            with pytest.raises(UnsupportedArchitectureError, match="q_norm"):
+                adapter.require({"concat_heads"}, "flattengpt")
+            with pytest.raises(UnsupportedArchitectureError):
+                adapter.build_concat_block("decoder", [1, 2])
+            return
+        ids = sample_ids()
+        runner = _runner(adapter, ids)
+        hidden = runner.run(adapter.layers()[0], 0)[0]
+        kwargs = runner.layer_kwargs[1][0]
+        originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
+        with torch.no_grad():
+            expected = _naive_parallel(originals, hidden, kwargs)
+            for i in (1, 2):
+                fold_block_norms_(adapter.block("decoder", i))
+            wide = adapter.build_concat_block("decoder", [1, 2])
+            view = adapter.block_view(wide, 1)
+            assert view.attention.geometry.num_heads == 2 * model.config.num_attention_heads
+            assert view.attention.geometry.num_kv_heads == 2 * model.config.num_key_value_heads
+            assert view.mlp.intermediate_size == 2 * model.config.intermediate_size
+            actual = runner.run(wide, 1, [hidden])[0]
+        assert_close(actual, expected)
+
+    def test_keep_all_heads_and_channels_is_identity(self, model):
+        adapter = get_adapter(model)
+        ids = sample_ids()
+        before = logits(model, ids)
+        block = adapter.block("decoder", 2)
+        adapter.keep_heads_(block, list(range(block.attention.geometry.num_kv_heads)))
+        adapter.keep_mlp_channels_(block, list(range(block.mlp.intermediate_size)))
+        assert torch.equal(logits(model, ids), before)
+
+    def test_gqa_head_pruning_keeps_queries_with_their_kv_heads(self, model):
+        adapter = get_adapter(model)
+        block = adapter.block("decoder", 1)
+        g = block.attention.geometry
+        kept_kv = [g.num_kv_heads - 1]
+        reference = copy.deepcopy(model)
+        ref_block = get_adapter(reference).block("decoder", 1)
+        # Reference: zero the o_proj columns of every query head not attached to a kept KV head.
+        with torch.no_grad():
+            o = ref_block.attention.o.module.weight
+            for head in range(g.num_heads):
+                if head // g.queries_per_kv not in kept_kv:
+                    o[:, head * g.head_dim : (head + 1) * g.head_dim] = 0
+        adapter.keep_heads_(block, kept_kv)
+        pruned = adapter.block("decoder", 1).attention.geometry
+        assert (pruned.num_kv_heads, pruned.num_heads) == (1, g.queries_per_kv)
+        ids = sample_ids()
+        assert_close(logits(model, ids), logits(reference, ids))
+
+    def test_mlp_channel_pruning_equals_zeroed_channels(self, model):
+        adapter = get_adapter(model)
+        kept = [0, 3, 4, 10, 20, 47]
+        reference = copy.deepcopy(model)
+        with torch.no_grad():
+            down = get_adapter(reference).block("decoder", 3).mlp.down.module.weight
+            mask = torch.ones(down.shape[1], dtype=torch.bool)
+            mask[kept] = False
+            down[:, mask] = 0
+        adapter.keep_mlp_channels_(adapter.block("decoder", 3), kept)
+        ids = sample_ids()
+        assert_close(logits(model, ids), logits(reference, ids))
+
+    def test_validate_detects_inconsistent_config(self, model):
+        adapter = get_adapter(model)
+        adapter.keep_layers_("decoder", [0, 1, 2])
+        with pytest.raises(ValueError, match="num_hidden_layers"):
+            adapter.validate()
+
+
+class TestLlamaMHA(AdapterConformance):
+    factory = "llama_mha"
+
+
+class TestLlamaGQA(AdapterConformance):
+    factory = "llama_gqa"
+
+
+class TestMistral(AdapterConformance):
+    factory = "mistral"
+
+
+class TestQwen2(AdapterConformance):
+    factory = "qwen2"
+
+    def test_per_layer_config_lists_follow_the_kept_layers(self, model):
+        adapter = get_adapter(model)
+        assert model.config.max_window_layers == 3
+        kept = [0, 1, 4, 5]
+        adapter.keep_layers_("decoder", kept)
+        adapter.reindex_("decoder")
+        adapter.update_config_("decoder", kept)
+        assert model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+        assert model.config.max_window_layers == 2
+        adapter.validate()
+
+
+class TestQwen3(AdapterConformance):
+    factory = "qwen3"
+    concat_supported = False
+
+
+def test_unknown_architecture_lists_supported_types():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2'.*Supported model types: \[.*'llama'"):
+        get_adapter(model)

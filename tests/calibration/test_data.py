@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+from optimum_flatten import CalibrationConfig
+from optimum_flatten.calibration import build_calibration_batches, load_texts
+from optimum_flatten.utils.errors import CalibrationDataError
+from tiny_models import CharTokenizer
+
+
+def test_packing_cuts_non_overlapping_windows_from_the_stream():
+    texts = [" ".join(str(i) for i in range(20)), " ".join(str(i) for i in range(20, 40))]
+    config = CalibrationConfig(dataset=texts, nsamples=4, seqlen=20, batch_size=3, seed=1)
+    batches = build_calibration_batches(CharTokenizer(), config)
+    assert [b.input_ids.shape for b in batches] == [(3, 20), (1, 20)]
+    assert all(bool(b.attention_mask.all()) for b in batches)
+    tokenizer = CharTokenizer()
+    stream = tokenizer(texts[0])["input_ids"] + [2] + tokenizer(texts[1])["input_ids"] + [2]
+    windows = {tuple(stream[i * 20 : (i + 1) * 20]) for i in range(len(stream) // 20)}
+    rows = [tuple(r.tolist()) for b in batches for r in b.input_ids]
+    assert len(set(rows)) == 4 and set(rows) <= windows
+    # Seeded: same seed, same windows; another seed, another choice.
+    again = build_calibration_batches(CharTokenizer(), config)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(batches, again, strict=True))
+
+
+def test_too_little_text_says_how_much_was_found():
+    config = CalibrationConfig(dataset=["short text"], nsamples=4, seqlen=64)
+    with pytest.raises(CalibrationDataError, match=r"holds 11 tokens, fewer than nsamples x seqlen = 4 x 64 = 256"):
+        build_calibration_batches(CharTokenizer(), config)
+
+
+def test_unpacked_rows_are_padded_and_masked():
+    texts = ["a" * 5, "b" * 30, "c" * 12]
+    config = CalibrationConfig(dataset=texts, nsamples=3, seqlen=16, packing=False, batch_size=8)
+    (batch,) = build_calibration_batches(CharTokenizer(), config)
+    assert batch.attention_mask.sum(dim=1).tolist() == [5, 16, 12]
+    assert (batch.input_ids[batch.attention_mask == 0] == CharTokenizer.pad_token_id).all()
+
+
+def test_missing_tokenizer_is_a_clear_error():
+    with pytest.raises(CalibrationDataError, match="needs a tokenizer"):
+        build_calibration_batches(None, CalibrationConfig(dataset=["x"]))
+
+
+def test_file_formats(tmp_path):
+    (tmp_path / "a.txt").write_text("first text")
+    (tmp_path / "b.txt").write_text("second text")
+    assert load_texts(str(tmp_path)) == ["first text", "second text"]
+    assert load_texts(str(tmp_path / "a.txt")) == ["first text"]
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"content": t}) for t in ["x y", "z"]))
+    assert load_texts(str(jsonl), text_column="content") == ["x y", "z"]
+    with pytest.raises(CalibrationDataError, match="no field 'text'"):
+        load_texts(str(jsonl))
+    as_json = tmp_path / "data.json"
+    as_json.write_text(json.dumps([{"text": "u"}, {"text": "v"}]))
+    assert load_texts(str(as_json)) == ["u", "v"]
+    with pytest.raises(CalibrationDataError, match="does not exist"):
+        load_texts(str(tmp_path / "missing.txt"))
+    with pytest.raises(CalibrationDataError, match="no non-empty text"):
+        load_texts(["", "  "])
+
+
+def test_dataset_like_objects_use_the_text_column():
+    class FakeDataset:
+        column_names = ("text", "id")
+
+        def __getitem__(self, key):
+            return {"text": ["one", "two"], "id": [1, 2]}[key]
+
+    assert load_texts(FakeDataset()) == ["one", "two"]
+    with pytest.raises(CalibrationDataError, match="no column 'body'"):
+        load_texts(FakeDataset(), text_column="body")

@@ -1,0 +1,98 @@
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from optimum_flatten.cli.main import main
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, monkeypatch):
+    model = tiny_models.tiny_llama_gqa()
+    path = tmp_path / "dense"
+    model.save_pretrained(path)
+    tokenizer = tiny_models.CharTokenizer()
+
+    def fake_load(name, dtype):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval(), tokenizer
+
+    monkeypatch.setattr("optimum_flatten.cli.main._load", fake_load)
+    data = tmp_path / "calibration.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in tiny_models.sample_texts()))
+    return path, data
+
+
+def test_compress_writes_plain_checkpoint_with_heatmap(tiny_checkpoint, tmp_path, capsys):
+    model_path, data = tiny_checkpoint
+    out = tmp_path / "out"
+    code = main(
+        [
+            "compress",
+            str(model_path),
+            "--num-layers-to-remove",
+            "2",
+            "--dataset",
+            str(data),
+            "--nsamples",
+            "8",
+            "--seqlen",
+            "24",
+            "--max-group-size",
+            "3",
+            "--calibration-mode",
+            "sequential",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "6 -> 4" in printed and "saved to" in printed
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert report["method_args"]["max_group_size"] == 3
+    assert report["method_args"]["calibration_mode"] == "sequential"
+    assert report["calibration"]["tokens"] == 8 * 24
+    assert (out / "similarity_heatmap.png").exists()
+
+
+def test_cli_errors_are_clear_and_early(tiny_checkpoint, tmp_path, capsys):
+    model_path, data = tiny_checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("x")
+    code = main(
+        [
+            "compress",
+            str(model_path),
+            "--num-layers-to-remove",
+            "2",
+            "--dataset",
+            str(data),
+            "--output",
+            str(out),
+        ]
+    )
+    assert code == 2
+    assert "not empty" in capsys.readouterr().err
+    code = main(
+        [
+            "compress",
+            str(model_path),
+            "--method",
+            "shortgpt",
+            "--num-layers-to-remove",
+            "2",
+            "--max-group-size",
+            "2",
+            "--dataset",
+            str(data),
+            "--output",
+            str(tmp_path / "o2"),
+        ]
+    )
+    assert code == 2
+    assert "unknown option(s) ['max_group_size']" in capsys.readouterr().err

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiny_models
+from common import greedy_generate_both_ways, logits, sample_ids
+from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from optimum_flatten.calibration import CalibrationBatch
+from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
+from optimum_flatten.ops import greedy_adjacent_groups
+from optimum_flatten.utils.errors import (
+    CalibrationDataError,
+    InvalidTargetError,
+    UnsupportedArchitectureError,
+)
+
+
+def _config(**kwargs):
+    base = dict(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, batch_size=4)
+    base.update(kwargs)
+    return FlattenConfig(**base)
+
+
+def _naive_similarity(model, ids):
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states[: model.config.num_hidden_layers]
+    size = len(states)
+    s = torch.zeros(size, size, dtype=torch.float64)
+    for i in range(size):
+        for j in range(size):
+            a, b = (
+                states[i].double().reshape(-1, states[i].shape[-1]),
+                states[j].double().reshape(-1, states[j].shape[-1]),
+            )
+            s[i, j] = torch.stack([a[t] @ b[t] / (a[t].norm() * b[t].norm()) for t in range(a.shape[0])]).mean()
+    return s
+
+
+@pytest.mark.parametrize("factory", ["llama_mha", "llama_gqa", "qwen2", "mistral"])
+def test_similarity_and_plan_match_naive_recomputation(factory):
+    model = tiny_models.FACTORIES[factory]()
+    ids = sample_ids(batch=3, length=16, seed=5)
+    batches = [CalibrationBatch(input_ids=ids, attention_mask=torch.ones_like(ids))]
+    method = FlattenGPTMethod(FlattenGPTConfig(max_group_size=None))
+    context = MethodContext(batches=batches, progress=False)
+    adapter = get_adapter(model)
+    similarity = method.similarity_matrix(adapter, context)
+    reference = _naive_similarity(model, ids)
+    torch.testing.assert_close(similarity, reference, atol=1e-5, rtol=0)
+    plan = method.plan(adapter, context, 2)
+    assert [g.indices for g in plan.groups] == greedy_adjacent_groups(reference, 2, None)
+
+
+def test_padding_is_masked_out_of_every_statistic():
+    """Right-padded rows give the same similarity as the same rows run alone without padding."""
+    model = tiny_models.tiny_llama_gqa()
+    adapter = get_adapter(model)
+    lengths = [16, 9, 5]
+    ids = sample_ids(batch=3, length=16, seed=7)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, :n] = 1
+    padded_ids = ids.masked_fill(mask == 0, 0)
+    padded = [CalibrationBatch(input_ids=padded_ids, attention_mask=mask)]
+    alone = [
+        CalibrationBatch(input_ids=ids[r : r + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long))
+        for r, n in enumerate(lengths)
+    ]
+    method = FlattenGPTMethod(FlattenGPTConfig())
+    s_padded = method.similarity_matrix(adapter, MethodContext(batches=padded, progress=False))
+    s_alone = method.similarity_matrix(adapter, MethodContext(batches=alone, progress=False))
+    torch.testing.assert_close(s_padded, s_alone, atol=1e-6, rtol=0)
+    # And the whole compression agrees: same plan, same kept heads and channels.
+    reports = []
+    for batches in (padded, alone):
+        m = copy.deepcopy(model)
+        context = MethodContext(batches=batches, progress=False)
+        a = get_adapter(m)
+        plan = method.plan(a, context, 2)
+        method.apply_(a, plan, context)
+        reports.append(
+            (
+                plan.group_lists(),
+                [(g["kept_kv_groups"], g["calibration_tokens"]) for g in context.report["groups"]],
+            )
+        )
+    assert reports[0] == reports[1]
+    assert reports[0][1][0][1] == sum(lengths)
+
+
+@pytest.mark.parametrize("factory", ["llama_mha", "llama_gqa", "qwen2", "mistral"])
+@pytest.mark.parametrize("mode", ["one_pass", "sequential"])
+def test_compress_changes_outputs_and_keeps_architecture(factory, mode):
+    model = tiny_models.FACTORIES[factory]()
+    reference = copy.deepcopy(model)
+    ids = sample_ids()
+    quantizer = FlattenQuantizer(_config(calibration_mode=mode), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == 4
+    assert type(model) is type(reference)
+    assert not hasattr(model.config, "quantization_config")
+    out = logits(model, ids)
+    assert out.shape == logits(reference, ids).shape
+    assert not torch.allclose(out, logits(reference, ids), atol=1e-3), "a non-empty plan must change the outputs"
+    for block in get_adapter(model).blocks():
+        assert block.attention.geometry.num_heads == reference.config.num_attention_heads
+        assert block.attention.geometry.num_kv_heads == reference.config.num_key_value_heads
+        assert block.mlp.intermediate_size == reference.config.intermediate_size
+    report = quantizer.report
+    assert report["num_layers_after"] == 4 and len(report["plan"]["groups"]) == 4
+    for group in report["groups"]:
+        assert len(group["kept_kv_groups"]) == reference.config.num_key_value_heads
+        assert sum(group["kept_channels_per_member"]) == reference.config.intermediate_size
+    with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_one_pass_and_sequential_differ_after_the_first_group():
+    results = {}
+    for mode in ("one_pass", "sequential"):
+        model = tiny_models.tiny_llama_gqa()
+        FlattenQuantizer(_config(calibration_mode=mode), progress=False).compress(model, tiny_models.CharTokenizer())
+        results[mode] = logits(model, sample_ids())
+    assert not torch.allclose(results["one_pass"], results["sequential"])
+
+
+def test_target_sparsity_resolves_to_layers():
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = FlattenQuantizer(_config(num_layers_to_remove=None, target_sparsity=0.34), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == 4
+
+
+def test_qwen3_is_refused_before_anything_changes():
+    model = tiny_models.tiny_qwen3()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedArchitectureError, match=r"qwen3.*q_norm"):
+        FlattenQuantizer(_config(), progress=False).compress(model, tiny_models.CharTokenizer())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(num_layers_to_remove=6), InvalidTargetError, "at most 5"),
+        (dict(num_layers_to_remove=0), InvalidTargetError, ">= 1"),
+        (
+            dict(nsamples=500),
+            CalibrationDataError,
+            r"holds \d+ tokens, fewer than nsamples x seqlen = 500 x 24",
+        ),
+    ],
+)
+def test_bad_requests_fail_clearly_and_touch_nothing(kwargs, error, match):
+    model = tiny_models.tiny_llama_gqa()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match):
+        FlattenQuantizer(_config(**kwargs), progress=False).compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == 6
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_groups_of_three_when_allowed():
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = FlattenQuantizer(_config(num_layers_to_remove=3, max_group_size=None), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == 3
+    assert sum(len(g) for g in quantizer.report["plan"]["groups"]) == 6

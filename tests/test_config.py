@@ -1,0 +1,96 @@
+import json
+
+import pytest
+
+from optimum_flatten import CalibrationConfig, FlattenConfig, LayerPlan
+from optimum_flatten.utils.errors import InvalidTargetError, UnknownMethodError
+
+
+def test_round_trip_through_dict_and_json():
+    config = FlattenConfig(
+        num_layers_to_remove=6,
+        dataset="sotu:before-2000",
+        nsamples=16,
+        seqlen=256,
+        seed=3,
+        max_group_size=3,
+        calibration_mode="sequential",
+    )
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["quant_method"] == "flatten"
+    assert data["method_args"] == {
+        "calibration_mode": "sequential",
+        "max_group_size": 3,
+        "ridge_ratio": 10.0,
+        "similarity_band": None,
+    }
+    assert data["calibration"]["nsamples"] == 16
+    again = FlattenConfig.from_dict(data)
+    assert again == config
+    assert again.calibration == CalibrationConfig(dataset="sotu:before-2000", nsamples=16, seqlen=256, seed=3)
+
+
+def test_texts_are_described_not_serialised():
+    config = FlattenConfig(num_layers_to_remove=1, dataset=["a", "b"])
+    assert config.to_dict()["calibration"]["dataset"] == "<2 texts>"
+
+
+def test_unknown_key_gets_did_you_mean():
+    with pytest.raises(TypeError, match="Did you mean 'max_group_size'"):
+        FlattenConfig(num_layers_to_remove=1, max_groupsize=3)
+    with pytest.raises(TypeError, match="Did you mean 'nsamples'"):
+        FlattenConfig(num_layers_to_remove=1, n_samples=3)
+
+
+def test_unknown_method_lists_registered():
+    with pytest.raises(UnknownMethodError, match=r"Did you mean 'shortgpt'.*\['flattengpt', 'shortgpt'"):
+        FlattenConfig(method="short_gpt", num_layers_to_remove=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(), "exactly one of"),
+        (dict(num_layers_to_remove=2, target_sparsity=0.2), "exactly one of"),
+        (dict(num_layers_to_remove=0), ">= 1"),
+        (dict(target_sparsity=1.0), "strictly between 0 and 1"),
+    ],
+)
+def test_invalid_targets(kwargs, match):
+    with pytest.raises(InvalidTargetError, match=match):
+        FlattenConfig(**kwargs)
+
+
+def test_resolve_target_against_depth():
+    assert FlattenConfig(target_sparsity=0.2).resolve_num_layers_to_remove(30) == 6
+    with pytest.raises(InvalidTargetError, match="at most 29"):
+        FlattenConfig(num_layers_to_remove=30).resolve_num_layers_to_remove(30)
+    with pytest.raises(InvalidTargetError, match="remove 0 layer"):
+        FlattenConfig(target_sparsity=0.01).resolve_num_layers_to_remove(30)
+
+
+@pytest.mark.parametrize("bad", [dict(calibration_mode="twice"), dict(max_group_size=1), dict(ridge_ratio=0)])
+def test_method_options_are_validated(bad):
+    with pytest.raises(ValueError):
+        FlattenConfig(num_layers_to_remove=1, **bad)
+
+
+def test_version_mismatch_warns():
+    with pytest.warns(UserWarning, match="version 99"):
+        FlattenConfig(num_layers_to_remove=1, version=99)
+
+
+def test_layer_plan_canonical_form_and_validation():
+    plan = LayerPlan(num_layers=6, groups=[(0,), (1, 2), (4,), (5,)], rule="flatten_prune")
+    assert plan.num_removed == 2
+    assert plan.merged_groups == [(1, 2)]
+    assert plan.dropped_indices == [3]
+    assert plan.first_indices == [0, 1, 4, 5]
+    assert LayerPlan.from_dict(plan.to_dict()) == plan
+    assert "merged [1, 2]" in plan.describe() and "dropped [3]" in plan.describe()
+    with pytest.raises(ValueError, match="out of range"):
+        LayerPlan(num_layers=3, groups=[(0,), (3,)])
+    with pytest.raises(ValueError, match="ascending"):
+        LayerPlan(num_layers=3, groups=[(0, 1), (1,)])
+    with pytest.raises(ValueError, match="ascending"):
+        LayerPlan(num_layers=3, groups=[(2,), (0,)])

@@ -1,0 +1,122 @@
+"""Save -> reload without optimum_flatten: same class, same logits, cached generation equals uncached."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tiny_models
+from common import assert_close, logits, sample_ids
+from optimum_flatten import FlattenConfig, FlattenQuantizer
+from optimum_flatten.utils.errors import OutputDirectoryError
+
+RELOAD_SCRIPT = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+path, ids_path, out_path = sys.argv[1:4]
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+ids = torch.load(ids_path)
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids[:1, :5], use_cache=True, **kwargs)
+    uncached = model.generate(ids[:1, :5], use_cache=False, **kwargs)
+torch.save({"logits": logits, "cached": cached, "uncached": uncached}, out_path)
+print(json.dumps({
+    "class": type(model).__name__,
+    "layers": model.config.num_hidden_layers,
+    "has_quantization_config": hasattr(model.config, "quantization_config"),
+    "imported_optimum_flatten": any(m.startswith("optimum_flatten") for m in sys.modules),
+}))
+"""
+
+
+def _compressed(factory="llama_gqa", method="flattengpt"):
+    model = tiny_models.FACTORIES[factory]()
+    config = FlattenConfig(
+        method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
+    )
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    return model, quantizer
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen2", "mistral"])
+def test_save_reload_in_a_fresh_process_without_the_package(tmp_path, factory):
+    model, quantizer = _compressed(factory)
+    out = quantizer.save(model, tmp_path / "compressed")
+    ids = sample_ids()
+    torch.save(ids, tmp_path / "ids.pt")
+    script = tmp_path / "reload.py"
+    script.write_text(RELOAD_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    assert info == {
+        "class": type(model).__name__,
+        "layers": 4,
+        "has_quantization_config": False,
+        "imported_optimum_flatten": False,
+    }
+    reloaded = torch.load(tmp_path / "out.pt")
+    assert_close(reloaded["logits"], logits(model, ids))
+    assert torch.equal(reloaded["cached"], reloaded["uncached"])
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 4
+    if factory == "qwen2":
+        assert len(config["layer_types"]) == 4
+
+
+def test_saved_directory_holds_report_card_and_heatmap(tmp_path):
+    model, quantizer = _compressed()
+    out = quantizer.save(model, tmp_path / "compressed")
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert report["plan"]["groups"] == quantizer.plan.group_lists()
+    assert len(report["similarity"]) == 6
+    card = (out / "README.md").read_text()
+    merged = [list(g) for g in quantizer.plan.merged_groups]
+    assert f"Merged groups (original 0-based layer indices): {merged}" in card
+    assert "6 -> 4 layers" in card and "AutoModelForCausalLM.from_pretrained" in card
+    png = (out / "similarity_heatmap.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_non_empty_output_directory_is_refused_then_overwritten(tmp_path):
+    model, quantizer = _compressed(method="shortgpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(OutputDirectoryError, match=r"not empty.*overwrite=True"):
+        quantizer.save(model, out)
+    assert (out / "precious.txt").read_text() == "keep me"
+    quantizer.save(model, out, overwrite=True)
+    assert not (out / "precious.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
+    model, quantizer = _compressed(method="shortgpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous version")
+
+    def failing_card(_report):
+        raise KeyboardInterrupt("interrupted while writing")
+
+    monkeypatch.setattr("optimum_flatten.export.model_card.render_model_card", failing_card)
+    with pytest.raises(KeyboardInterrupt):
+        quantizer.save(model, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    with pytest.raises(KeyboardInterrupt):
+        quantizer.save(model, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()

@@ -1,0 +1,114 @@
+"""Seeded tiny random models, one factory per architecture family (float32, CPU, no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 96
+
+
+def _build(config, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random norm gains and biases so that folding and concatenation are really exercised.
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm.weight" in name:
+                parameter.copy_(1.0 + 0.3 * torch.randn(parameter.shape, generator=generator))
+            elif name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    model.eval()
+    return model
+
+
+def _common(**overrides):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    base.update(overrides)
+    return base
+
+
+def tiny_llama_mha(seed: int = 0):
+    return _build(LlamaConfig(**_common()), seed)
+
+
+def tiny_llama_gqa(seed: int = 0):
+    return _build(LlamaConfig(**_common(num_key_value_heads=2)), seed)
+
+
+def tiny_mistral(seed: int = 0):
+    return _build(MistralConfig(**_common(num_key_value_heads=2, sliding_window=None)), seed)
+
+
+def tiny_qwen2(seed: int = 0):
+    # Sliding window on the upper layers, so layer_types and max_window_layers are really per layer.
+    config = Qwen2Config(
+        **_common(num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=3)
+    )
+    return _build(config, seed)
+
+
+def tiny_qwen3(seed: int = 0):
+    return _build(Qwen3Config(**_common(num_key_value_heads=2)), seed)
+
+
+FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
+    "llama_mha": tiny_llama_mha,
+    "llama_gqa": tiny_llama_gqa,
+    "mistral": tiny_mistral,
+    "qwen2": tiny_qwen2,
+    "qwen3": tiny_qwen3,
+}
+
+#: model_type served by each factory, so a registry test can demand a factory for every adapter.
+MODEL_TYPES = {"llama": "llama_gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+class CharTokenizer:
+    """A tokenizer over bytes folded into the tiny vocabulary: enough for calibration and perplexity tests."""
+
+    eos_token_id = 2
+    pad_token_id = 0
+    bos_token_id = 1
+
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return {"input_ids": [3 + (b % (VOCAB - 3)) for b in text.encode("utf-8")]}
+
+    def save_pretrained(self, path) -> None:  # the tests save models only
+        pass
+
+
+def sample_texts(num: int = 40, seed: int = 0) -> list[str]:
+    generator = torch.Generator().manual_seed(seed)
+    words = ["state", "union", "the", "of", "people", "nation", "law", "year", "work", "peace", "and", "we"]
+    texts = []
+    for _ in range(num):
+        idx = torch.randint(
+            0, len(words), (int(torch.randint(20, 60, (1,), generator=generator)),), generator=generator
+        )
+        texts.append(" ".join(words[i] for i in idx.tolist()))
+    return texts
