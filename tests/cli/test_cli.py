@@ -96,3 +96,24 @@ def test_cli_errors_are_clear_and_early(tiny_checkpoint, tmp_path, capsys):
     )
     assert code == 2
     assert "unknown option(s) ['max_group_size']" in capsys.readouterr().err
+
+
+def test_flags_are_generated_from_the_config_fields():
+    import dataclasses
+
+    from optimum_flatten.cli.main import build_parser
+    from optimum_flatten.cli.options import config_kwargs
+    from optimum_flatten.methods.flattengpt import FlattenGPTConfig
+
+    parser = build_parser()
+    help_text = parser._subparsers._group_actions[0].choices["compress"].format_help()
+    for field in dataclasses.fields(FlattenGPTConfig):
+        assert "--" + field.name.replace("_", "-") in help_text
+    args = parser.parse_args([
+        "compress", "m", "--output", "o", "--target-sparsity", "0.2", "--max-group-size", "none",
+        "--attention-correction", "true", "--packing", "false",
+    ])
+    assert config_kwargs(args) == {
+        "method": "flattengpt", "target_sparsity": 0.2, "max_group_size": None, "attention_correction": True,
+        "packing": False,
+    }

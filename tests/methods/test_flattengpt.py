@@ -170,3 +170,22 @@ def test_groups_of_three_when_allowed():
     quantizer.compress(model, tiny_models.CharTokenizer())
     assert model.config.num_hidden_layers == 3
     assert sum(len(g) for g in quantizer.report["plan"]["groups"]) == 6
+
+
+@pytest.mark.parametrize("exhaustive", [True, False])
+def test_reconstruction_selection_finds_redundant_groups(monkeypatch, exhaustive):
+    """KV groups 2 and 3 duplicate groups 0 and 1: keeping one copy of each loses nothing, and the selection
+    must find such a subset whether it searches exhaustively or by backward elimination."""
+    from optimum_flatten.adapters import HeadGeometry
+    from optimum_flatten.methods import flattengpt
+
+    if not exhaustive:
+        monkeypatch.setattr(flattengpt, "MAX_EXHAUSTIVE_SUBSETS", 0)
+    geometry = HeadGeometry(num_heads=8, num_kv_heads=4, head_dim=3, hidden_size=5)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(400, 12, generator=g, dtype=torch.float64)  # channels of KV groups 0 and 1
+    activations = torch.cat([base, base], dim=1)  # groups 2 and 3 repeat them
+    c = activations.T @ activations / 400
+    rows = torch.randn(24, 5, generator=g, dtype=torch.float64)
+    kept = flattengpt.select_kv_groups_by_reconstruction(c, rows, geometry, 2, lam=1e-9)
+    assert len(kept) == 2 and {k % 2 for k in kept} == {0, 1}

@@ -1,7 +1,12 @@
 import torch
 
 from common import assert_close
-from optimum_flatten.ops import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores
+from optimum_flatten.ops import (
+    default_ridge_lambda,
+    nystrom_down_correction,
+    ridge_leverage_scores,
+    ridge_reconstruction_error,
+)
 
 
 def _activations(n_tokens=200, dim=10, seed=0):
@@ -74,3 +79,15 @@ def test_singular_second_moment_is_handled_with_jitter():
     c = a.T @ a / 3
     scores = ridge_leverage_scores(c, 0.0)
     assert torch.isfinite(scores).all()
+
+
+def test_reconstruction_error_matches_direct_evaluation():
+    a = _activations(n_tokens=300, dim=9, seed=7)
+    c = a.T @ a / a.shape[0]
+    w = torch.randn(9, 4, dtype=torch.float64)
+    keep = torch.tensor([0, 4, 5, 8])
+    lam = 0.2
+    corrected = nystrom_down_correction(c, w, keep, lam)
+    direct = ((a @ w - a[:, keep] @ corrected) ** 2).sum() / a.shape[0]
+    assert abs(ridge_reconstruction_error(c, w, keep, lam) - float(direct)) < 1e-9 * float(direct)
+    assert ridge_reconstruction_error(c, w, torch.arange(9), lam) == 0.0

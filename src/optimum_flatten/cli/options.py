@@ -36,12 +36,27 @@ def _converter(hint: Any) -> tuple[Any, list[str] | None]:
         return str, [str(v) for v in typing.get_args(hint)]
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _converter(args[0]) if len(args) == 1 else (str, None)
+        if len(args) != 1:
+            return str, None
+        inner, choices = _converter(args[0])
+        if type(None) not in typing.get_args(hint):
+            return inner, choices
+        return _or_none(inner), (choices + ["none"] if choices else None)
     if hint is bool:
         return _parse_bool, None
     if hint in (int, float, str):
         return hint, None
     return str, None
+
+
+def _or_none(convert: Any) -> Any:
+    """Optional fields accept the word `none` on the command line."""
+
+    def parse(value: str) -> Any:
+        return None if value.lower() == "none" else convert(value)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
 
 
 def _parse_bool(value: str) -> bool:

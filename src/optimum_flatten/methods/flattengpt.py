@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +32,7 @@ from ..ops import (
     nystrom_down_correction,
     o_proj_column_norms,
     ridge_leverage_scores,
+    ridge_reconstruction_error,
     top_k_indices,
 )
 from .base import CompressionMethod, MethodContext
@@ -52,6 +56,12 @@ class FlattenGPTConfig(MethodConfig):
         attention_correction: Not in the paper. Also refit the kept heads' o_proj columns with the same ridge
             (Nyström) formula used for W_down, on the second moment of the o_proj input, so the kept heads absorb
             what the pruned heads wrote to the residual stream. Costs one (2·H·head_dim)² second moment per group.
+        head_selection: ``"importance"`` keeps the heads (KV groups) with the largest f_i (the paper);
+            ``"reconstruction"`` (not in the paper) keeps the KV groups whose o_proj output, after the ridge
+            refit, best reproduces the wide block's attention output — exhaustive when there are at most
+            `MAX_EXHAUSTIVE_SUBSETS` candidate subsets, greedy backward elimination otherwise. Implies the
+            second moment of the o_proj input; use it with `attention_correction=True`.
+        attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
     """
 
     calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
@@ -59,8 +69,16 @@ class FlattenGPTConfig(MethodConfig):
     ridge_ratio: float = 10.0
     similarity_band: int | None = None
     attention_correction: bool = False
+    head_selection: Literal["importance", "reconstruction"] = "importance"
+    attention_ridge_ratio: float | None = None
 
     def __post_init__(self) -> None:
+        if self.head_selection not in ("importance", "reconstruction"):
+            raise ValueError(
+                f"head_selection must be 'importance' or 'reconstruction', got {self.head_selection!r}."
+            )
+        if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
+            raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
         if self.calibration_mode not in ("one_pass", "sequential"):
             raise ValueError(f"calibration_mode must be 'one_pass' or 'sequential', got {self.calibration_mode!r}.")
         if self.max_group_size is not None and (not isinstance(self.max_group_size, int) or self.max_group_size < 2):
@@ -188,7 +206,8 @@ class FlattenGPTMethod(CompressionMethod):
         head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
         head_count = 0
         batch_index = [0]
-        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim) if self.config.attention_correction else None
+        needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
+        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim) if needs_o_moment else None
 
         def on_heads(x: torch.Tensor) -> None:
             nonlocal head_sum, head_count
@@ -203,14 +222,22 @@ class FlattenGPTMethod(CompressionMethod):
             runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
-        kept_kv = top_k_indices(group_scores, target_kv)
         o_weight = None
-        if o_moment is not None:
+        if o_moment is None:
+            kept_kv = top_k_indices(group_scores, target_kv)
+        else:
             with context.timer("solve"):
                 o_second_moment = o_moment.mean()
-                o_lam = default_ridge_lambda(o_second_moment, self.config.ridge_ratio)
-                channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
-                o_weight = nystrom_down_correction(o_second_moment, view.attention.o.weight.T, channels, o_lam).T
+                o_ratio = self.config.attention_ridge_ratio or self.config.ridge_ratio
+                o_lam = default_ridge_lambda(o_second_moment, o_ratio)
+                o_rows = view.attention.o.weight.T
+                if self.config.head_selection == "reconstruction":
+                    kept_kv = select_kv_groups_by_reconstruction(o_second_moment, o_rows, geometry, target_kv, o_lam)
+                else:
+                    kept_kv = top_k_indices(group_scores, target_kv)
+                if self.config.attention_correction:
+                    channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
+                    o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
         adapter.keep_heads_(view, kept_kv, o_weight)
 
         # MLP channels by ridge leverage, on the activations the pruned attention produces.
@@ -242,6 +269,31 @@ class FlattenGPTMethod(CompressionMethod):
             "calibration_tokens": moment.count,
         }
         return wide, report
+
+
+MAX_EXHAUSTIVE_SUBSETS = 4096
+
+
+def select_kv_groups_by_reconstruction(
+    second_moment: torch.Tensor, o_rows: torch.Tensor, geometry: Any, num_keep: int, lam: float
+) -> list[int]:
+    """The `num_keep` KV groups whose heads, refit by ridge, best reproduce the full attention output.
+
+    Exhaustive over all subsets when there are at most MAX_EXHAUSTIVE_SUBSETS of them, else greedy backward
+    elimination (repeatedly drop the group whose removal costs least).
+    """
+
+    def error(groups: Sequence[int]) -> float:
+        channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(groups)))
+        return ridge_reconstruction_error(second_moment, o_rows, channels, lam)
+
+    groups = list(range(geometry.num_kv_heads))
+    if math.comb(len(groups), num_keep) <= MAX_EXHAUSTIVE_SUBSETS:
+        return list(min(itertools.combinations(groups, num_keep), key=error))
+    kept = groups
+    while len(kept) > num_keep:
+        kept = min(([g for g in kept if g != drop] for drop in kept), key=error)
+    return kept
 
 
 def unit_rows(hidden: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 from .head_importance import accumulate_head_importance, kv_group_scores, o_proj_column_norms
 from .norm_fold import fold_norm_into_linear
-from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores
+from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores, ridge_reconstruction_error
 from .selection import greedy_adjacent_groups, top_k_indices
 from .similarity import masked_cosine_sum
 
@@ -16,5 +16,6 @@ __all__ = [
     "nystrom_down_correction",
     "o_proj_column_norms",
     "ridge_leverage_scores",
+    "ridge_reconstruction_error",
     "top_k_indices",
 ]

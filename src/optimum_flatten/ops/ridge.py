@@ -74,3 +74,29 @@ def nystrom_down_correction(
     eye = torch.eye(keep.numel(), dtype=c.dtype, device=c.device)
     factor = _cholesky(c_kk + lam * eye)
     return kept_rows + torch.cholesky_solve(c_kr @ w[dropped], factor)
+
+
+def ridge_reconstruction_error(
+    second_moment: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, lam: float
+) -> float:
+    """E‖a W − a_K W'‖² after the Nyström correction W' of the kept rows, per token (float64).
+
+    With Δ = (C_KK + λI)⁻¹ C_KR W_R the correction, the error is
+    tr(W_Rᵀ C_RR W_R) − 2 tr(Δᵀ C_KR W_R) + tr(Δᵀ C_KK Δ): what the dropped rows wrote that the kept rows cannot
+    reproduce. Used to compare candidate subsets (e.g. which KV groups to keep) without running the model.
+    """
+    c = second_moment.double()
+    w = rows.double()
+    keep = torch.as_tensor(keep, dtype=torch.long, device=c.device)
+    dropped_mask = torch.ones(c.shape[0], dtype=torch.bool, device=c.device)
+    dropped_mask[keep] = False
+    dropped = torch.nonzero(dropped_mask).flatten()
+    if dropped.numel() == 0:
+        return 0.0
+    w_r = w[dropped]
+    c_kk = c[keep][:, keep]
+    cross = c[keep][:, dropped] @ w_r  # C_KR W_R
+    eye = torch.eye(keep.numel(), dtype=c.dtype, device=c.device)
+    delta = torch.cholesky_solve(cross, _cholesky(c_kk + lam * eye))
+    full = torch.trace(w_r.T @ c[dropped][:, dropped] @ w_r)
+    return float(full - 2 * (delta * cross).sum() + (delta * (c_kk @ delta)).sum())

