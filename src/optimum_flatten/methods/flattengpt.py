@@ -74,9 +74,7 @@ class FlattenGPTConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         if self.head_selection not in ("importance", "reconstruction"):
-            raise ValueError(
-                f"head_selection must be 'importance' or 'reconstruction', got {self.head_selection!r}."
-            )
+            raise ValueError(f"head_selection must be 'importance' or 'reconstruction', got {self.head_selection!r}.")
         if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
             raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
         if self.calibration_mode not in ("one_pass", "sequential"):
