@@ -23,6 +23,9 @@ def test_round_trip_through_dict_and_json():
         "max_group_size": 3,
         "ridge_ratio": 10.0,
         "similarity_band": None,
+        "attention_correction": True,
+        "head_selection": "importance",
+        "attention_ridge_ratio": 1.0,
     }
     assert data["calibration"]["nsamples"] == 16
     again = FlattenConfig.from_dict(data)

@@ -24,12 +24,11 @@ from pathlib import Path
 
 VARIANTS: dict[str, dict] = {
     "dense": {},
-    "flattengpt_pairs_one_pass": dict(method="flattengpt", max_group_size=2, calibration_mode="one_pass"),
-    "flattengpt_pairs_sequential": dict(method="flattengpt", max_group_size=2, calibration_mode="sequential"),
-    "flattengpt_groups_of_3": dict(method="flattengpt", max_group_size=3),
+    "flattengpt": dict(method="flattengpt"),
+    "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
+    "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
+    "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
-    "flattengpt_pairs_attention_correction": dict(method="flattengpt", max_group_size=2, attention_correction=True),
-    "flattengpt_pairs_ridge_1": dict(method="flattengpt", max_group_size=2, ridge_ratio=1.0),
     "shortgpt": dict(method="shortgpt"),
 }
 

@@ -53,24 +53,27 @@ class FlattenGPTConfig(MethodConfig):
             C (trace / dim).
         similarity_band: How many preceding layers each layer is compared with; None computes the full matrix
             (memory: that many copies of the cached calibration states). Must be at least max_group_size - 1.
-        attention_correction: Not in the paper. Also refit the kept heads' o_proj columns with the same ridge
-            (Nyström) formula used for W_down, on the second moment of the o_proj input, so the kept heads absorb
-            what the pruned heads wrote to the residual stream. Costs one (2·H·head_dim)² second moment per group.
+        attention_correction: Not in the paper (``False`` reproduces it). Also refit the kept heads' o_proj
+            columns with the same ridge (Nyström) formula used for W_down, on the second moment of the o_proj input,
+            so the kept heads absorb what the pruned heads wrote to the residual stream. On by default because it
+            measured better on SmolLM2-135M (benchmarks/RESULTS.md). Costs one (2·H·head_dim)² second moment per
+            group.
         head_selection: ``"importance"`` keeps the heads (KV groups) with the largest f_i (the paper);
             ``"reconstruction"`` (not in the paper) keeps the KV groups whose o_proj output, after the ridge
             refit, best reproduces the wide block's attention output — exhaustive when there are at most
             `MAX_EXHAUSTIVE_SUBSETS` candidate subsets, greedy backward elimination otherwise. Implies the
             second moment of the o_proj input; use it with `attention_correction=True`.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
+            1.0 measured better than 10 on SmolLM2-135M.
     """
 
     calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
     max_group_size: int | None = 2
     ridge_ratio: float = 10.0
     similarity_band: int | None = None
-    attention_correction: bool = False
+    attention_correction: bool = True
     head_selection: Literal["importance", "reconstruction"] = "importance"
-    attention_ridge_ratio: float | None = None
+    attention_ridge_ratio: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.head_selection not in ("importance", "reconstruction"):
