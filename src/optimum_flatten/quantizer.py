@@ -84,13 +84,17 @@ class FlattenQuantizer:
                 adapter.validate()
         model.train(was_training)
         _drop_own_quantization_config(model)
+        base_name = _base_name(model)
+        # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
+        # that checkpoint as its base. `save` points it at the saved directory.
+        set_name_or_path(model, "")
         self.plan = plan
         self.config.layer_plan = plan.to_dict()
         self.report = {
             "method": self.config.method,
             "method_args": self.config.method_args,
             "model_type": model.config.model_type,
-            "base_model": _base_name(model),
+            "base_model": base_name,
             "architecture": type(model).__name__,
             "plan": plan.to_dict(),
             "plan_summary": plan.describe(),
@@ -129,6 +133,13 @@ class FlattenQuantizer:
 
         report = {**self.report, **(extra_report or {})}
         return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
+
+
+def set_name_or_path(model: nn.Module, value: str) -> None:
+    """Sets both places transformers keeps it (the model attribute is a copy made at construction)."""
+    model.config._name_or_path = value
+    if hasattr(model, "name_or_path"):
+        model.name_or_path = value
 
 
 def _base_name(model: nn.Module) -> str:

@@ -65,6 +65,10 @@ def save_compressed(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    # From now on the saved directory is this model's base (what PEFT records in adapter_config.json).
+    from ..quantizer import set_name_or_path
+
+    set_name_or_path(model, str(path))
     logger.info("saved compressed model to %s", path)
     return path
 

@@ -1,0 +1,96 @@
+"""Compress on load: ``from_pretrained(..., quantization_config=FlattenConfig(...))``.
+
+Registered through transformers' public `register_quantization_config` / `register_quantizer` when
+`optimum_flatten` is imported. As in transformers' GPTQ path, `requires_calibration` stays False (in transformers
+that flag means "the checkpoint must already be compressed"): the weights load as usual, then
+`_process_model_after_weight_loading` calibrates and compresses, and the quantization config is removed again,
+so the model is an ordinary one and `save_pretrained` writes a plain checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+
+from .config import FlattenConfig
+
+logger = logging.getLogger(__name__)
+
+QUANT_METHOD = "flatten"
+
+
+class FlattenHfQuantizer(HfQuantizer):
+    """transformers' side of compress-on-load; the work is done by `FlattenQuantizer`."""
+
+    requires_calibration = False
+    quantization_config: FlattenConfig
+
+    def __init__(self, quantization_config: FlattenConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.report: dict[str, Any] = {}
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        if self.pre_quantized:
+            raise ValueError(
+                "this checkpoint's config.json carries quantization_config 'flatten', but compressed checkpoints are "
+                "plain ones; remove quantization_config from config.json, or pass FlattenConfig only to compress."
+            )
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        from .quantizer import FlattenQuantizer
+
+        tokenizer = self.quantization_config.tokenizer
+        if tokenizer is None or isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model.name_or_path)
+        quantizer = FlattenQuantizer(self.quantization_config)
+        quantizer.compress(model, tokenizer)
+        self.report = quantizer.report
+        model.flatten_report = quantizer.report
+        _renumber_device_map(model, quantizer.plan.first_indices if quantizer.plan else None)
+        self.remove_quantization_config(model)
+        return model
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    def is_serializable(self) -> bool:
+        return True
+
+
+def _renumber_device_map(model: Any, first_indices: list[int] | None) -> None:
+    """Rewrites `hf_device_map` keys of layers to their new indices (dropped layers disappear)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map or first_indices is None:
+        return
+    position = {old: new for new, old in enumerate(first_indices)}
+    renumbered: dict[str, Any] = {}
+    for key, device in device_map.items():
+        parts = key.split(".")
+        if "layers" in parts:
+            at = parts.index("layers")
+            if at + 1 < len(parts) and parts[at + 1].isdigit():
+                old = int(parts[at + 1])
+                if old not in position:
+                    continue
+                parts[at + 1] = str(position[old])
+        renumbered[".".join(parts)] = device
+    model.hf_device_map = renumbered
+
+
+def register() -> None:
+    """Registers FlattenConfig and FlattenHfQuantizer under 'flatten'; safe to call more than once."""
+    if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(QUANT_METHOD)(FlattenConfig)
+    if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(QUANT_METHOD)(FlattenHfQuantizer)

@@ -1,0 +1,68 @@
+"""Compress on load through transformers' quantizer registration."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from common import assert_close, logits, sample_ids
+from optimum_flatten import FlattenConfig, FlattenQuantizer
+
+
+def _config(**kwargs):
+    return FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **kwargs)
+
+
+def test_registration_is_idempotent():
+    import importlib
+
+    import optimum_flatten
+    from optimum_flatten.integration import register
+
+    register()
+    importlib.reload(optimum_flatten)
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    assert AUTO_QUANTIZER_MAPPING["flatten"].__name__ == "FlattenHfQuantizer"
+
+
+def test_compress_on_load_equals_explicit_quantizer_and_saves_plain(tmp_path):
+    dense_dir = tmp_path / "dense"
+    tiny_models.tiny_qwen2().save_pretrained(dense_dir)
+    tokenizer = tiny_models.CharTokenizer()
+
+    loaded = AutoModelForCausalLM.from_pretrained(dense_dir, quantization_config=_config(tokenizer=tokenizer))
+    explicit = AutoModelForCausalLM.from_pretrained(dense_dir)
+    quantizer = FlattenQuantizer(_config(), progress=False)
+    quantizer.compress(explicit, tokenizer)
+
+    assert loaded.config.num_hidden_layers == 4
+    assert loaded.flatten_report["plan"] == quantizer.report["plan"]
+    assert not hasattr(loaded.config, "quantization_config")
+    assert getattr(loaded, "hf_quantizer", None) is None and not loaded.is_quantized
+    ids = sample_ids()
+    assert_close(logits(loaded, ids), logits(explicit, ids))
+    # The compressed model must not claim the dense checkpoint as its base.
+    assert loaded.name_or_path != str(dense_dir)
+
+    out = tmp_path / "saved"
+    loaded.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert_close(logits(reloaded, ids), logits(loaded, ids))
+
+
+def test_quantizer_save_makes_the_saved_directory_the_base(tmp_path):
+    model = tiny_models.tiny_llama_gqa()
+    model.config._name_or_path = "some/dense-checkpoint"
+    quantizer = FlattenQuantizer(_config(), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert quantizer.report["base_model"] == "some/dense-checkpoint"
+    assert model.name_or_path == ""
+    path = quantizer.save(model, tmp_path / "out")
+    assert model.name_or_path == str(path)
+    reloaded = AutoModelForCausalLM.from_pretrained(model.name_or_path)
+    assert_close(logits(reloaded, sample_ids()), logits(model, sample_ids()))
