@@ -279,6 +279,14 @@ class ArchitectureAdapter:
         """Checks that the config agrees with the modules and that a tiny forward runs with and without cache."""
         raise NotImplementedError
 
+    def export_model(self) -> nn.Module:
+        """The model to serialise as a plain checkpoint.
+
+        The default is the model itself; an adapter for remote code (e.g. Baichuan) returns an equivalent model of
+        a stock transformers class so that the checkpoint loads without remote code.
+        """
+        return self.model
+
     # ----------------------------------------------------------------- helpers
     def _copy_block(self, module: nn.Module) -> nn.Module:
         """Deep-copies a block but keeps its reference to the model config shared (attention reads it at run time)."""

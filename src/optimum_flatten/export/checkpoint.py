@@ -51,8 +51,10 @@ def save_compressed(
     path.parent.mkdir(parents=True, exist_ok=True)
     report = dict(report or {})
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    from ..adapters import get_adapter
+
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        get_adapter(model).export_model().save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         files = ["config.json", "model.safetensors", REPORT_NAME, "README.md"]
