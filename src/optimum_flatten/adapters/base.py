@@ -279,6 +279,26 @@ class ArchitectureAdapter:
         """Checks that the config agrees with the modules and that a tiny forward runs with and without cache."""
         raise NotImplementedError
 
+    #: Block submodules whose parameters a parameter merge combines; the norms stay those of the first member.
+    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("self_attn.", "mlp.")
+
+    def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The block parameters a parameter merge combines (attention and MLP), by state-dict name."""
+        return {
+            name: tensor.detach()
+            for name, tensor in module.state_dict().items()
+            if name.startswith(self.mergeable_prefixes) and tensor.is_floating_point()
+        }
+
+    def build_merged_block(self, stack: str, first: int, state: dict[str, torch.Tensor]) -> nn.Module:
+        """A copy of block `first` (its norms included) carrying the given merged attention/MLP parameters."""
+        block = self._copy_block(self.layers(stack)[first])
+        missing, unexpected = block.load_state_dict(state, strict=False)
+        wrong = [m for m in missing if m.startswith(self.mergeable_prefixes)]
+        if wrong or unexpected:
+            raise ValueError(f"merged parameters do not fit the block: missing {wrong}, unexpected {unexpected}.")
+        return block
+
     def export_model(self) -> nn.Module:
         """The model to serialise as a plain checkpoint.
 

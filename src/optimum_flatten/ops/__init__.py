@@ -1,18 +1,22 @@
 """How, as pure tensor functions: no module access, inputs never mutated, new tensors returned."""
 
 from .head_importance import accumulate_head_importance, kv_group_scores, o_proj_column_norms
+from .merge import MERGE_RULES, merge_as_reference_code, merge_by_differences
 from .norm_fold import fold_norm_into_linear
 from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores, ridge_reconstruction_error
 from .selection import greedy_adjacent_groups, top_k_indices
 from .similarity import masked_cosine_sum
 
 __all__ = [
+    "MERGE_RULES",
     "accumulate_head_importance",
     "default_ridge_lambda",
     "fold_norm_into_linear",
     "greedy_adjacent_groups",
     "kv_group_scores",
     "masked_cosine_sum",
+    "merge_as_reference_code",
+    "merge_by_differences",
     "nystrom_down_correction",
     "o_proj_column_norms",
     "ridge_leverage_scores",

@@ -1,0 +1,433 @@
+"""Baichuan-2 7B (remote code): the LLaMA block behind a fused q/k/v projection and a normalised LM head.
+
+Module layout bound here (the ``modeling_baichuan.py`` shipped with the Baichuan2-7B checkpoints, run through
+``trust_remote_code``; checked against transformers 5.23 with our re-implementation in ``tests/tiny_baichuan.py``):
+``model.model.layers[i]`` has ``input_layernorm`` / ``post_attention_layernorm`` (RMSNorm whose epsilon is called
+``epsilon`` in some revisions and ``variance_epsilon`` in others), ``self_attn.W_pack`` (one bias-free Linear
+hidden -> 3 * hidden whose rows are [q; k; v]), ``self_attn.o_proj``, ``self_attn.rotary_emb`` (RoPE with base
+10000, hard-coded rather than read from the config) and ``mlp.{gate,up,down}_proj`` (SwiGLU). ``model.lm_head`` is a
+``NormHead``: its (vocab, hidden) weight is L2-normalised row-wise before the matmul.
+
+Three remote-code quirks shape this adapter:
+
+* The attention module reads ``self.num_heads`` and ``self.hidden_size`` (as the width of each of q, k and v) at run
+  time, so every resize keeps both in line with W_pack (`_sync_sizes`).
+* The decoder layers are called with everything but the hidden state by keyword and return a tuple; the KV cache is
+  the legacy tuple of (k, v) per layer, addressed by the layer's position in the loop, not by a stored index.
+* ``model_type`` is ``"baichuan"`` for Baichuan-1 and Baichuan-2, 7B and 13B alike, so the family is also chosen by
+  ``config.architectures``, and the 13B models (ALiBi instead of RoPE) are refused when the adapter is created.
+
+`export_model` returns an equivalent stock `transformers.LlamaForCausalLM`, so a compressed checkpoint reloads
+with plain transformers and no remote code.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..utils.errors import UnsupportedArchitectureError
+from .base import AttentionView, BlockView, HeadGeometry, LinearView, MlpView, NormView
+from .llama import LlamaAdapter, check_cached_forward
+from .registry import register_adapter
+
+logger = logging.getLogger(__name__)
+
+#: The remote-code class this adapter binds to (lower-case "c"; Baichuan-1 7B is "BaiChuanForCausalLM").
+BAICHUAN2_ARCHITECTURE = "BaichuanForCausalLM"
+
+#: Baichuan2-7B's RotaryEmbedding hard-codes ``base=10000`` and its config has no ``rope_theta``.
+DEFAULT_ROPE_THETA = 10000.0
+
+#: Attribute set on a fused projection while its q/k/v parts have different sizes (in the middle of a resize).
+_PENDING_SIZES = "_optimum_flatten_packed_sizes"
+
+
+def packed_sizes(fused: nn.Linear, num_parts: int = 3) -> tuple[int, ...]:
+    """Row counts of the parts of a fused projection: equal thirds, unless a resize of one part is under way.
+
+    Raises:
+        ValueError: when the rows cannot be split into `num_parts` equal parts and no resize is recorded.
+    """
+    pending = getattr(fused, _PENDING_SIZES, None)
+    if pending is not None:
+        return tuple(pending)
+    rows = fused.weight.shape[0]
+    if rows % num_parts:
+        raise ValueError(
+            f"a fused projection with {rows} rows cannot hold {num_parts} equal parts; expected a multiple of "
+            f"{num_parts} (W_pack rows are [q; k; v])."
+        )
+    return (rows // num_parts,) * num_parts
+
+
+class PackedLinearView(LinearView):
+    """One part (q, k or v) of a fused projection such as Baichuan's ``W_pack``, seen as its own (out, in) map.
+
+    `weight` is the part's row slice of the fused weight; `set_` rebuilds the fused parameter with this part
+    replaced, so the part may change its number of rows (heads). While q, k and v are resized one after the other,
+    the fused module records the unequal sizes, so that every view of it keeps finding its rows; the record goes away
+    once the three parts are equal again. `module` is the fused Linear, since there is no module of the part alone.
+    """
+
+    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
+        super().__init__(parent, name)
+        if not 0 <= part < num_parts:
+            raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
+        self._part = part
+        self._num_parts = num_parts
+
+    def _rows(self) -> slice:
+        sizes = packed_sizes(self.module, self._num_parts)
+        start = sum(sizes[: self._part])
+        return slice(start, start + sizes[self._part])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight.data[self._rows()]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.module.bias
+        return None if bias is None else bias.data[self._rows()]
+
+    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Replaces this part by ``x @ weight.T + bias``; the other parts of the fused projection stay as they are."""
+        fused = self.module
+        if weight.dim() != 2 or weight.shape[1] != fused.in_features:
+            raise ValueError(
+                f"weight must be (rows, in_features={fused.in_features}), got {tuple(weight.shape)}; the parts of a "
+                "fused projection share its input."
+            )
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be ({weight.shape[0]},) to match the weight, got {tuple(bias.shape)}.")
+        sizes = list(packed_sizes(fused, self._num_parts))
+        dtype, device = fused.weight.dtype, fused.weight.device
+        starts = [sum(sizes[:i]) for i in range(self._num_parts)]
+        weights = [fused.weight.data[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+        weights[self._part] = weight.detach().to(device=device, dtype=dtype)
+        new_bias = None
+        if fused.bias is not None or bias is not None:
+            # A part without a bias is a part with a zero bias: exact, and the fused module needs one bias or none.
+            biases = [
+                fused.bias.data[s : s + n] if fused.bias is not None else torch.zeros(n, dtype=dtype, device=device)
+                for s, n in zip(starts, sizes, strict=True)
+            ]
+            biases[self._part] = (
+                torch.zeros(weight.shape[0], dtype=dtype, device=device)
+                if bias is None
+                else bias.detach().to(device=device, dtype=dtype)
+            )
+            new_bias = torch.cat(biases)
+        sizes[self._part] = weight.shape[0]
+        super().set_(torch.cat(weights), new_bias)
+        if len(set(sizes)) > 1:
+            setattr(self.module, _PENDING_SIZES, tuple(sizes))
+
+
+@register_adapter
+class BaichuanAdapter(LlamaAdapter):
+    """Baichuan-2 7B: the LLaMA adapter's maths over views that hide the fused W_pack and the NormHead.
+
+    Concatenation, head and channel pruning are the LLaMA ones (they only go through views); this class binds the
+    remote module names, keeps the remote attention's size attributes in line, and exports to LlamaForCausalLM.
+
+    Raises (at construction, before anything is read or changed):
+        UnsupportedArchitectureError: for a ``baichuan`` model that is not ``BaichuanForCausalLM``, or that uses
+            ALiBi (Baichuan-13B, Baichuan2-13B).
+    """
+
+    model_types = ("baichuan",)
+    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self._check_architecture()
+        self._refuse_alibi()
+
+    # ------------------------------------------------------------ family checks
+    def _check_architecture(self) -> None:
+        architectures = list(getattr(self.config, "architectures", None) or [])
+        if not architectures:
+            # A model built from a config in memory has no `architectures` until it is saved; its class tells.
+            architectures = [type(self.model).__name__]
+        if BAICHUAN2_ARCHITECTURE not in architectures:
+            raise UnsupportedArchitectureError(
+                f"BaichuanAdapter serves model_type 'baichuan' with architectures [{BAICHUAN2_ARCHITECTURE!r}] "
+                f"(Baichuan-2 remote code), got architectures {architectures}. model_type 'baichuan' is shared by "
+                "remote-code families with different layouts (Baichuan-1 7B is 'BaiChuanForCausalLM'); load a "
+                "Baichuan-2 checkpoint with trust_remote_code=True, or convert the model to a supported type first."
+            )
+
+    def _refuse_alibi(self) -> None:
+        """Refuses the 13B models, which use ALiBi position biases instead of RoPE.
+
+        The config alone tells them apart: the 7B config defines ``max_position_embeddings`` (its RoPE table reads
+        it) next to ``model_max_length``, while the Baichuan-13B and Baichuan2-13B configs only define
+        ``model_max_length``. The 13B base model also has a ``get_alibi_mask`` method, checked as a second sign.
+        """
+        reasons = []
+        if not hasattr(self.config, "max_position_embeddings"):
+            reasons.append(
+                "its config has no max_position_embeddings (only model_max_length="
+                f"{getattr(self.config, 'model_max_length', None)}), as in the 13B configs"
+            )
+        if hasattr(self.base_model(), "get_alibi_mask"):
+            reasons.append("its base model builds an ALiBi mask (get_alibi_mask)")
+        if reasons:
+            raise UnsupportedArchitectureError(
+                "this Baichuan model uses ALiBi position biases (Baichuan-13B / Baichuan2-13B): "
+                + "; ".join(reasons)
+                + ". No stock transformers architecture with RMSNorm and a SwiGLU MLP supports ALiBi, so a "
+                "compressed 13B model could not be saved as a plain checkpoint. Only the RoPE models "
+                "(Baichuan2-7B) are supported; use Baichuan2-7B, or a LLaMA-family model."
+            )
+
+    # ----------------------------------------------------------------- reading
+    def embeddings(self) -> nn.Module:
+        return self.base_model().embed_tokens
+
+    def lm_head(self) -> nn.Module | None:
+        """The ``NormHead``; its `weight` is the raw parameter, normalised row-wise at inference (see export)."""
+        return self.model.lm_head
+
+    def block_view(self, module: nn.Module, index: int) -> BlockView:
+        attn, mlp = module.self_attn, module.mlp
+        head_dim = attn.head_dim
+        q_rows, k_rows, _ = packed_sizes(attn.W_pack)
+        geometry = HeadGeometry(
+            num_heads=q_rows // head_dim,
+            num_kv_heads=k_rows // head_dim,
+            head_dim=head_dim,
+            hidden_size=attn.W_pack.in_features,
+        )
+        return BlockView(
+            index=index,
+            module=module,
+            norm_position="pre",
+            attn_norm=NormView(module.input_layernorm, "rms"),
+            mlp_norm=NormView(module.post_attention_layernorm, "rms"),
+            attention=AttentionView(
+                q=PackedLinearView(attn, "W_pack", 0),
+                k=PackedLinearView(attn, "W_pack", 1),
+                v=PackedLinearView(attn, "W_pack", 2),
+                o=LinearView(attn, "o_proj"),
+                geometry=geometry,
+                position_scheme="rope",
+                module=attn,
+            ),
+            mlp=MlpView(
+                up=LinearView(mlp, "up_proj"),
+                gate=LinearView(mlp, "gate_proj"),
+                down=LinearView(mlp, "down_proj"),
+                activation=mlp.act_fn,
+                module=mlp,
+            ),
+        )
+
+    # ---------------------------------------------------------------- mutating
+    def _sync_sizes(self, module: nn.Module) -> None:
+        """Keeps the remote attention's run-time size attributes in line with its resized W_pack.
+
+        The remote forward splits W_pack's output with ``unflatten(-1, (3, self.hidden_size))`` and reshapes the
+        heads with ``self.num_heads``, so ``hidden_size`` there is the width of each of q, k and v (equal to the model
+        width only while the block has its original number of heads).
+        """
+        super()._sync_sizes(module)
+        attn = module.self_attn
+        sizes = packed_sizes(attn.W_pack)
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                f"W_pack holds q/k/v parts of {list(sizes)} rows; Baichuan's attention needs equal parts (full "
+                "multi-head attention). Resize q, k and v together (keep_heads_)."
+            )
+        attn.num_heads = sizes[0] // attn.head_dim
+        attn.hidden_size = sizes[0]
+
+    def reindex_(self, stack: str = "decoder") -> None:
+        """Nothing to renumber: the tuple KV cache is addressed by the layer's position in the model's loop.
+
+        The remote layers store no layer index (the model passes ``past_key_values[idx]`` to layer ``idx``), so a
+        stack with dropped or merged layers is consistent as soon as the module list is.
+        """
+        self._check_stack(stack)
+
+    # -------------------------------------------------------------- validating
+    def validate(self) -> None:
+        layers = self.layers()
+        problems = []
+        if self.config.num_hidden_layers != len(layers):
+            problems.append(f"config.num_hidden_layers={self.config.num_hidden_layers} but {len(layers)} layers")
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            pending = getattr(attn.W_pack, _PENDING_SIZES, None)
+            if pending is not None:
+                problems.append(f"layer {i} W_pack holds unequal q/k/v parts {list(pending)}")
+                continue
+            g = self.block_view(layer, i).attention.geometry
+            if g.num_heads != self.config.num_attention_heads or g.num_kv_heads != g.num_heads:
+                problems.append(f"layer {i} has {g.num_heads} heads / {g.num_kv_heads} KV heads")
+            if attn.num_heads != g.num_heads or attn.hidden_size != g.num_heads * g.head_dim:
+                problems.append(
+                    f"layer {i} attention attributes num_heads={attn.num_heads}, hidden_size={attn.hidden_size} "
+                    f"disagree with W_pack ({g.num_heads} heads of {g.head_dim})"
+                )
+            if layer.mlp.up_proj.out_features != self.config.intermediate_size:
+                problems.append(f"layer {i} has intermediate size {layer.mlp.up_proj.out_features}")
+        if problems:
+            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
+        # The remote forward takes `past_key_values` as the legacy tuple and returns one; the check only passes the
+        # returned cache back in, so it holds for tuple caches as well.
+        check_cached_forward(self.model)
+
+    # --------------------------------------------------------------- exporting
+    def export_model(self) -> nn.Module:
+        """An equivalent stock `LlamaForCausalLM`, so the saved checkpoint loads without remote code.
+
+        W_pack is split into q/k/v_proj, the norms keep their epsilon, the NormHead's row normalisation is baked into
+        ``lm_head.weight`` (so the head no longer needs to normalise), and the embeddings stay untied. Unchanged
+        tensors are shared with this model, not copied; the q/k/v slices and the normalised head are new tensors.
+
+        Raises:
+            ValueError: when the layers differ in head count, head size or MLP width (LLaMA has one of each), carry
+                biases, or use different norm epsilons.
+            UnsupportedArchitectureError: when the rotary frequencies are not plain RoPE with one base.
+        """
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        base = self.base_model()
+        blocks = self.blocks()
+        shapes = {
+            (b.attention.geometry.num_heads, b.attention.geometry.head_dim, b.mlp.intermediate_size) for b in blocks
+        }
+        if len(shapes) != 1:
+            raise ValueError(
+                f"export to LlamaForCausalLM needs every layer to have the same (heads, head_dim, intermediate size), "
+                f"got {sorted(shapes)}; LLaMA has one of each. Compress to a uniform shape first."
+            )
+        num_heads, head_dim, intermediate_size = shapes.pop()
+        biased = sorted(
+            {
+                name
+                for b in blocks
+                for name, view in (
+                    ("W_pack", b.attention.q),
+                    ("o_proj", b.attention.o),
+                    ("gate_proj", b.mlp.gate),
+                    ("up_proj", b.mlp.up),
+                    ("down_proj", b.mlp.down),
+                )
+                if view is not None and view.module.bias is not None
+            }
+        )
+        if biased:
+            raise ValueError(
+                f"Baichuan's projections have no biases, but {biased} carry one; the LLaMA export (attention_bias="
+                "False, mlp_bias=False) would drop it. Export a model whose projections have no bias."
+            )
+        norms = [m for b in blocks for m in (b.attn_norm.module, b.mlp_norm.module)] + [base.norm]
+        epsilons = {self._norm_epsilon(m) for m in norms}
+        if len(epsilons) != 1:
+            raise ValueError(f"the RMSNorms use different epsilons {sorted(epsilons)}; LLaMA has one rms_norm_eps.")
+        embed = self.embeddings()
+        dtype = embed.weight.dtype
+        llama_config = LlamaConfig(
+            vocab_size=embed.weight.shape[0],
+            hidden_size=embed.weight.shape[1],
+            intermediate_size=intermediate_size,
+            num_hidden_layers=len(blocks),
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            head_dim=head_dim,
+            hidden_act=getattr(self.config, "hidden_act", "silu"),
+            max_position_embeddings=self.config.max_position_embeddings,
+            initializer_range=getattr(self.config, "initializer_range", 0.02),
+            rms_norm_eps=epsilons.pop(),
+            rope_parameters={"rope_type": "default", "rope_theta": self._rope_theta(head_dim)},
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            pad_token_id=getattr(self.config, "pad_token_id", None),
+            bos_token_id=getattr(self.config, "bos_token_id", None),
+            eos_token_id=getattr(self.config, "eos_token_id", None),
+            dtype=dtype,
+        )
+        state = {
+            "model.embed_tokens.weight": embed.weight.detach(),
+            "model.norm.weight": base.norm.weight.detach(),
+            "lm_head.weight": self._effective_head_weight(),
+        }
+        for i, block in enumerate(blocks):
+            prefix = f"model.layers.{i}."
+            att, mlp = block.attention, block.mlp
+            state[prefix + "input_layernorm.weight"] = block.attn_norm.weight.detach()
+            state[prefix + "post_attention_layernorm.weight"] = block.mlp_norm.weight.detach()
+            # Slices of W_pack are copied: safetensors refuses tensors that share storage.
+            for name, view in (("q_proj", att.q), ("k_proj", att.k), ("v_proj", att.v)):
+                state[prefix + f"self_attn.{name}.weight"] = view.weight.detach().clone()
+            state[prefix + "self_attn.o_proj.weight"] = att.o.weight.detach()
+            for name, view in (("gate_proj", mlp.gate), ("up_proj", mlp.up), ("down_proj", mlp.down)):
+                state[prefix + f"mlp.{name}.weight"] = view.weight.detach()
+        # Built on the meta device so no weights are allocated or randomly initialised, then given the tensors.
+        with torch.device("meta"):
+            exported = LlamaForCausalLM(llama_config)
+        exported.load_state_dict(state, strict=True, assign=True)
+        # The rotary frequencies are a non-persistent buffer (not in the state dict): rebuild them for real.
+        device = embed.weight.device
+        exported.model.rotary_emb = type(exported.model.rotary_emb)(config=exported.config).to(device)
+        left_on_meta = [n for n, t in [*exported.named_parameters(), *exported.named_buffers()] if t.is_meta]
+        if left_on_meta:
+            raise RuntimeError(f"LLaMA export left tensors without data: {left_on_meta}.")
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            exported.generation_config = copy.deepcopy(generation_config)
+        exported.train(self.model.training)
+        return exported
+
+    def _effective_head_weight(self) -> torch.Tensor:
+        """The matrix the head really multiplies by: NormHead normalises each vocabulary row to unit L2 norm.
+
+        The remote NormHead also overwrites its weight with the normalised one on its first eval forward; normalising
+        again is then a no-op, so the result does not depend on whether the model has run yet.
+        """
+        head = self.lm_head()
+        weight = head.weight.detach()
+        if isinstance(head, nn.Linear):  # a plain head (e.g. a converted model) multiplies by its weight as is
+            return weight
+        return F.normalize(weight.float(), dim=-1).to(weight.dtype)
+
+    def _norm_epsilon(self, norm: nn.Module) -> float:
+        # Baichuan2-13B's RMSNorm calls it `epsilon`, other revisions `variance_epsilon`; `eps` is torch's name.
+        for name in ("epsilon", "variance_epsilon", "eps"):
+            value = getattr(norm, name, None)
+            if isinstance(value, (int, float)):
+                return float(value)
+        return float(self.config.rms_norm_eps)
+
+    def _rope_theta(self, head_dim: int) -> float:
+        """The RoPE base, checked against the rotary frequencies the layers really use when they expose them."""
+        theta = float(getattr(self.config, "rope_theta", None) or DEFAULT_ROPE_THETA)
+        expected = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        for i, layer in enumerate(self.layers()):
+            inv_freq = getattr(getattr(layer.self_attn, "rotary_emb", None), "inv_freq", None)
+            if not isinstance(inv_freq, torch.Tensor) or inv_freq.is_meta:
+                continue
+            if inv_freq.shape != expected.shape or not torch.allclose(
+                inv_freq.double().cpu(), expected, rtol=1e-5, atol=0
+            ):
+                raise UnsupportedArchitectureError(
+                    f"layer {i}'s rotary frequencies are not plain RoPE with base {theta:g} over head_dim {head_dim} "
+                    f"(got {inv_freq.numel()} frequencies starting {inv_freq.flatten()[:3].tolist()}); the LLaMA "
+                    "export would change the outputs. Set config.rope_theta to the base the model uses."
+                )
+        return theta
+
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Sets ``num_hidden_layers``; Baichuan has no per-layer config lists."""
+        self._check_stack(stack)
+        self.config.num_hidden_layers = len(list(first_indices))

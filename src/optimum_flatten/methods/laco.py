@@ -1,0 +1,110 @@
+"""LaCo (Yang et al., 2024, "LaCo: Large Language Model Pruning via Layer Collapse").
+
+From the top of a protected range [min_layer, max_layer] downwards, a window of `window_size` consecutive layers
+is collapsed into its first by parameter differences, θ* = θ_l + Σ_k (θ_{l+k} − θ_l), computed in float32 from
+the unmodified parameters. The collapse is kept when the cosine similarity between the final hidden states of
+the collapsed and the original model on the calibration text stays above `threshold`; the window then moves
+down by `interval`, otherwise by one layer. It stops when the requested number of layers is removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..config import LayerPlan, MethodConfig
+from .base import CompressionMethod, MethodContext
+from .registry import register_method
+from .stack_search import (
+    Group,
+    StackEvaluator,
+    apply_parameter_merge_,
+    check_layer_range,
+    identity_stack,
+    merge_positions,
+    search_threshold,
+)
+
+
+def check_threshold(value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) <= 1.0):
+        raise ValueError(f"threshold must be in (0, 1] or None (search it), got {value!r}.")
+
+
+@dataclass
+class LaCoConfig(MethodConfig):
+    """Options of LaCo.
+
+    Attributes:
+        window_size: Layers collapsed per merge (C in the paper); each accepted merge removes window_size - 1.
+        interval: How far the window moves down after an accepted merge (I in the paper).
+        threshold: Minimum cosine similarity to the original final hidden states (T); None searches the highest
+            threshold that reaches the target.
+        min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
+        merge_rule: ``"differences"`` (the paper's formula) or ``"reference_code"`` (the published code's
+            in-place update, which ends up copying the last layer's attention and MLP onto the first layer's norms).
+    """
+
+    window_size: int = 4
+    interval: int = 2
+    threshold: float | None = 0.65
+    min_layer: int = 1
+    max_layer: int | None = None
+    merge_rule: Literal["differences", "reference_code"] = "differences"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window_size, int) or self.window_size < 2:
+            raise ValueError(f"window_size must be an integer >= 2, got {self.window_size!r}.")
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}.")
+        check_threshold(self.threshold)
+        if self.merge_rule not in ("differences", "reference_code"):
+            raise ValueError(f"merge_rule must be 'differences' or 'reference_code', got {self.merge_rule!r}.")
+
+
+@register_method("laco")
+class LaCoMethod(CompressionMethod):
+    config_class = LaCoConfig
+    requires_calibration = True
+    required_capabilities = frozenset({"layer_drop"})
+    config: LaCoConfig
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        num_layers = adapter.num_layers(context.stack)
+        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
+        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
+
+        def run(threshold: float) -> list[Group] | None:
+            return self._collapse(evaluator, threshold, num_to_remove, top)
+
+        if self.config.threshold is None:
+            threshold, stack = search_threshold(run)
+        else:
+            threshold, stack = self.config.threshold, run(self.config.threshold)
+            if stack is None:
+                raise ValueError(
+                    f"LaCo could not remove {num_to_remove} layers at threshold={threshold}; lower the threshold, "
+                    "or pass threshold=None to search for the highest one that reaches the target."
+                )
+        context.report["threshold"] = threshold
+        context.report["final_similarity"] = evaluator.score(stack)
+        return LayerPlan(
+            num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
+        )
+
+    def _collapse(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+        stack = identity_stack(evaluator.num_layers)
+        removed = 0
+        start = top - self.config.window_size + 1
+        while removed < target and start >= self.config.min_layer:
+            size = min(self.config.window_size, target - removed + 1)
+            candidate = merge_positions(stack, start, start + size - 1)
+            if evaluator.score(candidate) > threshold:
+                stack, removed = candidate, removed + size - 1
+                start -= self.config.interval
+            else:
+                start -= 1
+        return stack if removed == target else None
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        apply_parameter_merge_(adapter, plan, self.config.merge_rule)

@@ -1,0 +1,104 @@
+"""SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and Elimination of Blocks").
+
+Iterative: at each step remove the single layer whose removal raises the calibration negative log-likelihood
+the least, then re-score the shortened model. The states entering every layer of the current model are computed
+once per step; a candidate removal at position p re-runs only the layers above p.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import LayerPlan, MethodConfig
+from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .registry import register_method
+
+
+@dataclass
+class SLEBConfig(MethodConfig):
+    """Options of SLEB.
+
+    Attributes:
+        protect_first: Never remove the first layer.
+        protect_last: Never remove the last layer.
+        scoring_batches: Score removals on the first this-many calibration batches only (None: all); the cost of
+            a step is about L²/2 layer runs plus L LM-head evaluations over the scored tokens.
+    """
+
+    protect_first: bool = False
+    protect_last: bool = False
+    scoring_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scoring_batches is not None and (not isinstance(self.scoring_batches, int) or self.scoring_batches < 1):
+            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
+
+
+def calibration_nll(adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any]) -> float:
+    """Mean next-token NLL of final-layer states (before the final norm), over token pairs that are both real."""
+    norm, head = adapter.final_norm(), adapter.lm_head()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for hidden, batch in zip(states, batches, strict=True):
+            mask = batch.attention_mask.to(hidden.device).bool()
+            targets = batch.input_ids.to(hidden.device)
+            for row in range(hidden.shape[0]):  # one row at a time bounds the (seq, vocab) logits
+                logits = head(norm(hidden[row : row + 1]))[0, :-1].float()
+                valid = mask[row, :-1] & mask[row, 1:]
+                nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
+                total += float(nll)
+                count += int(valid.sum())
+    return total / count
+
+
+@register_method("sleb")
+class SLEBMethod(CompressionMethod):
+    config_class = SLEBConfig
+    requires_calibration = True
+    required_capabilities = frozenset({"layer_drop"})
+    config: SLEBConfig
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        num_layers = adapter.num_layers(context.stack)
+        protected = {0} if self.config.protect_first else set()
+        if self.config.protect_last:
+            protected.add(num_layers - 1)
+        if num_layers - len(protected) < num_to_remove:
+            raise ValueError(
+                f"with protected layers {sorted(protected)} only {num_layers - len(protected)} layers can be "
+                f"removed, fewer than the {num_to_remove} requested."
+            )
+        runner = context.new_runner(adapter)
+        limit = self.config.scoring_batches or runner.num_batches
+        batches = list(context.batches)[:limit]
+        inputs = runner.inputs[:limit]
+        layers = adapter.layers(context.stack)
+        kept = list(range(num_layers))
+        history = []
+        with context.timer("selection"), context.progress_bar(num_to_remove, "sleb") as bar:
+            for step in range(num_to_remove):
+                states = [inputs]
+                for index in kept:
+                    states.append(runner.run(layers[index], index, states[-1]))
+                scores = {}
+                for position, index in enumerate(kept):
+                    if index in protected:
+                        continue
+                    current = states[position]
+                    for later in kept[position + 1 :]:
+                        current = runner.run(layers[later], later, current)
+                    scores[index] = calibration_nll(adapter, current, batches)
+                removed = min(scores, key=lambda i: (scores[i], i))
+                history.append({"removed": removed, "nll": scores[removed], "scores": scores})
+                kept.remove(removed)
+                bar.set_description(f"step {step + 1}/{num_to_remove}: removed layer {removed}")
+                bar.update()
+        context.report["sleb_steps"] = [{"removed": h["removed"], "nll": round(h["nll"], 6)} for h in history]
+        return LayerPlan.from_kept(num_layers, kept, stack=context.stack)
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        apply_layer_drop_(adapter, plan)

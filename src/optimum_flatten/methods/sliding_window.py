@@ -1,0 +1,121 @@
+"""Sliding-Window Merging (AAAI-26): grow a window of adjacent layers from the top, merge it, slide down.
+
+Within a protected range [min_layer, max_layer] a window ending at layer e grows towards shallower layers while
+the model with the window merged by parameter differences (θ* = θ_s + Σ_k (θ_k − θ_s), float32, unmodified
+parameters) stays similar to the original (cosine or linear CKA of the final hidden states, on the calibration
+text) above `threshold`. The largest accepted window is merged and the next window ends just below it. With a
+target number of removed layers, merging stops when it is reached, and `threshold=None` searches the highest
+threshold that reaches it.
+
+The published code never commits the window it is growing when the loop reaches the bottom of the range; that
+behaviour, and its in-place merge (which copies the last layer onto the first layer's norms), are reproduced
+only with ``merge_rule="reference_code"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..config import LayerPlan, MethodConfig
+from .base import CompressionMethod, MethodContext
+from .laco import check_threshold
+from .registry import register_method
+from .stack_search import (
+    Group,
+    StackEvaluator,
+    apply_parameter_merge_,
+    check_layer_range,
+    identity_stack,
+    merge_positions,
+    search_threshold,
+)
+
+
+@dataclass
+class SlidingWindowConfig(MethodConfig):
+    """Options of Sliding-Window Merging.
+
+    Attributes:
+        threshold: Minimum similarity to the original final states for a window to grow; None searches the highest
+            threshold that reaches the target.
+        similarity: ``"cosine"`` (mean token cosine) or ``"cka"`` (linear CKA over tokens).
+        min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
+        merge_rule: ``"differences"`` (the paper) or ``"reference_code"`` (the published code, see module doc).
+        search_steps: Bisection steps when searching the threshold.
+    """
+
+    threshold: float | None = None
+    similarity: Literal["cosine", "cka"] = "cosine"
+    min_layer: int = 1
+    max_layer: int | None = None
+    merge_rule: Literal["differences", "reference_code"] = "differences"
+    search_steps: int = 10
+
+    def __post_init__(self) -> None:
+        check_threshold(self.threshold)
+        if self.similarity not in ("cosine", "cka"):
+            raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
+        if self.merge_rule not in ("differences", "reference_code"):
+            raise ValueError(f"merge_rule must be 'differences' or 'reference_code', got {self.merge_rule!r}.")
+        if not isinstance(self.search_steps, int) or self.search_steps < 1:
+            raise ValueError(f"search_steps must be a positive integer, got {self.search_steps!r}.")
+
+
+@register_method("sliding_window")
+class SlidingWindowMethod(CompressionMethod):
+    config_class = SlidingWindowConfig
+    requires_calibration = True
+    required_capabilities = frozenset({"layer_drop"})
+    config: SlidingWindowConfig
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        num_layers = adapter.num_layers(context.stack)
+        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
+        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
+
+        def run(threshold: float) -> list[Group] | None:
+            return self._slide(evaluator, threshold, num_to_remove, top)
+
+        if self.config.threshold is None:
+            threshold, stack = search_threshold(run, steps=self.config.search_steps)
+        else:
+            threshold, stack = self.config.threshold, run(self.config.threshold)
+            if stack is None:
+                raise ValueError(
+                    f"sliding_window could not remove {num_to_remove} layers at threshold={threshold}; lower it, or "
+                    "pass threshold=None to search for the highest one that reaches the target."
+                )
+        context.report["threshold"] = threshold
+        context.report["final_similarity"] = evaluator.score(stack, self.config.similarity)
+        return LayerPlan(
+            num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
+        )
+
+    def _slide(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+        stack: list[Group] = identity_stack(evaluator.num_layers)
+        removed = 0
+        end = top
+        reference_code = self.config.merge_rule == "reference_code"
+        while removed < target and end > self.config.min_layer:
+            # Below `end` nothing is merged yet, so positions there are original indices.
+            start, best, reached_bottom = end - 1, None, False
+            while True:
+                if start < self.config.min_layer:
+                    reached_bottom = True
+                    break
+                if end - start > target - removed:
+                    break
+                if evaluator.score(merge_positions(stack, start, end), self.config.similarity) < threshold:
+                    break
+                best, start = start, start - 1
+            if best is not None and not (reference_code and reached_bottom):
+                stack = merge_positions(stack, best, end)
+                removed += end - best
+                end = best - 1
+            else:
+                end = end - 1 if best is None else best - 1
+        return stack if removed == target else None
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        apply_parameter_merge_(adapter, plan, self.config.merge_rule)

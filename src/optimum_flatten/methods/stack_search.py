@@ -1,0 +1,166 @@
+"""Shared machinery of the methods that search over candidate stacks (LaCo, Sliding-Window Merging, SLEB).
+
+A candidate stack is an ordered list of groups of original layer indices: a group of one is the original layer,
+a larger group is those layers merged by parameters. The evaluator caches the original model's input to every
+layer once, so a candidate that first differs from the original at position p is run from the cached state of
+p onwards: the prefix is never recomputed. Memory: (L + 1) copies of the calibration states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..ops import MERGE_RULES, masked_cosine_sum
+from .base import MethodContext
+
+Group = tuple[int, ...]
+
+
+class StackEvaluator:
+    """Runs candidate stacks on the calibration batches and compares them with the original model."""
+
+    def __init__(self, adapter: Any, context: MethodContext, merge_rule: str = "differences") -> None:
+        if merge_rule not in MERGE_RULES:
+            raise ValueError(f"merge_rule must be one of {sorted(MERGE_RULES)}, got {merge_rule!r}.")
+        self.adapter = adapter
+        self.context = context
+        self.merge = MERGE_RULES[merge_rule]
+        self.runner = context.new_runner(adapter)
+        self.layers = list(adapter.layers(context.stack))
+        self.masks = self.runner.masks
+        self._merged_cache: dict[Group, nn.Module] = {}
+        self._scores: dict[tuple[str, tuple[Group, ...]], float] = {}
+        with context.timer("selection"):
+            states = [self.runner.inputs]
+            for i, layer in enumerate(self.layers):
+                states.append(self.runner.run(layer, i, states[-1]))
+        #: states[i] enters original layer i; states[L] leaves the last layer (before the final norm).
+        self.states = states
+        self.reference = self.finish(states[-1])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def block(self, group: Group) -> nn.Module:
+        """The module for a group: the original layer, or the members merged by parameters (cached)."""
+        if len(group) == 1:
+            return self.layers[group[0]]
+        if group not in self._merged_cache:
+            state = self.merge([self.adapter.mergeable_state(self.layers[i]) for i in group])
+            self._merged_cache[group] = self.adapter.build_merged_block(self.context.stack, group[0], state)
+        return self._merged_cache[group]
+
+    def run(self, stack: Sequence[Group]) -> list[torch.Tensor]:
+        """Final-norm states of a candidate stack, reusing the cached original prefix."""
+        start = 0
+        while start < len(stack) and stack[start] == (start,):
+            start += 1
+        current = self.states[start]
+        with self.context.timer("selection"):
+            for group in stack[start:]:
+                current = self.runner.run(self.block(group), group[0], current)
+        # Keep only the merged blocks this stack uses: the accepted ones are reused by the next candidates, the
+        # rejected ones would otherwise pile up one layer each.
+        used = set(stack)
+        self._merged_cache = {g: m for g, m in self._merged_cache.items() if g in used}
+        return self.finish(current)
+
+    def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        norm = self.adapter.final_norm()
+        with torch.no_grad():
+            return [norm(h) if norm is not None else h for h in states]
+
+    def cosine_to_reference(self, states: Sequence[torch.Tensor]) -> float:
+        """Masked mean token cosine similarity between a candidate's final states and the original model's."""
+        total, count = 0.0, 0
+        for a, b, mask in zip(states, self.reference, self.masks, strict=True):
+            s, c = masked_cosine_sum(a, b, mask)
+            total, count = total + s, count + c
+        return total / count
+
+    def cka_to_reference(self, states: Sequence[torch.Tensor]) -> float:
+        """Linear CKA between the candidate's and the original's final token representations (masked)."""
+        x = torch.cat([h[m.bool()] for h, m in zip(states, self.masks, strict=True)]).double()
+        y = torch.cat([h[m.bool()] for h, m in zip(self.reference, self.masks, strict=True)]).double()
+        x = x - x.mean(dim=0)
+        y = y - y.mean(dim=0)
+        cross = (x.T @ y).norm() ** 2
+        return float(cross / ((x.T @ x).norm() * (y.T @ y).norm()))
+
+    def score(self, stack: Sequence[Group], kind: str = "cosine") -> float:
+        """Similarity of a candidate stack to the original model, memoised: a threshold search revisits stacks."""
+        key = (kind, tuple(stack))
+        if key not in self._scores:
+            if kind == "cosine":
+                self._scores[key] = self.cosine_to_reference(self.run(stack))
+            elif kind == "cka":
+                self._scores[key] = self.cka_to_reference(self.run(stack))
+            else:
+                raise ValueError(f"similarity must be 'cosine' or 'cka', got {kind!r}.")
+        return self._scores[key]
+
+
+def identity_stack(num_layers: int) -> list[Group]:
+    return [(i,) for i in range(num_layers)]
+
+
+def merge_positions(stack: Sequence[Group], start: int, stop: int) -> list[Group]:
+    """The stack with its groups at positions start..stop (inclusive) merged into one."""
+    merged = tuple(i for group in stack[start : stop + 1] for i in group)
+    return [*stack[:start], merged, *stack[stop + 1 :]]
+
+
+def check_layer_range(num_layers: int, min_layer: int, max_layer: int | None, num_to_remove: int) -> int:
+    """Validates a protected range [min_layer, max_layer] (0-based, inclusive) and returns max_layer.
+
+    Raises:
+        ValueError: when the range is empty or cannot lose `num_to_remove` layers by merging within it.
+    """
+    top = num_layers - 1 if max_layer is None else max_layer
+    if not 0 <= min_layer <= top < num_layers:
+        raise ValueError(
+            f"layer range [min_layer={min_layer}, max_layer={max_layer}] is not within 0..{num_layers - 1}."
+        )
+    removable = top - min_layer
+    if num_to_remove > removable:
+        raise ValueError(
+            f"the layer range [{min_layer}, {top}] holds {removable + 1} layers, so merging within it can remove "
+            f"at most {removable}, fewer than the {num_to_remove} requested. Widen min_layer/max_layer or remove fewer."
+        )
+    return top
+
+
+def search_threshold(
+    run: Callable[[float], list[Group] | None], low: float = 0.0, high: float = 1.0, steps: int = 12
+) -> tuple[float, list[Group]]:
+    """Bisects the highest threshold for which `run(threshold)` reaches the target (returns a stack, not None)."""
+    best = run(low)
+    if best is None:
+        raise ValueError("no threshold reaches the requested number of removed layers, even 0; widen the layer range.")
+    best_threshold = low
+    for _ in range(steps):
+        middle = (low + high) / 2
+        stack = run(middle)
+        if stack is None:
+            high = middle
+        else:
+            low, best, best_threshold = middle, stack, middle
+    return best_threshold, best
+
+
+def apply_parameter_merge_(adapter: Any, plan: Any, merge_rule: str) -> None:
+    """Applies a plan whose groups merge layers by parameters, computed from the unmodified layers."""
+    merge = MERGE_RULES[merge_rule]
+    layers = adapter.layers(plan.stack)
+    merged = {}
+    for group in plan.merged_groups:
+        state = merge([adapter.mergeable_state(layers[i]) for i in group])
+        merged[group[0]] = adapter.build_merged_block(plan.stack, group[0], state)
+    for first, block in merged.items():
+        adapter.replace_block_(plan.stack, first, block)
+    adapter.keep_layers_(plan.stack, plan.first_indices)

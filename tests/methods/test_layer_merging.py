@@ -1,0 +1,207 @@
+"""LaCo and Sliding-Window Merging: parameter merges checked against naive references built from copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from common import assert_close, greedy_generate_both_ways, logits, sample_ids
+from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from optimum_flatten.calibration import CalibrationBatch
+from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.methods.laco import LaCoConfig, LaCoMethod
+from optimum_flatten.methods.sliding_window import SlidingWindowConfig, SlidingWindowMethod
+
+FACTORIES = ["llama_gqa", "qwen2", "qwen3"]
+
+
+def _naive_merged_model(model, groups, rule="differences"):
+    """A fresh shallower model whose merged layers are computed by hand from a copy of the original weights."""
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(groups)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [model.config.layer_types[g[0]] for g in groups]
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = {k: v for k, v in original.items() if not k.startswith("model.layers.")}
+    for new, group in enumerate(groups):
+        prefix = f"model.layers.{group[0]}."
+        for name, tensor in original.items():
+            if not name.startswith(prefix):
+                continue
+            local = name[len(prefix) :]
+            value = tensor
+            if local.startswith(("self_attn.", "mlp.")) and len(group) > 1:
+                if rule == "differences":
+                    value = tensor.clone()
+                    for other in group[1:]:
+                        value = value + (original[f"model.layers.{other}.{local}"] - tensor)
+                else:
+                    value = original[f"model.layers.{group[-1]}.{local}"]
+            state[f"model.layers.{new}.{local}"] = value
+    fresh.load_state_dict(state)
+    return fresh
+
+
+@pytest.mark.parametrize("factory", FACTORIES)
+@pytest.mark.parametrize("rule", ["differences", "reference_code"])
+def test_merge_equals_naive_reference_from_copies(factory, rule):
+    model = tiny_models.FACTORIES[factory]()
+    groups = [(0,), (1, 2, 3), (4,), (5,)]
+    reference = _naive_merged_model(model, groups, rule)
+    config = FlattenConfig(
+        method="laco",
+        num_layers_to_remove=2,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        window_size=3,
+        threshold=0.01,
+        min_layer=1,
+        max_layer=3,
+        merge_rule=rule,
+    )
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert quantizer.plan.group_lists() == [list(g) for g in groups]
+    ids = sample_ids()
+    assert_close(logits(model, ids), logits(reference, ids))
+    with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
+    assert torch.equal(with_cache, without_cache)
+
+
+def test_merging_a_window_of_one_is_identity():
+    model = tiny_models.tiny_llama_gqa()
+    adapter = get_adapter(model)
+    ids = sample_ids()
+    before = logits(model, ids)
+    block = adapter.build_merged_block("decoder", 2, adapter.mergeable_state(adapter.layers()[2]))
+    adapter.replace_block_("decoder", 2, block)
+    assert torch.equal(logits(model, ids), before)
+
+
+def _final_states(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+
+
+def _naive_cosine(model, candidate_groups, ids, reference):
+    states = _final_states(_naive_merged_model(model, candidate_groups), ids).double()
+    return torch.nn.functional.cosine_similarity(states, reference.double(), dim=-1).mean().item()
+
+
+def _context(ids):
+    return MethodContext(batches=[CalibrationBatch(ids, torch.ones_like(ids))], progress=False)
+
+
+def _merge(stack, start, stop):
+    return [*stack[:start], tuple(i for g in stack[start : stop + 1] for i in g), *stack[stop + 1 :]]
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen3"])
+def test_laco_decisions_match_a_naive_full_forward_loop(factory):
+    model = tiny_models.FACTORIES[factory]()
+    ids = sample_ids(batch=2, length=16, seed=4)
+    cfg = LaCoConfig(window_size=2, interval=1, threshold=0.9, min_layer=1)
+    reference = _final_states(model, ids)
+    # Naive LaCo: every candidate is a freshly built model run end to end.
+    stack, removed, start = [(i,) for i in range(6)], 0, 5 - 2 + 1
+    while removed < 2 and start >= 1:
+        candidate = _merge(stack, start, start + 1)
+        if _naive_cosine(model, candidate, ids, reference) > cfg.threshold:
+            stack, removed, start = candidate, removed + 1, start - cfg.interval
+        else:
+            start -= 1
+    plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 2) if removed == 2 else None
+    if plan is None:
+        with pytest.raises(ValueError, match=r"could not remove 2 layers at threshold=0\.9"):
+            LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 2)
+    else:
+        assert [g.indices for g in plan.groups] == stack
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen2"])
+def test_sliding_window_decisions_match_a_naive_loop(factory):
+    model = tiny_models.FACTORIES[factory]()
+    ids = sample_ids(batch=2, length=16, seed=6)
+    reference = _final_states(model, ids)
+    threshold = 0.8
+    stack, removed, end = [(i,) for i in range(6)], 0, 5
+    while removed < 2 and end > 1:
+        start, best = end - 1, None
+        while end - start <= 2 - removed and start >= 1:
+            if _naive_cosine(model, _merge(stack, start, end), ids, reference) < threshold:
+                break
+            best, start = start, start - 1
+        if best is not None:
+            stack, removed, end = _merge(stack, best, end), removed + end - best, best - 1
+        else:
+            end -= 1
+    method = SlidingWindowMethod(SlidingWindowConfig(threshold=threshold, min_layer=1))
+    if removed < 2:
+        with pytest.raises(ValueError, match="could not remove"):
+            method.plan(get_adapter(model), _context(ids), 2)
+        return
+    plan = method.plan(get_adapter(model), _context(ids), 2)
+    assert [g.indices for g in plan.groups] == stack
+
+
+def test_sliding_window_threshold_search_reaches_the_target_and_reports_it():
+    model = tiny_models.tiny_qwen3()
+    original = copy.deepcopy(model)
+    config = FlattenConfig(
+        method="sliding_window",
+        num_layers_to_remove=3,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        similarity="cka",
+    )
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == 3
+    assert 0 < quantizer.report["threshold"] <= 1
+    assert quantizer.report["final_similarity"] >= quantizer.report["threshold"]
+    ids = sample_ids()
+    assert not torch.allclose(logits(model, ids), logits(original, ids), atol=1e-3)
+
+
+def test_reference_code_does_not_commit_the_window_that_reaches_the_bottom():
+    """With a threshold every window passes, the published loop grows the first window down to min_layer and
+    exits without committing it; the paper's rule commits it."""
+    ids = sample_ids(batch=2, length=16)
+    plans = {}
+    for rule in ("differences", "reference_code"):
+        model = tiny_models.tiny_llama_gqa()
+        method = SlidingWindowMethod(SlidingWindowConfig(threshold=1e-6, min_layer=3, merge_rule=rule))
+        try:
+            plans[rule] = [g.indices for g in method.plan(get_adapter(model), _context(ids), 2).groups]
+        except ValueError as error:
+            plans[rule] = str(error)
+    assert plans["differences"] == [(0,), (1,), (2,), (3, 4, 5)]
+    assert "could not remove 2 layers" in plans["reference_code"]
+
+
+@pytest.mark.parametrize(
+    ("method", "kwargs", "match"),
+    [
+        ("laco", dict(threshold=1.5), r"threshold must be in \(0, 1\]"),
+        ("sliding_window", dict(threshold=0.0), r"threshold must be in \(0, 1\]"),
+        ("laco", dict(min_layer=4), "can remove at most 1"),
+        ("sliding_window", dict(min_layer=2, max_layer=3), "can remove at most 1"),
+        ("laco", dict(merge_rule="copy"), "merge_rule"),
+    ],
+)
+def test_bad_options_fail_before_any_weight_is_touched(method, kwargs, match):
+    model = tiny_models.tiny_llama_gqa()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        config = FlattenConfig(
+            method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **kwargs
+        )
+        FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())

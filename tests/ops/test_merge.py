@@ -1,0 +1,50 @@
+import torch
+
+from optimum_flatten.ops import merge_as_reference_code, merge_by_differences
+
+
+def _states(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"a": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g)} for _ in range(n)]
+
+
+def test_differences_match_naive_sum():
+    states = _states(3)
+    merged = merge_by_differences(states)
+    for name in ("a", "b"):
+        expected = states[0][name].double().clone()
+        for k in (1, 2):
+            expected += states[k][name].double() - states[0][name].double()
+        torch.testing.assert_close(merged[name].double(), expected, atol=1e-6, rtol=0)
+    # equivalently θ_1 + θ_2 − θ_0
+    torch.testing.assert_close(merged["a"], states[1]["a"] + states[2]["a"] - states[0]["a"], atol=1e-6, rtol=0)
+
+
+def test_window_of_one_is_identity_and_inputs_untouched():
+    states = _states(2)
+    copies = [{k: v.clone() for k, v in s.items()} for s in states]
+    assert all(torch.equal(merge_by_differences(states[:1])[k], states[0][k]) for k in ("a", "b"))
+    merge_by_differences(states)
+    assert all(torch.equal(states[i][k], copies[i][k]) for i in range(2) for k in ("a", "b"))
+
+
+def test_reference_code_is_the_in_place_update_of_the_published_loop():
+    states = _states(3, seed=1)
+    # The published code updates the base in place: base += (θ_k − base) for each k, which ends at the last θ.
+    base = {k: v.clone() for k, v in states[0].items()}
+    for other in states[1:]:
+        for k in base:
+            base[k] += other[k] - base[k]
+    merged = merge_as_reference_code(states)
+    assert all(torch.allclose(merged[k], base[k]) for k in base)
+    assert all(torch.equal(merged[k], states[-1][k]) for k in base)
+
+
+def test_low_precision_is_merged_in_float32_and_cast_back():
+    g = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(64, generator=g).to(torch.bfloat16)} for _ in range(4)]
+    merged = merge_by_differences(states)
+    first = states[0]["w"].float()
+    expected = (first + sum(s["w"].float() - first for s in states[1:])).to(torch.bfloat16)
+    assert merged["w"].dtype == torch.bfloat16
+    assert torch.equal(merged["w"], expected)
