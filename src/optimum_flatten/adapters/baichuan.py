@@ -14,8 +14,8 @@ Three remote-code quirks shape this adapter:
   time, so every resize keeps both in line with W_pack (`_sync_sizes`).
 * The decoder layers are called with everything but the hidden state by keyword and return a tuple, which the model
   loop indexes (``layer_outputs[0]``); the KV cache is the legacy tuple of (k, v) per layer, addressed by the
-  layer's position in the loop, not by a stored index. `base_model` therefore hands calibration a wrapper under which
-  stand-in layers returning a bare tensor (the calibration recorders) still fit that loop.
+  layer's position in the loop, not by a stored index. `layer_output_is_tuple` tells calibration to make its stand-in
+  layers answer with a tuple too.
 * ``model_type`` is ``"baichuan"`` for Baichuan-1 and Baichuan-2, 7B and 13B alike, so the family is also chosen by
   ``config.architectures``, and the 13B models (ALiBi instead of RoPE) are refused when the adapter is created.
 
@@ -132,49 +132,6 @@ class PackedLinearView(LinearView):
             setattr(self.module, _PENDING_SIZES, tuple(sizes))
 
 
-class _TupleOutput(nn.Module):
-    """Calls a layer and returns its output as a tuple, the way the remote model loop indexes it."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> tuple:
-        output = self.layer(hidden_states, *args, **kwargs)
-        return output if isinstance(output, tuple) else (output,)
-
-
-class _TupleLayerBaseModel(nn.Module):
-    """Runs Baichuan's base model while every entry of its layer list answers with a tuple.
-
-    Calibration swaps the layers for recorders that return the bare hidden state (the transformers 5 convention);
-    the remote loop does ``layer_outputs[0]`` on it, which would silently take the first batch row. Each entry is
-    wrapped for the duration of one forward only, and the list is restored afterwards, even when the forward raises.
-    Other attributes (``layers``, ``norm``, ``embed_tokens`` ...) are the base model's.
-    """
-
-    def __init__(self, base: nn.Module) -> None:
-        super().__init__()
-        self.base = base
-
-    def __getattr__(self, name: str) -> object:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["base"], name)
-
-    def forward(self, *args: object, **kwargs: object) -> object:
-        layers = self.base.layers
-        originals = list(layers)
-        try:
-            for i, layer in enumerate(originals):
-                layers[i] = _TupleOutput(layer)
-            return self.base(*args, **kwargs)
-        finally:
-            for i, layer in enumerate(originals):
-                layers[i] = layer
-
-
 @register_adapter
 class BaichuanAdapter(LlamaAdapter):
     """Baichuan-2 7B: the LLaMA adapter's maths over views that hide the fused W_pack and the NormHead.
@@ -189,6 +146,8 @@ class BaichuanAdapter(LlamaAdapter):
 
     model_types = ("baichuan",)
     capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
+    # The remote model loop indexes ``layer_outputs[0]``: calibration stand-ins must answer with a tuple too.
+    layer_output_is_tuple = True
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -237,11 +196,6 @@ class BaichuanAdapter(LlamaAdapter):
     def _inner_model(self) -> nn.Module:
         """The remote ``BaichuanModel`` (``model.model``): embeddings, layers and final norm."""
         return super().base_model()
-
-    def base_model(self, stack: str = "decoder") -> nn.Module:
-        """The base model, wrapped so that layers replaced by tensor-returning stand-ins still fit its loop."""
-        self._check_stack(stack)
-        return _TupleLayerBaseModel(self._inner_model())
 
     def layers(self, stack: str = "decoder") -> nn.ModuleList:
         self._check_stack(stack)

@@ -165,6 +165,9 @@ class ArchitectureAdapter:
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: Why a capability is missing, for the error raised by `require`.
     missing_capability_reasons: ClassVar[dict[str, str]] = {}
+    #: Whether the model's layer loop expects each layer to return a tuple (transformers 4.x and remote code) rather
+    #: than the bare hidden state (transformers 5): calibration stand-ins must answer in the same form.
+    layer_output_is_tuple: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

@@ -26,18 +26,20 @@ class _StopForward(Exception):
 
 
 class _Recorder(nn.Module):
-    def __init__(self, sink: list[dict[str, Any]], stop: bool) -> None:
+    def __init__(self, sink: list[dict[str, Any]], stop: bool, as_tuple: bool) -> None:
         super().__init__()
         self.sink = sink
         self.stop = stop
+        self.as_tuple = as_tuple
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args:
             raise TypeError("decoder layers are expected to receive everything but the hidden state by keyword")
         self.sink.append(kwargs)
         if self.stop:
             raise _StopForward(hidden_states)
-        return hidden_states
+        # A loop that does `layer_outputs[0]` on a bare tensor would silently take the first batch row.
+        return (hidden_states,) if self.as_tuple else hidden_states
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -78,7 +80,7 @@ class LayerwiseRunner:
         device = module_device(self.adapter.embeddings())
         try:
             for i in range(num_layers):
-                layers[i] = _Recorder(sinks[i], stop=i == num_layers - 1)
+                layers[i] = _Recorder(sinks[i], stop=i == num_layers - 1, as_tuple=self.adapter.layer_output_is_tuple)
             for batch in batches:
                 try:
                     base(

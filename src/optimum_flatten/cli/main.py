@@ -50,9 +50,23 @@ def cmd_compress(args: argparse.Namespace) -> int:
     quantizer.compress(model, tokenizer)
     report = quantizer.report
     print(_summary(report))
-    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite)
+    extra = {"license": _bundled_license(args.model)} if _bundled_license(args.model) else {}
+    if args.push_to_hub:
+        url = quantizer.push_to_hub(
+            model, args.push_to_hub, tokenizer, local_dir=args.output, overwrite=args.overwrite, extra_report=extra
+        )
+        print(f"saved to {args.output} and uploaded: {url}")
+        return 0
+    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report=extra)
     print(f"saved to {path}")
     return 0
+
+
+def _bundled_license(model_name: str) -> str | None:
+    from ..bundled import BUNDLED_MODELS
+
+    spec = BUNDLED_MODELS.get(model_name)
+    return spec.license if spec else None
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -143,7 +157,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "compressed": {"perplexity": ppl, "protocol": protocol},
         }
         path = quantizer.save(
-            model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"evaluation": evaluation}
+            model,
+            args.output,
+            tokenizer,
+            overwrite=args.overwrite,
+            extra_report={"evaluation": evaluation, "license": _bundled_license("smollm2")},
         )
         print(f"saved to {path}")
     return 0
@@ -160,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     compress.add_argument("--dtype", default="float32", choices=DTYPES)
     compress.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
     add_config_arguments(compress)
     compress.set_defaults(func=cmd_compress)
 
@@ -185,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return args.func(args)
-    except (ValueError, TypeError, ImportError) as error:
+    except (ValueError, TypeError, ImportError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

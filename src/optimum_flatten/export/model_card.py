@@ -15,6 +15,7 @@ def render_model_card(report: dict[str, Any]) -> str:
     lines = [
         "---",
         f"base_model: {base}" if base != "unknown" else "base_model: unknown",
+        *([f"license: {report['license']}"] if report.get("license") else []),
         "library_name: transformers",
         "tags:",
         "- optimum-flatten",
@@ -47,6 +48,8 @@ def render_model_card(report: dict[str, Any]) -> str:
         f"- Compression wall time: {report.get('total_seconds', '?')} s",
         "",
     ]
+    if report.get("similarity") is not None:
+        lines += ["![Layer-input similarity, merged groups outlined](similarity_heatmap.png)", ""]
     evaluation = report.get("evaluation")
     if evaluation:
         lines += ["## Measured", "", "| model | perplexity | protocol |", "|---|---|---|"]
@@ -66,7 +69,11 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
         "## Licence",
         "",
-        f"{report.get('license') or 'The licence of the base model applies to this derivative.'}",
+        (
+            f"{report['license']}, carried over from the base model."
+            if report.get("license")
+            else "The licence of the base model applies to this derivative."
+        ),
         "",
         "`flatten_report.json` holds the full plan, scores, similarity matrix and timings.",
         "",

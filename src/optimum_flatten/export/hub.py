@@ -1,0 +1,75 @@
+"""Publishing a compressed checkpoint on the Hugging Face Hub: save locally first, then upload the folder."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .checkpoint import save_compressed
+
+logger = logging.getLogger(__name__)
+
+
+class HubUploadError(RuntimeError):
+    """The upload failed; the local save it was made from is intact."""
+
+
+def push_to_hub(
+    model: nn.Module,
+    repo_id: str,
+    tokenizer: Any = None,
+    report: dict[str, Any] | None = None,
+    local_dir: str | Path | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    overwrite: bool = False,
+    api: Any = None,
+) -> str:
+    """Saves the plain checkpoint (weights, tokenizer, flatten_report.json, heatmap, model card) and uploads it.
+
+    The folder is written (atomically) before anything touches the network, so an offline or unauthenticated
+    upload loses nothing: the error names the folder and how to upload it later.
+
+    Args:
+        model: The compressed model.
+        repo_id: ``"user/name"`` on the Hub; created if missing.
+        tokenizer: Saved beside the weights when given.
+        report: `FlattenQuantizer.report` (plus e.g. an ``"evaluation"`` entry), rendered into the model card.
+        local_dir: Where to save first (default: ``./<name>`` from the repo id).
+        private, token: Passed to the Hub API.
+        commit_message: Defaults to a summary of the plan.
+        overwrite: Replace a non-empty `local_dir`.
+        api: A `huggingface_hub.HfApi`-like object (tests pass a stand-in for the transport).
+
+    Returns:
+        The URL of the uploaded commit (or of the repo).
+
+    Raises:
+        HubUploadError: when creating the repo or uploading fails.
+    """
+    report = dict(report or {})
+    folder = save_compressed(
+        model, local_dir or Path(repo_id.split("/")[-1]), tokenizer=tokenizer, report=report, overwrite=overwrite
+    )
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    summary = f"{report.get('method', 'compressed')} {report.get('plan_summary', '')}".strip()
+    message = commit_message or f"optimum-flatten: {summary}"
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=message)
+    except Exception as error:  # network, auth and HTTP errors come in many types
+        raise HubUploadError(
+            f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
+            f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then upload "
+            f"that folder with `hf upload {repo_id} {folder}`."
+        ) from error
+    url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
+    logger.info("uploaded %s to %s", folder, url)
+    return url
