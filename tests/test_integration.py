@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from transformers import AutoModelForCausalLM
 
 import tiny_models
@@ -66,3 +67,21 @@ def test_quantizer_save_makes_the_saved_directory_the_base(tmp_path):
     assert model.name_or_path == str(path)
     reloaded = AutoModelForCausalLM.from_pretrained(model.name_or_path)
     assert_close(logits(reloaded, sample_ids()), logits(model, sample_ids()))
+
+
+def test_optimum_quantizer_contract(tmp_path):
+    from optimum.quantization_base import OptimumQuantizer
+
+    dense_dir = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense_dir)
+    tokenizer = tiny_models.CharTokenizer()
+    quantizer = FlattenQuantizer.from_pretrained(dense_dir, tokenizer=tokenizer)
+    assert isinstance(quantizer, OptimumQuantizer)
+    out = quantizer.quantize(save_dir=tmp_path / "out", quantization_config=_config())
+    explicit = AutoModelForCausalLM.from_pretrained(dense_dir)
+    FlattenQuantizer(_config(), progress=False).compress(explicit, tokenizer)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.num_hidden_layers == 4
+    assert_close(logits(reloaded, sample_ids()), logits(explicit, sample_ids()))
+    with pytest.raises(ValueError, match="not empty"):
+        quantizer.quantize(save_dir=out, quantization_config=_config())

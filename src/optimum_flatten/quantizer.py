@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from optimum.quantization_base import OptimumQuantizer
 from torch import nn
 
 from .adapters import get_adapter
@@ -20,7 +21,7 @@ from .utils.torch_utils import count_parameters
 logger = logging.getLogger(__name__)
 
 
-class FlattenQuantizer:
+class FlattenQuantizer(OptimumQuantizer):
     """Compresses a model's depth in place, as the `FlattenConfig` says.
 
     Example:
@@ -28,17 +29,82 @@ class FlattenQuantizer:
         >>> model = quantizer.compress(model, tokenizer)
         >>> quantizer.save(model, "out", tokenizer)
 
+    It also follows optimum's quantizer contract, like `ORTQuantizer`:
+        >>> quantizer = FlattenQuantizer.from_pretrained("path/to/model")
+        >>> quantizer.quantize(save_dir="out", quantization_config=FlattenConfig(num_layers_to_remove=6, ...))
+
     Every check that can fail (architecture, capabilities, target, calibration data) runs before any weight is
     touched, so a refused request leaves the model as it was.
     """
 
-    def __init__(self, config: FlattenConfig, progress: bool = True) -> None:
-        if not isinstance(config, FlattenConfig):
+    def __init__(
+        self,
+        config: FlattenConfig | None = None,
+        progress: bool = True,
+        *,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        if config is not None and not isinstance(config, FlattenConfig):
             raise TypeError(f"FlattenQuantizer needs a FlattenConfig, got {type(config).__name__}.")
         self.config = config
         self.progress = progress
+        self.model = model
+        self.tokenizer = tokenizer
         self.report: dict[str, Any] = {}
         self.plan: LayerPlan | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls, model_or_path: str | Path | nn.Module, file_name: str | None = None, tokenizer: Any = None, **kwargs: Any
+    ) -> FlattenQuantizer:
+        """A quantizer bound to a model (loaded from a checkpoint path or name, or given), as optimum's are.
+
+        Args:
+            model_or_path: A checkpoint directory or Hub name, or a loaded model.
+            file_name: Unused (optimum's ONNX quantizers pick a file with it); must be None.
+            tokenizer: The calibration tokenizer; loaded from `model_or_path` when it is a path and this is None.
+            **kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (e.g. ``dtype``, ``device_map``).
+        """
+        if file_name is not None:
+            raise ValueError(f"file_name is for ONNX models and has no meaning here, got {file_name!r}.")
+        if isinstance(model_or_path, nn.Module):
+            return cls(model=model_or_path, tokenizer=tokenizer)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_or_path, **kwargs)
+        model.eval()
+        return cls(model=model, tokenizer=tokenizer or AutoTokenizer.from_pretrained(model_or_path))
+
+    def quantize(
+        self,
+        save_dir: str | Path,
+        file_prefix: str | None = None,
+        quantization_config: FlattenConfig | None = None,
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> Path:
+        """Compresses the bound model and saves the plain checkpoint to `save_dir` (optimum's entry point).
+
+        Args:
+            save_dir: Output directory (must be empty or absent unless `overwrite`).
+            file_prefix: Unused (optimum's ONNX quantizers prefix file names with it); must be None.
+            quantization_config: The FlattenConfig; defaults to the one given at construction.
+            overwrite: Replace a non-empty `save_dir`.
+        """
+        if file_prefix is not None:
+            raise ValueError(f"file_prefix is for ONNX models and has no meaning here, got {file_prefix!r}.")
+        if kwargs:
+            raise TypeError(f"quantize got unexpected arguments {sorted(kwargs)}.")
+        if self.model is None:
+            raise ValueError("no model is bound: create the quantizer with FlattenQuantizer.from_pretrained(...).")
+        if quantization_config is not None:
+            self.config = quantization_config
+        from .export.checkpoint import check_output_dir
+
+        check_output_dir(save_dir, overwrite)
+        self.compress(self.model, self.tokenizer)
+        return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
     def _stack(self, adapter: Any) -> str:
         stacks = self.config.stacks or adapter.stacks()
@@ -57,6 +123,10 @@ class FlattenQuantizer:
             InvalidTargetError: the target removes no layer or every layer.
             CalibrationDataError: missing tokenizer, unreadable or too little calibration text.
         """
+        if self.config is None:
+            raise ValueError(
+                "no FlattenConfig: pass one to FlattenQuantizer(config) or to quantize(quantization_config=)."
+            )
         start = time.perf_counter()
         adapter = get_adapter(model)
         method_class = get_method_class(self.config.method)

@@ -140,10 +140,27 @@ def test_push_to_hub_offline_reports_and_keeps_local_save(tiny_checkpoint, tmp_p
     monkeypatch.setattr("huggingface_hub.HfApi", lambda token=None: HfApi(endpoint="http://127.0.0.1:9", token="x"))
     model_path, data = tiny_checkpoint
     out = tmp_path / "out"
-    code = main([
-        "compress", str(model_path), "--num-layers-to-remove", "1", "--method", "shortgpt", "--dataset", str(data),
-        "--nsamples", "4", "--seqlen", "24", "--output", str(out), "--push-to-hub", "me/repo", "--no-progress",
-    ])
+    code = main(
+        [
+            "compress",
+            str(model_path),
+            "--num-layers-to-remove",
+            "1",
+            "--method",
+            "shortgpt",
+            "--dataset",
+            str(data),
+            "--nsamples",
+            "4",
+            "--seqlen",
+            "24",
+            "--output",
+            str(out),
+            "--push-to-hub",
+            "me/repo",
+            "--no-progress",
+        ]
+    )
     assert code == 2
     assert "could not upload to the Hub repo 'me/repo'" in capsys.readouterr().err
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
