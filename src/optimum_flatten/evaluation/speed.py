@@ -32,3 +32,36 @@ def prefill_tokens_per_second(
         "batch_size": batch_size,
         "repeats": repeats,
     }
+
+
+@torch.no_grad()
+def decode_tokens_per_second(
+    model: nn.Module,
+    batch_size: int = 4,
+    prompt_length: int = 64,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Median greedy-decoding throughput (generated tokens/s over the whole batch), KV cache on, fixed length."""
+    generator = torch.Generator().manual_seed(seed)
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_length), generator=generator).to(device)
+    model.eval()
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True)
+    kwargs["pad_token_id"] = getattr(model.config, "pad_token_id", None) or 0
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        if i:
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return {
+        "tokens_per_second": batch_size * new_tokens / median,
+        "median_seconds": median,
+        "batch_size": batch_size,
+        "prompt_length": prompt_length,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+    }

@@ -1,0 +1,78 @@
+"""Side-by-side evaluation of checkpoints (dense vs compressed): perplexity, speed, and a figure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration.data import load_texts
+from .perplexity import perplexity, tokenize_corpus
+from .speed import decode_tokens_per_second, prefill_tokens_per_second
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    dataset: Any,
+    seqlen: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = 16384,
+    dtype: torch.dtype = torch.float32,
+    speed: bool = True,
+) -> dict[str, Any]:
+    """Perplexity (with its protocol) and prefill/decode throughput of one saved checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    result = perplexity(model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens)
+    entry: dict[str, Any] = {
+        "path": str(path),
+        "layers": model.config.num_hidden_layers,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "perplexity": result.perplexity,
+        "protocol": result.protocol(),
+    }
+    if speed:
+        entry["prefill"] = prefill_tokens_per_second(model, seqlen=seqlen, repeats=3)
+        entry["decode"] = decode_tokens_per_second(model)
+    report = Path(path) / "flatten_report.json"
+    if report.exists():
+        entry["flatten_report"] = json.loads(report.read_text(encoding="utf-8"))
+    return entry
+
+
+def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Two panels: adjacent-layer input similarity from the compression report, and perplexity per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for entry in entries:
+        similarity = (entry.get("flatten_report") or {}).get("similarity")
+        if similarity:
+            adjacent = [similarity[i][i + 1] for i in range(len(similarity) - 1)]
+            left.plot(range(len(adjacent)), adjacent, marker="o", label=Path(entry["path"]).name)
+            for group in entry["flatten_report"]["plan"]["groups"]:
+                if len(group) > 1:
+                    left.axvspan(group[0] - 0.4, group[-1] - 0.6, color="red", alpha=0.15)
+    left.set_xlabel("layer i (original index)")
+    left.set_ylabel("cos sim of inputs of layers i and i+1")
+    left.set_title("Adjacent-layer similarity (merged groups shaded)")
+    if left.lines:
+        left.legend()
+    names = [Path(e["path"]).name for e in entries]
+    right.bar(names, [e["perplexity"] for e in entries], color=["grey", "tab:blue", "tab:orange"][: len(entries)])
+    right.set_ylabel("perplexity")
+    right.set_title("Held-out perplexity")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

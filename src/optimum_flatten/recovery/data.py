@@ -1,0 +1,102 @@
+"""Recovery data: Alpaca-format instructions (the FlattenGPT paper's recipe) or plain text, as token rows."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration.data import load_texts
+from ..utils.errors import CalibrationDataError
+
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n{output}"
+)
+ALPACA_WITHOUT_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n{output}"
+)
+
+
+def format_alpaca(record: dict[str, Any]) -> str:
+    """The standard Alpaca prompt with its response (instruction, optional input, output)."""
+    template = ALPACA_WITH_INPUT if str(record.get("input") or "").strip() else ALPACA_WITHOUT_INPUT
+    return template.format(
+        instruction=record["instruction"], input=record.get("input") or "", output=record.get("output", "")
+    )
+
+
+def _records(path: Path) -> list[dict[str, Any]] | None:
+    if path.suffix.lower() == ".jsonl":
+        with path.open(encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    if path.suffix.lower() == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, list) else None
+    return None
+
+
+def load_recovery_texts(dataset: Any, text_column: str = "text") -> tuple[list[str], str]:
+    """Texts to train on and their kind (``"alpaca"`` or ``"text"``).
+
+    Records with an ``instruction`` field (a local .json/.jsonl file, or a `datasets` dataset such as
+    ``"yahma/alpaca-cleaned"`` when online) are formatted as Alpaca prompts; anything `load_texts` accepts
+    (plain text files, bundled corpora, lists of strings) is used as plain text.
+    """
+    records = None
+    if isinstance(dataset, (str, Path)) and Path(dataset).is_file():
+        records = _records(Path(dataset))
+    elif hasattr(dataset, "column_names") and "instruction" in dataset.column_names:
+        records = [
+            dict(zip(dataset.column_names, row, strict=True))
+            for row in zip(*(dataset[c] for c in dataset.column_names), strict=True)
+        ]
+    elif isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
+        records = list(dataset)
+    if records and isinstance(records[0], dict) and "instruction" in records[0]:
+        return [format_alpaca(r) for r in records], "alpaca"
+    return load_texts(dataset, text_column), "text"
+
+
+def build_training_rows(
+    tokenizer: Any, texts: list[str], kind: str, seqlen: int, max_samples: int | None, seed: int
+) -> list[dict[str, torch.Tensor]]:
+    """Token rows for causal-LM training; labels are -100 on padding so it never contributes to the loss.
+
+    Plain text is concatenated (EOS-separated) and cut into `seqlen` windows; Alpaca examples are one row each,
+    truncated to `seqlen` and right-padded.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = int(pad if pad is not None else (eos if eos is not None else 0))
+    rows: list[dict[str, torch.Tensor]] = []
+    if kind == "text":
+        stream: list[int] = []
+        for text in texts:
+            stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if eos is not None:
+                stream.append(int(eos))
+        for start in range(0, len(stream) - seqlen + 1, seqlen):
+            ids = torch.tensor(stream[start : start + seqlen], dtype=torch.long)
+            rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    else:
+        for text in texts:
+            tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])[: seqlen - 1]
+            if eos is not None:
+                tokens.append(int(eos))
+            ids = torch.full((seqlen,), pad, dtype=torch.long)
+            mask = torch.zeros(seqlen, dtype=torch.long)
+            ids[: len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[: len(tokens)] = 1
+            labels = ids.masked_fill(mask == 0, -100)
+            rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    if not rows:
+        raise CalibrationDataError(f"the recovery data yields no training row of {seqlen} tokens; give more text.")
+    if max_samples is not None and len(rows) > max_samples:
+        rows = [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), max_samples))]
+    return rows
