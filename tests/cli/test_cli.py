@@ -256,3 +256,24 @@ def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path,
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(recovered).config.num_hidden_layers == 4
+
+
+def test_optimum_cli_registration_is_light_and_forwards_to_our_parser():
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("optimum.commands.register")
+    folders = [Path(p) for p in spec.submodule_search_locations]
+    ours = [f for f in folders if (f / "flatten.py").exists()]
+    assert ours and not (ours[0] / "__init__.py").exists()
+    code = (
+        "import sys, optimum.commands.register.flatten as r;"
+        "print(sorted(m for m in ('torch', 'transformers', 'optimum_flatten') if m in sys.modules),"
+        " r.REGISTER_COMMANDS[0].COMMAND.name)"
+    )
+    light = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert light.stdout.strip() == "[] flatten"
+    cli = subprocess.run(["optimum-cli", "flatten", "compress", "--help"], capture_output=True, text=True)
+    assert cli.returncode == 0 and "--num-layers-to-remove" in cli.stdout and "--max-group-size" in cli.stdout
