@@ -1,32 +1,28 @@
-"""ShortGPT baseline: drop the layers with the lowest Block Influence, on the same calibration as FlattenGPT.
+"""shortgpt on a LLaMA-family model, with the same calibration and export as every other method.
 
-python examples/shortgpt/llama_example.py --tiny
+python examples/shortgpt/llama_example.py [--tiny]
 """
 
-from __future__ import annotations
-
-import argparse
-import importlib.util
+import sys
 from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _setup import checkpoint, parse
 
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 
-_spec = importlib.util.spec_from_file_location(
-    "flattengpt_example", Path(__file__).resolve().parents[1] / "flattengpt" / "llama_example.py"
-)
-_example = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_example)
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true")
-    args = parser.parse_args()
-    model, tokenizer, dataset, sizes = _example.tiny_model_and_data() if args.tiny else _example.real_model_and_data()
+    args = parse(__doc__)
+    path, dataset, sizes = checkpoint(args.tiny)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
     quantizer = FlattenQuantizer(FlattenConfig(method="shortgpt", dataset=dataset, **sizes))
     quantizer.compress(model, tokenizer)
     print("plan:", quantizer.report["plan_summary"])
-    print("block influence:", [round(s, 4) for s in quantizer.report["block_influence"]])
+    print("timings (s):", quantizer.report["timings_seconds"])
 
 
 if __name__ == "__main__":
