@@ -85,3 +85,23 @@ def test_optimum_quantizer_contract(tmp_path):
     assert_close(logits(reloaded, sample_ids()), logits(explicit, sample_ids()))
     with pytest.raises(ValueError, match="not empty"):
         quantizer.quantize(save_dir=out, quantization_config=_config())
+
+
+@pytest.mark.parametrize("method", ["flattengpt", "shortgpt", "sleb", "laco", "sliding_window"])
+def test_compress_on_load_with_dtype_and_device_map_for_every_method(tmp_path, method):
+    import torch
+
+    dense_dir = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense_dir)
+    extra = {"threshold": None} if method == "laco" else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        dense_dir,
+        dtype=torch.bfloat16,
+        device_map="cpu",
+        quantization_config=_config(method=method, tokenizer=tiny_models.CharTokenizer(), **extra),
+    )
+    assert model.config.num_hidden_layers == 4 and model.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.flatten_report["method"] == method
+    assert not hasattr(model.config, "quantization_config")
+    assert all(int(k.split(".")[2]) < 4 for k in getattr(model, "hf_device_map", {}) if k.startswith("model.layers."))
