@@ -217,6 +217,10 @@ def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path,
                 str(plot),
                 "--json",
                 str(measurements),
+                "--lm-eval-tasks",
+                "local_text_perplexity",
+                "--lm-eval-limit",
+                "3",
             ]
         )
         == 0
@@ -227,6 +231,7 @@ def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path,
     models = json.loads(measurements.read_text())["models"]
     assert [m["layers"] for m in models] == [6, 4]
     assert models[0]["protocol"] == models[1]["protocol"]
+    assert all(m["lm_eval"]["local_text_perplexity"]["word_perplexity,none"] > 1 for m in models)
 
     recovered = tmp_path / "recovered"
     assert (

@@ -185,6 +185,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             dtype=getattr(torch, args.dtype),
             speed=not args.no_speed,
+            lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
+            lm_eval_limit=args.lm_eval_limit,
         )
         for p in paths
     ]
@@ -208,6 +210,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     )
     print(_table(rows, header))
     print(f"perplexity: {args.dataset}, {base['protocol']}")
+    for entry in entries:
+        for task, metrics in (entry.get("lm_eval") or {}).items():
+            shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
+            print(f"lm-eval {task} [{entry['path']}]: {shown}")
     if not args.no_speed:
         d = base["decode"]
         print(
@@ -272,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
     evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
     evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument(
+        "--lm-eval-tasks",
+        default=None,
+        help="comma-separated lm-eval tasks, e.g. winogrande,hellaswag,piqa,arc_easy,arc_challenge (need the network) "
+        "or local_text_perplexity (offline, over --dataset)",
+    )
+    evaluate.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task at most")
     evaluate.add_argument("--plot", default=None, help="write a PNG comparison figure here")
     evaluate.add_argument("--json", default=None, help="write the measurements here")
     evaluate.set_defaults(func=cmd_evaluate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,14 @@ def evaluate_checkpoint(
     max_tokens: int | None = 16384,
     dtype: torch.dtype = torch.float32,
     speed: bool = True,
+    lm_eval_tasks: Sequence[str] = (),
+    lm_eval_limit: int | None = None,
 ) -> dict[str, Any]:
-    """Perplexity (with its protocol) and prefill/decode throughput of one saved checkpoint."""
+    """Perplexity (with its protocol), prefill/decode throughput and optional lm-eval tasks of one checkpoint.
+
+    ``"local_text_perplexity"`` among `lm_eval_tasks` is the offline lm-eval task over the same `dataset` texts
+    (capped at 64 documents); other names are lm-eval's own tasks (they download their data).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -40,6 +47,19 @@ def evaluate_checkpoint(
     if speed:
         entry["prefill"] = prefill_tokens_per_second(model, seqlen=seqlen, repeats=3)
         entry["decode"] = decode_tokens_per_second(model)
+    if lm_eval_tasks:
+        from .harness import local_text_task, run_lm_eval
+
+        with tempfile.TemporaryDirectory() as directory:
+            local_text_task(load_texts(dataset)[:64], directory)
+            entry["lm_eval"] = run_lm_eval(
+                model,
+                tokenizer,
+                tasks=list(lm_eval_tasks),
+                include_path=directory,
+                limit=lm_eval_limit,
+                max_length=seqlen,
+            )
     report = Path(path) / "flatten_report.json"
     if report.exists():
         entry["flatten_report"] = json.loads(report.read_text(encoding="utf-8"))
