@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
+    parser.add_argument("--resume", action="store_true", help="keep the results already in --out, run the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -105,11 +106,15 @@ def main() -> None:
     if "dense" not in names:
         names.insert(0, "dense")
     results = []
+    if args.resume and Path(out).exists():
+        results = [r for r in json.loads(Path(out).read_text())["results"] if "error" not in r]
+        done = {r["variant"] for r in results}
+        names = [n for n in names if n not in done]
     for name in names:
         command = [sys.executable, __file__, "--one", name] + [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k not in ("one", "variants", "out") and v is not None
+            if k not in ("one", "variants", "out", "resume") and v is not None
         ]
         completed = subprocess.run(command, capture_output=True, text=True)
         if completed.returncode != 0:
