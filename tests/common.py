@@ -36,3 +36,27 @@ def greedy_generate_both_ways(model, ids: torch.Tensor, new_tokens: int = 6):
     with_cache = model.generate(ids, use_cache=True, **kwargs)
     without_cache = model.generate(ids, use_cache=False, **kwargs)
     return with_cache, without_cache
+
+
+def shallower_reference(model, kept: list[int]):
+    """A freshly built model of the same class holding only the `kept` layers (renumbered), copied from `model`.
+
+    The independent reference for layer dropping: built from a config, not by editing the model under test.
+    """
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(kept)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [model.config.layer_types[i] for i in kept]
+    reference = type(model)(config).to(torch.float32).eval()
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            if index not in kept:
+                continue
+            name = name.replace(f"model.layers.{index}.", f"model.layers.{kept.index(index)}.", 1)
+        state[name] = tensor
+    reference.load_state_dict(state)
+    return reference

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import tiny_baichuan
 import tiny_models
-from common import assert_close, greedy_generate_both_ways, logits, sample_ids
+from common import assert_close, greedy_generate_both_ways, logits, sample_ids, shallower_reference
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.adapters.baichuan import BaichuanAdapter, PackedLinearView
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
@@ -184,18 +184,7 @@ def test_keep_all_heads_and_channels_and_empty_plan_change_nothing(model):
 
 def test_dropping_layers_matches_a_fresh_shallower_model_and_keeps_the_cache_right(model):
     kept = [0, 2, 3, 5]
-    reference = tiny_baichuan.BaichuanForCausalLM(
-        tiny_baichuan.BaichuanConfig(vocab_size=tiny_models.VOCAB, num_hidden_layers=len(kept))
-    ).eval()
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("model.layers."):
-            index = int(name.split(".")[2])
-            if index not in kept:
-                continue
-            name = name.replace(f"model.layers.{index}.", f"model.layers.{kept.index(index)}.", 1)
-        state[name] = tensor
-    reference.load_state_dict(state)
+    reference = shallower_reference(model, kept)
     adapter = get_adapter(model)
     adapter.keep_layers_("decoder", kept)
     adapter.reindex_("decoder")

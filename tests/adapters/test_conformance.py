@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, greedy_generate_both_ways, logits, sample_ids
+from common import assert_close, greedy_generate_both_ways, logits, sample_ids, shallower_reference
 from optimum_flatten import get_adapter
 from optimum_flatten.adapters import registered_adapters
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
@@ -81,20 +80,7 @@ class AdapterConformance:
 
     def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
         kept = [0, 2, 3, 5]
-        reference_config = copy.deepcopy(model.config)
-        reference_config.num_hidden_layers = len(kept)
-        if isinstance(getattr(reference_config, "layer_types", None), list):
-            reference_config.layer_types = [model.config.layer_types[i] for i in kept]
-        reference = AutoModelForCausalLM.from_config(reference_config, dtype=torch.float32).eval()
-        state = {}
-        for name, tensor in model.state_dict().items():
-            if name.startswith("model.layers."):
-                index = int(name.split(".")[2])
-                if index not in kept:
-                    continue
-                name = name.replace(f"model.layers.{index}.", f"model.layers.{kept.index(index)}.", 1)
-            state[name] = tensor
-        reference.load_state_dict(state)
+        reference = shallower_reference(model, kept)
         adapter = get_adapter(model)
         adapter.keep_layers_("decoder", kept)
         adapter.reindex_("decoder")

@@ -4,32 +4,13 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import logits, sample_ids
+from common import logits, sample_ids, shallower_reference
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.sleb import SLEBConfig, SLEBMethod
-
-
-def _without(model, kept):
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = len(kept)
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [model.config.layer_types[i] for i in kept]
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name.startswith("model.layers."):
-            index = int(name.split(".")[2])
-            if index not in kept:
-                continue
-            name = name.replace(f"model.layers.{index}.", f"model.layers.{kept.index(index)}.", 1)
-        state[name] = tensor
-    fresh.load_state_dict(state)
-    return fresh
 
 
 def _naive_nll(model, ids):
@@ -43,7 +24,7 @@ def test_sleb_matches_naive_iterative_removal(factory):
     ids = sample_ids(batch=2, length=16, seed=2)
     kept, naive_removed = list(range(6)), []
     for _ in range(2):
-        scores = {i: _naive_nll(_without(model, [k for k in kept if k != i]), ids) for i in kept if i != 0}
+        scores = {i: _naive_nll(shallower_reference(model, [k for k in kept if k != i]), ids) for i in kept if i != 0}
         removed = min(scores, key=lambda i: (scores[i], i))
         naive_removed.append(removed)
         kept.remove(removed)

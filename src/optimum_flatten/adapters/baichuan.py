@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import AttentionView, BlockView, HeadGeometry, LinearView, MlpView, NormView
+from .base import LinearView
 from .llama import LlamaAdapter, check_cached_forward
 from .registry import register_adapter
 
@@ -215,39 +215,9 @@ class BaichuanAdapter(LlamaAdapter):
         """The ``NormHead``; its `weight` is the raw parameter, normalised row-wise at inference (see export)."""
         return self.model.lm_head
 
-    def block_view(self, module: nn.Module, index: int) -> BlockView:
-        attn, mlp = module.self_attn, module.mlp
-        head_dim = attn.head_dim
-        q_rows, k_rows, _ = packed_sizes(attn.W_pack)
-        geometry = HeadGeometry(
-            num_heads=q_rows // head_dim,
-            num_kv_heads=k_rows // head_dim,
-            head_dim=head_dim,
-            hidden_size=attn.W_pack.in_features,
-        )
-        return BlockView(
-            index=index,
-            module=module,
-            norm_position="pre",
-            attn_norm=NormView(module.input_layernorm, "rms"),
-            mlp_norm=NormView(module.post_attention_layernorm, "rms"),
-            attention=AttentionView(
-                q=PackedLinearView(attn, "W_pack", 0),
-                k=PackedLinearView(attn, "W_pack", 1),
-                v=PackedLinearView(attn, "W_pack", 2),
-                o=LinearView(attn, "o_proj"),
-                geometry=geometry,
-                position_scheme="rope",
-                module=attn,
-            ),
-            mlp=MlpView(
-                up=LinearView(mlp, "up_proj"),
-                gate=LinearView(mlp, "gate_proj"),
-                down=LinearView(mlp, "down_proj"),
-                activation=mlp.act_fn,
-                module=mlp,
-            ),
-        )
+    def qkv_views(self, attn: nn.Module) -> tuple[LinearView, LinearView, LinearView]:
+        """q, k and v as row slices of the fused W_pack."""
+        return tuple(PackedLinearView(attn, "W_pack", part) for part in range(3))  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- mutating
     def _sync_sizes(self, module: nn.Module) -> None:

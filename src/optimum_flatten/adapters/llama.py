@@ -53,14 +53,19 @@ class LlamaAdapter(ArchitectureAdapter):
     def final_norm(self) -> nn.Module | None:
         return self.base_model().norm
 
+    def qkv_views(self, attn: nn.Module) -> tuple[LinearView, LinearView, LinearView]:
+        """The q, k and v projections of an attention module (a family with fused storage overrides this)."""
+        return LinearView(attn, "q_proj"), LinearView(attn, "k_proj"), LinearView(attn, "v_proj")
+
     def block_view(self, module: nn.Module, index: int) -> BlockView:
         attn, mlp = module.self_attn, module.mlp
         head_dim = attn.head_dim
+        q, k, v = self.qkv_views(attn)
         geometry = HeadGeometry(
-            num_heads=attn.q_proj.out_features // head_dim,
-            num_kv_heads=attn.k_proj.out_features // head_dim,
+            num_heads=q.out_features // head_dim,
+            num_kv_heads=k.out_features // head_dim,
             head_dim=head_dim,
-            hidden_size=attn.q_proj.in_features,
+            hidden_size=q.in_features,
         )
         return BlockView(
             index=index,
@@ -69,9 +74,9 @@ class LlamaAdapter(ArchitectureAdapter):
             attn_norm=NormView(module.input_layernorm, "rms"),
             mlp_norm=NormView(module.post_attention_layernorm, "rms"),
             attention=AttentionView(
-                q=LinearView(attn, "q_proj"),
-                k=LinearView(attn, "k_proj"),
-                v=LinearView(attn, "v_proj"),
+                q=q,
+                k=k,
+                v=v,
                 o=LinearView(attn, "o_proj"),
                 geometry=geometry,
                 position_scheme="rope",

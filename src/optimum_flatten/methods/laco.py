@@ -10,25 +10,18 @@ down by `interval`, otherwise by one layer. It stops when the requested number o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from ..config import LayerPlan, MethodConfig
-from .base import CompressionMethod, MethodContext
+from ..config import MethodConfig
 from .registry import register_method
 from .stack_search import (
     Group,
+    ParameterMergeMethod,
     StackEvaluator,
-    apply_parameter_merge_,
-    check_layer_range,
+    check_merge_options,
     identity_stack,
     merge_positions,
-    search_threshold,
 )
-
-
-def check_threshold(value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and 0.0 < float(value) <= 1.0):
-        raise ValueError(f"threshold must be in (0, 1] or None (search it), got {value!r}.")
 
 
 @dataclass
@@ -57,42 +50,16 @@ class LaCoConfig(MethodConfig):
             raise ValueError(f"window_size must be an integer >= 2, got {self.window_size!r}.")
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}.")
-        check_threshold(self.threshold)
-        if self.merge_rule not in ("differences", "reference_code"):
-            raise ValueError(f"merge_rule must be 'differences' or 'reference_code', got {self.merge_rule!r}.")
+        check_merge_options(self.threshold, self.merge_rule)
 
 
 @register_method("laco")
-class LaCoMethod(CompressionMethod):
+class LaCoMethod(ParameterMergeMethod):
     config_class = LaCoConfig
     requires_calibration = True
-    required_capabilities = frozenset({"layer_drop"})
     config: LaCoConfig
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        num_layers = adapter.num_layers(context.stack)
-        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
-        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
-
-        def run(threshold: float) -> list[Group] | None:
-            return self._collapse(evaluator, threshold, num_to_remove, top)
-
-        if self.config.threshold is None:
-            threshold, stack = search_threshold(run)
-        else:
-            threshold, stack = self.config.threshold, run(self.config.threshold)
-            if stack is None:
-                raise ValueError(
-                    f"LaCo could not remove {num_to_remove} layers at threshold={threshold}; lower the threshold, "
-                    "or pass threshold=None to search for the highest one that reaches the target."
-                )
-        context.report["threshold"] = threshold
-        context.report["final_similarity"] = evaluator.score(stack)
-        return LayerPlan(
-            num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
-        )
-
-    def _collapse(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
         stack = identity_stack(evaluator.num_layers)
         removed = 0
         start = top - self.config.window_size + 1
@@ -105,6 +72,3 @@ class LaCoMethod(CompressionMethod):
             else:
                 start -= 1
         return stack if removed == target else None
-
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
-        apply_parameter_merge_(adapter, plan, self.config.merge_rule)

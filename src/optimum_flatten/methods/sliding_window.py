@@ -15,20 +15,17 @@ only with ``merge_rule="reference_code"``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from ..config import LayerPlan, MethodConfig
-from .base import CompressionMethod, MethodContext
-from .laco import check_threshold
+from ..config import MethodConfig
 from .registry import register_method
 from .stack_search import (
     Group,
+    ParameterMergeMethod,
     StackEvaluator,
-    apply_parameter_merge_,
-    check_layer_range,
+    check_merge_options,
     identity_stack,
     merge_positions,
-    search_threshold,
 )
 
 
@@ -53,46 +50,20 @@ class SlidingWindowConfig(MethodConfig):
     search_steps: int = 10
 
     def __post_init__(self) -> None:
-        check_threshold(self.threshold)
+        check_merge_options(self.threshold, self.merge_rule)
         if self.similarity not in ("cosine", "cka"):
             raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
-        if self.merge_rule not in ("differences", "reference_code"):
-            raise ValueError(f"merge_rule must be 'differences' or 'reference_code', got {self.merge_rule!r}.")
         if not isinstance(self.search_steps, int) or self.search_steps < 1:
             raise ValueError(f"search_steps must be a positive integer, got {self.search_steps!r}.")
 
 
 @register_method("sliding_window")
-class SlidingWindowMethod(CompressionMethod):
+class SlidingWindowMethod(ParameterMergeMethod):
     config_class = SlidingWindowConfig
     requires_calibration = True
-    required_capabilities = frozenset({"layer_drop"})
     config: SlidingWindowConfig
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        num_layers = adapter.num_layers(context.stack)
-        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
-        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
-
-        def run(threshold: float) -> list[Group] | None:
-            return self._slide(evaluator, threshold, num_to_remove, top)
-
-        if self.config.threshold is None:
-            threshold, stack = search_threshold(run, steps=self.config.search_steps)
-        else:
-            threshold, stack = self.config.threshold, run(self.config.threshold)
-            if stack is None:
-                raise ValueError(
-                    f"sliding_window could not remove {num_to_remove} layers at threshold={threshold}; lower it, or "
-                    "pass threshold=None to search for the highest one that reaches the target."
-                )
-        context.report["threshold"] = threshold
-        context.report["final_similarity"] = evaluator.score(stack, self.config.similarity)
-        return LayerPlan(
-            num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
-        )
-
-    def _slide(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
         stack: list[Group] = identity_stack(evaluator.num_layers)
         removed = 0
         end = top
@@ -116,6 +87,3 @@ class SlidingWindowMethod(CompressionMethod):
             else:
                 end = end - 1 if best is None else best - 1
         return stack if removed == target else None
-
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
-        apply_parameter_merge_(adapter, plan, self.config.merge_rule)

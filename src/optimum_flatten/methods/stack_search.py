@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import LayerPlan
 from ..ops import MERGE_RULES, masked_cosine_sum
-from .base import MethodContext
+from .base import CompressionMethod, MethodContext
 
 Group = tuple[int, ...]
 
@@ -164,3 +165,68 @@ def apply_parameter_merge_(adapter: Any, plan: Any, merge_rule: str) -> None:
     for first, block in merged.items():
         adapter.replace_block_(plan.stack, first, block)
     adapter.keep_layers_(plan.stack, plan.first_indices)
+
+
+def stack_for_threshold(
+    run: Callable[[float], list[Group] | None],
+    threshold: float | None,
+    method: str,
+    num_to_remove: int,
+    search_steps: int = 12,
+) -> tuple[float, list[Group]]:
+    """The stack for a fixed threshold, or, with None, for the highest threshold that reaches the target.
+
+    Raises:
+        ValueError: when a fixed threshold does not reach `num_to_remove` removed layers.
+    """
+    if threshold is None:
+        return search_threshold(run, steps=search_steps)
+    stack = run(threshold)
+    if stack is None:
+        raise ValueError(
+            f"{method} could not remove {num_to_remove} layers at threshold={threshold}; lower the threshold, or "
+            "pass threshold=None to search for the highest one that reaches the target."
+        )
+    return threshold, stack
+
+
+def check_merge_options(threshold: float | None, merge_rule: str) -> None:
+    """Validation shared by the parameter-merge methods' configs."""
+    if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) <= 1.0):
+        raise ValueError(f"threshold must be in (0, 1] or None (search it), got {threshold!r}.")
+    if merge_rule not in MERGE_RULES:
+        raise ValueError(f"merge_rule must be one of {sorted(MERGE_RULES)}, got {merge_rule!r}.")
+
+
+class ParameterMergeMethod(CompressionMethod):
+    """Template of the methods that search merged stacks above a threshold (LaCo, Sliding-Window Merging).
+
+    Subclasses implement `search(evaluator, threshold, target, top)`, returning the stack reached at that
+    threshold (None when it does not remove `target` layers); the config provides `threshold`, `min_layer`,
+    `max_layer`, `merge_rule` and optionally `similarity` and `search_steps`.
+    """
+
+    required_capabilities = frozenset({"layer_drop"})
+
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+        raise NotImplementedError
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        num_layers = adapter.num_layers(context.stack)
+        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
+        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
+        threshold, stack = stack_for_threshold(
+            lambda t: self.search(evaluator, t, num_to_remove, top),
+            self.config.threshold,
+            self.name,
+            num_to_remove,
+            getattr(self.config, "search_steps", 12),
+        )
+        context.report["threshold"] = threshold
+        context.report["final_similarity"] = evaluator.score(stack, getattr(self.config, "similarity", "cosine"))
+        return LayerPlan(
+            num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
+        )
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        apply_parameter_merge_(adapter, plan, self.config.merge_rule)
