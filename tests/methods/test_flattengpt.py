@@ -189,3 +189,25 @@ def test_reconstruction_selection_finds_redundant_groups(monkeypatch, exhaustive
     rows = torch.randn(24, 5, generator=g, dtype=torch.float64)
     kept = flattengpt.select_kv_groups_by_reconstruction(c, rows, geometry, 2, lam=1e-9)
     assert len(kept) == 2 and {k % 2 for k in kept} == {0, 1}
+
+
+def test_similarity_band_bounds_memory_and_keeps_the_needed_diagonal():
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=3, length=16, seed=5)
+    batches = [CalibrationBatch(input_ids=ids, attention_mask=torch.ones_like(ids))]
+    full = FlattenGPTMethod(FlattenGPTConfig()).similarity_matrix(
+        get_adapter(model), MethodContext(batches, progress=False)
+    )
+    # A budget smaller than two copies of the states forces the narrowest band pairs need.
+    method = FlattenGPTMethod(FlattenGPTConfig(max_group_size=2, similarity_memory_gb=1e-6))
+    context = MethodContext(batches, progress=False)
+    banded = method.similarity_matrix(get_adapter(model), context)
+    assert context.report["similarity_band"] == 1
+    for i in range(6):
+        for j in range(6):
+            if abs(i - j) <= 1:
+                assert banded[i, j] == pytest.approx(full[i, j].item(), abs=1e-12)
+            else:
+                assert torch.isnan(banded[i, j])
+    plan = method.plan(get_adapter(model), MethodContext(batches, progress=False), 2)
+    assert [g.indices for g in plan.groups] == greedy_adjacent_groups(full, 2, 2)

@@ -51,8 +51,11 @@ class FlattenGPTConfig(MethodConfig):
         max_group_size: Largest number of layers merged into one (None: unlimited, as in the paper).
         ridge_ratio: λ for the leverage scores and the Nyström correction, as a multiple of the mean eigenvalue of
             C (trace / dim).
-        similarity_band: How many preceding layers each layer is compared with; None computes the full matrix
-            (memory: that many copies of the cached calibration states). Must be at least max_group_size - 1.
+        similarity_band: How many preceding layers each layer is compared with (memory: that many float32 copies
+            of the calibration states). None chooses: the full matrix when those copies fit in
+            `similarity_memory_gb`, else the smallest band the selection needs (max_group_size - 1), or as many
+            as fit when groups are unlimited. Must be at least max_group_size - 1.
+        similarity_memory_gb: Budget for the automatic band.
         attention_correction: Not in the paper (``False`` reproduces it). Also refit the kept heads' o_proj
             columns with the same ridge (Nyström) formula used for W_down, on the second moment of the o_proj input,
             so the kept heads absorb what the pruned heads wrote to the residual stream. On by default because it
@@ -71,6 +74,7 @@ class FlattenGPTConfig(MethodConfig):
     max_group_size: int | None = 2
     ridge_ratio: float = 10.0
     similarity_band: int | None = None
+    similarity_memory_gb: float = 4.0
     attention_correction: bool = True
     head_selection: Literal["importance", "reconstruction"] = "importance"
     attention_ridge_ratio: float | None = 1.0
@@ -111,7 +115,8 @@ class FlattenGPTMethod(CompressionMethod):
         """
         runner = context.new_runner(adapter)
         num_layers = adapter.num_layers(context.stack)
-        band = self.config.similarity_band or num_layers
+        band = self.config.similarity_band or self._auto_band(runner, num_layers)
+        context.report["similarity_band"] = band
         similarity = torch.full((num_layers, num_layers), float("nan"), dtype=torch.float64)
         # Unit-normalised copies of the inputs of the last `band` layers: a cosine is then a row-wise dot product.
         window: deque[tuple[int, list[torch.Tensor]]] = deque(maxlen=band)
@@ -135,6 +140,24 @@ class FlattenGPTMethod(CompressionMethod):
                 bar.set_description(f"block {i + 1}/{num_layers}: similarity")
                 bar.update()
         return similarity
+
+    def _auto_band(self, runner: LayerwiseRunner, num_layers: int) -> int:
+        """Full matrix if it fits the memory budget, else the narrowest band the greedy selection needs."""
+        copy_bytes = sum(h.numel() * 4 for h in runner.inputs)
+        fits = max(1, int(self.config.similarity_memory_gb * 2**30 // max(copy_bytes, 1)))
+        if fits >= num_layers:
+            return num_layers
+        # Bounded groups need exactly max_group_size - 1 predecessors; unlimited ones get as many as fit (longer
+        # chains then cannot be judged and are not formed).
+        band = fits if self.config.max_group_size is None else self.config.max_group_size - 1
+        logger.info(
+            "similarity: %d copies of the calibration states exceed %.1f GB; comparing each layer with its %d "
+            "predecessor(s) only",
+            num_layers,
+            self.config.similarity_memory_gb,
+            band,
+        )
+        return band
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
         similarity = self.similarity_matrix(adapter, context)
