@@ -32,10 +32,10 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
     "shortgpt": dict(method="shortgpt"),
     "sleb_scored_on_first_batch": dict(method="sleb", scoring_batches=1),
-    "laco": dict(method="laco", threshold=None),
-    "laco_reference_code": dict(method="laco", threshold=None, merge_rule="reference_code"),
-    "sliding_window": dict(method="sliding_window"),
-    "sliding_window_reference_code": dict(method="sliding_window", merge_rule="reference_code"),
+    "laco": dict(method="laco", threshold=None, search_steps=6),
+    "laco_reference_code": dict(method="laco", threshold=None, search_steps=6, merge_rule="reference_code"),
+    "sliding_window": dict(method="sliding_window", search_steps=6),
+    "sliding_window_reference_code": dict(method="sliding_window", search_steps=6, merge_rule="reference_code"),
 }
 
 

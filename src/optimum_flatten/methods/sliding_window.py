@@ -50,11 +50,9 @@ class SlidingWindowConfig(MethodConfig):
     search_steps: int = 10
 
     def __post_init__(self) -> None:
-        check_merge_options(self.threshold, self.merge_rule)
+        check_merge_options(self.threshold, self.merge_rule, self.search_steps)
         if self.similarity not in ("cosine", "cka"):
             raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
-        if not isinstance(self.search_steps, int) or self.search_steps < 1:
-            raise ValueError(f"search_steps must be a positive integer, got {self.search_steps!r}.")
 
 
 @register_method("sliding_window")

@@ -190,8 +190,10 @@ def stack_for_threshold(
     return threshold, stack
 
 
-def check_merge_options(threshold: float | None, merge_rule: str) -> None:
+def check_merge_options(threshold: float | None, merge_rule: str, search_steps: int) -> None:
     """Validation shared by the parameter-merge methods' configs."""
+    if not isinstance(search_steps, int) or search_steps < 1:
+        raise ValueError(f"search_steps must be a positive integer, got {search_steps!r}.")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) <= 1.0):
         raise ValueError(f"threshold must be in (0, 1] or None (search it), got {threshold!r}.")
     if merge_rule not in MERGE_RULES:
@@ -203,7 +205,7 @@ class ParameterMergeMethod(CompressionMethod):
 
     Subclasses implement `search(evaluator, threshold, target, top)`, returning the stack reached at that
     threshold (None when it does not remove `target` layers); the config provides `threshold`, `min_layer`,
-    `max_layer`, `merge_rule` and optionally `similarity` and `search_steps`.
+    `max_layer`, `merge_rule`, `search_steps` and optionally `similarity`.
     """
 
     required_capabilities = frozenset({"layer_drop"})
@@ -220,7 +222,7 @@ class ParameterMergeMethod(CompressionMethod):
             self.config.threshold,
             self.name,
             num_to_remove,
-            getattr(self.config, "search_steps", 12),
+            self.config.search_steps,
         )
         context.report["threshold"] = threshold
         context.report["final_similarity"] = evaluator.score(stack, getattr(self.config, "similarity", "cosine"))
