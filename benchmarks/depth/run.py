@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
     "shortgpt": dict(method="shortgpt"),
-    "sleb_scored_on_first_batch": dict(method="sleb", scoring_batches=1),
+    "sleb_first_batch": dict(method="sleb", scoring_batches=1),
     "laco": dict(method="laco", threshold=None, search_steps=6),
     "laco_reference_code": dict(method="laco", threshold=None, search_steps=6, merge_rule="reference_code"),
     "sliding_window": dict(method="sliding_window", search_steps=6),
