@@ -23,6 +23,7 @@ def test_round_trip_through_dict_and_json():
         "max_group_size": 3,
         "ridge_ratio": 10.0,
         "similarity_band": None,
+        "similarity_memory_gb": 4.0,
         "attention_correction": True,
         "head_selection": "importance",
         "attention_ridge_ratio": 1.0,
@@ -46,7 +47,10 @@ def test_unknown_key_gets_did_you_mean():
 
 
 def test_unknown_method_lists_registered():
-    with pytest.raises(UnknownMethodError, match=r"Did you mean 'shortgpt'.*\['flattengpt', 'shortgpt'"):
+    with pytest.raises(
+        UnknownMethodError,
+        match=r"Did you mean 'shortgpt'.*\['flattengpt', 'laco', 'shortgpt', 'sleb', 'sliding_window'\]",
+    ):
         FlattenConfig(method="short_gpt", num_layers_to_remove=1)
 
 
