@@ -205,3 +205,16 @@ def test_bad_options_fail_before_any_weight_is_touched(method, kwargs, match):
         )
         FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+def test_scoring_batches_equals_calibrating_on_those_batches_only():
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=4, length=16, seed=9)
+    batches = [CalibrationBatch(ids[:2], torch.ones_like(ids[:2])), CalibrationBatch(ids[2:], torch.ones_like(ids[2:]))]
+    subset = SlidingWindowMethod(SlidingWindowConfig(scoring_batches=1)).plan(
+        get_adapter(model), MethodContext(batches=batches, progress=False), 2
+    )
+    first_only = SlidingWindowMethod(SlidingWindowConfig()).plan(
+        get_adapter(model), MethodContext(batches=batches[:1], progress=False), 2
+    )
+    assert subset == first_only

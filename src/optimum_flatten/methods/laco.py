@@ -36,6 +36,8 @@ class LaCoConfig(MethodConfig):
         min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
         merge_rule: ``"differences"`` (the paper's formula) or ``"reference_code"`` (the published code's
             in-place update, which ends up copying the last layer's attention and MLP onto the first layer's norms).
+        scoring_batches: Compare with the original model on the first this-many calibration batches only (None:
+            all); the search runs many candidates, each through every layer above its window.
         search_steps: Bisection steps when `threshold` is None.
     """
 
@@ -46,13 +48,14 @@ class LaCoConfig(MethodConfig):
     max_layer: int | None = None
     merge_rule: Literal["differences", "reference_code"] = "differences"
     search_steps: int = 10
+    scoring_batches: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.window_size, int) or self.window_size < 2:
             raise ValueError(f"window_size must be an integer >= 2, got {self.window_size!r}.")
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}.")
-        check_merge_options(self.threshold, self.merge_rule, self.search_steps)
+        check_merge_options(self.threshold, self.merge_rule, self.search_steps, self.scoring_batches)
 
 
 @register_method("laco")

@@ -39,6 +39,8 @@ class SlidingWindowConfig(MethodConfig):
         similarity: ``"cosine"`` (mean token cosine) or ``"cka"`` (linear CKA over tokens).
         min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
         merge_rule: ``"differences"`` (the paper) or ``"reference_code"`` (the published code, see module doc).
+        scoring_batches: Compare with the original model on the first this-many calibration batches only (None:
+            all); the search runs many candidates, each through every layer above its window.
         search_steps: Bisection steps when searching the threshold.
     """
 
@@ -48,9 +50,10 @@ class SlidingWindowConfig(MethodConfig):
     max_layer: int | None = None
     merge_rule: Literal["differences", "reference_code"] = "differences"
     search_steps: int = 10
+    scoring_batches: int | None = None
 
     def __post_init__(self) -> None:
-        check_merge_options(self.threshold, self.merge_rule, self.search_steps)
+        check_merge_options(self.threshold, self.merge_rule, self.search_steps, self.scoring_batches)
         if self.similarity not in ("cosine", "cka"):
             raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
 

@@ -24,13 +24,19 @@ Group = tuple[int, ...]
 class StackEvaluator:
     """Runs candidate stacks on the calibration batches and compares them with the original model."""
 
-    def __init__(self, adapter: Any, context: MethodContext, merge_rule: str = "differences") -> None:
+    def __init__(
+        self, adapter: Any, context: MethodContext, merge_rule: str = "differences", num_batches: int | None = None
+    ) -> None:
         if merge_rule not in MERGE_RULES:
             raise ValueError(f"merge_rule must be one of {sorted(MERGE_RULES)}, got {merge_rule!r}.")
         self.adapter = adapter
         self.context = context
         self.merge = MERGE_RULES[merge_rule]
         self.runner = context.new_runner(adapter)
+        if num_batches is not None:
+            # Score on the first batches only: the search runs many candidates, each above its window.
+            self.runner.inputs = self.runner.inputs[:num_batches]
+            self.runner.masks = self.runner.masks[:num_batches]
         self.layers = list(adapter.layers(context.stack))
         self.masks = self.runner.masks
         self._merged_cache: dict[Group, nn.Module] = {}
@@ -190,8 +196,12 @@ def stack_for_threshold(
     return threshold, stack
 
 
-def check_merge_options(threshold: float | None, merge_rule: str, search_steps: int) -> None:
+def check_merge_options(
+    threshold: float | None, merge_rule: str, search_steps: int, scoring_batches: int | None = None
+) -> None:
     """Validation shared by the parameter-merge methods' configs."""
+    if scoring_batches is not None and (not isinstance(scoring_batches, int) or scoring_batches < 1):
+        raise ValueError(f"scoring_batches must be a positive integer or None, got {scoring_batches!r}.")
     if not isinstance(search_steps, int) or search_steps < 1:
         raise ValueError(f"search_steps must be a positive integer, got {search_steps!r}.")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) <= 1.0):
@@ -205,7 +215,7 @@ class ParameterMergeMethod(CompressionMethod):
 
     Subclasses implement `search(evaluator, threshold, target, top)`, returning the stack reached at that
     threshold (None when it does not remove `target` layers); the config provides `threshold`, `min_layer`,
-    `max_layer`, `merge_rule`, `search_steps` and optionally `similarity`.
+    `max_layer`, `merge_rule`, `search_steps`, `scoring_batches` and optionally `similarity`.
     """
 
     required_capabilities = frozenset({"layer_drop"})
@@ -216,7 +226,7 @@ class ParameterMergeMethod(CompressionMethod):
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
         num_layers = adapter.num_layers(context.stack)
         top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
-        evaluator = StackEvaluator(adapter, context, self.config.merge_rule)
+        evaluator = StackEvaluator(adapter, context, self.config.merge_rule, self.config.scoring_batches)
         threshold, stack = stack_for_threshold(
             lambda t: self.search(evaluator, t, num_to_remove, top),
             self.config.threshold,
