@@ -32,10 +32,15 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
     "shortgpt": dict(method="shortgpt"),
     "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
-    "laco": dict(method="laco", threshold=None, search_steps=6),
-    "laco_reference_code": dict(method="laco", threshold=None, search_steps=6, merge_rule="reference_code"),
-    "sliding_window": dict(method="sliding_window", search_steps=6),
-    "sliding_window_reference_code": dict(method="sliding_window", search_steps=6, merge_rule="reference_code"),
+    # The threshold searches run many candidate models: similarity is measured on the first calibration batch.
+    "laco": dict(method="laco", threshold=None, search_steps=6, scoring_batches=1),
+    "laco_reference_code": dict(
+        method="laco", threshold=None, search_steps=6, scoring_batches=1, merge_rule="reference_code"
+    ),
+    "sliding_window": dict(method="sliding_window", search_steps=6, scoring_batches=1),
+    "sliding_window_reference_code": dict(
+        method="sliding_window", search_steps=6, scoring_batches=1, merge_rule="reference_code"
+    ),
 }
 
 
