@@ -151,6 +151,11 @@ class FlattenQuantizer(OptimumQuantizer):
         with torch.no_grad():
             with context.timer("plan"):
                 plan = method.plan(adapter, context, num_to_remove)
+            if plan.num_layers != num_layers or plan.num_removed != num_to_remove:
+                raise RuntimeError(
+                    f"method {self.config.method!r} planned {plan.describe()} for a stack of {num_layers} layers, "
+                    f"but {num_to_remove} must be removed; this is a bug in the method, the model was not changed."
+                )
             logger.info("%s plan: %s", self.config.method, plan.describe())
             with context.timer("apply"):
                 method.apply_(adapter, plan, context)

@@ -218,3 +218,17 @@ def test_scoring_batches_equals_calibrating_on_those_batches_only():
         get_adapter(model), MethodContext(batches=batches[:1], progress=False), 2
     )
     assert subset == first_only
+
+
+def test_laco_windows_stay_inside_the_range_after_collapses():
+    """Overlapping windows (interval < window_size) must not reach past the top of the shrinking range: every
+    accepted collapse removes exactly window_size - 1 layers, and the plan removes exactly the target."""
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=2, length=16)
+    cfg = LaCoConfig(window_size=3, interval=1, threshold=1e-6, min_layer=0)
+    plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 5)
+    assert plan.num_removed == 5 and plan.num_output_layers == 1
+    assert [g.indices for g in plan.groups] == [(0, 1, 2, 3, 4, 5)]
+    plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 3)
+    assert plan.num_removed == 3
+    assert [g.indices for g in plan.groups] == [(0,), (1,), (2, 3, 4, 5)]

@@ -67,12 +67,17 @@ class LaCoMethod(ParameterMergeMethod):
     def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
         stack = identity_stack(evaluator.num_layers)
         removed = 0
-        start = top - self.config.window_size + 1
+        top_position = top  # the top of the range, in current positions (collapses above `start` shift it down)
+        start = top_position - self.config.window_size + 1
         while removed < target and start >= self.config.min_layer:
-            size = min(self.config.window_size, target - removed + 1)
+            # The window never reaches past the range, nor removes more layers than are still wanted.
+            size = min(self.config.window_size, target - removed + 1, top_position - start + 1)
+            if size < 2:
+                start -= 1
+                continue
             candidate = merge_positions(stack, start, start + size - 1)
             if evaluator.score(candidate) > threshold:
-                stack, removed = candidate, removed + size - 1
+                stack, removed, top_position = candidate, removed + size - 1, top_position - (size - 1)
                 start -= self.config.interval
             else:
                 start -= 1
