@@ -111,13 +111,15 @@ def perplexity(
             ids[r, prefix : prefix + e - s] = stream[s:e]
             mask[r, : prefix + e - s] = 1
             score[r, prefix + first : prefix + e - s] = True
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
         targets = ids[:, 1:].to(device)
-        nll = -log_probs.gather(-1, targets[..., None])[..., 0]
         selected = score[:, 1:].to(device)
-        total_nll += float(nll[selected].double().sum())
-        total_count += int(selected.sum())
+        for row in range(logits.shape[0]):  # one row at a time: a (seq, vocab) float32 copy, not (batch, seq, vocab)
+            keep = selected[row]
+            row_logits = logits[row, :-1][keep].float()
+            nll = torch.nn.functional.cross_entropy(row_logits, targets[row][keep], reduction="sum")
+            total_nll += float(nll.double())
+            total_count += int(keep.sum())
     model.train(was_training)
     mean = total_nll / total_count
     return PerplexityResult(
