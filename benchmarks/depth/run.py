@@ -140,7 +140,7 @@ def main() -> None:
         "num_layers_to_remove": args.num_layers_to_remove,
     }
     Path(out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
-    print(markdown_table(protocol, results))
+    print(f"wrote {out}; print the tables with: python benchmarks/render.py")
 
 
 def bundled_name(key: str) -> str:
@@ -148,26 +148,6 @@ def bundled_name(key: str) -> str:
 
     spec = BUNDLED_MODELS[key]
     return f"{spec.name} ({spec.pip})"
-
-
-def markdown_table(protocol: dict, results: list[dict]) -> str:
-    dense = results[0]
-    lines = [f"- {k}: {v}" for k, v in protocol.items()]
-    lines += [
-        "",
-        "| variant | layers | perplexity | ppl / dense | prefill tok/s / dense | compress s | peak RSS MB | plan |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['variant']} | {r['layers']} | {r['perplexity']:.2f} | {r['perplexity'] / dense['perplexity']:.3f} | "
-            f"{r['prefill_tokens_per_second'] / dense['prefill_tokens_per_second']:.3f} | "
-            f"{r.get('compress_seconds', 0):.0f} | {r['peak_rss_mb']:.0f} | {r.get('plan', '')} |"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -66,13 +66,26 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def _add_dataclass_fields(group: argparse._ArgumentGroup, cls: type, seen: set[str], skip: set[str]) -> None:
+def _add_dataclass_fields(
+    group: argparse._ArgumentGroup, cls: type, seen: set[str], shared: dict[str, list[str]] | None = None
+) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in seen or f.name in skip:
+        if f.name in seen:
             continue
         seen.add(f.name)
         convert, choices = _converter(hints[f.name])
+        owners = (shared or {}).get(f.name, [])
+        if len(owners) > 1:
+            group.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                dest=f.name,
+                type=convert,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                help=f"option of the methods {', '.join(owners)} (its default depends on --method)",
+            )
+            continue
         help_text = _HELP.get(f.name, f"{cls.__name__}.{f.name}")
         group.add_argument(
             f"--{f.name.replace('_', '-')}",
@@ -91,12 +104,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, calibration_defaults: 
     target.add_argument("--num-layers-to-remove", dest="num_layers_to_remove", type=int, default=argparse.SUPPRESS)
     target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
     seen: set[str] = set()
-    _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen, skip=set())
+    _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
     if calibration_defaults:
         parser.set_defaults(**calibration_defaults)
+    shared: dict[str, list[str]] = {}
+    for name in registered_methods():
+        for f in dataclasses.fields(get_method_class(name).config_class):
+            shared.setdefault(f.name, []).append(name)
     for name in registered_methods():
         cls = get_method_class(name).config_class
-        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, skip=set())
+        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
+
+
+def median_seconds(run: Callable[[], object], repeats: int, warmup: int) -> float:
+    """Median wall time of `run` over `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -18,13 +31,7 @@ def prefill_tokens_per_second(
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
     ids = torch.randint(3, model.config.vocab_size, (batch_size, seqlen), generator=generator).to(device)
     model.eval()
-    times = []
-    for i in range(warmup + repeats):
-        start = time.perf_counter()
-        model(input_ids=ids, use_cache=False)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    median = statistics.median(times)
+    median = median_seconds(lambda: model(input_ids=ids, use_cache=False), repeats, warmup)
     return {
         "tokens_per_second": batch_size * seqlen / median,
         "median_seconds": median,
@@ -50,13 +57,7 @@ def decode_tokens_per_second(
     model.eval()
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True)
     kwargs["pad_token_id"] = getattr(model.config, "pad_token_id", None) or 0
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        if i:
-            times.append(time.perf_counter() - start)
-    median = statistics.median(times)
+    median = median_seconds(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs), repeats, 1)
     return {
         "tokens_per_second": batch_size * new_tokens / median,
         "median_seconds": median,

@@ -10,52 +10,38 @@ down by `interval`, otherwise by one layer. It stops when the requested number o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from ..config import MethodConfig
 from .registry import register_method
 from .stack_search import (
     Group,
+    MergeSearchConfig,
     ParameterMergeMethod,
     StackEvaluator,
-    check_merge_options,
     identity_stack,
     merge_positions,
 )
 
 
 @dataclass
-class LaCoConfig(MethodConfig):
-    """Options of LaCo.
+class LaCoConfig(MergeSearchConfig):
+    """Options of LaCo (the shared ones are documented on MergeSearchConfig).
 
     Attributes:
         window_size: Layers collapsed per merge (C in the paper); each accepted merge removes window_size - 1.
         interval: How far the window moves down after an accepted merge (I in the paper).
-        threshold: Minimum cosine similarity to the original final hidden states (T); None searches the highest
-            threshold that reaches the target.
-        min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
-        merge_rule: ``"differences"`` (the paper's formula) or ``"reference_code"`` (the published code's
-            in-place update, which ends up copying the last layer's attention and MLP onto the first layer's norms).
-        scoring_batches: Compare with the original model on the first this-many calibration batches only (None:
-            all); the search runs many candidates, each through every layer above its window.
-        search_steps: Bisection steps when `threshold` is None.
+        threshold: Minimum cosine similarity to the original final hidden states (T in the paper, 0.65 there).
     """
 
+    threshold: float | None = 0.65
     window_size: int = 4
     interval: int = 2
-    threshold: float | None = 0.65
-    min_layer: int = 1
-    max_layer: int | None = None
-    merge_rule: Literal["differences", "reference_code"] = "differences"
-    search_steps: int = 10
-    scoring_batches: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.window_size, int) or self.window_size < 2:
             raise ValueError(f"window_size must be an integer >= 2, got {self.window_size!r}.")
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}.")
-        check_merge_options(self.threshold, self.merge_rule, self.search_steps, self.scoring_batches)
 
 
 @register_method("laco")

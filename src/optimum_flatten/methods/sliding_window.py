@@ -17,43 +17,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..config import MethodConfig
 from .registry import register_method
 from .stack_search import (
     Group,
+    MergeSearchConfig,
     ParameterMergeMethod,
     StackEvaluator,
-    check_merge_options,
     identity_stack,
     merge_positions,
 )
 
 
 @dataclass
-class SlidingWindowConfig(MethodConfig):
-    """Options of Sliding-Window Merging.
+class SlidingWindowConfig(MergeSearchConfig):
+    """Options of Sliding-Window Merging (the shared ones are documented on MergeSearchConfig).
 
     Attributes:
-        threshold: Minimum similarity to the original final states for a window to grow; None searches the highest
-            threshold that reaches the target.
-        similarity: ``"cosine"`` (mean token cosine) or ``"cka"`` (linear CKA over tokens).
-        min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
-        merge_rule: ``"differences"`` (the paper) or ``"reference_code"`` (the published code, see module doc).
-        scoring_batches: Compare with the original model on the first this-many calibration batches only (None:
-            all); the search runs many candidates, each through every layer above its window.
-        search_steps: Bisection steps when searching the threshold.
+        similarity: ``"cosine"`` (mean token cosine) or ``"cka"`` (linear CKA over tokens) of the final states.
     """
 
-    threshold: float | None = None
     similarity: Literal["cosine", "cka"] = "cosine"
-    min_layer: int = 1
-    max_layer: int | None = None
-    merge_rule: Literal["differences", "reference_code"] = "differences"
-    search_steps: int = 10
-    scoring_batches: int | None = None
 
     def __post_init__(self) -> None:
-        check_merge_options(self.threshold, self.merge_rule, self.search_steps, self.scoring_batches)
+        super().__post_init__()
         if self.similarity not in ("cosine", "cka"):
             raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
 

@@ -9,12 +9,13 @@ p onwards: the prefix is never recomputed. Memory: (L + 1) copies of the calibra
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ..config import LayerPlan
+from ..config import LayerPlan, MethodConfig
 from ..ops import MERGE_RULES, masked_cosine_sum
 from .base import CompressionMethod, MethodContext
 
@@ -208,6 +209,33 @@ def check_merge_options(
         raise ValueError(f"threshold must be in (0, 1] or None (search it), got {threshold!r}.")
     if merge_rule not in MERGE_RULES:
         raise ValueError(f"merge_rule must be one of {sorted(MERGE_RULES)}, got {merge_rule!r}.")
+
+
+@dataclass
+class MergeSearchConfig(MethodConfig):
+    """Options shared by the methods that search merged stacks above a similarity threshold.
+
+    Attributes:
+        threshold: Minimum similarity to the original model's final states; None searches the highest threshold
+            that reaches the target.
+        min_layer, max_layer: 0-based inclusive range where merges may happen (None: the last layer).
+        merge_rule: ``"differences"`` (the papers' θ* = θ_l + Σ_k (θ_k − θ_l)) or ``"reference_code"`` (the
+            published code's in-place update, which ends up copying the last layer's attention and MLP onto the first
+            layer's norms).
+        search_steps: Bisection steps when `threshold` is None.
+        scoring_batches: Compare with the original model on the first this-many calibration batches only (None:
+            all); the search runs many candidates, each through every layer above its window.
+    """
+
+    threshold: float | None = None
+    min_layer: int = 1
+    max_layer: int | None = None
+    merge_rule: Literal["differences", "reference_code"] = "differences"
+    search_steps: int = 10
+    scoring_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        check_merge_options(self.threshold, self.merge_rule, self.search_steps, self.scoring_batches)
 
 
 class ParameterMergeMethod(CompressionMethod):
