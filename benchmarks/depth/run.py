@@ -34,6 +34,7 @@ VARIANTS: dict[str, dict] = {
     "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
     # The threshold searches run many candidate models: similarity is measured on the first calibration batch.
     "laco": dict(method="laco", threshold=None, search_steps=6, scoring_batches=1),
+    "laco_window_2": dict(method="laco", threshold=None, search_steps=6, scoring_batches=1, window_size=2, interval=1),
     "laco_reference_code": dict(
         method="laco", threshold=None, search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),
