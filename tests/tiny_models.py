@@ -118,18 +118,9 @@ def sample_texts(num: int = 40, seed: int = 0) -> list[str]:
 
 
 def tiny_hf_tokenizer():
-    """A real (saveable, AutoTokenizer-loadable) character-level tokenizer over the tiny vocabulary."""
-    import string
+    """A real (saveable, AutoTokenizer-loadable) character-level tokenizer that fits the tiny vocabulary."""
+    from optimum_flatten.utils.tiny import tiny_tokenizer
 
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = string.ascii_lowercase + string.digits + " .,;:!?'-\n" + string.ascii_uppercase
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
-    for ch in chars[: VOCAB - len(vocab)]:
-        vocab[ch] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    tokenizer = tiny_tokenizer()
+    assert len(tokenizer) <= VOCAB
+    return tokenizer

@@ -112,11 +112,6 @@ class LayerPlan:
             previous = group.indices[-1]
 
     @classmethod
-    def identity(cls, num_layers: int, stack: str = "decoder") -> LayerPlan:
-        """The empty plan: every layer kept."""
-        return cls(num_layers=num_layers, groups=[LayerGroup((i,)) for i in range(num_layers)], stack=stack)
-
-    @classmethod
     def from_kept(cls, num_layers: int, kept: Iterable[int], stack: str = "decoder") -> LayerPlan:
         """A layer-drop plan keeping exactly `kept`."""
         return cls(num_layers=num_layers, groups=[LayerGroup((i,)) for i in sorted(kept)], stack=stack)

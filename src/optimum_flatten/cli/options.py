@@ -97,7 +97,7 @@ def _add_dataclass_fields(
         )
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, calibration_defaults: dict[str, Any] | None = None) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds --method, the target flags, every calibration field and every method option."""
     parser.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
     target = parser.add_mutually_exclusive_group(required=True)
@@ -105,8 +105,6 @@ def add_config_arguments(parser: argparse.ArgumentParser, calibration_defaults: 
     target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
     seen: set[str] = set()
     _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
-    if calibration_defaults:
-        parser.set_defaults(**calibration_defaults)
     shared: dict[str, list[str]] = {}
     for name in registered_methods():
         for f in dataclasses.fields(get_method_class(name).config_class):

@@ -22,14 +22,6 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def module_dtype(module: nn.Module) -> torch.dtype:
-    """The floating dtype of a module's first floating parameter (float32 when there is none)."""
-    for parameter in module.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype
-    return torch.float32
-
-
 def count_parameters(module: nn.Module) -> int:
     """Number of unique parameters (tied tensors counted once)."""
     seen: set[int] = set()
