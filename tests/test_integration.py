@@ -105,32 +105,3 @@ def test_compress_on_load_with_dtype_and_device_map_for_every_method(tmp_path, m
     assert model.flatten_report["method"] == method
     assert not hasattr(model.config, "quantization_config")
     assert all(int(k.split(".")[2]) < 4 for k in getattr(model, "hf_device_map", {}) if k.startswith("model.layers."))
-
-
-def test_offloaded_models_drop_layers_and_refuse_weight_rewriting_methods_cleanly(tmp_path):
-    import torch
-
-    dense_dir = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(dense_dir)
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
-    device_map.update({f"model.layers.{i}": "disk" if i % 2 else "cpu" for i in range(6)})
-
-    def load():
-        return AutoModelForCausalLM.from_pretrained(dense_dir, device_map=device_map, offload_folder=tmp_path / "off")
-
-    in_memory = AutoModelForCausalLM.from_pretrained(dense_dir)
-    reference = FlattenQuantizer(_config(method="shortgpt"), progress=False)
-    reference.compress(in_memory, tiny_models.CharTokenizer())
-    offloaded = load()
-    quantizer = FlattenQuantizer(_config(method="shortgpt"), progress=False)
-    quantizer.compress(offloaded, tiny_models.CharTokenizer())
-    assert quantizer.report["block_influence"] == reference.report["block_influence"]
-    assert quantizer.plan == reference.plan
-    ids = sample_ids()
-    with torch.no_grad():
-        assert_close(offloaded(ids).logits, in_memory(ids).logits)
-
-    refused = load()
-    with pytest.raises(ValueError, match="offloaded by accelerate"):
-        FlattenQuantizer(_config(), progress=False).compress(refused, tiny_models.CharTokenizer())
-    assert refused.config.num_hidden_layers == 6

@@ -132,12 +132,6 @@ class FlattenQuantizer(OptimumQuantizer):
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
         adapter.require(method_class.required_capabilities, self.config.method)
-        if not method_class.supports_offloaded_weights and has_offloaded_weights(model):
-            raise ValueError(
-                f"method {self.config.method!r} reads and rewrites weights, and some of this model's weights are "
-                "offloaded by accelerate (CPU/disk device_map), which it does not support yet. Load the model without "
-                "offload, or use a method that only drops layers ('shortgpt', 'sleb')."
-            )
         stack = self._stack(adapter)
         num_layers = adapter.num_layers(stack)
         num_to_remove = self.config.resolve_num_layers_to_remove(num_layers)
@@ -234,13 +228,6 @@ class FlattenQuantizer(OptimumQuantizer):
 
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
-
-
-def has_offloaded_weights(model: nn.Module) -> bool:
-    """True when accelerate keeps some parameters off-device (meta tensors restored by hooks at forward time)."""
-    from accelerate.utils import has_offloaded_params
-
-    return any(has_offloaded_params(module) for module in model.modules())
 
 
 def set_name_or_path(model: nn.Module, value: str) -> None:

@@ -123,9 +123,10 @@ def test_concat_equals_members_in_parallel(model):
     originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
     with torch.no_grad():
         expected = _naive_parallel(originals, hidden, kwargs)
-        for i in (1, 2):
-            fold_block_norms_(adapter.block("decoder", i))
-        wide = adapter.build_concat_block("decoder", [1, 2])
+        members = [adapter.detached_block("decoder", i) for i in (1, 2)]
+        for member in members:
+            fold_block_norms_(member)
+        wide = adapter.build_concat_block(members)
         view = adapter.block_view(wide, 1)
         assert view.attention.geometry.num_heads == view.attention.geometry.num_kv_heads == 8
         assert view.mlp.intermediate_size == 2 * model.config.intermediate_size

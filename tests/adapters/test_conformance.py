@@ -97,7 +97,7 @@ class AdapterConformance:
             with pytest.raises(UnsupportedArchitectureError, match="q_norm"):
                 adapter.require({"concat_heads"}, "flattengpt")
             with pytest.raises(UnsupportedArchitectureError):
-                adapter.build_concat_block("decoder", [1, 2])
+                adapter.build_concat_block([adapter.detached_block("decoder", i) for i in (1, 2)])
             return
         ids = sample_ids()
         runner = _runner(adapter, ids)
@@ -106,9 +106,10 @@ class AdapterConformance:
         originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
         with torch.no_grad():
             expected = _naive_parallel(originals, hidden, kwargs)
-            for i in (1, 2):
-                fold_block_norms_(adapter.block("decoder", i))
-            wide = adapter.build_concat_block("decoder", [1, 2])
+            members = [adapter.detached_block("decoder", i) for i in (1, 2)]
+            for member in members:
+                fold_block_norms_(member)
+            wide = adapter.build_concat_block(members)
             view = adapter.block_view(wide, 1)
             assert view.attention.geometry.num_heads == 2 * model.config.num_attention_heads
             assert view.attention.geometry.num_kv_heads == 2 * model.config.num_key_value_heads

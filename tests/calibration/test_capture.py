@@ -38,4 +38,23 @@ def test_second_moment_is_float64_and_skips_padding():
     valid = torch.cat([x[0, :2], x[1, :4]]).double()
     assert moment.count == 6
     assert moment.sum.dtype == torch.float64
-    assert_close(moment.mean(), valid.T @ valid / 6)
+    assert_close(moment.mean(), valid.T @ valid / 6, dtype=torch.float32)
+    exact = SecondMoment(3)
+    exact.update(x.double(), mask)
+    assert_close(exact.mean(), valid.T @ valid / 6)
+
+
+def test_second_moment_of_float32_tokens_is_centred_so_small_directions_survive_a_large_mean():
+    # Tokens = a large shared offset plus small variation: an uncentred float32 product loses the variation.
+    g = torch.Generator().manual_seed(1)
+    tokens = (1000.0 + 1e-2 * torch.randn(4096, 4, generator=g, dtype=torch.float64)).float()
+    exact = tokens.double().T @ tokens.double() / tokens.shape[0]
+    moment = SecondMoment(4)
+    for chunk in tokens.split(1000):
+        moment.update(chunk[None], None)
+    centred_exact = exact - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
+    centred_ours = moment.mean() - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
+    torch.testing.assert_close(centred_ours, centred_exact, rtol=1e-4, atol=1e-9)
+    naive = (tokens.T @ tokens).double() / tokens.shape[0]
+    naive_centred = naive - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
+    assert (naive_centred - centred_exact).abs().max() > 100 * (centred_ours - centred_exact).abs().max()

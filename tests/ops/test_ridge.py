@@ -23,6 +23,8 @@ def test_leverage_matches_eigendecomposition_reference():
     eigenvalues, vectors = torch.linalg.eigh(c)
     reference = torch.diagonal(vectors @ torch.diag(eigenvalues / (eigenvalues + lam)) @ vectors.T)
     assert_close(ridge_leverage_scores(c, lam), reference)
+    for block_size in (1, 3, 7):  # the diagonal of the inverse is solved in column panels
+        assert_close(ridge_leverage_scores(c, lam, block_size=block_size), reference)
 
 
 def test_nystrom_correction_equals_ridge_least_squares():
@@ -78,7 +80,9 @@ def test_singular_second_moment_is_handled_with_jitter():
     a = _activations(n_tokens=3, dim=8, seed=6)  # rank 3
     c = a.T @ a / 3
     scores = ridge_leverage_scores(c, 0.0)
-    assert torch.isfinite(scores).all()
+    assert torch.isfinite(scores).all() and (scores >= 0).all() and (scores <= 1).all()
+    # The jitter acts as the ridge: the scores are those of the smallest shift that factorised.
+    assert abs(float(scores.sum()) - 3.0) < 1e-2
 
 
 def test_reconstruction_error_matches_direct_evaluation():

@@ -7,7 +7,6 @@ quirks (fused projections, transposed Conv1D, remote-code module names) live in 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
+from ..utils.offload import detached_copy, onloaded
 
 NormPosition = Literal["pre", "post", "parallel"]
 PositionScheme = Literal["rope", "alibi", "learned", "sinusoidal", "none"]
@@ -241,12 +241,20 @@ class ArchitectureAdapter:
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         raise NotImplementedError
 
-    def build_concat_block(self, stack: str, indices: Sequence[int]) -> nn.Module:
-        """A new block holding every head and MLP unit of the blocks at `indices`, which stay untouched.
+    def detached_block(self, stack: str, index: int) -> BlockView:
+        """A view of an in-memory, hook-free copy of layer `index` (its weights onloaded once if offloaded).
+
+        Methods rewrite copies, never the model's layers: an offloaded layer cannot be written to, and the original
+        layers must keep computing the original function while later groups are calibrated.
+        """
+        return self.block_view(self._copy_block(self.layers(stack)[index]), index)
+
+    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
+        """A new block holding every head and MLP unit of `members` (views of blocks, which stay untouched).
 
         The members' norms must already be plain normalisations (gain 1, bias 0): FlattenGPT folds the gains into
-        the projections first, which is what makes one shared norm exact. The result computes the members in
-        parallel on one input and sums their contributions.
+        the projections of `detached_block` copies first, which is what makes one shared norm exact. The result
+        computes the members in parallel on one input, sums their contributions, and takes the place of the first.
         """
         raise NotImplementedError
 
@@ -286,12 +294,16 @@ class ArchitectureAdapter:
     mergeable_prefixes: ClassVar[tuple[str, ...]] = ("self_attn.", "mlp.")
 
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The block parameters a parameter merge combines (attention and MLP), by state-dict name."""
-        return {
-            name: tensor.detach()
-            for name, tensor in module.state_dict().items()
-            if name.startswith(self.mergeable_prefixes) and tensor.is_floating_point()
-        }
+        """The block parameters a parameter merge combines (attention and MLP), by state-dict name.
+
+        Offloaded weights are onloaded for the read; the returned tensors must not be written to.
+        """
+        with onloaded(module):
+            return {
+                name: tensor.detach()
+                for name, tensor in module.state_dict().items()
+                if name.startswith(self.mergeable_prefixes) and tensor.is_floating_point()
+            }
 
     def build_merged_block(self, stack: str, first: int, state: dict[str, torch.Tensor]) -> nn.Module:
         """A copy of block `first` (its norms included) carrying the given merged attention/MLP parameters."""
@@ -312,8 +324,9 @@ class ArchitectureAdapter:
 
     # ----------------------------------------------------------------- helpers
     def _copy_block(self, module: nn.Module) -> nn.Module:
-        """Deep-copies a block but keeps its reference to the model config shared (attention reads it at run time)."""
-        return copy.deepcopy(module, memo={id(self.config): self.config})
+        """An in-memory, hook-free deep copy of a block that keeps its reference to the model config shared
+        (attention reads it at run time)."""
+        return detached_copy(module, memo={id(self.config): self.config})
 
 
 def require_unit_norms(views: Sequence[NormView], what: str) -> None:

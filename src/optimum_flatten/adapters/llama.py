@@ -96,15 +96,14 @@ class LlamaAdapter(ArchitectureAdapter):
             raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
 
     # ---------------------------------------------------------------- mutating
-    def build_concat_block(self, stack: str, indices: Sequence[int]) -> nn.Module:
-        members = [self.block(stack, i) for i in indices]
+    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
         require_unit_norms([m.attn_norm for m in members] + [m.mlp_norm for m in members], "attention/MLP")
         head_dims = {m.attention.geometry.head_dim for m in members}
         ratios = {m.attention.geometry.queries_per_kv for m in members}
         if len(head_dims) != 1 or len(ratios) != 1:
             raise ValueError(
-                f"blocks {list(indices)} have different head_dim {sorted(head_dims)} or queries per KV head "
-                f"{sorted(ratios)}; only blocks of one head geometry can be concatenated."
+                f"blocks {[m.index for m in members]} have different head_dim {sorted(head_dims)} or queries per "
+                f"KV head {sorted(ratios)}; only blocks of one head geometry can be concatenated."
             )
         wide = self._copy_block(members[0].module)
         view = self.block_view(wide, members[0].index)

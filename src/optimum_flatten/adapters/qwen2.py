@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from .base import BlockView
 from .llama import LlamaAdapter
 from .registry import register_adapter
 
@@ -46,6 +47,6 @@ class Qwen3Adapter(LlamaAdapter):
         "be concatenated into one attention module exactly",
     }
 
-    def build_concat_block(self, stack: str, indices: Sequence[int]):
+    def build_concat_block(self, members: Sequence[BlockView]):
         self.require({"concat_heads"}, "flattengpt")
         raise AssertionError("unreachable")

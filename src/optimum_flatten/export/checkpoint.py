@@ -12,11 +12,14 @@ from typing import Any
 from torch import nn
 
 from ..utils.errors import OutputDirectoryError
+from ..utils.offload import is_offloaded
 
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "flatten_report.json"
 HEATMAP_NAME = "similarity_heatmap.png"
+#: Shard size when some weights are offloaded (transformers' default of 50 GB would onload them all at once).
+OFFLOADED_SHARD_SIZE = "1GB"
 
 
 def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
@@ -54,13 +57,15 @@ def save_compressed(
     from ..adapters import get_adapter
 
     try:
-        get_adapter(model).export_model().save_pretrained(staging, safe_serialization=True)
+        exported = get_adapter(model).export_model()
+        # transformers onloads the offloaded weights one shard at a time: small shards keep the save within the
+        # memory the compression needed.
+        shards = {"max_shard_size": OFFLOADED_SHARD_SIZE} if is_offloaded(exported) else {}
+        exported.save_pretrained(staging, safe_serialization=True, **shards)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        files = ["config.json", "model.safetensors", REPORT_NAME, "README.md"]
         if report.get("similarity") is not None:
             plot_similarity(report["similarity"], report.get("plan", {}).get("groups"), staging / HEATMAP_NAME)
-            files.append(HEATMAP_NAME)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (staging / "README.md").write_text(render_model_card(report), encoding="utf-8")
         _replace_dir(staging, path)

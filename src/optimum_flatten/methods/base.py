@@ -59,9 +59,6 @@ class CompressionMethod(ABC):
     config_class: ClassVar[type[MethodConfig]]
     requires_calibration: ClassVar[bool] = True
     required_capabilities: ClassVar[frozenset[str]] = frozenset()
-    #: Whether the method works on a model whose weights accelerate offloads (CPU/disk `device_map`): methods
-    #: that only run and drop layers do; methods that read or rewrite weights need them in memory for now.
-    supports_offloaded_weights: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config

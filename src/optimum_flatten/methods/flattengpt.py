@@ -35,6 +35,7 @@ from ..ops import (
     ridge_reconstruction_error,
     top_k_indices,
 )
+from ..utils.offload import dispatch_like
 from .base import CompressionMethod, MethodContext
 from .registry import register_method
 
@@ -190,6 +191,8 @@ class FlattenGPTMethod(CompressionMethod):
                     bar.update()
                     continue
                 block, group_report = self._compress_group(adapter, runner, group.indices, current, context)
+                # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
+                block = dispatch_like(block, layers[group.indices[0]])
                 compressed[group.indices[0]] = block
                 group_reports.append(group_report)
                 with context.timer("propagate"):
@@ -215,13 +218,14 @@ class FlattenGPTMethod(CompressionMethod):
         context: MethodContext,
     ) -> tuple[torch.nn.Module, dict[str, Any]]:
         stack = context.stack
-        members = [adapter.block(stack, i) for i in indices]
-        target_kv = members[0].attention.geometry.num_kv_heads
-        target_channels = members[0].mlp.intermediate_size
         with context.timer("flatten"):
+            members = [adapter.detached_block(stack, i) for i in indices]
             for member in members:
                 fold_block_norms_(member)
-            wide = adapter.build_concat_block(stack, indices)
+            wide = adapter.build_concat_block(members)
+            del members
+        first = adapter.block(stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
+        target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         view = adapter.block_view(wide, indices[0])
 
         # Attention heads by f_i (eq. 12), whole KV groups under GQA.

@@ -47,7 +47,6 @@ class ShortGPTMethod(CompressionMethod):
     config_class = ShortGPTConfig
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
-    supports_offloaded_weights = True
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
         scores = block_influence(adapter, context)

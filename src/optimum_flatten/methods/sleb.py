@@ -60,7 +60,6 @@ class SLEBMethod(CompressionMethod):
     config_class = SLEBConfig
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
-    supports_offloaded_weights = True
     config: SLEBConfig
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:

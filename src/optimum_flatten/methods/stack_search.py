@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import LayerPlan, MethodConfig
 from ..ops import MERGE_RULES, masked_cosine_sum
+from ..utils.offload import dispatch_like
 from .base import CompressionMethod, MethodContext
 
 Group = tuple[int, ...]
@@ -168,7 +169,10 @@ def apply_parameter_merge_(adapter: Any, plan: Any, merge_rule: str) -> None:
     merged = {}
     for group in plan.merged_groups:
         state = merge([adapter.mergeable_state(layers[i]) for i in group])
-        merged[group[0]] = adapter.build_merged_block(plan.stack, group[0], state)
+        block = adapter.build_merged_block(plan.stack, group[0], state)
+        del state
+        # Offloaded again right away if the layer it replaces was: peak memory stays at one merged block.
+        merged[group[0]] = dispatch_like(block, layers[group[0]])
     for first, block in merged.items():
         adapter.replace_block_(plan.stack, first, block)
     adapter.keep_layers_(plan.stack, plan.first_indices)

@@ -22,27 +22,45 @@ def default_ridge_lambda(second_moment: torch.Tensor, ratio: float) -> float:
     return float(ratio) * float(torch.trace(c)) / c.shape[0]
 
 
-def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
-    """Cholesky factor, adding growing diagonal jitter if rounding made the matrix indefinite."""
-    factor, info = torch.linalg.cholesky_ex(matrix)
-    if int(info) == 0:
-        return factor
+def _shifted_cholesky(matrix: torch.Tensor, shift: float) -> tuple[torch.Tensor, float]:
+    """Cholesky factor of `matrix + shift·I`, and the shift actually used.
+
+    If rounding made the matrix indefinite, a growing jitter (relative to its mean diagonal) is added to the shift;
+    callers that need the exact shift (the leverage formula) read it back.
+    """
     scale = float(torch.diagonal(matrix).abs().mean().clamp_min(1e-30))
     eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-    for exponent in range(-12, 0):
-        factor, info = torch.linalg.cholesky_ex(matrix + (scale * 10.0**exponent) * eye)
+    for jitter in [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)]:
+        factor, info = torch.linalg.cholesky_ex(matrix + (shift + jitter) * eye)
         if int(info) == 0:
-            return factor
+            return factor, shift + jitter
     raise torch.linalg.LinAlgError("matrix is not positive definite even with jitter; is the calibration data empty?")
 
 
-def ridge_leverage_scores(second_moment: torch.Tensor, lam: float) -> torch.Tensor:
-    """s = diag(C (C + λI)⁻¹), in float64. Scores lie in [0, 1) and sum to the effective dimension of C."""
+def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
+    """Cholesky factor, adding growing diagonal jitter if rounding made the matrix indefinite."""
+    return _shifted_cholesky(matrix, 0.0)[0]
+
+
+def ridge_leverage_scores(second_moment: torch.Tensor, lam: float, block_size: int = 1024) -> torch.Tensor:
+    """s = diag(C (C + λI)⁻¹), in float64. Scores lie in [0, 1) and sum to the effective dimension of C.
+
+    Since C (C + λI)⁻¹ = I − λ (C + λI)⁻¹, only the diagonal of (C + λI)⁻¹ = L⁻ᵀ L⁻¹ is needed: entry i is the
+    squared norm of column i of L⁻¹, which is zero above row i. Columns are solved in blocks against the trailing
+    triangle only, so the cost is n³/3 after the Cholesky factorisation (a full solve against C costs 2n³) and
+    the extra memory one (n × block) panel instead of another n × n matrix.
+    """
     c = second_moment.double()
-    eye = torch.eye(c.shape[0], dtype=c.dtype, device=c.device)
-    factor = _cholesky(c + lam * eye)
-    # C and (C + λI) commute, so diag(C (C+λI)^-1) = diag((C+λI)^-1 C).
-    return torch.diagonal(torch.cholesky_solve(c, factor)).clone()
+    n = c.shape[0]
+    factor, shift = _shifted_cholesky(c, lam)
+    inverse_diagonal = torch.empty(n, dtype=c.dtype, device=c.device)
+    for start in range(0, n, block_size):
+        stop = min(n, start + block_size)
+        panel = torch.zeros(n - start, stop - start, dtype=c.dtype, device=c.device)
+        panel.diagonal().fill_(1.0)
+        columns = torch.linalg.solve_triangular(factor[start:, start:], panel, upper=False)
+        inverse_diagonal[start:stop] = columns.square().sum(dim=0)
+    return (1.0 - shift * inverse_diagonal).clamp_(min=0.0)
 
 
 def nystrom_down_correction(
