@@ -18,17 +18,17 @@ def depth_table(path: Path) -> str:
     lines = [f"- {k}: {v}" for k, v in data.get("protocol", {}).items()]
     lines += [
         "",
-        "| variant | layers | params (M) | perplexity | ppl / dense | compress s | peak RSS MB | plan |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | layers | params (M) | perplexity | ppl / dense | compress s | stack passes | peak RSS MB | plan |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | |")
             continue
         lines.append(
             f"| {r['variant']} | {r['layers']} | {r['parameters'] / 1e6:.1f} | {r['perplexity']:.2f} | "
             f"{r['perplexity'] / dense['perplexity']:.3f} | {r.get('compress_seconds', 0):.0f} | "
-            f"{r['peak_rss_mb']:.0f} | {r.get('plan', '')} |"
+            f"{r.get('cost_stack_passes', '')} | {r['peak_rss_mb']:.0f} | {r.get('plan', '')} |"
         )
     return "\n".join(lines)
 

@@ -75,6 +75,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         result["plan"] = quantizer.report["plan_summary"]
         result["timings"] = quantizer.report["timings_seconds"]
         result["calibration_tokens"] = quantizer.report["calibration"]["tokens"]
+        result["cost_stack_passes"] = quantizer.report["cost"]["stack_passes"]
     ppl = perplexity(model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
     speed = prefill_tokens_per_second(model, seqlen=args.eval_seqlen, repeats=5)
     result.update(

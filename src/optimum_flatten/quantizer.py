@@ -139,6 +139,7 @@ class FlattenQuantizer(OptimumQuantizer):
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
 
         params_before = count_parameters(model)
+        stack_weights = count_parameters(adapter.layers(stack))
         context = MethodContext(batches=batches, stack=stack, progress=self.progress)
         was_training = model.training
         model.eval()
@@ -187,6 +188,7 @@ class FlattenQuantizer(OptimumQuantizer):
                 "tokens": sum(b.num_tokens for b in batches),
             },
             "timings_seconds": {k: round(v, 3) for k, v in context.timings.items()},
+            "cost": compute_cost(context, stack_weights, batches),
             "total_seconds": round(time.perf_counter() - start, 3),
             **context.report,
         }
@@ -228,6 +230,22 @@ class FlattenQuantizer(OptimumQuantizer):
 
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
+
+def compute_cost(context: MethodContext, stack_weights: int, batches: Any) -> dict[str, Any]:
+    """The compute a method spent, as a multiple of one pass of the calibration tokens through the original stack.
+
+    Counted as weight x token products of every block run (and LM-head evaluations), so the number does not depend
+    on the machine or on what else ran; attention's token-pair products and the method's own statistics and solves
+    are not in it (their wall time is in `timings_seconds`).
+    """
+    tokens = sum(int(b.input_ids.numel()) for b in batches)
+    if not tokens or not stack_weights:
+        return {"stack_passes": 0.0, "unit": "no calibration"}
+    return {
+        "stack_passes": round(context.work / (stack_weights * tokens), 3),
+        "unit": f"one pass of {tokens} calibration tokens through the original stack ({stack_weights} weights)",
+    }
 
 
 def set_name_or_path(model: nn.Module, value: str) -> None:

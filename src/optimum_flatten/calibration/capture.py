@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils.torch_utils import first_output, module_device
+from ..utils.torch_utils import count_parameters, first_output, module_device
 from .data import CalibrationBatch
 
 
@@ -68,6 +68,9 @@ class LayerwiseRunner:
         self.stack = stack
         self.masks = [b.attention_mask for b in batches]
         self.layer_kwargs, self.inputs = self._record(batches)
+        #: Weight x token products of every block run so far: the compute a method spent, in a unit independent of
+        #: the machine (one pass of N tokens through layers holding P weights is N x P).
+        self.work = 0
 
     @torch.no_grad()
     def _record(self, batches: Sequence[CalibrationBatch]) -> tuple[list[list[dict[str, Any]]], list[torch.Tensor]]:
@@ -119,8 +122,10 @@ class LayerwiseRunner:
         """
         inputs = self.inputs if inputs is None else inputs
         device = module_device(module)
+        weights = count_parameters(module)
         outputs = []
         for b, hidden in enumerate(inputs):
+            self.work += weights * hidden.shape[0] * hidden.shape[1]
             if on_batch is not None:
                 on_batch(b)
             kwargs = _to_device(self.layer_kwargs[position][b], device)

@@ -27,10 +27,21 @@ class MethodContext:
     report: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
+    #: Weight x token products spent outside the block runners (e.g. LM-head evaluations); see `work`.
+    extra_work: int = 0
+    _runners: list[LayerwiseRunner] = field(default_factory=list)
+
     def new_runner(self, adapter: Any) -> LayerwiseRunner:
         """A fresh block runner positioned at the input of layer 0 (costs one embedding pass)."""
         with self.timer("capture"):
-            return LayerwiseRunner(adapter, self.batches, self.stack)
+            runner = LayerwiseRunner(adapter, self.batches, self.stack)
+        self._runners.append(runner)
+        return runner
+
+    @property
+    def work(self) -> int:
+        """Weight x token products of every block run and counted extra: compute in a machine-free unit."""
+        return sum(r.work for r in self._runners) + self.extra_work
 
     @contextlib.contextmanager
     def timer(self, phase: str) -> Iterator[None]:

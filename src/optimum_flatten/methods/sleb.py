@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import LayerPlan, MethodConfig
+from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
 
@@ -77,6 +78,7 @@ class SLEBMethod(CompressionMethod):
         batches = list(context.batches)[:limit]
         inputs = runner.inputs[:limit]
         layers = adapter.layers(context.stack)
+        head_weights = count_parameters(adapter.lm_head())
         kept = list(range(num_layers))
         history = []
         with context.timer("selection"), context.progress_bar(num_to_remove, "sleb") as bar:
@@ -92,6 +94,7 @@ class SLEBMethod(CompressionMethod):
                     for later in kept[position + 1 :]:
                         current = runner.run(layers[later], later, current)
                     scores[index] = calibration_nll(adapter, current, batches)
+                    context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
                 removed = min(scores, key=lambda i: (scores[i], i))
                 history.append({"removed": removed, "nll": scores[removed], "scores": scores})
                 kept.remove(removed)
