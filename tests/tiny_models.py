@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -78,6 +79,44 @@ def tiny_qwen3(seed: int = 0):
     return _build(Qwen3Config(**_common(num_key_value_heads=2)), seed)
 
 
+def tiny_gpt2(seed: int = 0, **overrides):
+    """GPT-2 (Conv1D storage, fused c_attn, LayerNorm with bias, learned positions, tied embeddings as released).
+
+    `overrides` go to GPT2Config (e.g. ``scale_attn_by_inverse_layer_idx=True``). The larger initializer_range
+    makes attention peaked enough that a wrong query scale shows in the logits.
+    """
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=128,
+        n_embd=32,
+        n_layer=6,
+        n_head=4,
+        n_inner=48,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.15,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+        **overrides,
+    )
+    model = _build(config, seed)
+    # _build randomises norm gains by name ("norm"); GPT-2 names its LayerNorms ln_1, ln_2 and ln_f.
+    generator = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.split(".")[-2].startswith("ln_") and name.endswith(".weight"):
+                parameter.copy_(1.0 + 0.3 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def tiny_gpt2_layer_scaled(seed: int = 0):
+    """GPT-2 whose attention scores are divided by layer_idx + 1, through the upcast/reordered attention path."""
+    return tiny_gpt2(seed, scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)
+
+
 FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "llama_mha": tiny_llama_mha,
     "llama_gqa": tiny_llama_gqa,
@@ -85,10 +124,19 @@ FACTORIES: dict[str, Callable[..., torch.nn.Module]] = {
     "qwen2": tiny_qwen2,
     "qwen3": tiny_qwen3,
     "baichuan": tiny_baichuan,
+    "gpt2": tiny_gpt2,
+    "gpt2_layer_scaled": tiny_gpt2_layer_scaled,
 }
 
 #: model_type served by each factory, so a registry test can demand a factory for every adapter.
-MODEL_TYPES = {"llama": "llama_gqa", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "baichuan": "baichuan"}
+MODEL_TYPES = {
+    "llama": "llama_gqa",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "baichuan": "baichuan",
+    "gpt2": "gpt2",
+}
 
 
 class CharTokenizer:

@@ -41,6 +41,19 @@ class AdapterConformance:
     factory: str
     concat_supported = True
 
+    # Hooks a family overrides when its config keys or block layout differ from LLaMA's.
+    def expected_num_kv_heads(self, config) -> int:
+        return config.num_key_value_heads
+
+    def expected_intermediate_size(self, config) -> int:
+        return config.intermediate_size
+
+    def naive_parallel(self, members, hidden, kwargs):
+        return _naive_parallel(members, hidden, kwargs)
+
+    def shallower_reference(self, model, kept):
+        return shallower_reference(model, kept)
+
     @pytest.fixture
     def model(self):
         return tiny_models.FACTORIES[self.factory]()
@@ -52,9 +65,9 @@ class AdapterConformance:
         for block in adapter.blocks():
             g = block.attention.geometry
             assert g.num_heads == model.config.num_attention_heads
-            assert g.num_kv_heads == model.config.num_key_value_heads
+            assert g.num_kv_heads == self.expected_num_kv_heads(model.config)
             assert g.head_dim * g.num_heads == block.attention.q.out_features
-            assert block.mlp.intermediate_size == model.config.intermediate_size
+            assert block.mlp.intermediate_size == self.expected_intermediate_size(model.config)
             assert block.attention.o.weight.shape == (g.hidden_size, g.num_heads * g.head_dim)
             assert block.norm_position == "pre"
 
@@ -80,7 +93,7 @@ class AdapterConformance:
 
     def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
         kept = [0, 2, 3, 5]
-        reference = shallower_reference(model, kept)
+        reference = self.shallower_reference(model, kept)
         adapter = get_adapter(model)
         adapter.keep_layers_("decoder", kept)
         adapter.reindex_("decoder")
@@ -105,15 +118,15 @@ class AdapterConformance:
         kwargs = runner.layer_kwargs[1][0]
         originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
         with torch.no_grad():
-            expected = _naive_parallel(originals, hidden, kwargs)
+            expected = self.naive_parallel(originals, hidden, kwargs)
             members = [adapter.detached_block("decoder", i) for i in (1, 2)]
             for member in members:
                 fold_block_norms_(member)
             wide = adapter.build_concat_block(members)
             view = adapter.block_view(wide, 1)
             assert view.attention.geometry.num_heads == 2 * model.config.num_attention_heads
-            assert view.attention.geometry.num_kv_heads == 2 * model.config.num_key_value_heads
-            assert view.mlp.intermediate_size == 2 * model.config.intermediate_size
+            assert view.attention.geometry.num_kv_heads == 2 * self.expected_num_kv_heads(model.config)
+            assert view.mlp.intermediate_size == 2 * self.expected_intermediate_size(model.config)
             actual = runner.run(wide, 1, [hidden])[0]
         assert_close(actual, expected)
 
@@ -133,9 +146,10 @@ class AdapterConformance:
         kept_kv = [g.num_kv_heads - 1]
         reference = copy.deepcopy(model)
         ref_block = get_adapter(reference).block("decoder", 1)
-        # Reference: zero the o_proj columns of every query head not attached to a kept KV head.
+        # Reference: zero the o_proj columns of every query head not attached to a kept KV head (through the
+        # (out, in) view, which shares the parameter's memory whatever the storage layout).
         with torch.no_grad():
-            o = ref_block.attention.o.module.weight
+            o = ref_block.attention.o.weight
             for head in range(g.num_heads):
                 if head // g.queries_per_kv not in kept_kv:
                     o[:, head * g.head_dim : (head + 1) * g.head_dim] = 0
@@ -150,7 +164,7 @@ class AdapterConformance:
         kept = [0, 3, 4, 10, 20, 47]
         reference = copy.deepcopy(model)
         with torch.no_grad():
-            down = get_adapter(reference).block("decoder", 3).mlp.down.module.weight
+            down = get_adapter(reference).block("decoder", 3).mlp.down.weight
             mask = torch.ones(down.shape[1], dtype=torch.bool)
             mask[kept] = False
             down[:, mask] = 0
@@ -198,8 +212,11 @@ class TestQwen3(AdapterConformance):
 
 
 def test_unknown_architecture_lists_supported_types():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2'.*Supported model types: \[.*'llama'"):
+    config = GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=50
+    )
+    model = GPTNeoXForCausalLM(config)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'gpt_neox'.*Supported model types: \[.*'llama'"):
         get_adapter(model)

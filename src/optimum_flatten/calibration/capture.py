@@ -11,6 +11,7 @@ afterwards, so peak memory is one layer plus the cached activations.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,20 +27,41 @@ class _StopForward(Exception):
 
 
 class _Recorder(nn.Module):
-    def __init__(self, sink: list[dict[str, Any]], stop: bool, as_tuple: bool) -> None:
+    """Stands in for a layer: records the arguments the model passes to it, returns the hidden state unchanged.
+
+    Arguments passed positionally (GPT-2's loop passes the cache and the mask that way) are named through the
+    replaced layer's signature, so the runner can always call a block with keywords.
+    """
+
+    def __init__(self, sink: list[dict[str, Any]], stop: bool, as_tuple: bool, signature: inspect.Signature) -> None:
         super().__init__()
         self.sink = sink
         self.stop = stop
         self.as_tuple = as_tuple
+        self.signature = signature
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if args:
-            raise TypeError("decoder layers are expected to receive everything but the hidden state by keyword")
+            bound = self.signature.bind(hidden_states, *args, **kwargs)
+            named = dict(bound.arguments)
+            named.pop(next(iter(self.signature.parameters)))  # the hidden state
+            extra = named.pop(_var_keyword(self.signature), {}) if _var_keyword(self.signature) else {}
+            if _var_positional(self.signature) in named:
+                raise TypeError("a decoder layer taking *args cannot be recorded: its arguments have no names")
+            kwargs = {**named, **extra}
         self.sink.append(kwargs)
         if self.stop:
             raise _StopForward(hidden_states)
         # A loop that does `layer_outputs[0]` on a bare tensor would silently take the first batch row.
         return (hidden_states,) if self.as_tuple else hidden_states
+
+
+def _var_keyword(signature: inspect.Signature) -> str | None:
+    return next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+
+def _var_positional(signature: inspect.Signature) -> str | None:
+    return next((n for n, p in signature.parameters.items() if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -83,7 +105,12 @@ class LayerwiseRunner:
         device = module_device(self.adapter.embeddings())
         try:
             for i in range(num_layers):
-                layers[i] = _Recorder(sinks[i], stop=i == num_layers - 1, as_tuple=self.adapter.layer_output_is_tuple)
+                layers[i] = _Recorder(
+                    sinks[i],
+                    stop=i == num_layers - 1,
+                    as_tuple=self.adapter.layer_output_is_tuple,
+                    signature=inspect.signature(originals[i].forward),
+                )
             for batch in batches:
                 try:
                     base(

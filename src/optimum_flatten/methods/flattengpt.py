@@ -36,6 +36,7 @@ from ..ops import (
     top_k_indices,
 )
 from ..utils.offload import dispatch_like
+from ..utils.torch_utils import module_device
 from .base import CompressionMethod, MethodContext
 from .registry import register_method
 
@@ -105,7 +106,7 @@ class FlattenGPTConfig(MethodConfig):
 class FlattenGPTMethod(CompressionMethod):
     config_class = FlattenGPTConfig
     requires_calibration = True
-    required_capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads"})
+    required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
     config: FlattenGPTConfig
 
     # -------------------------------------------------------------- selection
@@ -235,7 +236,8 @@ class FlattenGPTMethod(CompressionMethod):
         head_count = 0
         batch_index = [0]
         needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
-        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim) if needs_o_moment else None
+        device = module_device(wide)  # statistics and solves stay on the device the layer lives on
+        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim, device) if needs_o_moment else None
 
         def on_heads(x: torch.Tensor) -> None:
             nonlocal head_sum, head_count
@@ -270,7 +272,7 @@ class FlattenGPTMethod(CompressionMethod):
 
         # MLP channels by ridge leverage, on the activations the pruned attention produces.
         view = adapter.block_view(wide, indices[0])
-        moment = SecondMoment(view.mlp.intermediate_size)
+        moment = SecondMoment(view.mlp.intermediate_size, device)
 
         def on_mlp(x: torch.Tensor) -> None:
             moment.update(x, runner.masks[batch_index[0]])

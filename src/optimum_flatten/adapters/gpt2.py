@@ -1,0 +1,531 @@
+"""GPT-2 (``GPT2LMHeadModel``): pre-LayerNorm blocks, learned positions, a GELU MLP and transposed Conv1D storage.
+
+Module layout bound here (transformers 5.x, checked on 5.23, ``models/gpt2/modeling_gpt2.py``):
+``model.transformer.h[i]`` is a ``GPT2Block`` with ``ln_1`` / ``ln_2`` (LayerNorm with bias), ``attn`` (a
+``GPT2Attention``: ``c_attn`` fusing q, k and v along its output, ``c_proj``) and ``mlp`` (``c_fc`` -> ``act`` ->
+``c_proj``, not gated); ``model.transformer.{wte, wpe, ln_f}``; ``model.lm_head`` tied to ``wte``. Every projection
+is a ``transformers.pytorch_utils.Conv1D``: its weight is stored (in, out) and it computes ``x @ W + b`` (it always
+has a bias). The config names things ``n_layer``, ``n_head``, ``n_embd``, ``n_inner`` (None means 4 * n_embd).
+
+Three quirks shape this adapter:
+
+* Storage. `Conv1DView` shows a Conv1D as an (out, in) map and `PackedConv1DView` shows one part of ``c_attn``
+  (columns [q | k | v] of the stored weight); writes rebuild a Conv1D, so a saved checkpoint stays a plain GPT-2.
+  ``GPT2Attention.forward`` splits ``c_attn``'s output with ``self.split_size`` (the q width), which every resize
+  keeps in line (`_sync_sizes`).
+* Call convention. ``GPT2Model.forward`` calls each block with ``past_key_values``, the mask and
+  ``encoder_hidden_states`` as *positional* arguments (5.23; "for gradient checkpointing"), and a block returns the
+  bare hidden state. The calibration recorders must name those positional arguments (see docs/adapters/gpt2.md).
+* Layer-index scaling. With ``scale_attn_by_inverse_layer_idx`` the attention scores of layer ``i`` are divided by
+  ``i + 1``. In transformers 5.x the attention folds this into ``self.scaling`` once, at construction
+  (``head_dim ** -0.5 / (layer_idx + 1)``), and every attention path (eager, ``reorder_and_upcast_attn``'s
+  ``baddbmm(alpha=self.scaling)``, SDPA, flash) multiplies q·k by ``self.scaling``. A block moved to another
+  position therefore keeps computing its old function in memory, but a reloaded checkpoint rebuilds ``scaling``
+  from the new index. `reindex_` compensates exactly: it multiplies the block's query rows (weight and bias) by
+  old_scaling / new_scaling and sets ``scaling`` to the value a fresh block at the new index computes, so
+  ``(c q)·k · s_new == q·k · s_old`` and the saved model reloads with the same function. Concatenation and
+  parameter merges use the same rescaling to bring every member to one scale first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from ..utils.errors import UnsupportedArchitectureError
+from ..utils.offload import onloaded
+from .base import (
+    ArchitectureAdapter,
+    AttentionView,
+    BlockView,
+    HeadGeometry,
+    LinearView,
+    MlpView,
+    NormView,
+    require_unit_norms,
+)
+from .llama import check_cached_forward
+from .registry import register_adapter
+
+#: Attribute set on a fused c_attn while its q/k/v parts have different widths (in the middle of a resize).
+_PENDING_SIZES = "_optimum_flatten_packed_sizes"
+
+#: State-dict names of a block's fused q/k/v projection (the only parameters the layer-index scaling touches).
+_QKV_WEIGHT, _QKV_BIAS = "attn.c_attn.weight", "attn.c_attn.bias"
+
+
+# --------------------------------------------------------------------------------------------------- views
+def _new_conv1d(weight_out_in: torch.Tensor, bias: torch.Tensor | None, like: Conv1D) -> Conv1D:
+    """A Conv1D computing ``x @ weight_out_in.T + bias``, in `like`'s dtype, device and requires_grad.
+
+    Conv1D always adds a bias, so a missing one becomes zeros (exact). Built on the meta device, so nothing is
+    allocated or randomly initialised before the given tensors are assigned.
+    """
+    out_features, in_features = weight_out_in.shape
+    dtype, device = like.weight.dtype, like.weight.device
+    if bias is None:
+        bias = torch.zeros(out_features, dtype=dtype, device=device)
+    with torch.device("meta"):
+        new = Conv1D(out_features, in_features)
+    requires_grad = like.weight.requires_grad
+    new.weight = nn.Parameter(
+        weight_out_in.detach().to(device=device, dtype=dtype).T.contiguous(), requires_grad=requires_grad
+    )
+    new.bias = nn.Parameter(bias.detach().to(device=device, dtype=dtype).contiguous(), requires_grad=requires_grad)
+    return new
+
+
+class Conv1DView(LinearView):
+    """A GPT-2 ``Conv1D`` (weight stored (in, out)) seen as an (out, in) linear map.
+
+    `weight` is the transposed storage, a view of the same memory (in-place edits reach the parameter); `set_`
+    replaces the module by a new Conv1D, so the shape may change.
+    """
+
+    @property
+    def module(self) -> Conv1D:
+        return getattr(self._parent, self._name)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight.data.T
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.module.bias.data
+
+    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Replaces the map by ``x @ weight.T + bias`` (weight is (out, in)); no bias means a zero bias."""
+        _check_linear_args(weight, bias)
+        setattr(self._parent, self._name, _new_conv1d(weight, bias, self.module))
+
+
+def packed_conv1d_sizes(fused: Conv1D, num_parts: int = 3) -> tuple[int, ...]:
+    """Output widths of the q, k and v parts of ``c_attn``: equal thirds unless a resize of one part is under way.
+
+    Raises:
+        ValueError: when the output width is not a multiple of `num_parts` and no resize is recorded.
+    """
+    pending = getattr(fused, _PENDING_SIZES, None)
+    if pending is not None:
+        return tuple(pending)
+    width = fused.weight.shape[1]
+    if width % num_parts:
+        raise ValueError(
+            f"c_attn has {width} output columns, which cannot hold {num_parts} equal parts [q | k | v]; expected a "
+            f"multiple of {num_parts}. Resize q, k and v together (keep_heads_)."
+        )
+    return (width // num_parts,) * num_parts
+
+
+class PackedConv1DView(Conv1DView):
+    """One part (q, k or v) of GPT-2's fused ``c_attn``, seen as its own (out, in) map.
+
+    The part is a block of output columns of the stored (in, 3 * hidden) weight, so its (out, in) view is the
+    transpose of that column block. `set_` rebuilds ``c_attn`` with this part replaced; while the parts are resized
+    one after the other, the fused module records their unequal widths so every view keeps finding its columns.
+    `module` is the fused Conv1D, since no module holds the part alone.
+    """
+
+    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
+        super().__init__(parent, name)
+        if not 0 <= part < num_parts:
+            raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
+        self._part = part
+        self._num_parts = num_parts
+
+    def _columns(self) -> slice:
+        sizes = packed_conv1d_sizes(self.module, self._num_parts)
+        start = sum(sizes[: self._part])
+        return slice(start, start + sizes[self._part])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight.data[:, self._columns()].T
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self.module.bias.data[self._columns()]
+
+    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Replaces this part by ``x @ weight.T + bias``; the other parts stay as they are."""
+        _check_linear_args(weight, bias)
+        fused = self.module
+        if weight.shape[1] != fused.weight.shape[0]:
+            raise ValueError(
+                f"weight must be (rows, in_features={fused.weight.shape[0]}), got {tuple(weight.shape)}; the parts "
+                "of c_attn share its input."
+            )
+        sizes = list(packed_conv1d_sizes(fused, self._num_parts))
+        starts = [sum(sizes[:i]) for i in range(self._num_parts)]
+        weights = [fused.weight.data[:, s : s + n].T for s, n in zip(starts, sizes, strict=True)]
+        biases = [fused.bias.data[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+        weights[self._part] = weight.to(fused.weight.dtype)
+        biases[self._part] = (
+            torch.zeros(weight.shape[0], dtype=fused.bias.dtype, device=fused.bias.device)
+            if bias is None
+            else bias.to(dtype=fused.bias.dtype, device=fused.bias.device)
+        )
+        sizes[self._part] = weight.shape[0]
+        new = _new_conv1d(torch.cat(weights), torch.cat(biases), fused)
+        if len(set(sizes)) > 1:
+            setattr(new, _PENDING_SIZES, tuple(sizes))
+        setattr(self._parent, self._name, new)
+
+
+def _check_linear_args(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D (out, in) matrix, got shape {tuple(weight.shape)}.")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be ({weight.shape[0]},) to match the weight, got {tuple(bias.shape)}.")
+
+
+# ------------------------------------------------------------------------------------------ layer scaling
+def expected_scaling(config: object, head_dim: int, layer_idx: int) -> float:
+    """The ``scaling`` a fresh ``GPT2Attention`` at `layer_idx` computes (same float operations, same order).
+
+    transformers 5.x: ``1.0``, times ``head_dim ** -0.5`` if ``scale_attn_weights``, divided by
+    ``float(layer_idx + 1)`` if ``scale_attn_by_inverse_layer_idx``.
+    """
+    scaling = 1.0
+    if getattr(config, "scale_attn_weights", True):
+        scaling = head_dim**-0.5
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+        scaling /= float(layer_idx + 1)
+    return scaling
+
+
+def _scaled_query(
+    weight: torch.Tensor, bias: torch.Tensor, q_width: int, factor: float, columns_are_outputs: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of a fused q/k/v weight and bias with the query part multiplied by `factor` (in float64).
+
+    Args:
+        weight: The fused weight, as stored ((in, out), ``columns_are_outputs=True``) or as an (out, in) view.
+        bias: The fused (out,) bias.
+        q_width: Number of query outputs (the first part).
+        factor: Multiplier of the query part; 1.0 returns exact copies.
+        columns_are_outputs: Whether the outputs are the weight's columns (Conv1D storage) or rows.
+    """
+    weight, bias = weight.clone(), bias.clone()
+    if factor == 1.0:
+        return weight, bias
+    if columns_are_outputs:
+        weight[:, :q_width] = (weight[:, :q_width].double() * factor).to(weight.dtype)
+    else:
+        weight[:q_width] = (weight[:q_width].double() * factor).to(weight.dtype)
+    bias[:q_width] = (bias[:q_width].double() * factor).to(bias.dtype)
+    return weight, bias
+
+
+# ------------------------------------------------------------------------------------------------ adapter
+@register_adapter
+class GPT2Adapter(ArchitectureAdapter):
+    """GPT-2: pre-LayerNorm, learned absolute positions, full multi-head attention, a non-gated GELU MLP.
+
+    Concatenation, head and MLP-channel pruning go through the Conv1D views; `reindex_` compensates GPT-2's
+    optional layer-index attention scaling exactly instead of refusing it.
+
+    Raises (at construction, before anything is read or changed):
+        UnsupportedArchitectureError: for a GPT-2 with cross-attention (``add_cross_attention=True``), whose
+            second attention per block and encoder cache are not bound here.
+    """
+
+    model_types = ("gpt2",)
+    capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
+    missing_capability_reasons: ClassVar[dict[str, str]] = {
+        "gated_mlp": "GPT-2's MLP is c_fc -> GELU -> c_proj without a gate projection",
+    }
+    #: The attention and MLP parameters of a GPT2Block, by state-dict prefix (``ln_1`` / ``ln_2`` are the norms).
+    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("attn.", "mlp.")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        if getattr(self.config, "add_cross_attention", False):
+            raise UnsupportedArchitectureError(
+                "GPT2Adapter serves decoder-only GPT-2, got a config with add_cross_attention=True (each block has a "
+                "second, cross-attention module and the cache is an EncoderDecoderCache). Compress the model "
+                "without cross-attention, or add cross-attention to the adapter's views and reindex_ first."
+            )
+
+    # ----------------------------------------------------------------- reading
+    def stacks(self) -> list[str]:
+        return ["decoder"]
+
+    def base_model(self, stack: str = "decoder") -> nn.Module:
+        """``model.transformer`` (a ``GPT2Model``), or the model itself when it is a bare GPT2Model."""
+        self._check_stack(stack)
+        inner = getattr(self.model, "transformer", None)
+        return inner if isinstance(inner, nn.Module) and hasattr(inner, "h") else self.model
+
+    def layers(self, stack: str = "decoder") -> nn.ModuleList:
+        return self.base_model(stack).h
+
+    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
+        self.base_model(stack).h = layers
+
+    def final_norm(self) -> nn.Module | None:
+        return self.base_model().ln_f
+
+    def position_embeddings(self) -> nn.Module:
+        """The learned absolute position table ``wpe`` (added to the token embeddings before layer 0)."""
+        return self.base_model().wpe
+
+    def block_view(self, module: nn.Module, index: int) -> BlockView:
+        attn, mlp = module.attn, module.mlp
+        head_dim = attn.head_dim
+        q, k, v = (PackedConv1DView(attn, "c_attn", part) for part in range(3))
+        geometry = HeadGeometry(
+            num_heads=q.out_features // head_dim,
+            num_kv_heads=k.out_features // head_dim,
+            head_dim=head_dim,
+            hidden_size=q.in_features,
+        )
+        return BlockView(
+            index=index,
+            module=module,
+            norm_position="pre",
+            attn_norm=NormView(module.ln_1, "layer"),
+            mlp_norm=NormView(module.ln_2, "layer"),
+            attention=AttentionView(
+                q=q,
+                k=k,
+                v=v,
+                o=Conv1DView(attn, "c_proj"),
+                geometry=geometry,
+                position_scheme="learned",
+                module=attn,
+            ),
+            mlp=MlpView(
+                up=Conv1DView(mlp, "c_fc"),
+                gate=None,
+                down=Conv1DView(mlp, "c_proj"),
+                activation=mlp.act,
+                module=mlp,
+            ),
+        )
+
+    def _check_stack(self, stack: str) -> None:
+        if stack not in self.stacks():
+            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
+
+    def intermediate_size(self) -> int:
+        """The MLP width the config describes: ``n_inner``, or 4 * n_embd when it is None (as GPT2Block does)."""
+        inner = getattr(self.config, "n_inner", None)
+        return inner if inner is not None else 4 * self.config.n_embd
+
+    # ------------------------------------------------------------------ scaling
+    def _rescale_attention_(self, attn: nn.Module, target: float) -> None:
+        """Makes `attn` use ``scaling = target`` without changing its function, by rescaling its query rows."""
+        factor = float(attn.scaling) / target
+        if factor != 1.0:
+            with onloaded(attn):
+                q_width = packed_conv1d_sizes(attn.c_attn)[0]
+                weight, bias = _scaled_query(attn.c_attn.weight.data, attn.c_attn.bias.data, q_width, factor, True)
+                attn.c_attn = _new_conv1d(weight.T, bias, attn.c_attn)
+        attn.scaling = target
+
+    # ---------------------------------------------------------------- mutating
+    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
+        """A block holding every head and MLP unit of `members`, computing them in parallel on one input.
+
+        It takes the first member's place, so it uses the first member's attention scaling; the other members'
+        queries are rescaled to it (a no-op unless ``scale_attn_by_inverse_layer_idx``).
+        """
+        require_unit_norms([m.attn_norm for m in members] + [m.mlp_norm for m in members], "ln_1/ln_2")
+        head_dims = {m.attention.geometry.head_dim for m in members}
+        if len(head_dims) != 1:
+            raise ValueError(
+                f"blocks {[m.index for m in members]} have different head_dim {sorted(head_dims)}; only blocks of "
+                "one head size can be concatenated."
+            )
+        wide = self._copy_block(members[0].module)
+        target = float(members[0].module.attn.scaling)
+        parts: list[list[torch.Tensor]] = [[], [], []]
+        part_biases: list[list[torch.Tensor]] = [[], [], []]
+        for member in members:
+            att = member.attention
+            factor = float(member.module.attn.scaling) / target
+            q_weight, q_bias = _scaled_query(att.q.weight, att.q.bias, att.q.out_features, factor, False)
+            for i, (w, b) in enumerate(((q_weight, q_bias), (att.k.weight, att.k.bias), (att.v.weight, att.v.bias))):
+                parts[i].append(w)
+                part_biases[i].append(b)
+        view = self.block_view(wide, members[0].index)
+        _set_fused_qkv_(
+            view, [torch.cat(p, dim=0) for p in parts], [torch.cat(b, dim=0) for b in part_biases], wide.attn.c_attn
+        )
+        view.attention.o.set_(
+            torch.cat([m.attention.o.weight for m in members], dim=1),
+            torch.stack([m.attention.o.bias for m in members]).sum(dim=0),
+        )
+        view.mlp.up.set_(
+            torch.cat([m.mlp.up.weight for m in members], dim=0), torch.cat([m.mlp.up.bias for m in members])
+        )
+        view.mlp.down.set_(
+            torch.cat([m.mlp.down.weight for m in members], dim=1),
+            torch.stack([m.mlp.down.bias for m in members]).sum(dim=0),
+        )
+        self._sync_sizes(wide)
+        return wide
+
+    def keep_heads_(
+        self, block: BlockView, kv_head_indices: Sequence[int], o_weight: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the given heads (GPT-2 has no GQA: every head has its own key and value)."""
+        geometry = block.attention.geometry
+        heads = sorted(int(i) for i in kv_head_indices)
+        if not heads or any(not 0 <= i < geometry.num_heads for i in heads) or len(set(heads)) != len(heads):
+            raise ValueError(
+                f"head indices must be unique values in 0..{geometry.num_heads - 1}, got {list(kv_head_indices)}."
+            )
+        rows = torch.tensor(geometry.head_channels(heads))
+        att = block.attention
+        new_o = att.o.weight[:, rows] if o_weight is None else o_weight
+        if tuple(new_o.shape) != (att.o.out_features, rows.numel()):
+            raise ValueError(
+                f"o_weight must be (hidden={att.o.out_features}, kept={rows.numel()}), got {tuple(new_o.shape)}."
+            )
+        _set_fused_qkv_(
+            block,
+            [view.weight[rows] for view in (att.q, att.k, att.v)],
+            [view.bias[rows] for view in (att.q, att.k, att.v)],
+            att.q.module,
+        )
+        att.o.set_(new_o, att.o.bias)
+        self._sync_sizes(block.module)
+
+    def keep_mlp_channels_(
+        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the given c_fc outputs (rows of the up view) and the matching c_proj inputs."""
+        mlp = block.mlp
+        idx = torch.as_tensor(sorted(int(i) for i in indices), dtype=torch.long)
+        if (
+            idx.numel() == 0
+            or idx.min() < 0
+            or idx.max() >= mlp.intermediate_size
+            or idx.unique().numel() != idx.numel()
+        ):
+            raise ValueError(
+                f"MLP channel indices must be unique values in 0..{mlp.intermediate_size - 1}, got {list(indices)}."
+            )
+        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
+        if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
+            raise ValueError(
+                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
+                f"got {tuple(new_down.shape)}."
+            )
+        mlp.up.set_(mlp.up.weight[idx], mlp.up.bias[idx])
+        mlp.down.set_(new_down, mlp.down.bias)
+
+    @staticmethod
+    def _sync_sizes(module: nn.Module) -> None:
+        """Keeps the attention's run-time split width and head count in line with a resized c_attn.
+
+        ``GPT2Attention.forward`` splits c_attn's output with ``split_size`` (transformers 5.x); ``num_heads`` is
+        informational there but kept right for readers.
+        """
+        attn = module.attn
+        sizes = packed_conv1d_sizes(attn.c_attn)
+        if len(set(sizes)) != 1:
+            raise ValueError(
+                f"c_attn holds q/k/v parts of {list(sizes)} columns; GPT-2's attention needs equal parts (full "
+                "multi-head attention). Resize q, k and v together (keep_heads_)."
+            )
+        attn.split_size = sizes[0]
+        attn.num_heads = sizes[0] // attn.head_dim
+
+    def reindex_(self, stack: str = "decoder") -> None:
+        """Renumbers ``attn.layer_idx`` (the KV cache index) and keeps each block's function at its new index.
+
+        With ``scale_attn_by_inverse_layer_idx`` a block's ``scaling`` depends on its index; each block's queries are
+        rescaled so that it computes what it computed before with the scaling a fresh block at its new position has
+        (exact up to one float rounding of the query weights; see the module docstring).
+        """
+        for i, layer in enumerate(self.layers(stack)):
+            attn = layer.attn
+            self._rescale_attention_(attn, expected_scaling(self.config, attn.head_dim, i))
+            attn.layer_idx = i
+
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Sets ``n_layer`` (``num_hidden_layers``); GPT-2 has no per-layer config lists."""
+        self._check_stack(stack)
+        self.config.n_layer = len(list(first_indices))
+
+    # -------------------------------------------------------------- merging
+    def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The block's attention and MLP parameters, with the queries expressed at the layer-0 scaling.
+
+        Layers at different indices scale their scores differently under ``scale_attn_by_inverse_layer_idx``; a
+        parameter merge must combine the query maps they really apply, so every state uses one reference scaling
+        and `build_merged_block` converts back to the scaling of the block's position. Without the option the
+        factor is 1 and the state is the block's own.
+        """
+        state = super().mergeable_state(module)
+        attn = module.attn
+        factor = float(attn.scaling) / expected_scaling(self.config, attn.head_dim, 0)
+        if factor != 1.0 and _QKV_WEIGHT in state:
+            q_width = state[_QKV_WEIGHT].shape[1] // 3
+            state[_QKV_WEIGHT], state[_QKV_BIAS] = _scaled_query(
+                state[_QKV_WEIGHT], state[_QKV_BIAS], q_width, factor, True
+            )
+        return state
+
+    def build_merged_block(self, stack: str, first: int, state: dict[str, torch.Tensor]) -> nn.Module:
+        """A copy of block `first` carrying the merged parameters, its queries brought back to its own scaling."""
+        attn = self.layers(stack)[first].attn
+        factor = expected_scaling(self.config, attn.head_dim, 0) / float(attn.scaling)
+        if factor != 1.0 and _QKV_WEIGHT in state:
+            state = dict(state)
+            q_width = state[_QKV_WEIGHT].shape[1] // 3
+            state[_QKV_WEIGHT], state[_QKV_BIAS] = _scaled_query(
+                state[_QKV_WEIGHT], state[_QKV_BIAS], q_width, factor, True
+            )
+        return super().build_merged_block(stack, first, state)
+
+    # -------------------------------------------------------------- validating
+    def validate(self) -> None:
+        layers = self.layers()
+        config = self.config
+        problems = []
+        if config.n_layer != len(layers):
+            problems.append(f"config.n_layer (num_hidden_layers)={config.n_layer} but {len(layers)} layers")
+        for i, layer in enumerate(layers):
+            attn = layer.attn
+            pending = getattr(attn.c_attn, _PENDING_SIZES, None)
+            if pending is not None:
+                problems.append(f"layer {i} c_attn holds unequal q/k/v parts {list(pending)}")
+                continue
+            for name, conv in (("attn.c_attn", attn.c_attn), ("attn.c_proj", attn.c_proj)):
+                if (conv.nx, conv.nf) != tuple(conv.weight.shape):
+                    problems.append(f"layer {i} {name} has nx, nf={conv.nx, conv.nf} for a weight {conv.weight.shape}")
+            g = self.block_view(layer, i).attention.geometry
+            if g.num_heads != config.n_head or g.num_kv_heads != g.num_heads:
+                problems.append(
+                    f"layer {i} has {g.num_heads} heads / {g.num_kv_heads} KV heads (n_head={config.n_head})"
+                )
+            if attn.split_size != g.num_heads * g.head_dim:
+                problems.append(f"layer {i} attention split_size={attn.split_size} but q is {g.num_heads * g.head_dim}")
+            if attn.layer_idx != i:
+                problems.append(f"layer {i} has layer_idx {attn.layer_idx}")
+            expected = expected_scaling(config, attn.head_dim, i)
+            if not abs(float(attn.scaling) - expected) <= 1e-12 * expected:
+                problems.append(
+                    f"layer {i} attention scaling {attn.scaling!r} differs from {expected!r}, what it gets on reload"
+                )
+            if layer.mlp.c_fc.nf != self.intermediate_size():
+                problems.append(f"layer {i} has MLP width {layer.mlp.c_fc.nf} (n_inner={self.intermediate_size()})")
+        if problems:
+            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
+        check_cached_forward(self.model)
+
+
+def _set_fused_qkv_(
+    block: BlockView, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], like: Conv1D
+) -> None:
+    """Rebuilds a block's c_attn from (out, in) q, k and v in one step (no half-resized intermediate state)."""
+    block.attention.module.c_attn = _new_conv1d(torch.cat(list(weights), dim=0), torch.cat(list(biases)), like)

@@ -1,0 +1,370 @@
+"""Training MLP activations towards the identity (LayerCollapse): attach, regularise, watch α, decide to collapse.
+
+Two ways to pull every α towards 1, as in the paper (Shabgahi et al., arXiv:2311.17943):
+
+- `LayerCollapseTrainer`: a `transformers.Trainer` whose loss gains ``lc·Σ(1 − α)²``, scaled so that the regulariser
+  weighs the same per optimizer step whatever the gradient accumulation.
+- `AdamLC`: Adam whose pull of α towards 1 is a decoupled step, like AdamW's weight decay but towards 1, so that the
+  pull is not rescaled by Adam's per-parameter step size. Use it with a plain Trainer through
+  ``Trainer(optimizer_cls_and_kwargs=(AdamLC, {"lr": ..., "lc": ...}))``.
+
+Which MLP activations to attach to is a question for the architecture adapter; the helpers here take explicit
+(parent module, attribute name) pairs.
+
+Importing this module imports `transformers.Trainer` (and through it datasets / peft when they are installed), so
+`optimum_flatten.recovery` does not import it; import it by its full name.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from ..ops.linear_collapse import BatchNormStats, collapse_linear_pair
+from ..ops.parametric_activations import CollapseAlpha, ParametricActivation, make_parametric_activation
+
+logger = logging.getLogger(__name__)
+
+#: Log keys: per-layer α under ``lc_alpha/<module name>``, the regulariser value under ``lc_regularizer``.
+ALPHA_LOG_PREFIX = "lc_alpha/"
+REGULARIZER_LOG_KEY = "lc_regularizer"
+
+
+class NotCollapsibleError(ValueError):
+    """An MLP was asked to collapse while its activation is still measurably nonlinear (|1 − α| ≥ threshold)."""
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def attach_parametric_activations_(
+    targets: Sequence[tuple[nn.Module, str]], alpha: float = 0.0
+) -> list[ParametricActivation]:
+    """Replaces the activation modules named by (parent, attribute) pairs with parametric ones, in place.
+
+    Every pair is checked before anything is replaced, so a bad pair leaves the model untouched. A pair whose
+    attribute already holds a ParametricActivation keeps it (attaching twice is harmless).
+
+    Args:
+        targets: (parent module, attribute name) pairs, e.g. ``[(block.mlp, "act") for block in gpt2.transformer.h]``.
+        alpha: Initial α; 0 keeps every output unchanged.
+
+    Returns:
+        The parametric activations, in the order of `targets`.
+
+    Raises:
+        TypeError: a parent is not a module, or an activation is of an unsupported kind.
+        ValueError: an attribute does not exist, or alpha is outside [0, 1].
+    """
+    planned: list[tuple[nn.Module, str, ParametricActivation, bool]] = []
+    for parent, name in targets:
+        if not isinstance(parent, nn.Module):
+            raise TypeError(f"each target must be (nn.Module, attribute name), got parent {type(parent).__name__}.")
+        if not hasattr(parent, name):
+            raise ValueError(
+                f"{type(parent).__name__} has no attribute {name!r}; name the attribute that holds the activation "
+                f"(its child modules are {[child for child, _ in parent.named_children()]})."
+            )
+        current = getattr(parent, name)
+        if isinstance(current, ParametricActivation):
+            planned.append((parent, name, current, False))
+            continue
+        try:
+            wrapped = make_parametric_activation(current, alpha)
+        except TypeError as error:
+            raise TypeError(f"{type(parent).__name__}.{name}: {error}") from error
+        planned.append((parent, name, wrapped, True))
+    for parent, name, module, is_new in planned:
+        if is_new:
+            reference = next(iter(parent.parameters()), None)
+            if reference is not None:  # keep α on the block's device; α stays float32 (see docs on bf16)
+                module.to(device=reference.device)
+            setattr(parent, name, module)
+    return [module for _, _, module, _ in planned]
+
+
+def parametric_activations(model: nn.Module) -> list[tuple[str, ParametricActivation]]:
+    """Every ParametricActivation in `model` with its qualified name, in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, ParametricActivation)]
+
+
+def collapse_penalty(modules: Iterable[ParametricActivation]) -> torch.Tensor:
+    """``Σ (1 − α)²`` over the modules (differentiable); multiply by lc for the paper's regulariser."""
+    terms = [(1.0 - module.current_alpha()).pow(2) for module in modules]
+    if not terms:
+        raise ValueError("collapse_penalty got no ParametricActivation; attach some first.")
+    total = terms[0]
+    for term in terms[1:]:  # α of a model split over devices live on several devices
+        total = total + term.to(total.device)
+    return total
+
+
+def collapse_ready(modules: Sequence[ParametricActivation], threshold: float = 1e-4) -> list[bool]:
+    """For each module, whether its activation is linear enough to collapse: ``|1 − α| < threshold``.
+
+    Raises:
+        ValueError: threshold is not positive.
+        TypeError: an item is not a ParametricActivation.
+    """
+    _check_threshold(threshold)
+    return [_distance_to_identity(module) < threshold for module in modules]
+
+
+def require_collapse_ready(module: ParametricActivation, threshold: float = 1e-4, name: str | None = None) -> None:
+    """Raises NotCollapsibleError, stating α, unless ``|1 − α| < threshold``."""
+    _check_threshold(threshold)
+    distance = _distance_to_identity(module)
+    if distance >= threshold:
+        alpha = float(module.current_alpha().detach())
+        where = f" {name}" if name else ""
+        raise NotCollapsibleError(
+            f"cannot collapse the MLP of activation{where}: its activation is still nonlinear, alpha = {alpha:.6g} "
+            f"(|1 - alpha| = {distance:.3g}, threshold {threshold:g}). Collapsing needs |1 - alpha| < threshold. "
+            "Train longer or with a larger lc (LayerCollapseTrainer or AdamLC), or accept the error with a larger "
+            "threshold after checking ops.collapse_error on calibration data."
+        )
+
+
+def collapse_linearised_pair(
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    activation: ParametricActivation,
+    threshold: float = 1e-4,
+    between: BatchNormStats | None = None,
+    after: BatchNormStats | None = None,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`ops.collapse_linear_pair` guarded by the collapse condition on the activation between the two maps.
+
+    Raises:
+        NotCollapsibleError: ``|1 − α| ≥ threshold``; the message states α.
+    """
+    require_collapse_ready(activation, threshold, name)
+    return collapse_linear_pair(w1, b1, w2, b2, between=between, after=after)
+
+
+def _check_threshold(threshold: float) -> None:
+    if not threshold > 0:
+        raise ValueError(f"threshold must be positive (collapse when |1 - alpha| < threshold), got {threshold}.")
+
+
+def _distance_to_identity(module: ParametricActivation) -> float:
+    if not isinstance(module, ParametricActivation):
+        raise TypeError(f"expected a ParametricActivation, got {type(module).__name__}.")
+    return abs(1.0 - float(module.current_alpha().detach()))
+
+
+# ------------------------------------------------------------------------------------------------- trainer
+class _ProjectAlphas(TrainerCallback):
+    """Clamps every α back into [0, 1] right after each optimizer step, whatever the optimizer."""
+
+    def __init__(self, modules: Callable[[], list[tuple[str, ParametricActivation]]]) -> None:
+        self._modules = modules
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for _, module in self._modules():
+            module.project_()
+
+
+class LayerCollapseTrainer(Trainer):
+    """A Trainer whose training loss is ``task loss + lc·Σ(1 − α)²`` over the model's ParametricActivations.
+
+    Gradient accumulation: the Trainer either divides each micro-batch loss by the number of micro-batches k (a
+    per-batch mean loss), or leaves it as it is because the model already normalised it by the item count of the
+    whole accumulated batch (`num_items_in_batch`). The regulariser is added after the task loss is computed, as
+    ``lc·Σ(1 − α)²`` in the first case and ``lc·Σ(1 − α)² / k`` in the second, so that the k micro-batches of one
+    optimizer step add up to exactly one ``lc·Σ(1 − α)²``, the same as without accumulation. The decision mirrors
+    `Trainer.training_step` (``loss_is_scaled_for_ga``, ``model_accepts_loss_kwargs``, ``compute_loss_func``) and k
+    is the Trainer's ``current_gradient_accumulation_steps`` (smaller for a short last step). The regulariser is
+    added in training only, so evaluation losses stay task losses.
+
+    Every log entry with a training ``loss`` also gets ``lc_alpha/<module name>`` per activation and
+    ``lc_regularizer`` (lc·Σ(1 − α)² at logging time). After every optimizer step α is projected into [0, 1].
+
+    Args:
+        *args, **kwargs: As for `transformers.Trainer`.
+        lc: Strength of the regulariser (≥ 0; 0 when `AdamLC` does the pulling).
+
+    Raises:
+        ValueError: lc < 0, or the model holds no ParametricActivation.
+    """
+
+    def __init__(self, *args: Any, lc: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not lc >= 0:
+            raise ValueError(f"lc must be >= 0, got {lc}.")
+        self.lc = float(lc)
+        self._activation_cache: tuple[int, list[tuple[str, ParametricActivation]]] | None = None
+        if not self.collapse_activations():
+            raise ValueError(
+                "LayerCollapseTrainer found no ParametricActivation in the model; replace the MLP activations first "
+                "with attach_parametric_activations_([(mlp, 'act'), ...])."
+            )
+        self.add_callback(_ProjectAlphas(self.collapse_activations))
+
+    def collapse_activations(self) -> list[tuple[str, ParametricActivation]]:
+        """(name, module) of every ParametricActivation of the current model (re-read if the model is replaced)."""
+        if self._activation_cache is None or self._activation_cache[0] != id(self.model):
+            self._activation_cache = (id(self.model), parametric_activations(self.model))
+        return self._activation_cache[1]
+
+    def regularizer_scale(self, num_items_in_batch: torch.Tensor | int | None) -> float:
+        """The factor on ``lc·Σ(1 − α)²`` per micro-batch that makes it count once per optimizer step."""
+        if self.loss_is_scaled_for_ga is not None:
+            already_scaled = self.loss_is_scaled_for_ga
+        else:
+            already_scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        if not already_scaled:
+            return 1.0  # training_step divides the whole loss by the number of micro-batches
+        micro_batches = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        return 1.0 / micro_batches
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if not model.training or self.lc == 0:
+            return result
+        loss, outputs = result if return_outputs else (result, None)
+        penalty = self.lc * collapse_penalty(module for _, module in self.collapse_activations())
+        loss = loss + (penalty * self.regularizer_scale(num_items_in_batch)).to(loss.device)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            activations = self.collapse_activations()
+            with torch.no_grad():
+                for name, module in activations:
+                    logs[f"{ALPHA_LOG_PREFIX}{name}"] = float(module.current_alpha())
+                logs[REGULARIZER_LOG_KEY] = self.lc * float(collapse_penalty(m for _, m in activations))
+        super().log(logs, start_time)
+
+
+# --------------------------------------------------------------------------------------------------- AdamLC
+def is_collapse_alpha(parameter: torch.Tensor) -> bool:
+    """Whether a parameter is the α of a ParametricActivation."""
+    return isinstance(parameter, CollapseAlpha)
+
+
+class AdamLC(torch.optim.Optimizer):
+    """Adam with decoupled weight decay (AdamW) plus a decoupled pull of every α towards 1.
+
+    Per step, for each α (found by its type, `CollapseAlpha`, or listed in `alpha_params`) with learning rate η:
+
+    1. ``α ← α + 2·η·lc·(1 − α)``: a step of size η on ``lc·(1 − α)²``, applied directly rather than through Adam's
+       moments, exactly as AdamW applies ``θ ← θ − η·wd·θ`` (it is AdamW's decay with the target 1 instead of 0).
+       Adam would normalise the regulariser's gradient by its own running magnitude and make the pull's strength
+       depend on the task gradient's noise; decoupled, lc means the same whatever the loss. This is also the
+       update of the authors' public code (their modified AdamW). It does not need a task gradient.
+    2. the Adam step from the task gradient (when there is one), without weight decay: decaying α towards 0
+       would push the activation back to its nonlinear start, against the pull.
+    3. ``α ← clamp(α, 0, 1)`` (projection).
+
+    Other parameters get the plain AdamW step (decay first, ``θ ← θ·(1 − η·wd)``, then Adam; skipped without a
+    gradient). Param groups are split internally into α and non-α groups, so the two Trainer groups (decay / no decay)
+    work as they are. With ``2·η·lc ≥ 1`` the pull reaches 1 in one step (then stays there).
+
+    Args:
+        params: Parameters or param groups, as for torch optimizers.
+        lr: Learning rate η.
+        betas, eps: Adam's moment decays and denominator epsilon.
+        weight_decay: Decoupled weight decay for the non-α parameters.
+        lc: Strength of the pull of α towards 1 (≥ 0); a group may override it with its own ``"lc"``.
+        alpha_params: Extra parameters to treat as α (e.g. after pickling, which drops the CollapseAlpha type).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        lc: float = 0.0,
+        alpha_params: Iterable[torch.Tensor] | None = None,
+    ) -> None:
+        for label, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("lc", lc)):
+            if not value >= 0:
+                raise ValueError(f"{label} must be >= 0, got {value}.")
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}.")
+        extra = {id(p) for p in alpha_params or ()}
+        groups = _split_alpha_groups(params, lambda p: is_collapse_alpha(p) or id(p) in extra)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, lc=lc, collapse_alpha=False)
+        super().__init__(groups, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if group["collapse_alpha"]:
+                    self._alpha_step_(parameter, group)
+                elif parameter.grad is not None:
+                    if group["weight_decay"]:
+                        parameter.mul_(1.0 - group["lr"] * group["weight_decay"])
+                    self._adam_step_(parameter, group)
+        return loss
+
+    def _alpha_step_(self, alpha: torch.Tensor, group: dict[str, Any]) -> None:
+        pull = 2.0 * group["lr"] * group["lc"]
+        if pull:
+            alpha.add_(1.0 - alpha, alpha=pull)
+        if alpha.grad is not None:
+            self._adam_step_(alpha, group)
+        alpha.clamp_(0.0, 1.0)
+
+    def _adam_step_(self, parameter: torch.Tensor, group: dict[str, Any]) -> None:
+        grad = parameter.grad
+        if grad.is_sparse:
+            raise RuntimeError("AdamLC does not support sparse gradients; use dense embeddings or torch SparseAdam.")
+        state = self.state[parameter]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bias_correction1 = 1.0 - beta1 ** state["step"]
+        bias_correction2 = 1.0 - beta2 ** state["step"]
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+        parameter.addcdiv_(exp_avg, denom, value=-group["lr"] / bias_correction1)
+
+
+def _split_alpha_groups(
+    params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], is_alpha: Callable[[torch.Tensor], bool]
+) -> list[dict[str, Any]]:
+    """Each incoming group split into its non-α part and its α part (weight decay 0, ``collapse_alpha=True``)."""
+    params = list(params)
+    groups = [dict(g) for g in params] if params and isinstance(params[0], dict) else [{"params": params}]
+    result = []
+    for group in groups:
+        members = list(group["params"]) if not isinstance(group["params"], torch.Tensor) else [group["params"]]
+        options = {key: value for key, value in group.items() if key != "params"}
+        others = [p for p in members if not is_alpha(p)]
+        alphas = [p for p in members if is_alpha(p)]
+        if others:
+            result.append({**options, "params": others, "collapse_alpha": False})
+        if alphas:
+            result.append({**options, "params": alphas, "weight_decay": 0.0, "collapse_alpha": True})
+    return result
