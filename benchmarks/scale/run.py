@@ -8,9 +8,10 @@ Protocol (every number printed is measured here, in this run, unless marked as e
 - two runs, each in its own process so that ru_maxrss is that run's peak RSS:
   * in_memory: the whole model loaded, then one timed dense forward of the full model (embeddings to logits) and
     one timed pass through the decoder stack alone over the calibration tokens, then compression;
-  * offloaded: loaded with a manual `device_map`: embeddings, final norm and LM head in memory, then as many
-    decoder layers as fit in `--budget-gb` of resident tensors, the rest offloaded to disk (read lazily from the
-    checkpoint's safetensors by accelerate); the resident bytes are counted after loading and after compression;
+  * offloaded: loaded with a manual `device_map` that keeps modules in forward order (embeddings, final norm, LM
+    head, decoder layers) in memory while they fit in `--budget-gb` of resident parameters and offloads the rest
+    to disk (read lazily from the checkpoint's safetensors by accelerate); the resident bytes are counted after
+    loading and after compression and the run fails if either exceeds the budget;
 - equality: both runs save their compressed checkpoint; the plans, kept KV groups and channels must agree and
   every tensor is compared (max abs difference printed);
 - extrapolation: the per-phase costs are split into layer forwards (scale with tokens x layer parameters),
@@ -46,7 +47,8 @@ def resident_bytes(model) -> int:
 
 
 def budget_device_map(path: Path, budget_bytes: int) -> dict[str, str]:
-    """Non-layer modules in memory, then decoder layers in order while they fit the budget, the rest on disk."""
+    """Modules in forward order (embeddings, final norm, LM head, then decoder layers) stay in memory while they
+    fit the budget; the rest is offloaded to disk. The budget covers every resident parameter, the LM head too."""
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,23 +56,18 @@ def budget_device_map(path: Path, budget_bytes: int) -> dict[str, str]:
     config = AutoConfig.from_pretrained(path)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    layers = skeleton.model.layers
-    device_map = {name: "cpu" for name, _ in skeleton.model.named_children() if name != "layers"}
-    device_map = {f"model.{name}": device for name, device in device_map.items()}
-    device_map["lm_head"] = "cpu"
-    used = resident_bytes_of_modules([m for name, m in skeleton.model.named_children() if name != "layers"])
-    if not config.tie_word_embeddings:
-        used += resident_bytes_of_modules([skeleton.lm_head])
-    for i, layer in enumerate(layers):
-        size = resident_bytes_of_modules([layer])
-        place = "cpu" if used + size <= budget_bytes else "disk"
-        used += size if place == "cpu" else 0
-        device_map[f"model.layers.{i}"] = place
+    modules = [(f"model.{name}", m) for name, m in skeleton.model.named_children() if name != "layers"]
+    modules.append(("lm_head", skeleton.lm_head))
+    modules += [(f"model.layers.{i}", layer) for i, layer in enumerate(skeleton.model.layers)]
+    device_map, used, seen = {}, 0, set()
+    for name, module in modules:
+        size = sum(p.numel() * p.element_size() for p in module.parameters() if id(p) not in seen)
+        fits = used + size <= budget_bytes
+        device_map[name] = "cpu" if fits else "disk"
+        if fits:
+            used += size
+            seen.update(id(p) for p in module.parameters())
     return device_map
-
-
-def resident_bytes_of_modules(modules) -> int:
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -101,8 +98,7 @@ def run_one(args: argparse.Namespace) -> dict:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, device_map=device_map, offload_folder=offload
         )
-        on_disk = [k for k, v in device_map.items() if k.startswith("model.layers.") and v == "disk"]
-        result["layers_on_disk"] = len(on_disk)
+        result["offloaded_to_disk"] = [k for k, v in device_map.items() if v == "disk"]
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
@@ -138,6 +134,11 @@ def run_one(args: argparse.Namespace) -> dict:
     ]
     result["calibration_tokens"] = quantizer.report["calibration"]["tokens"]
     result["resident_bytes_after_compress"] = resident_bytes(model)
+    if args.one == "offloaded":
+        budget = int(args.budget_gb * GIB)
+        for key in ("resident_bytes_after_load", "resident_bytes_after_compress"):
+            if result[key] > budget:
+                raise RuntimeError(f"{key}={result[key]} exceeds the budget of {budget} bytes")
     start = time.perf_counter()
     quantizer.save(model, args.save_dir, tokenizer)
     result["save_seconds"] = time.perf_counter() - start

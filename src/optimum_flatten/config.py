@@ -183,7 +183,8 @@ class FlattenConfig(QuantizationConfigMixin):
 
     Args:
         method: Registry key of the compression method (``"flattengpt"``, ``"shortgpt"``, ...).
-        num_layers_to_remove: How many layers the stack loses. Exactly one of this and `target_sparsity`.
+        num_layers_to_remove: How many layers the stack loses. Exactly one of this and `target_sparsity`, except
+            for a depth-keeping method (``ffn_merge``), which takes neither and is steered by its own options.
         target_sparsity: Fraction of layers to remove, rounded to the nearest whole layer.
         method_args: The method's options as a dict (merged with any flat method options).
         stacks: Which block stacks to compress (``["decoder"]`` for decoder-only LMs).
@@ -248,10 +249,21 @@ class FlattenConfig(QuantizationConfigMixin):
                 f"Allowed: {sorted(allowed)}."
             )
         self.method_config = method_class.config_class.from_dict(merged_args)
-        self._validate_target()
+        self._validate_target(keeps_depth=method_class.keeps_depth)
 
     # ------------------------------------------------------------------ target
-    def _validate_target(self) -> None:
+    def _validate_target(self, keeps_depth: bool = False) -> None:
+        if keeps_depth:
+            # A depth-keeping method (e.g. ffn_merge shares parameters between layers) states its target through its
+            # own options; a layer count would be silently meaningless, so it is refused.
+            if self.num_layers_to_remove is not None or self.target_sparsity is not None:
+                raise InvalidTargetError(
+                    f"method {self.method!r} keeps every layer, so num_layers_to_remove and target_sparsity do not "
+                    f"apply, got num_layers_to_remove={self.num_layers_to_remove!r}, "
+                    f"target_sparsity={self.target_sparsity!r}; drop them and set the method's own options "
+                    "(see docs/methods)."
+                )
+            return
         if (self.num_layers_to_remove is None) == (self.target_sparsity is None):
             raise InvalidTargetError(
                 "give exactly one of num_layers_to_remove and target_sparsity, got "

@@ -134,7 +134,8 @@ class FlattenQuantizer(OptimumQuantizer):
         adapter.require(method_class.required_capabilities, self.config.method)
         stack = self._stack(adapter)
         num_layers = adapter.num_layers(stack)
-        num_to_remove = self.config.resolve_num_layers_to_remove(num_layers)
+        # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
+        num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
         tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
 

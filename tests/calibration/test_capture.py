@@ -42,6 +42,8 @@ def test_second_moment_is_float64_and_skips_padding():
     exact = SecondMoment(3)
     exact.update(x.double(), mask)
     assert_close(exact.mean(), valid.T @ valid / 6)
+    assert_close(exact.finish(), valid.T @ valid / 6)  # in place: the running sum is consumed
+    assert exact.sum is None
 
 
 def test_second_moment_of_float32_tokens_is_centred_so_small_directions_survive_a_large_mean():

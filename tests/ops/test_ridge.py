@@ -95,3 +95,15 @@ def test_reconstruction_error_matches_direct_evaluation():
     direct = ((a @ w - a[:, keep] @ corrected) ** 2).sum() / a.shape[0]
     assert abs(ridge_reconstruction_error(c, w, keep, lam) - float(direct)) < 1e-9 * float(direct)
     assert ridge_reconstruction_error(c, w, torch.arange(9), lam) == 0.0
+
+
+def test_solves_leave_the_second_moment_bit_for_bit_unchanged():
+    # The shift is added to the diagonal in place (no second n x n matrix) and must be put back exactly.
+    a = _activations(seed=9)
+    c = a.T @ a / a.shape[0]
+    before = c.clone()
+    lam = default_ridge_lambda(c, 0.7)
+    ridge_leverage_scores(c, lam)
+    nystrom_down_correction(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([0, 2, 5]), lam)
+    ridge_reconstruction_error(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([1, 4]), lam)
+    assert torch.equal(c, before)

@@ -89,6 +89,49 @@ class LinearView:
             new.bias.requires_grad_(old.weight.requires_grad)
         setattr(self._parent, self._name, new)
 
+    def share_parameters_of_(self, source: LinearView) -> int:
+        """Makes this map use `source`'s parameter tensors (the same objects, so the same storage).
+
+        Parameter-level sharing keeps each layer's own module (and any hook on it) and works for any storage class
+        (nn.Linear, GPT-2's Conv1D) as long as both modules have the same class and shapes. The module also gets a
+        state-dict hook that clones its entries: transformers refuses to save storage-sharing tensors that the
+        model class does not declare tied, and declaring them would leave them out of the file, so a plain
+        `from_pretrained` would initialise them at random. The checkpoint thus stores every layer in full.
+
+        Returns:
+            The number of parameter elements this map stops holding on its own.
+        """
+        src, dst = source.module, self.module
+        src_params = dict(src.named_parameters(recurse=False))
+        dst_params = dict(dst.named_parameters(recurse=False))
+        got = {k: tuple(v.shape) for k, v in dst_params.items()}
+        want = {k: tuple(v.shape) for k, v in src_params.items()}
+        if type(src) is not type(dst) or got != want:
+            raise ValueError(
+                f"cannot tie a {type(dst).__name__} with parameters {got} to a {type(src).__name__} with {want}; "
+                "only linear maps of one class and shape can share tensors."
+            )
+        freed = 0
+        for name, parameter in src_params.items():
+            if dst_params[name] is not parameter:
+                freed += dst_params[name].numel()
+                setattr(dst, name, parameter)
+        if not getattr(dst, _CLONE_ON_SAVE, False):
+            dst.register_state_dict_post_hook(_clone_entries_on_save)
+            setattr(dst, _CLONE_ON_SAVE, True)
+        return freed
+
+
+_CLONE_ON_SAVE = "_optimum_flatten_clone_on_save"
+
+
+def _clone_entries_on_save(module: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+    """state_dict post-hook of a module whose parameters are shared: its entries get their own storage."""
+    for name, _ in module.named_parameters(recurse=False):
+        key = prefix + name
+        if isinstance(state_dict.get(key), torch.Tensor):
+            state_dict[key] = state_dict[key].clone()
+
 
 class NormView:
     """A normalisation layer: RMSNorm (`weight` only) or LayerNorm (`weight` and `bias`)."""

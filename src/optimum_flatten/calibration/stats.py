@@ -38,11 +38,19 @@ class SecondMoment:
             centre = (total / n).float()
             centred = flat.float() - centre
             m = centre.double()
-            self.sum += (centred.T @ centred).double()
-            self.sum += torch.outer(m, total) + torch.outer(total, m) - n * torch.outer(m, m)
+            # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
+            self.sum.add_(centred.T @ centred)
+            self.sum.addr_(m, total).addr_(total, m).addr_(m, m, alpha=-n)
         self.count += n
 
     def mean(self) -> torch.Tensor:
         if self.count == 0:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         return self.sum / self.count
+
+    def finish(self) -> torch.Tensor:
+        """The mean, computed in place in the running sum (which is consumed): one dim² matrix instead of two."""
+        if self.count == 0:
+            raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
+        result, self.sum = self.sum.div_(self.count), None
+        return result

@@ -100,7 +100,8 @@ def _add_dataclass_fields(
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds --method, the target flags, every calibration field and every method option."""
     parser.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
-    target = parser.add_mutually_exclusive_group(required=True)
+    # Not required here: FlattenConfig says which target a method needs (ffn_merge takes none).
+    target = parser.add_mutually_exclusive_group(required=False)
     target.add_argument("--num-layers-to-remove", dest="num_layers_to_remove", type=int, default=argparse.SUPPRESS)
     target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
     seen: set[str] = set()

@@ -25,9 +25,7 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
         f"# {base} compressed with optimum-flatten ({report.get('method', '?')})",
         "",
-        f"This is an ordinary `{report.get('architecture', 'transformers')}` checkpoint with "
-        f"{report.get('num_layers_after', '?')} layers instead of {report.get('num_layers_before', '?')}. "
-        "It loads with plain `transformers`; optimum-flatten is not needed.",
+        _summary(report),
         "",
         "## What was done",
         "",
@@ -36,6 +34,8 @@ def render_model_card(report: dict[str, Any]) -> str:
     ]
     if merged:
         lines.append(f"- Merged groups (original 0-based layer indices): {merged}")
+    for group in report.get("ffn_groups") or []:
+        lines.append(f"- Feed-forward sublayers shared by layers {group['layers']} ({group.get('stack', 'decoder')})")
     dropped = sorted(set(range(plan.get("num_layers", 0))) - {i for g in groups for i in g})
     if dropped:
         lines.append(f"- Removed layers (original 0-based indices): {dropped}")
@@ -79,3 +79,19 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _summary(report: dict[str, Any]) -> str:
+    architecture = report.get("architecture", "transformers")
+    if report.get("ffn_groups"):
+        # ffn_merge keeps every layer; the file stores each shared MLP in full, so it loads anywhere.
+        groups = [g["layers"] for g in report["ffn_groups"]]
+        return (
+            f"This is an ordinary `{architecture}` checkpoint whose layers {groups} share their feed-forward "
+            "parameters (stored once per layer on disk, so it loads with plain `transformers`; "
+            "`optimum_flatten.methods.ffn_merge.retie_ffn_(model, report)` shares them in memory again)."
+        )
+    return (
+        f"This is an ordinary `{architecture}` checkpoint with {report.get('num_layers_after', '?')} layers instead "
+        f"of {report.get('num_layers_before', '?')}. It loads with plain `transformers`; optimum-flatten is not needed."
+    )

@@ -70,6 +70,9 @@ class CompressionMethod(ABC):
     config_class: ClassVar[type[MethodConfig]]
     requires_calibration: ClassVar[bool] = True
     required_capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: A method that changes weights but no layer count (ffn_merge shares parameters between layers): its target
+    #: comes from its own options, `num_layers_to_remove`/`target_sparsity` are refused, and its plan is the identity.
+    keeps_depth: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config

@@ -257,7 +257,7 @@ class FlattenGPTMethod(CompressionMethod):
             kept_kv = top_k_indices(group_scores, target_kv)
         else:
             with context.timer("solve"):
-                o_second_moment = o_moment.mean()
+                o_second_moment = o_moment.finish()
                 o_ratio = self.config.attention_ridge_ratio or self.config.ridge_ratio
                 o_lam = default_ridge_lambda(o_second_moment, o_ratio)
                 o_rows = view.attention.o.weight.T
@@ -280,7 +280,7 @@ class FlattenGPTMethod(CompressionMethod):
         with context.timer("covariance"), capture_module_inputs(view.mlp.down.module, on_mlp):
             runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
         with context.timer("solve"):
-            second_moment = moment.mean()
+            second_moment = moment.finish()
             lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
             leverage = ridge_leverage_scores(second_moment, lam)
             kept_channels = top_k_indices(leverage, target_channels)

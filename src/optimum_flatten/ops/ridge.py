@@ -26,20 +26,23 @@ def _shifted_cholesky(matrix: torch.Tensor, shift: float) -> tuple[torch.Tensor,
     """Cholesky factor of `matrix + shift·I`, and the shift actually used.
 
     If rounding made the matrix indefinite, a growing jitter (relative to its mean diagonal) is added to the shift;
-    callers that need the exact shift (the leverage formula) read it back.
+    callers that need the exact shift (the leverage formula) read it back. The shift is added to the diagonal of
+    `matrix` in place and the saved diagonal put back afterwards (bit for bit, also on error), so the only n × n
+    allocation is the factor: the statistics are the largest tensors FlattenGPT holds.
     """
-    scale = float(torch.diagonal(matrix).abs().mean().clamp_min(1e-30))
-    eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-    for jitter in [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)]:
-        factor, info = torch.linalg.cholesky_ex(matrix + (shift + jitter) * eye)
-        if int(info) == 0:
-            return factor, shift + jitter
+    diagonal = matrix.diagonal()
+    saved = diagonal.clone()
+    scale = float(saved.abs().mean().clamp_min(1e-30))
+    try:
+        for jitter in [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)]:
+            diagonal.copy_(saved).add_(shift + jitter)
+            factor, info = torch.linalg.cholesky_ex(matrix)
+            if int(info) == 0:
+                return factor, shift + jitter
+            del factor
+    finally:
+        diagonal.copy_(saved)
     raise torch.linalg.LinAlgError("matrix is not positive definite even with jitter; is the calibration data empty?")
-
-
-def _cholesky(matrix: torch.Tensor) -> torch.Tensor:
-    """Cholesky factor, adding growing diagonal jitter if rounding made the matrix indefinite."""
-    return _shifted_cholesky(matrix, 0.0)[0]
 
 
 def ridge_leverage_scores(second_moment: torch.Tensor, lam: float, block_size: int = 1024) -> torch.Tensor:
@@ -50,7 +53,7 @@ def ridge_leverage_scores(second_moment: torch.Tensor, lam: float, block_size: i
     triangle only, so the cost is n³/3 after the Cholesky factorisation (a full solve against C costs 2n³) and
     the extra memory one (n × block) panel instead of another n × n matrix.
     """
-    c = second_moment.double()
+    c = second_moment.double()  # no copy when it already is (the statistics are float64)
     n = c.shape[0]
     factor, shift = _shifted_cholesky(c, lam)
     inverse_diagonal = torch.empty(n, dtype=c.dtype, device=c.device)
@@ -87,11 +90,8 @@ def nystrom_down_correction(
     kept_rows = w[keep]
     if dropped.numel() == 0:
         return kept_rows.clone()
-    c_kk = c[keep][:, keep]
-    c_kr = c[keep][:, dropped]
-    eye = torch.eye(keep.numel(), dtype=c.dtype, device=c.device)
-    factor = _cholesky(c_kk + lam * eye)
-    return kept_rows + torch.cholesky_solve(c_kr @ w[dropped], factor)
+    factor = _shifted_cholesky(c[keep[:, None], keep], lam)[0]
+    return kept_rows + torch.cholesky_solve(c[keep[:, None], dropped] @ w[dropped], factor)
 
 
 def ridge_reconstruction_error(
@@ -112,9 +112,8 @@ def ridge_reconstruction_error(
     if dropped.numel() == 0:
         return 0.0
     w_r = w[dropped]
-    c_kk = c[keep][:, keep]
-    cross = c[keep][:, dropped] @ w_r  # C_KR W_R
-    eye = torch.eye(keep.numel(), dtype=c.dtype, device=c.device)
-    delta = torch.cholesky_solve(cross, _cholesky(c_kk + lam * eye))
-    full = torch.trace(w_r.T @ c[dropped][:, dropped] @ w_r)
+    c_kk = c[keep[:, None], keep]
+    cross = c[keep[:, None], dropped] @ w_r  # C_KR W_R
+    delta = torch.cholesky_solve(cross, _shifted_cholesky(c_kk, lam)[0])
+    full = torch.trace(w_r.T @ c[dropped[:, None], dropped] @ w_r)
     return float(full - 2 * (delta * cross).sum() + (delta * (c_kk @ delta)).sum())

@@ -1,0 +1,475 @@
+"""FFN merging (Verma et al., "Merging Feed-Forward Sublayers for Compressed Transformers"): k adjacent
+feed-forward sublayers share one averaged set of parameters.
+
+For a window of k adjacent layers, every non-anchor layer's hidden units are permuted to line up with an anchor
+layer's (a linear assignment on the correlation of their activations over calibration tokens; exactly
+function-preserving per layer), the k aligned MLPs are averaged, and the k layers then use that one MLP, tied
+(one tensor in memory). The window is chosen by sliding over every start position, scoring each candidate on the
+calibration text (similarity of the final hidden states to the original model's, or the next-token NLL) and
+keeping the best; several windows are placed greedily, each scored with the earlier ones already merged.
+
+The method keeps every layer (``keeps_depth = True``): its plan is the identity LayerPlan, and what it shared is
+reported in ``report["ffn_groups"]``, which `retie_ffn_` reads to restore the sharing after a plain reload.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from ..calibration.capture import capture_module_inputs
+from ..config import LayerPlan, MethodConfig
+from ..ops.ffn_alignment import (
+    alignment_permutation,
+    alignment_signals,
+    average_mlps,
+    correlation_from_sums,
+    correlation_sums,
+    num_alignment_signals,
+    permute_mlp_units,
+)
+from ..ops.similarity import masked_cosine_sum
+from ..utils.offload import is_offloaded
+from .base import CompressionMethod, MethodContext
+from .ffn_tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
+from .registry import register_method
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------- config
+@dataclass
+class FfnMergeConfig(MethodConfig):
+    """Options of FFN merging. The target is the method's own: `num_windows` windows of `window_size` layers.
+
+    Attributes:
+        window_size: k, the number of adjacent feed-forward sublayers that end up sharing one set of parameters.
+        num_windows: How many non-overlapping windows to merge (None: one, or ``len(window_starts)``).
+        window_starts: 0-based first layers of the windows to merge (a list, or ``"1,4"``); None searches the best
+            start positions.
+        anchor: The layer of each window the others are aligned to: ``"first"``, ``"middle"`` (position
+            ``(k - 1) // 2``) or ``"last"``.
+        variant: ``"permute"`` aligns units before averaging (the paper's method); ``"vanilla"`` averages as is.
+        alignment_signal: What is correlated to align units: ``"pre_activation"`` (the paper: output of the first
+            linear map; for gated MLPs the mean of the gate and up correlations) or ``"hidden"`` (down's input).
+        selection: How candidate windows are scored: ``"cosine"`` (mean token cosine of the final hidden states to
+            the original model's, higher is better) or ``"nll"`` (calibration next-token NLL, lower is better).
+        scoring_batches: Use only the first this-many calibration batches for alignment and scoring (None: all).
+        tie: True makes the window's layers share the same tensors (the memory saving); False gives each layer
+            its own copy of the averaged values (same function, no saving; e.g. to fine-tune them apart).
+    """
+
+    window_size: int = 2
+    num_windows: int | None = None
+    window_starts: list[int] | None = None
+    anchor: Literal["first", "middle", "last"] = "first"
+    variant: Literal["permute", "vanilla"] = "permute"
+    alignment_signal: Literal["pre_activation", "hidden"] = "pre_activation"
+    selection: Literal["cosine", "nll"] = "cosine"
+    scoring_batches: int | None = None
+    tie: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive_int("window_size", self.window_size)
+        if self.window_size < 2:
+            raise ValueError(
+                f"window_size must be at least 2 (one layer has nothing to share with), got {self.window_size}."
+            )
+        if self.num_windows is not None:
+            _check_positive_int("num_windows", self.num_windows)
+        if self.scoring_batches is not None:
+            _check_positive_int("scoring_batches", self.scoring_batches)
+        _check_choice("anchor", self.anchor, ("first", "middle", "last"))
+        _check_choice("variant", self.variant, ("permute", "vanilla"))
+        _check_choice("alignment_signal", self.alignment_signal, ("pre_activation", "hidden"))
+        _check_choice("selection", self.selection, ("cosine", "nll"))
+        if not isinstance(self.tie, bool):
+            raise TypeError(f"tie must be True or False, got {self.tie!r}.")
+        if self.window_starts is not None:
+            self.window_starts = _check_window_starts(self.window_starts, self.window_size)
+            if self.num_windows is not None and self.num_windows != len(self.window_starts):
+                raise ValueError(
+                    f"num_windows={self.num_windows} disagrees with the {len(self.window_starts)} window_starts "
+                    f"{self.window_starts}; give one of them, or make them agree."
+                )
+
+    @property
+    def resolved_num_windows(self) -> int:
+        if self.window_starts is not None:
+            return len(self.window_starts)
+        return 1 if self.num_windows is None else self.num_windows
+
+    def anchor_of(self, window: Window) -> int:
+        """The original index of the anchor layer of `window`."""
+        position = {"first": 0, "middle": (len(window) - 1) // 2, "last": len(window) - 1}[self.anchor]
+        return window[position]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+def _check_choice(name: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def _check_window_starts(starts: Sequence[int] | str, window_size: int) -> list[int]:
+    """Ascending, non-negative and non-overlapping start positions (the range is checked against the model later).
+
+    A comma-separated string (``"1,4"``) is accepted too: it is what the generated ``--window-starts`` flag passes.
+    """
+    if isinstance(starts, str):
+        try:
+            starts = [int(part) for part in starts.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"window_starts must be comma-separated integers such as '1,4', got {starts!r}.") from None
+    if isinstance(starts, bytes) or not isinstance(starts, Sequence) or not starts:
+        raise ValueError(f"window_starts must be a non-empty list of layer indices or None, got {starts!r}.")
+    for s in starts:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"window_starts must hold non-negative integers, got {list(starts)}.")
+    ordered = sorted(starts)
+    for a, b in itertools.pairwise(ordered):
+        if b < a + window_size:
+            raise ValueError(
+                f"windows starting at {a} and {b} overlap (window_size={window_size} covers {a}..{a + window_size - 1}"
+                f"); a layer can belong to one window only. Space the starts at least {window_size} apart."
+            )
+    return ordered
+
+
+def check_windows_fit(num_layers: int, config: FfnMergeConfig) -> None:
+    """Raises when the requested windows cannot fit a stack of `num_layers` layers (before any work is done)."""
+    k, n = config.window_size, config.resolved_num_windows
+    if k > num_layers:
+        raise ValueError(
+            f"window_size={k} is larger than the stack of {num_layers} layers; choose window_size <= {num_layers}."
+        )
+    if k * n > num_layers:
+        raise ValueError(
+            f"{n} non-overlapping windows of {k} layers need {k * n} layers, the stack has {num_layers}; "
+            "lower num_windows or window_size."
+        )
+    if config.window_starts is not None:
+        bad = [s for s in config.window_starts if s + k > num_layers]
+        if bad:
+            raise ValueError(
+                f"window_starts {bad} run past the last layer of a stack of {num_layers} layers with window_size={k}; "
+                f"allowed starts are 0..{num_layers - k}."
+            )
+
+
+# ------------------------------------------------------------------------------------------- calibration
+class WindowScorer:
+    """Cached calibration states of the original model, and the scoring of merged candidates on them.
+
+    One pass stores the input of every layer (``states``) and of every MLP (``mlp_inputs``), so alignment needs
+    no forward at all and a candidate window starting at s is run from the cached state at s: the prefix is never
+    recomputed. Memory: about 2 (L + 1) copies of the calibration hidden states.
+    """
+
+    def __init__(self, adapter: Any, context: MethodContext, config: FfnMergeConfig) -> None:
+        self.adapter = adapter
+        self.context = context
+        self.config = config
+        self.stack = context.stack
+        self.runner = context.new_runner(adapter)
+        num = config.scoring_batches
+        if num is not None:
+            self.runner.inputs = self.runner.inputs[:num]
+            self.runner.masks = self.runner.masks[:num]
+        self.masks = self.runner.masks
+        self.input_ids = [b.input_ids for b in context.batches[: len(self.masks)]]
+        self.layers = list(adapter.layers(self.stack))
+        self.states, self.mlp_inputs = self._capture()
+        #: Final hidden states (after the final norm) of the original model, the reference for "cosine".
+        self.reference = self.finish(self.states[-1])
+        self._permutations: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _capture(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        states, mlp_inputs = [self.runner.inputs], []
+        num_layers = len(self.layers)
+        with self.context.timer("selection"), self.context.progress_bar(num_layers, "ffn capture") as bar:
+            for i, layer in enumerate(self.layers):
+                captured: list[torch.Tensor] = []
+                with capture_module_inputs(self.adapter.block(self.stack, i).mlp.up.module, captured.append):
+                    states.append(self.runner.run(layer, i, states[-1]))
+                if len(captured) != self.runner.num_batches:
+                    raise RuntimeError(
+                        f"layer {i}'s MLP was called {len(captured)} times for {self.runner.num_batches} batches; "
+                        "ffn_merge expects one MLP call per layer call."
+                    )
+                mlp_inputs.append(captured)
+                bar.set_description(f"block {i + 1}/{num_layers}: ffn capture")
+                bar.update()
+        return states, mlp_inputs
+
+    # ---------------------------------------------------------------- alignment
+    def _tokens(self, layer: int, batch: int) -> torch.Tensor:
+        x = self.mlp_inputs[layer][batch]
+        mask = self.masks[batch].reshape(-1).to(x.device).bool()
+        return x.reshape(-1, x.shape[-1])[mask]
+
+    def correlation(self, anchor: int, member: int) -> torch.Tensor:
+        """(units, units) correlation between the anchor's and the member's units, averaged over the signals.
+
+        One signal at a time (gated MLPs have two), so that at most a few (units x units) float64 matrices are alive.
+        """
+        views = [self.adapter.block(self.stack, i).mlp for i in (anchor, member)]
+        weights = [read_mlp(v) for v in views]
+        signal = self.config.alignment_signal
+        num_signals = num_alignment_signals(weights[0], signal)
+        total = None
+        for s in range(num_signals):
+            sums = None
+            for b in range(len(self.masks)):
+                a, m = (
+                    alignment_signals(self._tokens(i, b), w, signal, v.activation)[s]
+                    for i, w, v in zip((anchor, member), weights, views, strict=True)
+                )
+                batch = correlation_sums(a, m)
+                sums = batch if sums is None else sums + batch
+            corr = correlation_from_sums(sums)
+            total = corr if total is None else total + corr
+        return total / num_signals
+
+    def permutation(self, anchor: int, member: int) -> torch.Tensor:
+        """The alignment of `member`'s units to `anchor`'s (memoised: greedy rounds revisit the same pairs)."""
+        key = (anchor, member)
+        if key not in self._permutations:
+            with self.context.timer("alignment"):
+                self._permutations[key] = alignment_permutation(self.correlation(anchor, member))
+        return self._permutations[key]
+
+    # ------------------------------------------------------------------ scoring
+    def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        norm = self.adapter.final_norm()
+        return [norm(h) if norm is not None else h for h in states]
+
+    def score(self, final: Sequence[torch.Tensor]) -> float:
+        """The selection criterion of a candidate's final hidden states (before the final norm)."""
+        finished = self.finish(final)
+        if self.config.selection == "cosine":
+            total, count = 0.0, 0
+            for a, b, mask in zip(finished, self.reference, self.masks, strict=True):
+                s, c = masked_cosine_sum(a, b, mask)
+                total, count = total + s, count + c
+            return total / count
+        return self._nll(finished)
+
+    def _nll(self, finished: Sequence[torch.Tensor]) -> float:
+        head = self.adapter.lm_head()
+        total, count = 0.0, 0
+        for h, ids, mask in zip(finished, self.input_ids, self.masks, strict=True):
+            logits = head(h[:, :-1]).double()
+            targets = ids[:, 1:].to(logits.device)
+            valid = (mask[:, :-1] * mask[:, 1:]).to(logits.device).bool()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+            total += float(losses[valid].sum())
+            count += int(valid.sum())
+        return total / count
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether score `a` beats score `b` (ties keep the earlier candidate)."""
+        return a > b if self.config.selection == "cosine" else a < b
+
+    def run_from(self, start: int, blocks: Mapping[int, nn.Module], states: Sequence[Sequence[torch.Tensor]]):
+        """Final states (before the final norm) when layers in `blocks` are replaced, from cached `states[start]`."""
+        current = states[start]
+        with self.context.timer("selection"):
+            for position in range(start, len(self.layers)):
+                current = self.runner.run(blocks.get(position, self.layers[position]), position, current)
+        return current
+
+
+def merged_mlp(adapter: Any, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None):
+    """The averaged MLP of `window` (non-anchor members aligned first for the "permute" variant)."""
+    anchor = config.anchor_of(window)
+    members = []
+    for i in window:
+        weights = read_mlp(adapter.block(stack, i).mlp)
+        if config.variant == "permute" and i != anchor:
+            weights = permute_mlp_units(weights, scorer.permutation(anchor, i))
+        members.append(weights)
+    return average_mlps(members)
+
+
+def _room(num_layers: int, used: set[int], k: int) -> int:
+    """How many windows of k adjacent layers still fit between the used layers (a simple upper bound for the
+    later rounds: it ignores layout mismatches, which the later round reports)."""
+    room, run = 0, 0
+    for i in range(num_layers + 1):
+        if i < num_layers and i not in used:
+            run += 1
+        else:
+            room, run = room + run // k, 0
+    return room
+
+
+# ---------------------------------------------------------------------------------------------- the method
+@register_method("ffn_merge")
+class FfnMergeMethod(CompressionMethod):
+    """Aligns, averages and ties the feed-forward sublayers of windows of adjacent layers; keeps every layer."""
+
+    config_class = FfnMergeConfig
+    requires_calibration = True
+    required_capabilities = frozenset()
+    #: Read by FlattenConfig and FlattenQuantizer: no layer count target, and the plan must be the identity.
+    keeps_depth: ClassVar[bool] = True
+    config: FfnMergeConfig
+
+    def __init__(self, config: FfnMergeConfig) -> None:
+        super().__init__(config)
+        self._windows: list[Window] | None = None
+        self._scorer: WindowScorer | None = None
+
+    def candidate_windows(
+        self, adapter: Any, stack: str, taken: Sequence[Window], still_to_place: int = 0
+    ) -> list[Window]:
+        """Every window of `window_size` adjacent layers that overlaps no taken window, can be tied, and leaves room
+        for `still_to_place` more windows (so a greedy choice never strands the later rounds)."""
+        k, num_layers = self.config.window_size, adapter.num_layers(stack)
+        used = {i for w in taken for i in w}
+        windows = []
+        for start in range(num_layers - k + 1):
+            window = tuple(range(start, start + k))
+            if used.intersection(window) or _room(num_layers, used | set(window), k) < still_to_place:
+                continue
+            try:
+                check_same_layout(adapter, stack, window)
+            except ValueError:
+                logger.info("ffn_merge: layers %s have different MLP layouts and are not a candidate", list(window))
+                continue
+            windows.append(window)
+        return windows
+
+    @torch.no_grad()
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        """Chooses the windows (and their alignments) without touching the model; returns the identity plan."""
+        if num_to_remove != 0:
+            raise ValueError(f"ffn_merge keeps every layer; it cannot remove {num_to_remove}.")
+        stack, cfg = context.stack, self.config
+        num_layers = adapter.num_layers(stack)
+        check_windows_fit(num_layers, cfg)
+        if is_offloaded(adapter.model):
+            raise ValueError(
+                "ffn_merge does not support offloaded models yet (tied tensors must live in memory on one device); "
+                "load the model without an offloading device_map."
+            )
+        if cfg.selection == "nll" and adapter.lm_head() is None:
+            raise ValueError("selection='nll' needs a language-model head, and this model has none; use 'cosine'.")
+        if cfg.window_starts is not None:
+            for start in cfg.window_starts:
+                check_same_layout(adapter, stack, tuple(range(start, start + cfg.window_size)))
+        scorer = WindowScorer(adapter, context, cfg)
+        windows, rounds = self._choose(adapter, stack, scorer)
+        blocks = self._candidate_blocks(adapter, stack, windows, scorer)
+        final_score = scorer.score(scorer.run_from(windows[0][0], blocks, scorer.states))
+        self._windows, self._scorer = windows, scorer
+        context.report["ffn_groups"] = [
+            {"stack": stack, "layers": list(w), "anchor": cfg.anchor_of(w), "variant": cfg.variant, "tied": cfg.tie}
+            for w in windows
+        ]
+        context.report["ffn_window_scores"] = rounds
+        context.report["ffn_selection"] = cfg.selection
+        context.report["ffn_final_score"] = final_score
+        shared = [list(w) for w in windows]
+        logger.info("ffn_merge: sharing the MLPs of layers %s (%s %.6f)", shared, cfg.selection, final_score)
+        return LayerPlan.from_kept(num_layers, range(num_layers), stack=stack)
+
+    def _candidate_blocks(
+        self, adapter: Any, stack: str, windows: Sequence[Window], scorer: WindowScorer
+    ) -> dict[int, nn.Module]:
+        """Detached copies of the windows' layers carrying their merged MLP (the model itself is untouched)."""
+        blocks = {}
+        for window in windows:
+            merged = merged_mlp(adapter, stack, window, self.config, scorer)
+            for i in window:
+                view = adapter.detached_block(stack, i)
+                write_mlp_(view.mlp, merged)
+                blocks[i] = view.module
+        return blocks
+
+    def _choose(self, adapter: Any, stack: str, scorer: WindowScorer) -> tuple[list[Window], list[list[dict]]]:
+        """The explicit windows, or a greedy search: per round, the best non-overlapping window given earlier ones."""
+        k = self.config.window_size
+        if self.config.window_starts is not None:
+            return [tuple(range(s, s + k)) for s in self.config.window_starts], []
+        chosen: list[Window] = []
+        committed: dict[int, nn.Module] = {}
+        states = scorer.states
+        rounds = []
+        for round_index in range(self.config.resolved_num_windows):
+            still_to_place = self.config.resolved_num_windows - round_index - 1
+            candidates = self.candidate_windows(adapter, stack, chosen, still_to_place)
+            if not candidates:
+                raise ValueError(
+                    f"no window of {k} identically shaped, unmerged adjacent layers is left for window "
+                    f"{round_index + 1} of {self.config.resolved_num_windows}; lower num_windows or window_size."
+                )
+            scored = []
+            best, best_score = None, None
+            desc = f"window {round_index + 1}: scoring candidates"
+            with scorer.context.progress_bar(len(candidates), desc) as bar:
+                for window in candidates:
+                    blocks = {**committed, **self._candidate_blocks(adapter, stack, [window], scorer)}
+                    value = scorer.score(scorer.run_from(window[0], blocks, states))
+                    scored.append({"start": window[0], "layers": list(window), "score": value})
+                    if best_score is None or scorer.better(value, best_score):
+                        best, best_score = window, value
+                    bar.update()
+            rounds.append(scored)
+            chosen.append(best)
+            committed.update(self._candidate_blocks(adapter, stack, [best], scorer))
+            states = self._states_with(scorer, committed, states, best[0])
+        return sorted(chosen), rounds
+
+    @staticmethod
+    def _states_with(
+        scorer: WindowScorer, blocks: Mapping[int, nn.Module], states: Sequence[Sequence[torch.Tensor]], start: int
+    ) -> list[Sequence[torch.Tensor]]:
+        """The per-layer input states once `blocks` replace their layers, recomputed from `start` on."""
+        updated = list(states[: start + 1])
+        with scorer.context.timer("selection"):
+            for position in range(start, len(scorer.layers)):
+                block = blocks.get(position, scorer.layers[position])
+                updated.append(scorer.runner.run(block, position, updated[-1]))
+        return updated
+
+    @torch.no_grad()
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        """Writes the merged MLPs (computed from the unmodified layers first) and ties each window's layers."""
+        if self._windows is None:
+            raise RuntimeError("ffn_merge.apply_ needs the windows chosen by plan(); call plan() first.")
+        stack = plan.stack
+        if plan.group_lists() != [[i] for i in range(plan.num_layers)]:
+            raise ValueError(f"ffn_merge keeps every layer, but got the plan {plan.describe()}.")
+        for window in self._windows:
+            check_same_layout(adapter, stack, window)
+        merged = [merged_mlp(adapter, stack, w, self.config, self._scorer) for w in self._windows]
+        shared = 0
+        for window, weights in zip(self._windows, merged, strict=True):
+            for i in window if not self.config.tie else window[:1]:
+                write_mlp_(adapter.block(stack, i).mlp, weights)
+            if self.config.tie:
+                shared += tie_mlps_(adapter, stack, window)
+        context.report["ffn_parameters_shared"] = shared
+        self._scorer = None  # frees the cached calibration states
+
+
+__all__ = [
+    "FfnMergeConfig",
+    "FfnMergeMethod",
+    "WindowScorer",
+    "check_windows_fit",
+    "merged_mlp",
+    "retie_ffn_",
+]
