@@ -33,6 +33,58 @@ def depth_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def scale_table(path: Path) -> str:
+    """Offloaded vs in-memory compression, cost per phase in forward passes, and the extrapolation."""
+    d = json.loads(path.read_text())
+    mem, off = d["runs"]["in_memory"], d["runs"]["offloaded"]
+    forward, stack = mem["dense_forward_seconds"], mem["stack_forward_seconds"]
+    lines = [f"- {k}: {v}" for k, v in d["protocol"].items()]
+    lines += [
+        "",
+        "| run | checkpoint GB | resident weights after load GB | after compress GB | peak RSS GB | compress s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in (("in memory", mem), ("offloaded", off)):
+        lines.append(
+            f"| {name} | {r['checkpoint_bytes'] / 2**30:.2f} | {r['resident_bytes_after_load'] / 2**30:.2f} | "
+            f"{r['resident_bytes_after_compress'] / 2**30:.2f} | {r['peak_rss_mb'] / 1024:.2f} | "
+            f"{r['compress_seconds']:.0f} |"
+        )
+    lines += [
+        "",
+        f"Same groups, kept KV groups and channels: {d['same_groups_heads_channels']}; "
+        f"max abs weight difference between the two saved checkpoints: {d['max_abs_weight_difference']:.3g}. "
+        f"Offloaded to disk: {', '.join(off.get('offloaded_to_disk', [])) or 'nothing'}.",
+        "",
+        f"Cost of the in-memory run per phase, in dense forward passes over the same {mem['calibration_tokens']} "
+        f"calibration tokens (full model {forward:.1f} s; decoder stack alone {stack:.1f} s):",
+        "",
+        "| phase | seconds | / full forward | / stack forward |",
+        "|---|---|---|---|",
+    ]
+    phases = ["selection", "propagate", "flatten", "head_scoring", "covariance", "solve", "export_prep"]
+    for phase in phases:
+        seconds = mem["timings"].get(phase, 0.0)
+        lines.append(f"| {phase} | {seconds:.1f} | {seconds / forward:.2f} | {seconds / stack:.2f} |")
+    total = mem["compress_seconds"]
+    lines.append(f"| **total compress** | {total:.1f} | {total / forward:.2f} | {total / stack:.2f} |")
+    lines += [
+        "",
+        "Extrapolated from the costs fitted on this run (same machine, float16 weights, "
+        f"{d['protocol']['extrapolation_tokens']} calibration tokens; see `extrapolate` in the script):",
+        "",
+        "| model | layers | hours here | in dense stack forwards | share forwards/products/solves | "
+        "weights fp16 GB | peak workspace GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, e in d["extrapolated"].items():
+        lines.append(
+            f"| {name} | {e['layers']} | {e['hours_on_this_machine']} | {e['in_dense_stack_forwards']} | "
+            f"{e['share_forwards_products_solves']} | {e['weights_fp16_gb']} | {e['peak_workspace_gb']} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     for name in ("smollm2", "qwen2.5-0.5b"):
         path = RESULTS / f"{name}.json"
@@ -49,6 +101,8 @@ def main() -> None:
                 f"{d['ideal_speedup']:.3f} |"
             )
         print(f"\nprotocol: {d['protocol']}\n")
+    for path in sorted(RESULTS.glob("scale_*.json")):
+        print(f"### scale {path.stem.removeprefix('scale_')}\n\n{scale_table(path)}\n")
     recovery = RESULTS / "recovery_smollm2.json"
     if recovery.exists():
         d = json.loads(recovery.read_text())
