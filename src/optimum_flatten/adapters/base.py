@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -248,6 +248,22 @@ class ArchitectureAdapter:
 
     def final_norm(self) -> nn.Module | None:
         raise NotImplementedError
+
+    def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
+        """Keyword arguments of `base_model(stack)`'s forward for one calibration batch.
+
+        The default fits decoder-only language models; a family whose model needs other inputs (pixel values,
+        decoder inputs of an encoder-decoder) overrides it.
+        """
+        return {
+            "input_ids": batch.input_ids.to(device),
+            "attention_mask": batch.attention_mask.to(device),
+            "use_cache": False,
+        }
+
+    def token_mask(self, stack: str, batch: Any) -> torch.Tensor:
+        """(batch, positions) mask, 1 where the hidden states entering `stack`'s layers are real tokens."""
+        return batch.attention_mask
 
     def require(self, capabilities: set[str] | frozenset[str], method: str) -> None:
         """Raises UnsupportedArchitectureError naming what `method` needs and this architecture lacks."""

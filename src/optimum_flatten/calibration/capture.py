@@ -88,7 +88,9 @@ class LayerwiseRunner:
     def __init__(self, adapter: Any, batches: Sequence[CalibrationBatch], stack: str = "decoder") -> None:
         self.adapter = adapter
         self.stack = stack
-        self.masks = [b.attention_mask for b in batches]
+        #: Per batch, 1 on the positions of the stack's hidden states that are real tokens (the adapter knows which
+        #: mask that is: the text mask for a decoder, the source mask for an encoder, all ones for image patches).
+        self.masks = [adapter.token_mask(stack, b) for b in batches]
         self.layer_kwargs, self.inputs = self._record(batches)
         #: Weight x token products of every block run so far: the compute a method spent, in a unit independent of
         #: the machine (one pass of N tokens through layers holding P weights is N x P).
@@ -113,11 +115,7 @@ class LayerwiseRunner:
                 )
             for batch in batches:
                 try:
-                    base(
-                        input_ids=batch.input_ids.to(device),
-                        attention_mask=batch.attention_mask.to(device),
-                        use_cache=False,
-                    )
+                    base(**self.adapter.forward_inputs(self.stack, batch, device))
                 except _StopForward as stop:
                     inputs.append(stop.args[0])
                 else:  # pragma: no cover - a model that skips its layers
