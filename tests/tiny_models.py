@@ -172,3 +172,126 @@ def tiny_hf_tokenizer():
     tokenizer = tiny_tokenizer()
     assert len(tokenizer) <= VOCAB
     return tokenizer
+
+
+def tiny_marian(seed: int = 0):
+    """Marian MT (OPUS-MT layout): post-LN encoder and decoder stacks, sinusoidal positions, tied embeddings.
+
+    The stacks differ in depth (5 / 4), heads (4 / 2) and MLP width (48 / 40), so a key read from the wrong stack
+    shows. As in OPUS-MT, the pad token starts decoding and embeddings are scaled; ``final_logits_bias`` is made
+    non-zero so that an MT head that forgets it is caught.
+    """
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=5,
+        decoder_layers=4,
+        encoder_attention_heads=4,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=40,
+        max_position_embeddings=128,
+        activation_function="swish",
+        scale_embedding=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        init_std=0.15,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        forced_eos_token_id=None,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    model = MarianMTModel(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("layer_norm.weight"):
+                parameter.copy_(1.0 + 0.3 * torch.randn(parameter.shape, generator=generator))
+            elif name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+        model.final_logits_bias.copy_(0.5 * torch.randn(model.final_logits_bias.shape, generator=generator))
+    model.eval()
+    return model
+
+
+FACTORIES["marian"] = tiny_marian
+MODEL_TYPES["marian"] = "marian"
+
+
+# ------------------------------------------------------------------------------------------ encoders (BERT, ViT)
+def _randomise_norms_and_biases(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random LayerNorm gains and biases (matched case-insensitively: BERT says LayerNorm, ViT layernorm_*)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layernorm" in name.lower() and name.endswith(".weight"):
+                parameter.copy_(1.0 + 0.3 * torch.randn(parameter.shape, generator=generator))
+            elif name.endswith(".bias"):
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    model.eval()
+    return model
+
+
+def tiny_bert(seed: int = 0, **overrides):
+    """BertForMaskedLM: post-LN encoder, learned positions, token types, non-gated GELU MLP, tied MLM decoder."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.15,
+        pad_token_id=0,
+        attn_implementation="eager",
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return _randomise_norms_and_biases(BertForMaskedLM(config).to(torch.float32), seed)
+
+
+VIT_IMAGE_SIZE, VIT_PATCH_SIZE, VIT_CHANNELS = 16, 4, 3
+
+
+def tiny_vit(seed: int = 0, **overrides):
+    """ViTForImageClassification on 16x16 images in 4x4 patches (CLS + 16 positions), pre-LN, GELU MLP."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=VIT_IMAGE_SIZE,
+        patch_size=VIT_PATCH_SIZE,
+        num_channels=VIT_CHANNELS,
+        hidden_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        intermediate_size=48,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.15,
+        num_labels=5,
+        attn_implementation="eager",
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return _randomise_norms_and_biases(ViTForImageClassification(config).to(torch.float32), seed)
+
+
+def sample_pixel_values(num: int = 2, seed: int = 0) -> torch.Tensor:
+    """(num, 3, 16, 16) random images for the tiny ViT."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num, VIT_CHANNELS, VIT_IMAGE_SIZE, VIT_IMAGE_SIZE, generator=generator)
+
+
+FACTORIES.update({"bert": tiny_bert, "vit": tiny_vit})
+MODEL_TYPES.update({"bert": "bert", "vit": "vit"})

@@ -140,6 +140,7 @@ class FlattenQuantizer(OptimumQuantizer):
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
 
         params_before = count_parameters(model)
+        masks = [adapter.token_mask(stack, b) for b in batches]
         stack_weights = count_parameters(adapter.layers(stack))
         context = MethodContext(batches=batches, stack=stack, progress=self.progress)
         was_training = model.training
@@ -186,10 +187,11 @@ class FlattenQuantizer(OptimumQuantizer):
                 "seqlen": self.config.calibration.seqlen,
                 "seed": self.config.calibration.seed,
                 "packing": self.config.calibration.packing,
-                "tokens": sum(b.num_tokens for b in batches),
+                # Real positions of the stack (text tokens, or image patches and CLS), as the adapter defines them.
+                "tokens": sum(int(m.sum()) for m in masks),
             },
             "timings_seconds": {k: round(v, 3) for k, v in context.timings.items()},
-            "cost": compute_cost(context, stack_weights, batches),
+            "cost": compute_cost(context, stack_weights, sum(int(m.numel()) for m in masks)),
             "total_seconds": round(time.perf_counter() - start, 3),
             **context.report,
         }
@@ -233,14 +235,13 @@ class FlattenQuantizer(OptimumQuantizer):
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
 
 
-def compute_cost(context: MethodContext, stack_weights: int, batches: Any) -> dict[str, Any]:
+def compute_cost(context: MethodContext, stack_weights: int, tokens: int) -> dict[str, Any]:
     """The compute a method spent, as a multiple of one pass of the calibration tokens through the original stack.
 
     Counted as weight x token products of every block run (and LM-head evaluations), so the number does not depend
     on the machine or on what else ran; attention's token-pair products and the method's own statistics and solves
     are not in it (their wall time is in `timings_seconds`).
     """
-    tokens = sum(int(b.input_ids.numel()) for b in batches)
     if not tokens or not stack_weights:
         return {"stack_passes": 0.0, "unit": "no calibration"}
     return {

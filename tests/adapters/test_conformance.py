@@ -40,6 +40,23 @@ def _attn_kwargs(kwargs):
 class AdapterConformance:
     factory: str
     concat_supported = True
+    #: Text the refusal must contain when `concat_supported` is False.
+    concat_refusal = "q_norm"
+    #: The block stack checked, where its blocks put their norms, and whether the model generates with a KV cache
+    #: (encoders such as BERT and ViT use "encoder", and BERT's norms are "post").
+    stack = "decoder"
+    norm_position = "pre"
+    generates = True
+
+    # Hooks for a family whose inputs are not token ids or whose outputs are not `.logits` (e.g. ViT's images).
+    def sample_inputs(self):
+        return sample_ids()
+
+    def outputs(self, model, inputs) -> torch.Tensor:
+        return logits(model, inputs)
+
+    def calibration_batch(self, inputs) -> CalibrationBatch:
+        return CalibrationBatch(input_ids=inputs, attention_mask=torch.ones_like(inputs))
 
     # Hooks a family overrides when its config keys or block layout differ from LLaMA's.
     def expected_num_kv_heads(self, config) -> int:
@@ -60,66 +77,70 @@ class AdapterConformance:
 
     def test_views_match_config(self, model):
         adapter = get_adapter(model)
-        assert adapter.stacks() == ["decoder"]
-        assert adapter.num_layers() == model.config.num_hidden_layers
-        for block in adapter.blocks():
+        assert adapter.stacks() == [self.stack]
+        assert adapter.num_layers(self.stack) == model.config.num_hidden_layers
+        for block in adapter.blocks(self.stack):
             g = block.attention.geometry
             assert g.num_heads == model.config.num_attention_heads
             assert g.num_kv_heads == self.expected_num_kv_heads(model.config)
             assert g.head_dim * g.num_heads == block.attention.q.out_features
             assert block.mlp.intermediate_size == self.expected_intermediate_size(model.config)
             assert block.attention.o.weight.shape == (g.hidden_size, g.num_heads * g.head_dim)
-            assert block.norm_position == "pre"
+            assert block.norm_position == self.norm_position
 
     def test_norm_folding_preserves_logits(self, model):
-        ids = sample_ids()
-        before = logits(model, ids)
         adapter = get_adapter(model)
-        for block in adapter.blocks():
+        if self.norm_position != "pre":  # folding is the pre-norm identity; a post-norm family must refuse it
+            with pytest.raises(UnsupportedArchitectureError, match="pre_norm"):
+                adapter.require({"pre_norm"}, "flattengpt")
+            return
+        ids = self.sample_inputs()
+        before = self.outputs(model, ids)
+        for block in adapter.blocks(self.stack):
             assert not block.attn_norm.is_unit()
             fold_block_norms_(block)
             assert block.attn_norm.is_unit() and block.mlp_norm.is_unit()
-        assert_close(logits(model, ids), before)
+        assert_close(self.outputs(model, ids), before)
 
     def test_empty_plan_changes_nothing(self, model):
-        ids = sample_ids()
-        before = logits(model, ids)
+        ids = self.sample_inputs()
+        before = self.outputs(model, ids)
         adapter = get_adapter(model)
-        adapter.keep_layers_("decoder", list(range(adapter.num_layers())))
-        adapter.reindex_("decoder")
-        adapter.update_config_("decoder", list(range(adapter.num_layers())))
+        adapter.keep_layers_(self.stack, list(range(adapter.num_layers(self.stack))))
+        adapter.reindex_(self.stack)
+        adapter.update_config_(self.stack, list(range(adapter.num_layers(self.stack))))
         adapter.validate()
-        assert torch.equal(logits(model, ids), before)
+        assert torch.equal(self.outputs(model, ids), before)
 
     def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
         kept = [0, 2, 3, 5]
         reference = self.shallower_reference(model, kept)
         adapter = get_adapter(model)
-        adapter.keep_layers_("decoder", kept)
-        adapter.reindex_("decoder")
-        adapter.update_config_("decoder", kept)
+        adapter.keep_layers_(self.stack, kept)
+        adapter.reindex_(self.stack)
+        adapter.update_config_(self.stack, kept)
         adapter.validate()
-        ids = sample_ids()
-        assert_close(logits(model, ids), logits(reference, ids))
-        with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
-        assert torch.equal(with_cache, without_cache)
+        ids = self.sample_inputs()
+        assert_close(self.outputs(model, ids), self.outputs(reference, ids))
+        if self.generates:
+            with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
+            assert torch.equal(with_cache, without_cache)
 
     def test_concat_before_pruning_equals_members_in_parallel(self, model):
         adapter = get_adapter(model)
         if not self.concat_supported:
-            with pytest.raises(UnsupportedArchitectureError, match="q_norm"):
+            with pytest.raises(UnsupportedArchitectureError, match=self.concat_refusal):
                 adapter.require({"concat_heads"}, "flattengpt")
             with pytest.raises(UnsupportedArchitectureError):
-                adapter.build_concat_block([adapter.detached_block("decoder", i) for i in (1, 2)])
+                adapter.build_concat_block([adapter.detached_block(self.stack, i) for i in (1, 2)])
             return
-        ids = sample_ids()
-        runner = _runner(adapter, ids)
-        hidden = runner.run(adapter.layers()[0], 0)[0]
+        runner = LayerwiseRunner(adapter, [self.calibration_batch(self.sample_inputs())], self.stack)
+        hidden = runner.run(adapter.layers(self.stack)[0], 0)[0]
         kwargs = runner.layer_kwargs[1][0]
-        originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
+        originals = [copy.deepcopy(adapter.layers(self.stack)[i]) for i in (1, 2)]
         with torch.no_grad():
             expected = self.naive_parallel(originals, hidden, kwargs)
-            members = [adapter.detached_block("decoder", i) for i in (1, 2)]
+            members = [adapter.detached_block(self.stack, i) for i in (1, 2)]
             for member in members:
                 fold_block_norms_(member)
             wide = adapter.build_concat_block(members)
@@ -132,20 +153,20 @@ class AdapterConformance:
 
     def test_keep_all_heads_and_channels_is_identity(self, model):
         adapter = get_adapter(model)
-        ids = sample_ids()
-        before = logits(model, ids)
-        block = adapter.block("decoder", 2)
+        ids = self.sample_inputs()
+        before = self.outputs(model, ids)
+        block = adapter.block(self.stack, 2)
         adapter.keep_heads_(block, list(range(block.attention.geometry.num_kv_heads)))
         adapter.keep_mlp_channels_(block, list(range(block.mlp.intermediate_size)))
-        assert torch.equal(logits(model, ids), before)
+        assert torch.equal(self.outputs(model, ids), before)
 
     def test_gqa_head_pruning_keeps_queries_with_their_kv_heads(self, model):
         adapter = get_adapter(model)
-        block = adapter.block("decoder", 1)
+        block = adapter.block(self.stack, 1)
         g = block.attention.geometry
         kept_kv = [g.num_kv_heads - 1]
         reference = copy.deepcopy(model)
-        ref_block = get_adapter(reference).block("decoder", 1)
+        ref_block = get_adapter(reference).block(self.stack, 1)
         # Reference: zero the o_proj columns of every query head not attached to a kept KV head (through the
         # (out, in) view, which shares the parameter's memory whatever the storage layout).
         with torch.no_grad():
@@ -154,27 +175,27 @@ class AdapterConformance:
                 if head // g.queries_per_kv not in kept_kv:
                     o[:, head * g.head_dim : (head + 1) * g.head_dim] = 0
         adapter.keep_heads_(block, kept_kv)
-        pruned = adapter.block("decoder", 1).attention.geometry
+        pruned = adapter.block(self.stack, 1).attention.geometry
         assert (pruned.num_kv_heads, pruned.num_heads) == (1, g.queries_per_kv)
-        ids = sample_ids()
-        assert_close(logits(model, ids), logits(reference, ids))
+        ids = self.sample_inputs()
+        assert_close(self.outputs(model, ids), self.outputs(reference, ids))
 
     def test_mlp_channel_pruning_equals_zeroed_channels(self, model):
         adapter = get_adapter(model)
         kept = [0, 3, 4, 10, 20, 47]
         reference = copy.deepcopy(model)
         with torch.no_grad():
-            down = get_adapter(reference).block("decoder", 3).mlp.down.weight
+            down = get_adapter(reference).block(self.stack, 3).mlp.down.weight
             mask = torch.ones(down.shape[1], dtype=torch.bool)
             mask[kept] = False
             down[:, mask] = 0
-        adapter.keep_mlp_channels_(adapter.block("decoder", 3), kept)
-        ids = sample_ids()
-        assert_close(logits(model, ids), logits(reference, ids))
+        adapter.keep_mlp_channels_(adapter.block(self.stack, 3), kept)
+        ids = self.sample_inputs()
+        assert_close(self.outputs(model, ids), self.outputs(reference, ids))
 
     def test_validate_detects_inconsistent_config(self, model):
         adapter = get_adapter(model)
-        adapter.keep_layers_("decoder", [0, 1, 2])
+        adapter.keep_layers_(self.stack, [0, 1, 2])
         with pytest.raises(ValueError, match="num_hidden_layers"):
             adapter.validate()
 

@@ -205,13 +205,13 @@ class BaichuanAdapter(LlamaAdapter):
         self._check_stack(stack)
         self._inner_model().layers = layers
 
-    def final_norm(self) -> nn.Module | None:
+    def final_norm(self, stack: str | None = None) -> nn.Module | None:
         return self._inner_model().norm
 
     def embeddings(self) -> nn.Module:
         return self._inner_model().embed_tokens
 
-    def lm_head(self) -> nn.Module | None:
+    def lm_head(self, stack: str | None = None) -> nn.Module | None:
         """The ``NormHead``; its `weight` is the raw parameter, normalised row-wise at inference (see export)."""
         return self.model.lm_head
 

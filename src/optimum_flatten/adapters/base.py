@@ -243,10 +243,16 @@ class ArchitectureAdapter:
     def embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()
 
-    def lm_head(self) -> nn.Module | None:
+    def lm_head(self, stack: str | None = None) -> nn.Module | None:
+        """The causal next-token head that reads `stack`'s final states (None: the model has none for it).
+
+        `stack` matters only for families with several stacks (an encoder-decoder's head reads the decoder only);
+        None means the model's main stack.
+        """
         return self.model.get_output_embeddings()
 
-    def final_norm(self) -> nn.Module | None:
+    def final_norm(self, stack: str | None = None) -> nn.Module | None:
+        """The norm applied to `stack`'s last hidden states before any head (None: the stack ends without one)."""
         raise NotImplementedError
 
     def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
@@ -296,6 +302,43 @@ class ArchitectureAdapter:
 
     def replace_block_(self, stack: str, index: int, module: nn.Module) -> None:
         self.layers(stack)[index] = module
+
+    def replace_mlp_activation_(self, block: BlockView, module: nn.Module) -> None:
+        """Puts `module` where the block's MLP activation is (LayerCollapse's parametric activation, for one).
+
+        The default finds ``block.mlp.activation`` among the MLP module's submodules by identity, so every adapter
+        whose activation is a module gets this without code; an adapter whose activation is a plain function (or
+        lives outside ``block.mlp.module``) overrides it.
+
+        Raises:
+            ValueError: the activation is not a submodule of the MLP module.
+        """
+        activation = block.mlp.activation
+        for name, child in block.mlp.module.named_modules():
+            if name and child is activation:
+                parent_name, _, attribute = name.rpartition(".")
+                setattr(block.mlp.module.get_submodule(parent_name), attribute, module)
+                return
+        raise ValueError(
+            f"layer {block.index}: the MLP activation ({type(activation).__name__}) is not a submodule of "
+            f"{type(block.mlp.module).__name__}, so {type(self).__name__} cannot replace it generically; override "
+            "replace_mlp_activation_ in the adapter."
+        )
+
+    def is_mlp_collapsed(self, block: BlockView) -> bool:
+        """Whether the block's MLP was collapsed into a single linear map (`collapse_mlp_`)."""
+        return False
+
+    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Replaces the block's MLP (up -> activation -> down) by the single map ``x @ weight.T + bias``.
+
+        Only exact when the activation is the identity (LayerCollapse at alpha = 1); the caller checks that.
+        Adapters that support LayerCollapse override this with their own storage of the single map.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot collapse an MLP into one linear map yet (model_type "
+            f"{self.config.model_type!r}); LayerCollapse's collapse step is implemented for GPT-2."
+        )
 
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         raise NotImplementedError

@@ -50,7 +50,7 @@ class LlamaAdapter(ArchitectureAdapter):
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         self.base_model(stack).layers = layers
 
-    def final_norm(self) -> nn.Module | None:
+    def final_norm(self, stack: str | None = None) -> nn.Module | None:
         return self.base_model().norm
 
     def qkv_views(self, attn: nn.Module) -> tuple[LinearView, LinearView, LinearView]:

@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,17 @@ def save_compressed(
     tokenizer: Any = None,
     report: dict[str, Any] | None = None,
     overwrite: bool = False,
+    writer: Callable[..., str] | None = None,
 ) -> Path:
     """Saves weights (safetensors), config, tokenizer, flatten_report.json, README.md and the heatmap.
 
     Everything is written into a temporary sibling directory that is renamed into place at the end; on any
     error the temporary directory is removed and an existing `output_dir` is left untouched.
+
+    A model with LayerCollapse MLPs (collapsed or with α) is written by `export.layer_collapse`, which picks the
+    stock format when it can and remote code otherwise; the format lands in the report as ``export_format``.
+    `writer(model, directory, **save_kwargs) -> format name` replaces the weight/config writing (used by
+    `save_layer_collapse` to force a format).
     """
     from .model_card import render_model_card
     from .plots import plot_similarity
@@ -55,13 +62,19 @@ def save_compressed(
     report = dict(report or {})
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     from ..adapters import get_adapter
+    from .layer_collapse import layer_collapse_state, write_layer_collapse_model
 
     try:
         exported = get_adapter(model).export_model()
         # transformers onloads the offloaded weights one shard at a time: small shards keep the save within the
         # memory the compression needed.
         shards = {"max_shard_size": OFFLOADED_SHARD_SIZE} if is_offloaded(exported) else {}
-        exported.save_pretrained(staging, safe_serialization=True, **shards)
+        if writer is None and layer_collapse_state(exported) is not None:
+            writer = write_layer_collapse_model  # per-layer MLP shapes: no stock config describes them as they are
+        if writer is None:
+            exported.save_pretrained(staging, safe_serialization=True, **shards)
+        else:
+            report["export_format"] = writer(exported, staging, **shards)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if report.get("similarity") is not None:

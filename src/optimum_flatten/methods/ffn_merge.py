@@ -251,7 +251,7 @@ class WindowScorer:
 
     # ------------------------------------------------------------------ scoring
     def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norm = self.adapter.final_norm()
+        norm = self.adapter.final_norm(self.stack)
         return [norm(h) if norm is not None else h for h in states]
 
     def score(self, final: Sequence[torch.Tensor]) -> float:
@@ -266,7 +266,7 @@ class WindowScorer:
         return self._nll(finished)
 
     def _nll(self, finished: Sequence[torch.Tensor]) -> float:
-        head = self.adapter.lm_head()
+        head = self.adapter.lm_head(self.stack)
         total, count = 0.0, 0
         for h, ids, mask in zip(finished, self.input_ids, self.masks, strict=True):
             logits = head(h[:, :-1]).double()
@@ -364,7 +364,7 @@ class FfnMergeMethod(CompressionMethod):
                 "ffn_merge does not support offloaded models yet (tied tensors must live in memory on one device); "
                 "load the model without an offloading device_map."
             )
-        if cfg.selection == "nll" and adapter.lm_head() is None:
+        if cfg.selection == "nll" and adapter.lm_head(stack) is None:
             raise ValueError("selection='nll' needs a language-model head, and this model has none; use 'cosine'.")
         if cfg.window_starts is not None:
             for start in cfg.window_starts:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..config import LayerPlan, MethodConfig
+from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
@@ -39,9 +40,11 @@ class SLEBConfig(MethodConfig):
             raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
 
 
-def calibration_nll(adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any]) -> float:
-    """Mean next-token NLL of final-layer states (before the final norm), over token pairs that are both real."""
-    norm, head = adapter.final_norm(), adapter.lm_head()
+def calibration_nll(
+    adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any], stack: str | None = None
+) -> float:
+    """Mean next-token NLL of `stack`'s final-layer states (before its final norm), over pairs of real tokens."""
+    norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
     total, count = 0.0, 0
     with torch.no_grad():
         for hidden, batch in zip(states, batches, strict=True):
@@ -64,6 +67,13 @@ class SLEBMethod(CompressionMethod):
     config: SLEBConfig
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        if adapter.lm_head(context.stack) is None:
+            raise UnsupportedArchitectureError(
+                f"method 'sleb' scores layer removals by the next-token negative log-likelihood of a causal LM head "
+                f"reading the {context.stack!r} stack, and this {type(adapter.model).__name__} has none there "
+                "(lm_head() is None). Methods that compare the stack's own states apply: shortgpt, laco, "
+                "sliding_window (and flattengpt on pre-norm stacks)."
+            )
         num_layers = adapter.num_layers(context.stack)
         protected = {0} if self.config.protect_first else set()
         if self.config.protect_last:
@@ -78,7 +88,7 @@ class SLEBMethod(CompressionMethod):
         batches = list(context.batches)[:limit]
         inputs = runner.inputs[:limit]
         layers = adapter.layers(context.stack)
-        head_weights = count_parameters(adapter.lm_head())
+        head_weights = count_parameters(adapter.lm_head(context.stack))
         kept = list(range(num_layers))
         history = []
         with context.timer("selection"), context.progress_bar(num_to_remove, "sleb") as bar:
@@ -93,7 +103,7 @@ class SLEBMethod(CompressionMethod):
                     current = states[position]
                     for later in kept[position + 1 :]:
                         current = runner.run(layers[later], later, current)
-                    scores[index] = calibration_nll(adapter, current, batches)
+                    scores[index] = calibration_nll(adapter, current, batches, context.stack)
                     context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
                 removed = min(scores, key=lambda i: (scores[i], i))
                 history.append({"removed": removed, "nll": scores[removed], "scores": scores})

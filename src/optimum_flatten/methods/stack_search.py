@@ -80,7 +80,7 @@ class StackEvaluator:
         return self.finish(current)
 
     def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norm = self.adapter.final_norm()
+        norm = self.adapter.final_norm(self.context.stack)
         with torch.no_grad():
             return [norm(h) if norm is not None else h for h in states]
 

@@ -254,6 +254,79 @@ class LayerCollapseTrainer(Trainer):
         super().log(logs, start_time)
 
 
+#: The two ways `build_layer_collapse_trainer` pulls α towards 1.
+PULLS = ("regularizer", "adamlc")
+
+
+def build_layer_collapse_trainer(
+    model: nn.Module,
+    train_dataset: Any,
+    args: Any,
+    *,
+    lc: float,
+    pull: str = "regularizer",
+    eval_dataset: Any = None,
+    data_collator: Any = None,
+    **trainer_kwargs: Any,
+) -> LayerCollapseTrainer:
+    """Step 2 of LayerCollapse: a Trainer that fine-tunes a prepared model while pulling every α towards 1.
+
+    Both pulls return a `LayerCollapseTrainer`, so either way every training log entry carries
+    ``lc_alpha/<module name>`` per MLP (and ``lc_regularizer``) and α is projected into [0, 1] after each step:
+
+    - ``pull="regularizer"``: the loss gains ``lc·Σ(1 − α)²`` and the optimizer is the one `args` selects.
+    - ``pull="adamlc"``: the loss is the task loss and the optimizer is `AdamLC` with ``lr = args.learning_rate``,
+      Adam's betas / epsilon from `args`, weight decay from `args` (through the Trainer's param groups, none on α),
+      and the decoupled pull ``α ← α + 2·lr·lc·(1 − α)``. With ``2·lr·lc ≥ 1`` α reaches 1 in one step.
+
+    Args:
+        model: A model prepared with `methods.layer_collapse.prepare_layer_collapse_`.
+        train_dataset: Rows the model's forward accepts (e.g. ``{"input_ids", "labels"}`` for a causal LM).
+        args: `transformers.TrainingArguments` (use ``report_to=[]`` to keep the run local).
+        lc: Strength of the pull (≥ 0).
+        pull: ``"regularizer"`` or ``"adamlc"``.
+        eval_dataset, data_collator: As for `transformers.Trainer`.
+        **trainer_kwargs: Passed on to the Trainer (callbacks, processing_class, ...); ``optimizers`` and
+            ``optimizer_cls_and_kwargs`` are refused with ``pull="adamlc"``, which sets the optimizer itself.
+
+    Returns:
+        The trainer; call ``.train()``, then collapse with `FlattenQuantizer` (method ``"layer_collapse"``).
+
+    Raises:
+        ValueError: unknown `pull`, lc < 0, a conflicting optimizer, or no prepared MLP in the model.
+    """
+    if pull not in PULLS:
+        raise ValueError(f"pull must be one of {list(PULLS)}, got {pull!r}.")
+    if not lc >= 0:
+        raise ValueError(f"lc must be >= 0, got {lc}.")
+    if pull == "adamlc":
+        conflicting = sorted({"optimizers", "optimizer_cls_and_kwargs"} & set(trainer_kwargs))
+        if conflicting:
+            raise ValueError(
+                f"pull='adamlc' sets the optimizer (AdamLC), so {conflicting} cannot be passed too; use "
+                "pull='regularizer' to train with your own optimizer."
+            )
+        optimizer_kwargs = {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "lc": float(lc),
+        }
+        trainer_kwargs["optimizer_cls_and_kwargs"] = (AdamLC, optimizer_kwargs)
+    trainer = LayerCollapseTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+        lc=float(lc) if pull == "regularizer" else 0.0,
+        **trainer_kwargs,
+    )
+    names = [name for name, _ in trainer.collapse_activations()]
+    logger.info("layer_collapse training (%s, lc=%g) over the activations %s", pull, lc, names)
+    return trainer
+
+
 # --------------------------------------------------------------------------------------------------- AdamLC
 def is_collapse_alpha(parameter: torch.Tensor) -> bool:
     """Whether a parameter is the α of a ParametricActivation."""

@@ -1,0 +1,480 @@
+"""Marian (OPUS-MT) encoder-decoder translation models: ``MarianMTModel`` and a bare ``MarianModel``.
+
+Module layout bound here (transformers 5.x, checked on 5.23, ``models/marian/modeling_marian.py``):
+
+* ``model.model`` is a ``MarianModel`` (for a bare ``MarianModel`` the model itself) with ``encoder.layers[i]``
+  (``MarianEncoderLayer``) and ``decoder.layers[i]`` (``MarianDecoderLayer``). Every block holds ``self_attn``
+  (``MarianAttention``: ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``, all with bias, full multi-head attention),
+  ``self_attn_layer_norm``, ``fc1`` -> ``activation_fn`` -> ``fc2`` (not gated) and ``final_layer_norm``; a decoder
+  block adds ``encoder_attn`` (cross-attention over the encoder's output) and ``encoder_attn_layer_norm``.
+* Every block is **post-LN** whatever the config says: 5.23's layers always compute ``norm(x + sublayer(x))``.
+  ``MarianConfig`` has no ``normalize_before`` key (Marian-native configs do; the conversion script refuses
+  ``normalize-before: true``), so a config carrying ``normalize_before=True`` would describe a pre-LN checkpoint the
+  transformers code does not compute: the adapter refuses it rather than compress a model that computes something
+  else than it was trained for.
+* Neither stack ends in a LayerNorm: 5.23's ``MarianEncoder`` / ``MarianDecoder`` have no ``layer_norm`` and no
+  ``layernorm_embedding`` (unlike mBART). Positions are sinusoidal, added to the scaled token embeddings.
+* The MT head is ``lm_head(h) + final_logits_bias`` (a buffer), tied to ``model.shared`` in OPUS-MT checkpoints.
+* Only decoder layers take a ``layer_idx`` (both ``self_attn`` and ``encoder_attn`` carry it): the decoder builds an
+  ``EncoderDecoderCache(DynamicCache, DynamicCache)`` whose self- and cross-attention parts are addressed by it,
+  and whose ``is_updated`` flags (cross-attention keys computed once) are keyed by it. The caches are sized from
+  ``config.get_text_config(decoder=True)``, which maps ``decoder_layers`` to ``num_hidden_layers``. Encoder layers are
+  built without an index (``None``) and never touch a cache.
+* ``MarianConfig.attribute_map`` makes ``num_hidden_layers`` an alias of ``encoder_layers`` (and
+  ``num_attention_heads`` of ``encoder_attention_heads``): the layer counts are ``encoder_layers`` and
+  ``decoder_layers``, nothing else.
+* ``MarianDecoder.forward`` calls each layer with ``(hidden, causal_mask, encoder_hidden_states, ...)``: the mask and
+  the encoder states are positional; the calibration recorder names them through the layer's signature.
+
+``MarianForCausalLM`` (model_type "marian" too, a decoder without an encoder) is not bound and is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..utils.errors import UnsupportedArchitectureError
+from ..utils.torch_utils import first_output
+from .base import ArchitectureAdapter, AttentionView, BlockView, HeadGeometry, LinearView, MlpView, NormView
+from .llama import CACHE_CHECK_TOLERANCE
+from .registry import register_adapter
+
+#: Stack name -> (config key of its layer count, of its head count, of its MLP width).
+_CONFIG_KEYS = {
+    "encoder": ("encoder_layers", "encoder_attention_heads", "encoder_ffn_dim"),
+    "decoder": ("decoder_layers", "decoder_attention_heads", "decoder_ffn_dim"),
+}
+
+
+def teacher_forcing_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, decoder_start_token_id: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder inputs and mask for calibrating on a single text column (the source text is also the target).
+
+    The target is the text after its first token, ``y = input_ids[:, 1:]``, and the decoder reads it shifted right
+    behind the decoder start token (BART's ``shift_tokens_right``), one position longer so that the decoder sequence
+    has the source's length: ``[start, x1, ..., x_{n-1}]``. Decoder state ``t`` then predicts ``x_{t+1}``, the same
+    next-token alignment as a decoder-only LM on ``input_ids``: every method's statistics (token masks, SLEB's NLL
+    over ``input_ids``) carry over unchanged, and position 0 holds the start token the decoder always sees in
+    training and generation.
+
+    Args:
+        input_ids: (batch, n) calibration tokens (right-padded or packed).
+        attention_mask: (batch, n), 1 on real tokens.
+        decoder_start_token_id: ``config.decoder_start_token_id`` (the pad token in OPUS-MT).
+        pad_token_id: Written on padded positions (-100 label values included, as shift_tokens_right does).
+
+    Returns:
+        ``(decoder_input_ids, decoder_attention_mask)``, both (batch, n).
+    """
+    if decoder_start_token_id is None or pad_token_id is None:
+        raise ValueError(
+            f"teacher forcing needs config.decoder_start_token_id and config.pad_token_id, got "
+            f"{decoder_start_token_id!r} and {pad_token_id!r}; set them in the model config."
+        )
+    target = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, pad_token_id)
+    target = target.masked_fill(target == -100, pad_token_id)
+    start = torch.full_like(input_ids[:, :1], decoder_start_token_id)
+    decoder_input_ids = torch.cat([start, target], dim=1)
+    decoder_mask = torch.cat([torch.ones_like(attention_mask[:, :1]), attention_mask[:, 1:]], dim=1)
+    return decoder_input_ids, decoder_mask
+
+
+class MarianLogitsHead(nn.Module):
+    """The MT head as ``MarianMTModel.forward`` applies it: ``lm_head(h) + final_logits_bias``.
+
+    The bias is a per-token offset of the logits, so any loss computed from ``lm_head`` alone would differ from the
+    model's; this wrapper holds references to the model's own modules (it owns no tensor).
+    """
+
+    def __init__(self, linear: nn.Module, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("final_logits_bias", bias, persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden) + self.final_logits_bias.to(hidden.device)
+
+
+@register_adapter
+class MarianAdapter(ArchitectureAdapter):
+    """Two post-LN stacks ("encoder", "decoder") with full multi-head attention and a plain fc1/fc2 MLP.
+
+    Whole blocks can be dropped or merged by parameters; the norm-folding and head concatenation of FlattenGPT
+    need pre-norm blocks and are refused (see `missing_capability_reasons`).
+
+    Raises:
+        UnsupportedArchitectureError: for ``MarianForCausalLM`` (no encoder) and for a config saying
+            ``normalize_before=True`` (see the module docstring).
+    """
+
+    model_types = ("marian",)
+    capabilities = frozenset({"head_geometry", "layer_drop"})
+    missing_capability_reasons: ClassVar[dict[str, str]] = {
+        "pre_norm": "Marian blocks are post-LN: each LayerNorm follows a residual add, so its gain and bias act on "
+        "the residual stream itself and cannot be folded into the projections that read it",
+        "concat_heads": "two post-LN blocks cannot run in parallel on one input: each block's output is normalised "
+        "as a whole, so the members' attention and MLP outputs cannot be summed into one wider block",
+        "gated_mlp": "Marian's MLP is fc1 -> activation -> fc2 without a gate projection",
+    }
+    #: Attention (self and, in the decoder, cross) and MLP parameters, by state-dict prefix. A parameter merge combines
+    #: these; ``self_attn_layer_norm``, ``encoder_attn_layer_norm`` and ``final_layer_norm`` stay the first member's
+    #: (the trailing dots keep ``self_attn.`` from matching ``self_attn_layer_norm.``). An encoder block simply has no
+    #: ``encoder_attn.`` entry, so one tuple serves both stacks.
+    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("self_attn.", "encoder_attn.", "fc1.", "fc2.")
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        seq2seq = self._seq2seq_or_none()
+        if seq2seq is None:
+            raise UnsupportedArchitectureError(
+                f"MarianAdapter serves encoder-decoder Marian models (MarianMTModel, MarianModel), got "
+                f"{type(model).__name__}, which has no encoder. Load the checkpoint with MarianMTModel."
+            )
+        if getattr(self.config, "normalize_before", False):
+            raise UnsupportedArchitectureError(
+                "the Marian config says normalize_before=True (pre-LN blocks), got a config with it set, but "
+                "transformers' Marian layers always compute post-LN (checked on 5.23), so this model does not compute "
+                "what its checkpoint was trained for. Use a checkpoint converted with normalize_before=False."
+            )
+
+    # ----------------------------------------------------------------- reading
+    def stacks(self) -> list[str]:
+        return ["encoder", "decoder"]
+
+    def _seq2seq_or_none(self) -> nn.Module | None:
+        for candidate in (getattr(self.model, "model", None), self.model):
+            if isinstance(candidate, nn.Module) and hasattr(candidate, "encoder") and hasattr(candidate, "decoder"):
+                return candidate
+        return None
+
+    def seq2seq(self) -> nn.Module:
+        """The ``MarianModel`` (encoder + decoder, no head)."""
+        return self._seq2seq_or_none()
+
+    def _stack_module(self, stack: str) -> nn.Module:
+        self._check_stack(stack)
+        return getattr(self.seq2seq(), stack)
+
+    def base_model(self, stack: str = "decoder") -> nn.Module:
+        """What calibration runs: the encoder alone for "encoder" (the forward never reaches the decoder), the whole
+        ``MarianModel`` for "decoder" (the encoder runs fully, its output feeds every decoder layer)."""
+        self._check_stack(stack)
+        return self.seq2seq().encoder if stack == "encoder" else self.seq2seq()
+
+    def layers(self, stack: str = "decoder") -> nn.ModuleList:
+        return self._stack_module(stack).layers
+
+    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
+        self._stack_module(stack).layers = layers
+
+    def final_norm(self, stack: str | None = None) -> nn.Module | None:
+        """Marian's stacks end without a norm (transformers 5.23): an identity, so callers may apply it blindly.
+
+        The stack argument (None: the decoder) is checked only: both stacks answer the same.
+        """
+        self._check_stack(stack or "decoder")
+        return nn.Identity()
+
+    def lm_head(self, stack: str | None = None) -> nn.Module | None:
+        """The MT head (`MarianLogitsHead`, with ``final_logits_bias``) for the decoder; None for the encoder, whose
+        states no head reads, and for a bare ``MarianModel``."""
+        stack = stack or "decoder"
+        self._check_stack(stack)
+        linear = self.model.get_output_embeddings()
+        if stack != "decoder" or linear is None:
+            return None
+        return MarianLogitsHead(linear, self.model.final_logits_bias)
+
+    def position_embeddings(self, stack: str = "decoder") -> nn.Module:
+        """The stack's fixed sinusoidal position table (``embed_positions``)."""
+        return self._stack_module(stack).embed_positions
+
+    def block_view(self, module: nn.Module, index: int) -> BlockView:
+        cross = getattr(module, "encoder_attn", None)
+        return BlockView(
+            index=index,
+            module=module,
+            norm_position="post",
+            attn_norm=NormView(module.self_attn_layer_norm, "layer"),
+            mlp_norm=NormView(module.final_layer_norm, "layer"),
+            attention=_attention_view(module.self_attn),
+            cross_attention=None if cross is None else _attention_view(cross),
+            mlp=MlpView(
+                up=LinearView(module, "fc1"),
+                gate=None,
+                down=LinearView(module, "fc2"),
+                activation=module.activation_fn,
+                module=module,
+            ),
+        )
+
+    def cross_attn_norm(self, block: BlockView) -> NormView | None:
+        """The LayerNorm after the cross-attention residual add (``encoder_attn_layer_norm``), None in the encoder.
+
+        BlockView has fields for the self-attention and MLP norms only; this is where the third one is read.
+        """
+        norm = getattr(block.module, "encoder_attn_layer_norm", None)
+        return None if norm is None else NormView(norm, "layer")
+
+    def _check_stack(self, stack: str) -> None:
+        if stack not in _CONFIG_KEYS:
+            raise ValueError(
+                f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}; pass stacks=['encoder'] or "
+                "stacks=['decoder']."
+            )
+
+    # ------------------------------------------------------------- calibration
+    def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
+        """Encoder: the source tokens only. Decoder: the source tokens plus teacher-forced decoder inputs.
+
+        The calibration data has one text column, so the text is also the target (`teacher_forcing_inputs`): the
+        decoder is calibrated on its states while it reproduces the source. That is the only target available; for
+        real translation pairs, a parallel corpus would have to come through a target column in calibration/data.py.
+        """
+        self._check_stack(stack)
+        inputs: dict[str, Any] = {
+            "input_ids": batch.input_ids.to(device),
+            "attention_mask": batch.attention_mask.to(device),
+        }
+        if stack == "decoder":
+            decoder_ids, decoder_mask = self.decoder_inputs(batch)
+            inputs.update(
+                decoder_input_ids=decoder_ids.to(device),
+                decoder_attention_mask=decoder_mask.to(device),
+                use_cache=False,
+            )
+        return inputs
+
+    def decoder_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """What calibration feeds the decoder for `batch` (see `teacher_forcing_inputs`)."""
+        return teacher_forcing_inputs(
+            batch.input_ids, batch.attention_mask, self.config.decoder_start_token_id, self.config.pad_token_id
+        )
+
+    def token_mask(self, stack: str, batch: Any) -> torch.Tensor:
+        """The source mask for the encoder, the decoder-input mask (start token real) for the decoder."""
+        self._check_stack(stack)
+        return batch.attention_mask if stack == "encoder" else self.decoder_inputs(batch)[1]
+
+    def require(self, capabilities: set[str] | frozenset[str], method: str) -> None:
+        """As the base, and the refusal names the registered methods whose declared requirements Marian meets."""
+        try:
+            super().require(capabilities, method)
+        except UnsupportedArchitectureError as error:
+            raise UnsupportedArchitectureError(
+                f"{error} Registered methods whose requirements Marian meets: {self.applicable_methods()} (sleb on "
+                "the decoder stack only; see docs/adapters/marian.md for the ones tested on Marian)."
+            ) from None
+
+    def applicable_methods(self) -> list[str]:
+        """Registered methods whose required capabilities this adapter offers."""
+        from ..methods.registry import get_method_class, registered_methods
+
+        return [
+            name
+            for name in registered_methods()
+            if set(get_method_class(name).required_capabilities) <= set(self.capabilities)
+        ]
+
+    # ---------------------------------------------------------------- mutating
+    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
+        self.require({"concat_heads"}, "flattengpt")
+        raise AssertionError("unreachable")
+
+    def keep_heads_(
+        self,
+        block: BlockView,
+        kv_head_indices: Sequence[int],
+        o_weight: torch.Tensor | None = None,
+        *,
+        cross: bool = False,
+    ) -> None:
+        """Keeps the given heads of the self-attention (or, with ``cross=True``, the decoder's cross-attention).
+
+        Marian has no GQA: every head has its own key and value, so head indices are key/value head indices.
+        """
+        att = block.cross_attention if cross else block.attention
+        if att is None:
+            raise ValueError(f"block {block.index} has no cross-attention (an encoder block), got cross=True.")
+        geometry = att.geometry
+        heads = sorted(int(i) for i in kv_head_indices)
+        if not heads or any(not 0 <= i < geometry.num_heads for i in heads) or len(set(heads)) != len(heads):
+            raise ValueError(
+                f"head indices must be unique values in 0..{geometry.num_heads - 1}, got {list(kv_head_indices)}."
+            )
+        rows = torch.tensor(geometry.head_channels(heads))
+        new_o = att.o.weight[:, rows] if o_weight is None else o_weight
+        if tuple(new_o.shape) != (att.o.out_features, rows.numel()):
+            raise ValueError(
+                f"o_weight must be (hidden={att.o.out_features}, kept={rows.numel()}), got {tuple(new_o.shape)}."
+            )
+        for view in (att.q, att.k, att.v):
+            view.set_(view.weight[rows], None if view.bias is None else view.bias[rows])
+        att.o.set_(new_o, att.o.bias)
+        # MarianAttention reshapes with head_dim only (5.23); num_heads and embed_dim are informational.
+        att.module.num_heads = len(heads)
+
+    def keep_mlp_channels_(
+        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
+    ) -> None:
+        """Keeps the given fc1 outputs (rows of the up view) and the matching fc2 inputs."""
+        mlp = block.mlp
+        idx = torch.as_tensor(sorted(int(i) for i in indices), dtype=torch.long)
+        if (
+            idx.numel() == 0
+            or idx.min() < 0
+            or idx.max() >= mlp.intermediate_size
+            or idx.unique().numel() != idx.numel()
+        ):
+            raise ValueError(
+                f"MLP channel indices must be unique values in 0..{mlp.intermediate_size - 1}, got {list(indices)}."
+            )
+        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
+        if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
+            raise ValueError(
+                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
+                f"got {tuple(new_down.shape)}."
+            )
+        mlp.up.set_(mlp.up.weight[idx], mlp.up.bias[idx])
+        mlp.down.set_(new_down, mlp.down.bias)
+
+    def reindex_(self, stack: str = "decoder") -> None:
+        """Renumbers the decoder's ``self_attn.layer_idx`` and ``encoder_attn.layer_idx`` (both address the
+        EncoderDecoderCache). Encoder layers carry no index (None, as built) and need nothing; the attention scaling
+        does not depend on the index, so no weight changes."""
+        self._check_stack(stack)
+        if stack == "decoder":
+            for i, layer in enumerate(self.layers(stack)):
+                layer.self_attn.layer_idx = i
+                layer.encoder_attn.layer_idx = i
+
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Sets ``encoder_layers`` or ``decoder_layers`` (``num_hidden_layers`` is an alias of ``encoder_layers``);
+        Marian has no per-layer config lists."""
+        self._check_stack(stack)
+        setattr(self.config, _CONFIG_KEYS[stack][0], len(list(first_indices)))
+
+    # -------------------------------------------------------------- validating
+    def validate(self) -> None:
+        """Both stacks agree with the config, decoder layer indices are 0..L-1, and cached decoding matches."""
+        problems: list[str] = []
+        for stack in self.stacks():
+            problems.extend(self._stack_problems(stack))
+        if problems:
+            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
+        check_cached_seq2seq_forward(self.model)
+
+    def _stack_problems(self, stack: str) -> list[str]:
+        layers_key, heads_key, ffn_key = _CONFIG_KEYS[stack]
+        layers = self.layers(stack)
+        problems = []
+        if getattr(self.config, layers_key) != len(layers):
+            problems.append(f"config.{layers_key}={getattr(self.config, layers_key)} but {len(layers)} {stack} layers")
+        for i, layer in enumerate(layers):
+            view = self.block_view(layer, i)
+            attentions = [("self_attn", view.attention)]
+            if stack == "decoder":
+                attentions.append(("encoder_attn", view.cross_attention))
+            for name, att in attentions:
+                if stack == "decoder" and att.module.layer_idx != i:
+                    problems.append(f"{stack} layer {i} {name} has layer_idx {att.module.layer_idx}")
+                if att.geometry.num_heads != getattr(self.config, heads_key):
+                    problems.append(
+                        f"{stack} layer {i} {name} has {att.geometry.num_heads} heads "
+                        f"({heads_key}={getattr(self.config, heads_key)})"
+                    )
+            if view.mlp.intermediate_size != getattr(self.config, ffn_key):
+                problems.append(
+                    f"{stack} layer {i} has MLP width {view.mlp.intermediate_size} "
+                    f"({ffn_key}={getattr(self.config, ffn_key)})"
+                )
+        return problems
+
+
+def _attention_view(attn: nn.Module) -> AttentionView:
+    """A MarianAttention as a view; positions are the sinusoidal table added at the stack input (for cross-attention
+    the keys carry the encoder's)."""
+    q = LinearView(attn, "q_proj")
+    head_dim = attn.head_dim
+    geometry = HeadGeometry(
+        num_heads=q.out_features // head_dim,
+        num_kv_heads=LinearView(attn, "k_proj").out_features // head_dim,
+        head_dim=head_dim,
+        hidden_size=q.in_features,
+    )
+    return AttentionView(
+        q=q,
+        k=LinearView(attn, "k_proj"),
+        v=LinearView(attn, "v_proj"),
+        o=LinearView(attn, "out_proj"),
+        geometry=geometry,
+        position_scheme="sinusoidal",
+        module=attn,
+    )
+
+
+def _decoder_output(model: nn.Module, **inputs: Any) -> Any:
+    """Logits of an MT model, the decoder's last hidden state of a bare MarianModel."""
+    out = model(**inputs)
+    return out, first_output(out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state)
+
+
+def check_cached_seq2seq_forward(model: nn.Module, atol: float | None = None) -> None:
+    """Decoding with the EncoderDecoderCache (prefill 4 target tokens, then 2 single steps) matches one uncached pass.
+
+    A decoder layer whose ``layer_idx`` is wrong reads another layer's self- or cross-attention keys (or finds its
+    cross-attention flagged as already computed), so the outputs of the cached steps differ.
+    """
+    parameter = next(p for p in model.parameters() if p.device.type != "meta")
+    device = parameter.device
+    atol = CACHE_CHECK_TOLERANCE.get(parameter.dtype, 1e-3) if atol is None else atol
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(3, config.vocab_size, (1, 5), generator=generator).to(device)
+    target = torch.randint(3, config.vocab_size, (1, 6), generator=generator).to(device)
+    target[:, 0] = config.decoder_start_token_id
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, full = _decoder_output(model, input_ids=source, decoder_input_ids=target, use_cache=False)
+            steps = _cached_steps(model, source, target)
+    except (RuntimeError, IndexError) as error:
+        # A layer reading another layer's cache slot (of another length) fails before any comparison.
+        raise ValueError(
+            f"cached decoding failed ({type(error).__name__}: {error}): the decoder's layer_idx (the "
+            "EncoderDecoderCache index) is broken; call reindex_('decoder')."
+        ) from error
+    finally:
+        model.train(was_training)
+    cached = torch.stack(steps, dim=1).float()
+    reference = full[:, 3:].float()
+    scale = reference.abs().max().clamp_min(1.0)
+    if not torch.allclose(cached, reference, atol=atol * float(scale), rtol=0):
+        diff = (cached - reference).abs().max().item()
+        raise ValueError(
+            f"cached and uncached decoding disagree (max |diff| {diff:.3g}): the decoder's layer_idx (the "
+            "EncoderDecoderCache index) is broken; call reindex_('decoder')."
+        )
+
+
+def _cached_steps(model: nn.Module, source: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
+    """Outputs at target positions 3, 4 and 5: a prefill of 4 tokens, then two single cached steps."""
+    encoder_outputs = model.get_encoder()(input_ids=source)
+    out, step = _decoder_output(model, encoder_outputs=encoder_outputs, decoder_input_ids=target[:, :4], use_cache=True)
+    steps = [step[:, -1]]
+    for t in (4, 5):
+        out, step = _decoder_output(
+            model,
+            encoder_outputs=encoder_outputs,
+            decoder_input_ids=target[:, t : t + 1],
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        steps.append(step[:, -1])
+    return steps
