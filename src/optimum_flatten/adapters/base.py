@@ -372,8 +372,31 @@ class ArchitectureAdapter:
     def keep_mlp_channels_(
         self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
     ) -> None:
-        """Keeps the given MLP channels; `down_weight` (hidden, k) replaces the kept down-projection columns."""
-        raise NotImplementedError
+        """Keeps the given MLP channels; `down_weight` (hidden, k) replaces the kept down-projection columns.
+
+        Works through the views for gated and plain MLPs alike (up and gate rows, down columns); a family whose
+        modules keep size attributes updates them in `_sync_sizes`.
+        """
+        mlp = block.mlp
+        idx = check_unique_indices(indices, mlp.intermediate_size, "MLP channel")
+        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
+        if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
+            raise ValueError(
+                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
+                f"got {tuple(new_down.shape)}."
+            )
+        for view in (mlp.up, mlp.gate):
+            if view is not None:
+                view.set_(view.weight[idx], None if view.bias is None else view.bias[idx])
+        mlp.down.set_(new_down, mlp.down.bias)
+        self._sync_sizes(block.module)
+
+    def _sync_sizes(self, module: nn.Module) -> None:
+        """Keeps the informational size attributes of a resized block in line with its weights (default: none)."""
+
+    def _check_stack(self, stack: str) -> None:
+        if stack not in self.stacks():
+            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
 
     def reindex_(self, stack: str = "decoder") -> None:
         """Renumbers every layer index stored in modules (the KV cache is addressed by it)."""
@@ -429,6 +452,14 @@ class ArchitectureAdapter:
         """An in-memory, hook-free deep copy of a block that keeps its reference to the model config shared
         (attention reads it at run time)."""
         return detached_copy(module, memo={id(self.config): self.config})
+
+
+def check_unique_indices(indices: Sequence[int], size: int, what: str) -> torch.Tensor:
+    """Sorted indices as a long tensor, or ValueError when empty, repeated or outside 0..size-1."""
+    values = sorted(int(i) for i in indices)
+    if not values or values[0] < 0 or values[-1] >= size or len(set(values)) != len(values):
+        raise ValueError(f"{what} indices must be unique values in 0..{size - 1}, got {list(indices)}.")
+    return torch.tensor(values, dtype=torch.long)
 
 
 def require_unit_norms(views: Sequence[NormView], what: str) -> None:

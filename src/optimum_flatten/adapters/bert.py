@@ -35,16 +35,17 @@ import torch
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import ArchitectureAdapter, AttentionView, BlockView, HeadGeometry, LinearView, MlpView, NormView
+from .base import (
+    ArchitectureAdapter,
+    AttentionView,
+    BlockView,
+    HeadGeometry,
+    LinearView,
+    MlpView,
+    NormView,
+    check_unique_indices,
+)
 from .registry import register_adapter
-
-
-def check_unique_indices(indices: Sequence[int], size: int, what: str) -> torch.Tensor:
-    """Sorted indices as a long tensor, or ValueError when empty, repeated or outside 0..size-1."""
-    values = sorted(int(i) for i in indices)
-    if not values or values[0] < 0 or values[-1] >= size or len(set(values)) != len(values):
-        raise ValueError(f"{what} indices must be unique values in 0..{size - 1}, got {list(indices)}.")
-    return torch.tensor(values, dtype=torch.long)
 
 
 def keep_head_rows_(block: BlockView, heads: Sequence[int], o_weight: torch.Tensor | None) -> int:
@@ -67,19 +68,6 @@ def keep_head_rows_(block: BlockView, heads: Sequence[int], o_weight: torch.Tens
         view.set_(view.weight[rows], None if view.bias is None else view.bias[rows])
     att.o.set_(new_o, att.o.bias)
     return kept.numel()
-
-
-def keep_mlp_rows_(block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None) -> None:
-    """Keeps the given channels of a non-gated MLP (up rows, down columns); `down_weight` replaces the kept columns."""
-    mlp = block.mlp
-    idx = check_unique_indices(indices, mlp.intermediate_size, "MLP channel")
-    new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
-    if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
-        raise ValueError(
-            f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), got {tuple(new_down.shape)}."
-        )
-    mlp.up.set_(mlp.up.weight[idx], None if mlp.up.bias is None else mlp.up.bias[idx])
-    mlp.down.set_(new_down, mlp.down.bias)
 
 
 def first_parameter(model: nn.Module) -> torch.nn.Parameter:
@@ -131,10 +119,6 @@ class BertAdapter(ArchitectureAdapter):
     # ----------------------------------------------------------------- reading
     def stacks(self) -> list[str]:
         return ["encoder"]
-
-    def _check_stack(self, stack: str) -> None:
-        if stack not in self.stacks():
-            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
 
     def base_model(self, stack: str = "encoder") -> nn.Module:
         """``model.bert`` (a ``BertModel``), or the model itself when it is a bare BertModel."""
@@ -219,12 +203,6 @@ class BertAdapter(ArchitectureAdapter):
         # transformers 5.23 reshapes with attention_head_size; the other two are informational, kept right.
         self_attention.num_attention_heads = num_heads
         self_attention.all_head_size = num_heads * self_attention.attention_head_size
-
-    def keep_mlp_channels_(
-        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the given ``intermediate.dense`` outputs and the matching ``output.dense`` inputs."""
-        keep_mlp_rows_(block, indices, down_weight)
 
     def reindex_(self, stack: str = "encoder") -> None:
         """Renumbers ``attention.self.layer_idx``; an encoder's maths does not depend on it (only a cache would)."""

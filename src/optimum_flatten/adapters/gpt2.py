@@ -309,10 +309,6 @@ class GPT2Adapter(ArchitectureAdapter):
             ),
         )
 
-    def _check_stack(self, stack: str) -> None:
-        if stack not in self.stacks():
-            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
-
     def intermediate_size(self) -> int:
         """The MLP width the config describes: ``n_inner``, or 4 * n_embd when it is None (as GPT2Block does)."""
         inner = getattr(self.config, "n_inner", None)
@@ -397,30 +393,6 @@ class GPT2Adapter(ArchitectureAdapter):
         )
         att.o.set_(new_o, att.o.bias)
         self._sync_sizes(block.module)
-
-    def keep_mlp_channels_(
-        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the given c_fc outputs (rows of the up view) and the matching c_proj inputs."""
-        mlp = block.mlp
-        idx = torch.as_tensor(sorted(int(i) for i in indices), dtype=torch.long)
-        if (
-            idx.numel() == 0
-            or idx.min() < 0
-            or idx.max() >= mlp.intermediate_size
-            or idx.unique().numel() != idx.numel()
-        ):
-            raise ValueError(
-                f"MLP channel indices must be unique values in 0..{mlp.intermediate_size - 1}, got {list(indices)}."
-            )
-        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
-        if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
-            raise ValueError(
-                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
-                f"got {tuple(new_down.shape)}."
-            )
-        mlp.up.set_(mlp.up.weight[idx], mlp.up.bias[idx])
-        mlp.down.set_(new_down, mlp.down.bias)
 
     def is_mlp_collapsed(self, block: BlockView) -> bool:
         """A collapsed GPT-2 MLP keeps its GPT2MLP module with ``c_proj`` (and ``act``) set to ``nn.Identity``."""

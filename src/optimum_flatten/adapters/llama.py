@@ -91,10 +91,6 @@ class LlamaAdapter(ArchitectureAdapter):
             ),
         )
 
-    def _check_stack(self, stack: str) -> None:
-        if stack not in self.stacks():
-            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
-
     # ---------------------------------------------------------------- mutating
     def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
         require_unit_norms([m.attn_norm for m in members] + [m.mlp_norm for m in members], "attention/MLP")
@@ -146,30 +142,6 @@ class LlamaAdapter(ArchitectureAdapter):
         att.k.set_(att.k.weight[kv_rows], None if att.k.bias is None else att.k.bias[kv_rows])
         att.v.set_(att.v.weight[kv_rows], None if att.v.bias is None else att.v.bias[kv_rows])
         att.o.set_(new_o, att.o.bias)
-        self._sync_sizes(block.module)
-
-    def keep_mlp_channels_(
-        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
-    ) -> None:
-        mlp = block.mlp
-        idx = torch.as_tensor(sorted(int(i) for i in indices), dtype=torch.long)
-        if (
-            idx.numel() == 0
-            or idx.min() < 0
-            or idx.max() >= mlp.intermediate_size
-            or idx.unique().numel() != idx.numel()
-        ):
-            raise ValueError(f"MLP channel indices must be unique values in 0..{mlp.intermediate_size - 1}.")
-        for name in ("gate", "up"):
-            view: LinearView = getattr(mlp, name)
-            view.set_(view.weight[idx], None if view.bias is None else view.bias[idx])
-        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
-        if new_down.shape != (mlp.down.out_features, idx.numel()):
-            raise ValueError(
-                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
-                f"got {tuple(new_down.shape)}."
-            )
-        mlp.down.set_(new_down, mlp.down.bias)
         self._sync_sizes(block.module)
 
     @staticmethod

@@ -319,30 +319,6 @@ class MarianAdapter(ArchitectureAdapter):
         # MarianAttention reshapes with head_dim only (5.23); num_heads and embed_dim are informational.
         att.module.num_heads = len(heads)
 
-    def keep_mlp_channels_(
-        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the given fc1 outputs (rows of the up view) and the matching fc2 inputs."""
-        mlp = block.mlp
-        idx = torch.as_tensor(sorted(int(i) for i in indices), dtype=torch.long)
-        if (
-            idx.numel() == 0
-            or idx.min() < 0
-            or idx.max() >= mlp.intermediate_size
-            or idx.unique().numel() != idx.numel()
-        ):
-            raise ValueError(
-                f"MLP channel indices must be unique values in 0..{mlp.intermediate_size - 1}, got {list(indices)}."
-            )
-        new_down = mlp.down.weight[:, idx] if down_weight is None else down_weight
-        if tuple(new_down.shape) != (mlp.down.out_features, idx.numel()):
-            raise ValueError(
-                f"down_weight must be (hidden={mlp.down.out_features}, kept={idx.numel()}), "
-                f"got {tuple(new_down.shape)}."
-            )
-        mlp.up.set_(mlp.up.weight[idx], mlp.up.bias[idx])
-        mlp.down.set_(new_down, mlp.down.bias)
-
     def reindex_(self, stack: str = "decoder") -> None:
         """Renumbers the decoder's ``self_attn.layer_idx`` and ``encoder_attn.layer_idx`` (both address the
         EncoderDecoderCache). Encoder layers carry no index (None, as built) and need nothing; the attention scaling

@@ -37,7 +37,7 @@ from .base import (
     NormView,
     require_unit_norms,
 )
-from .bert import first_parameter, keep_head_rows_, keep_mlp_rows_
+from .bert import first_parameter, keep_head_rows_
 from .registry import register_adapter
 
 
@@ -85,10 +85,6 @@ class ViTAdapter(ArchitectureAdapter):
     # ----------------------------------------------------------------- reading
     def stacks(self) -> list[str]:
         return ["encoder"]
-
-    def _check_stack(self, stack: str) -> None:
-        if stack not in self.stacks():
-            raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
 
     def base_model(self, stack: str = "encoder") -> nn.Module:
         """``model.vit`` (a ``ViTModel``), or the model itself when it is a bare ViTModel."""
@@ -205,12 +201,6 @@ class ViTAdapter(ArchitectureAdapter):
         """Keeps the given heads (ViT has no GQA: every head has its own key and value)."""
         keep_head_rows_(block, kv_head_indices, o_weight)
         self._sync_sizes(block.module)
-
-    def keep_mlp_channels_(
-        self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the given ``fc1`` outputs and the matching ``fc2`` inputs."""
-        keep_mlp_rows_(block, indices, down_weight)
 
     @staticmethod
     def _sync_sizes(module: nn.Module) -> None:
