@@ -1,11 +1,13 @@
 """Prints the markdown tables of benchmarks/RESULTS.md from the JSON files in benchmarks/results/.
 
-Usage: python benchmarks/render.py
+Usage: python benchmarks/render.py [--write]   (--write fills RESULTS.template.md's markers into RESULTS.md)
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -85,28 +87,93 @@ def scale_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 100 else f"{value:.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "" if value is None else str(value).replace("|", "/")
+
+
+def section_table(section: dict) -> str:
+    """One section of benchmarks/results/families.json: its protocol, then one row per variant (or its refusal)."""
+    columns = section["columns"]
+    lines = [f"#### {section['title']}", ""]
+    lines += [f"- {k}: {v}" for k, v in section["protocol"].items()]
+    lines += ["", "| variant | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for r in section["results"]:
+        if "refused" in r:
+            lines.append(f"| {r['variant']} | refused: {_cell(r['refused'])} |" + " |" * (len(columns) - 1))
+            continue
+        lines.append(f"| {r['variant']} | " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+        if "collapse_refused" in r:
+            lines.append(f"| ↳ collapse step | refused: {_cell(r['collapse_refused'])} |" + " |" * (len(columns) - 1))
+    if "section_seconds" in section:
+        lines += ["", f"Section wall time: {section['section_seconds']:.0f} s."]
+    return "\n".join(lines)
+
+
+def families_table(path: Path) -> str:
+    """Every section of the families benchmark (BERT, GPT-2, ViT, Marian), as markdown."""
+    data = json.loads(path.read_text())
+    lines = [f"- {k}: {v}" for k, v in data.get("protocol", {}).items()]
+    for section in data.get("sections", {}).values():
+        lines += ["", section_table(section)]
+    return "\n".join(lines)
+
+
+def speed_table(path: Path) -> str:
+    d = json.loads(path.read_text())
+    lines = [
+        f"#### {d['model']}: {d['layers'][0]} -> {d['layers'][1]} layers",
+        "",
+        "| | dense tok/s | compressed tok/s | measured speed-up | ideal L/L' |",
+        "|---|---|---|---|---|",
+    ]
+    for kind in ("prefill", "decode"):
+        key = f"{kind}_tokens_per_second"
+        lines.append(
+            f"| {kind} | {d['dense'][key]:.0f} | {d['compressed'][key]:.0f} | {d[f'{kind}_speedup']:.3f} | "
+            f"{d['ideal_speedup']:.3f} |"
+        )
+    lines += ["", f"protocol: {d['protocol']}"]
+    return "\n".join(lines)
+
+
+def tables() -> dict[str, str]:
+    """Every table, by the marker name that `RESULTS.template.md` uses (``<!-- table:NAME -->``)."""
+    renderers = {"depth": depth_table, "speed": speed_table, "scale": scale_table}
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        kind, _, model = path.stem.partition("_")
+        if path.stem in ("smollm2", "qwen2.5-0.5b"):
+            out[f"depth:{path.stem}"] = depth_table(path)
+        elif kind in renderers and model:
+            out[f"{kind}:{model}"] = renderers[kind](path)
+    if (RESULTS / "families.json").exists() and "families_table" in globals():
+        out["families"] = globals()["families_table"](RESULTS / "families.json")
+    return out
+
+
+def write_results() -> Path:
+    """Fills the markers of RESULTS.template.md with the tables and writes RESULTS.md (commentary stays by hand)."""
+    template = (Path(__file__).parent / "RESULTS.template.md").read_text()
+    rendered = tables()
+    missing = [m for m in re.findall(r"<!-- table:([^ ]+) -->", template) if m not in rendered]
+    if missing:
+        raise SystemExit(f"no results for {missing}; run the benchmarks that produce them first")
+    text = re.sub(r"<!-- table:([^ ]+) -->", lambda m: rendered[m.group(1)], template)
+    out = Path(__file__).parent / "RESULTS.md"
+    out.write_text(text)
+    return out
+
+
 def main() -> None:
-    for name in ("smollm2", "qwen2.5-0.5b"):
-        path = RESULTS / f"{name}.json"
-        if path.exists():
-            print(f"### {name}\n\n{depth_table(path)}\n")
-    for path in sorted(RESULTS.glob("speed_*.json")):
-        d = json.loads(path.read_text())
-        print(f"### speed {d['model']}: {d['layers'][0]} -> {d['layers'][1]} layers\n")
-        print("| | dense tok/s | compressed tok/s | measured speed-up | ideal L/L' |\n|---|---|---|---|---|")
-        for kind in ("prefill", "decode"):
-            key = f"{kind}_tokens_per_second"
-            print(
-                f"| {kind} | {d['dense'][key]:.0f} | {d['compressed'][key]:.0f} | {d[f'{kind}_speedup']:.3f} | "
-                f"{d['ideal_speedup']:.3f} |"
-            )
-        print(f"\nprotocol: {d['protocol']}\n")
-    for path in sorted(RESULTS.glob("scale_*.json")):
-        print(f"### scale {path.stem.removeprefix('scale_')}\n\n{scale_table(path)}\n")
-    recovery = RESULTS / "recovery_smollm2.json"
-    if recovery.exists():
-        d = json.loads(recovery.read_text())
-        print(f"### recovery\n\n{json.dumps({k: v for k, v in d.items() if k != 'loss_history'}, indent=2)}\n")
+    if "--write" in sys.argv:
+        print(f"wrote {write_results()}")
+        return
+    for name, table in tables().items():
+        print(f"### {name}\n\n{table}\n")
 
 
 if __name__ == "__main__":
