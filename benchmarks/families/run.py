@@ -106,8 +106,12 @@ def compress(
     for key in ("ffn_groups", "ffn_parameters_shared", "threshold", "final_similarity"):
         if key in report:
             info[key] = report[key]
+    if "ffn_groups" in report:
+        groups = " ".join(str(g["layers"]) for g in report["ffn_groups"])
+        info["plan"] = f"{report['plan_summary']}; MLPs shared {groups} ({report['ffn_groups'][0]['variant']})"
     if "layer_collapse" in report:
         info["layer_collapse"] = report["layer_collapse"]["collapsed"]
+        info["plan"] = f"{report['plan_summary']}; MLPs collapsed {report['layer_collapse']['collapsed_layers']}"
     return info
 
 
@@ -157,13 +161,21 @@ def train_loop(
     warmup: int,
     weight_decay: float = 0.01,
     schedule: bool = True,
+    max_seconds: float | None = None,
 ) -> list[float]:
-    """Plain AdamW training; tied tensors (ffn_merge) stay tied since they are one Parameter. Returns the losses."""
+    """Plain AdamW training; tied tensors (ffn_merge) stay tied since they are one Parameter. Returns the losses.
+
+    `max_seconds` is a safety cap for a machine shared with other jobs: training stops after the step that crosses
+    it (the caller records how many steps ran; the schedule stays the one planned for `steps`).
+    """
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     losses = []
+    start = time.perf_counter()
     for step in range(steps):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, peak_lr, warmup) if schedule else peak_lr
         loss = model(**batch_fn(step)).loss
@@ -171,7 +183,7 @@ def train_loop(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
@@ -451,7 +463,14 @@ def run_gpt2(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
         return {"input_ids": ids, "labels": ids}
 
     start = time.perf_counter()
-    losses = train_loop(dense_model, batch, args.gpt2_steps, args.gpt2_lr, warmup=args.gpt2_steps // 20)
+    losses = train_loop(
+        dense_model,
+        batch,
+        args.gpt2_steps,
+        args.gpt2_lr,
+        warmup=args.gpt2_steps // 20,
+        max_seconds=args.gpt2_max_train_seconds,
+    )
     train_seconds = time.perf_counter() - start
 
     def ppl(model: nn.Module) -> float:
@@ -471,10 +490,11 @@ def run_gpt2(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
             f"{args.gpt2_heads} heads, context {ctx}, byte-level vocabulary of 257 (256 bytes + EOS), "
             f"{unique_parameters(dense_model)} parameters, no dropout, seed {args.seed}",
             "training": f"SOTU before 2000 ({train_stream.numel()} tokens, speeches joined with EOS), "
-            f"{args.gpt2_steps} steps of {args.gpt2_batch} random windows of {ctx} (seed {args.seed}), "
+            f"{len(losses)} steps (planned {args.gpt2_steps}, time cap "
+            f"{args.gpt2_max_train_seconds:.0f} s) of {args.gpt2_batch} random windows of {ctx} (seed {args.seed}), "
             f"AdamW peak lr {args.gpt2_lr}, betas (0.9, 0.95), weight decay 0.01, warm-up "
             f"{args.gpt2_steps // 20} steps then cosine to 10%, grad clip 1.0; "
-            f"{train_seconds:.0f} s; last 20 steps' mean loss {sum(losses[-20:]) / 20:.3f} nats",
+            f"{train_seconds:.0f} s; last 20 steps' mean loss {sum(losses[-20:]) / len(losses[-20:]):.3f} nats",
             "evaluation": f"SOTU from 2000 on, {dense_ppl.protocol()}; perplexity per byte",
             "chance": f"uniform over the vocabulary: perplexity {tokenizer.vocab_size}; unigram byte frequencies of "
             f"the training text (add-one): {unigram:.2f} on the same {eval_slice.numel()} tokens",
@@ -641,7 +661,14 @@ def run_vit(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None])
         return float((model(pixel_values=x_test).logits.argmax(-1) == y_test).float().mean())
 
     start = time.perf_counter()
-    losses = train_loop(dense_model, batches(args.seed), args.vit_steps, args.vit_lr, warmup=args.vit_steps // 20)
+    losses = train_loop(
+        dense_model,
+        batches(args.seed),
+        args.vit_steps,
+        args.vit_lr,
+        warmup=args.vit_steps // 20,
+        max_seconds=args.vit_max_train_seconds,
+    )
     train_seconds = time.perf_counter() - start
     dense_accuracy = accuracy(dense_model)
 
@@ -660,10 +687,11 @@ def run_vit(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None])
             f"no dropout, {unique_parameters(dense_model)} parameters, seed {args.seed}",
             "data": f"sklearn load_digits (1797 images), pixels / 16 scaled to [-1, 1]; stratified split "
             f"(random_state={args.seed}): {len(train_idx)} train, {len(test_idx)} test",
-            "training": f"{args.vit_steps} steps, batches of {args.vit_batch} drawn with seed {args.seed}, AdamW "
+            "training": f"{len(losses)} steps (planned {args.vit_steps}, time cap "
+            f"{args.vit_max_train_seconds:.0f} s), batches of {args.vit_batch} drawn with seed {args.seed}, AdamW "
             f"peak lr {args.vit_lr}, warm-up {args.vit_steps // 20} then cosine to 10%, weight decay "
             f"0.01, grad clip 1.0; {train_seconds:.0f} s; last 20 steps' mean loss "
-            f"{sum(losses[-20:]) / 20:.4f}",
+            f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
             "chance": "0.1 (10 balanced classes)",
             "recovery": f"{args.vit_recovery_steps} AdamW steps at constant lr {args.vit_recovery_lr}, batches of "
             f"{args.vit_batch} from the training images (seed {args.seed + 1}), the same for every "
@@ -854,7 +882,14 @@ def run_marian(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], Non
         }
 
     start = time.perf_counter()
-    losses = train_loop(dense_model, batch, args.marian_steps, args.marian_lr, warmup=args.marian_steps // 20)
+    losses = train_loop(
+        dense_model,
+        batch,
+        args.marian_steps,
+        args.marian_lr,
+        warmup=args.marian_steps // 20,
+        max_seconds=args.marian_max_train_seconds,
+    )
     train_seconds = time.perf_counter() - start
     test_source, test_target = encode(test, False), encode(test, True)
 
@@ -893,9 +928,10 @@ def run_marian(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], Non
             f"shared embeddings, vocabulary 12 (pad/start, EOS, 10 digits), no dropout, "
             f"{unique_parameters(dense_model)} parameters, seed {args.seed}",
             "task": f"source = a random digit string of {low}-{high} digits + EOS, target = the string reversed + EOS",
-            "training": f"{args.marian_steps} steps of {args.marian_batch} fresh strings (seed {args.seed}, never a "
+            "training": f"{len(losses)} steps (planned {args.marian_steps}, time cap "
+            f"{args.marian_max_train_seconds:.0f} s) of {args.marian_batch} fresh strings (seed {args.seed}, never a "
             f"test string), AdamW peak lr {args.marian_lr}, warm-up {args.marian_steps // 20} then cosine "
-            f"to 10%; {train_seconds:.0f} s; last 20 steps' mean loss {sum(losses[-20:]) / 20:.4f}",
+            f"to 10%; {train_seconds:.0f} s; last 20 steps' mean loss {sum(losses[-20:]) / len(losses[-20:]):.4f}",
             "evaluation": f"{args.marian_test} held-out strings (seed {args.seed + 100}), greedy decoding, "
             "exact match of the whole output including EOS",
             "chance": f"guessing uniformly: {chance:.1e} (mean over lengths of 10^-length)",
@@ -990,6 +1026,9 @@ def main() -> None:
     parser.add_argument("--lc-pull-per-step", type=float, default=0.2)
     parser.add_argument("--lc-snap-steps", type=int, default=8)
     parser.add_argument("--lc-snap-lr", type=float, default=5e-5)
+    parser.add_argument("--gpt2-max-train-seconds", type=float, default=540.0)
+    parser.add_argument("--vit-max-train-seconds", type=float, default=150.0)
+    parser.add_argument("--marian-max-train-seconds", type=float, default=300.0)
     parser.add_argument("--vit-layers", type=int, default=6)
     parser.add_argument("--vit-hidden", type=int, default=64)
     parser.add_argument("--vit-test-size", type=float, default=0.25)

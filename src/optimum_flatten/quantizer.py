@@ -64,17 +64,17 @@ class FlattenQuantizer(OptimumQuantizer):
             model_or_path: A checkpoint directory or Hub name, or a loaded model.
             file_name: Unused (optimum's ONNX quantizers pick a file with it); must be None.
             tokenizer: The calibration tokenizer; loaded from `model_or_path` when it is a path and this is None.
-            **kwargs: Passed to `AutoModelForCausalLM.from_pretrained` (e.g. ``dtype``, ``device_map``).
+            **kwargs: Passed to `from_pretrained` of the checkpoint's own class (``config.architectures``), e.g.
+                ``dtype``, ``device_map``.
         """
         if file_name is not None:
             raise ValueError(f"file_name is for ONNX models and has no meaning here, got {file_name!r}.")
         if isinstance(model_or_path, nn.Module):
             return cls(model=model_or_path, tokenizer=tokenizer)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from .utils.loading import load_pretrained, load_processor
 
-        model = AutoModelForCausalLM.from_pretrained(model_or_path, **kwargs)
-        model.eval()
-        return cls(model=model, tokenizer=tokenizer or AutoTokenizer.from_pretrained(model_or_path))
+        model = load_pretrained(model_or_path, **kwargs)
+        return cls(model=model, tokenizer=tokenizer or load_processor(model_or_path))
 
     def quantize(
         self,

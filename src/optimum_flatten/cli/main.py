@@ -18,16 +18,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _load(model_name: str, dtype_name: str):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .. import bundled
+    from ..utils.loading import load_pretrained, load_processor
 
     dtype = getattr(torch, dtype_name)
     if model_name in bundled.BUNDLED_MODELS:
         return bundled.load_bundled(model_name, dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype)
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(model_name)
+    return load_pretrained(model_name, dtype=dtype), load_processor(model_name)
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:

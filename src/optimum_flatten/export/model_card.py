@@ -62,8 +62,8 @@ def render_model_card(report: dict[str, Any]) -> str:
         "## How to load",
         "",
         "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("path/or/repo")',
+        f"from transformers import {_loader(report)}, AutoTokenizer",
+        f'model = {_loader(report)}.from_pretrained("path/or/repo")',
         'tokenizer = AutoTokenizer.from_pretrained("path/or/repo")',
         "```",
         "",
@@ -95,3 +95,9 @@ def _summary(report: dict[str, Any]) -> str:
         f"This is an ordinary `{architecture}` checkpoint with {report.get('num_layers_after', '?')} layers instead "
         f"of {report.get('num_layers_before', '?')}. It loads with plain `transformers`; optimum-flatten is not needed."
     )
+
+
+def _loader(report: dict[str, Any]) -> str:
+    """The class to load the checkpoint with: the architecture itself unless it is a causal LM."""
+    architecture = report.get("architecture", "")
+    return "AutoModelForCausalLM" if not architecture or architecture.endswith("ForCausalLM") else architecture
