@@ -114,8 +114,11 @@ def main() -> None:
     if "dense" not in names:
         names.insert(0, "dense")
     results = []
+    notes: dict = {}
     if args.resume and Path(out).exists():
-        results = [r for r in json.loads(Path(out).read_text())["results"] if "error" not in r]
+        previous = json.loads(Path(out).read_text())
+        results = [r for r in previous["results"] if "error" not in r]
+        notes = previous.get("protocol", {})  # hand-written notes on earlier rows survive a resumed run
         done = {r["variant"] for r in results}
         names = [n for n in names if n not in done]
     for name in names:
@@ -141,6 +144,7 @@ def main() -> None:
         "speed": f"prefill 1 x {args.eval_seqlen} tokens, median of 5 after 1 warm-up, {args.threads} threads",
         "num_layers_to_remove": args.num_layers_to_remove,
     }
+    protocol.update({k: v for k, v in notes.items() if k not in protocol})
     Path(out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
     print(f"wrote {out}; print the tables with: python benchmarks/render.py")
 
