@@ -110,3 +110,23 @@ def test_dispatch_like_moves_activations_like_the_block_it_replaces():
     untouched = torch.nn.Linear(4, 4)
     assert dispatch_like(untouched, torch.nn.Linear(4, 4)) is untouched
     assert not hasattr(untouched, "_hf_hook")
+
+
+def test_cpu_offloaded_model_compresses_like_in_memory(dense_dir):
+    """accelerate's cpu_offload keeps weights in a RAM state dict and parameters on meta (the GPU setting's CPU
+    offload); new blocks must go back to that kind of offload, not to disk."""
+    from accelerate import cpu_offload
+
+    tokenizer = tiny_models.CharTokenizer()
+    in_memory = AutoModelForCausalLM.from_pretrained(dense_dir)
+    reference = FlattenQuantizer(_config("flattengpt"), progress=False)
+    reference.compress(in_memory, tokenizer)
+
+    offloaded = cpu_offload(AutoModelForCausalLM.from_pretrained(dense_dir), execution_device="cpu")
+    assert is_offloaded(offloaded.model.layers[0])
+    quantizer = FlattenQuantizer(_config("flattengpt"), progress=False)
+    quantizer.compress(offloaded, tokenizer)
+    assert quantizer.plan == reference.plan
+    assert all(is_offloaded(layer) for layer in offloaded.model.layers)
+    ids = sample_ids()
+    assert_close(logits(offloaded, ids), logits(in_memory, ids))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..utils.torch_utils import first_output
+from ..utils.torch_utils import first_output, input_device, model_dtype
 from .base import (
     ArchitectureAdapter,
     AttentionView,
@@ -194,9 +194,8 @@ CACHE_CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat1
 
 def check_cached_forward(model: nn.Module, atol: float | None = None) -> None:
     """One tiny forward with the KV cache (prefill + 2 decode steps) must match the uncached forward."""
-    parameter = next(p for p in model.parameters() if p.device.type != "meta")
-    device = parameter.device
-    atol = CACHE_CHECK_TOLERANCE.get(parameter.dtype, 1e-3) if atol is None else atol
+    device = input_device(model)
+    atol = CACHE_CHECK_TOLERANCE.get(model_dtype(model), 1e-3) if atol is None else atol
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (1, 6), generator=generator).to(device)

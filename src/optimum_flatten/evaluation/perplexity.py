@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.torch_utils import input_device
+
 
 @dataclass
 class PerplexityResult:
@@ -95,7 +97,7 @@ def perplexity(
         previous_end = end
         if end == stream.numel():
             break
-    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    device = input_device(model)
     was_training = model.training
     model.eval()
     total_nll, total_count = 0.0, 0

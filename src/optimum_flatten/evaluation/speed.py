@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..utils.torch_utils import input_device
+
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int) -> float:
     """Median wall time of `run` over `repeats` calls after `warmup` untimed ones."""
@@ -28,7 +30,7 @@ def prefill_tokens_per_second(
 ) -> dict[str, float]:
     """Median prefill throughput (tokens/s) of a forward over random tokens of a fixed shape."""
     generator = torch.Generator().manual_seed(seed)
-    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    device = input_device(model)
     ids = torch.randint(3, model.config.vocab_size, (batch_size, seqlen), generator=generator).to(device)
     model.eval()
     median = median_seconds(lambda: model(input_ids=ids, use_cache=False), repeats, warmup)
@@ -52,7 +54,7 @@ def decode_tokens_per_second(
 ) -> dict[str, float]:
     """Median greedy-decoding throughput (generated tokens/s over the whole batch), KV cache on, fixed length."""
     generator = torch.Generator().manual_seed(seed)
-    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    device = input_device(model)
     ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_length), generator=generator).to(device)
     model.eval()
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True)

@@ -22,6 +22,23 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: the device of its input embeddings, or the execution device accelerate's hook
+    gives them when every weight is offloaded (then no parameter has a real device)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for module in (embeddings, model):
+        if isinstance(module, nn.Module):
+            hook = getattr(module, "_hf_hook", None)
+            if getattr(hook, "execution_device", None) is not None:
+                return torch.device(hook.execution_device)
+    return module_device(embeddings if isinstance(embeddings, nn.Module) else model)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of a model's weights (meta parameters keep theirs, so offloading does not hide it)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def count_parameters(module: nn.Module) -> int:
     """Number of unique parameters (tied tensors counted once)."""
     seen: set[int] = set()
