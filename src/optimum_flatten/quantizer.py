@@ -14,7 +14,7 @@ from torch import nn
 from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, LayerPlan, describe_dataset
-from .methods.base import MethodContext
+from .methods.base import CompressionMethod, MethodContext
 from .methods.registry import get_method_class
 from .utils.torch_utils import count_parameters
 
@@ -106,13 +106,25 @@ class FlattenQuantizer(OptimumQuantizer):
         self.compress(self.model, self.tokenizer)
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
-    def _stack(self, adapter: Any) -> str:
+    def _stack(self, adapter: Any, method: CompressionMethod | None = None) -> str:
+        """The stack the method plans on. A method with ``spans_stacks`` (ffn_merge with sync_stacks) merges every
+        stack itself and must get all of them; its identity plan is then reported on the model's last stack."""
         stacks = self.config.stacks or adapter.stacks()
         unknown = [s for s in stacks if s not in adapter.stacks()]
         if unknown:
             raise ValueError(f"stacks {unknown} do not exist in this model; it has {adapter.stacks()}.")
+        if method is not None and method.spans_stacks:
+            if sorted(stacks) != sorted(adapter.stacks()):
+                raise ValueError(
+                    f"method {self.config.method!r} with sync_stacks=True merges every stack {adapter.stacks()} in "
+                    f"one compression, got stacks={stacks}; leave stacks unset, or drop sync_stacks to merge one stack."
+                )
+            return adapter.stacks()[-1]
         if len(stacks) != 1:
-            raise ValueError(f"this version compresses one stack at a time, got stacks={stacks}.")
+            raise ValueError(
+                f"this version compresses one stack at a time, got stacks={stacks}; pass one of them (ffn_merge also "
+                "takes sync_stacks=True to merge the same windows in every stack)."
+            )
         return stacks[0]
 
     def compress(self, model: nn.Module, tokenizer: Any = None) -> nn.Module:
@@ -132,7 +144,7 @@ class FlattenQuantizer(OptimumQuantizer):
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
         adapter.require(method_class.required_capabilities, self.config.method)
-        stack = self._stack(adapter)
+        stack = self._stack(adapter, method)
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)

@@ -89,6 +89,17 @@ class LinearView:
             new.bias.requires_grad_(old.weight.requires_grad)
         setattr(self._parent, self._name, new)
 
+    def swap_module_(self, module: nn.Module) -> nn.Module:
+        """Puts `module` in this map's slot and returns the module it replaces.
+
+        For the few writes `set_` cannot express because the slot holds no weight: LayerCollapse leaves an
+        ``nn.Identity`` where a collapsed MLP's down map was, and its stock export swaps an identity linear map in
+        for the duration of a save only.
+        """
+        old = self.module
+        setattr(self._parent, self._name, module)
+        return old
+
     def share_parameters_of_(self, source: LinearView) -> int:
         """Makes this map use `source`'s parameter tensors (the same objects, so the same storage).
 
@@ -337,8 +348,17 @@ class ArchitectureAdapter:
         """
         raise NotImplementedError(
             f"{type(self).__name__} cannot collapse an MLP into one linear map yet (model_type "
-            f"{self.config.model_type!r}); LayerCollapse's collapse step is implemented for GPT-2."
+            f"{self.config.model_type!r}); LayerCollapse's collapse step is implemented for GPT-2, BERT, ViT and "
+            "Marian."
         )
+
+    def collapsed_stock_config(self) -> dict[str, Any] | None:
+        """Config changes under which the stock class describes this model once every MLP is collapsed, or None.
+
+        LayerCollapse's stock export writes a fully collapsed model as the stock architecture with MLP width =
+        hidden size, a ``"linear"`` activation and an identity down map; None means the family has no such export.
+        """
+        return None
 
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         raise NotImplementedError
@@ -452,6 +472,37 @@ class ArchitectureAdapter:
         """An in-memory, hook-free deep copy of a block that keeps its reference to the model config shared
         (attention reads it at run time)."""
         return detached_copy(module, memo={id(self.config): self.config})
+
+
+def is_down_identity(block: BlockView) -> bool:
+    """Whether the block's MLP down map is an ``nn.Identity``: how `collapse_linear_mlp_` marks a collapsed MLP."""
+    return isinstance(block.mlp.down.module, nn.Identity)
+
+
+def collapse_linear_mlp_(
+    adapter: ArchitectureAdapter, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None, hidden: int
+) -> None:
+    """LayerCollapse's write for MLPs stored as ``nn.Linear`` (BERT, ViT, Marian): up -> act -> down becomes one map.
+
+    The merged (hidden, hidden) map goes into the up slot and the activation and down slots become ``nn.Identity``,
+    so the MLP module, its forward and its state-dict names stay the architecture's (``...up.weight`` holds the
+    merged map, the down map has no entry). Only exact when the activation was the identity (α = 1); the caller
+    checks that.
+
+    Raises:
+        ValueError: the MLP is already collapsed, or `weight` is not (hidden, hidden).
+    """
+    if is_down_identity(block):
+        raise ValueError(f"layer {block.index}: the MLP is already collapsed into one linear map.")
+    if tuple(weight.shape) != (hidden, hidden) or (bias is not None and tuple(bias.shape) != (hidden,)):
+        raise ValueError(
+            f"layer {block.index}: a collapsed MLP maps hidden={hidden} to hidden, got a weight of shape "
+            f"{tuple(weight.shape)} and bias {None if bias is None else tuple(bias.shape)}; pass the (out, in) product "
+            "W2·W1 of the down and up maps and W2·b1 + b2."
+        )
+    block.mlp.up.set_(weight, bias)
+    adapter.replace_mlp_activation_(block, nn.Identity())
+    block.mlp.down.swap_module_(nn.Identity())
 
 
 def check_unique_indices(indices: Sequence[int], size: int, what: str) -> torch.Tensor:

@@ -29,12 +29,13 @@ signature. Decoder BERT (``is_decoder=True``, ``BertLMHeadModel``, cross-attenti
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
+from ..utils.torch_utils import input_device
 from .base import (
     ArchitectureAdapter,
     AttentionView,
@@ -44,6 +45,8 @@ from .base import (
     MlpView,
     NormView,
     check_unique_indices,
+    collapse_linear_mlp_,
+    is_down_identity,
 )
 from .registry import register_adapter
 
@@ -68,10 +71,6 @@ def keep_head_rows_(block: BlockView, heads: Sequence[int], o_weight: torch.Tens
         view.set_(view.weight[rows], None if view.bias is None else view.bias[rows])
     att.o.set_(new_o, att.o.bias)
     return kept.numel()
-
-
-def first_parameter(model: nn.Module) -> torch.nn.Parameter:
-    return next(p for p in model.parameters() if p.device.type != "meta")
 
 
 @register_adapter
@@ -204,6 +203,34 @@ class BertAdapter(ArchitectureAdapter):
         self_attention.num_attention_heads = num_heads
         self_attention.all_head_size = num_heads * self_attention.attention_head_size
 
+    def is_mlp_collapsed(self, block: BlockView) -> bool:
+        """A collapsed BERT MLP has ``output.dense`` (and ``intermediate.intermediate_act_fn``) as ``nn.Identity``."""
+        return is_down_identity(block)
+
+    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Stores the single (hidden, hidden) map in ``intermediate.dense``; the activation and ``output.dense``
+        become identities, so ``output.LayerNorm(dropout(x') + input)`` and the state-dict names stay BERT's."""
+        collapse_linear_mlp_(self, block, weight, bias, self.config.hidden_size)
+
+    def collapsed_stock_config(self) -> dict[str, Any]:
+        """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (transformers' identity
+        ``LinearActivation`` in ACT2FN); the export writes ``output.dense`` as the identity.
+
+        Raises:
+            ValueError: the model has a prediction head whose transform also reads ``hidden_act``
+                (``BertForMaskedLM``, ``BertForPreTraining``: ``cls.predictions.transform``, checked on 5.23), which
+                ``"linear"`` would change; the encoder alone (``model.bert``) or a pooler/classifier head has none.
+        """
+        heads = [name for name, module in self.model.named_modules() if hasattr(module, "transform_act_fn")]
+        if heads:
+            raise ValueError(
+                f"a stock BERT checkpoint of a fully collapsed model sets hidden_act='linear', but {heads} of this "
+                f"{type(self.model).__name__} also read hidden_act (got {self.config.hidden_act!r}), so the reloaded "
+                "head would compute something else. Export the encoder alone (save model.bert, a BertModel), or a "
+                "model whose heads do not read hidden_act (BertForSequenceClassification, BertForTokenClassification)."
+            )
+        return {"intermediate_size": self.config.hidden_size, "hidden_act": "linear"}
+
     def reindex_(self, stack: str = "encoder") -> None:
         """Renumbers ``attention.self.layer_idx``; an encoder's maths does not depend on it (only a cache would)."""
         for i, layer in enumerate(self.layers(stack)):
@@ -228,7 +255,10 @@ class BertAdapter(ArchitectureAdapter):
                 problems.append(f"layer {i} has {g.num_heads} heads of {g.head_dim}")
             if layer.attention.self.layer_idx != i:
                 problems.append(f"layer {i} has layer_idx {layer.attention.self.layer_idx}")
-            if view.mlp.intermediate_size != config.intermediate_size:
+            if self.is_mlp_collapsed(view):  # LayerCollapse: one hidden -> hidden map in intermediate.dense
+                if view.mlp.intermediate_size != config.hidden_size:
+                    problems.append(f"layer {i} has a collapsed MLP of width {view.mlp.intermediate_size}")
+            elif view.mlp.intermediate_size != config.intermediate_size:
                 problems.append(f"layer {i} has intermediate size {view.mlp.intermediate_size}")
         if problems:
             raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
@@ -237,7 +267,7 @@ class BertAdapter(ArchitectureAdapter):
     @torch.no_grad()
     def _check_forward(self) -> None:
         """One tiny padded forward of the encoder runs and gives finite states of the right shape."""
-        device = first_parameter(self.model).device
+        device = input_device(self.model)
         generator = torch.Generator().manual_seed(0)
         ids = torch.randint(1, self.config.vocab_size, (2, 6), generator=generator).to(device)
         mask = torch.ones_like(ids)

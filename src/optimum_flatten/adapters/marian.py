@@ -38,8 +38,18 @@ import torch
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
-from ..utils.torch_utils import first_output
-from .base import ArchitectureAdapter, AttentionView, BlockView, HeadGeometry, LinearView, MlpView, NormView
+from ..utils.torch_utils import first_output, input_device, model_dtype
+from .base import (
+    ArchitectureAdapter,
+    AttentionView,
+    BlockView,
+    HeadGeometry,
+    LinearView,
+    MlpView,
+    NormView,
+    collapse_linear_mlp_,
+    is_down_identity,
+)
 from .llama import CACHE_CHECK_TOLERANCE
 from .registry import register_adapter
 
@@ -319,6 +329,27 @@ class MarianAdapter(ArchitectureAdapter):
         # MarianAttention reshapes with head_dim only (5.23); num_heads and embed_dim are informational.
         att.module.num_heads = len(heads)
 
+    def is_mlp_collapsed(self, block: BlockView) -> bool:
+        """A collapsed Marian MLP (either stack) has ``fc2`` (and ``activation_fn``) as ``nn.Identity``."""
+        return is_down_identity(block)
+
+    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Stores the single (d_model, d_model) map in ``fc1``; ``activation_fn`` and ``fc2`` become identities.
+
+        Encoder and decoder blocks alike: both compute ``final_layer_norm(x + fc2(act(fc1(x))))`` (dropouts aside),
+        so the block's forward and its state-dict names (``fc1.*``) stay Marian's.
+        """
+        collapse_linear_mlp_(self, block, weight, bias, self.config.d_model)
+
+    def collapsed_stock_config(self) -> dict[str, Any]:
+        """Both MLP widths = ``d_model`` and ``activation_function = "linear"`` (ACT2FN's identity).
+
+        MarianConfig has one activation for both stacks, so only a model whose every MLP of *both* stacks is
+        collapsed has a stock description; the export checks that.
+        """
+        d_model = self.config.d_model
+        return {"encoder_ffn_dim": d_model, "decoder_ffn_dim": d_model, "activation_function": "linear"}
+
     def reindex_(self, stack: str = "decoder") -> None:
         """Renumbers the decoder's ``self_attn.layer_idx`` and ``encoder_attn.layer_idx`` (both address the
         EncoderDecoderCache). Encoder layers carry no index (None, as built) and need nothing; the attention scaling
@@ -364,7 +395,10 @@ class MarianAdapter(ArchitectureAdapter):
                         f"{stack} layer {i} {name} has {att.geometry.num_heads} heads "
                         f"({heads_key}={getattr(self.config, heads_key)})"
                     )
-            if view.mlp.intermediate_size != getattr(self.config, ffn_key):
+            if self.is_mlp_collapsed(view):  # LayerCollapse: one d_model -> d_model map in fc1
+                if view.mlp.intermediate_size != self.config.d_model:
+                    problems.append(f"{stack} layer {i} has a collapsed MLP of width {view.mlp.intermediate_size}")
+            elif view.mlp.intermediate_size != getattr(self.config, ffn_key):
                 problems.append(
                     f"{stack} layer {i} has MLP width {view.mlp.intermediate_size} "
                     f"({ffn_key}={getattr(self.config, ffn_key)})"
@@ -406,9 +440,8 @@ def check_cached_seq2seq_forward(model: nn.Module, atol: float | None = None) ->
     A decoder layer whose ``layer_idx`` is wrong reads another layer's self- or cross-attention keys (or finds its
     cross-attention flagged as already computed), so the outputs of the cached steps differ.
     """
-    parameter = next(p for p in model.parameters() if p.device.type != "meta")
-    device = parameter.device
-    atol = CACHE_CHECK_TOLERANCE.get(parameter.dtype, 1e-3) if atol is None else atol
+    device = input_device(model)
+    atol = CACHE_CHECK_TOLERANCE.get(model_dtype(model), 1e-3) if atol is None else atol
     config = model.config
     generator = torch.Generator().manual_seed(0)
     source = torch.randint(3, config.vocab_size, (1, 5), generator=generator).to(device)

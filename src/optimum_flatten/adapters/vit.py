@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import CalibrationDataError
+from ..utils.torch_utils import input_device, model_dtype
 from .base import (
     ArchitectureAdapter,
     AttentionView,
@@ -35,9 +36,11 @@ from .base import (
     LinearView,
     MlpView,
     NormView,
+    collapse_linear_mlp_,
+    is_down_identity,
     require_unit_norms,
 )
-from .bert import first_parameter, keep_head_rows_
+from .bert import keep_head_rows_
 from .registry import register_adapter
 
 
@@ -209,6 +212,20 @@ class ViTAdapter(ArchitectureAdapter):
         attn = module.attention
         attn.num_attention_heads = attn.q_proj.out_features // attn.head_dim
 
+    def is_mlp_collapsed(self, block: BlockView) -> bool:
+        """A collapsed ViT MLP has ``mlp.fc2`` (and ``mlp.activation_fn``) as ``nn.Identity``."""
+        return is_down_identity(block)
+
+    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Stores the single (hidden, hidden) map in ``mlp.fc1``; ``activation_fn`` and ``fc2`` become identities,
+        so ``ViTMLP.forward`` and the state-dict names (``mlp.fc1.*``) stay ViT's."""
+        collapse_linear_mlp_(self, block, weight, bias, self.config.hidden_size)
+
+    def collapsed_stock_config(self) -> dict[str, Any]:
+        """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (ACT2FN's identity); the export writes
+        ``mlp.fc2`` as the identity."""
+        return {"intermediate_size": self.config.hidden_size, "hidden_act": "linear"}
+
     def reindex_(self, stack: str = "encoder") -> None:
         """Nothing to renumber: ViT layers hold no index and no cache."""
         self._check_stack(stack)
@@ -233,7 +250,10 @@ class ViTAdapter(ArchitectureAdapter):
                     f"layer {i} has {g.num_heads} heads (attribute {layer.attention.num_attention_heads}, "
                     f"config {config.num_attention_heads})"
                 )
-            if view.mlp.intermediate_size != config.intermediate_size:
+            if self.is_mlp_collapsed(view):  # LayerCollapse: one hidden -> hidden map in mlp.fc1
+                if view.mlp.intermediate_size != config.hidden_size:
+                    problems.append(f"layer {i} has a collapsed MLP of width {view.mlp.intermediate_size}")
+            elif view.mlp.intermediate_size != config.intermediate_size:
                 problems.append(f"layer {i} has intermediate size {view.mlp.intermediate_size}")
         if problems:
             raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
@@ -242,11 +262,10 @@ class ViTAdapter(ArchitectureAdapter):
     @torch.no_grad()
     def _check_forward(self) -> None:
         """One tiny forward on random images runs and gives finite states for CLS + every patch."""
-        parameter = first_parameter(self.model)
         height, width = _pair(self.config.image_size)
         generator = torch.Generator().manual_seed(0)
         pixels = torch.randn(1, self.config.num_channels, height, width, generator=generator)
-        pixels = pixels.to(device=parameter.device, dtype=parameter.dtype)
+        pixels = pixels.to(device=input_device(self.model), dtype=model_dtype(self.model))
         base = self.base_model()
         was_training = base.training
         base.eval()

@@ -13,9 +13,17 @@ A collapsed MLP is one (n_embd x n_embd) map, an un-collapsed one keeps ``c_fc -
   and wraps the listed activations with their α) registered in config.json's ``auto_map``; it loads with
   ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` and needs only torch and transformers.
 
+BERT, ViT and Marian (``nn.Linear`` MLPs) have the ``"stock"`` format only: every MLP of every stack collapsed is
+written as the stock class with MLP width = hidden size, activation ``"linear"`` and an identity down map
+(``intermediate_size`` / ``hidden_act`` for BERT and ViT; ``encoder_ffn_dim``, ``decoder_ffn_dim`` and the one
+``activation_function`` for Marian, hence both stacks fully collapsed). A partly collapsed or mid-training model of
+these families is refused (`LayerCollapseExportError`, nothing written): a remote-code file per family would have to
+rebuild each one's blocks, and a partial collapse saves little next to collapsing every MLP; keep such a model with
+``torch.save`` until it is fully collapsed.
+
 ``"auto"`` (what `save_compressed` and `FlattenQuantizer.save` use) picks ``"stock"`` when it can express the model,
-else ``"remote_code"``. `save_layer_collapse` lets the caller force ``"remote_code"`` (smallest checkpoint: no
-identity maps). Every write happens in a staging directory renamed into place (`save_compressed`).
+else ``"remote_code"`` (GPT-2 only). `save_layer_collapse` lets the caller force ``"remote_code"`` (smallest
+checkpoint: no identity maps). Every write happens in a staging directory renamed into place (`save_compressed`).
 """
 
 from __future__ import annotations
@@ -57,20 +65,84 @@ class LayerCollapseState:
         return len(self.collapsed) == self.num_layers and not self.linearisable
 
 
-def layer_collapse_state(model: nn.Module) -> LayerCollapseState | None:
-    """The LayerCollapse state of `model`, or None when no MLP is collapsed or prepared."""
+class LayerCollapseExportError(ValueError):
+    """A LayerCollapse model that no checkpoint format of its family can describe (nothing is written)."""
+
+
+def layer_collapse_states(model: nn.Module) -> list[LayerCollapseState]:
+    """The LayerCollapse state of every stack of `model` (Marian has two), in the adapter's stack order."""
     from ..adapters import get_adapter
     from ..ops.parametric_activations import ParametricActivation
 
     adapter = get_adapter(model)
+    states = []
     for stack in adapter.stacks():
         blocks = adapter.blocks(stack)
         collapsed = tuple(b.index for b in blocks if adapter.is_mlp_collapsed(b))
         linearisable = tuple(b.index for b in blocks if isinstance(b.mlp.activation, ParametricActivation))
-        state = LayerCollapseState(stack, len(blocks), collapsed, linearisable)
-        if state.is_present:
-            return state
-    return None
+        states.append(LayerCollapseState(stack, len(blocks), collapsed, linearisable))
+    return states
+
+
+def layer_collapse_state(model: nn.Module) -> LayerCollapseState | None:
+    """The LayerCollapse state of the first stack of `model` that has one, or None when no MLP is collapsed or
+    prepared in any stack (`layer_collapse_states` gives every stack)."""
+    return next((state for state in layer_collapse_states(model) if state.is_present), None)
+
+
+def check_stock_only_export(model: nn.Module, export_format: str = "auto") -> str:
+    """The format for a family whose only LayerCollapse format is ``"stock"`` (BERT, ViT, Marian): ``"stock"``.
+
+    Raises:
+        ValueError: an unknown format.
+        LayerCollapseExportError: ``"remote_code"`` asked for, or some MLP of some stack not collapsed (or α left).
+    """
+    if export_format not in FORMATS:
+        raise ValueError(f"export_format must be one of {list(FORMATS)}, got {export_format!r}.")
+    model_type = model.config.model_type
+    states = layer_collapse_states(model)
+    if export_format == "remote_code" or not all(state.fully_collapsed for state in states):
+        found = "; ".join(
+            f"{s.stack}: collapsed {list(s.collapsed)} of {s.num_layers} layers, with alpha {list(s.linearisable)}"
+            for s in states
+        )
+        raise LayerCollapseExportError(
+            f"model_type {model_type!r} has only the stock LayerCollapse checkpoint format, which needs every MLP of "
+            f"every stack collapsed and no alpha left (export_format 'auto' or 'stock'); got export_format="
+            f"{export_format!r} and {found}. Nothing was written. Either collapse every MLP (prepare_layer_collapse_ "
+            "with num_mlps = the number of layers of each stack, train alpha to 1, collapse), or keep this model "
+            "with torch.save(model.state_dict(), ...) and rebuild it in code; remote-code export exists for GPT-2 only."
+        )
+    return "stock"
+
+
+def check_export(model: nn.Module, export_format: str = "auto") -> str:
+    """The format `model` would be written in, or the error saying why it cannot be; writes nothing.
+
+    Raises:
+        UnsupportedArchitectureError: a family without any LayerCollapse format.
+        ValueError: nothing collapsed or prepared, a bad format, or a model the family's formats cannot describe.
+    """
+    from ..adapters import get_adapter
+
+    state = layer_collapse_state(model)
+    if state is None:
+        raise ValueError("the model has no collapsed or linearisable MLP; save it with save_pretrained.")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type == "gpt2":
+        return choose_format(state, export_format)
+    try:
+        changes = get_adapter(model).collapsed_stock_config()
+    except ValueError as error:  # the family has a stock format, but not for this model's heads
+        check_stock_only_export(model, export_format)  # a partial collapse is the first thing to fix: say that first
+        raise LayerCollapseExportError(f"{error} Nothing was written.") from error
+    if changes is None:
+        raise UnsupportedArchitectureError(
+            f"LayerCollapse checkpoints can be written for model_type 'gpt2', 'bert', 'vit' and 'marian' only, got "
+            f"{model_type!r}; a format for this architecture (per-layer MLP shapes) has to be added in "
+            "optimum_flatten.export.layer_collapse."
+        )
+    return check_stock_only_export(model, export_format)
 
 
 def choose_format(state: LayerCollapseState, export_format: str = "auto") -> str:
@@ -103,24 +175,18 @@ def write_layer_collapse_model(
         The format written, ``"stock"`` or ``"remote_code"`` (recorded as ``export_format`` in the report).
 
     Raises:
-        UnsupportedArchitectureError: the model is not GPT-2 (the only architecture with a LayerCollapse export).
-        ValueError: nothing is collapsed or prepared, or a bad format.
+        UnsupportedArchitectureError: a family without a LayerCollapse export (see `check_export`).
+        ValueError: nothing is collapsed or prepared, a bad format, or (`LayerCollapseExportError`) a partly
+            collapsed BERT / ViT / Marian model.
     """
-    state = layer_collapse_state(model)
-    if state is None:
-        raise ValueError("the model has no collapsed or linearisable MLP; save it with save_pretrained.")
-    model_type = getattr(model.config, "model_type", None)
-    if model_type != "gpt2":
-        raise UnsupportedArchitectureError(
-            f"LayerCollapse checkpoints can be written for model_type 'gpt2' only, got {model_type!r}; a format for "
-            "this architecture (per-layer MLP shapes) has to be added in optimum_flatten.export.layer_collapse."
-        )
+    chosen = check_export(model, export_format)
     directory = Path(directory)
-    chosen = choose_format(state, export_format)
-    if chosen == "stock":
+    if model.config.model_type != "gpt2":
+        _write_stock_linear(model, directory, save_kwargs)
+    elif chosen == "stock":
         _write_stock_gpt2(model, directory, save_kwargs)
     else:
-        _write_remote_code_gpt2(model, directory, state, save_kwargs)
+        _write_remote_code_gpt2(model, directory, layer_collapse_state(model), save_kwargs)
     return chosen
 
 
@@ -136,10 +202,9 @@ def save_layer_collapse(
     """`save_compressed` with a chosen format (``"auto"``, ``"stock"`` or ``"remote_code"``); atomic likewise."""
     from .checkpoint import save_compressed
 
-    state = layer_collapse_state(model)
-    if state is None:
+    if layer_collapse_state(model) is None:
         raise ValueError("the model has no collapsed or linearisable MLP; use save_compressed or save_pretrained.")
-    choose_format(state, export_format)  # refuse a bad format before anything is written
+    check_export(model, export_format)  # refuse a bad format or an inexpressible model before anything is written
     writer = functools.partial(write_layer_collapse_model, export_format=export_format)
     return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite, writer=writer)
 
@@ -183,6 +248,39 @@ def _write_stock_gpt2(model: nn.Module, directory: Path, save_kwargs: dict[str, 
         for mlp, original in zip(mlps, originals, strict=True):
             mlp.c_proj = original
     _rewrite_config(directory, {"n_inner": model.config.n_embd, "activation_function": "linear"})
+
+
+# ------------------------------------------------------------------------ nn.Linear MLPs (BERT, ViT, Marian)
+def _identity_linear(width: int, like: torch.Tensor) -> nn.Linear:
+    """An nn.Linear computing ``x·I + 0`` (exact in floating point) in `like`'s dtype and device."""
+    with torch.device("meta"):
+        identity = nn.Linear(width, width)
+    options = {"dtype": like.dtype, "device": like.device}
+    identity.weight = nn.Parameter(torch.eye(width, **options), requires_grad=False)
+    identity.bias = nn.Parameter(torch.zeros(width, **options), requires_grad=False)
+    return identity
+
+
+def _write_stock_linear(model: nn.Module, directory: Path, save_kwargs: dict[str, Any]) -> None:
+    """Saves a fully collapsed model with an identity down map in every MLP, for the duration of the save only.
+
+    Goes through the adapter views (the down slot of every block of every stack), so one writer serves every
+    family with ``nn.Linear`` MLPs; the config keys come from the adapter's `collapsed_stock_config`.
+    """
+    from ..adapters import get_adapter
+
+    adapter = get_adapter(model)
+    swapped: list[tuple[Any, nn.Module]] = []
+    try:
+        for stack in adapter.stacks():
+            for block in adapter.blocks(stack):
+                identity = _identity_linear(block.mlp.up.out_features, block.mlp.up.weight)
+                swapped.append((block.mlp.down, block.mlp.down.swap_module_(identity)))
+        model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
+    finally:
+        for view, original in reversed(swapped):
+            view.swap_module_(original)
+    _rewrite_config(directory, adapter.collapsed_stock_config())
 
 
 def _write_remote_code_gpt2(
@@ -266,9 +364,13 @@ class {REMOTE_MODEL_CLASS}(GPT2LMHeadModel):
 
 __all__ = [
     "FORMATS",
+    "LayerCollapseExportError",
     "LayerCollapseState",
+    "check_export",
+    "check_stock_only_export",
     "choose_format",
     "layer_collapse_state",
+    "layer_collapse_states",
     "save_layer_collapse",
     "write_layer_collapse_model",
 ]

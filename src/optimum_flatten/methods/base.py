@@ -76,6 +76,9 @@ class CompressionMethod(ABC):
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
+        #: True when the method merges every stack of the model itself in one compression (ffn_merge with
+        #: sync_stacks); the quantizer then hands it all stacks instead of one.
+        self.spans_stacks = False
 
     @abstractmethod
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:

@@ -8,12 +8,21 @@ function-preserving per layer), the k aligned MLPs are averaged, and the k layer
 calibration text (similarity of the final hidden states to the original model's, or the next-token NLL) and
 keeping the best; several windows are placed greedily, each scored with the earlier ones already merged.
 
+With ``sync_stacks=True`` the windows are placed "in sync" on every stack of the model (Marian's encoder and
+decoder, as the paper does for OPUS-MT): one set of window positions, merged in each stack in one compression. A
+candidate position is scored by the mean over the stacks of each stack's cosine score; each stack is scored with the
+other stacks as they are (unmerged), since the decoder's cached calibration states hold the original encoder's
+output. That keeps one cached pass per stack (no re-run of the decoder for every encoder candidate) at the price of
+ignoring how an encoder merge shifts the decoder's inputs; the final compression merges both.
+
 The method keeps every layer (``keeps_depth = True``): its plan is the identity LayerPlan, and what it shared is
-reported in ``report["ffn_groups"]``, which `retie_ffn_` reads to restore the sharing after a plain reload.
+reported in ``report["ffn_groups"]`` (one entry per stack and window), which `retie_ffn_` reads to restore the
+sharing after a plain reload.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -63,6 +72,10 @@ class FfnMergeConfig(MethodConfig):
         scoring_batches: Use only the first this-many calibration batches for alignment and scoring (None: all).
         tie: True makes the window's layers share the same tensors (the memory saving); False gives each layer
             its own copy of the averaged values (same function, no saving; e.g. to fine-tune them apart).
+        sync_stacks: Merge the same window positions in every stack of the model in one compression (the paper's
+            encoder + decoder setting for Marian), scored together (mean of the stacks' cosine scores). Leave
+            FlattenConfig.stacks unset (or list every stack); needs ``selection="cosine"`` (an encoder has no LM
+            head to score an NLL with). On a one-stack model it is the same as False.
     """
 
     window_size: int = 2
@@ -74,6 +87,7 @@ class FfnMergeConfig(MethodConfig):
     selection: Literal["cosine", "nll"] = "cosine"
     scoring_batches: int | None = None
     tie: bool = True
+    sync_stacks: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("window_size", self.window_size)
@@ -91,6 +105,13 @@ class FfnMergeConfig(MethodConfig):
         _check_choice("selection", self.selection, ("cosine", "nll"))
         if not isinstance(self.tie, bool):
             raise TypeError(f"tie must be True or False, got {self.tie!r}.")
+        if not isinstance(self.sync_stacks, bool):
+            raise TypeError(f"sync_stacks must be True or False, got {self.sync_stacks!r}.")
+        if self.sync_stacks and self.selection != "cosine":
+            raise ValueError(
+                f"sync_stacks=True scores every stack by the cosine of its final states, got selection="
+                f"{self.selection!r}; an encoder has no LM head for an NLL. Use selection='cosine'."
+            )
         if self.window_starts is not None:
             self.window_starts = _check_window_starts(self.window_starts, self.window_size)
             if self.num_windows is not None and self.num_windows != len(self.window_starts):
@@ -328,23 +349,41 @@ class FfnMergeMethod(CompressionMethod):
 
     def __init__(self, config: FfnMergeConfig) -> None:
         super().__init__(config)
+        #: Read by FlattenQuantizer: with sync_stacks the method merges every stack itself in one compression.
+        self.spans_stacks = config.sync_stacks
         self._windows: list[Window] | None = None
-        self._scorer: WindowScorer | None = None
+        self._scorers: dict[str, WindowScorer] = {}
+
+    @property
+    def _scorer(self) -> WindowScorer | None:
+        """The scorer of the only (or first) merged stack; kept for callers of the one-stack method."""
+        return next(iter(self._scorers.values()), None)
+
+    def merged_stacks(self, adapter: Any, stack: str) -> list[str]:
+        """The stacks one compression merges: every stack of the model with `sync_stacks`, else `stack`."""
+        return list(adapter.stacks()) if self.config.sync_stacks else [stack]
 
     def candidate_windows(
-        self, adapter: Any, stack: str, taken: Sequence[Window], still_to_place: int = 0
+        self, adapter: Any, stack: str | Sequence[str], taken: Sequence[Window], still_to_place: int = 0
     ) -> list[Window]:
         """Every window of `window_size` adjacent layers that overlaps no taken window, can be tied, and leaves room
-        for `still_to_place` more windows (so a greedy choice never strands the later rounds)."""
-        k, num_layers = self.config.window_size, adapter.num_layers(stack)
+        for `still_to_place` more windows (so a greedy choice never strands the later rounds).
+
+        With several stacks (in sync) a window must be a candidate in every one of them.
+        """
+        stacks = [stack] if isinstance(stack, str) else list(stack)
+        k = self.config.window_size
         used = {i for w in taken for i in w}
         windows = []
-        for start in range(num_layers - k + 1):
+        for start in range(min(adapter.num_layers(s) for s in stacks) - k + 1):
             window = tuple(range(start, start + k))
-            if used.intersection(window) or _room(num_layers, used | set(window), k) < still_to_place:
+            if used.intersection(window):
+                continue
+            if any(_room(adapter.num_layers(s), used | set(window), k) < still_to_place for s in stacks):
                 continue
             try:
-                check_same_layout(adapter, stack, window)
+                for s in stacks:
+                    check_same_layout(adapter, s, window)
             except ValueError:
                 logger.info("ffn_merge: layers %s have different MLP layouts and are not a candidate", list(window))
                 continue
@@ -356,34 +395,50 @@ class FfnMergeMethod(CompressionMethod):
         """Chooses the windows (and their alignments) without touching the model; returns the identity plan."""
         if num_to_remove != 0:
             raise ValueError(f"ffn_merge keeps every layer; it cannot remove {num_to_remove}.")
-        stack, cfg = context.stack, self.config
-        num_layers = adapter.num_layers(stack)
-        check_windows_fit(num_layers, cfg)
+        cfg = self.config
+        stacks = self.merged_stacks(adapter, context.stack)
+        for stack in stacks:
+            try:
+                check_windows_fit(adapter.num_layers(stack), cfg)
+            except ValueError as error:
+                raise ValueError(f"{stack} stack: {error}" if cfg.sync_stacks else str(error)) from None
         if is_offloaded(adapter.model):
             raise ValueError(
                 "ffn_merge does not support offloaded models yet (tied tensors must live in memory on one device); "
                 "load the model without an offloading device_map."
             )
-        if cfg.selection == "nll" and adapter.lm_head(stack) is None:
+        if cfg.selection == "nll" and adapter.lm_head(context.stack) is None:
             raise ValueError("selection='nll' needs a language-model head, and this model has none; use 'cosine'.")
         if cfg.window_starts is not None:
-            for start in cfg.window_starts:
-                check_same_layout(adapter, stack, tuple(range(start, start + cfg.window_size)))
-        scorer = WindowScorer(adapter, context, cfg)
-        windows, rounds = self._choose(adapter, stack, scorer)
-        blocks = self._candidate_blocks(adapter, stack, windows, scorer)
-        final_score = scorer.score(scorer.run_from(windows[0][0], blocks, scorer.states))
-        self._windows, self._scorer = windows, scorer
+            for stack in stacks:
+                for start in cfg.window_starts:
+                    check_same_layout(adapter, stack, tuple(range(start, start + cfg.window_size)))
+        # One scorer per stack, sharing the context's timers, work count and report (dataclasses.replace passes the
+        # same dict and list objects on).
+        scorers = {s: WindowScorer(adapter, dataclasses.replace(context, stack=s), cfg) for s in stacks}
+        windows, rounds = self._choose(adapter, scorers)
+        final_scores = {}
+        for stack, scorer in scorers.items():
+            blocks = self._candidate_blocks(adapter, stack, windows, scorer)
+            final_scores[stack] = scorer.score(scorer.run_from(windows[0][0], blocks, scorer.states))
+        final_score = sum(final_scores.values()) / len(final_scores)
+        self._windows, self._scorers = windows, scorers
         context.report["ffn_groups"] = [
-            {"stack": stack, "layers": list(w), "anchor": cfg.anchor_of(w), "variant": cfg.variant, "tied": cfg.tie}
+            {"stack": s, "layers": list(w), "anchor": cfg.anchor_of(w), "variant": cfg.variant, "tied": cfg.tie}
+            for s in stacks
             for w in windows
         ]
         context.report["ffn_window_scores"] = rounds
         context.report["ffn_selection"] = cfg.selection
         context.report["ffn_final_score"] = final_score
+        if cfg.sync_stacks:
+            context.report["ffn_final_scores_by_stack"] = final_scores
         shared = [list(w) for w in windows]
-        logger.info("ffn_merge: sharing the MLPs of layers %s (%s %.6f)", shared, cfg.selection, final_score)
-        return LayerPlan.from_kept(num_layers, range(num_layers), stack=stack)
+        logger.info(
+            "ffn_merge: sharing the MLPs of layers %s in %s (%s %.6f)", shared, stacks, cfg.selection, final_score
+        )
+        num_layers = adapter.num_layers(context.stack)
+        return LayerPlan.from_kept(num_layers, range(num_layers), stack=context.stack)
 
     def _candidate_blocks(
         self, adapter: Any, stack: str, windows: Sequence[Window], scorer: WindowScorer
@@ -398,18 +453,22 @@ class FfnMergeMethod(CompressionMethod):
                 blocks[i] = view.module
         return blocks
 
-    def _choose(self, adapter: Any, stack: str, scorer: WindowScorer) -> tuple[list[Window], list[list[dict]]]:
-        """The explicit windows, or a greedy search: per round, the best non-overlapping window given earlier ones."""
+    def _choose(self, adapter: Any, scorers: Mapping[str, WindowScorer]) -> tuple[list[Window], list[list[dict]]]:
+        """The explicit windows, or a greedy search: per round, the best non-overlapping window given earlier ones.
+
+        A candidate's score is the mean of its scores on the stacks in `scorers` (one stack unless in sync).
+        """
         k = self.config.window_size
         if self.config.window_starts is not None:
             return [tuple(range(s, s + k)) for s in self.config.window_starts], []
         chosen: list[Window] = []
-        committed: dict[int, nn.Module] = {}
-        states = scorer.states
+        committed: dict[str, dict[int, nn.Module]] = {s: {} for s in scorers}
+        states = {s: scorer.states for s, scorer in scorers.items()}
         rounds = []
+        progress = next(iter(scorers.values())).context
         for round_index in range(self.config.resolved_num_windows):
             still_to_place = self.config.resolved_num_windows - round_index - 1
-            candidates = self.candidate_windows(adapter, stack, chosen, still_to_place)
+            candidates = self.candidate_windows(adapter, list(scorers), chosen, still_to_place)
             if not candidates:
                 raise ValueError(
                     f"no window of {k} identically shaped, unmerged adjacent layers is left for window "
@@ -418,19 +477,34 @@ class FfnMergeMethod(CompressionMethod):
             scored = []
             best, best_score = None, None
             desc = f"window {round_index + 1}: scoring candidates"
-            with scorer.context.progress_bar(len(candidates), desc) as bar:
+            with progress.progress_bar(len(candidates), desc) as bar:
                 for window in candidates:
-                    blocks = {**committed, **self._candidate_blocks(adapter, stack, [window], scorer)}
-                    value = scorer.score(scorer.run_from(window[0], blocks, states))
+                    value = self._score_window(adapter, scorers, committed, states, window)
                     scored.append({"start": window[0], "layers": list(window), "score": value})
-                    if best_score is None or scorer.better(value, best_score):
+                    if best_score is None or next(iter(scorers.values())).better(value, best_score):
                         best, best_score = window, value
                     bar.update()
             rounds.append(scored)
             chosen.append(best)
-            committed.update(self._candidate_blocks(adapter, stack, [best], scorer))
-            states = self._states_with(scorer, committed, states, best[0])
+            for stack, scorer in scorers.items():
+                committed[stack].update(self._candidate_blocks(adapter, stack, [best], scorer))
+                states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
         return sorted(chosen), rounds
+
+    def _score_window(
+        self,
+        adapter: Any,
+        scorers: Mapping[str, WindowScorer],
+        committed: Mapping[str, Mapping[int, nn.Module]],
+        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        window: Window,
+    ) -> float:
+        """The mean over the stacks of the score with `window` merged on top of the committed windows."""
+        values = []
+        for stack, scorer in scorers.items():
+            blocks = {**committed[stack], **self._candidate_blocks(adapter, stack, [window], scorer)}
+            values.append(scorer.score(scorer.run_from(window[0], blocks, states[stack])))
+        return sum(values) / len(values)
 
     @staticmethod
     def _states_with(
@@ -446,23 +520,28 @@ class FfnMergeMethod(CompressionMethod):
 
     @torch.no_grad()
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
-        """Writes the merged MLPs (computed from the unmodified layers first) and ties each window's layers."""
+        """Writes the merged MLPs (computed from the unmodified layers first) and ties each window's layers, in every
+        merged stack."""
         if self._windows is None:
             raise RuntimeError("ffn_merge.apply_ needs the windows chosen by plan(); call plan() first.")
-        stack = plan.stack
         if plan.group_lists() != [[i] for i in range(plan.num_layers)]:
             raise ValueError(f"ffn_merge keeps every layer, but got the plan {plan.describe()}.")
-        for window in self._windows:
-            check_same_layout(adapter, stack, window)
-        merged = [merged_mlp(adapter, stack, w, self.config, self._scorer) for w in self._windows]
+        for stack in self._scorers:
+            for window in self._windows:
+                check_same_layout(adapter, stack, window)
+        merged = {
+            stack: [merged_mlp(adapter, stack, w, self.config, scorer) for w in self._windows]
+            for stack, scorer in self._scorers.items()
+        }
         shared = 0
-        for window, weights in zip(self._windows, merged, strict=True):
-            for i in window if not self.config.tie else window[:1]:
-                write_mlp_(adapter.block(stack, i).mlp, weights)
-            if self.config.tie:
-                shared += tie_mlps_(adapter, stack, window)
+        for stack, weights_list in merged.items():
+            for window, weights in zip(self._windows, weights_list, strict=True):
+                for i in window if not self.config.tie else window[:1]:
+                    write_mlp_(adapter.block(stack, i).mlp, weights)
+                if self.config.tie:
+                    shared += tie_mlps_(adapter, stack, window)
         context.report["ffn_parameters_shared"] = shared
-        self._scorer = None  # frees the cached calibration states
+        self._scorers = {}  # frees the cached calibration states
 
 
 __all__ = [
