@@ -100,6 +100,8 @@ def section_table(section: dict) -> str:
     columns = section["columns"]
     lines = [f"#### {section['title']}", ""]
     lines += [f"- {k}: {v}" for k, v in section["protocol"].items()]
+    if "library" in section:
+        lines.append(f"- library: {section['library']}")
     lines += ["", "| variant | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for r in section["results"]:
         if "refused" in r:

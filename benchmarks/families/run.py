@@ -76,6 +76,18 @@ def common_protocol(threads: int) -> dict[str, Any]:
     }
 
 
+def library_state() -> str:
+    """The commit the library was at and its uncommitted source files: other work may change it between sections."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", *command], cwd=root, capture_output=True, text=True, check=False)
+        return done.stdout
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "src").splitlines()]
+    return f"commit {git('rev-parse', '--short', 'HEAD').strip()}; uncommitted changes in: {', '.join(dirty) or 'none'}"
+
+
 def unique_parameters(model: nn.Module) -> int:
     from optimum_flatten.utils.torch_utils import count_parameters
 
@@ -600,6 +612,7 @@ def run_gpt2(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
         )
         trained = ppl(model)
         info = compress(model, tokenizer, "layer_collapse", {}, calibration)
+        info["plan"] += f"; perplexity {trained:.3f} before the collapse (alpha as trained)"
         value = ppl(model)
         return {
             "method": "layer_collapse",
@@ -612,6 +625,29 @@ def run_gpt2(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
             **info,
         }
 
+    def control() -> dict[str, Any]:
+        # The LayerCollapse row trains for lc_pull_steps + lc_snap_steps more steps than the dense model: the same
+        # number of plain steps on the dense model (same windows, same lr) separates that training from the collapse.
+        model = copy.deepcopy(dense_model)
+        total = args.lc_pull_steps + args.lc_snap_steps
+        generator.manual_seed(args.seed + 1)
+        rows = windows(total * args.gpt2_batch)
+
+        def rows_batch(step: int) -> dict[str, torch.Tensor]:
+            ids = rows[step * args.gpt2_batch : (step + 1) * args.gpt2_batch]
+            return {"input_ids": ids, "labels": ids}
+
+        train_loop(model, rows_batch, total, args.gpt2_lc_lr, warmup=0, weight_decay=0.0, schedule=False)
+        value = ppl(model)
+        return {
+            "layers": args.gpt2_layers,
+            "unique_parameters": unique_parameters(model),
+            "perplexity": value,
+            "ppl_vs_dense": value / dense_ppl.perplexity,
+            "plan": f"control: dense + {total} plain AdamW steps at lr {args.gpt2_lc_lr} on the LayerCollapse rows",
+        }
+
+    run_variant(section, save, "dense + extra training (control for layer_collapse)", control)
     run_variant(section, save, "layer_collapse last MLP, alpha=1 untrained", untrained_alpha)
     run_variant(section, save, "layer_collapse last MLP (trained, collapsed)", layer_collapse)
     print_table(section)
@@ -1022,25 +1058,25 @@ def main() -> None:
     parser.add_argument("--gpt2-eval-tokens", type=int, default=65536)
     parser.add_argument("--gpt2-nsamples", type=int, default=32)
     parser.add_argument("--gpt2-lc-lr", type=float, default=3e-4)
-    parser.add_argument("--lc-pull-steps", type=int, default=40)
+    parser.add_argument("--lc-pull-steps", type=int, default=24)
     parser.add_argument("--lc-pull-per-step", type=float, default=0.2)
-    parser.add_argument("--lc-snap-steps", type=int, default=8)
+    parser.add_argument("--lc-snap-steps", type=int, default=6)
     parser.add_argument("--lc-snap-lr", type=float, default=5e-5)
     parser.add_argument("--gpt2-max-train-seconds", type=float, default=540.0)
-    parser.add_argument("--vit-max-train-seconds", type=float, default=150.0)
-    parser.add_argument("--marian-max-train-seconds", type=float, default=300.0)
+    parser.add_argument("--vit-max-train-seconds", type=float, default=420.0)
+    parser.add_argument("--marian-max-train-seconds", type=float, default=240.0)
     parser.add_argument("--vit-layers", type=int, default=6)
     parser.add_argument("--vit-hidden", type=int, default=64)
     parser.add_argument("--vit-test-size", type=float, default=0.25)
-    parser.add_argument("--vit-steps", type=int, default=1500)
+    parser.add_argument("--vit-steps", type=int, default=800)
     parser.add_argument("--vit-batch", type=int, default=64)
     parser.add_argument("--vit-lr", type=float, default=2e-3)
-    parser.add_argument("--vit-recovery-steps", type=int, default=48)
+    parser.add_argument("--vit-recovery-steps", type=int, default=30)
     parser.add_argument("--vit-recovery-lr", type=float, default=5e-4)
     parser.add_argument("--vit-nsamples", type=int, default=256)
     parser.add_argument("--marian-layers", type=int, default=3)
     parser.add_argument("--marian-d-model", type=int, default=128)
-    parser.add_argument("--marian-steps", type=int, default=1500)
+    parser.add_argument("--marian-steps", type=int, default=1200)
     parser.add_argument("--marian-batch", type=int, default=64)
     parser.add_argument("--marian-lr", type=float, default=1e-3)
     parser.add_argument("--marian-min-len", type=int, default=4)
@@ -1059,10 +1095,12 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     common = common_protocol(args.threads)
+    library = library_state()
     start = time.perf_counter()
 
     def save_fn(section: dict[str, Any]) -> None:
         section["section_seconds"] = round(time.perf_counter() - start, 1)
+        section["library"] = library
         save_section(args.out, args.only, section, common)
 
     print(f"=== {args.only} ({torch.get_num_threads()} threads)", flush=True)
