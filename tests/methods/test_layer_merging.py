@@ -232,3 +232,13 @@ def test_laco_windows_stay_inside_the_range_after_collapses():
     plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 3)
     assert plan.num_removed == 3
     assert [g.indices for g in plan.groups] == [(0,), (1,), (2, 3, 4, 5)]
+
+
+def test_laco_range_shorter_than_the_window_merges_the_largest_window_that_fits():
+    """A protected range [1, 2] cannot hold LaCo's default window of 4: the window shrinks to the range instead of
+    the search never starting (which read as "no threshold reaches the target")."""
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=2, length=16)
+    cfg = LaCoConfig(window_size=4, interval=2, threshold=1e-6, min_layer=1, max_layer=2)
+    plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 1)
+    assert [g.indices for g in plan.groups] == [(0,), (1, 2), (3,), (4,), (5,)]

@@ -54,7 +54,8 @@ class LaCoMethod(ParameterMergeMethod):
         stack = identity_stack(evaluator.num_layers)
         removed = 0
         top_position = top  # the top of the range, in current positions (collapses above `start` shift it down)
-        start = top_position - self.config.window_size + 1
+        # A range shorter than the window still gets the largest window that fits, rather than no search at all.
+        start = max(self.config.min_layer, top_position - self.config.window_size + 1)
         while removed < target and start >= self.config.min_layer:
             # The window never reaches past the range, nor removes more layers than are still wanted.
             size = min(self.config.window_size, target - removed + 1, top_position - start + 1)
