@@ -242,14 +242,19 @@ class ArchitectureAdapter:
         """A view over a block module, in the model or standalone (e.g. a flattened block under construction)."""
         raise NotImplementedError
 
-    def blocks(self, stack: str = "decoder") -> list[BlockView]:
-        return [self.block_view(m, i) for i, m in enumerate(self.layers(stack))]
+    def blocks(self, stack: str | None = None) -> list[BlockView]:
+        """Views of every block of `stack` (None: the family's default stack, the one `layers()` gives)."""
+        return [self.block_view(m, i) for i, m in enumerate(self._stack_layers(stack))]
 
     def block(self, stack: str, index: int) -> BlockView:
         return self.block_view(self.layers(stack)[index], index)
 
-    def num_layers(self, stack: str = "decoder") -> int:
-        return len(self.layers(stack))
+    def num_layers(self, stack: str | None = None) -> int:
+        return len(self._stack_layers(stack))
+
+    def _stack_layers(self, stack: str | None) -> nn.ModuleList:
+        # Each family's `layers` carries its own default stack ("decoder", or "encoder" for BERT and ViT).
+        return self.layers() if stack is None else self.layers(stack)
 
     def embeddings(self) -> nn.Module:
         return self.model.get_input_embeddings()

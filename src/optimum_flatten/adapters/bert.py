@@ -131,12 +131,6 @@ class BertAdapter(ArchitectureAdapter):
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         self.base_model(stack).encoder.layer = layers
 
-    def blocks(self, stack: str = "encoder") -> list[BlockView]:
-        return super().blocks(stack)
-
-    def num_layers(self, stack: str = "encoder") -> int:
-        return super().num_layers(stack)
-
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         """None: a post-LN stack ends in its last block's ``output.LayerNorm``."""
         return None

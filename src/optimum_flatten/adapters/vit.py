@@ -101,12 +101,6 @@ class ViTAdapter(ArchitectureAdapter):
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         self.base_model(stack).layers = layers
 
-    def blocks(self, stack: str = "encoder") -> list[BlockView]:
-        return super().blocks(stack)
-
-    def num_layers(self, stack: str = "encoder") -> int:
-        return super().num_layers(stack)
-
     def embeddings(self) -> nn.Module:
         """``vit.embeddings``: patch projection, CLS token and position embeddings (what makes layer 0's input)."""
         return self.base_model().embeddings
