@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import LinearView
+from .base import PENDING_PART_SIZES, LinearView, PackedPartView
 from .llama import LlamaAdapter, check_cached_forward
 from .registry import register_adapter
 
@@ -46,90 +46,9 @@ BAICHUAN2_ARCHITECTURE = "BaichuanForCausalLM"
 #: Baichuan2-7B's RotaryEmbedding hard-codes ``base=10000`` and its config has no ``rope_theta``.
 DEFAULT_ROPE_THETA = 10000.0
 
-#: Attribute set on a fused projection while its q/k/v parts have different sizes (in the middle of a resize).
-_PENDING_SIZES = "_optimum_flatten_packed_sizes"
 
-
-def packed_sizes(fused: nn.Linear, num_parts: int = 3) -> tuple[int, ...]:
-    """Row counts of the parts of a fused projection: equal thirds, unless a resize of one part is under way.
-
-    Raises:
-        ValueError: when the rows cannot be split into `num_parts` equal parts and no resize is recorded.
-    """
-    pending = getattr(fused, _PENDING_SIZES, None)
-    if pending is not None:
-        return tuple(pending)
-    rows = fused.weight.shape[0]
-    if rows % num_parts:
-        raise ValueError(
-            f"a fused projection with {rows} rows cannot hold {num_parts} equal parts; expected a multiple of "
-            f"{num_parts} (W_pack rows are [q; k; v])."
-        )
-    return (rows // num_parts,) * num_parts
-
-
-class PackedLinearView(LinearView):
-    """One part (q, k or v) of a fused projection such as Baichuan's ``W_pack``, seen as its own (out, in) map.
-
-    `weight` is the part's row slice of the fused weight; `set_` rebuilds the fused parameter with this part
-    replaced, so the part may change its number of rows (heads). While q, k and v are resized one after the other,
-    the fused module records the unequal sizes, so that every view of it keeps finding its rows; the record goes away
-    once the three parts are equal again. `module` is the fused Linear, since there is no module of the part alone.
-    """
-
-    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
-        super().__init__(parent, name)
-        if not 0 <= part < num_parts:
-            raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
-        self._part = part
-        self._num_parts = num_parts
-
-    def _rows(self) -> slice:
-        sizes = packed_sizes(self.module, self._num_parts)
-        start = sum(sizes[: self._part])
-        return slice(start, start + sizes[self._part])
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.module.weight.data[self._rows()]
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        bias = self.module.bias
-        return None if bias is None else bias.data[self._rows()]
-
-    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Replaces this part by ``x @ weight.T + bias``; the other parts of the fused projection stay as they are."""
-        fused = self.module
-        if weight.dim() != 2 or weight.shape[1] != fused.in_features:
-            raise ValueError(
-                f"weight must be (rows, in_features={fused.in_features}), got {tuple(weight.shape)}; the parts of a "
-                "fused projection share its input."
-            )
-        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(f"bias must be ({weight.shape[0]},) to match the weight, got {tuple(bias.shape)}.")
-        sizes = list(packed_sizes(fused, self._num_parts))
-        dtype, device = fused.weight.dtype, fused.weight.device
-        starts = [sum(sizes[:i]) for i in range(self._num_parts)]
-        weights = [fused.weight.data[s : s + n] for s, n in zip(starts, sizes, strict=True)]
-        weights[self._part] = weight.detach().to(device=device, dtype=dtype)
-        new_bias = None
-        if fused.bias is not None or bias is not None:
-            # A part without a bias is a part with a zero bias: exact, and the fused module needs one bias or none.
-            biases = [
-                fused.bias.data[s : s + n] if fused.bias is not None else torch.zeros(n, dtype=dtype, device=device)
-                for s, n in zip(starts, sizes, strict=True)
-            ]
-            biases[self._part] = (
-                torch.zeros(weight.shape[0], dtype=dtype, device=device)
-                if bias is None
-                else bias.detach().to(device=device, dtype=dtype)
-            )
-            new_bias = torch.cat(biases)
-        sizes[self._part] = weight.shape[0]
-        super().set_(torch.cat(weights), new_bias)
-        if len(set(sizes)) > 1:
-            setattr(self.module, _PENDING_SIZES, tuple(sizes))
+class PackedLinearView(PackedPartView):
+    """One part (q, k or v) of Baichuan's fused ``W_pack`` (an nn.Linear whose rows are [q; k; v])."""
 
 
 @register_adapter
@@ -229,7 +148,7 @@ class BaichuanAdapter(LlamaAdapter):
         """
         super()._sync_sizes(module)
         attn = module.self_attn
-        sizes = packed_sizes(attn.W_pack)
+        sizes = PackedLinearView(attn, "W_pack", 0).part_sizes()
         if len(set(sizes)) != 1:
             raise ValueError(
                 f"W_pack holds q/k/v parts of {list(sizes)} rows; Baichuan's attention needs equal parts (full "
@@ -254,7 +173,7 @@ class BaichuanAdapter(LlamaAdapter):
             problems.append(f"config.num_hidden_layers={self.config.num_hidden_layers} but {len(layers)} layers")
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            pending = getattr(attn.W_pack, _PENDING_SIZES, None)
+            pending = getattr(attn.W_pack, PENDING_PART_SIZES, None)
             if pending is not None:
                 problems.append(f"layer {i} W_pack holds unequal q/k/v parts {list(pending)}")
                 continue

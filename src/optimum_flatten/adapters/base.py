@@ -144,6 +144,95 @@ def _clone_entries_on_save(module: nn.Module, state_dict: dict, prefix: str, loc
             state_dict[key] = state_dict[key].clone()
 
 
+#: Attribute set on a fused projection while its parts have different sizes (in the middle of a resize).
+PENDING_PART_SIZES = "_optimum_flatten_packed_sizes"
+
+
+class PackedPartView(LinearView):
+    """One part (q, k or v) of a fused projection (Baichuan's ``W_pack``, GPT-2's ``c_attn``) as its own (out, in) map.
+
+    Put it before the fused module's storage view in the bases (``class PackedConv1DView(PackedPartView,
+    Conv1DView)``): the part is a row block of the storage view's (out, in) weight, and `set_` rebuilds the fused map
+    through the storage view's `set_` with this part replaced, so the same code serves every storage layout. While
+    q, k and v are resized one after the other, the fused module records the unequal sizes, so that every view of it
+    keeps finding its rows; the record goes away with the module once the parts are equal again. `module` is the
+    fused module, since no module holds the part alone.
+    """
+
+    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
+        super().__init__(parent, name)
+        if not 0 <= part < num_parts:
+            raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
+        self._part = part
+        self._num_parts = num_parts
+
+    def part_sizes(self) -> tuple[int, ...]:
+        """Rows of each part: equal, unless a resize of one part is under way.
+
+        Raises:
+            ValueError: when the fused rows cannot be split into equal parts and no resize is recorded.
+        """
+        pending = getattr(self.module, PENDING_PART_SIZES, None)
+        if pending is not None:
+            return tuple(pending)
+        rows = super().weight.shape[0]
+        if rows % self._num_parts:
+            raise ValueError(
+                f"{self._name} has {rows} output rows, which cannot hold {self._num_parts} equal parts [q | k | v]; "
+                f"expected a multiple of {self._num_parts}. Resize q, k and v together (keep_heads_)."
+            )
+        return (rows // self._num_parts,) * self._num_parts
+
+    def _starts(self, sizes: Sequence[int]) -> list[int]:
+        return [sum(sizes[:i]) for i in range(self._num_parts)]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        sizes = self.part_sizes()
+        start = self._starts(sizes)[self._part]
+        return super().weight[start : start + sizes[self._part]]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        full = super().bias
+        if full is None:
+            return None
+        sizes = self.part_sizes()
+        start = self._starts(sizes)[self._part]
+        return full[start : start + sizes[self._part]]
+
+    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Replaces this part by ``x @ weight.T + bias``; the other parts of the fused projection stay as they are.
+
+        A part without a bias is a part with a zero bias (exact), since the fused module has one bias or none.
+        """
+        full_weight, full_bias = super().weight, super().bias
+        if weight.dim() != 2 or weight.shape[1] != full_weight.shape[1]:
+            raise ValueError(
+                f"weight must be (rows, in_features={full_weight.shape[1]}), got {tuple(weight.shape)}; the parts of "
+                f"{self._name} share its input."
+            )
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must be ({weight.shape[0]},) to match the weight, got {tuple(bias.shape)}.")
+        sizes = list(self.part_sizes())
+        starts = self._starts(sizes)
+        like = {"dtype": full_weight.dtype, "device": full_weight.device}
+        weights = [full_weight[s : s + n] for s, n in zip(starts, sizes, strict=True)]
+        weights[self._part] = weight.detach().to(**like)
+        new_bias = None
+        if full_bias is not None or bias is not None:
+            biases = [
+                full_bias[s : s + n] if full_bias is not None else torch.zeros(n, **like)
+                for s, n in zip(starts, sizes, strict=True)
+            ]
+            biases[self._part] = torch.zeros(weight.shape[0], **like) if bias is None else bias.detach().to(**like)
+            new_bias = torch.cat(biases)
+        sizes[self._part] = weight.shape[0]
+        super().set_(torch.cat(weights), new_bias)
+        if len(set(sizes)) > 1:
+            setattr(self.module, PENDING_PART_SIZES, tuple(sizes))
+
+
 class NormView:
     """A normalisation layer: RMSNorm (`weight` only) or LayerNorm (`weight` and `bias`)."""
 

@@ -39,6 +39,7 @@ from transformers.pytorch_utils import Conv1D
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import onloaded
 from .base import (
+    PENDING_PART_SIZES,
     ArchitectureAdapter,
     AttentionView,
     BlockView,
@@ -46,13 +47,11 @@ from .base import (
     LinearView,
     MlpView,
     NormView,
+    PackedPartView,
     require_unit_norms,
 )
 from .llama import check_cached_forward
 from .registry import register_adapter
-
-#: Attribute set on a fused c_attn while its q/k/v parts have different widths (in the middle of a resize).
-_PENDING_SIZES = "_optimum_flatten_packed_sizes"
 
 #: State-dict names of a block's fused q/k/v projection (the only parameters the layer-index scaling touches).
 _QKV_WEIGHT, _QKV_BIAS = "attn.c_attn.weight", "attn.c_attn.bias"
@@ -104,77 +103,9 @@ class Conv1DView(LinearView):
         setattr(self._parent, self._name, _new_conv1d(weight, bias, self.module))
 
 
-def packed_conv1d_sizes(fused: Conv1D, num_parts: int = 3) -> tuple[int, ...]:
-    """Output widths of the q, k and v parts of ``c_attn``: equal thirds unless a resize of one part is under way.
-
-    Raises:
-        ValueError: when the output width is not a multiple of `num_parts` and no resize is recorded.
-    """
-    pending = getattr(fused, _PENDING_SIZES, None)
-    if pending is not None:
-        return tuple(pending)
-    width = fused.weight.shape[1]
-    if width % num_parts:
-        raise ValueError(
-            f"c_attn has {width} output columns, which cannot hold {num_parts} equal parts [q | k | v]; expected a "
-            f"multiple of {num_parts}. Resize q, k and v together (keep_heads_)."
-        )
-    return (width // num_parts,) * num_parts
-
-
-class PackedConv1DView(Conv1DView):
-    """One part (q, k or v) of GPT-2's fused ``c_attn``, seen as its own (out, in) map.
-
-    The part is a block of output columns of the stored (in, 3 * hidden) weight, so its (out, in) view is the
-    transpose of that column block. `set_` rebuilds ``c_attn`` with this part replaced; while the parts are resized
-    one after the other, the fused module records their unequal widths so every view keeps finding its columns.
-    `module` is the fused Conv1D, since no module holds the part alone.
-    """
-
-    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
-        super().__init__(parent, name)
-        if not 0 <= part < num_parts:
-            raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
-        self._part = part
-        self._num_parts = num_parts
-
-    def _columns(self) -> slice:
-        sizes = packed_conv1d_sizes(self.module, self._num_parts)
-        start = sum(sizes[: self._part])
-        return slice(start, start + sizes[self._part])
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.module.weight.data[:, self._columns()].T
-
-    @property
-    def bias(self) -> torch.Tensor:
-        return self.module.bias.data[self._columns()]
-
-    def set_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Replaces this part by ``x @ weight.T + bias``; the other parts stay as they are."""
-        _check_linear_args(weight, bias)
-        fused = self.module
-        if weight.shape[1] != fused.weight.shape[0]:
-            raise ValueError(
-                f"weight must be (rows, in_features={fused.weight.shape[0]}), got {tuple(weight.shape)}; the parts "
-                "of c_attn share its input."
-            )
-        sizes = list(packed_conv1d_sizes(fused, self._num_parts))
-        starts = [sum(sizes[:i]) for i in range(self._num_parts)]
-        weights = [fused.weight.data[:, s : s + n].T for s, n in zip(starts, sizes, strict=True)]
-        biases = [fused.bias.data[s : s + n] for s, n in zip(starts, sizes, strict=True)]
-        weights[self._part] = weight.to(fused.weight.dtype)
-        biases[self._part] = (
-            torch.zeros(weight.shape[0], dtype=fused.bias.dtype, device=fused.bias.device)
-            if bias is None
-            else bias.to(dtype=fused.bias.dtype, device=fused.bias.device)
-        )
-        sizes[self._part] = weight.shape[0]
-        new = _new_conv1d(torch.cat(weights), torch.cat(biases), fused)
-        if len(set(sizes)) > 1:
-            setattr(new, _PENDING_SIZES, tuple(sizes))
-        setattr(self._parent, self._name, new)
+class PackedConv1DView(PackedPartView, Conv1DView):
+    """One part (q, k or v) of GPT-2's fused ``c_attn``: a block of output columns of the stored (in, 3 * hidden)
+    weight, i.e. a row block of the Conv1D's (out, in) view."""
 
 
 def _check_linear_args(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -320,7 +251,7 @@ class GPT2Adapter(ArchitectureAdapter):
         factor = float(attn.scaling) / target
         if factor != 1.0:
             with onloaded(attn):
-                q_width = packed_conv1d_sizes(attn.c_attn)[0]
+                q_width = PackedConv1DView(attn, "c_attn", 0).part_sizes()[0]
                 weight, bias = _scaled_query(attn.c_attn.weight.data, attn.c_attn.bias.data, q_width, factor, True)
                 attn.c_attn = _new_conv1d(weight.T, bias, attn.c_attn)
         attn.scaling = target
@@ -427,7 +358,7 @@ class GPT2Adapter(ArchitectureAdapter):
         informational there but kept right for readers.
         """
         attn = module.attn
-        sizes = packed_conv1d_sizes(attn.c_attn)
+        sizes = PackedConv1DView(attn, "c_attn", 0).part_sizes()
         if len(set(sizes)) != 1:
             raise ValueError(
                 f"c_attn holds q/k/v parts of {list(sizes)} columns; GPT-2's attention needs equal parts (full "
@@ -493,7 +424,7 @@ class GPT2Adapter(ArchitectureAdapter):
             problems.append(f"config.n_layer (num_hidden_layers)={config.n_layer} but {len(layers)} layers")
         for i, layer in enumerate(layers):
             attn = layer.attn
-            pending = getattr(attn.c_attn, _PENDING_SIZES, None)
+            pending = getattr(attn.c_attn, PENDING_PART_SIZES, None)
             if pending is not None:
                 problems.append(f"layer {i} c_attn holds unequal q/k/v parts {list(pending)}")
                 continue
