@@ -106,14 +106,14 @@ class FlattenQuantizer(OptimumQuantizer):
         self.compress(self.model, self.tokenizer)
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
-    def _stack(self, adapter: Any, method: CompressionMethod | None = None) -> str:
+    def _stack(self, adapter: Any, method: CompressionMethod) -> str:
         """The stack the method plans on. A method with ``spans_stacks`` (ffn_merge with sync_stacks) merges every
         stack itself and must get all of them; its identity plan is then reported on the model's last stack."""
         stacks = self.config.stacks or adapter.stacks()
         unknown = [s for s in stacks if s not in adapter.stacks()]
         if unknown:
             raise ValueError(f"stacks {unknown} do not exist in this model; it has {adapter.stacks()}.")
-        if method is not None and method.spans_stacks:
+        if method.spans_stacks:
             if sorted(stacks) != sorted(adapter.stacks()):
                 raise ValueError(
                     f"method {self.config.method!r} with sync_stacks=True merges every stack {adapter.stacks()} in "
