@@ -431,20 +431,38 @@ class ArchitectureAdapter:
         )
 
     def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """Whether the block's MLP was collapsed into a single linear map (`collapse_mlp_`)."""
-        return False
+        """Whether the block's MLP was collapsed into one linear map (`collapse_mlp_` leaves an identity down map)."""
+        return isinstance(block.mlp.down.module, nn.Identity)
 
     def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Replaces the block's MLP (up -> activation -> down) by the single map ``x @ weight.T + bias``.
 
-        Only exact when the activation is the identity (LayerCollapse at alpha = 1); the caller checks that.
-        Adapters that support LayerCollapse override this with their own storage of the single map.
+        The merged (hidden, hidden) map goes into the up slot through its view (so ``nn.Linear`` and GPT-2's
+        ``Conv1D`` alike), and the activation and down slots become ``nn.Identity``: the MLP module, its forward and
+        its state-dict names stay the architecture's (``...up.weight`` holds the merged map, the down map has no
+        entry). Only exact when the activation is the identity (LayerCollapse at alpha = 1); the caller checks that.
+
+        Raises:
+            UnsupportedArchitectureError: for a gated MLP (gate·up is bilinear, never one linear map).
+            ValueError: the MLP is already collapsed, or `weight` is not (hidden, hidden).
         """
-        raise NotImplementedError(
-            f"{type(self).__name__} cannot collapse an MLP into one linear map yet (model_type "
-            f"{self.config.model_type!r}); LayerCollapse's collapse step is implemented for GPT-2, BERT, ViT and "
-            "Marian."
-        )
+        mlp = block.mlp
+        if mlp.gate is not None:
+            raise UnsupportedArchitectureError(
+                f"layer {block.index}: a gated MLP cannot collapse into one linear map (gate(x)·up(x) is bilinear)."
+            )
+        if self.is_mlp_collapsed(block):
+            raise ValueError(f"layer {block.index}: the MLP is already collapsed into one linear map.")
+        hidden = mlp.up.in_features
+        if tuple(weight.shape) != (hidden, hidden) or (bias is not None and tuple(bias.shape) != (hidden,)):
+            raise ValueError(
+                f"layer {block.index}: a collapsed MLP maps hidden={hidden} to hidden, got a weight of shape "
+                f"{tuple(weight.shape)} and bias {None if bias is None else tuple(bias.shape)}; pass the (out, in) "
+                "product W2·W1 of the down and up maps and W2·b1 + b2."
+            )
+        mlp.up.set_(weight, bias)
+        self.replace_mlp_activation_(block, nn.Identity())
+        mlp.down.swap_module_(nn.Identity())
 
     def collapsed_stock_config(self) -> dict[str, Any] | None:
         """Config changes under which the stock class describes this model once every MLP is collapsed, or None.
@@ -566,37 +584,6 @@ class ArchitectureAdapter:
         """An in-memory, hook-free deep copy of a block that keeps its reference to the model config shared
         (attention reads it at run time)."""
         return detached_copy(module, memo={id(self.config): self.config})
-
-
-def is_down_identity(block: BlockView) -> bool:
-    """Whether the block's MLP down map is an ``nn.Identity``: how `collapse_linear_mlp_` marks a collapsed MLP."""
-    return isinstance(block.mlp.down.module, nn.Identity)
-
-
-def collapse_linear_mlp_(
-    adapter: ArchitectureAdapter, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None, hidden: int
-) -> None:
-    """LayerCollapse's write for MLPs stored as ``nn.Linear`` (BERT, ViT, Marian): up -> act -> down becomes one map.
-
-    The merged (hidden, hidden) map goes into the up slot and the activation and down slots become ``nn.Identity``,
-    so the MLP module, its forward and its state-dict names stay the architecture's (``...up.weight`` holds the
-    merged map, the down map has no entry). Only exact when the activation was the identity (α = 1); the caller
-    checks that.
-
-    Raises:
-        ValueError: the MLP is already collapsed, or `weight` is not (hidden, hidden).
-    """
-    if is_down_identity(block):
-        raise ValueError(f"layer {block.index}: the MLP is already collapsed into one linear map.")
-    if tuple(weight.shape) != (hidden, hidden) or (bias is not None and tuple(bias.shape) != (hidden,)):
-        raise ValueError(
-            f"layer {block.index}: a collapsed MLP maps hidden={hidden} to hidden, got a weight of shape "
-            f"{tuple(weight.shape)} and bias {None if bias is None else tuple(bias.shape)}; pass the (out, in) product "
-            "W2·W1 of the down and up maps and W2·b1 + b2."
-        )
-    block.mlp.up.set_(weight, bias)
-    adapter.replace_mlp_activation_(block, nn.Identity())
-    block.mlp.down.swap_module_(nn.Identity())
 
 
 def check_unique_indices(indices: Sequence[int], size: int, what: str) -> torch.Tensor:

@@ -45,8 +45,6 @@ from .base import (
     MlpView,
     NormView,
     check_unique_indices,
-    collapse_linear_mlp_,
-    is_down_identity,
 )
 from .registry import register_adapter
 
@@ -196,15 +194,6 @@ class BertAdapter(ArchitectureAdapter):
         # transformers 5.23 reshapes with attention_head_size; the other two are informational, kept right.
         self_attention.num_attention_heads = num_heads
         self_attention.all_head_size = num_heads * self_attention.attention_head_size
-
-    def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """A collapsed BERT MLP has ``output.dense`` (and ``intermediate.intermediate_act_fn``) as ``nn.Identity``."""
-        return is_down_identity(block)
-
-    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Stores the single (hidden, hidden) map in ``intermediate.dense``; the activation and ``output.dense``
-        become identities, so ``output.LayerNorm(dropout(x') + input)`` and the state-dict names stay BERT's."""
-        collapse_linear_mlp_(self, block, weight, bias, self.config.hidden_size)
 
     def collapsed_stock_config(self) -> dict[str, Any]:
         """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (transformers' identity

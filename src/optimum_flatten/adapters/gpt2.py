@@ -325,31 +325,6 @@ class GPT2Adapter(ArchitectureAdapter):
         att.o.set_(new_o, att.o.bias)
         self._sync_sizes(block.module)
 
-    def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """A collapsed GPT-2 MLP keeps its GPT2MLP module with ``c_proj`` (and ``act``) set to ``nn.Identity``."""
-        return isinstance(block.module.mlp.c_proj, nn.Identity)
-
-    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Stores the single (n_embd, n_embd) map in ``c_fc`` and makes ``act`` and ``c_proj`` identities.
-
-        The GPT2MLP module (and its forward ``dropout(c_proj(act(c_fc(x))))``) stays, so the state dict keeps GPT-2's
-        names (``mlp.c_fc.*``) and a collapsed block still has every view; ``block.mlp.up`` is then the whole MLP and
-        ``block.mlp.down`` a parameterless placeholder (see docs/methods/layer_collapse.md for how it is saved).
-        """
-        _check_linear_args(weight, bias)
-        hidden = self.config.n_embd
-        if self.is_mlp_collapsed(block):
-            raise ValueError(f"layer {block.index}: the MLP is already collapsed into one linear map.")
-        if tuple(weight.shape) != (hidden, hidden):
-            raise ValueError(
-                f"layer {block.index}: a collapsed GPT-2 MLP maps n_embd={hidden} to n_embd, got a weight of shape "
-                f"{tuple(weight.shape)}; pass the (out, in) product W2·W1 of c_proj and c_fc."
-            )
-        mlp = block.module.mlp
-        mlp.c_fc = _new_conv1d(weight, bias, mlp.c_fc)
-        mlp.act = nn.Identity()
-        mlp.c_proj = nn.Identity()
-
     @staticmethod
     def _sync_sizes(module: nn.Module) -> None:
         """Keeps the attention's run-time split width and head count in line with a resized c_attn.

@@ -47,8 +47,6 @@ from .base import (
     LinearView,
     MlpView,
     NormView,
-    collapse_linear_mlp_,
-    is_down_identity,
 )
 from .llama import CACHE_CHECK_TOLERANCE
 from .registry import register_adapter
@@ -328,18 +326,6 @@ class MarianAdapter(ArchitectureAdapter):
         att.o.set_(new_o, att.o.bias)
         # MarianAttention reshapes with head_dim only (5.23); num_heads and embed_dim are informational.
         att.module.num_heads = len(heads)
-
-    def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """A collapsed Marian MLP (either stack) has ``fc2`` (and ``activation_fn``) as ``nn.Identity``."""
-        return is_down_identity(block)
-
-    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Stores the single (d_model, d_model) map in ``fc1``; ``activation_fn`` and ``fc2`` become identities.
-
-        Encoder and decoder blocks alike: both compute ``final_layer_norm(x + fc2(act(fc1(x))))`` (dropouts aside),
-        so the block's forward and its state-dict names (``fc1.*``) stay Marian's.
-        """
-        collapse_linear_mlp_(self, block, weight, bias, self.config.d_model)
 
     def collapsed_stock_config(self) -> dict[str, Any]:
         """Both MLP widths = ``d_model`` and ``activation_function = "linear"`` (ACT2FN's identity).

@@ -36,8 +36,6 @@ from .base import (
     LinearView,
     MlpView,
     NormView,
-    collapse_linear_mlp_,
-    is_down_identity,
     require_unit_norms,
 )
 from .bert import keep_head_rows_
@@ -205,15 +203,6 @@ class ViTAdapter(ArchitectureAdapter):
         count, ``attention_head_size`` and ``all_head_size`` at run time, which is why they must never go stale)."""
         attn = module.attention
         attn.num_attention_heads = attn.q_proj.out_features // attn.head_dim
-
-    def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """A collapsed ViT MLP has ``mlp.fc2`` (and ``mlp.activation_fn``) as ``nn.Identity``."""
-        return is_down_identity(block)
-
-    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Stores the single (hidden, hidden) map in ``mlp.fc1``; ``activation_fn`` and ``fc2`` become identities,
-        so ``ViTMLP.forward`` and the state-dict names (``mlp.fc1.*``) stay ViT's."""
-        collapse_linear_mlp_(self, block, weight, bias, self.config.hidden_size)
 
     def collapsed_stock_config(self) -> dict[str, Any]:
         """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (ACT2FN's identity); the export writes
