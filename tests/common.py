@@ -60,3 +60,70 @@ def shallower_reference(model, kept: list[int]):
         state[name] = tensor
     reference.load_state_dict(state)
     return reference
+
+
+_REMOTE_RELOAD = """
+import json, sys
+from pathlib import Path
+import torch
+import transformers
+
+out = {}
+for name, job in json.loads(sys.argv[1]).items():
+    config = json.loads((Path(job["path"]) / "config.json").read_text())
+    auto = next(key for key in config["auto_map"] if key.startswith("AutoModel"))
+    model = getattr(transformers, auto).from_pretrained(job["path"], trust_remote_code=True).eval()
+    with torch.no_grad():
+        result = getattr(model(**torch.load(job["inputs"])), job["field"])
+    torch.save(result, job["output"])
+    seen, count = set(), 0
+    for parameter in model.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            count += parameter.numel()
+    out[name] = {"auto": auto, "type": type(model).__name__, "parameters": count,
+                 "model_type": model.config.model_type}
+out["imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "optimum_flatten")
+print(json.dumps(out))
+"""
+
+
+def reload_with_remote_code(jobs: dict[str, tuple[str, dict[str, torch.Tensor], str]], tmp_path) -> dict:
+    """Loads each saved directory in a fresh interpreter through the Auto class its auto_map lists first, with
+    ``trust_remote_code=True`` and without optimum_flatten on the way, and runs it on the given inputs.
+
+    Args:
+        jobs: name -> (checkpoint directory, model inputs, output field such as ``"logits"``).
+
+    Returns:
+        name -> {"auto", "type", "parameters", "model_type", "output" (the tensor)}, plus ``"imported"``: the
+        optimum_flatten modules the interpreter had loaded (must be empty).
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = {}
+    for name, (path, inputs, field) in jobs.items():
+        torch.save(inputs, tmp_path / f"{name}.inputs.pt")
+        spec[name] = {
+            "path": str(path),
+            "inputs": str(tmp_path / f"{name}.inputs.pt"),
+            "field": field,
+            "output": str(tmp_path / f"{name}.output.pt"),
+        }
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _REMOTE_RELOAD, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    for name, job in spec.items():
+        out[name]["output"] = torch.load(job["output"])
+    return out

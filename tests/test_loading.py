@@ -34,3 +34,21 @@ def test_model_card_says_how_to_load_a_non_causal_model():
     assert 'MarianMTModel.from_pretrained("path/or/repo")' in card
     card = render_model_card({"architecture": "LlamaForCausalLM", "method": "shortgpt"})
     assert 'AutoModelForCausalLM.from_pretrained("path/or/repo")' in card
+
+
+def test_load_pretrained_resolves_a_remote_code_checkpoint_through_its_auto_map(tmp_path):
+    """A partly collapsed BertForMaskedLM is written with remote code; load_pretrained goes through the Auto class
+    its auto_map lists (AutoModelForMaskedLM, not AutoModelForCausalLM) and gets equal logits."""
+    from optimum_flatten.export.layer_collapse import save_layer_collapse
+    from optimum_flatten.methods.layer_collapse import collapse_prepared_mlps_, prepare_layer_collapse_
+
+    model = tiny_models.tiny_bert()
+    for activation in prepare_layer_collapse_(model, num_mlps=2).values():
+        activation.alpha.data.fill_(1.0)
+    collapse_prepared_mlps_(model)
+    path = save_layer_collapse(model, tmp_path / "out")
+    loaded = load_pretrained(str(path), trust_remote_code=True)
+    assert type(loaded).__name__ == "LayerCollapseBertForMaskedLM" and not loaded.training
+    ids = torch.randint(3, tiny_models.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -4,10 +4,6 @@ with the Trainer, and both export formats reloaded without optimum_flatten."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -15,11 +11,11 @@ from torch import nn
 from transformers import GPT2LMHeadModel, TrainingArguments
 
 import tiny_models
-from common import assert_close, logits, sample_ids
+from common import assert_close, logits, reload_with_remote_code, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.export.checkpoint import REPORT_NAME
-from optimum_flatten.export.layer_collapse import MODELING_MODULE, REMOTE_MODEL_TYPE, save_layer_collapse
+from optimum_flatten.export.layer_collapse import save_layer_collapse
 from optimum_flatten.methods.layer_collapse import (
     LayerCollapseConfig,
     collapse_prepared_mlps_,
@@ -36,6 +32,7 @@ from optimum_flatten.utils.errors import InvalidTargetError, UnsupportedArchitec
 from optimum_flatten.utils.torch_utils import count_parameters
 
 NUM_LAYERS, HIDDEN, INNER = 6, 32, 48
+MODELING_MODULE, REMOTE_MODEL_TYPE = "modeling_layer_collapse_gpt2", "gpt2_layer_collapse"
 #: Parameters one collapsed MLP stops holding: c_fc + c_proj (2·d·h + h + d) become one d x d map with bias.
 SAVED_PER_MLP = (2 * HIDDEN * INNER + INNER + HIDDEN) - (HIDDEN * HIDDEN + HIDDEN)
 
@@ -263,31 +260,6 @@ def test_export_all_collapsed_reloads_as_plain_gpt2(tmp_path):
     get_adapter(reloaded).validate()
 
 
-_RELOAD = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.load(sys.argv[1])
-    out = {}
-    for name, path in json.loads(sys.argv[2]).items():
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
-        with torch.no_grad():
-            logits = model(input_ids=ids, use_cache=False).logits
-        seen, count = set(), 0
-        for parameter in model.parameters():
-            if id(parameter) not in seen:
-                seen.add(id(parameter))
-                count += parameter.numel()
-        torch.save(logits, sys.argv[3] + f"/{name}.pt")
-        out[name] = {"type": type(model).__name__, "parameters": count, "model_type": model.config.model_type}
-    out["imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "optimum_flatten")
-    print(json.dumps(out))
-    """
-)
-
-
 def test_export_partly_collapsed_and_linearisable_reload_with_remote_code_only(tmp_path):
     """Partly collapsed (2 of 6) and mid-training (α = 0.3, nothing collapsed) models reload in a fresh interpreter
     through trust_remote_code, with equal logits, equal unique parameter counts and no optimum_flatten import."""
@@ -296,35 +268,28 @@ def test_export_partly_collapsed_and_linearisable_reload_with_remote_code_only(t
     _compress(partly)
     linearisable = _linearised(3, alpha=0.3)
     models = {"partly": partly, "linearisable": linearisable}
-    paths = {}
+    jobs = {}
     for name, model in models.items():
-        paths[name] = str(save_layer_collapse(model, tmp_path / name))
-        config = json.loads((tmp_path / name / "config.json").read_text())
+        path = save_layer_collapse(model, tmp_path / name)
+        config = json.loads((path / "config.json").read_text())
         assert config["model_type"] == REMOTE_MODEL_TYPE and "AutoModelForCausalLM" in config["auto_map"]
-    torch.save(ids, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", _RELOAD, str(tmp_path / "ids.pt"), json.dumps(paths), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert (path / f"{MODELING_MODULE}.py").exists()
+        assert "trust_remote_code=True" in (path / "README.md").read_text()
+        jobs[name] = (path, {"input_ids": ids, "use_cache": False}, "logits")
+    out = reload_with_remote_code(jobs, tmp_path)
     assert out["imported"] == []
     for name, model in models.items():
+        assert out[name]["auto"] == "AutoModelForCausalLM" and out[name]["type"] == "LayerCollapseGPT2LMHeadModel"
         assert out[name]["model_type"] == REMOTE_MODEL_TYPE
         assert out[name]["parameters"] == count_parameters(model)
-        assert_close(torch.load(tmp_path / f"{name}.pt"), logits(model, ids))
+        assert_close(out[name]["output"], logits(model, ids))
     assert count_parameters(partly) == count_parameters(tiny_models.tiny_gpt2()) - 2 * SAVED_PER_MLP
 
 
 def test_stock_format_is_refused_for_a_partly_collapsed_model(tmp_path):
     model = _linearised(2)
     _compress(model)
-    with pytest.raises(ValueError, match="every MLP collapsed"):
+    with pytest.raises(ValueError, match="every MLP of every stack collapsed"):
         save_layer_collapse(model, tmp_path / "out", export_format="stock")
     assert not (tmp_path / "out").exists()
 

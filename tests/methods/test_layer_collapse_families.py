@@ -1,6 +1,7 @@
 """LayerCollapse on the nn.Linear MLP families (BERT, ViT, Marian's two stacks): prepare is exact, collapse at α = 1
-equals the linearised model, a fully collapsed model reloads with the plain transformers class, and a partly
-collapsed one is refused by the export with nothing written (only GPT-2 has a remote-code format)."""
+equals the linearised model, a fully collapsed model reloads with the plain transformers class, and any other
+LayerCollapse model (partly collapsed, α left, or a head the stock config cannot describe) reloads through the
+remote-code format in a fresh interpreter without optimum_flatten."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from transformers import BertForMaskedLM, BertModel, MarianMTModel, ViTForImageClassification
 
 import tiny_models
-from common import assert_close, sample_ids
+from common import assert_close, reload_with_remote_code, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.export.checkpoint import REPORT_NAME, save_compressed
 from optimum_flatten.export.layer_collapse import LayerCollapseExportError, save_layer_collapse
@@ -24,31 +25,21 @@ from optimum_flatten.utils.torch_utils import count_parameters
 HIDDEN = 32
 
 
-@dataclass(frozen=True)
-class Family:
-    """A tiny model factory, its plain reload class, its stacks with (layers, MLP width), and how to run it."""
-
-    factory: Callable[[], nn.Module]
-    plain_class: type
-    stacks: dict[str, tuple[int, int]]
-    outputs: Callable[[nn.Module], torch.Tensor]
-    reload_options: tuple[tuple[str, object], ...] = ()
-
-
-@torch.no_grad()
-def _text_logits(model: nn.Module) -> torch.Tensor:
+def _text_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
     ids = sample_ids()
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0
-    return model(input_ids=ids, attention_mask=mask).logits
+    return {"input_ids": ids, "attention_mask": mask}
 
 
-@torch.no_grad()
-def _encoder_states(model: nn.Module) -> torch.Tensor:
-    ids = sample_ids()
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+def _image_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {"pixel_values": tiny_models.sample_pixel_values()}
+
+
+def _translation_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
+    source, target = sample_ids(2, 10, seed=1), sample_ids(2, 7, seed=2)
+    target[:, 0] = model.config.decoder_start_token_id
+    return {"input_ids": source, "decoder_input_ids": target, "use_cache": False}
 
 
 def _tiny_bert_encoder() -> nn.Module:
@@ -56,23 +47,41 @@ def _tiny_bert_encoder() -> nn.Module:
     return tiny_models.tiny_bert().bert
 
 
-@torch.no_grad()
-def _image_logits(model: nn.Module) -> torch.Tensor:
-    return model(pixel_values=tiny_models.sample_pixel_values()).logits
+@dataclass(frozen=True)
+class Family:
+    """A tiny model factory, its plain reload class, its stacks with (layers, MLP width), how to run it, and the
+    Auto class a remote-code checkpoint of it loads through."""
 
+    factory: Callable[[], nn.Module]
+    plain_class: type
+    stacks: dict[str, tuple[int, int]]
+    inputs: Callable[[nn.Module], dict[str, torch.Tensor]]
+    field: str = "logits"
+    reload_options: tuple[tuple[str, object], ...] = ()
+    auto_class: str = ""
 
-@torch.no_grad()
-def _translation_logits(model: nn.Module) -> torch.Tensor:
-    source, target = sample_ids(2, 10, seed=1), sample_ids(2, 7, seed=2)
-    target[:, 0] = model.config.decoder_start_token_id
-    return model(input_ids=source, decoder_input_ids=target, use_cache=False).logits
+    @torch.no_grad()
+    def outputs(self, model: nn.Module) -> torch.Tensor:
+        return getattr(model(**self.inputs(model)), self.field)
 
 
 FAMILIES = {
-    "bert": Family(tiny_models.tiny_bert, BertForMaskedLM, {"encoder": (6, 48)}, _text_logits),
-    "vit": Family(tiny_models.tiny_vit, ViTForImageClassification, {"encoder": (6, 48)}, _image_logits),
+    "bert": Family(
+        tiny_models.tiny_bert, BertForMaskedLM, {"encoder": (6, 48)}, _text_inputs, auto_class="AutoModelForMaskedLM"
+    ),
+    "vit": Family(
+        tiny_models.tiny_vit,
+        ViTForImageClassification,
+        {"encoder": (6, 48)},
+        _image_inputs,
+        auto_class="AutoModelForImageClassification",
+    ),
     "marian": Family(
-        tiny_models.tiny_marian, MarianMTModel, {"encoder": (5, 48), "decoder": (4, 40)}, _translation_logits
+        tiny_models.tiny_marian,
+        MarianMTModel,
+        {"encoder": (5, 48), "decoder": (4, 40)},
+        _translation_inputs,
+        auto_class="AutoModelForSeq2SeqLM",
     ),
 }
 
@@ -80,7 +89,13 @@ FAMILIES = {
 #: What the stock export writes: BertForMaskedLM's head reads hidden_act too and is refused (see below).
 EXPORTED = {
     "bert_encoder": Family(
-        _tiny_bert_encoder, BertModel, {"encoder": (6, 48)}, _encoder_states, (("add_pooling_layer", False),)
+        _tiny_bert_encoder,
+        BertModel,
+        {"encoder": (6, 48)},
+        _text_inputs,
+        "last_hidden_state",
+        (("add_pooling_layer", False),),
+        "AutoModel",
     ),
     "vit": FAMILIES["vit"],
     "marian": FAMILIES["marian"],
@@ -156,14 +171,14 @@ def test_collapse_at_alpha_one_equals_the_linearised_model(name):
 def test_bert_collapse_through_the_quantizer_measures_the_error():
     model = tiny_models.tiny_bert()
     _linearise(model, {"encoder": 3})
-    linearised = _text_logits(model)
+    linearised = FAMILIES["bert"].outputs(model)
     config = FlattenConfig(method="layer_collapse", dataset=tiny_models.sample_texts(), nsamples=4, seqlen=16)
     quantizer = FlattenQuantizer(config, progress=False)
     quantizer.compress(model, tiny_models.CharTokenizer())
     records = quantizer.report["layer_collapse"]["collapsed"]
     assert [r["layer"] for r in records] == [3, 4, 5]
     assert all(r["error_bound"] == 0.0 and r["relative_error"] < 1e-12 for r in records)
-    assert_close(_text_logits(model), linearised)
+    assert_close(FAMILIES["bert"].outputs(model), linearised)
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -192,49 +207,91 @@ def test_export_all_collapsed_reloads_with_the_plain_class(name, tmp_path):
     assert count_parameters(reloaded) == count_parameters(model) + num_mlps * (HIDDEN * HIDDEN + HIDDEN)
 
 
-def _assert_refused(model: nn.Module, tmp_path, **options) -> None:
-    with pytest.raises(LayerCollapseExportError, match="only the stock LayerCollapse checkpoint format"):
-        save_layer_collapse(model, tmp_path / "out", **options)
-    assert list(tmp_path.iterdir()) == []  # no output directory, no staging directory left behind
+def _assert_stock_refused(model: nn.Module, tmp_path, match: str) -> None:
+    with pytest.raises(LayerCollapseExportError, match=match):
+        save_layer_collapse(model, tmp_path / "refused", export_format="stock")
+    assert not any(p.name.startswith((".refused", "refused")) for p in tmp_path.iterdir())  # nothing, no staging
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_export_of_a_partly_collapsed_model_is_refused_and_writes_nothing(name, tmp_path):
-    family = FAMILIES[name]
+def _remote_cases() -> dict[str, tuple[Family, nn.Module, str]]:
+    """Per family: partly collapsed (last two MLPs of every stack) and mid-training (α = 0.3 in the last MLP);
+    plus the two fully collapsed models the stock format cannot describe. Each with the reason "stock" refuses it."""
+    cases = {}
+    for name, family in FAMILIES.items():
+        partly = family.factory()
+        _linearise(partly, {stack: 2 for stack in family.stacks})
+        _collapse(partly, family.stacks)
+        linearisable = family.factory()
+        _linearise(linearisable, {stack: 1 for stack in family.stacks}, alpha=0.3)
+        cases[f"{name}_partly"] = (family, partly, "every MLP of every stack collapsed")
+        cases[f"{name}_linearisable"] = (family, linearisable, "alpha left")
+    encoder = _tiny_bert_encoder()  # a BertModel without pooler: the reload must not add a random one
+    _linearise(encoder, {"encoder": 3})
+    _collapse(encoder, ["encoder"])
+    cases["bert_encoder_partly"] = (EXPORTED["bert_encoder"], encoder, "every MLP of every stack collapsed")
+    mlm = tiny_models.tiny_bert()  # BertForMaskedLM: its head reads hidden_act, so "linear" would change it
+    _linearise(mlm, {"encoder": 6})
+    _collapse(mlm, ["encoder"])
+    cases["bert_mlm_all"] = (FAMILIES["bert"], mlm, r"cls\.predictions\.transform.*model\.bert")
+    encoder_only = tiny_models.tiny_marian()  # MarianConfig has one activation for both stacks
+    _linearise(encoder_only, {"encoder": 5})
+    _collapse(encoder_only, ["encoder"])
+    cases["marian_encoder_all"] = (FAMILIES["marian"], encoder_only, r"decoder: collapsed \[\] of 4")
+    return cases
+
+
+def test_every_other_layer_collapse_model_reloads_with_remote_code(tmp_path):
+    """Partly collapsed, mid-training and stock-inexpressible models of BERT, ViT and Marian: "stock" is refused
+    with the reason and nothing written; "auto" writes remote code; a fresh interpreter loads each through the Auto
+    class of its head with trust_remote_code (no optimum_flatten import) with equal outputs and equal unique
+    parameter counts."""
+    jobs, models = {}, {}
+    for name, (family, model, reason) in _remote_cases().items():
+        _assert_stock_refused(model, tmp_path, reason)
+        path = save_layer_collapse(model, tmp_path / name)
+        report = json.loads((path / REPORT_NAME).read_text())
+        assert report["export_format"] == "remote_code"
+        assert report["load_with"] == {"class": family.auto_class, "trust_remote_code": True}
+        card = (path / "README.md").read_text()
+        assert f"{family.auto_class}.from_pretrained" in card and "trust_remote_code=True" in card
+        config = json.loads((path / "config.json").read_text())
+        assert config["architectures"] == [f"LayerCollapse{family.plain_class.__name__}"]
+        jobs[name] = (path, family.inputs(model), family.field)
+        models[name] = (family, model)
+    out = reload_with_remote_code(jobs, tmp_path)
+    assert out["imported"] == []
+    for name, (family, model) in models.items():
+        assert out[name]["auto"] == family.auto_class, name
+        assert out[name]["type"] == f"LayerCollapse{family.plain_class.__name__}"
+        assert out[name]["model_type"] == f"{model.config.model_type}_layer_collapse"
+        assert out[name]["parameters"] == count_parameters(model), name
+        assert_close(out[name]["output"], family.outputs(model))
+
+
+def test_remote_code_of_a_fully_collapsed_model_holds_no_identity_maps(tmp_path):
+    """Forcing "remote_code" on a model the stock format describes writes no identity down maps: d² + d fewer
+    parameters per MLP than the stock reload, i.e. exactly the collapsed model's count."""
+    family = EXPORTED["vit"]
     model = family.factory()
-    _linearise(model, {stack: 2 for stack in family.stacks})
+    _linearise(model, _all(family))
     _collapse(model, family.stacks)
-    _assert_refused(model, tmp_path)
-    # Mid-training (α left, nothing collapsed) too, and the save path of the quantizer (save_compressed) alike.
-    linearisable = family.factory()
-    _linearise(linearisable, {stack: 1 for stack in family.stacks}, alpha=0.3)
-    _assert_refused(linearisable, tmp_path)
-    with pytest.raises(LayerCollapseExportError, match=r"torch\.save"):
-        save_compressed(model, tmp_path / "out")
-    assert list(tmp_path.iterdir()) == []
+    path = save_layer_collapse(model, tmp_path / "remote", export_format="remote_code")
+    out = reload_with_remote_code({"vit": (path, family.inputs(model), family.field)}, tmp_path)
+    assert out["vit"]["parameters"] == count_parameters(model)
+    assert_close(out["vit"]["output"], family.outputs(model))
 
 
-def test_marian_stock_export_needs_both_stacks_fully_collapsed(tmp_path):
-    """MarianConfig has one activation_function for both stacks: a fully collapsed encoder alone is refused."""
-    model = tiny_models.tiny_marian()
-    _linearise(model, {"encoder": 5})
+def test_a_model_class_outside_transformers_is_refused_and_writes_nothing(tmp_path):
+    """No modelling file can subclass a class transformers does not define: a clear error, nothing written."""
+
+    class CustomBert(BertForMaskedLM):
+        pass
+
+    model = CustomBert(tiny_models.tiny_bert().config)
+    _linearise(model, {"encoder": 2})
     _collapse(model, ["encoder"])
-    _assert_refused(model, tmp_path)
-    _assert_refused(model, tmp_path, export_format="stock")
-
-
-def test_remote_code_format_is_refused_for_a_fully_collapsed_bert(tmp_path):
-    model = tiny_models.tiny_bert()
-    _linearise(model, {"encoder": 6})
-    _collapse(model, ["encoder"])
-    _assert_refused(model, tmp_path, export_format="remote_code")
-
-
-def test_stock_export_of_bert_with_an_mlm_head_is_refused(tmp_path):
-    """BertForMaskedLM's cls.predictions.transform reads hidden_act too: 'linear' would change the head."""
-    model = tiny_models.tiny_bert()
-    _linearise(model, {"encoder": 6})
-    _collapse(model, ["encoder"])
-    with pytest.raises(LayerCollapseExportError, match=r"cls\.predictions\.transform.*model\.bert"):
+    with pytest.raises(LayerCollapseExportError, match=r"CustomBert is not part of transformers.*torch\.save"):
         save_layer_collapse(model, tmp_path / "out")
+    with pytest.raises(LayerCollapseExportError, match="not part of transformers"):
+        save_compressed(model, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []

@@ -464,6 +464,18 @@ class ArchitectureAdapter:
         self.replace_mlp_activation_(block, nn.Identity())
         mlp.down.swap_module_(nn.Identity())
 
+    def mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
+        """What `validate` reports about the block's MLP, or None: a collapsed MLP (LayerCollapse) must be one
+        hidden -> hidden map, any other must have the config's width (`width`, named `width_name` in the message)."""
+        up = block.mlp.up
+        if self.is_mlp_collapsed(block):
+            if up.out_features != up.in_features:
+                return f"layer {block.index} has a collapsed MLP of shape ({up.out_features}, {up.in_features})"
+            return None
+        if block.mlp.intermediate_size != width:
+            return f"layer {block.index} has MLP width {block.mlp.intermediate_size} ({width_name}={width})"
+        return None
+
     def collapsed_stock_config(self) -> dict[str, Any] | None:
         """Config changes under which the stock class describes this model once every MLP is collapsed, or None.
 

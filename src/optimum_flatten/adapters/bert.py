@@ -238,11 +238,8 @@ class BertAdapter(ArchitectureAdapter):
                 problems.append(f"layer {i} has {g.num_heads} heads of {g.head_dim}")
             if layer.attention.self.layer_idx != i:
                 problems.append(f"layer {i} has layer_idx {layer.attention.self.layer_idx}")
-            if self.is_mlp_collapsed(view):  # LayerCollapse: one hidden -> hidden map in intermediate.dense
-                if view.mlp.intermediate_size != config.hidden_size:
-                    problems.append(f"layer {i} has a collapsed MLP of width {view.mlp.intermediate_size}")
-            elif view.mlp.intermediate_size != config.intermediate_size:
-                problems.append(f"layer {i} has intermediate size {view.mlp.intermediate_size}")
+            if problem := self.mlp_width_problem(view, config.intermediate_size, "intermediate_size"):
+                problems.append(problem)
         if problems:
             raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
         self._check_forward()

@@ -30,7 +30,7 @@ Three quirks shape this adapter:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -342,6 +342,11 @@ class GPT2Adapter(ArchitectureAdapter):
         attn.split_size = sizes[0]
         attn.num_heads = sizes[0] // attn.head_dim
 
+    def collapsed_stock_config(self) -> dict[str, Any]:
+        """``n_inner = n_embd`` and ``activation_function = "linear"`` (ACT2FN's identity); the export writes
+        ``mlp.c_proj`` as the identity. GPT-2's heads (LM head, sequence summary) do not read the MLP activation."""
+        return {"n_inner": self.config.n_embd, "activation_function": "linear"}
+
     def reindex_(self, stack: str = "decoder") -> None:
         """Renumbers ``attn.layer_idx`` (the KV cache index) and keeps each block's function at its new index.
 
@@ -420,11 +425,8 @@ class GPT2Adapter(ArchitectureAdapter):
                 problems.append(
                     f"layer {i} attention scaling {attn.scaling!r} differs from {expected!r}, what it gets on reload"
                 )
-            if isinstance(layer.mlp.c_proj, nn.Identity):  # collapsed by LayerCollapse: one n_embd -> n_embd map
-                if (layer.mlp.c_fc.nx, layer.mlp.c_fc.nf) != (config.n_embd, config.n_embd):
-                    problems.append(f"layer {i} has a collapsed MLP of shape {tuple(layer.mlp.c_fc.weight.shape)}")
-            elif layer.mlp.c_fc.nf != self.intermediate_size():
-                problems.append(f"layer {i} has MLP width {layer.mlp.c_fc.nf} (n_inner={self.intermediate_size()})")
+            if problem := self.mlp_width_problem(self.block_view(layer, i), self.intermediate_size(), "n_inner"):
+                problems.append(problem)
         if problems:
             raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
         check_cached_forward(self.model)

@@ -381,14 +381,8 @@ class MarianAdapter(ArchitectureAdapter):
                         f"{stack} layer {i} {name} has {att.geometry.num_heads} heads "
                         f"({heads_key}={getattr(self.config, heads_key)})"
                     )
-            if self.is_mlp_collapsed(view):  # LayerCollapse: one d_model -> d_model map in fc1
-                if view.mlp.intermediate_size != self.config.d_model:
-                    problems.append(f"{stack} layer {i} has a collapsed MLP of width {view.mlp.intermediate_size}")
-            elif view.mlp.intermediate_size != getattr(self.config, ffn_key):
-                problems.append(
-                    f"{stack} layer {i} has MLP width {view.mlp.intermediate_size} "
-                    f"({ffn_key}={getattr(self.config, ffn_key)})"
-                )
+            if problem := self.mlp_width_problem(view, getattr(self.config, ffn_key), ffn_key):
+                problems.append(f"{stack} {problem}")
         return problems
 
 

@@ -62,19 +62,27 @@ def save_compressed(
     report = dict(report or {})
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     from ..adapters import get_adapter
-    from .layer_collapse import layer_collapse_state, write_layer_collapse_model
+    from .layer_collapse import layer_collapse_state, layer_collapse_states, loader_for, write_layer_collapse_model
 
     try:
         exported = get_adapter(model).export_model()
         # transformers onloads the offloaded weights one shard at a time: small shards keep the save within the
         # memory the compression needed.
         shards = {"max_shard_size": OFFLOADED_SHARD_SIZE} if is_offloaded(exported) else {}
-        if writer is None and layer_collapse_state(exported) is not None:
-            writer = write_layer_collapse_model  # per-layer MLP shapes: no stock config describes them as they are
+        report.setdefault("architecture", type(exported).__name__)
+        if layer_collapse_state(exported) is not None:
+            report["mlp_layout"] = {
+                state.stack: {"collapsed": list(state.collapsed), "linearisable": list(state.linearisable)}
+                for state in layer_collapse_states(exported)
+            }
+            if writer is None:
+                writer = write_layer_collapse_model  # per-layer MLP shapes: no stock config describes them as they are
         if writer is None:
             exported.save_pretrained(staging, safe_serialization=True, **shards)
         else:
             report["export_format"] = writer(exported, staging, **shards)
+            if report["export_format"] == "remote_code":
+                report["load_with"] = loader_for(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if report.get("similarity") is not None:

@@ -1,29 +1,24 @@
 """Checkpoints of LayerCollapse models, whose MLPs no longer all have the shape the stock config describes.
 
-A collapsed MLP is one (n_embd x n_embd) map, an un-collapsed one keeps ``c_fc -> act -> c_proj`` of width
-``n_inner``, and a prepared (linearisable) one has a learned α in its activation. Two formats, chosen per model:
+A collapsed MLP is one (d x d) map in the up slot with the activation and down map replaced by the identity, an
+un-collapsed one keeps ``up -> act -> down`` of the config's width, and a prepared (linearisable) one has a learned α
+in its activation. Two formats, chosen per model:
 
-- ``"stock"``: every MLP of the stack is collapsed and no α is left. Stock GPT-2 expresses that exactly:
-  ``n_inner = n_embd``, ``activation_function = "linear"`` (transformers' identity ``LinearActivation``),
-  ``c_fc`` = the collapsed map and ``c_proj`` = the identity with zero bias (``x·I + 0`` is exact in floating point).
-  It loads with plain ``GPT2LMHeadModel.from_pretrained``. The identity costs n_embd² + n_embd parameters per layer
-  on disk and in memory after reload.
-- ``"remote_code"``: anything else (some MLPs collapsed, or α left in the model). The directory gets a small
-  ``modeling_layer_collapse_gpt2.py`` (a `GPT2LMHeadModel` subclass that swaps the listed MLPs for one linear map
-  and wraps the listed activations with their α) registered in config.json's ``auto_map``; it loads with
-  ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` and needs only torch and transformers.
-
-BERT, ViT and Marian (``nn.Linear`` MLPs) have the ``"stock"`` format only: every MLP of every stack collapsed is
-written as the stock class with MLP width = hidden size, activation ``"linear"`` and an identity down map
-(``intermediate_size`` / ``hidden_act`` for BERT and ViT; ``encoder_ffn_dim``, ``decoder_ffn_dim`` and the one
-``activation_function`` for Marian, hence both stacks fully collapsed). A partly collapsed or mid-training model of
-these families is refused (`LayerCollapseExportError`, nothing written): a remote-code file per family would have to
-rebuild each one's blocks, and a partial collapse saves little next to collapsing every MLP; keep such a model with
-``torch.save`` until it is fully collapsed.
+- ``"stock"``: every MLP of every stack is collapsed, no α is left, and the family says under which config changes
+  its stock class computes that (`ModelAdapter.collapsed_stock_config`: MLP width = hidden size, activation
+  ``"linear"``, transformers' identity ``LinearActivation``). The down map is written as the identity with zero bias
+  (``x·I + 0`` is exact in floating point); the checkpoint loads with the plain class (``GPT2LMHeadModel``,
+  ``BertModel``, ``ViTForImageClassification``, ``MarianMTModel``). The identity costs d² + d parameters per layer
+  on disk and in memory after reload. Marian has one activation for both stacks, so both must be fully collapsed;
+  ``BertForMaskedLM``'s head reads ``hidden_act`` too, so it has no stock format.
+- ``"remote_code"``: anything else (some MLPs collapsed, α left in the model, or a model the stock config cannot
+  describe). The checkpoint plus a modelling file registered in ``auto_map`` (`export.layer_collapse_remote`, the
+  same file for every family); it loads with ``AutoModel...from_pretrained(path, trust_remote_code=True)`` and needs
+  only torch and transformers. It is also the smallest checkpoint (no identity maps).
 
 ``"auto"`` (what `save_compressed` and `FlattenQuantizer.save` use) picks ``"stock"`` when it can express the model,
-else ``"remote_code"`` (GPT-2 only). `save_layer_collapse` lets the caller force ``"remote_code"`` (smallest
-checkpoint: no identity maps). Every write happens in a staging directory renamed into place (`save_compressed`).
+else ``"remote_code"``. `save_layer_collapse` lets the caller force either. Every write happens in a staging
+directory renamed into place (`save_compressed`), and every refusal happens before anything is written.
 """
 
 from __future__ import annotations
@@ -37,12 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils.errors import UnsupportedArchitectureError
-
-MODELING_MODULE = "modeling_layer_collapse_gpt2"
-REMOTE_MODEL_TYPE = "gpt2_layer_collapse"
-REMOTE_CONFIG_CLASS = "LayerCollapseGPT2Config"
-REMOTE_MODEL_CLASS = "LayerCollapseGPT2LMHeadModel"
 FORMATS = ("auto", "stock", "remote_code")
 
 
@@ -61,12 +50,12 @@ class LayerCollapseState:
 
     @property
     def fully_collapsed(self) -> bool:
-        """Every MLP is one linear map and no α is left: what the stock GPT-2 format can express."""
+        """Every MLP is one linear map and no α is left (the first condition of the stock format)."""
         return len(self.collapsed) == self.num_layers and not self.linearisable
 
 
 class LayerCollapseExportError(ValueError):
-    """A LayerCollapse model that no checkpoint format of its family can describe (nothing is written)."""
+    """A LayerCollapse model that the requested checkpoint format cannot describe (nothing is written)."""
 
 
 def layer_collapse_states(model: nn.Module) -> list[LayerCollapseState]:
@@ -90,78 +79,58 @@ def layer_collapse_state(model: nn.Module) -> LayerCollapseState | None:
     return next((state for state in layer_collapse_states(model) if state.is_present), None)
 
 
-def check_stock_only_export(model: nn.Module, export_format: str = "auto") -> str:
-    """The format for a family whose only LayerCollapse format is ``"stock"`` (BERT, ViT, Marian): ``"stock"``.
-
-    Raises:
-        ValueError: an unknown format.
-        LayerCollapseExportError: ``"remote_code"`` asked for, or some MLP of some stack not collapsed (or α left).
-    """
-    if export_format not in FORMATS:
-        raise ValueError(f"export_format must be one of {list(FORMATS)}, got {export_format!r}.")
-    model_type = model.config.model_type
-    states = layer_collapse_states(model)
-    if export_format == "remote_code" or not all(state.fully_collapsed for state in states):
-        found = "; ".join(
-            f"{s.stack}: collapsed {list(s.collapsed)} of {s.num_layers} layers, with alpha {list(s.linearisable)}"
-            for s in states
-        )
-        raise LayerCollapseExportError(
-            f"model_type {model_type!r} has only the stock LayerCollapse checkpoint format, which needs every MLP of "
-            f"every stack collapsed and no alpha left (export_format 'auto' or 'stock'); got export_format="
-            f"{export_format!r} and {found}. Nothing was written. Either collapse every MLP (prepare_layer_collapse_ "
-            "with num_mlps = the number of layers of each stack, train alpha to 1, collapse), or keep this model "
-            "with torch.save(model.state_dict(), ...) and rebuild it in code; remote-code export exists for GPT-2 only."
-        )
-    return "stock"
-
-
-def check_export(model: nn.Module, export_format: str = "auto") -> str:
-    """The format `model` would be written in, or the error saying why it cannot be; writes nothing.
-
-    Raises:
-        UnsupportedArchitectureError: a family without any LayerCollapse format.
-        ValueError: nothing collapsed or prepared, a bad format, or a model the family's formats cannot describe.
-    """
+def stock_format_problem(model: nn.Module) -> str | None:
+    """Why the stock format cannot describe `model`, or None when it can (see the module docstring)."""
     from ..adapters import get_adapter
 
-    state = layer_collapse_state(model)
-    if state is None:
-        raise ValueError("the model has no collapsed or linearisable MLP; save it with save_pretrained.")
-    model_type = getattr(model.config, "model_type", None)
-    if model_type == "gpt2":
-        return choose_format(state, export_format)
+    states = layer_collapse_states(model)
+    if not all(state.fully_collapsed for state in states):
+        found = "; ".join(
+            f"{s.stack}: collapsed {list(s.collapsed)} of {s.num_layers} layers, alpha left in {list(s.linearisable)}"
+            for s in states
+        )
+        return f"the stock format needs every MLP of every stack collapsed and no alpha left, got {found}"
     try:
         changes = get_adapter(model).collapsed_stock_config()
     except ValueError as error:  # the family has a stock format, but not for this model's heads
-        check_stock_only_export(model, export_format)  # a partial collapse is the first thing to fix: say that first
-        raise LayerCollapseExportError(f"{error} Nothing was written.") from error
+        return str(error)
     if changes is None:
-        raise UnsupportedArchitectureError(
-            f"LayerCollapse checkpoints can be written for model_type 'gpt2', 'bert', 'vit' and 'marian' only, got "
-            f"{model_type!r}; a format for this architecture (per-layer MLP shapes) has to be added in "
-            "optimum_flatten.export.layer_collapse."
-        )
-    return check_stock_only_export(model, export_format)
+        return f"model_type {model.config.model_type!r} has no stock LayerCollapse format (collapsed_stock_config)"
+    return None
 
 
-def choose_format(state: LayerCollapseState, export_format: str = "auto") -> str:
-    """The format a model in `state` is written in: ``"stock"`` or ``"remote_code"``.
+def check_export(model: nn.Module, export_format: str = "auto") -> str:
+    """The format `model` would be written in (``"stock"`` or ``"remote_code"``), or the error saying why it cannot
+    be; writes nothing.
 
     Raises:
-        ValueError: an unknown format, or ``"stock"`` for a model the stock config cannot describe.
+        ValueError: an unknown format, or nothing collapsed or prepared.
+        LayerCollapseExportError: ``"stock"`` asked for a model the stock config cannot describe, or a model whose
+            class is not part of transformers (no remote code can subclass it).
     """
+    from .layer_collapse_remote import RemoteCodeUnavailableError, remote_layout
+
     if export_format not in FORMATS:
         raise ValueError(f"export_format must be one of {list(FORMATS)}, got {export_format!r}.")
-    if export_format == "auto":
-        return "stock" if state.fully_collapsed else "remote_code"
-    if export_format == "stock" and not state.fully_collapsed:
-        raise ValueError(
-            f"the stock format needs every MLP collapsed and no alpha left, got collapsed layers "
-            f"{list(state.collapsed)} of {state.num_layers} and linearisable layers {list(state.linearisable)}; use "
-            "export_format='remote_code' (or 'auto')."
+    if layer_collapse_state(model) is None:
+        raise ValueError("the model has no collapsed or linearisable MLP; save it with save_pretrained.")
+    problem = stock_format_problem(model)
+    if export_format == "stock" and problem is not None:
+        raise LayerCollapseExportError(
+            f"{problem}. Nothing was written; use export_format='remote_code' (or 'auto'), which loads with "
+            "trust_remote_code=True, or collapse every MLP first."
         )
-    return export_format
+    if export_format == "stock" or (export_format == "auto" and problem is None):
+        return "stock"
+    try:
+        remote_layout(model)
+    except RemoteCodeUnavailableError as error:
+        reason = "" if problem is None else f" ({problem})"
+        raise LayerCollapseExportError(
+            f"{error} The stock format does not apply either{reason}. Nothing was written; keep this model with "
+            "torch.save(model.state_dict(), ...) and rebuild it in code."
+        ) from error
+    return "remote_code"
 
 
 def write_layer_collapse_model(
@@ -175,19 +144,25 @@ def write_layer_collapse_model(
         The format written, ``"stock"`` or ``"remote_code"`` (recorded as ``export_format`` in the report).
 
     Raises:
-        UnsupportedArchitectureError: a family without a LayerCollapse export (see `check_export`).
-        ValueError: nothing is collapsed or prepared, a bad format, or (`LayerCollapseExportError`) a partly
-            collapsed BERT / ViT / Marian model.
+        ValueError / LayerCollapseExportError: see `check_export`.
     """
+    from .layer_collapse_remote import write_remote_code
+
     chosen = check_export(model, export_format)
     directory = Path(directory)
-    if model.config.model_type != "gpt2":
-        _write_stock_linear(model, directory, save_kwargs)
-    elif chosen == "stock":
-        _write_stock_gpt2(model, directory, save_kwargs)
+    if chosen == "stock":
+        _write_stock(model, directory, save_kwargs)
     else:
-        _write_remote_code_gpt2(model, directory, layer_collapse_state(model), save_kwargs)
+        write_remote_code(model, directory, save_kwargs)
     return chosen
+
+
+def loader_for(directory: str | Path) -> dict[str, Any] | None:
+    """How to load a written remote-code checkpoint: ``{"class": <Auto class>, "trust_remote_code": True}``; None
+    for a stock one (its class in config.json says it all)."""
+    config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    autos = [name for name in config.get("auto_map", {}) if name.startswith("AutoModel")]
+    return {"class": autos[0], "trust_remote_code": True} if autos else None
 
 
 def save_layer_collapse(
@@ -206,66 +181,29 @@ def save_layer_collapse(
         raise ValueError("the model has no collapsed or linearisable MLP; use save_compressed or save_pretrained.")
     check_export(model, export_format)  # refuse a bad format or an inexpressible model before anything is written
     writer = functools.partial(write_layer_collapse_model, export_format=export_format)
+    report = {"method": "layer_collapse", **(report or {})}
     return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite, writer=writer)
 
 
-# ------------------------------------------------------------------------------------------------ GPT-2
-def _gpt2_layers(model: nn.Module) -> nn.ModuleList:
-    from ..adapters import get_adapter
-
-    return get_adapter(model).layers("decoder")
-
-
-def _identity_conv1d(like: nn.Module) -> nn.Module:
-    """A Conv1D computing ``x @ I + 0`` in `like`'s dtype and device (the stock stand-in for "no c_proj")."""
+# ------------------------------------------------------------------------------------------------------ stock
+def _identity_like(up: nn.Module, width: int) -> nn.Module:
+    """A map computing ``x·I + 0`` (exact in floating point) of the up map's kind, dtype and device: an nn.Linear,
+    or a GPT-2 Conv1D (its (in, out) storage of the symmetric I is the same tensor)."""
     from transformers.pytorch_utils import Conv1D
 
-    width = like.weight.shape[1]
     with torch.device("meta"):
-        identity = Conv1D(width, width)
-    options = {"dtype": like.weight.dtype, "device": like.weight.device}
+        identity = Conv1D(width, width) if isinstance(up, Conv1D) else nn.Linear(width, width)
+    options = {"dtype": up.weight.dtype, "device": up.weight.device}
     identity.weight = nn.Parameter(torch.eye(width, **options), requires_grad=False)
     identity.bias = nn.Parameter(torch.zeros(width, **options), requires_grad=False)
     return identity
 
 
-def _rewrite_config(directory: Path, changes: dict[str, Any]) -> None:
-    path = directory / "config.json"
-    data = json.loads(path.read_text(encoding="utf-8"))
-    data.update(changes)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _write_stock_gpt2(model: nn.Module, directory: Path, save_kwargs: dict[str, Any]) -> None:
-    """Saves with an identity ``c_proj`` put in every (collapsed) MLP for the duration of the save only."""
-    mlps = [layer.mlp for layer in _gpt2_layers(model)]
-    originals = [mlp.c_proj for mlp in mlps]
-    try:
-        for mlp in mlps:
-            mlp.c_proj = _identity_conv1d(mlp.c_fc)
-        model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
-    finally:
-        for mlp, original in zip(mlps, originals, strict=True):
-            mlp.c_proj = original
-    _rewrite_config(directory, {"n_inner": model.config.n_embd, "activation_function": "linear"})
-
-
-# ------------------------------------------------------------------------ nn.Linear MLPs (BERT, ViT, Marian)
-def _identity_linear(width: int, like: torch.Tensor) -> nn.Linear:
-    """An nn.Linear computing ``x·I + 0`` (exact in floating point) in `like`'s dtype and device."""
-    with torch.device("meta"):
-        identity = nn.Linear(width, width)
-    options = {"dtype": like.dtype, "device": like.device}
-    identity.weight = nn.Parameter(torch.eye(width, **options), requires_grad=False)
-    identity.bias = nn.Parameter(torch.zeros(width, **options), requires_grad=False)
-    return identity
-
-
-def _write_stock_linear(model: nn.Module, directory: Path, save_kwargs: dict[str, Any]) -> None:
+def _write_stock(model: nn.Module, directory: Path, save_kwargs: dict[str, Any]) -> None:
     """Saves a fully collapsed model with an identity down map in every MLP, for the duration of the save only.
 
     Goes through the adapter views (the down slot of every block of every stack), so one writer serves every
-    family with ``nn.Linear`` MLPs; the config keys come from the adapter's `collapsed_stock_config`.
+    family; the config keys come from the adapter's `collapsed_stock_config`.
     """
     from ..adapters import get_adapter
 
@@ -274,92 +212,16 @@ def _write_stock_linear(model: nn.Module, directory: Path, save_kwargs: dict[str
     try:
         for stack in adapter.stacks():
             for block in adapter.blocks(stack):
-                identity = _identity_linear(block.mlp.up.out_features, block.mlp.up.weight)
+                identity = _identity_like(block.mlp.up.module, block.mlp.up.out_features)
                 swapped.append((block.mlp.down, block.mlp.down.swap_module_(identity)))
         model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
     finally:
         for view, original in reversed(swapped):
             view.swap_module_(original)
-    _rewrite_config(directory, adapter.collapsed_stock_config())
-
-
-def _write_remote_code_gpt2(
-    model: nn.Module, directory: Path, state: LayerCollapseState, save_kwargs: dict[str, Any]
-) -> None:
-    model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
-    _rewrite_config(
-        directory,
-        {
-            "model_type": REMOTE_MODEL_TYPE,
-            "architectures": [REMOTE_MODEL_CLASS],
-            "auto_map": {
-                "AutoConfig": f"{MODELING_MODULE}.{REMOTE_CONFIG_CLASS}",
-                "AutoModelForCausalLM": f"{MODELING_MODULE}.{REMOTE_MODEL_CLASS}",
-            },
-            "collapsed_mlp_layers": list(state.collapsed),
-            "linearisable_mlp_layers": list(state.linearisable),
-        },
-    )
-    (directory / f"{MODELING_MODULE}.py").write_text(REMOTE_GPT2_CODE, encoding="utf-8")
-
-
-#: The modelling file written next to a partly collapsed GPT-2 checkpoint. It must not import optimum_flatten.
-REMOTE_GPT2_CODE = f'''"""GPT-2 with per-layer MLP shapes, written by optimum-flatten for a LayerCollapse checkpoint.
-
-Load it with transformers alone:
-
-    AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-
-Every block is a stock GPT2Block except
-- the blocks in `collapsed_mlp_layers`: their MLP is the single linear map `c_fc` (n_embd -> n_embd), the product
-  of the MLP's two maps once its activation was trained to the identity (no activation, no `c_proj`);
-- the blocks in `linearisable_mlp_layers`: their activation f becomes f(x) + alpha * (x - f(x)) with a learned alpha
-  in [0, 1] (0 is the pretrained activation, 1 the identity).
-"""
-
-import torch
-from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.pytorch_utils import Conv1D
-
-
-class {REMOTE_CONFIG_CLASS}(GPT2Config):
-    model_type = "{REMOTE_MODEL_TYPE}"
-
-    def __init__(self, collapsed_mlp_layers=None, linearisable_mlp_layers=None, **kwargs):
-        self.collapsed_mlp_layers = [int(i) for i in (collapsed_mlp_layers or [])]
-        self.linearisable_mlp_layers = [int(i) for i in (linearisable_mlp_layers or [])]
-        super().__init__(**kwargs)
-
-
-class LinearisableActivation(nn.Module):
-    """f(x) + alpha * (x - f(x)), computed as lerp(f(x), x, alpha): exact at alpha = 0 and alpha = 1."""
-
-    def __init__(self, base):
-        super().__init__()
-        self.base = base
-        self.alpha = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x):
-        alpha = self.alpha.clamp(0.0, 1.0).to(dtype=x.dtype, device=x.device)
-        return torch.lerp(self.base(x), x, alpha)
-
-
-class {REMOTE_MODEL_CLASS}(GPT2LMHeadModel):
-    config_class = {REMOTE_CONFIG_CLASS}
-
-    def __init__(self, config):
-        super().__init__(config)
-        for index in config.collapsed_mlp_layers:
-            mlp = self.transformer.h[index].mlp
-            mlp.c_fc = Conv1D(config.n_embd, config.n_embd)
-            mlp.act = nn.Identity()
-            mlp.c_proj = nn.Identity()
-        for index in config.linearisable_mlp_layers:
-            mlp = self.transformer.h[index].mlp
-            mlp.act = LinearisableActivation(mlp.act)
-        self.post_init()
-'''
+    path = directory / "config.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data.update(adapter.collapsed_stock_config())
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 __all__ = [
@@ -367,10 +229,10 @@ __all__ = [
     "LayerCollapseExportError",
     "LayerCollapseState",
     "check_export",
-    "check_stock_only_export",
-    "choose_format",
     "layer_collapse_state",
     "layer_collapse_states",
+    "loader_for",
     "save_layer_collapse",
+    "stock_format_problem",
     "write_layer_collapse_model",
 ]

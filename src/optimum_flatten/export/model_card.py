@@ -30,8 +30,14 @@ def render_model_card(report: dict[str, Any]) -> str:
         "## What was done",
         "",
         f"- Method: `{report.get('method')}` with options `{report.get('method_args', {})}`",
-        f"- Plan: {report.get('plan_summary', '')}",
     ]
+    if report.get("plan_summary"):
+        lines.append(f"- Plan: {report['plan_summary']}")
+    for stack, layout in (report.get("mlp_layout") or {}).items():
+        lines.append(
+            f"- {stack}: MLPs collapsed into one linear map in layers {layout['collapsed']}"
+            + (f", learned linearity alpha still in layers {layout['linearisable']}" if layout["linearisable"] else "")
+        )
     if merged:
         lines.append(f"- Merged groups (original 0-based layer indices): {merged}")
     for group in report.get("ffn_groups") or []:
@@ -43,11 +49,15 @@ def render_model_card(report: dict[str, Any]) -> str:
         f"- Parameters: {report.get('parameters_before', '?'):,} -> {report.get('parameters_after', '?'):,}"
         if isinstance(report.get("parameters_before"), int)
         else "- Parameters: see flatten_report.json",
-        f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
-        f"{calibration.get('seqlen')} tokens ({calibration.get('tokens')} tokens), seed {calibration.get('seed')}",
-        f"- Compression wall time: {report.get('total_seconds', '?')} s",
-        "",
     ]
+    if calibration:
+        lines.append(
+            f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
+            f"{calibration.get('seqlen')} tokens ({calibration.get('tokens')} tokens), seed {calibration.get('seed')}"
+        )
+    if report.get("total_seconds") is not None:
+        lines.append(f"- Compression wall time: {report['total_seconds']} s")
+    lines.append("")
     if report.get("similarity") is not None:
         lines += ["![Layer-input similarity, merged groups outlined](similarity_heatmap.png)", ""]
     evaluation = report.get("evaluation")
@@ -58,12 +68,13 @@ def render_model_card(report: dict[str, Any]) -> str:
                 entry = evaluation[name]
                 lines.append(f"| {name} | {entry['perplexity']:.3f} | {entry.get('protocol', '')} |")
         lines.append("")
+    loader, remote = _loader(report), bool((report.get("load_with") or {}).get("trust_remote_code"))
     lines += [
         "## How to load",
         "",
         "```python",
-        f"from transformers import {_loader(report)}, AutoTokenizer",
-        f'model = {_loader(report)}.from_pretrained("path/or/repo")',
+        f"from transformers import {loader}, AutoTokenizer",
+        f'model = {loader}.from_pretrained("path/or/repo"{", trust_remote_code=True" if remote else ""})',
         'tokenizer = AutoTokenizer.from_pretrained("path/or/repo")',
         "```",
         "",
@@ -83,6 +94,20 @@ def render_model_card(report: dict[str, Any]) -> str:
 
 def _summary(report: dict[str, Any]) -> str:
     architecture = report.get("architecture", "transformers")
+    if report.get("export_format") == "remote_code":
+        # LayerCollapse with per-layer MLP shapes: the modelling file beside the weights subclasses the stock class.
+        return (
+            f"This checkpoint is `{architecture}` with some MLPs collapsed into one linear map (or carrying a learned "
+            "linearity alpha), which no stock config can describe. The modelling file in this directory (listed in "
+            "config.json's `auto_map`) subclasses the stock class; load it with `trust_remote_code=True`. It needs "
+            "torch and transformers only, not optimum-flatten."
+        )
+    if report.get("export_format") == "stock":
+        return (
+            f"This is an ordinary `{architecture}` checkpoint whose MLPs are each one linear map (LayerCollapse), "
+            "stored as an MLP of width = hidden size with a linear activation and an identity down map. It loads "
+            "with plain `transformers`; optimum-flatten is not needed."
+        )
     if report.get("ffn_groups"):
         # ffn_merge keeps every layer; the file stores each shared MLP in full, so it loads anywhere.
         groups = [g["layers"] for g in report["ffn_groups"]]
@@ -98,6 +123,9 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def _loader(report: dict[str, Any]) -> str:
-    """The class to load the checkpoint with: the architecture itself unless it is a causal LM."""
+    """The class to load the checkpoint with: the remote-code Auto class when there is one, else the architecture
+    itself unless it is a causal LM."""
+    if report.get("load_with"):
+        return report["load_with"]["class"]
     architecture = report.get("architecture", "")
     return "AutoModelForCausalLM" if not architecture or architecture.endswith("ForCausalLM") else architecture

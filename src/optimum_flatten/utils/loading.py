@@ -25,7 +25,7 @@ def model_class_for(config: Any) -> type:
     if cls is None:
         raise ValueError(
             f"the checkpoint names architecture {names[0]!r}, which transformers {transformers.__version__} does not "
-            "define; for remote code pass trust_remote_code=True (loaded through AutoModelForCausalLM)."
+            "define; for remote code pass trust_remote_code=True (loaded through the Auto class its auto_map names)."
         )
     return cls
 
@@ -33,14 +33,19 @@ def model_class_for(config: Any) -> type:
 def load_pretrained(path: str, **kwargs: Any) -> Any:
     """The model at `path` as the class it was saved from (`config.architectures`), in eval mode.
 
-    Remote-code checkpoints (`trust_remote_code=True`, e.g. Baichuan) go through AutoModelForCausalLM, which resolves
-    their `auto_map`.
+    Remote-code checkpoints (`trust_remote_code=True`: Baichuan, a partly collapsed LayerCollapse model) go through
+    the first Auto model class their `auto_map` lists (AutoModelForCausalLM when it lists none), which resolves it.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
     remote = kwargs.get("trust_remote_code", False)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-    cls = AutoModelForCausalLM if remote and getattr(config, "auto_map", None) else model_class_for(config)
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    auto_map = getattr(config, "auto_map", None) or {}
+    if remote and auto_map:
+        autos = [name for name in auto_map if name.startswith("AutoModel") and hasattr(transformers, name)]
+        cls = getattr(transformers, autos[0]) if autos else transformers.AutoModelForCausalLM
+    else:
+        cls = model_class_for(config)
     return cls.from_pretrained(path, **kwargs).eval()
 
 
