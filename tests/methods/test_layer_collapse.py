@@ -108,6 +108,17 @@ def test_prepare_refuses_a_bad_selection(options, message):
     assert not prepared_mlps(get_adapter(model), "decoder")
 
 
+def test_the_selection_walks_down_the_stack_past_collapsed_mlps():
+    """One MLP at a time from the last down, as in the paper: num_mlps counts MLPs not collapsed yet."""
+    model = _linearised(1)
+    _compress(model)  # layer 5 collapsed
+    assert list(prepare_layer_collapse_(model, num_mlps=1)) == [4]
+    assert list(prepare_layer_collapse_(model, num_mlps=2)) == [3, 4]  # layer 4 keeps its module and alpha
+    with pytest.raises(ValueError, match=r"6 blocks, 1 of them already collapsed; choose at most 5"):
+        prepare_layer_collapse_(model, num_mlps=6)
+    assert sorted(prepared_mlps(get_adapter(model), "decoder")) == [3, 4]
+
+
 # -------------------------------------------------------------------------------------------------- collapse
 @pytest.mark.parametrize("num_mlps", [NUM_LAYERS, 2], ids=["all", "partly"])
 def test_collapse_at_alpha_one_equals_the_linearised_model(num_mlps):

@@ -617,7 +617,9 @@ def require_unit_norms(views: Sequence[NormView], what: str) -> None:
 
 
 def check_family(model: nn.Module, adapter: type[ArchitectureAdapter]) -> None:
-    model_type = getattr(model.config, "model_type", None)
+    from .reloaded import stock_model_type
+
+    model_type = stock_model_type(model.config)
     if model_type not in adapter.model_types:
         raise UnsupportedArchitectureError(
             f"{adapter.__name__} serves model_type {list(adapter.model_types)}, got {model_type!r}."

@@ -206,6 +206,7 @@ def _write_stock(model: nn.Module, directory: Path, save_kwargs: dict[str, Any])
     family; the config keys come from the adapter's `collapsed_stock_config`.
     """
     from ..adapters import get_adapter
+    from ..adapters.reloaded import CONFIG_KEY, is_reloaded, stock_classes, stock_model_type
 
     adapter = get_adapter(model)
     swapped: list[tuple[Any, nn.Module]] = []
@@ -221,6 +222,13 @@ def _write_stock(model: nn.Module, directory: Path, save_kwargs: dict[str, Any])
     path = directory / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     data.update(adapter.collapsed_stock_config())
+    if is_reloaded(model.config):  # back to the stock description: no remote code, no recorded paths
+        model_class, _ = stock_classes(model)
+        data.update(model_type=stock_model_type(model.config), architectures=[model_class.__name__])
+        for key in ("auto_map", CONFIG_KEY):
+            data.pop(key, None)
+        for copied in directory.glob("modeling_layer_collapse_*.py"):  # save_pretrained copies the remote file
+            copied.unlink()
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 

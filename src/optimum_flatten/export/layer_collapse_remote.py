@@ -28,9 +28,7 @@ from typing import Any
 
 from torch import nn
 
-#: config.json key holding the module paths the modelling file rewrites.
-CONFIG_KEY = "layer_collapse"
-REMOTE_SUFFIX = "_layer_collapse"
+from ..adapters.reloaded import CONFIG_KEY, REMOTE_SUFFIX, stock_classes, stock_model_type
 
 
 class RemoteCodeUnavailableError(ValueError):
@@ -96,15 +94,14 @@ class RemoteLayout:
         return self.auto_classes[0]
 
 
-def auto_classes_for(model: nn.Module) -> tuple[str, ...]:
-    """The transformers Auto classes that load ``type(model)`` for its model_type, most specific first.
+def auto_classes_for(model_type: str, name: str) -> tuple[str, ...]:
+    """The transformers Auto classes that load the class called `name` for `model_type`, most specific first.
 
     Read from the Auto classes' own mappings, so a new head class needs no table here; ``AutoModel`` (the bare
     encoder) and ``AutoModelForPreTraining`` sort last because a task class says more about what the model does.
     """
     import transformers
 
-    model_type, name = model.config.model_type, type(model).__name__
     found = []
     for attribute in dir(transformers):
         if not attribute.startswith("AutoModel"):
@@ -128,16 +125,19 @@ def remote_layout(model: nn.Module) -> RemoteLayout:
     import transformers
 
     from ..adapters import get_adapter
+    from ..adapters.reloaded import is_reloaded
     from ..ops.parametric_activations import ParametricActivation
 
     model_class, config_class = type(model), type(model.config)
+    if is_reloaded(model.config):  # reloaded from such a checkpoint: write the stock classes the file subclassed
+        model_class, config_class = stock_classes(model)
     for kind, cls in (("model", model_class), ("config", config_class)):
         if getattr(transformers, cls.__name__, None) is not cls:
             raise RemoteCodeUnavailableError(
                 f"the {kind} class {cls.__module__}.{cls.__name__} is not part of transformers "
                 f"{transformers.__version__}, so the remote-code LayerCollapse format cannot subclass it."
             )
-    autos = auto_classes_for(model)
+    autos = auto_classes_for(stock_model_type(model.config), model_class.__name__)
     if not autos:
         raise RemoteCodeUnavailableError(
             f"no transformers Auto class loads {model_class.__name__} for model_type {model.config.model_type!r}, so "
@@ -165,27 +165,27 @@ def remote_layout(model: nn.Module) -> RemoteLayout:
             elif isinstance(mlp.activation, ParametricActivation):
                 linearisable.append(names[id(mlp.activation)])
     return RemoteLayout(
-        stock_model_type=model.config.model_type,
+        stock_model_type=stock_model_type(model.config),
         stock_config_class=config_class.__name__,
         stock_model_class=model_class.__name__,
         auto_classes=autos,
         collapsed=tuple(collapsed),
         linearisable=tuple(linearisable),
-        absent=absent_modules(model),
+        absent=absent_modules(model, model_class),
     )
 
 
-def absent_modules(model: nn.Module) -> tuple[str, ...]:
-    """Module paths the class builds from this config but the model holds as None (``BertModel`` built with
+def absent_modules(model: nn.Module, stock_class: type) -> tuple[str, ...]:
+    """Module paths the stock class builds from this config but the model holds as None (``BertModel`` built with
     ``add_pooling_layer=False``: the config does not record it, so a reload would add a random pooler).
 
-    Found by building the class from the model's config on the meta device (no memory) and comparing.
+    Found by building the stock class from the model's config on the meta device (no memory) and comparing.
     """
     import torch
 
     try:
         with torch.device("meta"):
-            fresh = type(model)(model.config)
+            fresh = stock_class(model.config)
     except (TypeError, ValueError, AttributeError, RuntimeError):  # not buildable from its config alone: skip
         return ()
     present = {name for name, _ in model.named_modules(remove_duplicate=False)}

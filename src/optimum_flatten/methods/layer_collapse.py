@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -55,8 +55,9 @@ class LayerCollapseConfig(MethodConfig):
     """Options of LayerCollapse.
 
     Attributes:
-        num_mlps: How many MLP blocks to linearise, counted from the last block downwards (the paper collapses the
-            last layers first: they are the closest to linear).
+        num_mlps: How many MLP blocks to linearise, counted from the last block downwards and skipping MLPs that
+            are already collapsed (the paper collapses the last layers first, one at a time: they are the closest to
+            linear).
         mlp_fraction: The same as a fraction of the stack's blocks, rounded to the nearest whole block (at least 1).
             Give at most one of `num_mlps` and `mlp_fraction`. `prepare_layer_collapse_` needs one; the collapse
             step (the quantizer) collapses every prepared MLP and, when one is given, checks that the prepared
@@ -107,11 +108,15 @@ class LayerCollapseConfig(MethodConfig):
         """Whether the config names a number of MLPs (else the collapse step takes every prepared one)."""
         return self.num_mlps is not None or self.mlp_fraction is not None
 
-    def selected_indices(self, num_layers: int) -> list[int]:
-        """The last `num_mlps` (or ``round(mlp_fraction · num_layers)``) block indices of a stack, ascending.
+    def selected_indices(self, num_layers: int, collapsed: Collection[int] = ()) -> list[int]:
+        """The last `num_mlps` (or ``round(mlp_fraction · num_layers)``) blocks of a stack whose MLP is not
+        `collapsed` yet, ascending.
+
+        Skipping the collapsed MLPs makes repeated rounds walk down the stack, one MLP (or one batch) at a time, as
+        the paper does: after collapsing the last MLP, ``num_mlps=1`` selects the one below it.
 
         Raises:
-            ValueError: neither option is set, or more MLPs are asked for than the stack has.
+            ValueError: neither option is set, or more MLPs are asked for than the stack has left un-collapsed.
         """
         if not self.selects:
             raise ValueError(
@@ -123,12 +128,14 @@ class LayerCollapseConfig(MethodConfig):
         else:
             count = max(1, math.floor(float(self.mlp_fraction) * num_layers + 0.5))
             source = f"mlp_fraction={self.mlp_fraction} of {num_layers} blocks"
-        if count > num_layers:
+        candidates = [i for i in range(num_layers) if i not in set(collapsed)]
+        if count > len(candidates):
+            already = f", {num_layers - len(candidates)} of them already collapsed" if collapsed else ""
             raise ValueError(
-                f"cannot linearise {count} MLPs ({source}): the stack has {num_layers} blocks; choose at most "
-                f"{num_layers}."
+                f"cannot linearise {count} MLPs ({source}): the stack has {num_layers} blocks{already}; choose at "
+                f"most {len(candidates)}."
             )
-        return list(range(num_layers - count, num_layers))
+        return candidates[len(candidates) - count :]
 
 
 def _as_method_config(config: LayerCollapseConfig | FlattenConfig | None, options: Mapping[str, Any]):
@@ -194,8 +201,9 @@ def prepare_layer_collapse_(
 ) -> dict[int, ParametricActivation]:
     """Step 1: makes the activation of the last MLPs learnably linear (α = `initial_alpha`, 0 by default).
 
-    Every check (architecture, gating, activation type, MLPs already collapsed) runs before any activation is
-    replaced, so a refused request leaves the model unchanged. MLPs that are already prepared keep their α.
+    The selection counts MLPs not collapsed yet, from the last block down (`LayerCollapseConfig.selected_indices`).
+    Every check (architecture, gating, activation type, selection size) runs before any activation is replaced, so a
+    refused request leaves the model unchanged. MLPs that are already prepared keep their α.
 
     Args:
         model: A model with an architecture adapter.
@@ -211,19 +219,13 @@ def prepare_layer_collapse_(
     Raises:
         UnsupportedArchitectureError: no adapter for the model, or the selected MLPs are gated (SwiGLU).
         TypeError: an activation LayerCollapse cannot linearise (e.g. tanh), or a wrong config type.
-        ValueError: no or too large a selection, or a selected MLP is already collapsed.
+        ValueError: no selection, or more MLPs than the stack has left un-collapsed.
     """
     cfg = _as_method_config(config, options)
     adapter = get_adapter(model)
     stack = _single_stack(adapter, stack)
-    indices = cfg.selected_indices(adapter.num_layers(stack))
+    indices = cfg.selected_indices(adapter.num_layers(stack), collapsed_mlp_indices(adapter, stack))
     _check_not_gated(adapter, indices, stack)
-    collapsed = sorted(set(indices) & set(collapsed_mlp_indices(adapter, stack)))
-    if collapsed:
-        raise ValueError(
-            f"the MLPs of layers {collapsed} are already collapsed into one linear map; there is nothing left to "
-            f"linearise. Select fewer MLPs (the last {len(indices)} blocks were selected)."
-        )
     planned: list[tuple[Any, ParametricActivation, bool]] = []
     for i in indices:
         block = adapter.block(stack, i)
@@ -354,7 +356,7 @@ def _collapse_targets(adapter: Any, stack: str, config: LayerCollapseConfig) -> 
         )
     _check_not_gated(adapter, sorted(prepared), stack)
     if config.selects:
-        selected = config.selected_indices(adapter.num_layers(stack))
+        selected = config.selected_indices(adapter.num_layers(stack), collapsed_mlp_indices(adapter, stack))
         if sorted(prepared) != selected:
             raise ValueError(
                 f"the config selects the MLPs of layers {selected}, but the prepared ones are {sorted(prepared)}; "
