@@ -30,6 +30,16 @@ class HeadGeometry:
     head_dim: int
     hidden_size: int
 
+    @classmethod
+    def of(cls, q: LinearView, k: LinearView, head_dim: int) -> HeadGeometry:
+        """The geometry the q and k projections have now: heads = out features / head_dim (after pruning too)."""
+        return cls(
+            num_heads=q.out_features // head_dim,
+            num_kv_heads=k.out_features // head_dim,
+            head_dim=head_dim,
+            hidden_size=q.in_features,
+        )
+
     @property
     def queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads

@@ -162,12 +162,7 @@ class BertAdapter(ArchitectureAdapter):
                 k=LinearView(attn.self, "key"),
                 v=LinearView(attn.self, "value"),
                 o=LinearView(attn.output, "dense"),
-                geometry=HeadGeometry(
-                    num_heads=q.out_features // head_dim,
-                    num_kv_heads=q.out_features // head_dim,
-                    head_dim=head_dim,
-                    hidden_size=q.in_features,
-                ),
+                geometry=HeadGeometry.of(q, q, head_dim),  # multi-head: one key/value head per query head
                 position_scheme="learned",
                 module=attn,
             ),

@@ -210,12 +210,7 @@ class GPT2Adapter(ArchitectureAdapter):
         attn, mlp = module.attn, module.mlp
         head_dim = attn.head_dim
         q, k, v = (PackedConv1DView(attn, "c_attn", part) for part in range(3))
-        geometry = HeadGeometry(
-            num_heads=q.out_features // head_dim,
-            num_kv_heads=k.out_features // head_dim,
-            head_dim=head_dim,
-            hidden_size=q.in_features,
-        )
+        geometry = HeadGeometry.of(q, k, head_dim)
         return BlockView(
             index=index,
             module=module,

@@ -61,12 +61,7 @@ class LlamaAdapter(ArchitectureAdapter):
         attn, mlp = module.self_attn, module.mlp
         head_dim = attn.head_dim
         q, k, v = self.qkv_views(attn)
-        geometry = HeadGeometry(
-            num_heads=q.out_features // head_dim,
-            num_kv_heads=k.out_features // head_dim,
-            head_dim=head_dim,
-            hidden_size=q.in_features,
-        )
+        geometry = HeadGeometry.of(q, k, head_dim)
         return BlockView(
             index=index,
             module=module,

@@ -391,12 +391,7 @@ def _attention_view(attn: nn.Module) -> AttentionView:
     the keys carry the encoder's)."""
     q = LinearView(attn, "q_proj")
     head_dim = attn.head_dim
-    geometry = HeadGeometry(
-        num_heads=q.out_features // head_dim,
-        num_kv_heads=LinearView(attn, "k_proj").out_features // head_dim,
-        head_dim=head_dim,
-        hidden_size=q.in_features,
-    )
+    geometry = HeadGeometry.of(q, LinearView(attn, "k_proj"), head_dim)
     return AttentionView(
         q=q,
         k=LinearView(attn, "k_proj"),

@@ -144,12 +144,7 @@ class ViTAdapter(ArchitectureAdapter):
                 k=LinearView(attn, "k_proj"),
                 v=LinearView(attn, "v_proj"),
                 o=LinearView(attn, "o_proj"),
-                geometry=HeadGeometry(
-                    num_heads=q.out_features // head_dim,
-                    num_kv_heads=q.out_features // head_dim,
-                    head_dim=head_dim,
-                    hidden_size=q.in_features,
-                ),
+                geometry=HeadGeometry.of(q, q, head_dim),  # multi-head: one key/value head per query head
                 position_scheme="learned",
                 module=attn,
             ),
