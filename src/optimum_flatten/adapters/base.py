@@ -326,16 +326,28 @@ class ArchitectureAdapter:
         self.model = model
         self.config = model.config
 
+    #: The family's one stack (a family with several, Marian, overrides the stack methods).
+    default_stack: ClassVar[str] = "decoder"
+    #: Where the layers sit in the base model: ``"layers"`` (LLaMA, ViT), ``"h"`` (GPT-2), ``"encoder.layer"`` (BERT).
+    layers_path: ClassVar[str] = "layers"
+
     # ----------------------------------------------------------------- reading
     def stacks(self) -> list[str]:
-        raise NotImplementedError
+        return [self.default_stack]
 
-    def layers(self, stack: str = "decoder") -> nn.ModuleList:
-        raise NotImplementedError
+    def layers(self, stack: str | None = None) -> nn.ModuleList:
+        return self.base_model(stack).get_submodule(self.layers_path)
 
-    def base_model(self, stack: str = "decoder") -> nn.Module:
-        """The module whose forward runs embeddings and the stack's layers (no LM head), for calibration."""
-        raise NotImplementedError
+    def base_model(self, stack: str | None = None) -> nn.Module:
+        """The module whose forward runs embeddings and the stack's layers (no LM head), for calibration.
+
+        transformers' own convention finds it: a head model keeps its base model under ``base_model_prefix``
+        (``model``, ``transformer``, ``bert``, ``vit``); a bare base model is the model itself.
+        """
+        self._check_stack(stack or self.default_stack)
+        inner = getattr(self.model, getattr(self.model, "base_model_prefix", "") or "", None)
+        first = self.layers_path.split(".")[0]
+        return inner if isinstance(inner, nn.Module) and hasattr(inner, first) else self.model
 
     def block_view(self, module: nn.Module, index: int) -> BlockView:
         """A view over a block module, in the model or standalone (e.g. a flattened block under construction)."""
@@ -495,7 +507,9 @@ class ArchitectureAdapter:
         return None
 
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        raise NotImplementedError
+        parent, _, name = self.layers_path.rpartition(".")
+        base = self.base_model(stack)
+        setattr(base.get_submodule(parent) if parent else base, name, layers)
 
     def detached_block(self, stack: str, index: int) -> BlockView:
         """A view of an in-memory, hook-free copy of layer `index` (its weights onloaded once if offloaded).

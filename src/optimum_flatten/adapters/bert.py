@@ -81,6 +81,8 @@ class BertAdapter(ArchitectureAdapter):
     """
 
     model_types = ("bert",)
+    default_stack = "encoder"
+    layers_path = "encoder.layer"
     capabilities = frozenset({"head_geometry", "layer_drop"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "pre_norm": "BERT is post-LN: each LayerNorm normalises the sum of a block's input and update, so norm gains "
@@ -114,21 +116,6 @@ class BertAdapter(ArchitectureAdapter):
             )
 
     # ----------------------------------------------------------------- reading
-    def stacks(self) -> list[str]:
-        return ["encoder"]
-
-    def base_model(self, stack: str = "encoder") -> nn.Module:
-        """``model.bert`` (a ``BertModel``), or the model itself when it is a bare BertModel."""
-        self._check_stack(stack)
-        inner = getattr(self.model, "bert", None)
-        return inner if isinstance(inner, nn.Module) and hasattr(inner, "encoder") else self.model
-
-    def layers(self, stack: str = "encoder") -> nn.ModuleList:
-        return self.base_model(stack).encoder.layer
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self.base_model(stack).encoder.layer = layers
-
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         """None: a post-LN stack ends in its last block's ``output.LayerNorm``."""
         return None

@@ -167,6 +167,7 @@ class GPT2Adapter(ArchitectureAdapter):
     """
 
     model_types = ("gpt2",)
+    layers_path = "h"
     capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "GPT-2's MLP is c_fc -> GELU -> c_proj without a gate projection",
@@ -184,21 +185,6 @@ class GPT2Adapter(ArchitectureAdapter):
             )
 
     # ----------------------------------------------------------------- reading
-    def stacks(self) -> list[str]:
-        return ["decoder"]
-
-    def base_model(self, stack: str = "decoder") -> nn.Module:
-        """``model.transformer`` (a ``GPT2Model``), or the model itself when it is a bare GPT2Model."""
-        self._check_stack(stack)
-        inner = getattr(self.model, "transformer", None)
-        return inner if isinstance(inner, nn.Module) and hasattr(inner, "h") else self.model
-
-    def layers(self, stack: str = "decoder") -> nn.ModuleList:
-        return self.base_model(stack).h
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self.base_model(stack).h = layers
-
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         return self.base_model().ln_f
 

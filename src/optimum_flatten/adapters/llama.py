@@ -35,21 +35,6 @@ class LlamaAdapter(ArchitectureAdapter):
     capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
 
     # ----------------------------------------------------------------- reading
-    def stacks(self) -> list[str]:
-        return ["decoder"]
-
-    def base_model(self, stack: str = "decoder") -> nn.Module:
-        self._check_stack(stack)
-        prefix = getattr(self.model, "base_model_prefix", "model")
-        inner = getattr(self.model, prefix, None)
-        return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else self.model
-
-    def layers(self, stack: str = "decoder") -> nn.ModuleList:
-        return self.base_model(stack).layers
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self.base_model(stack).layers = layers
-
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         return self.base_model().norm
 

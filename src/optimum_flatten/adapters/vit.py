@@ -75,6 +75,7 @@ class ViTAdapter(ArchitectureAdapter):
     """Pre-LN ViT encoder: learned absolute positions, a CLS token, full multi-head attention, a GELU MLP."""
 
     model_types = ("vit",)
+    default_stack = "encoder"
     capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "ViT's MLP is fc1 -> GELU -> fc2 without a gate projection",
@@ -84,21 +85,6 @@ class ViTAdapter(ArchitectureAdapter):
     applicable_methods: ClassVar[str] = "flattengpt, shortgpt, laco, sliding_window"
 
     # ----------------------------------------------------------------- reading
-    def stacks(self) -> list[str]:
-        return ["encoder"]
-
-    def base_model(self, stack: str = "encoder") -> nn.Module:
-        """``model.vit`` (a ``ViTModel``), or the model itself when it is a bare ViTModel."""
-        self._check_stack(stack)
-        inner = getattr(self.model, "vit", None)
-        return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else self.model
-
-    def layers(self, stack: str = "encoder") -> nn.ModuleList:
-        return self.base_model(stack).layers
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self.base_model(stack).layers = layers
-
     def embeddings(self) -> nn.Module:
         """``vit.embeddings``: patch projection, CLS token and position embeddings (what makes layer 0's input)."""
         return self.base_model().embeddings
