@@ -191,14 +191,18 @@ def check_cached_forward(model: nn.Module, atol: float | None = None) -> None:
             cache = out.past_key_values
             steps.append(out.logits[:, -1])
     model.train(was_training)
+    compare_cached_steps(steps, full, atol, "cached and uncached forwards disagree", "the KV cache indexing is broken.")
+
+
+def compare_cached_steps(steps: list[torch.Tensor], full: torch.Tensor, atol: float, what: str, cause: str) -> None:
+    """Raises ValueError when the outputs of the cached steps (prefill of 4, then one token at a time) differ from
+    the uncached forward's at the same positions by more than `atol` times the largest output."""
     cached = torch.stack(steps, dim=1).float()
     reference = full[:, 3:].float()
     scale = reference.abs().max().clamp_min(1.0)
     if not torch.allclose(cached, reference, atol=atol * float(scale), rtol=0):
         diff = (cached - reference).abs().max().item()
-        raise ValueError(
-            f"cached and uncached forwards disagree (max |diff| {diff:.3g}): the KV cache indexing is broken."
-        )
+        raise ValueError(f"{what} (max |diff| {diff:.3g}): {cause}")
 
 
 def _cat_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

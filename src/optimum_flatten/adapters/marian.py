@@ -48,7 +48,7 @@ from .base import (
     MlpView,
     NormView,
 )
-from .llama import CACHE_CHECK_TOLERANCE
+from .llama import CACHE_CHECK_TOLERANCE, compare_cached_steps
 from .registry import register_adapter
 
 #: Stack name -> (config key of its layer count, of its head count, of its MLP width).
@@ -436,15 +436,13 @@ def check_cached_seq2seq_forward(model: nn.Module, atol: float | None = None) ->
         ) from error
     finally:
         model.train(was_training)
-    cached = torch.stack(steps, dim=1).float()
-    reference = full[:, 3:].float()
-    scale = reference.abs().max().clamp_min(1.0)
-    if not torch.allclose(cached, reference, atol=atol * float(scale), rtol=0):
-        diff = (cached - reference).abs().max().item()
-        raise ValueError(
-            f"cached and uncached decoding disagree (max |diff| {diff:.3g}): the decoder's layer_idx (the "
-            "EncoderDecoderCache index) is broken; call reindex_('decoder')."
-        )
+    compare_cached_steps(
+        steps,
+        full,
+        atol,
+        "cached and uncached decoding disagree",
+        "the decoder's layer_idx (the EncoderDecoderCache index) is broken; call reindex_('decoder').",
+    )
 
 
 def _cached_steps(model: nn.Module, source: torch.Tensor, target: torch.Tensor) -> list[torch.Tensor]:
