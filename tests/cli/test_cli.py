@@ -14,10 +14,13 @@ def tiny_checkpoint(tmp_path, monkeypatch):
     model.save_pretrained(path)
     tokenizer = tiny_models.CharTokenizer()
 
-    def fake_load(name, dtype):
+    def fake_load(name, dtype, trust_remote_code=False):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).eval(), tokenizer
+        model = AutoModelForCausalLM.from_pretrained(
+            name, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
+        return model.eval(), tokenizer
 
     monkeypatch.setattr("optimum_flatten.cli.main._load", fake_load)
     data = tmp_path / "calibration.jsonl"
@@ -57,6 +60,32 @@ def test_compress_writes_plain_checkpoint_with_heatmap(tiny_checkpoint, tmp_path
     assert report["method_args"]["calibration_mode"] == "sequential"
     assert report["calibration"]["tokens"] == 8 * 24
     assert (out / "similarity_heatmap.png").exists()
+
+
+def test_compress_collapses_a_remote_code_checkpoint_saved_mid_training(tiny_checkpoint, tmp_path, capsys):
+    """A LayerCollapse checkpoint saved mid-training (alpha trained to 1, not collapsed yet) is remote code: the CLI
+    loads it with --trust-remote-code, collapses, and writes a plain GPT-2 once every MLP is collapsed."""
+    from transformers import GPT2LMHeadModel
+
+    from common import assert_close, logits, sample_ids
+    from optimum_flatten.export.layer_collapse import save_layer_collapse
+    from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
+
+    model = tiny_models.tiny_gpt2()
+    for activation in prepare_layer_collapse_(model, num_mlps=6).values():
+        activation.alpha.data.fill_(1.0)
+    saved = save_layer_collapse(model, tmp_path / f"{tmp_path.name}-alpha-one")
+    _, data = tiny_checkpoint
+    out = tmp_path / "collapsed"
+    arguments = ["compress", str(saved), "--method", "layer_collapse", "--dataset", str(data), "--nsamples", "4"]
+    code = main([*arguments, "--seqlen", "16", "--output", str(out), "--no-progress", "--trust-remote-code"])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert report["export_format"] == "stock"
+    assert [r["layer"] for r in report["layer_collapse"]["collapsed"]] == list(range(6))
+    plain = GPT2LMHeadModel.from_pretrained(out).eval()
+    ids = sample_ids()
+    assert_close(logits(plain, ids), logits(model, ids))
 
 
 def test_cli_errors_are_clear_and_early(tiny_checkpoint, tmp_path, capsys):

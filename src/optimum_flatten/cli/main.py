@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _load(model_name: str, dtype_name: str):
+def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
     import torch
 
     from .. import bundled
@@ -25,7 +25,8 @@ def _load(model_name: str, dtype_name: str):
     dtype = getattr(torch, dtype_name)
     if model_name in bundled.BUNDLED_MODELS:
         return bundled.load_bundled(model_name, dtype)
-    return load_pretrained(model_name, dtype=dtype), load_processor(model_name)
+    model = load_pretrained(model_name, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model, load_processor(model_name, trust_remote_code=trust_remote_code)
 
 
 def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
@@ -43,7 +44,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     config = FlattenConfig(**config_kwargs(args))
     check_output_dir(args.output, args.overwrite)  # fail before the expensive part
-    model, tokenizer = _load(args.model, args.dtype)
+    model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     report = quantizer.report
@@ -185,6 +186,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             speed=not args.no_speed,
             lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
             lm_eval_limit=args.lm_eval_limit,
+            trust_remote_code=args.trust_remote_code,
         )
         for p in paths
     ]
@@ -241,8 +243,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     check_output_dir(args.output, args.overwrite)
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
-    model = AutoModelForCausalLM.from_pretrained(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config)
     report_path = Path(args.model) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
@@ -263,6 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     compress.add_argument("--dtype", default="float32", choices=DTYPES)
     compress.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    compress.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
+    )
     compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
     add_config_arguments(compress)
     compress.set_defaults(func=cmd_compress)
@@ -276,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
     evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
     evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
+    )
     evaluate.add_argument(
         "--lm-eval-tasks",
         default=None,
@@ -292,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     recover_parser.add_argument("--dataset", required=True, help="Alpaca-format .json/.jsonl, or any text source")
     recover_parser.add_argument("--output", required=True)
     recover_parser.add_argument("--overwrite", action="store_true")
+    recover_parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
+    )
     add_recovery_arguments(recover_parser)
     recover_parser.set_defaults(func=cmd_recover)
 

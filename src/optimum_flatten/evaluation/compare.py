@@ -25,6 +25,7 @@ def evaluate_checkpoint(
     speed: bool = True,
     lm_eval_tasks: Sequence[str] = (),
     lm_eval_limit: int | None = None,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Perplexity (with its protocol), prefill/decode throughput and optional lm-eval tasks of one checkpoint.
 
@@ -33,8 +34,8 @@ def evaluate_checkpoint(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     stream = tokenize_corpus(tokenizer, load_texts(dataset))
     result = perplexity(model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens)
     entry: dict[str, Any] = {

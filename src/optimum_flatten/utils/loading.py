@@ -49,14 +49,14 @@ def load_pretrained(path: str, **kwargs: Any) -> Any:
     return cls.from_pretrained(path, **kwargs).eval()
 
 
-def load_processor(path: str) -> Any:
+def load_processor(path: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer saved with the checkpoint, or its image processor for a vision model (None if neither)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError):
         try:
-            return AutoImageProcessor.from_pretrained(path)
+            return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError):
             return None
