@@ -105,3 +105,12 @@ def test_compress_on_load_with_dtype_and_device_map_for_every_method(tmp_path, m
     assert model.flatten_report["method"] == method
     assert not hasattr(model.config, "quantization_config")
     assert all(int(k.split(".")[2]) < 4 for k in getattr(model, "hf_device_map", {}) if k.startswith("model.layers."))
+
+
+def test_layer_collapse_is_refused_on_load_before_any_weight_loads(tmp_path):
+    """Collapsed MLPs need optimum-flatten's export, which from_pretrained + save_pretrained would bypass."""
+    dense_dir = tmp_path / "dense"
+    tiny_models.tiny_gpt2().save_pretrained(dense_dir)
+    config = FlattenConfig(method="layer_collapse", measure_error=False)
+    with pytest.raises(ValueError, match=r"cannot run inside from_pretrained.*FlattenQuantizer\.save"):
+        AutoModelForCausalLM.from_pretrained(dense_dir, quantization_config=config)

@@ -38,6 +38,16 @@ class FlattenHfQuantizer(HfQuantizer):
         self.report: dict[str, Any] = {}
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        if self.quantization_config.method == "layer_collapse":
+            # Collapsed MLPs have per-layer shapes that model.save_pretrained cannot describe; and LayerCollapse
+            # needs a training run between loading and collapsing anyway.
+            raise ValueError(
+                "method 'layer_collapse' cannot run inside from_pretrained: it collapses MLPs whose alpha a training "
+                "run brought to 1, and the result needs optimum-flatten's export (model.save_pretrained would write "
+                "a config that does not describe it). Load the model, train it (prepare_layer_collapse_, "
+                "build_layer_collapse_trainer), then FlattenQuantizer(config).compress(model, tokenizer) and "
+                "FlattenQuantizer.save(model, path)."
+            )
         if self.pre_quantized:
             raise ValueError(
                 "this checkpoint's config.json carries quantization_config 'flatten', but compressed checkpoints are "
