@@ -40,7 +40,6 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -213,59 +212,26 @@ def layer_collapse_training(
     num_mlps: int = 1,
     trained: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Prepares the last `num_mlps` MLPs and trains them to the identity with AdamLC, in two short Trainer runs.
+    """Prepares the last `num_mlps` MLPs and trains them to the identity with the library's two-phase AdamLC
+    schedule (`recovery.layer_collapse_training.train_to_linear`; see its `LinearisationSchedule`).
 
     `trained` is what the Trainer runs (default `model`): a wrapper around `model` that computes the loss, for a
     model whose forward has none (a sentence encoder trained to keep its embeddings).
-
-    Phase 1 pulls α towards 1 by `pull_per_step` of the remaining distance per step (lc = pull / (2 lr)) while the
-    task loss trains every weight. Phase 2 uses 2·lr·lc = 1 (α lands on 1 every step) at a learning rate below the
-    collapse threshold, so Adam's own step on α cannot move it 1e-4 away before the collapse (see
-    docs/methods/layer_collapse.md).
     """
-    from transformers import TrainingArguments
-
     from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-    from optimum_flatten.recovery.layer_collapse_training import build_layer_collapse_trainer
+    from optimum_flatten.recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
 
     alphas = prepare_layer_collapse_(model, num_mlps=num_mlps)
-    log: dict[str, Any] = {"prepared_layers": sorted(alphas)}
-    phases = (
-        ("pull", pull_steps, pull_lr, pull_per_step / (2 * pull_lr)),
-        ("snap", snap_steps, snap_lr, 1.0 / (2 * snap_lr)),
+    schedule = LinearisationSchedule(
+        pull_steps=pull_steps,
+        learning_rate=pull_lr,
+        pull_per_step=pull_per_step,
+        snap_steps=snap_steps,
+        snap_learning_rate=snap_lr,
+        batch_size=batch_size,
+        extra_training_args={"use_cpu": True, "disable_tqdm": True},
     )
-    offset = 0
-    for phase, steps, lr, lc in phases:
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(
-                output_dir=tmp,
-                max_steps=steps,
-                per_device_train_batch_size=batch_size,
-                learning_rate=lr,
-                lr_scheduler_type="constant",
-                warmup_steps=0,
-                weight_decay=0.0,
-                logging_steps=max(1, steps // 4),
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
-                disable_tqdm=True,
-                seed=0,
-                dataloader_num_workers=0,
-                remove_unused_columns=trained is None,
-            )
-            phase_rows = rows[offset * batch_size : (offset + steps) * batch_size]
-            trainer = build_layer_collapse_trainer(trained or model, phase_rows, args, lc=lc, pull="adamlc")
-            trainer.train()
-        offset += steps
-        log[phase] = {
-            "steps": steps,
-            "learning_rate": lr,
-            "lc": lc,
-            "alpha_after": [float(a.current_alpha().detach()) for a in alphas.values()],
-        }
-    model.eval()
-    return log
+    return {"prepared_layers": sorted(alphas), **train_to_linear(model, rows, schedule, trained=trained)}
 
 
 def snap_alpha_(model: nn.Module) -> None:

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModel, BertConfig, BertModel, TrainingArguments
+from transformers import AutoModel, BertConfig, BertModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _setup import parse
 
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-from optimum_flatten.recovery.layer_collapse_training import build_layer_collapse_trainer
+from optimum_flatten.recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
 from optimum_flatten.utils.torch_utils import count_parameters
 
 NUM_MLPS, SEED = 2, 0
@@ -111,37 +111,6 @@ def rows(batches: list[dict[str, torch.Tensor]], dense: nn.Module) -> list[dict[
     return out
 
 
-def train_alphas(model: nn.Module, train_rows: list, steps: tuple[int, int], lrs: tuple[float, float]) -> None:
-    """Two short AdamLC runs: pull α 5% of the remaining way to 1 per step while every weight trains, then land
-    α on 1 (2·lr·lc = 1) at a learning rate small enough that Adam's own step on α stays under the threshold."""
-    wrapper = KeepEmbeddings(model)
-    offset = 0
-    for phase_steps, lr, pull in ((steps[0], lrs[0], 0.05), (steps[1], lrs[1], 1.0)):
-        with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(
-                output_dir=tmp,
-                max_steps=phase_steps,
-                per_device_train_batch_size=16,
-                learning_rate=lr,
-                lr_scheduler_type="constant",
-                weight_decay=0.0,
-                logging_steps=max(1, phase_steps // 2),
-                save_strategy="no",
-                report_to="none",
-                use_cpu=True,
-                disable_tqdm=True,
-                seed=SEED,
-                remove_unused_columns=False,
-            )
-            phase_rows = train_rows[offset * 16 : (offset + phase_steps) * 16]
-            trainer = build_layer_collapse_trainer(wrapper, phase_rows, args, lc=pull / (2 * lr), pull="adamlc")
-            trainer.train()
-            alphas = {k: round(v, 5) for k, v in trainer.state.log_history[-2].items() if k.startswith("lc_alpha")}
-            print(f"after {phase_steps} steps at lr {lr}: {alphas}")
-        offset += phase_steps
-    model.eval()
-
-
 def main() -> None:
     args = parse(__doc__)
     import copy
@@ -157,8 +126,10 @@ def main() -> None:
     for activation in prepare_layer_collapse_(snapped, num_mlps=NUM_MLPS).values():
         activation.alpha.data.fill_(1.0)
     layers = sorted(prepare_layer_collapse_(encoder, num_mlps=NUM_MLPS))
-    steps = (10, 2) if args.tiny else (150, 10)
-    train_alphas(encoder, rows(train_batches, dense), steps, (1e-4, 5e-5))
+    # AdamLC pulls alpha 5% of the way to 1 per step while every weight trains, then lands it on 1.
+    schedule = LinearisationSchedule(pull_steps=10, snap_steps=2) if args.tiny else LinearisationSchedule()
+    log = train_to_linear(encoder, rows(train_batches, dense), schedule, trained=KeepEmbeddings(encoder))
+    print(f"alpha after {schedule.pull_steps} + {schedule.snap_steps} steps: {log['snap']['alpha_after']}")
 
     quantizer = FlattenQuantizer(FlattenConfig(method="layer_collapse", **calibration))
     quantizer.compress(encoder, tokenizer)

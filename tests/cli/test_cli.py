@@ -88,6 +88,41 @@ def test_compress_collapses_a_remote_code_checkpoint_saved_mid_training(tiny_che
     assert_close(logits(plain, ids), logits(model, ids))
 
 
+def test_layer_collapse_verb_trains_collapses_and_saves(tiny_checkpoint, tmp_path, capsys):
+    """prepare -> AdamLC pull-then-land -> collapse -> save, in one command, on a GPT-2: the last two of six MLPs
+    reach alpha = 1 and collapse with a small measured error, and the remote-code checkpoint reloads."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "gpt2"
+    tiny_models.tiny_gpt2().save_pretrained(model_dir)
+    _, data = tiny_checkpoint
+    out = tmp_path / f"{tmp_path.name}-collapsed"
+    schedule = ["--pull-steps", "6", "--pull-per-step", "0.5", "--snap-steps", "2", "--batch-size", "2"]
+    arguments = ["layer-collapse", str(model_dir), "--dataset", str(data), "--num-mlps", "2", "--seqlen", "16"]
+    code = main([*arguments, "--nsamples", "4", *schedule, "--output", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "remote_code" in captured.out and "AutoModelForCausalLM.from_pretrained" in captured.out
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert [r["layer"] for r in report["layer_collapse"]["collapsed"]] == [4, 5]
+    assert all(abs(1 - r["alpha"]) < 1e-4 and r["relative_error"] < 1e-3 for r in report["layer_collapse"]["collapsed"])
+    assert report["training"]["pull"]["steps"] == 6 and report["training"]["snap"]["steps"] == 2
+    assert report["parameters_after"] < report["parameters_before"]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(reloaded).__name__ == "LayerCollapseGPT2LMHeadModel"
+
+
+def test_layer_collapse_verb_refuses_what_it_cannot_do(tiny_checkpoint, tmp_path, capsys):
+    model_path, data = tiny_checkpoint  # a gated LLaMA MLP cannot collapse
+    code = main(["layer-collapse", str(model_path), "--dataset", str(data), "--output", str(tmp_path / "o")])
+    assert code == 2 and "--num-mlps" in capsys.readouterr().err
+    code = main(
+        ["layer-collapse", str(model_path), "--dataset", str(data), "--num-mlps", "1", "--output", str(tmp_path / "o")]
+    )
+    assert code == 2 and "bilinear" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_errors_are_clear_and_early(tiny_checkpoint, tmp_path, capsys):
     model_path, data = tiny_checkpoint
     out = tmp_path / "out"

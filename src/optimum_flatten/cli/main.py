@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .options import add_config_arguments, add_recovery_arguments, config_kwargs
+from .options import add_config_arguments, add_recovery_arguments, add_schedule_arguments, config_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,57 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_layer_collapse(args: argparse.Namespace) -> int:
+    """LayerCollapse end to end on a causal LM: prepare the last MLPs, train α to 1 (AdamLC), collapse, save."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from ..adapters import get_adapter
+    from ..config import FlattenConfig
+    from ..export.checkpoint import REPORT_NAME, check_output_dir
+    from ..methods.layer_collapse import prepare_layer_collapse_
+    from ..quantizer import FlattenQuantizer
+    from ..recovery.data import build_training_rows, load_recovery_texts
+    from ..recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
+
+    check_output_dir(args.output, args.overwrite)
+    selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
+    if len(selection) != 1:
+        raise ValueError("say which MLPs to collapse: --num-mlps K (the last K not collapsed yet) or --mlp-fraction F.")
+    names = {f.name for f in dataclasses.fields(LinearisationSchedule)}
+    schedule = LinearisationSchedule(**{k: v for k, v in vars(args).items() if k in names})
+    model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
+    if get_adapter(model).lm_head() is None:
+        raise ValueError(
+            f"the layer-collapse command trains on the next-token loss, and this {type(model).__name__} has no causal "
+            "LM head; for an encoder, train with your own loss through the Python API (see examples/layer_collapse)."
+        )
+    texts, kind = load_recovery_texts(args.dataset)
+    rows = build_training_rows(tokenizer, texts, kind, args.seqlen, args.max_samples, schedule.seed)
+    prepared = sorted(prepare_layer_collapse_(model, **selection))
+    log = train_to_linear(model, rows, schedule)
+    calibration = {"dataset": args.dataset, "nsamples": args.nsamples, "seqlen": args.seqlen}
+    config = FlattenConfig(method="layer_collapse", threshold=args.threshold, **calibration)
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    quantizer.compress(model, tokenizer)
+    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"training": log})
+    report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
+    collapsed = report["layer_collapse"]["collapsed"]
+    rows_shown = [
+        ("MLPs prepared", prepared),
+        ("training", f"{len(rows)} rows of {args.seqlen} tokens; alpha after: {log['snap']['alpha_after']}"),
+        ("collapsed (layer, relative error)", [(r["layer"], f"{r['relative_error']:.2e}") for r in collapsed]),
+        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
+        ("format", report["export_format"]),
+    ]
+    print(_table(rows_shown, ("", "value")))
+    load = report.get("load_with")
+    how = f"{load['class']}.from_pretrained(path, trust_remote_code=True)" if load else "its stock class"
+    print(f"saved to {path}; load with {how}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimum-flatten", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -311,6 +362,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_recovery_arguments(recover_parser)
     recover_parser.set_defaults(func=cmd_recover)
+
+    collapse = verbs.add_parser(
+        "layer-collapse", help="train the last MLPs of a causal LM to linear (AdamLC), collapse them, and save"
+    )
+    collapse.add_argument("model", help="checkpoint directory, hub name, or a remote-code LayerCollapse checkpoint")
+    collapse.add_argument("--dataset", required=True, help="training and calibration text (same forms as compress)")
+    collapse.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
+    collapse.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    which = collapse.add_mutually_exclusive_group()
+    which.add_argument("--num-mlps", type=int, default=None, help="collapse the last K MLPs not collapsed yet")
+    which.add_argument("--mlp-fraction", type=float, default=None, help="the same as a fraction of the layers")
+    collapse.add_argument("--seqlen", type=int, default=256, help="tokens per training row and calibration sequence")
+    collapse.add_argument("--max-samples", type=int, default=None, help="training rows at most (default: all)")
+    collapse.add_argument("--nsamples", type=int, default=8, help="calibration sequences for the error report")
+    collapse.add_argument("--threshold", type=float, default=1e-4, help="collapse only when |1 - alpha| < this")
+    collapse.add_argument("--dtype", default="float32", choices=DTYPES)
+    collapse.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_schedule_arguments(collapse)
+    collapse.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modelling code shipped with the checkpoint (a LayerCollapse checkpoint saved mid-training)",
+    )
+    collapse.set_defaults(func=cmd_layer_collapse)
 
     demo = verbs.add_parser("demo", help="compress the bundled SmolLM2-135M and compare it with the dense model")
     demo.add_argument("--method", default="flattengpt")

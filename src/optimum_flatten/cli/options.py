@@ -149,3 +149,23 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"RecoveryConfig.{f.name} (default: {f.default!r})",
         )
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per scalar field of `LinearisationSchedule` (the AdamLC pull-then-land schedule)."""
+    from ..recovery.layer_collapse_training import LinearisationSchedule
+
+    group = parser.add_argument_group("linearisation schedule (AdamLC)")
+    hints = typing.get_type_hints(LinearisationSchedule)
+    for f in dataclasses.fields(LinearisationSchedule):
+        if typing.get_origin(hints[f.name]) is dict:
+            continue
+        convert, choices = _converter(hints[f.name])
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=convert,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"LinearisationSchedule.{f.name} (default: {f.default!r})",
+        )

@@ -17,8 +17,10 @@ Importing this module imports `transformers.Trainer` (and through it datasets / 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -325,6 +327,103 @@ def build_layer_collapse_trainer(
     names = [name for name, _ in trainer.collapse_activations()]
     logger.info("layer_collapse training (%s, lc=%g) over the activations %s", pull, lc, names)
     return trainer
+
+
+@dataclasses.dataclass
+class LinearisationSchedule:
+    """Two AdamLC phases that take every prepared α to 1 while the task loss trains every weight.
+
+    - Pull: `pull_steps` steps at `learning_rate` with ``2·lr·lc = pull_per_step``, so each step moves α that
+      fraction of its remaining distance to 1 (5% by default: 0.95¹⁵⁰ leaves 5e-4) while the weights adapt to the
+      ever more linear activation.
+    - Land: `snap_steps` steps with ``2·lr·lc = 1`` (α lands on 1 every step) at `snap_learning_rate`, chosen below
+      the collapse threshold so that Adam's own step on α cannot move it 1e-4 away before the collapse.
+
+    The defaults are what the BERT rows of benchmarks/families and examples/layer_collapse use.
+    """
+
+    pull_steps: int = 150
+    learning_rate: float = 1e-4
+    pull_per_step: float = 0.05
+    snap_steps: int = 10
+    snap_learning_rate: float = 5e-5
+    batch_size: int = 16
+    seed: int = 0
+    logging_steps: int | None = None
+    extra_training_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.pull_steps < 0 or self.snap_steps < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"need pull_steps >= 0, snap_steps >= 1 and batch_size >= 1, got {self.pull_steps}, "
+                f"{self.snap_steps} and {self.batch_size}."
+            )
+        if not 0 < self.pull_per_step <= 1:
+            raise ValueError(f"pull_per_step is a fraction of the distance to 1 in (0, 1], got {self.pull_per_step}.")
+
+
+def train_to_linear(
+    model: nn.Module,
+    train_dataset: Sequence[dict[str, Any]],
+    schedule: LinearisationSchedule | None = None,
+    *,
+    trained: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Runs `schedule` on a model prepared with `prepare_layer_collapse_`; returns the per-phase log.
+
+    Each phase reads its own rows of `train_dataset` in order (phase 1 the first ``pull_steps·batch_size``, phase
+    2 the next), cycling when there are fewer. `trained` is what the Trainer runs (default `model`): a wrapper that
+    computes the loss, for a model whose forward has none (a sentence encoder trained to keep its embeddings).
+
+    Raises:
+        ValueError: the model holds no prepared MLP, or `train_dataset` is empty.
+    """
+    from transformers import TrainingArguments
+
+    schedule = schedule or LinearisationSchedule()
+    if not len(train_dataset):
+        raise ValueError("train_to_linear needs training rows; got none.")
+    activations = parametric_activations(model)
+    log: dict[str, Any] = {"activations": [name for name, _ in activations], "rows": len(train_dataset)}
+    phases = (
+        ("pull", schedule.pull_steps, schedule.learning_rate, schedule.pull_per_step),
+        ("snap", schedule.snap_steps, schedule.snap_learning_rate, 1.0),
+    )
+    offset = 0
+    for phase, steps, lr, pull in phases:
+        if steps == 0:
+            continue
+        size = schedule.batch_size
+        rows = [train_dataset[i % len(train_dataset)] for i in range(offset * size, (offset + steps) * size)]
+        with tempfile.TemporaryDirectory() as scratch:
+            args = TrainingArguments(
+                output_dir=scratch,
+                max_steps=steps,
+                per_device_train_batch_size=size,
+                learning_rate=lr,
+                lr_scheduler_type="constant",
+                warmup_steps=0,
+                weight_decay=0.0,
+                logging_steps=schedule.logging_steps or max(1, steps // 4),
+                save_strategy="no",
+                report_to="none",
+                seed=schedule.seed,
+                dataloader_num_workers=0,
+                remove_unused_columns=trained is None,
+                **schedule.extra_training_args,
+            )
+            trainer = build_layer_collapse_trainer(trained or model, rows, args, lc=pull / (2 * lr), pull="adamlc")
+            result = trainer.train()
+        offset += steps
+        log[phase] = {
+            "steps": steps,
+            "learning_rate": lr,
+            "lc": pull / (2 * lr),
+            "train_loss": result.training_loss,
+            "alpha_after": [float(module.current_alpha().detach()) for _, module in activations],
+        }
+    model.eval()
+    return log
 
 
 # --------------------------------------------------------------------------------------------------- AdamLC
