@@ -410,7 +410,7 @@ def train_to_linear(
                 seed=schedule.seed,
                 dataloader_num_workers=0,
                 remove_unused_columns=trained is None,
-                **schedule.extra_training_args,
+                **{"dataloader_pin_memory": torch.cuda.is_available(), **schedule.extra_training_args},
             )
             trainer = build_layer_collapse_trainer(trained or model, rows, args, lc=pull / (2 * lr), pull="adamlc")
             result = trainer.train()
