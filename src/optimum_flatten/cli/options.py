@@ -67,11 +67,15 @@ def _parse_bool(value: str) -> bool:
 
 
 def _add_dataclass_fields(
-    group: argparse._ArgumentGroup, cls: type, seen: set[str], shared: dict[str, list[str]] | None = None
+    group: argparse._ArgumentGroup,
+    cls: type,
+    seen: set[str],
+    shared: dict[str, list[str]] | None = None,
+    helps: dict[str, str] | None = None,
 ) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in seen:
+        if f.name in seen or typing.get_origin(hints[f.name]) is dict:  # dict fields stay API-only
             continue
         seen.add(f.name)
         convert, choices = _converter(hints[f.name])
@@ -86,7 +90,7 @@ def _add_dataclass_fields(
                 help=f"option of the methods {', '.join(owners)} (its default depends on --method)",
             )
             continue
-        help_text = _HELP.get(f.name, f"{cls.__name__}.{f.name}")
+        help_text = (_HELP if helps is None else helps).get(f.name, f"{cls.__name__}.{f.name}")
         group.add_argument(
             f"--{f.name.replace('_', '-')}",
             dest=f.name,
@@ -156,16 +160,4 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     from ..recovery.layer_collapse_training import LinearisationSchedule
 
     group = parser.add_argument_group("linearisation schedule (AdamLC)")
-    hints = typing.get_type_hints(LinearisationSchedule)
-    for f in dataclasses.fields(LinearisationSchedule):
-        if typing.get_origin(hints[f.name]) is dict:
-            continue
-        convert, choices = _converter(hints[f.name])
-        group.add_argument(
-            f"--{f.name.replace('_', '-')}",
-            dest=f.name,
-            type=convert,
-            choices=choices,
-            default=argparse.SUPPRESS,
-            help=f"LinearisationSchedule.{f.name} (default: {f.default!r})",
-        )
+    _add_dataclass_fields(group, LinearisationSchedule, set(), helps={})
