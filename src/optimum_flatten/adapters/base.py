@@ -573,11 +573,32 @@ class ArchitectureAdapter:
     def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
         """Updates the layer count and per-layer config lists after the stack became `first_indices`.
 
+        The default serves a family with one stack: ``num_hidden_layers`` (transformers' ``attribute_map`` turns it
+        into GPT-2's ``n_layer``) and, when the config has one, the per-layer ``layer_types`` list (Qwen2's sliding
+        windows). A family with other per-layer lists or several stacks overrides it.
+
         Args:
             stack: The stack that changed.
             first_indices: For every output layer, the original index whose per-layer config it inherits.
         """
-        raise NotImplementedError
+        self._check_stack(stack)
+        first_indices = list(first_indices)
+        self.config.num_hidden_layers = len(first_indices)
+        layer_types = getattr(self.config, "layer_types", None)
+        if isinstance(layer_types, list):
+            self.config.layer_types = [layer_types[i] for i in first_indices]
+
+    def layer_count_problems(self) -> list[str]:
+        """What `validate` reports when the config's layer count (or its ``layer_types`` list) disagrees with the
+        stack of a one-stack family."""
+        count, config = len(self.layers()), self.config
+        problems = []
+        if config.num_hidden_layers != count:
+            problems.append(f"config.num_hidden_layers={config.num_hidden_layers} but {count} layers")
+        layer_types = getattr(config, "layer_types", None)
+        if isinstance(layer_types, list) and len(layer_types) != count:
+            problems.append(f"config.layer_types has {len(layer_types)} entries for {count} layers")
+        return problems
 
     def validate(self) -> None:
         """Checks that the config agrees with the modules and that a tiny forward runs with and without cache."""

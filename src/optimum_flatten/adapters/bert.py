@@ -201,18 +201,11 @@ class BertAdapter(ArchitectureAdapter):
         for i, layer in enumerate(self.layers(stack)):
             layer.attention.self.layer_idx = i
 
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        """Sets ``num_hidden_layers``; BERT has no per-layer config lists."""
-        self._check_stack(stack)
-        self.config.num_hidden_layers = len(list(first_indices))
-
     # -------------------------------------------------------------- validating
     def validate(self) -> None:
         layers = self.layers()
         config = self.config
-        problems = []
-        if config.num_hidden_layers != len(layers):
-            problems.append(f"config.num_hidden_layers={config.num_hidden_layers} but {len(layers)} layers")
+        problems = self.layer_count_problems()
         for i, layer in enumerate(layers):
             view = self.block_view(layer, i)
             g = view.attention.geometry

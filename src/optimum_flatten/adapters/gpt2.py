@@ -340,11 +340,6 @@ class GPT2Adapter(ArchitectureAdapter):
             self._rescale_attention_(attn, expected_scaling(self.config, attn.head_dim, i))
             attn.layer_idx = i
 
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        """Sets ``n_layer`` (``num_hidden_layers``); GPT-2 has no per-layer config lists."""
-        self._check_stack(stack)
-        self.config.n_layer = len(list(first_indices))
-
     # -------------------------------------------------------------- merging
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The block's attention and MLP parameters, with the queries expressed at the layer-0 scaling.

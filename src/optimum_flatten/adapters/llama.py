@@ -135,23 +135,10 @@ class LlamaAdapter(ArchitectureAdapter):
         for i, layer in enumerate(self.layers(stack)):
             layer.self_attn.layer_idx = i
 
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        self._check_stack(stack)
-        first_indices = list(first_indices)
-        self.config.num_hidden_layers = len(first_indices)
-        layer_types = getattr(self.config, "layer_types", None)
-        if isinstance(layer_types, list):
-            self.config.layer_types = [layer_types[i] for i in first_indices]
-
     # -------------------------------------------------------------- validating
     def validate(self) -> None:
         layers = self.layers()
-        problems = []
-        if self.config.num_hidden_layers != len(layers):
-            problems.append(f"config.num_hidden_layers={self.config.num_hidden_layers} but {len(layers)} layers")
-        layer_types = getattr(self.config, "layer_types", None)
-        if isinstance(layer_types, list) and len(layer_types) != len(layers):
-            problems.append(f"config.layer_types has {len(layer_types)} entries for {len(layers)} layers")
+        problems = self.layer_count_problems()
         for i, layer in enumerate(layers):
             view = self.block_view(layer, i)
             g = view.attention.geometry
