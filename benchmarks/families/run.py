@@ -261,6 +261,8 @@ def sentence_embeddings(
     model: nn.Module, tokenizer: Any, sentences: Sequence[str], max_length: int, layer: int | None = None
 ) -> torch.Tensor:
     """Mean pooling over real tokens, then L2 normalisation (sentence-transformers' recipe for this model)."""
+    from optimum_flatten.recovery.layer_collapse_training import mean_pooled
+
     outputs = []
     for start in range(0, len(sentences), 64):
         encoded = tokenizer(
@@ -272,9 +274,7 @@ def sentence_embeddings(
         )
         result = model(**encoded, output_hidden_states=layer is not None)
         hidden = result.hidden_states[layer] if layer is not None else result.last_hidden_state
-        mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        outputs.append(torch.nn.functional.normalize(pooled, dim=-1))
+        outputs.append(torch.nn.functional.normalize(mean_pooled(hidden, encoded["attention_mask"]), dim=-1))
     return torch.cat(outputs)
 
 
@@ -290,24 +290,6 @@ def agreement(embeddings: torch.Tensor, dense: torch.Tensor) -> dict[str, float]
         "spearman_vs_dense": float(spearmanr(pairs.numpy(), dense_pairs.numpy()).statistic),
         "mean_cosine_to_dense": float((embeddings * dense).sum(-1).mean()),
     }
-
-
-class KeepEmbeddings(nn.Module):
-    """A sentence encoder with the loss that keeps its embeddings: 1 − cos(mean-pooled states, dense embedding).
-
-    BertModel's forward has no loss; LayerCollapse training needs one. Rows carry the dense model's embedding as
-    ``labels``, so the encoder learns to compute what it computed before while α is pulled to 1 (self-distillation).
-    """
-
-    def __init__(self, encoder: nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> dict:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return {"loss": (1 - torch.nn.functional.cosine_similarity(pooled, labels, dim=-1)).mean()}
 
 
 def distillation_rows(
@@ -450,6 +432,7 @@ def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
 
     def layer_collapse(num_mlps: int, train: bool) -> Callable[[], dict[str, Any]]:
         from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
+        from optimum_flatten.recovery.layer_collapse_training import KeepEmbeddings
 
         def body() -> dict[str, Any]:
             model = copy.deepcopy(dense_model)

@@ -29,33 +29,20 @@ from _setup import parse
 
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-from optimum_flatten.recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
+from optimum_flatten.recovery.layer_collapse_training import (
+    KeepEmbeddings,
+    LinearisationSchedule,
+    mean_pooled,
+    train_to_linear,
+)
 from optimum_flatten.utils.torch_utils import count_parameters
 
 NUM_MLPS, SEED = 2, 0
 
 
-def mean_pool(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sentence embedding as all-MiniLM-L6-v2 defines it: the mean over real (unpadded) tokens."""
-    weights = mask.unsqueeze(-1).to(states.dtype)
-    return (states * weights).sum(1) / weights.sum(1).clamp_min(1.0)
-
-
-class KeepEmbeddings(nn.Module):
-    """The encoder plus the distillation loss the Trainer minimises: 1 − cos(embedding, dense embedding)."""
-
-    def __init__(self, encoder: nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, input_ids, attention_mask, labels):
-        embedding = mean_pool(self.encoder(input_ids=input_ids, attention_mask=attention_mask)[0], attention_mask)
-        return {"loss": (1 - torch.cosine_similarity(embedding, labels, dim=-1)).mean()}
-
-
 @torch.no_grad()
 def embed(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return mean_pool(model(**batch)[0], batch["attention_mask"])
+    return mean_pooled(model(**batch)[0], batch["attention_mask"])
 
 
 def data(tiny: bool):

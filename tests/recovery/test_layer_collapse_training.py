@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+import tiny_models
 from common import assert_close
 from optimum_flatten.ops import ParametricActivation, make_parametric_activation
 from optimum_flatten.recovery.layer_collapse_training import (
@@ -281,3 +282,23 @@ def test_adamlc_through_trainer_optimizer_cls_and_kwargs(tmp_path):
             assert not group["collapse_alpha"]
     assert any(g["weight_decay"] == 0.1 for g in groups), "the Trainer's decay group keeps its weight decay"
     assert all(isinstance(m, ParametricActivation) for _, m in parametric_activations(pulled))
+
+
+def test_keep_embeddings_is_one_minus_cosine_of_mean_pooled_real_tokens():
+    """The self-distillation loss against a naive reference: padding never counts, and the dense model's own
+    embeddings give a loss of 0."""
+    from optimum_flatten.recovery.layer_collapse_training import KeepEmbeddings, mean_pooled
+
+    encoder = tiny_models.tiny_bert().bert.eval()
+    ids = torch.randint(3, tiny_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        reference = torch.stack([hidden[0].mean(0), hidden[1, :4].mean(0)])
+        torch.testing.assert_close(mean_pooled(hidden, mask), reference)
+        loss = KeepEmbeddings(encoder)
+        assert abs(float(loss(ids, mask, 3.0 * reference)["loss"])) < 1e-6  # the cosine ignores the scale
+        target = torch.randn(2, reference.shape[1], generator=torch.Generator().manual_seed(1))
+        expected = 1 - torch.nn.functional.cosine_similarity(reference, target, dim=-1).mean()
+        torch.testing.assert_close(loss(ids, mask, target)["loss"], expected)

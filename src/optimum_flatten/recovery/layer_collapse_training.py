@@ -362,6 +362,31 @@ class LinearisationSchedule:
             raise ValueError(f"pull_per_step is a fraction of the distance to 1 in (0, 1], got {self.pull_per_step}.")
 
 
+class KeepEmbeddings(nn.Module):
+    """A sentence encoder plus the loss that keeps its embeddings: 1 − cos(mean-pooled states, target embedding).
+
+    An encoder's forward (``BertModel``) has no loss, and LayerCollapse training needs one. Rows carry the dense
+    model's embedding as ``labels`` (`mean_pooled` of it, normalised or not: the cosine ignores scale), so the
+    encoder learns to compute what it computed before while α is pulled to 1: self-distillation, no labelled data.
+    Pass it as `train_to_linear(..., trained=KeepEmbeddings(encoder))`.
+    """
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> dict:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        pooled = mean_pooled(hidden, attention_mask)
+        return {"loss": (1 - torch.nn.functional.cosine_similarity(pooled, labels, dim=-1)).mean()}
+
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mean of the states over real (unmasked) tokens: the sentence embedding of all-MiniLM-L6-v2 and kin."""
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
 def train_to_linear(
     model: nn.Module,
     train_dataset: Sequence[dict[str, Any]],
