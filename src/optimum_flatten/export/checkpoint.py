@@ -62,7 +62,7 @@ def save_compressed(
     report = dict(report or {})
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     from ..adapters import get_adapter
-    from .layer_collapse import layer_collapse_state, layer_collapse_states, loader_for, write_layer_collapse_model
+    from .layer_collapse import layer_collapse_states, loader_for, write_layer_collapse_model
 
     try:
         exported = get_adapter(model).export_model()
@@ -70,10 +70,11 @@ def save_compressed(
         # memory the compression needed.
         shards = {"max_shard_size": OFFLOADED_SHARD_SIZE} if is_offloaded(exported) else {}
         report.setdefault("architecture", type(exported).__name__)
-        if layer_collapse_state(exported) is not None:
+        states = layer_collapse_states(exported)
+        if any(state.is_present for state in states):
             report["mlp_layout"] = {
                 state.stack: {"collapsed": list(state.collapsed), "linearisable": list(state.linearisable)}
-                for state in layer_collapse_states(exported)
+                for state in states
             }
             if writer is None:
                 writer = write_layer_collapse_model  # per-layer MLP shapes: no stock config describes them as they are

@@ -179,7 +179,8 @@ def save_layer_collapse(
 
     if layer_collapse_state(model) is None:
         raise ValueError("the model has no collapsed or linearisable MLP; use save_compressed or save_pretrained.")
-    check_export(model, export_format)  # refuse a bad format or an inexpressible model before anything is written
+    # The writer refuses a bad format or an inexpressible model (check_export) before it writes anything, and
+    # save_compressed removes its staging directory on any error.
     writer = functools.partial(write_layer_collapse_model, export_format=export_format)
     report = {"method": "layer_collapse", **(report or {})}
     return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite, writer=writer)
