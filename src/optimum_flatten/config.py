@@ -18,6 +18,7 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .ops.linear_map import ESTIMATORS
 from .utils.errors import InvalidTargetError, did_you_mean
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class FlattenConfig(QuantizationConfigMixin):
         tokenizer: Any = None,
         version: int = CONFIG_VERSION,
         quant_method: str = "flatten",
+        linear_replacement: str | None = None,
         **kwargs: Any,
     ) -> None:
         from .methods.registry import get_method_class
@@ -226,6 +228,19 @@ class FlattenConfig(QuantizationConfigMixin):
                 stacklevel=2,
             )
         self._tokenizer = tokenizer
+        if linear_replacement is not None:
+            if linear_replacement not in ESTIMATORS:
+                raise ValueError(
+                    f"unknown linear_replacement {linear_replacement!r}."
+                    f"{did_you_mean(str(linear_replacement), ESTIMATORS)} Choose one of {list(ESTIMATORS)} or None."
+                )
+            if method_class.keeps_depth or not method_class.accepts_linear_replacement:
+                reason = "keeps every layer" if method_class.keeps_depth else "fits its own linear replacement"
+                raise ValueError(
+                    f"linear_replacement does not apply to method {method!r}: it {reason}. Drop linear_replacement "
+                    "(replaceme takes estimator= instead)."
+                )
+        self.linear_replacement = linear_replacement
 
         calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
         calibration = kwargs.pop("calibration", None)
@@ -319,6 +334,7 @@ class FlattenConfig(QuantizationConfigMixin):
             "calibration": calibration,
             "stacks": copy.deepcopy(self.stacks),
             "layer_plan": copy.deepcopy(self.layer_plan),
+            "linear_replacement": self.linear_replacement,
             "version": self.version,
         }
 
@@ -353,6 +369,7 @@ _TOP_LEVEL_FIELDS = (
     "version",
     "quant_method",
     "calibration",
+    "linear_replacement",
 )
 
 

@@ -15,6 +15,7 @@ from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, LayerPlan, describe_dataset
 from .methods.base import CompressionMethod, MethodContext
+from .methods.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 from .methods.registry import get_method_class
 from .utils.torch_utils import count_parameters
 
@@ -145,6 +146,9 @@ class FlattenQuantizer(OptimumQuantizer):
         method = method_class(self.config.method_config)
         adapter.require(method_class.required_capabilities, self.config.method)
         stack = self._stack(adapter, method)
+        method.preflight(adapter, stack)
+        if self.config.linear_replacement is not None:
+            require_pre_norm(adapter, stack, f"linear_replacement={self.config.linear_replacement!r}")
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
@@ -167,7 +171,17 @@ class FlattenQuantizer(OptimumQuantizer):
                 )
             logger.info("%s plan: %s", self.config.method, plan.describe())
             with context.timer("apply"):
-                method.apply_(adapter, plan, context)
+                if self.config.linear_replacement is None:
+                    method.apply_(adapter, plan, context)
+                else:
+                    context.report["linear_replacement"] = bridged_apply_(
+                        adapter,
+                        plan,
+                        context,
+                        BridgeOptions(self.config.linear_replacement),
+                        lambda: method.apply_(adapter, plan, context),
+                        seed=self.config.calibration.seed,
+                    )
             with context.timer("export_prep"):
                 adapter.reindex_(stack)
                 adapter.update_config_(stack, plan.first_indices)

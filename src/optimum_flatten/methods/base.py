@@ -6,12 +6,13 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.data import CalibrationBatch
+from ..calibration.states import CalibratedStates
 from ..config import LayerPlan, MethodConfig
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class MethodContext:
             runner = LayerwiseRunner(adapter, self.batches, self.stack)
         self._runners.append(runner)
         return runner
+
+    def new_states(self, adapter: Any, keep: Iterable[int] | None = None) -> CalibratedStates:
+        """The states engine over a fresh runner: layer-boundary states of the stack, cached as `keep` allows."""
+        return CalibratedStates(self.new_runner(adapter), adapter.layers(self.stack), keep)
 
     @property
     def work(self) -> int:
@@ -73,12 +78,22 @@ class CompressionMethod(ABC):
     #: A method that changes weights but no layer count (ffn_merge shares parameters between layers): its target
     #: comes from its own options, `num_layers_to_remove`/`target_sparsity` are refused, and its plan is the identity.
     keeps_depth: ClassVar[bool] = False
+    #: Whether `FlattenConfig(linear_replacement=...)` may bridge this method's removed spans (a method that fits its
+    #: own replacement, or keeps depth, says no).
+    accepts_linear_replacement: ClassVar[bool] = True
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
         #: True when the method merges every stack of the model itself in one compression (ffn_merge with
         #: sync_stacks); the quantizer then hands it all stacks instead of one.
         self.spans_stacks = False
+
+    def preflight(self, adapter: Any, stack: str) -> None:
+        """Refuses, before calibration and before any weight changes, a model this method cannot compress.
+
+        The default accepts: most methods say what they need through `required_capabilities` alone.
+        """
+        return None
 
     @abstractmethod
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:

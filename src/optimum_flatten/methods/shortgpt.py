@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..config import LayerPlan, MethodConfig
-from ..ops import masked_cosine_sum, top_k_indices
+from ..ops import top_k_indices
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
 
@@ -23,21 +23,13 @@ class ShortGPTConfig(MethodConfig):
 
 
 def block_influence(adapter: Any, context: MethodContext) -> torch.Tensor:
-    """(L,) float64 Block Influence of every layer of the stack, one layer-by-layer pass."""
-    runner = context.new_runner(adapter)
-    layers = adapter.layers(context.stack)
-    scores = torch.zeros(len(layers), dtype=torch.float64)
-    current = runner.inputs
-    with context.timer("selection"), context.progress_bar(len(layers), "block influence") as bar:
-        for i, layer in enumerate(layers):
-            nxt = runner.run(layer, i, current)
-            total, count = 0.0, 0
-            for a, b, mask in zip(current, nxt, runner.masks, strict=True):
-                s, c = masked_cosine_sum(a, b, mask)
-                total, count = total + s, count + c
-            scores[i] = 1.0 - total / count
-            current = nxt
-            bar.set_description(f"block {i + 1}/{len(layers)}: block influence")
+    """(L,) float64 Block Influence of every layer of the stack, one layer-by-layer pass (two boundaries alive)."""
+    states = context.new_states(adapter, keep=())
+    scores = torch.zeros(states.num_layers, dtype=torch.float64)
+    with context.timer("selection"), context.progress_bar(states.num_layers, "block influence") as bar:
+        for i, before, after in states.walk():
+            scores[i] = 1.0 - states.mean_cosine(before, after, tokens="all")
+            bar.set_description(f"block {i + 1}/{states.num_layers}: block influence")
             bar.update()
     return scores
 

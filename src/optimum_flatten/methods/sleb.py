@@ -7,12 +7,10 @@ once per step; a candidate removal at position p re-runs only the layers above p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from ..calibration.states import next_token_nll
 from ..config import LayerPlan, MethodConfig
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
@@ -40,23 +38,8 @@ class SLEBConfig(MethodConfig):
             raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
 
 
-def calibration_nll(
-    adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any], stack: str | None = None
-) -> float:
-    """Mean next-token NLL of `stack`'s final-layer states (before its final norm), over pairs of real tokens."""
-    norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for hidden, batch in zip(states, batches, strict=True):
-            mask = batch.attention_mask.to(hidden.device).bool()
-            targets = batch.input_ids.to(hidden.device)
-            for row in range(hidden.shape[0]):  # one row at a time bounds the (seq, vocab) logits
-                logits = head(norm(hidden[row : row + 1]))[0, :-1].float()
-                valid = mask[row, :-1] & mask[row, 1:]
-                nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
-                total += float(nll)
-                count += int(valid.sum())
-    return total / count
+#: Kept under its old name: the row-bounded next-token loss now lives in the states engine.
+calibration_nll = next_token_nll
 
 
 @register_method("sleb")

@@ -1,0 +1,170 @@
+"""The calibrated-states engine: the residual stream at every layer boundary of one stack, computed once.
+
+Selection methods compare states at layer boundaries (ShortGPT: each layer's input and output; UIDL/ReplaceMe: the
+input of a block and the output n layers later) or score a shortened stack by its next-token loss (SLEB, the
+search of ``auto``). All of them need the same thing: the hidden states entering layer i of the *original* stack,
+for every i, on the calibration batches. `CalibratedStates` computes them layer by layer through the
+`LayerwiseRunner` (so offloaded models work: one layer on the compute device at a time) and keeps them, so that a
+method pays one stack pass for all its comparisons and a candidate suffix run starts from a cached prefix.
+
+Memory: every boundary kept is ``tokens x hidden`` in the model's dtype (SmolLM2 at 32 x 512 tokens: 38 MB a
+boundary in float32, 1.2 GB for all 31); `keep` limits which boundaries stay cached when that is too much.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+
+from .capture import LayerwiseRunner
+
+TokenChoice = Literal["last", "all"]
+
+
+class CalibratedStates:
+    """Hidden states at the layer boundaries of one stack, computed lazily and cached.
+
+    ``boundary(i)`` is the list (one tensor per calibration batch) of states entering layer ``i``; ``boundary(L)``
+    is the output of the last layer, before the final norm.
+
+    Args:
+        runner: A runner positioned at the input of layer 0 (its cached call arguments are reused for every run).
+        layers: The stack's layers, in order (the original ones, before any change).
+        keep: Boundaries to keep cached once computed (None: all). Others are recomputed from the nearest cached
+            boundary below when asked for again.
+    """
+
+    def __init__(self, runner: LayerwiseRunner, layers: Sequence[torch.nn.Module], keep: Iterable[int] | None = None):
+        self.runner = runner
+        self.layers = list(layers)
+        self.keep = None if keep is None else set(keep) | {0}
+        self._cache: dict[int, list[torch.Tensor]] = {0: runner.inputs}
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def masks(self) -> list[torch.Tensor]:
+        return self.runner.masks
+
+    def boundary(self, index: int) -> list[torch.Tensor]:
+        """States entering layer `index` of the original stack (``index == num_layers``: the stack's output)."""
+        if not 0 <= index <= self.num_layers:
+            raise IndexError(f"boundary {index} does not exist in a stack of {self.num_layers} layers.")
+        if index in self._cache:
+            return self._cache[index]
+        start = max(i for i in self._cache if i <= index)
+        current = self._cache[start]
+        for i in range(start, index):
+            current = self.runner.run(self.layers[i], i, current)
+            if self.keep is None or i + 1 in self.keep:
+                self._cache[i + 1] = current
+        return current
+
+    def all_boundaries(self, on_layer: Callable[[int], None] | None = None) -> list[list[torch.Tensor]]:
+        """Every boundary 0..L in one pass (cached as `keep` allows); `on_layer(i)` is called after layer i runs."""
+        result = [self.boundary(0)]
+        for i in range(self.num_layers):
+            result.append(self.boundary(i + 1))
+            if on_layer is not None:
+                on_layer(i)
+        return result
+
+    def walk(self) -> Iterator[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+        """Yields ``(i, input of layer i, output of layer i)`` for every layer in one pass, caching as `keep` allows.
+
+        Only two boundaries are alive at a time unless cached, so a whole-stack scan (ShortGPT's Block Influence)
+        costs one stack pass and two boundaries of memory.
+        """
+        current = self.boundary(0)
+        for i in range(self.num_layers):
+            nxt = self._cache.get(i + 1)
+            if nxt is None:
+                nxt = self.runner.run(self.layers[i], i, current)
+                if self.keep is None or i + 1 in self.keep:
+                    self._cache[i + 1] = nxt
+            yield i, current, nxt
+            current = nxt
+
+    def run_layers(
+        self, indices: Sequence[int], inputs: Sequence[torch.Tensor], modules: dict[int, torch.nn.Module] | None = None
+    ) -> list[torch.Tensor]:
+        """Runs the original layers `indices` in order on `inputs` (a layer may be swapped through `modules`)."""
+        current = list(inputs)
+        for i in indices:
+            module = (modules or {}).get(i, self.layers[i])
+            current = self.runner.run(module, i, current)
+        return current
+
+    def mean_cosine(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], tokens: TokenChoice = "all") -> float:
+        """Mean cosine similarity between two state lists over real tokens (or each row's last real token)."""
+        total, count = 0.0, 0
+        for x, y, mask in zip(a, b, self.masks, strict=True):
+            cos = cosine_rows(x, y, mask, tokens)
+            total, count = total + float(cos.sum()), count + cos.numel()
+        if count == 0:
+            raise ValueError("no calibration token is unmasked: cannot compare states.")
+        return total / count
+
+    def mean_angular_distance(
+        self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], tokens: TokenChoice = "last"
+    ) -> float:
+        """Mean of arccos(cos(a_t, b_t)) / π over the chosen tokens (Gromov et al.'s block distance, in [0, 1])."""
+        total, count = 0.0, 0
+        for x, y, mask in zip(a, b, self.masks, strict=True):
+            cos = cosine_rows(x, y, mask, tokens).clamp(-1.0, 1.0)
+            total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
+        if count == 0:
+            raise ValueError("no calibration token is unmasked: cannot compare states.")
+        return total / count
+
+
+def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:
+    """float64 cosines of the chosen positions of (batch, seq, hidden) states, padding excluded.
+
+    ``tokens="last"`` takes each row's last real token (the one that has seen the whole sequence, as UIDL measures);
+    ``"all"`` every real token.
+    """
+    if tokens not in ("last", "all"):
+        raise ValueError(f"tokens must be 'last' or 'all', got {tokens!r}.")
+    a, b = a.double(), b.to(a.device).double()
+    valid = torch.ones(a.shape[:2], dtype=torch.bool, device=a.device) if mask is None else mask.to(a.device).bool()
+    if tokens == "last":
+        lengths = valid.sum(dim=1)
+        rows = torch.nonzero(lengths > 0).flatten()
+        # Last real position of each row: the highest index whose mask is 1 (right or left padding alike).
+        positions = torch.arange(valid.shape[1], device=a.device).expand_as(valid)
+        last = torch.where(valid, positions, -1).amax(dim=1)[rows]
+        a, b = a[rows, last], b[rows, last]
+    else:
+        a, b = a[valid], b[valid]
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
+
+
+@torch.no_grad()
+def next_token_nll(
+    adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any], stack: str | None = None
+) -> float:
+    """Mean next-token NLL of final-layer `states` (before the final norm) over pairs of real tokens.
+
+    One row at a time through the final norm and the LM head, so the float32 logits never exceed (seq, vocab):
+    with a 150k vocabulary a whole batch of them would dwarf the model.
+    """
+    norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
+    total, count = 0.0, 0
+    for hidden, batch in zip(states, batches, strict=True):
+        mask = batch.attention_mask.to(hidden.device).bool()
+        targets = batch.input_ids.to(hidden.device)
+        for row in range(hidden.shape[0]):
+            logits = head(norm(hidden[row : row + 1]))[0, :-1].float()
+            valid = mask[row, :-1] & mask[row, 1:]
+            nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
+            total += float(nll)
+            count += int(valid.sum())
+    if count == 0:
+        raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
+    return total / count

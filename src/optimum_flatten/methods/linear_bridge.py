@@ -1,0 +1,244 @@
+"""Linear replacement: bridge every span of removed or merged-away layers with one fitted map folded into a down
+projection, so the checkpoint keeps a stock architecture.
+
+After a plan is applied, output layer k covers the original layers from its group's first member up to (not
+including) the next group's first member; call that its span. When a span holds more than one original layer (the
+layers after it were dropped, or it is a merged group), ReplaceMe's construction applies to it: with M the MLP output
+of output layer k, Y its residual stream before the MLP (the input of its MLP norm) and L the *dense* model's state at
+the end of the span, fit T with ``M T + Y ≈ L`` and fold T into layer k's down projection. Layers are processed in
+order on the compressed model, so each fit sees the inputs the compressed model really gives it (for one span this is
+exactly ReplaceMe; for several, each later map also corrects what the earlier ones left).
+
+A run of dropped layers at the very start of the stack has no layer before it and stays unbridged (reported).
+The fold assumes a pre-norm residual stream (a block adds its MLP output to the stream unnormalised); post-norm
+stacks are refused before any weight changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..calibration.states import CalibratedStates
+from ..config import LayerPlan
+from ..ops.linear_map import (
+    ESTIMATORS,
+    LinearMapStatistics,
+    fit_cosine,
+    fold_map_into_linear,
+    solve_least_squares,
+)
+from ..utils.errors import UnsupportedArchitectureError, did_you_mean
+from ..utils.torch_utils import first_output
+
+
+@dataclass
+class BridgeOptions:
+    """How the map is estimated.
+
+    Attributes:
+        estimator: ``"lstsq"`` (closed form on float64 statistics) or ``"cosine"`` (Adam on the cosine distance).
+        cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
+    """
+
+    estimator: str = "lstsq"
+    cosine_epochs: int = 10
+    cosine_lr: float = 1e-4
+    cosine_minibatch: int = 1024
+
+    def __post_init__(self) -> None:
+        check_estimator(self.estimator)
+        for name in ("cosine_epochs", "cosine_minibatch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if not self.cosine_lr > 0:
+            raise ValueError(f"cosine_lr must be positive, got {self.cosine_lr!r}.")
+
+
+def check_estimator(name: Any) -> None:
+    if name not in ESTIMATORS:
+        raise ValueError(
+            f"unknown linear-replacement estimator {name!r}.{did_you_mean(str(name), ESTIMATORS)} "
+            f"Choose one of {list(ESTIMATORS)}."
+        )
+
+
+def require_pre_norm(adapter: Any, stack: str, what: str) -> None:
+    """Refuses (before any change) a stack whose blocks normalise after the residual add."""
+    position = adapter.block(stack, 0).norm_position
+    if position != "pre":
+        raise UnsupportedArchitectureError(
+            f"{what} folds a linear map into the down projection of the layer before the removed ones, which is "
+            f"exact only when that layer adds its MLP output to an unnormalised residual stream (pre-norm); this "
+            f"{type(adapter.model).__name__} stack {stack!r} is {position}-norm. Use a method without a linear "
+            "replacement (shortgpt, sleb, laco, sliding_window) on it."
+        )
+
+
+def bridged_spans(plan: LayerPlan) -> list[tuple[int, int, int]]:
+    """``(output index, first original layer, end)`` of every output layer whose span holds more than one layer."""
+    spans = []
+    for k, group in enumerate(plan.groups):
+        end = plan.groups[k + 1].indices[0] if k + 1 < len(plan.groups) else plan.num_layers
+        if end - group.indices[0] > 1:
+            spans.append((k, group.indices[0], end))
+    return spans
+
+
+def dense_targets(states: CalibratedStates, plan: LayerPlan) -> dict[int, list[torch.Tensor]]:
+    """The dense stack's states at the end of every bridged span, in one walk (before the plan is applied)."""
+    wanted = {end for _, _, end in bridged_spans(plan)}
+    found: dict[int, list[torch.Tensor]] = {}
+    if not wanted:
+        return found
+    for i, _, after in states.walk():
+        if i + 1 in wanted:
+            found[i + 1] = after
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+@contextlib.contextmanager
+def _capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
+    """While open, calls ``on_batch(m, y)`` with each forward's MLP output m and MLP-norm input y."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
+        seen["y"] = args[0].detach()
+
+    def mlp_hook(_module: Any, _args: Any, output: Any) -> None:
+        on_batch(first_output(output).detach(), seen.pop("y"))
+
+    handles = [
+        block.mlp_norm.module.register_forward_pre_hook(norm_hook),
+        block.mlp.module.register_forward_hook(mlp_hook),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def fit_and_fold_(
+    adapter: Any,
+    plan: LayerPlan,
+    runner: Any,
+    targets: dict[int, list[torch.Tensor]],
+    options: BridgeOptions,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Fits and folds one map per bridged span on the applied plan; returns the report entry.
+
+    Args:
+        adapter: The adapter of the model after `plan` was applied (before renumbering).
+        plan: The applied plan (output layer k is ``plan.groups[k]``).
+        runner: The runner recorded on the original model (its call arguments are looked up by original position).
+        targets: `dense_targets` of the original model, taken before the plan was applied.
+        options: The estimator.
+        seed: Seeds the cosine fit's token order.
+    """
+    spans = {k: (first, end) for k, first, end in bridged_spans(plan)}
+    layers = adapter.layers(plan.stack)
+    entries: list[dict[str, Any]] = []
+    current: Sequence[torch.Tensor] = runner.inputs
+    last = max(spans, default=-1)
+    for k in range(last + 1):
+        module, position = layers[k], plan.groups[k].indices[0]
+        if k in spans:
+            first, end = spans[k]
+            entry = _fit_one(adapter, module, k, position, runner, current, targets[end], options, seed)
+            entry.update(output_layer=k, span=[first, end])
+            entries.append(entry)
+        current = runner.run(module, position, current)
+    leading = plan.groups[0].indices[0] if plan.groups else 0
+    return {
+        "estimator": options.estimator,
+        "maps": entries,
+        "unbridged_leading_layers": list(range(leading)),
+    }
+
+
+def _fit_one(
+    adapter: Any,
+    module: torch.nn.Module,
+    k: int,
+    position: int,
+    runner: Any,
+    inputs: Sequence[torch.Tensor],
+    target: Sequence[torch.Tensor],
+    options: BridgeOptions,
+    seed: int,
+) -> dict[str, Any]:
+    block = adapter.block_view(module, k)
+    dim = block.mlp.down.out_features
+    state = {"batch": 0}
+    if options.estimator == "lstsq":
+        stats = LinearMapStatistics(dim, device=inputs[0].device)
+
+        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+            b = state["batch"]
+            l_b = target[b].to(m.device)
+            stats.update(m, l_b.to(torch.float64) - y.to(torch.float64), runner.masks[b])
+
+        with _capture_mlp(block, on_batch):
+            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+        transform, info = solve_least_squares(stats)
+        detail: dict[str, Any] = {"tokens": stats.count, "jitter": info.jitter}
+    else:
+        ms: list[torch.Tensor] = []
+        ys: list[torch.Tensor] = []
+        ls: list[torch.Tensor] = []
+
+        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+            b = state["batch"]
+            keep = runner.masks[b].reshape(-1).to(m.device).bool()
+            ms.append(m.reshape(-1, dim)[keep].float().cpu())
+            ys.append(y.reshape(-1, dim)[keep].float().cpu())
+            ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
+
+        with _capture_mlp(block, on_batch):
+            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+        fit = fit_cosine(
+            ms,
+            ys,
+            ls,
+            epochs=options.cosine_epochs,
+            lr=options.cosine_lr,
+            minibatch=options.cosine_minibatch,
+            seed=seed,
+        )
+        transform = fit.transform
+        detail = {
+            "tokens": sum(x.shape[0] for x in ms),
+            "optimizer_steps": fit.steps,
+            "cosine_distance_before": round(fit.loss_before, 6),
+            "cosine_distance_after": round(fit.loss_after, 6),
+        }
+    down = block.mlp.down
+    weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
+    down.set_(weight, bias)
+    return detail
+
+
+def bridged_apply_(
+    adapter: Any, plan: LayerPlan, context: Any, options: BridgeOptions, apply: Any, seed: int = 0
+) -> dict[str, Any]:
+    """Takes the dense targets, runs `apply()` (which applies `plan`), then fits and folds every bridge.
+
+    The runner is recorded on the original model before `apply()`; its per-position call arguments stay valid
+    afterwards because layers are looked up by their original index.
+    """
+    states = context.new_states(adapter, keep=())
+    with context.timer("linear_replacement"):
+        targets = dense_targets(states, plan)
+    apply()
+    with context.timer("linear_replacement"):
+        return fit_and_fold_(adapter, plan, states.runner, targets, options, seed)

@@ -1,0 +1,112 @@
+"""UIDL (Gromov et al., 2024, "The Unreasonable Ineffectiveness of the Deeper Layers", arXiv 2403.17887).
+
+Drop the contiguous block of n layers whose input and output are closest: the block starting at layer s minimises
+the mean angular distance ``arccos(cos(x_s, x_{s+n})) / π`` over calibration sequences, where x_s enters layer s and
+x_{s+n} leaves layer s+n-1 (the paper measures on each sequence's last token; ``tokens="all"`` averages every real
+token). Several blocks (``num_blocks``) are taken greedily, smallest distance first, without overlap, each of
+``num_layers_to_remove / num_blocks`` layers — the same selection ReplaceMe uses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..calibration.states import CalibratedStates
+from ..config import LayerPlan, MethodConfig
+from ..utils.errors import InvalidTargetError
+from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .registry import register_method
+
+
+@dataclass
+class BlockSelectionConfig(MethodConfig):
+    """Options of the contiguous-block selection.
+
+    Attributes:
+        tokens: ``"last"`` (each sequence's last real token, the paper's choice) or ``"all"`` real tokens.
+        num_blocks: How many separate blocks share the removed layers (each ``num_layers_to_remove / num_blocks``).
+    """
+
+    tokens: Literal["last", "all"] = "last"
+    num_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens not in ("last", "all"):
+            raise ValueError(f"tokens must be 'last' or 'all', got {self.tokens!r}.")
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}.")
+
+
+def block_size(num_to_remove: int, num_blocks: int, num_layers: int, first_start: int) -> int:
+    """Layers per block, checked: the blocks must divide the removal and fit in the stack without overlap."""
+    if num_to_remove % num_blocks:
+        raise InvalidTargetError(
+            f"{num_to_remove} layers cannot be split into {num_blocks} equal blocks; choose num_blocks dividing "
+            f"num_layers_to_remove (e.g. num_blocks=1)."
+        )
+    size = num_to_remove // num_blocks
+    if num_blocks * size > num_layers - first_start:
+        raise InvalidTargetError(
+            f"{num_blocks} block(s) of {size} layers starting at layer {first_start} or later do not fit in a stack of "
+            f"{num_layers}; remove fewer layers."
+        )
+    return size
+
+
+def block_distances(states: CalibratedStates, size: int, tokens: str, first_start: int = 0) -> dict[int, float]:
+    """Angular distance between the input of layer s and the output of layer s+size-1, for every start s.
+
+    One stack pass; only the last `size` + 1 boundaries are kept alive, so memory does not grow with depth.
+    """
+    window: deque[list[Any]] = deque([states.boundary(0)], maxlen=size + 1)
+    distances: dict[int, float] = {}
+    for i, _, after in states.walk():
+        window.append(after)
+        start = i + 1 - size
+        if start >= first_start and len(window) == size + 1:
+            distances[start] = states.mean_angular_distance(window[0], after, tokens=tokens)
+    return distances
+
+
+def choose_blocks(distances: dict[int, float], size: int, num_blocks: int) -> list[int]:
+    """Starts of `num_blocks` non-overlapping blocks, greedily by smallest distance (ties: the lower start)."""
+    chosen: list[int] = []
+    for start in sorted(distances, key=lambda s: (distances[s], s)):
+        if all(start + size <= c or c + size <= start for c in chosen):
+            chosen.append(start)
+            if len(chosen) == num_blocks:
+                return sorted(chosen)
+    raise InvalidTargetError(
+        f"only {len(chosen)} non-overlapping blocks of {size} layers fit, {num_blocks} were asked; lower num_blocks."
+    )
+
+
+def select_blocks(
+    adapter: Any, context: MethodContext, num_to_remove: int, config: BlockSelectionConfig, first_start: int
+) -> LayerPlan:
+    """The plan dropping the chosen blocks; the distances go to the report."""
+    num_layers = adapter.num_layers(context.stack)
+    size = block_size(num_to_remove, config.num_blocks, num_layers, first_start)
+    states = context.new_states(adapter, keep=())
+    with context.timer("selection"):
+        distances = block_distances(states, size, config.tokens, first_start)
+        starts = choose_blocks(distances, size, config.num_blocks)
+    removed = {s + j for s in starts for j in range(size)}
+    context.report["block_distances"] = {str(s): round(d, 6) for s, d in distances.items()}
+    context.report["blocks"] = [[s, s + size] for s in starts]
+    return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
+
+
+@register_method("uidl")
+class UIDLMethod(CompressionMethod):
+    config_class = BlockSelectionConfig
+    required_capabilities = frozenset({"layer_drop"})
+    config: BlockSelectionConfig
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        return select_blocks(adapter, context, num_to_remove, self.config, first_start=0)
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        apply_layer_drop_(adapter, plan)

@@ -1,0 +1,163 @@
+"""A (hidden x hidden) linear map fitted on calibration tokens, and its exact fold into a linear layer.
+
+ReplaceMe (Shopkhoev et al., NeurIPS 2025, arXiv 2505.02819, Sec. 3) replaces the blocks i+1..i+n by one matrix T
+applied to the MLP output M_i of block i, chosen so that ``M_i T + Y_i`` approximates the output L_{i+n} of the last
+replaced block (Y_i: the residual stream of block i before its MLP is added). Two objectives:
+
+- least squares (their Eq. for the L2 distance): ``T* = (MᵀM)⁻¹ Mᵀ (L − Y)``, in closed form;
+- cosine distance ``1 − cos(M T + Y, L)`` per token, minimised numerically with Adam from T = I.
+
+Rows are tokens, so a token's new MLP output is the row vector ``m T``; in a linear layer's (out, in) convention
+``y = W a + b`` this is ``Tᵀ (W a + b)``: the fold is ``W' = Tᵀ W``, ``b' = Tᵀ b``, exact up to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Names of the ways a map can be estimated (see `solve_least_squares` and `fit_cosine`).
+ESTIMATORS = ("lstsq", "cosine")
+
+
+class LinearMapStatistics:
+    """Running float64 sums ``MᵀM`` and ``MᵀR`` over real tokens; no token matrix is kept beyond one batch.
+
+    float64, because the normal equations square the condition number of M: in float32 a hidden state whose
+    channels differ by 10⁴ in scale (massive activations) would lose its small directions entirely.
+    """
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
+        self.gram = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        self.count = 0
+
+    def update(self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Adds the tokens of (batch, seq, dim) `inputs` M and `targets` R whose mask is 1."""
+        m = inputs.reshape(-1, inputs.shape[-1])
+        r = targets.reshape(-1, targets.shape[-1])
+        if mask is not None:
+            keep = mask.reshape(-1).to(m.device).bool()
+            m, r = m[keep], r[keep.to(r.device)]
+        m = m.to(self.gram.device, torch.float64)
+        r = r.to(self.gram.device, torch.float64)
+        self.gram.addmm_(m.T, m)
+        self.cross.addmm_(m.T, r)
+        self.count += m.shape[0]
+
+
+@dataclass
+class SolveInfo:
+    """How a least-squares solve went: the jitter that made the Gram matrix positive definite."""
+
+    jitter: float
+    attempts: int
+
+
+def solve_least_squares(
+    stats: LinearMapStatistics, relative_jitter: float | None = None, max_attempts: int = 12
+) -> tuple[torch.Tensor, SolveInfo]:
+    """T (dim, dim) float64 minimising Σ‖m T − r‖² from the accumulated statistics, by Cholesky with jitter.
+
+    The jitter starts at `relative_jitter` times the mean diagonal of MᵀM; the default, dim · eps(float64), is the
+    rounding level of the Gram matrix itself, so a well-posed fit is the exact least-squares answer. It grows tenfold
+    until the factorisation succeeds, so a rank-deficient M (a dead channel) gives a ridge solution, not an error.
+
+    Raises:
+        ValueError: when no token was accumulated.
+    """
+    if stats.count == 0:
+        raise ValueError("no calibration token reached the linear-map statistics (are all tokens masked?).")
+    gram = stats.gram
+    scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    if relative_jitter is None:
+        relative_jitter = gram.shape[0] * torch.finfo(torch.float64).eps
+    jitter = relative_jitter * scale
+    for attempt in range(1, max_attempts + 1):
+        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye)
+        if int(info) == 0:
+            return torch.cholesky_solve(stats.cross, factor), SolveInfo(jitter=jitter, attempts=attempt)
+        jitter *= 10.0
+    raise RuntimeError(
+        f"the Gram matrix of the MLP outputs stayed singular after jitter {jitter:.3g}; the calibration tokens do not "
+        "determine a linear map (too few tokens, or all equal)."
+    )
+
+
+@dataclass
+class CosineFit:
+    """Result of the cosine objective: the map and the mean cosine distance before and after."""
+
+    transform: torch.Tensor
+    steps: int
+    loss_before: float
+    loss_after: float
+
+
+def fit_cosine(
+    inputs: Sequence[torch.Tensor],
+    residuals: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    epochs: int = 10,
+    lr: float = 1e-4,
+    minibatch: int = 1024,
+    seed: int = 0,
+    initial: torch.Tensor | None = None,
+) -> CosineFit:
+    """T minimising the mean over tokens of ``1 − cos(m T + y, l)``, by Adam on shuffled token minibatches.
+
+    Args:
+        inputs, residuals, targets: Row-aligned (tokens, dim) float32 matrices M, Y and L, one per chunk (padding
+            already removed).
+        epochs: Passes over all tokens; the number of optimizer steps (reported) is epochs x ceil(tokens/minibatch).
+        lr, minibatch: Adam's step size and the tokens per step (ReplaceMe's public setting: 1e-4, 1024).
+        seed: Seeds the token shuffle, so a fit is reproducible.
+        initial: Starting T (default the identity, which leaves the MLP as it was).
+    """
+    m = torch.cat([x.float() for x in inputs])
+    y = torch.cat([x.float() for x in residuals]).to(m.device)
+    target = torch.cat([x.float() for x in targets]).to(m.device)
+    n, dim = m.shape
+    if n == 0:
+        raise ValueError("no calibration token reached the cosine fit (are all tokens masked?).")
+    start = torch.eye(dim, device=m.device) if initial is None else initial.to(m.device, torch.float32)
+    transform = start.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([transform], lr=lr)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def loss_of(t: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+        pred = m[rows] @ t + y[rows]
+        return (1.0 - torch.nn.functional.cosine_similarity(pred, target[rows], dim=-1, eps=1e-8)).mean()
+
+    with torch.no_grad():
+        before = float(loss_of(start, slice(None)))
+    steps = 0
+    with torch.enable_grad():
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator).to(m.device)
+            for chunk in order.split(minibatch):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_of(transform, chunk)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+    result = transform.detach()
+    with torch.no_grad():
+        after = float(loss_of(result, slice(None)))
+    return CosineFit(transform=result.double(), steps=steps, loss_before=before, loss_after=after)
+
+
+def fold_map_into_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, transform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W', b') with ``W' a + b' = Tᵀ (W a + b)``: the row-vector map T applied after the layer, folded into it.
+
+    Computed in float64; the caller casts to the layer's dtype.
+    """
+    t = transform.double()
+    new_weight = t.T @ weight.double()
+    new_bias = None if bias is None else bias.double() @ t
+    return new_weight, new_bias

@@ -1,0 +1,64 @@
+"""The states engine against full-model forwards: boundaries, walk, cosines and the row-bounded NLL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from common import sample_ids
+from optimum_flatten import get_adapter
+from optimum_flatten.calibration import CalibrationBatch
+from optimum_flatten.calibration.states import cosine_rows, next_token_nll
+from optimum_flatten.methods.base import MethodContext
+
+
+def _context(ids, mask):
+    return MethodContext(
+        batches=[CalibrationBatch(ids[:2], mask[:2]), CalibrationBatch(ids[2:], mask[2:])], progress=False
+    )
+
+
+@pytest.mark.parametrize("keep", [None, (), (3,)])
+def test_boundaries_equal_the_model_hidden_states_whatever_is_cached(keep):
+    model = tiny_models.FACTORIES["qwen2"]()
+    ids = sample_ids(batch=4, length=20, seed=1)
+    mask = torch.ones_like(ids)
+    mask[3, 15:] = 0
+    states = _context(ids, mask).new_states(get_adapter(model), keep=keep)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    for i in (4, 1, 5, 0):  # out of order: recomputed from the nearest cached boundary below
+        got = torch.cat(states.boundary(i))
+        torch.testing.assert_close(got[mask.bool()], hidden[i][mask.bool()], atol=1e-5, rtol=1e-5)
+    walked = [torch.cat(after) for _, _, after in states.walk()]
+    torch.testing.assert_close(walked[2][mask.bool()], hidden[3][mask.bool()], atol=1e-5, rtol=1e-5)
+    with pytest.raises(IndexError, match="boundary 7 does not exist"):
+        states.boundary(7)
+
+
+def test_cosine_rows_take_the_last_real_token_under_left_and_right_padding():
+    a = torch.randn(3, 5, 4)
+    b = torch.randn(3, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0]])
+    last = cosine_rows(a, b, mask, "last")
+    expected = torch.nn.functional.cosine_similarity(a[[0, 1], [2, 4]].double(), b[[0, 1], [2, 4]].double(), dim=-1)
+    torch.testing.assert_close(last, expected)  # the all-padding row contributes nothing
+    assert cosine_rows(a, b, mask, "all").numel() == 6
+    with pytest.raises(ValueError, match="tokens must be 'last' or 'all'"):
+        cosine_rows(a, b, mask, "first")
+
+
+def test_next_token_nll_equals_the_model_loss_over_real_pairs():
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    ids = sample_ids(batch=4, length=16, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    context = _context(ids, mask)
+    states = context.new_states(get_adapter(model))
+    nll = next_token_nll(get_adapter(model), states.boundary(6), context.batches)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+    valid = (mask[:, :-1] & mask[:, 1:]).bool()
+    expected = torch.nn.functional.cross_entropy(logits[valid], ids[:, 1:][valid])
+    assert nll == pytest.approx(float(expected), rel=1e-5)
