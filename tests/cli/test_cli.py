@@ -290,11 +290,15 @@ def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path,
         == 0
     )
     printed = capsys.readouterr().out
-    assert "ppl ratio" in printed and "decode ratio" in printed
+    assert "ppl ratio" in printed and "KL vs baseline" in printed and "decode ratio" in printed
     assert plot.read_bytes()[:4] == b"\x89PNG"
     models = json.loads(measurements.read_text())["models"]
     assert [m["layers"] for m in models] == [6, 4]
     assert models[0]["protocol"] == models[1]["protocol"]
+    measured = models[1]["fidelity"]  # on the same windows and tokens as the perplexity beside it
+    assert measured["protocol"] == models[1]["protocol"] and measured["kl"] > 0 and 0 <= measured["top1_agreement"] <= 1
+    assert measured["compressed_perplexity"] == pytest.approx(models[1]["perplexity"], rel=1e-5)
+    assert measured["dense_perplexity"] == pytest.approx(models[0]["perplexity"], rel=1e-5)
     assert all(m["lm_eval"]["local_text_perplexity"]["word_perplexity,none"] > 1 for m in models)
 
     recovered = tmp_path / "recovered"
@@ -325,6 +329,18 @@ def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path,
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(recovered).config.num_hidden_layers == 4
+
+
+def test_evaluate_against_itself_has_zero_kl_and_full_agreement(tiny_dir_with_tokenizer, capsys):
+    dense, data = tiny_dir_with_tokenizer
+    common = ["evaluate", str(dense), "--baseline", str(dense), "--dataset", str(data), "--seqlen", "32"]
+    assert main([*common, "--max-tokens", "256", "--no-speed"]) == 0
+    header, _, dense_row, row = capsys.readouterr().out.splitlines()[:4]
+    assert header.split(" | ")[4:] == ["KL vs baseline", "top-1 agreement"]
+    assert [c.strip() for c in dense_row.split(" | ")[4:]] == ["-", "-"]  # the baseline is the reference
+    assert [c.strip() for c in row.split(" | ")[4:]] == ["0.0000", "1.0000"]
+    assert main([*common, "--max-tokens", "64", "--no-speed", "--no-fidelity"]) == 0
+    assert "KL" not in capsys.readouterr().out
 
 
 def test_optimum_cli_registration_is_light_and_forwards_to_our_parser():

@@ -167,12 +167,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Perplexity and speed of a checkpoint, side by side with a baseline when given."""
+    """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
     import json
 
     import torch
 
-    from ..evaluation.compare import evaluate_checkpoint, plot_comparison
+    from ..evaluation.compare import evaluate_checkpoint, fidelity_to_baseline, plot_comparison
 
     paths = ([args.baseline] if args.baseline else []) + [args.model]
     entries = [
@@ -191,6 +191,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         for p in paths
     ]
     base = entries[0]
+    compare = bool(args.baseline) and not args.no_fidelity
+    if compare:
+        entries[-1]["fidelity"] = fidelity_to_baseline(
+            args.baseline,
+            args.model,
+            args.dataset,
+            seqlen=args.seqlen,
+            stride=args.stride,
+            max_tokens=args.max_tokens,
+            dtype=getattr(torch, args.dtype),
+            trust_remote_code=args.trust_remote_code,
+        )
     rows = []
     for entry in entries:
         row = [
@@ -199,17 +211,25 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             f"{entry['perplexity']:.3f}",
             f"{entry['perplexity'] / base['perplexity']:.3f}",
         ]
+        if compare:
+            measured = entry.get("fidelity")
+            row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
         if not args.no_speed:
             row += [
                 f"{entry['prefill']['tokens_per_second'] / base['prefill']['tokens_per_second']:.3f}",
                 f"{entry['decode']['tokens_per_second'] / base['decode']['tokens_per_second']:.3f}",
             ]
         rows.append(row)
-    header = ["model", "layers", "perplexity", "ppl ratio"] + (
-        [] if args.no_speed else ["prefill ratio", "decode ratio"]
-    )
+    header = ["model", "layers", "perplexity", "ppl ratio"]
+    header += ["KL vs baseline", "top-1 agreement"] if compare else []
+    header += [] if args.no_speed else ["prefill ratio", "decode ratio"]
     print(_table(rows, header))
     print(f"perplexity: {args.dataset}, {base['protocol']}")
+    if compare:
+        print(
+            "fidelity: mean per-token KL(baseline ‖ model) in nats and share of tokens whose most likely next token "
+            "is the baseline's, on the same windows and tokens as the perplexity"
+        )
     for entry in entries:
         for task, metrics in (entry.get("lm_eval") or {}).items():
             shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
@@ -334,6 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
     evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
     evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument(
+        "--no-fidelity",
+        action="store_true",
+        help="with --baseline, skip KL and top-1 agreement (they load both models at once)",
+    )
     evaluate.add_argument(
         "--trust-remote-code",
         action="store_true",

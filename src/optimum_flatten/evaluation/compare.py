@@ -1,4 +1,4 @@
-"""Side-by-side evaluation of checkpoints (dense vs compressed): perplexity, speed, and a figure."""
+"""Side-by-side evaluation of checkpoints (dense vs compressed): perplexity, fidelity, speed, and a figure."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..calibration.data import load_texts
+from .fidelity import fidelity
 from .perplexity import perplexity, tokenize_corpus
 from .speed import decode_tokens_per_second, prefill_tokens_per_second
 
@@ -65,6 +66,30 @@ def evaluate_checkpoint(
     if report.exists():
         entry["flatten_report"] = json.loads(report.read_text(encoding="utf-8"))
     return entry
+
+
+def fidelity_to_baseline(
+    baseline: str | Path,
+    path: str | Path,
+    dataset: Any,
+    seqlen: int = 512,
+    stride: int | None = None,
+    max_tokens: int | None = 16384,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """KL(baseline ‖ model) per token and top-1 agreement on the windows `evaluate_checkpoint` scores.
+
+    Both checkpoints are loaded at once (the comparison needs both distributions for the same positions), so this
+    needs the memory of the two models; the text is tokenised with the baseline's tokenizer, as for its perplexity.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dense = AutoModelForCausalLM.from_pretrained(baseline, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=trust_remote_code)
+    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    return fidelity(dense, model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens).to_dict()
 
 
 def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,6 +57,55 @@ def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(stream, dtype=torch.long)
 
 
+def evaluation_windows(num_tokens: int, seqlen: int, stride: int, bos: bool) -> list[tuple[int, int, int]]:
+    """The windows of the evaluation protocol, as (start, end, first scored offset) over the stream.
+
+    Shared by `perplexity` and `fidelity.fidelity`, so that a KL or an agreement is measured on exactly the tokens a
+    perplexity beside it was. No token is scored twice; without a BOS a window's first token is only scored when an
+    earlier window gave it context (stride < seqlen). With a BOS, windows hold seqlen - 1 stream tokens.
+    """
+    if not 0 < stride <= seqlen:
+        raise ValueError(f"stride must be in 1..seqlen={seqlen}, got {stride}.")
+    prefix = 1 if bos else 0
+    body = seqlen - prefix
+    if body < 1:
+        raise ValueError(f"seqlen={seqlen} leaves no room for stream tokens.")
+    step = min(stride, body)
+    windows: list[tuple[int, int, int]] = []
+    previous_end = 0
+    for start in range(0, num_tokens, step):
+        end = min(start + body, num_tokens)
+        first = max(previous_end - start, 0 if prefix else 1)
+        windows.append((start, end, first))
+        previous_end = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+def window_batches(
+    stream: torch.Tensor, windows: Sequence[tuple[int, int, int]], batch_size: int, bos_token_id: int | None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(input_ids, attention_mask, score) per batch of windows, on the CPU, right-padded to the longest window.
+
+    `score[r, t]` is True where token t of row r is scored, i.e. where the logits at t - 1 are evaluated.
+    """
+    prefix = 1 if bos_token_id is not None else 0
+    for b in range(0, len(windows), batch_size):
+        chunk = windows[b : b + batch_size]
+        width = max(e - s for s, e, _ in chunk)
+        ids = torch.zeros(len(chunk), width + prefix, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        score = torch.zeros_like(ids, dtype=torch.bool)
+        for r, (s, e, first) in enumerate(chunk):
+            if prefix:
+                ids[r, 0] = bos_token_id
+            ids[r, prefix : prefix + e - s] = stream[s:e]
+            mask[r, : prefix + e - s] = 1
+            score[r, prefix + first : prefix + e - s] = True
+        yield ids, mask, score
+
+
 @torch.no_grad()
 def perplexity(
     model: nn.Module,
@@ -80,39 +129,13 @@ def perplexity(
         bos_token_id: prepended to every window when given (then windows hold seqlen - 1 stream tokens).
     """
     stride = seqlen if stride is None else stride
-    if not 0 < stride <= seqlen:
-        raise ValueError(f"stride must be in 1..seqlen={seqlen}, got {stride}.")
     stream = tokens if max_tokens is None else tokens[:max_tokens]
-    prefix = 1 if bos_token_id is not None else 0
-    body = seqlen - prefix
-    step = min(stride, body)
-    # (start, end, first scored offset in the window): no token is scored twice; without a BOS a window's first
-    # token is only scored when an earlier window gave it context (stride < seqlen).
-    windows: list[tuple[int, int, int]] = []
-    previous_end = 0
-    for start in range(0, stream.numel(), step):
-        end = min(start + body, stream.numel())
-        first = max(previous_end - start, 0 if prefix else 1)
-        windows.append((start, end, first))
-        previous_end = end
-        if end == stream.numel():
-            break
+    windows = evaluation_windows(stream.numel(), seqlen, stride, bos=bos_token_id is not None)
     device = input_device(model)
     was_training = model.training
     model.eval()
     total_nll, total_count = 0.0, 0
-    for b in range(0, len(windows), batch_size):
-        chunk = windows[b : b + batch_size]
-        width = max(e - s for s, e, _ in chunk)
-        ids = torch.zeros(len(chunk), width + prefix, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        score = torch.zeros_like(ids, dtype=torch.bool)
-        for r, (s, e, first) in enumerate(chunk):
-            if prefix:
-                ids[r, 0] = bos_token_id
-            ids[r, prefix : prefix + e - s] = stream[s:e]
-            mask[r, : prefix + e - s] = 1
-            score[r, prefix + first : prefix + e - s] = True
+    for ids, mask, score in window_batches(stream, windows, batch_size, bos_token_id):
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
         targets = ids[:, 1:].to(device)
         selected = score[:, 1:].to(device)
