@@ -23,6 +23,9 @@ from .utils.errors import InvalidTargetError, did_you_mean
 
 logger = logging.getLogger(__name__)
 
+#: Names of the corrections folded after a layer drop (see methods/compensation.py).
+COMPENSATIONS = ("scale",)
+
 CONFIG_VERSION = 1
 
 
@@ -207,6 +210,7 @@ class FlattenConfig(QuantizationConfigMixin):
         version: int = CONFIG_VERSION,
         quant_method: str = "flatten",
         linear_replacement: str | None = None,
+        compensation: str | None = None,
         **kwargs: Any,
     ) -> None:
         from .methods.registry import get_method_class
@@ -241,6 +245,29 @@ class FlattenConfig(QuantizationConfigMixin):
                     "(replaceme takes estimator= instead)."
                 )
         self.linear_replacement = linear_replacement
+        if compensation is not None:
+            if compensation not in COMPENSATIONS:
+                raise ValueError(
+                    f"unknown compensation {compensation!r}.{did_you_mean(str(compensation), COMPENSATIONS)} "
+                    f"Choose one of {list(COMPENSATIONS)} or None."
+                )
+            if method_class.keeps_depth or method_class.merges_layers or not method_class.accepts_linear_replacement:
+                reason = (
+                    "keeps every layer"
+                    if method_class.keeps_depth
+                    else "merges layers, and Prune&Comp's factor is defined for dropped ones"
+                    if method_class.merges_layers
+                    else "fits its own linear replacement"
+                )
+                raise ValueError(
+                    f"compensation does not apply to method {method!r}: it {reason}. Use it with shortgpt, sleb or "
+                    "uidl (or linear_replacement for merging methods)."
+                )
+            if linear_replacement is not None:
+                raise ValueError(
+                    "compensation and linear_replacement both correct the stream at a cut; choose one of them."
+                )
+        self.compensation = compensation
 
         calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
         calibration = kwargs.pop("calibration", None)
@@ -335,6 +362,7 @@ class FlattenConfig(QuantizationConfigMixin):
             "stacks": copy.deepcopy(self.stacks),
             "layer_plan": copy.deepcopy(self.layer_plan),
             "linear_replacement": self.linear_replacement,
+            "compensation": self.compensation,
             "version": self.version,
         }
 
@@ -370,6 +398,7 @@ _TOP_LEVEL_FIELDS = (
     "quant_method",
     "calibration",
     "linear_replacement",
+    "compensation",
 )
 
 

@@ -15,6 +15,7 @@ from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, LayerPlan, describe_dataset
 from .methods.base import CompressionMethod, MethodContext
+from .methods.compensation import compensated_apply_, require_compensable
 from .methods.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 from .methods.registry import get_method_class
 from .utils.torch_utils import count_parameters
@@ -149,6 +150,8 @@ class FlattenQuantizer(OptimumQuantizer):
         method.preflight(adapter, stack)
         if self.config.linear_replacement is not None:
             require_pre_norm(adapter, stack, f"linear_replacement={self.config.linear_replacement!r}")
+        if self.config.compensation is not None:
+            require_compensable(adapter, stack)
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
@@ -171,7 +174,11 @@ class FlattenQuantizer(OptimumQuantizer):
                 )
             logger.info("%s plan: %s", self.config.method, plan.describe())
             with context.timer("apply"):
-                if self.config.linear_replacement is None:
+                if self.config.compensation is not None:
+                    context.report["compensation"] = compensated_apply_(
+                        adapter, plan, context, lambda: method.apply_(adapter, plan, context)
+                    )
+                elif self.config.linear_replacement is None:
                     method.apply_(adapter, plan, context)
                 else:
                     context.report["linear_replacement"] = bridged_apply_(

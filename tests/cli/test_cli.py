@@ -362,3 +362,50 @@ def test_optimum_cli_registration_is_light_and_forwards_to_our_parser():
     assert light.stdout.strip() == "[] flatten"
     cli = subprocess.run(["optimum-cli", "flatten", "compress", "--help"], capture_output=True, text=True)
     assert cli.returncode == 0 and "--num-layers-to-remove" in cli.stdout and "--max-group-size" in cli.stdout
+
+
+def test_linear_replacement_and_replaceme_options_reach_the_config():
+    from optimum_flatten.cli.main import build_parser
+    from optimum_flatten.cli.options import config_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "compress",
+            "m",
+            "--output",
+            "o",
+            "--method",
+            "shortgpt",
+            "--num-layers-to-remove",
+            "2",
+            "--linear-replacement",
+            "cosine",
+        ]
+    )
+    assert config_kwargs(args) == {"method": "shortgpt", "num_layers_to_remove": 2, "linear_replacement": "cosine"}
+    args = parser.parse_args(
+        [
+            "compress",
+            "m",
+            "--output",
+            "o",
+            "--method",
+            "replaceme",
+            "--num-layers-to-remove",
+            "2",
+            "--estimator",
+            "cosine",
+            "--tokens",
+            "all",
+            "--num-blocks",
+            "2",
+        ]
+    )
+    assert config_kwargs(args) == {
+        "method": "replaceme",
+        "num_layers_to_remove": 2,
+        "estimator": "cosine",
+        "tokens": "all",
+        "num_blocks": 2,
+    }

@@ -13,8 +13,9 @@ import types
 import typing
 from typing import Any
 
-from ..config import CalibrationConfig
+from ..config import COMPENSATIONS, CalibrationConfig
 from ..methods.registry import get_method_class, registered_methods
+from ..ops.linear_map import ESTIMATORS
 
 #: Help text for the calibration fields (the method fields take theirs from the class docstrings).
 _HELP = {
@@ -108,6 +109,22 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=False)
     target.add_argument("--num-layers-to-remove", dest="num_layers_to_remove", type=int, default=argparse.SUPPRESS)
     target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
+    parser.add_argument(
+        "--linear-replacement",
+        dest="linear_replacement",
+        choices=list(ESTIMATORS),
+        default=argparse.SUPPRESS,
+        help="bridge every span of removed or merged layers with a fitted linear map folded into the down projection "
+        "before it (docs/methods/replaceme.md); default: none",
+    )
+    parser.add_argument(
+        "--compensation",
+        dest="compensation",
+        choices=list(COMPENSATIONS),
+        default=argparse.SUPPRESS,
+        help="after each dropped layer, rescale the stream upstream of the cut by Prune&Comp's factor, folded into "
+        "the embeddings and the output projections below it (shortgpt, sleb, uidl); default: none",
+    )
     seen: set[str] = set()
     _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
     shared: dict[str, list[str]] = {}
@@ -121,7 +138,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The FlattenConfig keyword arguments given on the command line."""
-    names = {"method", "num_layers_to_remove", "target_sparsity"}
+    names = {"method", "num_layers_to_remove", "target_sparsity", "linear_replacement", "compensation"}
     names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
     for method in registered_methods():
         names |= {f.name for f in dataclasses.fields(get_method_class(method).config_class)}

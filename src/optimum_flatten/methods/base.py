@@ -81,6 +81,9 @@ class CompressionMethod(ABC):
     #: Whether `FlattenConfig(linear_replacement=...)` may bridge this method's removed spans (a method that fits its
     #: own replacement, or keeps depth, says no).
     accepts_linear_replacement: ClassVar[bool] = True
+    #: True for methods whose plans merge layers (FlattenGPT, LaCo, SWM): a correction defined for dropped layers
+    #: (compensation="scale") is refused for them before calibration.
+    merges_layers: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config

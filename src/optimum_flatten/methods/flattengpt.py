@@ -104,6 +104,7 @@ class FlattenGPTConfig(MethodConfig):
 
 @register_method("flattengpt")
 class FlattenGPTMethod(CompressionMethod):
+    merges_layers = True
     config_class = FlattenGPTConfig
     requires_calibration = True
     required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})

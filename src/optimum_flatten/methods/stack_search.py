@@ -249,6 +249,7 @@ class ParameterMergeMethod(CompressionMethod):
     threshold (None when it does not remove `target` layers); the config provides `threshold`, `min_layer`,
     `max_layer`, `merge_rule`, `search_steps`, `scoring_batches` and optionally `similarity`.
     """
+    merges_layers = True
 
     required_capabilities = frozenset({"layer_drop"})
 

@@ -1,0 +1,147 @@
+"""Magnitude compensation after a layer drop (Prune&Comp, Chen et al., AAAI 2026, arXiv 2507.18212).
+
+Dropping layer l feeds its input x_l to layer l+1, which was trained on x_{l+1}, a stream of a different magnitude.
+Prune&Comp rescales everything upstream of the cut by one scalar
+
+    α_l = mean over channels c of E[|x_{l+1,c}|] / E[|x_{l,c}|]        (real tokens only)
+
+measured on the model as already compensated for the earlier drops, and folds α_l into every writer of the residual
+stream before l: the token (and learned position) embedding and the output projections (o_proj, down_proj, biases
+included) of the kept layers below l. In a pre-norm stack every layer reads the stream through a scale-invariant norm,
+so this scales the stream entering l+1 by α_l exactly (up to the norm's ε) and changes nothing else upstream.
+
+Because of that invariance the α's can be measured *before* any weight changes: running an unchanged layer on α·x
+gives exactly what the compensated model computes, so the measurement walks the original layers on virtually scaled
+states, and the fold happens once, after the plan is applied.
+
+Tied embeddings: the LM head shares the embedding matrix, so scaling it would scale the logits. The final norm's gain
+(and bias) is divided by the same factor, so that lm_head(norm(h)) is what it was; the tie is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import LayerPlan
+from ..utils.errors import UnsupportedArchitectureError
+
+
+def _stream_sources(adapter: Any) -> list[torch.nn.Module]:
+    """The embedding tables that write the stream before layer 0 (token, and a learned position table if any)."""
+    sources = [adapter.embeddings()]
+    position = getattr(adapter, "position_embeddings", None)
+    if callable(position):
+        sources.append(position())
+    return sources
+
+
+def require_compensable(adapter: Any, stack: str) -> None:
+    """Refuses, before any change, a stack the fold cannot describe exactly."""
+    block = adapter.block(stack, 0)
+    if block.norm_position != "pre":
+        raise UnsupportedArchitectureError(
+            f"compensation='scale' folds a factor into every writer of the residual stream, which leaves the function "
+            f"unchanged only when each layer reads the stream through a norm (pre-norm); this "
+            f"{type(adapter.model).__name__} stack {stack!r} is {block.norm_position}-norm. Drop compensation."
+        )
+    for source in _stream_sources(adapter):
+        if not isinstance(source, torch.nn.Embedding):
+            raise UnsupportedArchitectureError(
+                f"compensation='scale' folds into embedding tables, and this {type(adapter.model).__name__} writes "
+                f"its stream with a {type(source).__name__} (patches or scaled embeddings); drop compensation."
+            )
+
+
+@torch.no_grad()
+def measure_scales(runner: Any, layers: Sequence[torch.nn.Module], plan: LayerPlan) -> dict[int, float]:
+    """α of every dropped layer, bottom-up, each on the stream already compensated for the drops below it."""
+    if plan.merged_groups:
+        raise ValueError(
+            f"compensation='scale' is defined for dropped layers (Prune&Comp); this plan merges {plan.merged_groups}. "
+            "Use it with shortgpt, sleb or uidl, or use linear_replacement for merging methods."
+        )
+    dropped = set(plan.dropped_indices)
+    current = list(runner.inputs)
+    scales: dict[int, float] = {}
+    for index, layer in enumerate(layers):
+        output = runner.run(layer, index, current)
+        if index in dropped:
+            alpha = magnitude_ratio(current, output, runner.masks)
+            scales[index] = alpha
+            current = [h * alpha for h in current]
+        else:
+            current = output
+        if dropped and index >= max(dropped):
+            break
+    return scales
+
+
+def magnitude_ratio(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None]
+) -> float:
+    """mean_c E|after_c| / E|before_c| over real tokens (float64 sums; channels never active are left out)."""
+    sum_before = sum_after = None
+    for x, y, mask in zip(before, after, masks, strict=True):
+        keep = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.bool().to(x.device)
+        a = x[keep].abs().sum(dim=0, dtype=torch.float64)
+        b = y[keep.to(y.device)].abs().sum(dim=0, dtype=torch.float64).to(a.device)
+        sum_before = a if sum_before is None else sum_before + a
+        sum_after = b if sum_after is None else sum_after + b
+    if sum_before is None:
+        raise ValueError("no calibration batch to measure the compensation on.")
+    live = sum_before > 0
+    return float((sum_after[live] / sum_before[live]).mean())
+
+
+@torch.no_grad()
+def fold_stream_scales_(adapter: Any, stack: str, layer_scales: Sequence[float], embedding_scale: float) -> None:
+    """Multiplies the embeddings by `embedding_scale` and layer k's o/down projections by `layer_scales[k]`.
+
+    With tied embeddings the final norm is divided by `embedding_scale`, so the logits stay what they were.
+    """
+    head = adapter.lm_head(stack)
+    tied = False
+    for source in _stream_sources(adapter):
+        if head is not None and getattr(head, "weight", None) is source.weight:
+            tied = True
+        source.weight.data.mul_(embedding_scale)
+    for k, block in enumerate(adapter.blocks(stack)):
+        for view in (block.attention.o, block.mlp.down):
+            bias = view.bias
+            view.set_(view.weight * layer_scales[k], None if bias is None else bias * layer_scales[k])
+    if tied:
+        norm = adapter.final_norm(stack)
+        if norm is None:
+            raise UnsupportedArchitectureError(
+                "compensation='scale' with tied embeddings needs a final norm to absorb the factor; this model has "
+                "none. Drop compensation."
+            )
+        norm.weight.data.div_(embedding_scale)
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.data.div_(embedding_scale)
+
+
+def compensated_apply_(adapter: Any, plan: LayerPlan, context: Any, apply: Any) -> dict[str, Any]:
+    """Measures every α on the original layers, runs `apply()` (the drop), then folds; returns the report entry."""
+    runner = context.new_runner(adapter)
+    layers = list(adapter.layers(plan.stack))
+    with context.timer("compensation"):
+        scales = measure_scales(runner, layers, plan)
+    apply()
+    kept = [g.indices[0] for g in plan.groups]
+    layer_scales = []
+    for original in kept:
+        factor = 1.0
+        for dropped, alpha in scales.items():
+            if dropped > original:
+                factor *= alpha
+        layer_scales.append(factor)
+    embedding_scale = 1.0
+    for alpha in scales.values():
+        embedding_scale *= alpha
+    with context.timer("compensation"):
+        fold_stream_scales_(adapter, plan.stack, layer_scales, embedding_scale)
+    return {"kind": "scale", "alpha": {str(k): v for k, v in sorted(scales.items())}}
