@@ -13,6 +13,31 @@ TOLERANCES = {
 }
 
 
+#: Unit roundoff u of IEEE round-to-nearest arithmetic: each +, -, *, / is exact up to a factor (1 + d), |d| <= u.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """gamma_n = n u / (1 - n u) (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 3.1).
+
+    A dot product of length n computed in `dtype` in any order, with or without FMA, is within gamma_n |x|^T |y| of
+    the exact one; so is every entry of a matrix product by any conventional BLAS kernel (blocked, vectorised,
+    multithreaded: they only change the order). This is the bound a float32-vs-float64 test states instead of a
+    constant tuned on one machine's BLAS.
+    """
+    nu = n * UNIT_ROUNDOFF[dtype]
+    assert nu < 1, f"{n} terms are too many for a {dtype} error bound"
+    return nu / (1 - nu)
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor | float, what: str) -> None:
+    """|actual - expected| <= bound elementwise, compared in float64; the message gives the worst error / bound."""
+    error = (actual.double() - expected.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(error)
+    worst = float((error / bound).max())
+    assert bool((error <= bound).all()), f"{what}: error up to {worst:.3g} x the derived bound ({error.max():.3g})"
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     dtype = dtype or actual.dtype
     atol, rtol = TOLERANCES[dtype]

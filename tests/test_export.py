@@ -1,4 +1,7 @@
-"""Save -> reload without optimum_flatten: same class, same logits, cached generation equals uncached."""
+"""Save -> reload without optimum_flatten: same class, same logits, cached generation equals uncached.
+
+Saving over an existing folder (overwrite, refusals, interrupted saves) is tested in test_save_overwrite.py.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import torch
 import tiny_models
 from common import assert_close, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer
-from optimum_flatten.utils.errors import OutputDirectoryError
 
 RELOAD_SCRIPT = r"""
 import json, sys, torch
@@ -88,35 +90,3 @@ def test_saved_directory_holds_report_card_and_heatmap(tmp_path):
     assert "6 -> 4 layers" in card and "AutoModelForCausalLM.from_pretrained" in card
     png = (out / "similarity_heatmap.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-
-
-def test_non_empty_output_directory_is_refused_then_overwritten(tmp_path):
-    model, quantizer = _compressed(method="shortgpt")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
-    with pytest.raises(OutputDirectoryError, match=r"not empty.*overwrite=True"):
-        quantizer.save(model, out)
-    assert (out / "precious.txt").read_text() == "keep me"
-    quantizer.save(model, out, overwrite=True)
-    assert not (out / "precious.txt").exists() and (out / "config.json").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
-def test_interrupted_save_leaves_nothing_behind(tmp_path, monkeypatch):
-    model, quantizer = _compressed(method="shortgpt")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("previous version")
-
-    def failing_card(_report):
-        raise KeyboardInterrupt("interrupted while writing")
-
-    monkeypatch.setattr("optimum_flatten.export.model_card.render_model_card", failing_card)
-    with pytest.raises(KeyboardInterrupt):
-        quantizer.save(model, out, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert [p.name for p in out.iterdir()] == ["old.txt"]
-    with pytest.raises(KeyboardInterrupt):
-        quantizer.save(model, tmp_path / "fresh")
-    assert not (tmp_path / "fresh").exists()

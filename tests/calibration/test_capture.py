@@ -1,7 +1,9 @@
+import math
+
 import torch
 
 import tiny_models
-from common import assert_close, sample_ids
+from common import UNIT_ROUNDOFF, assert_close, assert_within, gamma, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner, SecondMoment
 
@@ -47,16 +49,56 @@ def test_second_moment_is_float64_and_skips_padding():
 
 
 def test_second_moment_of_float32_tokens_is_centred_so_small_directions_survive_a_large_mean():
-    # Tokens = a large shared offset plus small variation: an uncentred float32 product loses the variation.
+    """Tokens = a large shared offset (1000) plus small variation (0.01): the centred covariance (~1e-4) is what the
+    ridge solves need, and an uncentred float32 product loses it (it rounds terms of 1000^2).
+
+    The tolerance is derived from the arithmetic, not tuned on one BLAS. SecondMoment forms, per chunk k of n_k
+    tokens, C_k = x - m_k (float32, m_k the chunk mean rounded to float32), the float32 product C_k^T C_k, and adds
+    it and the exact correction m s^T + s m^T - n m m^T (s the float64 chunk sum) to a float64 running sum S.
+    Premises, all exact here and checked below where cheap: the float64 sums of these float32 values (multiples of
+    2^-14 below 2^22, so under 53 bits) and the division by N = 2^12; x - m_k and x - mean (Sterbenz: operands
+    within a factor 2 of each other). The error of the float64 mean of S minus mean mean^T, against the exact
+    centred moment, is then at most
+      * float32 products: sum_k gamma_{n_k}(float32) (|C_k|^T |C_k|) / N  (any summation order, FMA or not);
+      * float64: each chunk makes 4 additions to entries of magnitude <= 3 N M (M = max |x_i x_j|, the uncentred
+        moment, ~1e6) and 4 roundings of products <= n_k M; with the division and the test's own outer product and
+        subtraction, (12 K + 6) u64 M over K chunks;
+    plus the error of the two-pass float64 reference, gamma_N(float64) (|c|^T |c|) / N + u64 |reference|, and 1%
+    for the second-order terms. That is ~1e-8 here, i.e. 1e-4 of the centred variances: small directions survive.
+    The uncentred float32 product misses by ~1e-1 and more, so the test fails for it.
+    """
     g = torch.Generator().manual_seed(1)
     tokens = (1000.0 + 1e-2 * torch.randn(4096, 4, generator=g, dtype=torch.float64)).float()
-    exact = tokens.double().T @ tokens.double() / tokens.shape[0]
+    chunks = tokens.split(1000)
     moment = SecondMoment(4)
-    for chunk in tokens.split(1000):
+    for chunk in chunks:
         moment.update(chunk[None], None)
-    centred_exact = exact - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
-    centred_ours = moment.mean() - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
-    torch.testing.assert_close(centred_ours, centred_exact, rtol=1e-4, atol=1e-9)
-    naive = (tokens.T @ tokens).double() / tokens.shape[0]
-    naive_centred = naive - torch.outer(tokens.double().mean(0), tokens.double().mean(0))
-    assert (naive_centred - centred_exact).abs().max() > 100 * (centred_ours - centred_exact).abs().max()
+
+    x = tokens.double()
+    count = x.shape[0]
+    total = x.sum(0)
+    assert total.tolist() == [math.fsum(column) for column in x.T.tolist()]  # the float64 sum is exact
+    mean = total / count  # exact: count = 2^12
+    centred = x - mean  # exact (Sterbenz)
+    reference = centred.T @ centred / count  # two-pass float64: the centred moment to ~1e-20
+    ours = moment.mean() - torch.outer(mean, mean)
+
+    u32, u64 = UNIT_ROUNDOFF[torch.float32], UNIT_ROUNDOFF[torch.float64]
+    float32_products = torch.zeros(4, 4, dtype=torch.float64)
+    for chunk in chunks:
+        c = (chunk - (chunk.sum(dim=0, dtype=torch.float64) / chunk.shape[0]).float()).double()  # as SecondMoment
+        float32_products += gamma(chunk.shape[0], torch.float32) * (c.abs().T @ c.abs())
+    largest = float((x.abs().max(0).values[:, None] * x.abs().max(0).values[None, :]).max())
+    bound = 1.01 * (
+        float32_products / count
+        + (12 * len(chunks) + 6) * u64 * largest
+        + gamma(count, torch.float64) * (centred.abs().T @ centred.abs()) / count
+        + u64 * reference.abs()
+    )
+    assert_within(ours, reference, bound, "centred second moment")
+    assert float(bound.max()) < 1e-3 * float(reference.diagonal().min())  # the bound resolves the variances
+
+    naive = (tokens.T @ tokens).double() / count  # uncentred float32: what centring avoids
+    naive_centred = naive - torch.outer(mean, mean)
+    assert float((naive_centred - reference).abs().max()) > 1e3 * float(bound.max())
+    assert u32 * largest > 1e3 * float(bound.max())  # even one float32 rounding of a term exceeds the bound

@@ -43,7 +43,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from ..quantizer import FlattenQuantizer
 
     config = FlattenConfig(**config_kwargs(args))
-    check_output_dir(args.output, args.overwrite)  # fail before the expensive part
+    check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
@@ -260,7 +260,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
 
-    check_output_dir(args.output, args.overwrite)
+    check_output_dir(args.output, args.overwrite, sources=[args.model])
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
     model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -288,7 +288,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     from ..recovery.data import build_training_rows, load_recovery_texts
     from ..recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
 
-    check_output_dir(args.output, args.overwrite)
+    check_output_dir(args.output, args.overwrite, sources=[args.model])
     selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
     if len(selection) != 1:
         raise ValueError("say which MLPs to collapse: --num-mlps K (the last K not collapsed yet) or --mlp-fraction F.")
@@ -332,8 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     compress = verbs.add_parser("compress", help="compress a checkpoint and save a plain one")
     compress.add_argument("model", help="checkpoint directory or hub name, or a bundled model: smollm2, qwen2.5-0.5b")
-    compress.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
-    compress.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    compress.add_argument(
+        "--output",
+        required=True,
+        help="directory to write (absent or empty, or a checkpoint to replace with --overwrite)",
+    )
+    compress.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
+    )
     compress.add_argument("--dtype", default="float32", choices=DTYPES)
     compress.add_argument("--no-progress", action="store_true", help="hide progress bars")
     compress.add_argument(
@@ -379,7 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     recover_parser.add_argument("model", help="compressed checkpoint directory")
     recover_parser.add_argument("--dataset", required=True, help="Alpaca-format .json/.jsonl, or any text source")
     recover_parser.add_argument("--output", required=True)
-    recover_parser.add_argument("--overwrite", action="store_true")
+    recover_parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
+    )
     recover_parser.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -393,8 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collapse.add_argument("model", help="checkpoint directory, hub name, or a remote-code LayerCollapse checkpoint")
     collapse.add_argument("--dataset", required=True, help="training and calibration text (same forms as compress)")
-    collapse.add_argument("--output", required=True, help="directory to write (must be empty or absent)")
-    collapse.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    collapse.add_argument(
+        "--output",
+        required=True,
+        help="directory to write (absent or empty, or a checkpoint to replace with --overwrite)",
+    )
+    collapse.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
+    )
     which = collapse.add_mutually_exclusive_group()
     which.add_argument("--num-mlps", type=int, default=None, help="collapse the last K MLPs not collapsed yet")
     which.add_argument("--mlp-fraction", type=float, default=None, help="the same as a fraction of the layers")
@@ -420,7 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored")
     demo.add_argument("--eval-seqlen", type=int, default=512)
     demo.add_argument("--output", default=None, help="also save the compressed checkpoint here")
-    demo.add_argument("--overwrite", action="store_true")
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
+    )
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=cmd_demo)
     return parser

@@ -1,12 +1,21 @@
-"""Atomic save of a compressed model as an ordinary transformers checkpoint."""
+"""Atomic save of a compressed model as an ordinary transformers checkpoint.
+
+Writing into an existing folder (``overwrite=True``) behaves like ``save_pretrained``: the files a checkpoint
+consists of are replaced and every other file in the folder is kept. Folders where that would still lose data
+(the current directory, a home folder, a non-empty folder that holds no checkpoint, the folder the model was loaded
+from) are refused with the reason before anything is written.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import os
+import re
+import secrets
 import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +28,141 @@ logger = logging.getLogger(__name__)
 
 REPORT_NAME = "flatten_report.json"
 HEATMAP_NAME = "similarity_heatmap.png"
+CARD_NAME = "README.md"
 #: Shard size when some weights are offloaded (transformers' default of 50 GB would onload them all at once).
 OFFLOADED_SHARD_SIZE = "1GB"
 
+#: What a checkpoint consists of: transformers' weights, config and tokenizer/processor files, and this library's
+#: report, card, heatmap and LayerCollapse remote code. A save over an existing checkpoint replaces the files it
+#: writes and removes the files matching these patterns that it does not write (shards of another count, the
+#: vocabulary of another tokenizer), since they would describe another model; every other file is kept. Remote
+#: code of other projects (``modeling_*.py``) is replaced when written again and otherwise kept: it may be the
+#: user's own.
+CHECKPOINT_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model-*-of-*.bin",
+    "pytorch_model.bin.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "source.spm",
+    "target.spm",
+    "chat_template.jinja",
+    "chat_template.json",
+    "additional_chat_templates",
+    "preprocessor_config.json",
+    "processor_config.json",
+    REPORT_NAME,
+    HEATMAP_NAME,
+    CARD_NAME,
+    "modeling_layer_collapse_*.py",
+)
 
-def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
-    """Refuses a non-empty directory unless `overwrite`; call it before expensive work so nothing is wasted."""
-    path = Path(output_dir)
+#: Hidden siblings of an output folder: ``.NAME.partial-PID-HEX`` (a save being written) and ``.NAME.old-PID-HEX``
+#: (the replaced files while they are swapped). A save killed mid-way leaves them; the next save removes those
+#: whose process is gone.
+_STAGING, _BACKUP = "partial", "old"
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file or folder name in a checkpoint folder is part of the checkpoint (see CHECKPOINT_PATTERNS)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[str | Path | None] = ()) -> Path:
+    """Refuses an output folder where a save would lose data; call it before expensive work so nothing is wasted.
+
+    An absent or empty folder is always accepted. A non-empty one is accepted only with `overwrite` and only when
+    it holds a checkpoint (config.json) that is not the current directory, a home folder, or one of `sources`
+    (the folders the model was loaded from): `overwrite` replaces checkpoint files in place, so those folders
+    would keep a mix of the user's files and ours, or lose the original model.
+
+    Args:
+        output_dir: The folder to save to.
+        overwrite: Whether replacing the checkpoint files of an existing checkpoint is allowed.
+        sources: Where the model came from (a local folder, a Hub name or None; only existing folders count).
+
+    Returns:
+        `output_dir` as a Path (not resolved).
+
+    Raises:
+        OutputDirectoryError: with the reason and what to do instead.
+    """
+    path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
+    if not path.is_dir() or not any(path.iterdir()):
+        return path
+    reason = _refusal(path.resolve(), sources)
+    if reason:
         raise OutputDirectoryError(
-            f"output directory {str(path)!r} is not empty; choose another path or pass overwrite=True "
-            "(--overwrite on the command line) to replace it."
+            f"refusing to save into {str(path)!r}: {reason}; choose another output folder (a new or empty one)."
+        )
+    if not overwrite:
+        raise OutputDirectoryError(
+            f"output directory {str(path)!r} is not empty (it holds a checkpoint); choose another path or pass "
+            "overwrite=True (--overwrite on the command line) to replace its checkpoint files (other files are kept)."
         )
     return path
+
+
+def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:
+    """Why `path` (resolved, an existing non-empty folder) must not be written into, or None."""
+    if path == Path.cwd().resolve():
+        return "it is the current working directory, whose other files a checkpoint would be mixed with"
+    if path in _home_folders(path):
+        return "it is a home folder"
+    for source in sources:
+        if source and Path(source).expanduser().is_dir() and Path(source).expanduser().resolve() == path:
+            return "it is the folder the model was loaded from, and saving there would replace the original model"
+    if not (path / "config.json").is_file() and not _interrupted_swap(path):
+        return "it is not empty and holds no checkpoint (no config.json), so its files are not ours to replace"
+    return None
+
+
+def _home_folders(path: Path) -> set[Path]:
+    """This user's home folder, and `path` itself when it is the home folder of the user named like it."""
+    homes = set()
+    try:
+        homes.add(Path.home().resolve())
+    except (RuntimeError, KeyError, OSError):  # no HOME and no password entry
+        pass
+    try:
+        import pwd
+
+        homes.add(Path(pwd.getpwuid(os.getuid()).pw_dir).resolve())
+        homes.add(Path(pwd.getpwnam(path.name).pw_dir).resolve())
+    except (ImportError, KeyError, AttributeError, OSError):  # no pwd (Windows), or no user of that name
+        pass
+    return homes
+
+
+def _interrupted_swap(path: Path) -> bool:
+    """A save killed while swapping files may have moved config.json out already: its backup still holds it."""
+    return any((leftover / "config.json").is_file() for leftover in _leftovers(path, _BACKUP))
+
+
+def _model_sources(model: nn.Module) -> list[str]:
+    """The folder(s) the model was loaded from, as transformers records them; not the folder of our own last save
+    (`save_compressed` records that name afterwards, and saving there again replaces a copy, not the original)."""
+    saved = getattr(model, "_optimum_flatten_saved_to", None)
+    names = {
+        str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""),
+        str(getattr(model, "name_or_path", "") or ""),
+    }
+    return [name for name in names if name and name != saved]
 
 
 def save_compressed(
@@ -46,8 +175,11 @@ def save_compressed(
 ) -> Path:
     """Saves weights (safetensors), config, tokenizer, flatten_report.json, README.md and the heatmap.
 
-    Everything is written into a temporary sibling directory that is renamed into place at the end; on any
-    error the temporary directory is removed and an existing `output_dir` is left untouched.
+    Everything is written into a hidden sibling folder first, so an error or a kill never leaves a half-written
+    checkpoint: a new `output_dir` is that folder renamed into place; an existing one (`overwrite`, see
+    `check_output_dir`) gets its checkpoint files replaced one rename each and keeps every other file, as
+    `save_pretrained` does. On an error the replaced files are put back. Leftovers of an interrupted earlier save
+    to the same path are removed first. Folders and files follow the umask.
 
     A model with LayerCollapse MLPs (collapsed or with α) is written by `export.layer_collapse`, which picks the
     stock format when it can and remote code otherwise; the format lands in the report as ``export_format``.
@@ -57,10 +189,14 @@ def save_compressed(
     from .model_card import render_model_card
     from .plots import plot_similarity
 
-    path = check_output_dir(output_dir, overwrite).resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = check_output_dir(output_dir, overwrite, sources=_model_sources(model)).resolve()
     report = dict(report or {})
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(path)
+        staging = _make_sibling(path, _STAGING)
+    except OSError as error:
+        raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
     from ..adapters import get_adapter
     from .layer_collapse import layer_collapse_states, loader_for, write_layer_collapse_model
 
@@ -89,8 +225,9 @@ def save_compressed(
         if report.get("similarity") is not None:
             plot_similarity(report["similarity"], report.get("plan", {}).get("groups"), staging / HEATMAP_NAME)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        (staging / "README.md").write_text(render_model_card(report), encoding="utf-8")
-        _replace_dir(staging, path)
+        (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
+        _follow_umask(staging)
+        _move_into_place(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -98,20 +235,125 @@ def save_compressed(
     from ..quantizer import set_name_or_path
 
     set_name_or_path(model, str(path))
+    model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
     return path
 
 
-def _replace_dir(staging: Path, path: Path) -> None:
-    if path.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-        backup.rmdir()
-        path.rename(backup)
+def remove_leftovers(path: str | Path) -> list[Path]:
+    """Removes the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` siblings that saves to `path` killed mid-way left.
+
+    Those of a save still running (its process is alive) are kept. Returns what was removed (also logged: a killed
+    save of a large model leaves gigabytes).
+    """
+    path = Path(path)
+    removed = []
+    for leftover in _leftovers(path, _STAGING) + _leftovers(path, _BACKUP):
+        if _owner_alive(leftover.name):
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+        if not leftover.exists():
+            removed.append(leftover)
+    if removed:
+        logger.warning("removed leftovers of an interrupted save to %s: %s", path, ", ".join(p.name for p in removed))
+    return removed
+
+
+def _leftovers(path: Path, kind: str) -> list[Path]:
+    if not path.parent.is_dir():
+        return []
+    return sorted(p for p in path.parent.glob(f".{glob_escape(path.name)}.{kind}-*") if p.is_dir())
+
+
+def glob_escape(name: str) -> str:
+    """`name` with the glob metacharacters made literal (an output folder may be called ``run[1]``)."""
+    return re.sub(r"([*?[])", r"[\1]", name)
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process that made the hidden sibling `name` (``.NAME.KIND-PID-HEX``) still runs."""
+    match = re.search(r"\.(?:partial|old)-(\d+)-[0-9a-f]+$", name)
+    if match is None or os.name != "posix":  # an older layout, or no signal 0 to ask with
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid():
+        return False  # this process runs one save at a time per path: a sibling of ours is an old failure
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
+def _make_sibling(path: Path, kind: str) -> Path:
+    """Creates the hidden folder ``.NAME.KIND-PID-HEX`` next to `path`, with the umask's mode (0755 under 022):
+    it becomes the output folder itself when `path` is new, and a save_pretrained folder has that mode."""
+    while True:
+        sibling = path.parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            staging.rename(path)
-        except BaseException:
-            backup.rename(path)
-            raise
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
+            sibling.mkdir(mode=0o777)
+            return sibling
+        except FileExistsError:
+            continue
+
+
+def _follow_umask(staging: Path) -> None:
+    """Gives every file and folder of the save the mode the umask gives a new one (0644 / 0755 under 022).
+
+    safetensors 0.8 writes its files 0600 (through a private temporary file), which would make the weights the one
+    unreadable part of a shared checkpoint. `staging` was made with mkdir(0777), so its mode is the umask's answer.
+    """
+    allowed = staging.stat().st_mode & 0o777
+    for item in staging.rglob("*"):
+        if item.is_symlink():
+            continue
+        mode = item.stat().st_mode & 0o777
+        wanted = allowed if item.is_dir() else (0o666 | (mode & 0o111)) & allowed
+        if mode != wanted:
+            item.chmod(wanted)
+
+
+def _move_into_place(staging: Path, path: Path) -> None:
+    """Makes the written checkpoint in `staging` the content of `path`, keeping `path`'s other files.
+
+    A new `path` is `staging` renamed: it appears complete or not at all. In an existing one each checkpoint file is
+    moved to a hidden backup and the new one renamed in, config.json last so that the folder keeps a config while
+    files are swapped; an error puts the old files back.
+    """
+    if not path.exists():
         staging.rename(path)
+        return
+    new = sorted(p.name for p in staging.iterdir())
+    new.sort(key=lambda name: name == "config.json")  # a reader (or the next save) keeps finding a config.json
+    stale = sorted(p.name for p in path.iterdir() if p.name not in new and is_checkpoint_file(p.name))
+    try:
+        backup = _make_sibling(path, _BACKUP)
+    except OSError as error:
+        raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
+    moved_out: list[str] = []
+    moved_in: list[str] = []
+    try:
+        for name in stale:
+            (path / name).rename(backup / name)
+            moved_out.append(name)
+        for name in new:
+            if (path / name).exists() or (path / name).is_symlink():
+                (path / name).rename(backup / name)
+                moved_out.append(name)
+            (staging / name).rename(path / name)
+            moved_in.append(name)
+    except BaseException as error:
+        for name in reversed(moved_in):
+            (path / name).rename(staging / name)
+        for name in reversed(moved_out):
+            (backup / name).rename(path / name)
+        backup.rmdir()
+        if isinstance(error, OSError):
+            raise OutputDirectoryError(
+                f"cannot replace the checkpoint files in {str(path)!r} ({error.strerror or error}); it is unchanged."
+            ) from error
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+    staging.rmdir()

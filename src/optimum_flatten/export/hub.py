@@ -42,7 +42,8 @@ def push_to_hub(
         local_dir: Where to save first (default: ``./<name>`` from the repo id).
         private, token: Passed to the Hub API.
         commit_message: Defaults to a summary of the plan.
-        overwrite: Replace a non-empty `local_dir`.
+        overwrite: Replace the checkpoint files of an existing checkpoint in `local_dir` (other files are kept;
+            see `checkpoint.check_output_dir` for the folders that are refused).
         api: A `huggingface_hub.HfApi`-like object (tests pass a stand-in for the transport).
 
     Returns:
