@@ -51,6 +51,8 @@ VARIANTS: dict[str, dict] = {
     "sliding_window_reference_code": dict(
         method="sliding_window", search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),
+    "come": dict(method="come"),
+    "come_fold_norms": dict(method="come", fold_norms=True),
 }
 
 

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 def _load_builtin_methods() -> None:
     """Imports the built-in method modules once (explicit list, no package scanning)."""
-    from . import ffn_merge, flattengpt, laco, layer_collapse, replaceme, shortgpt, sleb, sliding_window, uidl  # noqa: F401
+    from . import (  # noqa: F401
+        come,
+        ffn_merge,
+        flattengpt,
+        laco,
+        layer_collapse,
+        replaceme,
+        shortgpt,
+        sleb,
+        sliding_window,
+        uidl,
+    )
 
 
 from .base import CompressionMethod, MethodContext  # noqa: E402

@@ -1,0 +1,331 @@
+"""CoMe (Wang et al., NeurIPS 2025, arXiv 2510.15304): progressive concatenation merging of adjacent layers.
+
+Repeated until `num_layers_to_remove` merges are done, each time on the model as the merges so far left it:
+
+1. Select: the adjacent pair (i, i+1) with the smallest angular distance arccos(cos(x_i, x_{i+2})) / π between the
+   input of layer i and the output of layer i+1, on each sequence's last real token.
+2. Share: layer i keeps BI_i / (BI_i + BI_{i+1}) of the KV groups (with their query heads) and of the MLP neurons,
+   rounded to whole units so that the two shares sum to the original counts; BI = 1 − cos(input, output) over
+   every real token (ShortGPT's Block Influence).
+3. Score: a neuron by mean |activation entering W_down| × ‖W_down column‖₁; a KV group by the same score summed over
+   the o_proj input channels of its query heads. Each layer keeps its own best neurons and groups.
+4. Concatenate the kept parts into one layer of the original width (q/k/v rows and o_proj columns side by side,
+   gate/up rows and down columns side by side), with each norm the mean of the two layers' norms. With
+   ``fold_norms=True`` each layer's norm gains are folded exactly into its own projections instead and the merged
+   norms have unit gain.
+
+A merged layer may be merged again later (a chain), so a plan group can hold three or more original layers; the
+order of the merges is in the report (``merges``). The merged blocks are built while planning, because each choice
+is measured on the model the previous merges produced; the model itself is only changed by `apply_`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..calibration.capture import capture_module_inputs
+from ..calibration.states import CalibratedStates
+from ..config import LayerPlan, MethodConfig
+from ..ops import kv_group_scores, top_k_indices
+from ..ops.channel_sensitivity import (
+    accumulate_abs_sum,
+    channel_sensitivity,
+    head_channel_totals,
+    proportional_shares,
+)
+from ..utils.offload import detached_copy, dispatch_like
+from .base import CompressionMethod, MethodContext
+from .flattengpt import fold_block_norms_
+from .registry import register_method
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoMeConfig(MethodConfig):
+    """Options of CoMe.
+
+    Attributes:
+        fold_norms: Not in the paper (``False`` reproduces it: the merged layer's norms are the means of the two
+            layers' norms, an approximation). ``True`` folds each layer's norm gains (and LayerNorm biases) into its
+            own kept q/k/v and gate/up input columns and gives the merged norms unit gain, so the merged layer
+            computes exactly the two pruned layers side by side on one input: what exact norm folding alone adds.
+        allow_chaining: Whether an already merged layer may be merged again (the authors' code allows it by
+            default; its ``--wo-repeat`` flag, used in their README example, is ``allow_chaining=False``).
+        share_rounding: How a BI proportion becomes a whole number of KV groups and neurons: ``"nearest"``
+            (largest remainder: each share rounded to the nearest unit) or ``"reference_code"`` (the authors' code:
+            the smaller share rounded down, the larger takes the rest).
+    """
+
+    fold_norms: bool = False
+    allow_chaining: bool = True
+    share_rounding: Literal["nearest", "reference_code"] = "nearest"
+
+    def __post_init__(self) -> None:
+        for name in ("fold_norms", "allow_chaining"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.share_rounding not in ("nearest", "reference_code"):
+            raise ValueError(f"share_rounding must be 'nearest' or 'reference_code', got {self.share_rounding!r}.")
+
+
+@dataclass
+class _Entry:
+    """One layer of the stack being merged: original layers `indices`, computed by `module`.
+
+    `built` marks a merged block the method owns (not a layer of the model), which it may copy and discard.
+    """
+
+    indices: tuple[int, ...]
+    module: nn.Module
+    built: bool = False
+
+    @property
+    def first(self) -> int:
+        return self.indices[0]
+
+
+@dataclass
+class _Measurement:
+    """One pass over the current stack: what selection, shares and scores need."""
+
+    block_influence: list[float]
+    #: distance[k]: angular distance between the input of entry k and the output of entry k + 1.
+    distance: list[float]
+    #: Per entry, mean |activation| of every o_proj input channel and of every down-projection input channel.
+    head_activation: list[torch.Tensor]
+    mlp_activation: list[torch.Tensor]
+    tokens: int
+
+
+@register_method("come")
+class CoMeMethod(CompressionMethod):
+    config_class = CoMeConfig
+    requires_calibration = True
+    # The same views FlattenGPT needs: heads and MLP channels of two pre-norm blocks concatenated into one.
+    required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
+    merges_layers = True
+    config: CoMeConfig
+
+    def __init__(self, config: CoMeConfig) -> None:
+        super().__init__(config)
+        #: Merged blocks built by `plan`, by plan group, waiting for `apply_`.
+        self._built: dict[tuple[int, ...], nn.Module] = {}
+
+    # -------------------------------------------------------------- selection
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        stack = context.stack
+        num_layers = adapter.num_layers(stack)
+        states = context.new_states(adapter, keep=())
+        entries = [_Entry((i,), layer) for i, layer in enumerate(adapter.layers(stack))]
+        merges: list[dict[str, Any]] = []
+        self._built = {}
+        with context.progress_bar(num_to_remove, "come") as bar:
+            for step in range(num_to_remove):
+                with context.timer("selection"):
+                    measured = self._measure(adapter, states, entries)
+                candidates = [
+                    k
+                    for k in range(len(entries) - 1)
+                    if self.config.allow_chaining or (len(entries[k].indices) == 1 and len(entries[k + 1].indices) == 1)
+                ]
+                if not candidates:
+                    raise ValueError(
+                        f"after {step} merge(s) no two adjacent unmerged layers are left, and allow_chaining=False "
+                        f"forbids merging a merged layer again; requested {num_to_remove}. Allow chaining or remove "
+                        "fewer layers."
+                    )
+                # Smallest distance; ties to the lower position.
+                k = min(candidates, key=lambda c: (measured.distance[c], c))
+                with context.timer("merge"):
+                    block, record = self._merge_entries(adapter, stack, entries[k], entries[k + 1], k, measured)
+                record = {"step": step, "angular_distance": round(measured.distance[k], 6), **record}
+                record["distances"] = [round(d, 6) for d in measured.distance]
+                merges.append(record)
+                entries[k : k + 2] = [_Entry(entries[k].indices + entries[k + 1].indices, block, built=True)]
+                bar.set_description(f"merge {step + 1}/{num_to_remove}: {record['members']}")
+                bar.update()
+        self._built = {e.indices: e.module for e in entries if e.built}
+        context.report["merges"] = merges
+        return LayerPlan(
+            num_layers=num_layers,
+            groups=[e.indices for e in entries],
+            rule="come",
+            stack=stack,
+        )
+
+    def _measure(self, adapter: Any, states: CalibratedStates, entries: Sequence[_Entry]) -> _Measurement:
+        """One pass of the current stack on the calibration states: Block Influence of every entry, angular distance
+        of every adjacent pair (last token), and mean |activation| entering every o_proj and down projection.
+
+        Three boundaries are alive at a time; each entry runs with the call arguments of its first original layer.
+        """
+        runner = states.runner
+        masks = states.masks
+        batch = [0]
+        sums: list[list[torch.Tensor | None]] = [[None, None] for _ in entries]
+        counts = [[0, 0] for _ in entries]
+
+        def collector(k: int, slot: int):
+            def collect(x: torch.Tensor) -> None:
+                total, count = accumulate_abs_sum(x, masks[batch[0]])
+                current = sums[k][slot]
+                sums[k][slot] = total if current is None else current + total
+                counts[k][slot] += count
+
+            return collect
+
+        block_influence: list[float] = []
+        distance: list[float] = []
+        previous_input: list[torch.Tensor] | None = None
+        current = states.boundary(0)
+        with contextlib.ExitStack() as hooks:
+            for k, entry in enumerate(entries):
+                view = adapter.block_view(entry.module, entry.first)
+                hooks.enter_context(capture_module_inputs(view.attention.o.module, collector(k, 0)))
+                hooks.enter_context(capture_module_inputs(view.mlp.down.module, collector(k, 1)))
+            for entry in entries:
+                output = runner.run(entry.module, entry.first, current, on_batch=lambda b: batch.__setitem__(0, b))
+                block_influence.append(1.0 - states.mean_cosine(current, output, tokens="all"))
+                if previous_input is not None:
+                    distance.append(states.mean_angular_distance(previous_input, output, tokens="last"))
+                previous_input, current = current, output
+        if any(c == 0 for pair in counts for c in pair):
+            raise ValueError("no calibration token is unmasked: cannot score heads and neurons.")
+        head = [s[0].cpu() / c[0] for s, c in zip(sums, counts, strict=True)]
+        mlp = [s[1].cpu() / c[1] for s, c in zip(sums, counts, strict=True)]
+        return _Measurement(block_influence, distance, head, mlp, counts[0][1])
+
+    # ------------------------------------------------------------------ merge
+    def _merge_entries(
+        self, adapter: Any, stack: str, a: _Entry, b: _Entry, k: int, measured: _Measurement
+    ) -> tuple[nn.Module, dict[str, Any]]:
+        """Scores, shares and concatenation of entries k (= a) and k + 1 (= b); returns the block and its record."""
+        members = [self._owned_view(adapter, stack, entry) for entry in (a, b)]
+        influence = [measured.block_influence[k], measured.block_influence[k + 1]]
+        num_kv = members[0].attention.geometry.num_kv_heads
+        width = members[0].mlp.intermediate_size
+        if any(m.attention.geometry.num_kv_heads != num_kv or m.mlp.intermediate_size != width for m in members):
+            raise ValueError(
+                f"layers {list(a.indices)} and {list(b.indices)} differ in KV groups or MLP width; CoMe merges layers "
+                "of one shape into one of the same shape."
+            )
+        kv_shares = proportional_shares(influence, num_kv, self.config.share_rounding)
+        channel_shares = proportional_shares(influence, width, self.config.share_rounding)
+        kept_kv: list[list[int]] = []
+        kept_channels: list[list[int]] = []
+        group_scores_report = []
+        for m, member in enumerate(members):
+            geometry = member.attention.geometry
+            head_scores = head_channel_totals(
+                channel_sensitivity(measured.head_activation[k + m], member.attention.o.weight), geometry.num_heads
+            )
+            group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
+            neuron_scores = channel_sensitivity(measured.mlp_activation[k + m], member.mlp.down.weight)
+            kept_kv.append(top_k_indices(group_scores, kv_shares[m]))
+            kept_channels.append(top_k_indices(neuron_scores, channel_shares[m]))
+            group_scores_report.append([round(float(s), 6) for s in group_scores])
+        block = concat_merge(adapter, members, kept_kv, kept_channels, self.config.fold_norms)
+        del members
+        # Offloaded right away like the layer it will replace, so peak memory stays at one group being built.
+        block = dispatch_like(block, adapter.layers(stack)[a.first])
+        record = {
+            "members": [list(a.indices), list(b.indices)],
+            "block_influence": [round(v, 6) for v in influence],
+            "kv_groups_per_member": kv_shares,
+            "channels_per_member": channel_shares,
+            "kv_group_scores": group_scores_report,
+            "kept_kv_groups": kept_kv,
+            "calibration_tokens": measured.tokens,
+        }
+        return block, record
+
+    @staticmethod
+    def _owned_view(adapter: Any, stack: str, entry: _Entry) -> Any:
+        """A view of an in-memory, hook-free copy of the entry that may be rewritten (the model is never written)."""
+        if not entry.built:
+            return adapter.detached_block(stack, entry.first)
+        # A block built by an earlier merge: copied too, since it may be offloaded (its weights then live elsewhere).
+        copy = detached_copy(entry.module, memo={id(adapter.config): adapter.config})
+        return adapter.block_view(copy, entry.first)
+
+    # ------------------------------------------------------------- application
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        if plan.dropped_indices:
+            raise ValueError(f"CoMe plans cover every layer; got dropped layers {plan.dropped_indices}.")
+        missing = [list(g) for g in plan.merged_groups if g not in self._built]
+        if missing:
+            raise ValueError(
+                f"CoMe builds its merged layers while planning (each merge is measured on the model the earlier ones "
+                f"produced), but no block was built for the groups {missing}; apply the plan this method's plan() "
+                "returned."
+            )
+        for group in plan.merged_groups:
+            adapter.replace_block_(plan.stack, group[0], self._built[group])
+        adapter.keep_layers_(plan.stack, plan.first_indices)
+        self._built = {}
+
+
+def concat_merge(
+    adapter: Any,
+    members: Sequence[Any],
+    kept_kv: Sequence[Sequence[int]],
+    kept_channels: Sequence[Sequence[int]],
+    fold_norms: bool = False,
+) -> nn.Module:
+    """One block holding the kept KV groups (with their query heads) and MLP channels of every member, side by side.
+
+    The members (views of blocks the caller owns) are rewritten: their norms are folded or set to unit gain, since
+    the adapter concatenates only plain normalisations. Without `fold_norms` the merged block's norms are then set to
+    the mean of the members' norms (CoMe's approximation: each member's projections now read the mean gain instead
+    of their own); with it, each member's gains live in its own q/k/v and gate/up columns and the block computes
+    the pruned members exactly in parallel on one input.
+
+    Args:
+        adapter: The model's architecture adapter.
+        members: `BlockView`s of the blocks to merge, in layer order.
+        kept_kv: Per member, the KV groups it keeps (indices within that member); may be empty.
+        kept_channels: Per member, the MLP channels it keeps; may be empty.
+        fold_norms: Fold each member's norm gains into its projections instead of averaging the norms.
+    """
+    if not len(members) == len(kept_kv) == len(kept_channels):
+        raise ValueError("one list of kept KV groups and one of kept channels is needed per member.")
+    averaged: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    if fold_norms:
+        for member in members:
+            fold_block_norms_(member)
+    else:
+        for name in ("attn_norm", "mlp_norm"):
+            norms = [getattr(m, name) for m in members]
+            weight = torch.stack([n.weight.double() for n in norms]).mean(dim=0)
+            biases = [n.bias for n in norms]
+            bias = None if any(b is None for b in biases) else torch.stack([b.double() for b in biases]).mean(dim=0)
+            averaged.append((weight, bias))
+        for member in members:
+            member.attn_norm.set_unit_()
+            member.mlp_norm.set_unit_()
+    wide = adapter.build_concat_block(members)
+    index = members[0].index
+    kv_offsets = [0]
+    channel_offsets = [0]
+    for member in members:
+        kv_offsets.append(kv_offsets[-1] + member.attention.geometry.num_kv_heads)
+        channel_offsets.append(channel_offsets[-1] + member.mlp.intermediate_size)
+    wide_kv = [kv_offsets[m] + int(g) for m, groups in enumerate(kept_kv) for g in groups]
+    wide_channels = [channel_offsets[m] + int(c) for m, channels in enumerate(kept_channels) for c in channels]
+    adapter.keep_heads_(adapter.block_view(wide, index), wide_kv)
+    view = adapter.block_view(wide, index)
+    adapter.keep_mlp_channels_(view, wide_channels)
+    if not fold_norms:
+        for norm, (weight, bias) in zip((view.attn_norm, view.mlp_norm), averaged, strict=True):
+            norm.weight.copy_(weight)
+            if bias is not None and norm.bias is not None:
+                norm.bias.copy_(bias)
+    return wide
