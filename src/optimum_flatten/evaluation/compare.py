@@ -13,7 +13,7 @@ import torch
 from ..calibration.data import load_texts
 from .fidelity import fidelity
 from .perplexity import perplexity, tokenize_corpus
-from .speed import decode_tokens_per_second, prefill_tokens_per_second
+from .speed import SpeedComparison, compare_decode, compare_prefill, decode_tokens_per_second, prefill_tokens_per_second
 
 
 def evaluate_checkpoint(
@@ -27,15 +27,19 @@ def evaluate_checkpoint(
     lm_eval_tasks: Sequence[str] = (),
     lm_eval_limit: int | None = None,
     trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+    speed_repeats: int = 5,
 ) -> dict[str, Any]:
     """Perplexity (with its protocol), prefill/decode throughput and optional lm-eval tasks of one checkpoint.
 
     ``"local_text_perplexity"`` among `lm_eval_tasks` is the offline lm-eval task over the same `dataset` texts
-    (capped at 64 documents); other names are lm-eval's own tasks (they download their data).
+    (capped at 64 documents); other names are lm-eval's own tasks (they download their data). Speeds are medians of
+    `speed_repeats` synchronised runs on `device`, with their spread and environment; to compare two checkpoints'
+    speed use `speed_against_baseline`, which interleaves them.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    model = _load_model(path, dtype, device, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     stream = tokenize_corpus(tokenizer, load_texts(dataset))
     result = perplexity(model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens)
@@ -47,8 +51,8 @@ def evaluate_checkpoint(
         "protocol": result.protocol(),
     }
     if speed:
-        entry["prefill"] = prefill_tokens_per_second(model, seqlen=seqlen, repeats=3)
-        entry["decode"] = decode_tokens_per_second(model)
+        entry["prefill"] = prefill_tokens_per_second(model, seqlen=seqlen, repeats=speed_repeats)
+        entry["decode"] = decode_tokens_per_second(model, repeats=speed_repeats)
     if lm_eval_tasks:
         from .harness import local_text_task, run_lm_eval
 
@@ -77,19 +81,46 @@ def fidelity_to_baseline(
     max_tokens: int | None = 16384,
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
     """KL(baseline ‖ model) per token and top-1 agreement on the windows `evaluate_checkpoint` scores.
 
     Both checkpoints are loaded at once (the comparison needs both distributions for the same positions), so this
     needs the memory of the two models; the text is tokenised with the baseline's tokenizer, as for its perplexity.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    dense = AutoModelForCausalLM.from_pretrained(baseline, dtype=dtype, trust_remote_code=trust_remote_code).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code).eval()
+    dense = _load_model(baseline, dtype, device, trust_remote_code)
+    model = _load_model(path, dtype, device, trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=trust_remote_code)
     stream = tokenize_corpus(tokenizer, load_texts(dataset))
     return fidelity(dense, model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens).to_dict()
+
+
+def speed_against_baseline(
+    baseline: str | Path,
+    path: str | Path,
+    seqlen: int = 512,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    rounds: int = 5,
+    trust_remote_code: bool = False,
+) -> dict[str, SpeedComparison]:
+    """Prefill (batch 1 x `seqlen`) and decode speed of `path` against `baseline`, the two loaded at once and timed
+    alternately (baseline, model, baseline, ...) so that machine load hits both; see `compare_prefill`."""
+    dense = _load_model(baseline, dtype, device, trust_remote_code)
+    model = _load_model(path, dtype, device, trust_remote_code)
+    return {
+        "prefill": compare_prefill(dense, model, seqlen=seqlen, rounds=rounds),
+        "decode": compare_decode(dense, model, rounds=rounds),
+    }
+
+
+def _load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
 
 
 def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path:

@@ -61,3 +61,47 @@ def first_output(output: object) -> torch.Tensor:
     if hidden is None:
         raise TypeError(f"cannot find a hidden state in a layer output of type {type(output).__name__}")
     return hidden
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Waits until every kernel queued on `device` has finished; a no-op on the CPU.
+
+    Accelerators run asynchronously: a host clock read right after a forward returns measures the kernel launches,
+    not the work. Every timed region therefore synchronises before it starts (so earlier work is not billed to it)
+    and before it stops (so its own work is). `device=None` synchronises the current CUDA device when CUDA is
+    already in use (for timers that do not know the model's device, e.g. a phase timer) and never initialises CUDA.
+    """
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu" and hasattr(torch, "xpu"):
+        torch.xpu.synchronize(device)
+    elif device.type == "mps" and hasattr(torch, "mps"):
+        torch.mps.synchronize()
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """A device from a user's `--device`: ``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda``,
+    ``cuda:1``, ... Refused with a one-line reason when this torch cannot use it, before any model is loaded."""
+    if name is None or str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"unknown device {str(name)!r}: {error}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(name)!r}: no CUDA device is available to this torch ({torch.__version__})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(name)!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"device {str(name)!r}: MPS is not available")
+    elif device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise ValueError(f"device {str(name)!r}: no XPU is available")
+    elif device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(f"device {str(name)!r}: use auto, cpu, cuda or cuda:N")
+    return device
