@@ -90,3 +90,34 @@ def test_saved_directory_holds_report_card_and_heatmap(tmp_path):
     assert "6 -> 4 layers" in card and "AutoModelForCausalLM.from_pretrained" in card
     png = (out / "similarity_heatmap.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_card_and_report_name_a_local_base_by_its_folder_only(tmp_path):
+    """A model loaded from a local folder is recorded by the folder's name: its absolute path would reach the Hub
+    with --push-to-hub, and `base_model:` in the card's front matter is reserved for a Hub id."""
+    from transformers import AutoModelForCausalLM
+
+    dense = tmp_path / "private" / "checkpoints" / "dense-model"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense)
+    (dense / "README.md").write_text("---\nlicense: mit\n---\n")
+    model = AutoModelForCausalLM.from_pretrained(dense).eval()
+    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert (quantizer.report["base_model"], quantizer.report["base_model_on_hub"]) == ("dense-model", False)
+    assert quantizer.report["license"] == "mit"  # still read from the source folder
+    out = quantizer.save(model, tmp_path / "out")
+    card = (out / "README.md").read_text()
+    for written in (card, (out / "flatten_report.json").read_text()):
+        assert str(dense) not in written and "private" not in written
+    assert "base_model:" not in card and "- Base model: `dense-model`, a local checkpoint folder" in card
+    assert "# dense-model compressed with optimum-flatten" in card
+
+
+def test_card_of_an_older_report_with_an_absolute_path_shows_the_folder_name_only():
+    from optimum_flatten.export.model_card import render_model_card
+
+    card = render_model_card({"base_model": "/home/someone/models/dense", "method": "shortgpt"})
+    assert "/home/someone" not in card and "base_model:" not in card and "`dense`" in card
+    card = render_model_card({"base_model": "org/dense-model", "method": "shortgpt"})
+    assert "base_model: org/dense-model" in card

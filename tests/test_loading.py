@@ -52,3 +52,50 @@ def test_load_pretrained_resolves_a_remote_code_checkpoint_through_its_auto_map(
     ids = torch.randint(3, tiny_models.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_public_base_name_never_gives_a_local_path(tmp_path, monkeypatch):
+    from optimum_flatten.utils.loading import public_base_name
+
+    local = tmp_path / "models" / "my-dense"
+    local.mkdir(parents=True)
+    assert public_base_name(str(local)) == ("my-dense", False)
+    assert public_base_name(str(tmp_path / "gone" / "dense")) == ("dense", False)  # moved away since
+    assert public_base_name("./dense") == ("dense", False)
+    snapshot = tmp_path / "hub" / "models--org--some-model" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    assert public_base_name(str(snapshot)) == ("org/some-model", True)  # the Hub cache gives the repo id back
+    assert public_base_name("org/some-model") == ("org/some-model", True)
+    assert public_base_name("gpt2") == ("gpt2", True)
+    assert public_base_name("") == ("unknown", False)
+    monkeypatch.chdir(tmp_path / "models")
+    assert public_base_name("my-dense") == ("my-dense", False)  # a folder here, not a Hub id
+    assert public_base_name(".") == ("models", False)
+
+
+@pytest.mark.parametrize(
+    ("name", "hub"),
+    [
+        ("org/model", True),
+        ("gpt2", True),
+        ("./model", False),
+        ("a/b/c", False),
+        ("../x", False),
+        ("/abs", False),
+        ("~/x", False),
+        ("org/mo..del", False),
+        ("org--x/y", False),
+    ],
+)
+def test_what_counts_as_a_hub_name(name, hub):
+    from optimum_flatten.utils.loading import looks_like_hub_id
+
+    assert looks_like_hub_id(name) is hub
+
+
+def test_load_pretrained_refuses_a_missing_folder_without_the_hub(tmp_path, monkeypatch):
+    from optimum_flatten.utils.errors import ModelSourceError
+
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: pytest.fail("asked the Hub"))
+    with pytest.raises(ModelSourceError, match="no such folder"):
+        load_pretrained(str(tmp_path / "missing"))

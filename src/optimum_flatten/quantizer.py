@@ -18,6 +18,8 @@ from .methods.base import CompressionMethod, MethodContext
 from .methods.compensation import compensated_apply_, require_compensable
 from .methods.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 from .methods.registry import get_method_class
+from .utils.loading import public_base_name
+from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters
 
 logger = logging.getLogger(__name__)
@@ -102,9 +104,11 @@ class FlattenQuantizer(OptimumQuantizer):
             raise ValueError("no model is bound: create the quantizer with FlattenQuantizer.from_pretrained(...).")
         if quantization_config is not None:
             self.config = quantization_config
-        from .export.checkpoint import check_output_dir
+        from .export.checkpoint import _model_sources, check_output_dir
 
-        check_output_dir(save_dir, overwrite)
+        # The same refusals `save` applies (the model's own folder, the current or a home folder, write access), up
+        # front: a refused output found after the compression would waste it.
+        check_output_dir(save_dir, overwrite, sources=_model_sources(self.model))
         self.compress(self.model, self.tokenizer)
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
@@ -156,6 +160,9 @@ class FlattenQuantizer(OptimumQuantizer):
         # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
         tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
+        if method.requires_calibration:
+            # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
+            check_sequence_length(model, self.config.calibration.seqlen)
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
 
         params_before = count_parameters(model)
@@ -195,7 +202,8 @@ class FlattenQuantizer(OptimumQuantizer):
                 adapter.validate()
         model.train(was_training)
         _drop_own_quantization_config(model)
-        base_name = _base_name(model)
+        source_name = _base_name(model)
+        base_name, base_on_hub = public_base_name(source_name)
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
         set_name_or_path(model, "")
@@ -206,7 +214,8 @@ class FlattenQuantizer(OptimumQuantizer):
             "method_args": self.config.method_args,
             "model_type": model.config.model_type,
             "base_model": base_name,
-            "license": base_license(base_name),
+            "base_model_on_hub": base_on_hub,
+            "license": base_license(source_name),
             "architecture": type(model).__name__,
             "plan": plan.to_dict(),
             "plan_summary": plan.describe(),
@@ -307,7 +316,12 @@ def base_license(name_or_path: str) -> str | None:
 
 
 def _base_name(model: nn.Module) -> str:
-    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "unknown")
+    """Where the model was loaded from, as transformers records it (a Hub id or a local path; '' when unknown).
+
+    Only for reading the base's licence: reports and cards name the base through `public_base_name`, which never
+    gives an absolute local path.
+    """
+    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
 
 
 def _drop_own_quantization_config(model: nn.Module) -> None:

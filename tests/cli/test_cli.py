@@ -159,7 +159,32 @@ def test_cli_errors_are_clear_and_early(tiny_checkpoint, tmp_path, capsys):
         ]
     )
     assert code == 2
-    assert "unknown option(s) ['max_group_size']" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--max-group-size (flattengpt) is an option of another method, not of --method shortgpt" in err
+    assert "shortgpt's own options:" in err and "quant_method" not in err
+
+
+def test_compress_warns_once_when_a_merge_raises_the_calibration_loss_past_the_bound(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    """LaCo with a searched threshold (what an older refusal advised) reaches any target; the CLI then says, after
+    the summary and once, that the merged model's calibration loss rose past ln 2 (here the bound is lowered so that
+    the tiny model's rise passes it)."""
+    from optimum_flatten.methods import stack_search
+
+    model_path, data = tiny_checkpoint
+    arguments = ["compress", str(model_path), "--method", "laco", "--threshold", "none", "--window-size", "2"]
+    arguments += ["--num-layers-to-remove", "2", "--dataset", str(data), "--nsamples", "8", "--seqlen", "24"]
+    assert main([*arguments, "--output", str(tmp_path / "a"), "--no-progress"]) == 0
+    report = json.loads((tmp_path / "a" / "flatten_report.json").read_text())
+    assert report["calibration_loss"]["bound"] == pytest.approx(0.693147, abs=1e-6)
+    assert ("warning:" in capsys.readouterr().err) == (report["calibration_loss"]["rise"] > 0.693147)
+    monkeypatch.setattr(stack_search, "NLL_RISE_BOUND", -1.0)
+    assert main([*arguments, "--output", str(tmp_path / "b"), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if "ln 2 (perplexity doubled)" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: laco: the merged model's mean next-token loss")
+    assert "saved to" in captured.out
 
 
 def test_flags_are_generated_from_the_config_fields():

@@ -242,3 +242,115 @@ def test_laco_range_shorter_than_the_window_merges_the_largest_window_that_fits(
     cfg = LaCoConfig(window_size=4, interval=2, threshold=1e-6, min_layer=1, max_layer=2)
     plan = LaCoMethod(cfg).plan(get_adapter(model), _context(ids), 1)
     assert [g.indices for g in plan.groups] == [(0,), (1, 2), (3,), (4,), (5,)]
+
+
+def test_laco_refusal_says_how_close_the_best_window_came_and_never_suggests_a_search():
+    """At a threshold no window meets, the refusal gives the closest window's similarity (checked against a naive
+    full forward of every candidate) and what to lower; `threshold=None` (which reached the target with a model of
+    perplexity 10^6 on SmolLM2) is not offered."""
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=2, length=16, seed=4)
+    reference = _final_states(model, ids)
+    identity = [(i,) for i in range(6)]
+    scores = {start: _naive_cosine(model, _merge(identity, start, start + 1), ids, reference) for start in range(1, 5)}
+    threshold = max(scores.values()) + 1e-3  # every window is refused
+    with pytest.raises(ValueError) as refusal:
+        LaCoMethod(LaCoConfig(window_size=2, interval=1, threshold=threshold, min_layer=1)).plan(
+            get_adapter(model), _context(ids), 2
+        )
+    message = str(refusal.value)
+    best_start = max(scores, key=scores.get)
+    assert f"could not remove 2 layers at threshold={threshold}" in message
+    assert f"merging layers {best_start}-{best_start + 1}" in message
+    assert f"{scores[best_start]:.4f}" in message and "it removed 0" in message
+    assert "Lower threshold to" in message and "window_size" in message and "num_layers_to_remove" in message
+    assert "None" not in message and "search" not in message
+    assert "\n" not in message
+
+
+def test_laco_refusal_after_some_merges_names_the_count_reached():
+    """The top window passes and every later one is refused: the refusal says one layer was removed, which merge,
+    and the closest refused window (naive full-forward cosines decide which)."""
+    model = tiny_models.tiny_llama_gqa()
+    ids = sample_ids(batch=2, length=16, seed=4)
+    reference = _final_states(model, ids)
+    identity = [(i,) for i in range(6)]
+    top = _naive_cosine(model, _merge(identity, 4, 5), ids, reference)
+    after = [(0,), (1,), (2,), (3,), (4, 5)]
+    later = {start: _naive_cosine(model, _merge(after, start, start + 1), ids, reference) for start in (3, 2, 1)}
+    threshold = (top + max(later.values())) / 2
+    assert top > threshold > max(later.values())  # the premise of this test on this tiny model
+    with pytest.raises(ValueError) as refusal:
+        LaCoMethod(LaCoConfig(window_size=2, interval=1, threshold=threshold, min_layer=1)).plan(
+            get_adapter(model), _context(ids), 2
+        )
+    message = str(refusal.value)
+    best = max(later, key=later.get)
+    window = _merge(after, best, best + 1)[best]
+    assert "it removed 1 (merged [[4, 5]])" in message
+    assert f"merging layers {window[0]}-{window[-1]}" in message and f"{later[best]:.4f}" in message
+    assert "num_layers_to_remove to 1 (reached at this threshold)" in message
+
+
+def _calibration_nll(model, batches):
+    """Mean next-token NLL of a full forward over real-token pairs (the naive reference of the report's numbers)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for batch in batches:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].double()
+            valid = (batch.attention_mask[:, :-1] * batch.attention_mask[:, 1:]).bool()
+            total += float(
+                torch.nn.functional.cross_entropy(logits[valid], batch.input_ids[:, 1:][valid], reduction="sum")
+            )
+            count += int(valid.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("method", ["laco", "sliding_window"])
+def test_searched_threshold_records_the_calibration_loss_of_the_merged_model(method, monkeypatch):
+    from optimum_flatten.calibration import build_calibration_batches
+    from optimum_flatten.methods import stack_search
+
+    model = tiny_models.tiny_llama_gqa()
+    original = copy.deepcopy(model)
+    kwargs = dict(window_size=2) if method == "laco" else {}
+    config = FlattenConfig(
+        method=method,
+        num_layers_to_remove=2,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        threshold=None,
+        **kwargs,
+    )
+    monkeypatch.setattr(stack_search, "NLL_RISE_BOUND", -1.0)  # any change is "past the bound"
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    loss = quantizer.report["calibration_loss"]
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
+    groups = quantizer.plan.group_lists()
+    naive = _naive_merged_model(original, [tuple(g) for g in groups])
+    assert loss["dense_nll"] == pytest.approx(_calibration_nll(original, batches), rel=1e-4)
+    assert loss["merged_nll"] == pytest.approx(_calibration_nll(naive, batches), rel=1e-4)
+    assert loss["merged_nll"] == pytest.approx(_calibration_nll(model, batches), rel=1e-4)
+    assert loss["rise"] == pytest.approx(loss["merged_nll"] - loss["dense_nll"], abs=2e-6)
+    assert quantizer.report["threshold_searched"] is True
+    assert "ln 2" in loss["warning"] and "was searched as the highest" in loss["warning"]
+
+
+def test_no_warning_within_the_bound():
+    model = tiny_models.tiny_llama_gqa()
+    config = FlattenConfig(
+        method="laco",
+        num_layers_to_remove=1,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        threshold=None,
+        window_size=2,
+    )
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    loss = quantizer.report["calibration_loss"]
+    assert loss["bound"] == pytest.approx(0.693147, abs=1e-6)
+    assert ("warning" in loss) == (loss["rise"] > loss["bound"])

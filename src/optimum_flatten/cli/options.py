@@ -17,6 +17,9 @@ from ..config import COMPENSATIONS, CalibrationConfig
 from ..methods.registry import get_method_class, registered_methods
 from ..ops.linear_map import ESTIMATORS
 
+#: Fields of the calibration config: flags every method takes.
+_CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationConfig))
+
 #: Help text for the calibration fields (the method fields take theirs from the class docstrings).
 _HELP = {
     "dataset": "calibration text: a path (.txt/.jsonl/.json/.parquet or a folder of .txt), a bundled corpus "
@@ -134,6 +137,46 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name in registered_methods():
         cls = get_method_class(name).config_class
         _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
+
+
+def method_flags(method: str) -> list[str]:
+    """The command-line flags of `method`'s own options (its config fields), in declaration order."""
+    hints = typing.get_type_hints(get_method_class(method).config_class)
+    return [
+        f"--{f.name.replace('_', '-')}"
+        for f in dataclasses.fields(get_method_class(method).config_class)
+        if typing.get_origin(hints[f.name]) is not dict and f.name not in _CALIBRATION_NAMES
+    ]
+
+
+def check_method_options(args: argparse.Namespace) -> None:
+    """Refuses a flag that belongs to other methods than `--method`, listing the chosen method's own flags only.
+
+    FlattenConfig would refuse it too, but its message lists every keyword of the API (``quant_method``,
+    ``version``, ...), which are not flags; this names the method(s) the flag belongs to and the flags that apply.
+
+    Raises:
+        ValueError: one line, before anything is loaded.
+    """
+    method = args.method
+    own = {f.name for f in dataclasses.fields(get_method_class(method).config_class)}
+    given = {k for k in vars(args) if k not in own and k not in _CALIBRATION_NAMES}
+    foreign: dict[str, list[str]] = {}
+    for name in registered_methods():
+        for f in dataclasses.fields(get_method_class(name).config_class):
+            if f.name in given:
+                foreign.setdefault(f.name, []).append(name)
+    if not foreign:
+        return
+    flags = method_flags(method)
+    listed = ", ".join(flags) if flags else "none"
+    described = [f"--{name.replace('_', '-')} ({', '.join(owners)})" for name, owners in sorted(foreign.items())]
+    what = "is an option of another method" if len(described) == 1 else "are options of other methods"
+    raise ValueError(
+        f"{', '.join(described)} {what}, not of --method {method}; {method}'s own options: {listed} "
+        "(with the calibration options, --num-layers-to-remove / --target-sparsity, --linear-replacement and "
+        "--compensation); pick the method the option belongs to with --method, or drop it."
+    )
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -103,6 +103,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
+    _check_writable(path)
     if not path.is_dir() or not any(path.iterdir()):
         return path
     reason = _refusal(path.resolve(), sources)
@@ -116,6 +117,36 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
             "overwrite=True (--overwrite on the command line) to replace its checkpoint files (other files are kept)."
         )
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Refuses an output path the save could not write, so that it is found before the compression runs.
+
+    The save writes a hidden sibling of `path` (in its parent, created if missing) and, over an existing folder,
+    renames files inside `path`. Both are tried with a probe folder made and removed at once: permission bits alone
+    do not tell (root ignores them; a read-only mount or an ACL refuses anyway).
+
+    Raises:
+        OutputDirectoryError: naming the folder that cannot be written and what to do.
+    """
+    import tempfile
+
+    ancestor = path.parent if str(path.parent) else Path(".")
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputDirectoryError(
+            f"cannot create the output folder {str(path)!r}: {str(ancestor)!r} is a file; choose another path."
+        )
+    for folder in (ancestor, path) if path.is_dir() else (ancestor,):
+        try:
+            probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.probe-", dir=folder)
+        except OSError as error:
+            raise OutputDirectoryError(
+                f"cannot write the output folder {str(path)!r}: {str(folder)!r} is not writable "
+                f"({error.strerror or error}); choose an output folder where you can write, or fix the permissions."
+            ) from error
+        os.rmdir(probe)
 
 
 def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:

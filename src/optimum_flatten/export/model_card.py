@@ -11,10 +11,11 @@ def render_model_card(report: dict[str, Any]) -> str:
     groups = plan.get("groups", [])
     merged = [g for g in groups if len(g) > 1]
     calibration = report.get("calibration", {})
-    base = report.get("base_model", "unknown")
+    base, on_hub = card_base_name(report)
     lines = [
         "---",
-        f"base_model: {base}" if base != "unknown" else "base_model: unknown",
+        # Only a Hub id: the Hub links `base_model` to that repo, and a local folder name would point at a stranger's.
+        *([f"base_model: {base}"] if on_hub else []),
         *([f"license: {report['license']}"] if report.get("license") else []),
         "library_name: transformers",
         "tags:",
@@ -31,6 +32,8 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
         f"- Method: `{report.get('method')}` with options `{report.get('method_args', {})}`",
     ]
+    if not on_hub and base != "unknown":
+        lines.append(f"- Base model: `{base}`, a local checkpoint folder (not a Hub repo)")
     if report.get("plan_summary"):
         lines.append(f"- Plan: {report['plan_summary']}")
     for stack, layout in (report.get("mlp_layout") or {}).items():
@@ -90,6 +93,22 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def card_base_name(report: dict[str, Any]) -> tuple[str, bool]:
+    """(name, on_hub) of the base model for the card: its Hub id, else its folder name, never an absolute path.
+
+    Reports written by this version carry ``base_model_on_hub``; for an older report (which may hold the absolute
+    local path the model was loaded from) the name is cleaned here, so such a path never reaches a published card.
+    """
+    from ..utils.loading import public_base_name
+
+    name = str(report.get("base_model") or "unknown")
+    if name == "unknown":
+        return name, False
+    if "base_model_on_hub" in report:
+        return public_base_name(name)[0] if not report["base_model_on_hub"] else name, bool(report["base_model_on_hub"])
+    return public_base_name(name)
 
 
 def _summary(report: dict[str, Any]) -> str:

@@ -50,7 +50,14 @@ class LaCoMethod(ParameterMergeMethod):
     requires_calibration = True
     config: LaCoConfig
 
-    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+    def accepts(self, score: float, threshold: float) -> bool:
+        """The paper keeps a collapse when the similarity exceeds the threshold (strictly)."""
+        return score > threshold
+
+    def shortfall_hints(self) -> list[str]:
+        return [f"window_size (now {self.config.window_size}: a smaller window changes the model less per merge)"]
+
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group]:
         stack = identity_stack(evaluator.num_layers)
         removed = 0
         top_position = top  # the top of the range, in current positions (collapses above `start` shift it down)
@@ -63,9 +70,9 @@ class LaCoMethod(ParameterMergeMethod):
                 start -= 1
                 continue
             candidate = merge_positions(stack, start, start + size - 1)
-            if evaluator.score(candidate) > threshold:
+            if self.accepts(evaluator.score(candidate), threshold):
                 stack, removed, top_position = candidate, removed + size - 1, top_position - (size - 1)
                 start -= self.config.interval
             else:
                 start -= 1
-        return stack if removed == target else None
+        return stack

@@ -50,7 +50,7 @@ class SlidingWindowMethod(ParameterMergeMethod):
     requires_calibration = True
     config: SlidingWindowConfig
 
-    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group]:
         stack: list[Group] = identity_stack(evaluator.num_layers)
         removed = 0
         end = top
@@ -64,7 +64,8 @@ class SlidingWindowMethod(ParameterMergeMethod):
                     break
                 if end - start > target - removed:
                     break
-                if evaluator.score(merge_positions(stack, start, end), self.config.similarity) < threshold:
+                score = evaluator.score(merge_positions(stack, start, end), self.config.similarity)
+                if not self.accepts(score, threshold):
                     break
                 best, start = start, start - 1
             if best is not None and not (reference_code and reached_bottom):
@@ -73,4 +74,4 @@ class SlidingWindowMethod(ParameterMergeMethod):
                 end = best - 1
             else:
                 end = end - 1 if best is None else best - 1
-        return stack if removed == target else None
+        return stack

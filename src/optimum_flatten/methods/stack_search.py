@@ -8,6 +8,8 @@ p onwards: the prefix is never recomputed. Memory: (L + 1) copies of the calibra
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,12 +17,23 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..calibration.states import next_token_nll
 from ..config import LayerPlan, MethodConfig
 from ..ops import MERGE_RULES, masked_cosine_sum
 from ..utils.offload import dispatch_like
+from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext
 
+logger = logging.getLogger(__name__)
+
 Group = tuple[int, ...]
+
+#: Rise of the mean next-token loss on the calibration text (merged model minus original, nats per token) past
+#: which the merged model is flagged: ln 2, i.e. its calibration perplexity more than doubled. Depth compression
+#: of this size usually costs less on the text it was calibrated on (FlattenGPT, ShortGPT and SLEB removing 6 of
+#: SmolLM2's 30 layers raise held-out perplexity 1.9-2.2x); a similarity threshold searched down to whatever reaches
+#: the target has produced perplexities of 10^6 and more, a model that only emits gibberish.
+NLL_RISE_BOUND = math.log(2)
 
 
 class StackEvaluator:
@@ -43,6 +56,8 @@ class StackEvaluator:
         self.masks = self.runner.masks
         self._merged_cache: dict[Group, nn.Module] = {}
         self._scores: dict[tuple[str, tuple[Group, ...]], float] = {}
+        #: Every (candidate, score) asked for, in order (repeats included): what a refusal reports on.
+        self.trace: list[tuple[tuple[Group, ...], float]] = []
         with context.timer("selection"):
             states = [self.runner.inputs]
             for i, layer in enumerate(self.layers):
@@ -66,6 +81,10 @@ class StackEvaluator:
 
     def run(self, stack: Sequence[Group]) -> list[torch.Tensor]:
         """Final-norm states of a candidate stack, reusing the cached original prefix."""
+        return self.finish(self.run_stack(stack))
+
+    def run_stack(self, stack: Sequence[Group]) -> list[torch.Tensor]:
+        """States leaving the last block of a candidate stack (before the final norm), from the cached prefix."""
         start = 0
         while start < len(stack) and stack[start] == (start,):
             start += 1
@@ -77,7 +96,7 @@ class StackEvaluator:
         # rejected ones would otherwise pile up one layer each.
         used = set(stack)
         self._merged_cache = {g: m for g, m in self._merged_cache.items() if g in used}
-        return self.finish(current)
+        return current
 
     def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         norm = self.adapter.final_norm(self.context.stack)
@@ -111,6 +130,7 @@ class StackEvaluator:
                 self._scores[key] = self.cka_to_reference(self.run(stack))
             else:
                 raise ValueError(f"similarity must be 'cosine' or 'cka', got {kind!r}.")
+        self.trace.append((tuple(stack), self._scores[key]))
         return self._scores[key]
 
 
@@ -184,8 +204,14 @@ def stack_for_threshold(
     method: str,
     num_to_remove: int,
     search_steps: int = 12,
+    explain: Callable[[float], str] | None = None,
 ) -> tuple[float, list[Group]]:
     """The stack for a fixed threshold, or, with None, for the highest threshold that reaches the target.
+
+    Args:
+        explain: Called with a fixed threshold that falls short; returns what the refusal adds after its first
+            clause (how close the search came, what to lower). The refusal never suggests ``threshold=None``: the
+            highest threshold that reaches the target can be one that ruins the model.
 
     Raises:
         ValueError: when a fixed threshold does not reach `num_to_remove` removed layers.
@@ -194,10 +220,8 @@ def stack_for_threshold(
         return search_threshold(run, steps=search_steps)
     stack = run(threshold)
     if stack is None:
-        raise ValueError(
-            f"{method} could not remove {num_to_remove} layers at threshold={threshold}; lower the threshold, or "
-            "pass threshold=None to search for the highest one that reaches the target."
-        )
+        detail = explain(threshold) if explain is not None else "lower the threshold, or remove fewer layers"
+        raise ValueError(f"{method} could not remove {num_to_remove} layers at threshold={threshold}: {detail}")
     return threshold, stack
 
 
@@ -246,32 +270,147 @@ class ParameterMergeMethod(CompressionMethod):
     """Template of the methods that search merged stacks above a threshold (LaCo, Sliding-Window Merging).
 
     Subclasses implement `search(evaluator, threshold, target, top)`, returning the stack reached at that
-    threshold (None when it does not remove `target` layers); the config provides `threshold`, `min_layer`,
-    `max_layer`, `merge_rule`, `search_steps`, `scoring_batches` and optionally `similarity`.
+    threshold (fewer than `target` layers removed when it falls short), and use `accepts` to compare a score with
+    the threshold; the config provides `threshold`, `min_layer`, `max_layer`, `merge_rule`, `search_steps`,
+    `scoring_batches` and optionally `similarity`.
+
+    Besides the plan, the report gets the threshold used, the final similarity and ``calibration_loss``: the mean
+    next-token loss of the original and the merged stack on the scored calibration batches, and a warning when it
+    rose by more than `NLL_RISE_BOUND`. Similarity of final states is what the papers threshold, but it says little
+    about the loss: a searched threshold has reached the target with a model whose perplexity was 10^6.
     """
+
     merges_layers = True
 
     required_capabilities = frozenset({"layer_drop"})
 
-    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group] | None:
+    def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group]:
         raise NotImplementedError
+
+    def accepts(self, score: float, threshold: float) -> bool:
+        """Whether a candidate with similarity `score` passes `threshold` (at least it; LaCo: strictly above)."""
+        return score >= threshold
+
+    def shortfall_hints(self) -> list[str]:
+        """Method options whose lowering helps a fixed threshold reach the target, for the refusal (none here)."""
+        return []
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
         num_layers = adapter.num_layers(context.stack)
         top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
         evaluator = StackEvaluator(adapter, context, self.config.merge_rule, self.config.scoring_batches)
+        reached: dict[float, tuple[list[Group], int]] = {}
+
+        def run(threshold: float) -> list[Group] | None:
+            start = len(evaluator.trace)
+            stack = self.search(evaluator, threshold, num_to_remove, top)
+            reached[threshold] = (stack, start)
+            return stack if num_layers - len(stack) == num_to_remove else None
+
+        def explain(threshold: float) -> str:
+            stack, start = reached[threshold]
+            return self._shortfall(evaluator, threshold, stack, evaluator.trace[start:])
+
         threshold, stack = stack_for_threshold(
-            lambda t: self.search(evaluator, t, num_to_remove, top),
-            self.config.threshold,
-            self.name,
-            num_to_remove,
-            self.config.search_steps,
+            run, self.config.threshold, self.name, num_to_remove, self.config.search_steps, explain
         )
         context.report["threshold"] = threshold
-        context.report["final_similarity"] = evaluator.score(stack, getattr(self.config, "similarity", "cosine"))
+        context.report["threshold_searched"] = self.config.threshold is None
+        context.report["final_similarity"] = evaluator.score(stack, self._similarity)
+        loss = self._calibration_loss(adapter, context, evaluator, stack, threshold, num_to_remove)
+        if loss is not None:
+            context.report["calibration_loss"] = loss
         return LayerPlan(
             num_layers=num_layers, groups=stack, rule=f"param_{self.config.merge_rule}", stack=context.stack
         )
+
+    @property
+    def _similarity(self) -> str:
+        return getattr(self.config, "similarity", "cosine")
+
+    def _shortfall(
+        self,
+        evaluator: StackEvaluator,
+        threshold: float,
+        reached: Sequence[Group],
+        trace: Sequence[tuple[tuple[Group, ...], float]],
+    ) -> str:
+        """Why a fixed threshold fell short: how many layers it removed, how close the best refused window came, and
+        what to lower. A lower threshold is offered only down to that window's own similarity, never as a search:
+        the threshold that reaches any target can be one that ruins the model."""
+        removed = evaluator.num_layers - len(reached)
+        kind = "linear CKA" if self._similarity == "cka" else "cosine similarity"
+        parts = [f"it removed {removed}" + (f" (merged {[list(g) for g in reached if len(g) > 1]})" if removed else "")]
+        refused = [(stack, score) for stack, score in trace if not self.accepts(score, threshold)]
+        lower = []
+        if refused:
+            stack, score = max(refused, key=lambda item: item[1])
+            window = next((g for g in stack if len(g) > 1 and g not in reached), None)
+            where = f"merging layers {window[0]}-{window[-1]}" if window else "the closest candidate"
+            parts.append(
+                f"the closest refused window ({where}) reached a {kind} of {score:.4f} to the original model's final "
+                f"states, {threshold - score:.4f} short"
+            )
+            suggestion = math.floor(score * 1000 - 1e-9) / 1000  # strictly below: LaCo accepts only above
+            if suggestion > 0:
+                lower.append(
+                    f"threshold to {suggestion:.3f} (just below that window's {score:.4f}; every step down keeps a "
+                    "model less like the original, so measure its perplexity)"
+                )
+        else:
+            top = evaluator.num_layers - 1 if self.config.max_layer is None else self.config.max_layer
+            parts.append(f"no window was refused: the layer range [{self.config.min_layer}, {top}] ran out")
+        if removed:
+            lower.append(f"num_layers_to_remove to {removed} (reached at this threshold)")
+        else:
+            lower.append("num_layers_to_remove")
+        lower += self.shortfall_hints()
+        return "; ".join(parts) + ". Lower " + ", or ".join(lower) + "."
+
+    def _calibration_loss(
+        self,
+        adapter: Any,
+        context: MethodContext,
+        evaluator: StackEvaluator,
+        stack: Sequence[Group],
+        threshold: float,
+        num_to_remove: int,
+    ) -> dict[str, Any] | None:
+        """Mean next-token loss of the original and the merged stack on the scored calibration batches (None for a
+        stack without an LM head), with a warning past `NLL_RISE_BOUND`; costs two LM-head passes over them."""
+        head = adapter.lm_head(context.stack)
+        if head is None:
+            return None
+        batches = list(context.batches)[: len(evaluator.masks)]
+        with context.timer("selection"):
+            dense = next_token_nll(adapter, evaluator.states[-1], batches, context.stack)
+            merged_states = evaluator.run_stack(stack)
+            merged = next_token_nll(adapter, merged_states, batches, context.stack)
+        tokens = sum(int(h.shape[0] * h.shape[1]) for h in merged_states)
+        context.extra_work += 2 * count_parameters(head) * tokens
+        rise = merged - dense
+        loss: dict[str, Any] = {
+            "dense_nll": round(dense, 6),
+            "merged_nll": round(merged, 6),
+            "rise": round(rise, 6),
+            "perplexity_ratio": math.exp(rise) if rise < 700 else math.inf,
+            "bound": round(NLL_RISE_BOUND, 6),
+            "batches": len(batches),
+        }
+        if rise > NLL_RISE_BOUND:
+            searched = (
+                f" threshold={threshold:.4f} was searched as the highest that removes {num_to_remove} layers."
+                if self.config.threshold is None
+                else ""
+            )
+            loss["warning"] = (
+                f"{self.name}: the merged model's mean next-token loss on the calibration text rose from {dense:.3f} "
+                f"to {merged:.3f} nats per token (perplexity x{loss['perplexity_ratio']:.3g}), past the bound of "
+                f"ln 2 (perplexity doubled).{searched} Remove fewer layers or set a higher threshold, and measure "
+                "held-out perplexity before using this model."
+            )
+            logger.warning("%s", loss["warning"])
+        return loss
 
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
         apply_parameter_merge_(adapter, plan, self.config.merge_rule)

@@ -34,6 +34,10 @@ class OutputDirectoryError(ValueError):
     """The output directory exists and is not empty, and overwriting was not requested."""
 
 
+class ModelSourceError(ValueError):
+    """The model to load is not there: no such folder, not a checkpoint, an unreadable config, or not on the Hub."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Returns a ` Did you mean 'x'?` suffix when `name` is close to one of `choices`, else ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -6,7 +6,20 @@ the class named in `config.architectures` is what the user saved, so the compres
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from pathlib import Path
 from typing import Any
+
+from .errors import ModelSourceError
+
+#: A Hub repo id as the Hub spells them: ``name`` (legacy canonical models such as ``gpt2``) or ``owner/name``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+#: Values of HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE that mean "offline", as huggingface_hub reads them.
+_TRUE = {"1", "ON", "YES", "TRUE"}
+#: A file of the Hub cache: ``.../models--owner--name/snapshots/<revision>/...``.
+_HUB_CACHE_PART = re.compile(r"^models--(.+)$")
 
 
 def model_class_for(config: Any) -> type:
@@ -30,16 +43,162 @@ def model_class_for(config: Any) -> type:
     return cls
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """Whether `name` is spelled like a Hub repo id (``owner/name`` or a bare ``name``) and like nothing else.
+
+    ``./foo``, ``/abs/path``, ``~/x``, ``a/b/c`` or ``..`` cannot be repo ids: sending them to the Hub only buys
+    retries and a "Repo id must be in the form ..." traceback, so they are treated as local paths.
+    """
+    return bool(_HUB_ID.match(name)) and ".." not in name and "--" not in name and not name.endswith(".")
+
+
+def hub_offline() -> bool:
+    """Whether the user asked never to reach the Hub (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to 1/on/yes/true).
+
+    The environment is read at each call (huggingface_hub reads it once, at import), so a variable set later counts.
+    """
+    if any(os.environ.get(name, "").strip().upper() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hub cache holds `repo_id`'s config.json (then transformers loads it offline)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id after all
+        return False
+
+
+def check_checkpoint_folder(folder: str | Path) -> Path:
+    """Refuses, in one line, a folder that holds no readable config.json, before anything is loaded from it.
+
+    transformers would answer a missing or corrupt config.json with a multi-line traceback (or, for a missing one,
+    try the Hub under the folder's name); the message here names the file and what to do.
+
+    Raises:
+        ModelSourceError: no config.json, or one that is not a JSON object.
+    """
+    folder = Path(folder)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ModelSourceError(
+            f"the folder {str(folder)!r} holds no config.json, so it is not a transformers checkpoint; pass the "
+            "folder written by save_pretrained (or by optimum-flatten compress)."
+        )
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise ModelSourceError(
+            f"{str(config)!r} is not UTF-8 text ({error.reason} at byte {error.start}); restore it from the original "
+            "checkpoint."
+        ) from error
+    except json.JSONDecodeError as error:
+        raise ModelSourceError(
+            f"{str(config)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); restore "
+            "it from the original checkpoint."
+        ) from error
+    except OSError as error:
+        raise ModelSourceError(f"cannot read {str(config)!r}: {error.strerror or error}.") from error
+    if not isinstance(data, dict):
+        raise ModelSourceError(
+            f"{str(config)!r} holds a JSON {type(data).__name__}, not an object of settings; restore it from the "
+            "original checkpoint."
+        )
+    return folder
+
+
+def resolve_model_source(name: str | Path) -> str:
+    """Where `name` loads from: an existing checkpoint folder, or a Hub id that may be looked up; else one line.
+
+    A name that is not an existing folder reaches the Hub only when it is spelled like a repo id and the Hub may be
+    used: with HF_HUB_OFFLINE set it is accepted only when the Hub cache already holds it (transformers then loads
+    it without the network). Everything else is refused here, before any download or retry.
+
+    Returns:
+        The local folder (as given, user home expanded) or the Hub id.
+
+    Raises:
+        ModelSourceError: with the reason and what to pass instead.
+    """
+    text = str(name)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        check_checkpoint_folder(path)
+        return str(path)
+    if path.exists():
+        raise ModelSourceError(
+            f"{text!r} is a file, not a checkpoint folder; pass the folder that holds config.json and the weights."
+        )
+    if not looks_like_hub_id(text):
+        raise ModelSourceError(
+            f"no such folder {text!r} (looked in {os.getcwd()!r}), and it is not spelled like a Hub name "
+            "('owner/model'); check the path."
+        )
+    if hub_offline():
+        if _in_hub_cache(text):
+            return text
+        raise ModelSourceError(
+            f"no such folder {text!r}, and HF_HUB_OFFLINE is set, so the Hub name {text!r} is not looked up (it is "
+            "not in the local Hub cache either); pass an existing checkpoint folder, or unset HF_HUB_OFFLINE to "
+            "download it."
+        )
+    return text
+
+
+def public_base_name(name_or_path: str | Path | None) -> tuple[str, bool]:
+    """(name, on_hub): how a model card and report may name a base model, never by an absolute local path.
+
+    A local path would leak the user's file-system layout onto the Hub and means nothing to a reader, so: a Hub id
+    stays as it is (on_hub True); a folder of the Hub cache (``.../models--owner--name/snapshots/...``) gives its
+    repo id back (on_hub True); any other local path gives its folder name only (on_hub False). An empty name is
+    ``"unknown"``.
+    """
+    text = str(name_or_path or "").strip()
+    if not text:
+        return "unknown", False
+    path = Path(text).expanduser()
+    for part in reversed(path.parts):
+        match = _HUB_CACHE_PART.match(part)
+        if match and "--" in match.group(1):
+            return match.group(1).replace("--", "/", 1), True
+    if looks_like_hub_id(text) and not path.is_dir():
+        return text, True
+    folder = path.resolve().name if text in (".", "..") or text.endswith(("/.", "/..")) else path.name
+    return (folder or "unknown"), False
+
+
 def load_pretrained(path: str, **kwargs: Any) -> Any:
     """The model at `path` as the class it was saved from (`config.architectures`), in eval mode.
 
     Remote-code checkpoints (`trust_remote_code=True`: Baichuan, a partly collapsed LayerCollapse model) go through
     the first Auto model class their `auto_map` lists (AutoModelForCausalLM when it lists none), which resolves it.
+
+    Raises:
+        ModelSourceError: `path` is no checkpoint folder and no Hub id that can be looked up (see
+            `resolve_model_source`), or the Hub does not answer for it; one line, with what to do.
     """
     import transformers
 
+    path = resolve_model_source(path)
     remote = kwargs.get("trust_remote_code", False)
-    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    except OSError as error:
+        if Path(path).is_dir():
+            raise ModelSourceError(f"cannot read the checkpoint in {path!r}: {one_line(error)}") from error
+        raise ModelSourceError(
+            f"no such folder {path!r}, and the Hub did not give a model of that name ({one_line(error)}); check the "
+            "name and the network, or pass an existing checkpoint folder."
+        ) from error
     auto_map = getattr(config, "auto_map", None) or {}
     if remote and auto_map:
         autos = [name for name in auto_map if name.startswith("AutoModel") and hasattr(transformers, name)]
@@ -60,3 +219,9 @@ def load_processor(path: str, trust_remote_code: bool = False) -> Any:
             return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError):
             return None
+
+
+def one_line(error: BaseException | str, limit: int = 300) -> str:
+    """An error message on one line (transformers' and huggingface_hub's span several), cut to `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
