@@ -167,9 +167,47 @@ def speed_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def clients_table(path: Path) -> str:
+    """benchmarks/results/clients.json: one row per checkpoint x client, with the verdict and why.
+
+    A skipped client shows its reason and a failed one its error: neither ever reads as passed.
+    """
+    data = json.loads(path.read_text())
+    lines = [f"- {k}: {v}" for k, v in data.get("protocol", {}).items()]
+    lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items()))
+    for name, checkpoint in data.get("checkpoints", {}).items():
+        text = checkpoint if isinstance(checkpoint, str) else checkpoint["description"]
+        lines.append(f"- {name}: {text}")
+    header = ["checkpoint", "client", "result", "max abs Δlogit", "greedy identical", "detail"]
+    lines += ["", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for r in data["results"]:
+        if r["status"] == "skipped":
+            cells = [f"skipped: {r['reason']}", "", "", ""]
+        elif r["status"] == "failed":
+            cells = ["**failed**", "", "", r["error"][:300]]
+        else:
+            greedy = {True: "yes", False: "**no**", None: "n/a"}[r.get("greedy_identical")]
+            cells = [
+                "passed" if r["passed"] else "**not passed**",
+                f"{r['max_abs_logit_diff']:.1e}",
+                greedy,
+                r.get("detail", ""),
+            ]
+        lines.append("| " + " | ".join([r["checkpoint"], r["client"], *(_cell(c) for c in cells)]) + " |")
+    counts = {s: sum(1 for r in data["results"] if _outcome(r) == s) for s in ("passed", "not passed", "skipped")}
+    lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items()) + f"; run in {data.get('total_seconds', '?')} s."]
+    return "\n".join(lines)
+
+
+def _outcome(row: dict) -> str:
+    if row["status"] == "skipped":
+        return "skipped"
+    return "passed" if row["status"] == "ok" and row["passed"] else "not passed"
+
+
 def tables() -> dict[str, str]:
     """Every table, by the marker name that `RESULTS.template.md` uses (``<!-- table:NAME -->``)."""
-    renderers = {"depth": depth_table, "speed": speed_table, "scale": scale_table}
+    renderers = {"depth": depth_table, "quality": depth_table, "speed": speed_table, "scale": scale_table}
     out = {}
     for path in sorted(RESULTS.glob("*.json")):
         kind, _, model = path.stem.partition("_")
@@ -179,6 +217,8 @@ def tables() -> dict[str, str]:
             out[f"{kind}:{model}"] = renderers[kind](path)
     if (RESULTS / "families.json").exists() and "families_table" in globals():
         out["families"] = globals()["families_table"](RESULTS / "families.json")
+    if (RESULTS / "clients.json").exists():
+        out["clients"] = clients_table(RESULTS / "clients.json")
     return out
 
 

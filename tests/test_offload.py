@@ -40,13 +40,31 @@ def _offloaded(dense_dir, tmp_path):
 
 
 def _config(method: str) -> FlattenConfig:
+    """`method` or `method+correction` (a linear replacement or a compensation on top)."""
+    method, _, correction = method.partition("+")
     extra = {"threshold": None, "search_steps": 4} if method in ("laco", "sliding_window") else {}
+    if correction:
+        extra["compensation" if correction == "scale" else "linear_replacement"] = correction
     return FlattenConfig(
         method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **extra
     )
 
 
-@pytest.mark.parametrize("method", ["flattengpt", "laco", "sliding_window", "shortgpt", "sleb"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        "flattengpt",
+        "laco",
+        "sliding_window",
+        "shortgpt",
+        "sleb",
+        "replaceme",
+        "greedy_replace",
+        "shortgpt+lstsq",
+        "uidl+scale",
+        "come",
+    ],
+)
 def test_offloaded_compression_equals_in_memory_compression(dense_dir, tmp_path, method):
     tokenizer = tiny_models.CharTokenizer()
     in_memory = AutoModelForCausalLM.from_pretrained(dense_dir)

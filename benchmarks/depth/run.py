@@ -48,6 +48,22 @@ VARIANTS: dict[str, dict] = {
         method="laco", threshold=None, search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),
     "sliding_window": dict(method="sliding_window", search_steps=6, scoring_batches=1),
+    # The quality issue's peers and the linear replacement (docs/methods/replaceme.md, uidl.md).
+    "uidl": dict(method="uidl"),
+    "uidl_all_tokens": dict(method="uidl", tokens="all"),
+    "replaceme": dict(method="replaceme"),
+    "replaceme_all_tokens": dict(method="replaceme", tokens="all"),
+    "replaceme_cosine": dict(method="replaceme", estimator="cosine"),
+    "replaceme_2_blocks": dict(method="replaceme", num_blocks=2),
+    "shortgpt_lstsq": dict(method="shortgpt", linear_replacement="lstsq"),
+    "sleb_first_2_sequences_lstsq": dict(method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq"),
+    "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
+    "shortgpt_scale": dict(method="shortgpt", compensation="scale"),
+    "uidl_scale": dict(method="uidl", compensation="scale"),
+    "sleb_first_2_sequences_scale": dict(method="sleb", scoring_batches=1, batch_size=2, compensation="scale"),
+    # The held-out split is the last calibration batch (8 of 32 sequences); the default candidates.
+    "auto": dict(method="auto"),
+    "greedy_replace": dict(method="greedy_replace"),
     "sliding_window_reference_code": dict(
         method="sliding_window", search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),

@@ -15,12 +15,11 @@ from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, LayerPlan, describe_dataset
 from .methods.base import CompressionMethod, MethodContext
-from .methods.compensation import compensated_apply_, require_compensable
-from .methods.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
+from .methods.pipeline import Corrections, plan_and_apply_, preflight
 from .methods.registry import get_method_class
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length
-from .utils.torch_utils import count_parameters
+from .utils.torch_utils import count_parameters, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +150,10 @@ class FlattenQuantizer(OptimumQuantizer):
         method = method_class(self.config.method_config)
         adapter.require(method_class.required_capabilities, self.config.method)
         stack = self._stack(adapter, method)
-        method.preflight(adapter, stack)
-        if self.config.linear_replacement is not None:
-            require_pre_norm(adapter, stack, f"linear_replacement={self.config.linear_replacement!r}")
-        if self.config.compensation is not None:
-            require_compensable(adapter, stack)
+        corrections = Corrections(
+            self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed
+        )
+        preflight(adapter, method, stack, corrections)
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
@@ -172,34 +170,7 @@ class FlattenQuantizer(OptimumQuantizer):
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            with context.timer("plan"):
-                plan = method.plan(adapter, context, num_to_remove)
-            if plan.num_layers != num_layers or plan.num_removed != num_to_remove:
-                raise RuntimeError(
-                    f"method {self.config.method!r} planned {plan.describe()} for a stack of {num_layers} layers, "
-                    f"but {num_to_remove} must be removed; this is a bug in the method, the model was not changed."
-                )
-            logger.info("%s plan: %s", self.config.method, plan.describe())
-            with context.timer("apply"):
-                if self.config.compensation is not None:
-                    context.report["compensation"] = compensated_apply_(
-                        adapter, plan, context, lambda: method.apply_(adapter, plan, context)
-                    )
-                elif self.config.linear_replacement is None:
-                    method.apply_(adapter, plan, context)
-                else:
-                    context.report["linear_replacement"] = bridged_apply_(
-                        adapter,
-                        plan,
-                        context,
-                        BridgeOptions(self.config.linear_replacement),
-                        lambda: method.apply_(adapter, plan, context),
-                        seed=self.config.calibration.seed,
-                    )
-            with context.timer("export_prep"):
-                adapter.reindex_(stack)
-                adapter.update_config_(stack, plan.first_indices)
-                adapter.validate()
+            plan = plan_and_apply_(adapter, method, context, num_to_remove, corrections)
         model.train(was_training)
         _drop_own_quantization_config(model)
         source_name = _base_name(model)
@@ -209,6 +180,7 @@ class FlattenQuantizer(OptimumQuantizer):
         set_name_or_path(model, "")
         self.plan = plan
         self.config.layer_plan = plan.to_dict()
+        synchronize()  # so that total_seconds counts the GPU work, not its launch
         self.report = {
             "method": self.config.method,
             "method_args": self.config.method_args,

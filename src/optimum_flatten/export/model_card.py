@@ -48,11 +48,9 @@ def render_model_card(report: dict[str, Any]) -> str:
     dropped = sorted(set(range(plan.get("num_layers", 0))) - {i for g in groups for i in g})
     if dropped:
         lines.append(f"- Removed layers (original 0-based indices): {dropped}")
-    lines += [
-        f"- Parameters: {report.get('parameters_before', '?'):,} -> {report.get('parameters_after', '?'):,}"
-        if isinstance(report.get("parameters_before"), int)
-        else "- Parameters: see flatten_report.json",
-    ]
+    lines += _correction_lines(report)
+    lines += _method_lines(report)
+    lines.append(f"- Parameters: {describe_parameters(report)}")
     if calibration:
         lines.append(
             f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
@@ -132,8 +130,12 @@ def _summary(report: dict[str, Any]) -> str:
         groups = [g["layers"] for g in report["ffn_groups"]]
         return (
             f"This is an ordinary `{architecture}` checkpoint whose layers {groups} share their feed-forward "
-            "parameters (stored once per layer on disk, so it loads with plain `transformers`; "
-            "`optimum_flatten.methods.ffn_merge.retie_ffn_(model, report)` shares them in memory again)."
+            "parameters. The stock format has no way to say that two layers use one MLP (its config gives every "
+            "layer its own, and `model.safetensors` stores no aliases), so each layer's copy is stored in full: "
+            "the file is as large as the base model's, and a plain `from_pretrained` loads as many parameters as "
+            "the base has. That is what makes it load with plain `transformers` and every tool built on it; "
+            "`optimum_flatten.methods.ffn_merge.retie_ffn_(model, report)` (with flatten_report.json) makes the "
+            "identical copies one tensor again, and only then is the model smaller, in memory."
         )
     return (
         f"This is an ordinary `{architecture}` checkpoint with {report.get('num_layers_after', '?')} layers instead "
@@ -148,3 +150,61 @@ def _loader(report: dict[str, Any]) -> str:
         return report["load_with"]["class"]
     architecture = report.get("architecture", "")
     return "AutoModelForCausalLM" if not architecture or architecture.endswith("ForCausalLM") else architecture
+
+
+def _correction_lines(report: dict[str, Any]) -> list[str]:
+    """The correction folded at the cuts (linear replacement or magnitude compensation), if any."""
+    lines = []
+    bridge = report.get("linear_replacement")
+    if bridge:
+        spans = [m["span"] for m in bridge.get("maps", [])]
+        lines.append(
+            f"- Linear replacement ({bridge.get('estimator')}): a fitted map folded into the down projection that ends "
+            f"each span of original layers {spans}"
+        )
+    compensation = report.get("compensation")
+    if compensation:
+        alphas = ", ".join(f"layer {k}: {v:.4f}" for k, v in compensation.get("alpha", {}).items())
+        lines.append(f"- Magnitude compensation (Prune&Comp) folded upstream of each removed layer: {alphas}")
+    return lines
+
+
+def _method_lines(report: dict[str, Any]) -> list[str]:
+    """Lines the method itself adds (its `card_lines`); none for a method this version does not know."""
+    from ..methods.registry import get_method_class
+    from ..utils.errors import UnknownMethodError
+
+    try:
+        return list(get_method_class(str(report.get("method"))).card_lines(report))
+    except UnknownMethodError:
+        return []
+
+
+def describe_parameters(report: dict[str, Any]) -> str:
+    """The parameter counts of a report as a plain reload has them (the card's line and the CLI summary).
+
+    For ffn_merge the count after compression is the in-memory one (tied MLPs counted once), which a plain
+    `from_pretrained` does not have: the file stores each shared MLP in full. Its line gives what the file holds
+    and a plain reload loads first, then what `retie_ffn_` leaves in memory, so no reader takes the smaller number
+    for the checkpoint's size. Reports written before the method recorded its file count fall back to the count
+    before compression (ffn_merge changes no tensor shape).
+    """
+    before, after = report.get("parameters_before"), report.get("parameters_after")
+    if not isinstance(before, int) or not isinstance(after, int):
+        return "see flatten_report.json"
+    if not report.get("ffn_groups"):
+        return f"{before:,} -> {after:,}"
+    in_file = report.get("ffn_parameters_in_file", before)
+    in_memory = report.get("ffn_parameters_in_memory", after)
+    text = f"{before:,} -> {in_file:,} in the checkpoint (model.safetensors, and a plain from_pretrained)"
+    if in_memory != in_file:
+        text += f"; {in_memory:,} in memory after retie_ffn_"
+    file_bytes, memory_bytes = report.get("ffn_bytes_in_file"), report.get("ffn_bytes_in_memory")
+    if isinstance(file_bytes, int) and isinstance(memory_bytes, int):
+        text += f" (weights {_megabytes(file_bytes)} in the file"
+        text += f", {_megabytes(memory_bytes)} in memory after retie_ffn_)" if memory_bytes != file_bytes else ")"
+    return text
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB"

@@ -6,9 +6,11 @@ from __future__ import annotations
 def _load_builtin_methods() -> None:
     """Imports the built-in method modules once (explicit list, no package scanning)."""
     from . import (  # noqa: F401
+        auto,
         come,
         ffn_merge,
         flattengpt,
+        greedy_replace,
         laco,
         layer_collapse,
         replaceme,

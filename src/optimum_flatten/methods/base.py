@@ -14,6 +14,7 @@ from ..calibration.capture import LayerwiseRunner
 from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
 from ..config import LayerPlan, MethodConfig
+from ..utils.torch_utils import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +51,16 @@ class MethodContext:
 
     @contextlib.contextmanager
     def timer(self, phase: str) -> Iterator[None]:
-        """Adds the wall time of the block to `timings[phase]` (phases nest; each is timed on its own)."""
+        """Adds the wall time of the block to `timings[phase]` (phases nest; each is timed on its own).
+
+        The accelerator is synchronised at both ends: without it a GPU phase would be timed by its kernel launches.
+        """
+        synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
+            synchronize()
             self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
     def progress_bar(self, total: int, desc: str):
@@ -90,6 +96,11 @@ class CompressionMethod(ABC):
         #: True when the method merges every stack of the model itself in one compression (ffn_merge with
         #: sync_stacks); the quantizer then hands it all stacks instead of one.
         self.spans_stacks = False
+
+    @classmethod
+    def card_lines(cls, report: dict[str, Any]) -> list[str]:
+        """Markdown list items the model card adds under "What was done" for this method (default: none)."""
+        return []
 
     def preflight(self, adapter: Any, stack: str) -> None:
         """Refuses, before calibration and before any weight changes, a model this method cannot compress.

@@ -27,6 +27,7 @@ import torch
 
 from ..config import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
+from ..utils.offload import edit_block_
 
 
 def _stream_sources(adapter: Any) -> list[torch.nn.Module]:
@@ -108,10 +109,15 @@ def fold_stream_scales_(adapter: Any, stack: str, layer_scales: Sequence[float],
         if head is not None and getattr(head, "weight", None) is source.weight:
             tied = True
         source.weight.data.mul_(embedding_scale)
-    for k, block in enumerate(adapter.blocks(stack)):
-        for view in (block.attention.o, block.mlp.down):
-            bias = view.bias
-            view.set_(view.weight * layer_scales[k], None if bias is None else bias * layer_scales[k])
+    for k in range(adapter.num_layers(stack)):
+
+        def edit(module: torch.nn.Module, k: int = k) -> None:
+            block = adapter.block_view(module, k)
+            for view in (block.attention.o, block.mlp.down):
+                bias = view.bias
+                view.set_(view.weight * layer_scales[k], None if bias is None else bias * layer_scales[k])
+
+        edit_block_(adapter.layers(stack), k, edit, memo={id(adapter.config): adapter.config})
     if tied:
         norm = adapter.final_norm(stack)
         if norm is None:

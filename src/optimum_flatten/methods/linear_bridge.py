@@ -33,6 +33,7 @@ from ..ops.linear_map import (
     solve_least_squares,
 )
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
+from ..utils.offload import edit_block_
 from ..utils.torch_utils import first_output
 
 
@@ -105,7 +106,7 @@ def dense_targets(states: CalibratedStates, plan: LayerPlan) -> dict[int, list[t
 
 
 @contextlib.contextmanager
-def _capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
+def capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
     """While open, calls ``on_batch(m, y)`` with each forward's MLP output m and MLP-norm input y."""
     seen: dict[str, torch.Tensor] = {}
 
@@ -154,9 +155,10 @@ def fit_and_fold_(
         module, position = layers[k], plan.groups[k].indices[0]
         if k in spans:
             first, end = spans[k]
-            entry = _fit_one(adapter, module, k, position, runner, current, targets[end], options, seed)
+            entry = _fit_one(adapter, plan.stack, k, position, runner, current, targets[end], options, seed)
             entry.update(output_layer=k, span=[first, end])
             entries.append(entry)
+            module = layers[k]  # an offloaded layer was replaced by its edited copy
         current = runner.run(module, position, current)
     leading = plan.groups[0].indices[0] if plan.groups else 0
     return {
@@ -168,7 +170,7 @@ def fit_and_fold_(
 
 def _fit_one(
     adapter: Any,
-    module: torch.nn.Module,
+    stack: str,
     k: int,
     position: int,
     runner: Any,
@@ -177,6 +179,7 @@ def _fit_one(
     options: BridgeOptions,
     seed: int,
 ) -> dict[str, Any]:
+    module = adapter.layers(stack)[k]
     block = adapter.block_view(module, k)
     dim = block.mlp.down.out_features
     state = {"batch": 0}
@@ -188,7 +191,7 @@ def _fit_one(
             l_b = target[b].to(m.device)
             stats.update(m, l_b.to(torch.float64) - y.to(torch.float64), runner.masks[b])
 
-        with _capture_mlp(block, on_batch):
+        with capture_mlp(block, on_batch):
             runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
         transform, info = solve_least_squares(stats)
         detail: dict[str, Any] = {"tokens": stats.count, "jitter": info.jitter}
@@ -204,7 +207,7 @@ def _fit_one(
             ys.append(y.reshape(-1, dim)[keep].float().cpu())
             ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
 
-        with _capture_mlp(block, on_batch):
+        with capture_mlp(block, on_batch):
             runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
         fit = fit_cosine(
             ms,
@@ -222,10 +225,19 @@ def _fit_one(
             "cosine_distance_before": round(fit.loss_before, 6),
             "cosine_distance_after": round(fit.loss_after, 6),
         }
-    down = block.mlp.down
-    weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
-    down.set_(weight, bias)
+    fold_into_down_(adapter, stack, k, transform)
     return detail
+
+
+def fold_into_down_(adapter: Any, stack: str, index: int, transform: torch.Tensor) -> None:
+    """Folds the row-vector map `transform` after layer `index`'s down projection (offloaded layers too)."""
+
+    def edit(module: torch.nn.Module) -> None:
+        down = adapter.block_view(module, index).mlp.down
+        weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
+        down.set_(weight, bias)
+
+    edit_block_(adapter.layers(stack), index, edit, memo={id(adapter.config): adapter.config})
 
 
 def bridged_apply_(

@@ -112,3 +112,20 @@ def dispatch_like(block: nn.Module, reference: nn.Module) -> nn.Module:
             ),
         )
     return block
+
+
+def edit_block_(layers: nn.ModuleList, index: int, edit: Any, memo: dict[int, Any] | None = None) -> nn.Module:
+    """Applies `edit(module)` to ``layers[index]`` so that the change persists, offloaded or not; returns the layer.
+
+    An in-memory layer is edited in place. An offloaded layer's parameters are placeholders that its hook refills on
+    every forward, so an edit to them would be lost: the layer is copied into memory (`detached_copy`), edited, and
+    placed back the way the original was (`dispatch_like`: to disk again when it came from disk).
+    """
+    module = layers[index]
+    if not is_offloaded(module):
+        edit(module)
+        return module
+    copy = detached_copy(module, memo=memo)
+    edit(copy)
+    layers[index] = dispatch_like(copy, module)
+    return layers[index]

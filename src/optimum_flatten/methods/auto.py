@@ -1,0 +1,236 @@
+"""``method="auto"``: the best candidate compression for this model, chosen on held-out calibration loss.
+
+The calibration batches are split in two: the first part fits every candidate (its selection statistics, its maps),
+the last part only scores it. Each candidate runs, through the same pipeline as a user's request, on a copy of the
+model; its score is the mean next-token NLL of the compressed copy on the validation part (one layer-by-layer pass and
+the row-bounded head of the states engine). The lowest wins and is then run on the model itself. Nothing is selected
+on an evaluation text: the validation part is calibration text the candidates never fitted on.
+
+Candidates are written ``method`` or ``method+correction`` (``+lstsq`` / ``+cosine``: linear replacement,
+``+scale``: magnitude compensation), e.g. ``"shortgpt+scale"``; method options are the method's defaults.
+
+Memory: one copy of the model at a time besides the model itself (offloaded models are copied with their offload
+hooks, so prefer a model that fits in memory). Cost: each candidate's own cost on the fitting part, one pass over the
+validation part per candidate, and the winner once more; all of it is counted in the report's stack passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..calibration.capture import LayerwiseRunner
+from ..calibration.states import CalibratedStates, next_token_nll
+from ..config import COMPENSATIONS, LayerPlan, MethodConfig
+from ..ops.linear_map import ESTIMATORS
+from ..utils.errors import UnsupportedArchitectureError, did_you_mean
+from .base import CompressionMethod, MethodContext
+from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
+from .registry import get_method_class, register_method
+
+DEFAULT_CANDIDATES = "shortgpt shortgpt+scale shortgpt+lstsq uidl uidl+scale replaceme flattengpt flattengpt+lstsq"
+
+
+@dataclass
+class AutoConfig(MethodConfig):
+    """Options of the automatic choice.
+
+    Attributes:
+        candidates: Space-separated candidate specs (``method`` or ``method+lstsq|+cosine|+scale``).
+        validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
+        max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
+        max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
+            limit. The first candidate is always scored.
+    """
+
+    candidates: str = DEFAULT_CANDIDATES
+    validation_fraction: float = 0.25
+    max_candidates: int | None = None
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        specs = self.candidate_specs()
+        if not specs:
+            raise ValueError("auto needs at least one candidate, e.g. candidates='shortgpt uidl+scale'.")
+        if not 0.0 < float(self.validation_fraction) < 1.0:
+            raise ValueError(f"validation_fraction must be strictly between 0 and 1, got {self.validation_fraction!r}.")
+        if self.max_candidates is not None and (not isinstance(self.max_candidates, int) or self.max_candidates < 1):
+            raise ValueError(f"max_candidates must be a positive integer or None, got {self.max_candidates!r}.")
+        if self.max_seconds is not None and not float(self.max_seconds) > 0:
+            raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds!r}.")
+
+    def candidate_specs(self) -> list[tuple[str, Corrections]]:
+        """The parsed candidates; every name is checked here, before any model is touched."""
+        specs = []
+        for text in str(self.candidates).split():
+            name, _, correction = text.partition("+")
+            get_method_class(name)  # raises UnknownMethodError with a did-you-mean
+            if name == "auto":
+                raise ValueError("auto cannot be its own candidate.")
+            if correction and correction not in ESTIMATORS + COMPENSATIONS:
+                raise ValueError(
+                    f"unknown correction {correction!r} in candidate {text!r}."
+                    f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} Use +lstsq, +cosine or +scale."
+                )
+            corrections = Corrections(
+                linear_replacement=correction if correction in ESTIMATORS else None,
+                compensation=correction if correction in COMPENSATIONS else None,
+            )
+            specs.append((name, corrections))
+        return specs
+
+
+def split_batches(batches: list[Any], fraction: float) -> tuple[list[Any], list[Any]]:
+    """(fitting, validation): the last ceil(fraction x n) batches validate, at least one batch on each side."""
+    if len(batches) < 2:
+        raise ValueError(
+            f"auto needs at least 2 calibration batches (one to fit, one to validate), got {len(batches)}; raise "
+            "nsamples or lower batch_size."
+        )
+    held = min(len(batches) - 1, max(1, math.ceil(fraction * len(batches))))
+    return batches[:-held], batches[-held:]
+
+
+def _label(name: str, corrections: Corrections) -> str:
+    suffix = corrections.linear_replacement or corrections.compensation
+    return f"{name}+{suffix}" if suffix else name
+
+
+@register_method("auto")
+class AutoMethod(CompressionMethod):
+    config_class = AutoConfig
+    required_capabilities = frozenset({"layer_drop"})
+    #: The candidates carry their own corrections.
+    accepts_linear_replacement = False
+    config: AutoConfig
+
+    def __init__(self, config: AutoConfig) -> None:
+        super().__init__(config)
+        self._winner: tuple[CompressionMethod, Corrections] | None = None
+
+    @classmethod
+    def card_lines(cls, report: dict[str, Any]) -> list[str]:
+        auto = report.get("auto") or {}
+        if not auto:
+            return []
+        split = auto.get("split", {})
+        lines = [
+            f"- Chosen automatically: `{auto.get('winner')}`, {auto.get('why')}; calibration split "
+            f"{split.get('fitting_sequences')} fitting / {split.get('validation_sequences')} validation sequences",
+            "",
+            "  | candidate | held-out NLL | plan |",
+            "  |---|---|---|",
+        ]
+        for entry in auto.get("candidates", []):
+            score = entry.get("validation_nll", entry.get("refused") or entry.get("skipped"))
+            lines.append(f"  | {entry['candidate']} | {score} | {entry.get('plan_summary', '')} |")
+        return [*lines, ""]
+
+    def preflight(self, adapter: Any, stack: str) -> None:
+        if adapter.lm_head(stack) is None:
+            raise UnsupportedArchitectureError(
+                f"method 'auto' chooses by next-token loss on held-out calibration text, and this "
+                f"{type(adapter.model).__name__} has no LM head reading the {stack!r} stack; pick a method directly."
+            )
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
+        specs = self.config.candidate_specs()
+        if self.config.max_candidates is not None:
+            specs = specs[: self.config.max_candidates]
+        start = time.perf_counter()
+        scored: list[dict[str, Any]] = []
+        best: tuple[float, int] | None = None
+        with context.timer("selection"), context.progress_bar(len(specs), "auto") as bar:
+            for i, (name, corrections) in enumerate(specs):
+                if i and self.config.max_seconds is not None and time.perf_counter() - start > self.config.max_seconds:
+                    scored.append({"candidate": _label(name, corrections), "skipped": "max_seconds reached"})
+                    continue
+                entry = self._score(adapter, context, name, corrections, fit, validation, num_to_remove)
+                scored.append(entry)
+                if "validation_nll" in entry and (best is None or entry["validation_nll"] < best[0]):
+                    best = (entry["validation_nll"], i)
+                bar.set_description(f"auto: {entry['candidate']}")
+                bar.update()
+        if best is None:
+            raise RuntimeError(
+                "auto: no candidate could compress this model: "
+                + "; ".join(f"{e['candidate']}: {e.get('refused', e.get('skipped'))}" for e in scored)
+            )
+        name, corrections = specs[best[1]]
+        winner_class = get_method_class(name)
+        self._winner = (winner_class(winner_class.config_class()), corrections)
+        context.report["auto"] = {
+            "split": {
+                "fitting_batches": len(fit),
+                "validation_batches": len(validation),
+                "fitting_sequences": sum(int(b.input_ids.shape[0]) for b in fit),
+                "validation_sequences": sum(int(b.input_ids.shape[0]) for b in validation),
+                "rule": "the last batches of the calibration set validate; the others fit",
+            },
+            "candidates": scored,
+            "winner": _label(name, corrections),
+            "why": (
+                f"lowest mean next-token NLL on the held-out calibration batches ({best[0]:.4f}) among "
+                f"{sum('validation_nll' in e for e in scored)} scored candidates"
+            ),
+        }
+        # The winner runs again on the model itself, fitted on the same part; its plan is recomputed there.
+        self._fit = fit
+        return LayerPlan.from_dict(scored[best[1]]["plan"])
+
+    def _score(
+        self,
+        adapter: Any,
+        context: MethodContext,
+        name: str,
+        corrections: Corrections,
+        fit: list[Any],
+        validation: list[Any],
+        num_to_remove: int,
+    ) -> dict[str, Any]:
+        label = _label(name, corrections)
+        method_class = get_method_class(name)
+        method = method_class(method_class.config_class())
+        if method_class.keeps_depth:
+            return {"candidate": label, "refused": f"{name} keeps every layer; it cannot meet a depth target"}
+        started = time.perf_counter()
+        candidate = type(adapter)(copy.deepcopy(adapter.model))
+        try:
+            candidate.require(method_class.required_capabilities, name)
+            preflight(candidate, method, context.stack, corrections)
+            sub = MethodContext(batches=fit, stack=context.stack, progress=False)
+            plan = plan_and_apply_(candidate, method, sub, num_to_remove, corrections)
+        except (UnsupportedArchitectureError, ValueError) as error:
+            return {"candidate": label, "refused": str(error).splitlines()[0]}
+        runner = LayerwiseRunner(candidate, validation, context.stack)
+        states = CalibratedStates(runner, candidate.layers(context.stack), keep=())
+        nll = next_token_nll(candidate, states.boundary(states.num_layers), validation, context.stack)
+        context.extra_work += sub.work + runner.work
+        return {
+            "candidate": label,
+            "validation_nll": round(nll, 6),
+            "plan": plan.to_dict(),
+            "plan_summary": plan.describe(),
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        if self._winner is None:
+            raise RuntimeError("auto.apply_ called before auto.plan")
+        method, corrections = self._winner
+        sub = MethodContext(batches=self._fit, stack=context.stack, progress=context.progress)
+        again = method.plan(adapter, sub, plan.num_removed)
+        if again.to_dict()["groups"] != plan.to_dict()["groups"]:
+            raise RuntimeError(
+                f"auto: the winner planned {again.describe()} on the model but {plan.describe()} on its copy; "
+                "the method is not deterministic, the model was not changed."
+            )
+        apply_with_corrections_(adapter, method, again, sub, corrections)
+        context.extra_work += sub.work
+        context.report.setdefault("auto", {})["winner_report"] = {
+            k: v for k, v in sub.report.items() if k in ("linear_replacement", "compensation", "blocks")
+        }

@@ -1,0 +1,178 @@
+"""``method="greedy_replace"``: one layer at a time, drop it or replace it by a fitted map, whichever costs least.
+
+A hybrid of SLEB (Song et al., 2024: remove the layer whose removal raises the calibration NLL least, re-score) and
+ReplaceMe (Shopkhoev et al., 2025: a removed span becomes a least-squares map folded into the down projection before
+it). Every step considers, for each remaining layer p, two actions on the current (already shortened) model:
+
+- **drop** p;
+- **replace** p: fit T on the layer before p (its MLP output M and pre-MLP residual Y, target the current model's state
+  after p, least squares on float64 statistics) and fold it into that layer's down projection.
+
+Each action is scored by the next-token NLL of the resulting model on the scored calibration batches, computed from
+cached prefix states: the states entering every layer of the current model are kept, so an action at p only re-runs
+the layers after p (and, for a replacement, the layer before p once to fit T). The cheapest action is taken.
+
+Nothing touches the model during planning: a replaced layer is a private copy holding the folded map; `apply_` folds
+the same maps into the real layers and drops the chosen ones. Layer 0 can only be dropped (no layer before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..calibration.states import next_token_nll
+from ..config import LayerPlan, MethodConfig
+from ..ops.linear_map import LinearMapStatistics, fold_map_into_linear, solve_least_squares
+from ..utils.errors import UnsupportedArchitectureError
+from ..utils.offload import detached_copy
+from ..utils.torch_utils import count_parameters
+from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .linear_bridge import capture_mlp, fold_into_down_, require_pre_norm
+from .registry import register_method
+
+
+@dataclass
+class GreedyReplaceConfig(MethodConfig):
+    """Options of the greedy drop-or-replace search.
+
+    Attributes:
+        scoring_batches: Score actions on the first this-many calibration batches (None: all); maps are always fitted
+            on every batch. A step costs about L²/2 layer runs and 2L LM-head evaluations over the scored tokens.
+        allow_drop: Consider plain drops besides replacements.
+    """
+
+    scoring_batches: int | None = 1
+    allow_drop: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scoring_batches is not None and (not isinstance(self.scoring_batches, int) or self.scoring_batches < 1):
+            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
+
+
+@register_method("greedy_replace")
+class GreedyReplaceMethod(CompressionMethod):
+    config_class = GreedyReplaceConfig
+    required_capabilities = frozenset({"layer_drop"})
+    #: Its replacements are linear replacements already.
+    accepts_linear_replacement = False
+    config: GreedyReplaceConfig
+
+    def __init__(self, config: GreedyReplaceConfig) -> None:
+        super().__init__(config)
+        self._maps: list[tuple[int, torch.Tensor]] = []
+
+    def preflight(self, adapter: Any, stack: str) -> None:
+        require_pre_norm(adapter, stack, "method 'greedy_replace'")
+        if adapter.lm_head(stack) is None:
+            raise UnsupportedArchitectureError(
+                f"method 'greedy_replace' scores actions by next-token loss, and this {type(adapter.model).__name__} "
+                f"has no LM head reading the {stack!r} stack; use replaceme or uidl."
+            )
+
+    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        runner = context.new_runner(adapter)
+        layers = list(adapter.layers(context.stack))
+        num_layers = len(layers)
+        limit = self.config.scoring_batches or runner.num_batches
+        scored_batches = list(context.batches)[:limit]
+        head_weights = count_parameters(adapter.lm_head(context.stack))
+        modules: dict[int, torch.nn.Module] = {}  # private copies of layers that received a map
+        kept = list(range(num_layers))
+        steps: list[dict[str, Any]] = []
+        self._maps = []
+        with context.timer("selection"), context.progress_bar(num_to_remove, "greedy_replace") as bar:
+            for step in range(num_to_remove):
+                states = [runner.inputs]  # states entering kept[j], on every batch
+                for index in kept:
+                    states.append(runner.run(modules.get(index, layers[index]), index, states[-1]))
+                best: tuple[float, str, int, Any] | None = None
+                for position, index in enumerate(kept):
+                    actions: list[tuple[str, Any]] = []
+                    if self.config.allow_drop or position == 0:
+                        actions.append(("drop", None))
+                    if position > 0:
+                        actions.append(("replace", None))
+                    for action, _ in actions:
+                        if action == "drop":
+                            start = states[position][:limit]
+                            candidate_map = None
+                        else:
+                            previous = kept[position - 1]
+                            module = modules.get(previous, layers[previous])
+                            candidate_map, start = self._fit(
+                                adapter, runner, module, previous, states[position - 1], states[position + 1], limit
+                            )
+                        current = start
+                        for later in kept[position + 1 :]:
+                            current = runner.run(modules.get(later, layers[later]), later, current)
+                        nll = next_token_nll(adapter, current, scored_batches, context.stack)
+                        context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
+                        if best is None or nll < best[0]:
+                            best = (nll, action, index, candidate_map)
+                assert best is not None
+                nll, action, index, transform = best
+                position = kept.index(index)
+                if action == "replace":
+                    previous = kept[position - 1]
+                    # A private, in-memory copy (offloaded layers too): the model is not touched while planning.
+                    module = detached_copy(
+                        modules.get(previous, layers[previous]), memo={id(adapter.config): adapter.config}
+                    )
+                    _fold_(adapter, module, previous, transform)
+                    modules[previous] = module
+                    self._maps.append((previous, transform))
+                kept.remove(index)
+                steps.append({"action": action, "layer": index, "nll": round(nll, 6)})
+                bar.set_description(f"step {step + 1}/{num_to_remove}: {action} layer {index}")
+                bar.update()
+        context.report["greedy_replace_steps"] = steps
+        return LayerPlan.from_kept(num_layers, kept, stack=context.stack)
+
+    @staticmethod
+    def _fit(
+        adapter: Any,
+        runner: Any,
+        module: torch.nn.Module,
+        position: int,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        limit: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """T fitted on every batch for the layer at `position`, and that layer's output with T on the scored batches.
+
+        The output with T is Y + M T, computed from the captured M and Y (no second run of the layer).
+        """
+        block = adapter.block_view(module, position)
+        dim = block.mlp.down.out_features
+        stats = LinearMapStatistics(dim, device=inputs[0].device)
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+        state = {"batch": 0}
+
+        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+            b = state["batch"]
+            stats.update(m, targets[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+            if b < limit:
+                captured.append((m, y))
+
+        with capture_mlp(block, on_batch):
+            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+        transform, _ = solve_least_squares(stats)
+        outputs = [
+            (y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
+        ]
+        return transform, outputs
+
+    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+        for index, transform in self._maps:
+            fold_into_down_(adapter, plan.stack, index, transform)
+        context.report["greedy_replace_maps"] = [index for index, _ in self._maps]
+        apply_layer_drop_(adapter, plan)
+
+
+def _fold_(adapter: Any, module: torch.nn.Module, position: int, transform: torch.Tensor) -> None:
+    down = adapter.block_view(module, position).mlp.down
+    weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
+    down.set_(weight, bias)

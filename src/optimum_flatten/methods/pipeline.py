@@ -1,0 +1,90 @@
+"""One method run on one stack: plan, apply (with the optional correction at every cut), renumber, validate.
+
+The quantizer drives it once on the user's model; `auto` drives it on copies to score candidates. Keeping the
+sequence in one place means a candidate is compressed exactly as the user's model would be.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import LayerPlan
+from .base import CompressionMethod, MethodContext
+from .compensation import compensated_apply_, require_compensable
+from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """What is folded at each cut after the plan is applied (at most one of the two)."""
+
+    linear_replacement: str | None = None
+    compensation: str | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.linear_replacement:
+            return f"linear_replacement={self.linear_replacement}"
+        if self.compensation:
+            return f"compensation={self.compensation}"
+        return "none"
+
+
+def preflight(adapter: Any, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
+    """Every refusal that depends on the model, before calibration and before any weight changes."""
+    method.preflight(adapter, stack)
+    if corrections.linear_replacement is not None:
+        require_pre_norm(adapter, stack, f"linear_replacement={corrections.linear_replacement!r}")
+    if corrections.compensation is not None:
+        require_compensable(adapter, stack)
+
+
+def plan_and_apply_(
+    adapter: Any, method: CompressionMethod, context: MethodContext, num_to_remove: int, corrections: Corrections
+) -> LayerPlan:
+    """Plans, applies (with `corrections`), renumbers, updates the config and validates; returns the plan.
+
+    Raises:
+        RuntimeError: when the method plans another number of removals than asked (nothing was changed then).
+    """
+    stack = context.stack
+    num_layers = adapter.num_layers(stack)
+    with context.timer("plan"):
+        plan = method.plan(adapter, context, num_to_remove)
+    if plan.num_layers != num_layers or plan.num_removed != num_to_remove:
+        raise RuntimeError(
+            f"method {method.name!r} planned {plan.describe()} for a stack of {num_layers} layers, but "
+            f"{num_to_remove} must be removed; this is a bug in the method, the model was not changed."
+        )
+    logger.info("%s plan: %s", method.name, plan.describe())
+
+    with context.timer("apply"):
+        apply_with_corrections_(adapter, method, plan, context, corrections)
+    with context.timer("export_prep"):
+        adapter.reindex_(stack)
+        adapter.update_config_(stack, plan.first_indices)
+        adapter.validate()
+    return plan
+
+
+def apply_with_corrections_(
+    adapter: Any, method: CompressionMethod, plan: LayerPlan, context: MethodContext, corrections: Corrections
+) -> None:
+    """``method.apply_`` with the requested correction measured before and folded after it (report filled)."""
+
+    def apply() -> None:
+        method.apply_(adapter, plan, context)
+
+    if corrections.compensation is not None:
+        context.report["compensation"] = compensated_apply_(adapter, plan, context, apply)
+    elif corrections.linear_replacement is not None:
+        options = BridgeOptions(corrections.linear_replacement)
+        context.report["linear_replacement"] = bridged_apply_(
+            adapter, plan, context, options, apply, seed=corrections.seed
+        )
+    else:
+        apply()

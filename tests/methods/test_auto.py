@@ -1,0 +1,135 @@
+"""method="auto": every candidate scored on held-out calibration batches, the best one applied."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiny_models
+from common import logits, sample_ids
+from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from optimum_flatten.calibration.capture import LayerwiseRunner
+from optimum_flatten.calibration.data import build_calibration_batches
+from optimum_flatten.calibration.states import CalibratedStates, next_token_nll
+from optimum_flatten.methods.auto import split_batches
+from optimum_flatten.utils.errors import UnknownMethodError, UnsupportedArchitectureError
+
+
+def _config(**options) -> FlattenConfig:
+    return FlattenConfig(
+        method="auto",
+        num_layers_to_remove=2,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        batch_size=2,
+        **options,
+    )
+
+
+def _validation_nll(model, batches) -> float:
+    adapter = get_adapter(model)
+    states = CalibratedStates(LayerwiseRunner(adapter, batches, "decoder"), adapter.layers("decoder"))
+    return next_token_nll(adapter, states.boundary(states.num_layers), batches, "decoder")
+
+
+def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_every_score():
+    candidates = "shortgpt uidl+scale replaceme flattengpt+lstsq"
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    original = copy.deepcopy(model)
+    config = _config(candidates=candidates)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    report = quantizer.report["auto"]
+    assert report["split"]["fitting_batches"] == 3 and report["split"]["validation_batches"] == 1
+    scores = {c["candidate"]: c["validation_nll"] for c in report["candidates"]}
+    assert list(scores) == candidates.split()
+    assert report["winner"] == min(scores, key=scores.get)
+
+    # The applied model is what the winner gives when run by itself on the fitting batches, and its held-out loss is
+    # the winner's score.
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
+    fit, validation = split_batches(batches, 0.25)
+    assert _validation_nll(model, validation) == pytest.approx(scores[report["winner"]], abs=1e-5)
+    name, _, correction = report["winner"].partition("+")
+    extra = {"linear_replacement": correction} if correction in ("lstsq", "cosine") else {}
+    extra |= {"compensation": correction} if correction == "scale" else {}
+    alone = copy.deepcopy(original)
+    # The same fitting tokens: the fitting batches' texts are not recoverable, so run the pipeline on them directly.
+    from optimum_flatten.methods.base import MethodContext
+    from optimum_flatten.methods.pipeline import Corrections, plan_and_apply_
+    from optimum_flatten.methods.registry import get_method_class
+
+    method_class = get_method_class(name)
+    plan_and_apply_(
+        get_adapter(alone),
+        method_class(method_class.config_class()),
+        MethodContext(batches=fit, progress=False),
+        2,
+        Corrections(extra.get("linear_replacement"), extra.get("compensation")),
+    )
+    ids = sample_ids(batch=2, length=16, seed=9)
+    torch.testing.assert_close(logits(model, ids), logits(alone, ids))
+    assert quantizer.report["cost"]["stack_passes"] > 0
+
+
+def test_budget_limits_the_candidates_and_the_choice_is_among_those_scored():
+    model = tiny_models.FACTORIES["qwen3"]()
+    quantizer = FlattenQuantizer(_config(candidates="uidl shortgpt replaceme", max_candidates=2), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    scored = [c["candidate"] for c in quantizer.report["auto"]["candidates"]]
+    assert scored == ["uidl", "shortgpt"]
+    assert quantizer.report["auto"]["winner"] in scored
+
+
+def test_a_refused_candidate_is_recorded_and_the_others_compete():
+    model = tiny_models.FACTORIES["bert"]()
+    with pytest.raises(UnsupportedArchitectureError, match="no LM head"):
+        FlattenQuantizer(_config(candidates="shortgpt"), progress=False).compress(model, tiny_models.CharTokenizer())
+    gpt2 = tiny_models.FACTORIES["gpt2"]()  # flattengpt needs views GPT-2 has; ffn_merge keeps depth: refused
+    quantizer = FlattenQuantizer(_config(candidates="ffn_merge shortgpt"), progress=False)
+    quantizer.compress(gpt2, tiny_models.CharTokenizer())
+    first, second = quantizer.report["auto"]["candidates"]
+    assert "validation_nll" in second
+    assert "refused" in first and "keeps every layer" in first["refused"]
+    assert quantizer.report["auto"]["winner"] == "shortgpt"
+
+
+def test_bad_candidates_are_refused_when_the_config_is_made():
+    with pytest.raises(UnknownMethodError, match="shortgtp"):
+        _config(candidates="shortgtp")
+    with pytest.raises(ValueError, match=r"unknown correction 'lsq'.*lstsq"):
+        _config(candidates="shortgpt+lsq")
+    with pytest.raises(ValueError, match="validation_fraction"):
+        _config(validation_fraction=1.0)
+    with pytest.raises(ValueError, match="fits its own linear replacement"):
+        _config(linear_replacement="lstsq")
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    with pytest.raises(ValueError, match="at least 2 calibration batches"):
+        FlattenQuantizer(
+            FlattenConfig(
+                method="auto",
+                num_layers_to_remove=2,
+                dataset=tiny_models.sample_texts(),
+                nsamples=2,
+                seqlen=24,
+                batch_size=8,
+            ),
+            progress=False,
+        ).compress(model, tiny_models.CharTokenizer())
+
+
+def test_the_model_card_lists_every_candidate_and_the_winner():
+    from optimum_flatten.export.model_card import render_model_card
+
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    quantizer = FlattenQuantizer(_config(candidates="shortgpt uidl+scale replaceme"), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    card = render_model_card(quantizer.report)
+    assert f"Chosen automatically: `{quantizer.report['auto']['winner']}`" in card
+    for entry in quantizer.report["auto"]["candidates"]:
+        assert f"| {entry['candidate']} | {entry['validation_nll']} |" in card
+    if "scale" in quantizer.report["auto"]["winner"]:
+        assert "Magnitude compensation" in card

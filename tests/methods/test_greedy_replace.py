@@ -1,0 +1,109 @@
+"""greedy_replace: each step's choice against naive full-model evaluations of every action on copies."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiny_models
+from common import shallower_reference
+from optimum_flatten import FlattenConfig, FlattenQuantizer
+from optimum_flatten.calibration.data import build_calibration_batches
+
+
+def _config(n: int, **options) -> FlattenConfig:
+    return FlattenConfig(
+        method="greedy_replace",
+        num_layers_to_remove=n,
+        dataset=tiny_models.sample_texts(),
+        nsamples=8,
+        seqlen=24,
+        batch_size=4,
+        **options,
+    )
+
+
+@torch.no_grad()
+def _nll(model, batches) -> float:
+    total, count = 0.0, 0
+    for batch in batches:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].double()
+        valid = (batch.attention_mask[:, :-1] & batch.attention_mask[:, 1:]).bool()
+        total += float(torch.nn.functional.cross_entropy(logits[valid], batch.input_ids[:, 1:][valid], reduction="sum"))
+        count += int(valid.sum())
+    return total / count
+
+
+@torch.no_grad()
+def _naive_replace(model, batches, previous: int, removed: int):
+    """The shallower model with the least-squares map (torch.linalg.lstsq on all real tokens) folded at `previous`."""
+    layer = model.model.layers[previous]
+    captured = {}
+    hooks = [
+        layer.mlp.register_forward_hook(lambda _m, _a, out: captured.__setitem__("m", out)),
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: captured.__setitem__("y", a[0])),
+    ]
+    ms, rs = [], []
+    for batch in batches:
+        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+        keep = batch.attention_mask.bool()
+        ms.append(captured["m"][keep].double())
+        rs.append((hidden.hidden_states[removed + 1][keep] - captured["y"][keep]).double())
+    for hook in hooks:
+        hook.remove()
+    transform = torch.linalg.lstsq(torch.cat(ms), torch.cat(rs)).solution
+    kept = [i for i in range(model.config.num_hidden_layers) if i != removed]
+    reference = shallower_reference(model, kept)
+    down = reference.model.layers[previous].mlp.down_proj
+    down.weight.copy_((transform.T @ down.weight.double()).float())
+    return reference
+
+
+def test_first_step_takes_the_action_with_the_lowest_naive_loss_and_the_result_scores_what_the_search_said():
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    original = copy.deepcopy(model)
+    config = _config(1, scoring_batches=None)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
+    (step,) = quantizer.report["greedy_replace_steps"]
+
+    naive = {}
+    for layer in range(6):  # layer 5's output is not a hidden state before the final norm: covered by the others
+        kept = [i for i in range(6) if i != layer]
+        naive[("drop", layer)] = _nll(shallower_reference(original, kept), batches)
+        if 0 < layer < 5:
+            naive[("replace", layer)] = _nll(_naive_replace(original, batches, layer - 1, layer), batches)
+    best = min(naive, key=naive.get)
+    if (step["action"], step["layer"]) in naive:
+        assert naive[(step["action"], step["layer"])] == pytest.approx(naive[best], rel=1e-4)
+    assert step["nll"] <= naive[best] * (1 + 1e-4)
+    assert _nll(model, batches) == pytest.approx(step["nll"], rel=1e-4)
+
+
+def test_several_steps_fold_the_maps_they_chose_and_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models.FACTORIES["qwen2"]()
+    config = _config(2)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    steps = quantizer.report["greedy_replace_steps"]
+    assert len(steps) == 2 and model.config.num_hidden_layers == 4
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)[:1]
+    assert _nll(model, batches) == pytest.approx(steps[-1]["nll"], rel=1e-4)
+    quantizer.save(model, tmp_path / "out", tiny_models.tiny_hf_tokenizer())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert _nll(reloaded, batches) == pytest.approx(steps[-1]["nll"], rel=1e-5)
+
+
+def test_post_norm_and_bad_options_are_refused():
+    from optimum_flatten.utils.errors import UnsupportedArchitectureError
+
+    with pytest.raises(ValueError, match="scoring_batches"):
+        _config(1, scoring_batches=0)
+    bert = tiny_models.FACTORIES["bert"]()
+    with pytest.raises(UnsupportedArchitectureError, match="pre-norm"):
+        FlattenQuantizer(_config(1), progress=False).compress(bert, tiny_models.CharTokenizer())
