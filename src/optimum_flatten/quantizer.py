@@ -14,9 +14,11 @@ from torch import nn
 from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, LayerPlan, describe_dataset
+from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .methods.base import CompressionMethod, MethodContext
 from .methods.pipeline import Corrections, plan_and_apply_, preflight
-from .methods.registry import get_method_class
+from .methods.registry import get_method_class, methods_for
+from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize
@@ -148,7 +150,13 @@ class FlattenQuantizer(OptimumQuantizer):
         adapter = get_adapter(model)
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
-        adapter.require(method_class.required_capabilities, self.config.method)
+        try:
+            adapter.require(method_class.required_capabilities, self.config.method)
+        except UnsupportedArchitectureError as error:
+            raise UnsupportedArchitectureError(
+                f"{error} Methods whose requirements {type(adapter.model).__name__} meets: "
+                f"{methods_for(adapter.capabilities)}."
+            ) from None
         stack = self._stack(adapter, method)
         corrections = Corrections(
             self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed
@@ -172,8 +180,8 @@ class FlattenQuantizer(OptimumQuantizer):
         with torch.no_grad():
             plan = plan_and_apply_(adapter, method, context, num_to_remove, corrections)
         model.train(was_training)
-        _drop_own_quantization_config(model)
-        source_name = _base_name(model)
+        drop_own_quantization_config(model)
+        source_name = source_name_or_path(model)
         base_name, base_on_hub = public_base_name(source_name)
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
@@ -262,44 +270,3 @@ def compute_cost(context: MethodContext, stack_weights: int, tokens: int) -> dic
         "stack_passes": round(context.work / (stack_weights * tokens), 3),
         "unit": f"one pass of {tokens} calibration tokens through the original stack ({stack_weights} weights)",
     }
-
-
-def set_name_or_path(model: nn.Module, value: str) -> None:
-    """Sets both places transformers keeps it (the model attribute is a copy made at construction)."""
-    model.config._name_or_path = value
-    if hasattr(model, "name_or_path"):
-        model.name_or_path = value
-
-
-def base_license(name_or_path: str) -> str | None:
-    """The `license:` of a local base checkpoint's model card front matter, to carry over (None if unknown)."""
-    card = Path(name_or_path) / "README.md" if name_or_path else None
-    if card is None or not card.is_file():
-        return None
-    lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
-    if not lines or lines[0].strip() != "---":
-        return None
-    for line in lines[1:]:
-        if line.strip() == "---":
-            break
-        if line.startswith("license:"):
-            return line.split(":", 1)[1].strip() or None
-    return None
-
-
-def _base_name(model: nn.Module) -> str:
-    """Where the model was loaded from, as transformers records it (a Hub id or a local path; '' when unknown).
-
-    Only for reading the base's licence: reports and cards name the base through `public_base_name`, which never
-    gives an absolute local path.
-    """
-    return str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
-
-
-def _drop_own_quantization_config(model: nn.Module) -> None:
-    """The compressed model is an ordinary model: it must not claim to need our quantizer to load."""
-    qc = getattr(model.config, "quantization_config", None)
-    if isinstance(qc, FlattenConfig) or (isinstance(qc, dict) and qc.get("quant_method") == "flatten"):
-        del model.config.quantization_config
-        if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None

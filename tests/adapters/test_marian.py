@@ -533,5 +533,9 @@ def test_concatenation_is_refused_with_the_reason(model):
     assert "pre_norm" not in adapter.capabilities and "concat_heads" not in adapter.capabilities
     with pytest.raises(UnsupportedArchitectureError, match="post-LN"):
         adapter.build_concat_block([adapter.detached_block("decoder", i) for i in (1, 2)])
-    assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(adapter.applicable_methods())
-    assert "flattengpt" not in adapter.applicable_methods()
+    from optimum_flatten.methods.registry import methods_for
+
+    assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(methods_for(adapter.capabilities))
+    assert "flattengpt" not in methods_for(adapter.capabilities)
+    with pytest.raises(UnsupportedArchitectureError, match=r"Methods whose requirements .* meets: \[.*'shortgpt'"):
+        _compress(model, "flattengpt", "decoder")

@@ -269,26 +269,6 @@ class MarianAdapter(ArchitectureAdapter):
         self._check_stack(stack)
         return batch.attention_mask if stack == "encoder" else self.decoder_inputs(batch)[1]
 
-    def require(self, capabilities: set[str] | frozenset[str], method: str) -> None:
-        """As the base, and the refusal names the registered methods whose declared requirements Marian meets."""
-        try:
-            super().require(capabilities, method)
-        except UnsupportedArchitectureError as error:
-            raise UnsupportedArchitectureError(
-                f"{error} Registered methods whose requirements Marian meets: {self.applicable_methods()} (sleb on "
-                "the decoder stack only; see docs/adapters/marian.md for the ones tested on Marian)."
-            ) from None
-
-    def applicable_methods(self) -> list[str]:
-        """Registered methods whose required capabilities this adapter offers."""
-        from ..methods.registry import get_method_class, registered_methods
-
-        return [
-            name
-            for name in registered_methods()
-            if set(get_method_class(name).required_capabilities) <= set(self.capabilities)
-        ]
-
     # ---------------------------------------------------------------- mutating
     def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
         self.require({"concat_heads"}, "flattengpt")

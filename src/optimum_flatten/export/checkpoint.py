@@ -17,7 +17,7 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -203,6 +203,7 @@ def save_compressed(
     report: dict[str, Any] | None = None,
     overwrite: bool = False,
     writer: Callable[..., str] | None = None,
+    compat: Literal["v4"] | None = "v4",
 ) -> Path:
     """Saves weights (safetensors), config, tokenizer, flatten_report.json, README.md and the heatmap.
 
@@ -216,7 +217,13 @@ def save_compressed(
     stock format when it can and remote code otherwise; the format lands in the report as ``export_format``.
     `writer(model, directory, **save_kwargs) -> format name` replaces the weight/config writing (used by
     `save_layer_collapse` to force a format).
+
+    ``compat="v4"`` (the default) adds to config.json and tokenizer_config.json the keys transformers 4.x reads
+    (see `add_v4_compat`), so that clients pinned below 5 load the same model; None writes the files as
+    transformers 5 does.
     """
+    if compat not in ("v4", None):
+        raise ValueError(f"compat must be 'v4' or None, got {compat!r}.")
     from .model_card import render_model_card
     from .plots import plot_similarity
 
@@ -253,6 +260,8 @@ def save_compressed(
                 report["load_with"] = loader_for(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
+        if compat == "v4":
+            add_v4_compat(staging)
         if report.get("similarity") is not None:
             plot_similarity(report["similarity"], report.get("plan", {}).get("groups"), staging / HEATMAP_NAME)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -263,12 +272,60 @@ def save_compressed(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     # From now on the saved directory is this model's base (what PEFT records in adapter_config.json).
-    from ..quantizer import set_name_or_path
+    from .provenance import set_name_or_path
 
     set_name_or_path(model, str(path))
     model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
     return path
+
+
+#: tokenizer_config.json classes of transformers 5 that 4.x does not have, and the 4.x class that reads the same
+#: tokenizer.json (transformers 5 maps it back to the same class on load).
+V4_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def add_v4_compat(directory: str | Path) -> list[str]:
+    """Adds to a checkpoint's config.json / tokenizer_config.json the keys transformers 4.x reads; returns them.
+
+    transformers 5 writes RoPE settings only as ``rope_parameters``. 4.x ignores that key and falls back to
+    ``rope_theta = 10000`` without a warning (SmolLM2 uses 100000: its logits move by about 2), so every client
+    pinned below 5 (the optimum ONNX exporter, older servers) would silently run another model. This copies
+    ``rope_theta`` (and, for a scaled RoPE, ``rope_scaling``: ``rope_parameters`` without the theta, as 4.x names
+    it) to the top level. transformers 5 reads them back into the same ``rope_parameters`` (its loader merges
+    ``rope_scaling`` and ``rope_theta`` into it), so its reload is unchanged. Per-layer-type (nested)
+    ``rope_parameters`` have no single 4.x equivalent and are left alone.
+
+    A tokenizer saved by transformers 5 as the generic ``TokenizersBackend`` (unknown to 4.x, whose AutoTokenizer
+    then fails) is declared as ``PreTrainedTokenizerFast``, the 4.x class for a bare tokenizer.json; transformers 5
+    maps that name to ``TokenizersBackend`` again. Keys already present are never overwritten.
+    """
+    directory = Path(directory)
+    added = []
+    config_path = directory / "config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        rope = config.get("rope_parameters")
+        nested = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
+        if isinstance(rope, dict) and not nested and "rope_theta" in rope:
+            if "rope_theta" not in config:
+                config["rope_theta"] = rope["rope_theta"]
+                added.append("config.json: rope_theta")
+            if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+                config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+                added.append("config.json: rope_scaling")
+        if added:
+            config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tokenizer_path = directory / "tokenizer_config.json"
+    if tokenizer_path.is_file():
+        tokenizer_config = json.loads(tokenizer_path.read_text(encoding="utf-8"))
+        known = V4_TOKENIZER_CLASSES.get(str(tokenizer_config.get("tokenizer_class")))
+        if known is not None and (directory / "tokenizer.json").is_file():
+            tokenizer_config["tokenizer_class"] = known
+            text = json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+            tokenizer_path.write_text(text, encoding="utf-8")
+            added.append(f"tokenizer_config.json: tokenizer_class {known}")
+    return added
 
 
 def remove_leftovers(path: str | Path) -> list[Path]:

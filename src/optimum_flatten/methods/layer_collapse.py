@@ -261,7 +261,7 @@ def _not_ready(activations: Mapping[int, ParametricActivation], threshold: float
 
 def require_all_ready(activations: Mapping[int, ParametricActivation], threshold: float) -> None:
     """Raises NotCollapsibleError naming every layer whose α is not within `threshold` of 1 (and its α)."""
-    from ..recovery.layer_collapse_training import NotCollapsibleError
+    from ..utils.errors import NotCollapsibleError
 
     waiting = _not_ready(activations, threshold)
     if waiting:

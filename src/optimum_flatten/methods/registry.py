@@ -41,3 +41,11 @@ def get_method_class(name: str) -> type:
             f"unknown method {name!r}.{did_you_mean(str(name), names)} Registered methods: {names}."
         )
     return _METHODS[name]
+
+
+def methods_for(capabilities: frozenset[str] | set[str]) -> list[str]:
+    """Registered methods whose declared `required_capabilities` an architecture with `capabilities` offers.
+
+    Refusals use it to name the alternatives; adapters never look methods up themselves (they sit below them).
+    """
+    return [name for name in registered_methods() if set(_METHODS[name].required_capabilities) <= set(capabilities)]

@@ -30,6 +30,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..ops.linear_collapse import BatchNormStats, collapse_linear_pair
 from ..ops.parametric_activations import CollapseAlpha, ParametricActivation, make_parametric_activation
+from ..utils.errors import NotCollapsibleError
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,6 @@ logger = logging.getLogger(__name__)
 ALPHA_LOG_PREFIX = "lc_alpha/"
 REGULARIZER_LOG_KEY = "lc_regularizer"
 
-
-class NotCollapsibleError(ValueError):
-    """An MLP was asked to collapse while its activation is still measurably nonlinear (|1 − α| ≥ threshold)."""
 
 
 # ------------------------------------------------------------------------------------------------- helpers

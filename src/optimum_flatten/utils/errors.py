@@ -42,3 +42,7 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """Returns a ` Did you mean 'x'?` suffix when `name` is close to one of `choices`, else ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class NotCollapsibleError(ValueError):
+    """An MLP was asked to collapse while its activation is still measurably nonlinear (|1 − α| ≥ threshold)."""
