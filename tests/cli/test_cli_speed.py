@@ -120,3 +120,21 @@ def test_demo_times_dense_and_compressed_alternately(tiny_demo, capsys):
     printed = capsys.readouterr().out
     assert "prefill speed-up" in printed and "2 interleaved rounds after 1 warm-up" in printed
     assert "ideal L/L' = 6/4 = 1.500" in printed and f"{_cpu_name()} (cpu), float32" in printed
+
+
+def test_demo_prints_and_saves_fidelity_to_the_dense_model(tiny_demo, capsys, tmp_path):
+    import json
+
+    out = tmp_path / "demo-out"
+    assert main([*tiny_demo, "--speed-rounds", "2", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    kl_row = next(line for line in printed.splitlines() if line.startswith("KL to dense"))
+    top1_row = next(line for line in printed.splitlines() if line.startswith("top-1 agreement with dense"))
+    report = json.loads((out / "flatten_report.json").read_text())
+    saved = report["evaluation"]["fidelity"]
+    assert f"{saved['kl']:.4f}" in kl_row and f"{saved['top1_agreement']:.3f}" in top1_row
+    assert saved["kl"] > 0 and 0 <= saved["top1_agreement"] < 1  # two layers of a random model are gone
+    # The compressed perplexity printed is the one the fidelity pass scored on the same windows.
+    assert report["evaluation"]["compressed"]["perplexity"] == pytest.approx(saved["compressed_perplexity"])
+    card = (out / "README.md").read_text()
+    assert f"top-1 next-token agreement {saved['top1_agreement']:.3f}" in card

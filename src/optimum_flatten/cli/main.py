@@ -180,7 +180,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from .. import bundled
     from ..config import FlattenConfig
-    from ..evaluation import compare_prefill, perplexity, tokenize_corpus
+    from ..evaluation import compare_prefill, fidelity, perplexity, tokenize_corpus
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
@@ -222,8 +222,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
-    print("measuring the compressed model ...", flush=True)
-    ppl, _ = measure(model)
+    print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
+    # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
+    agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+    ppl = agreement.compressed_perplexity
     speed = compare_prefill(dense, model, seqlen=args.eval_seqlen, rounds=args.speed_rounds)
     del dense
     dense_tps, tps = speed.tokens_per_second("baseline"), speed.tokens_per_second("candidate")
@@ -243,6 +245,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
         ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
     ]
+        ("KL to dense (nats/token)", "0", f"{agreement.kl:.4f}", ""),
+        ("top-1 agreement with dense", "1", f"{agreement.top1_agreement:.3f}", ""),
     print()
     print(f"plan: {quantizer.report['plan_summary']}")
     print(_table(rows, ("", "dense", "compressed", "ratio")))
@@ -257,6 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             "compressed": {"perplexity": ppl, "protocol": protocol},
             "prefill": speed.to_dict(),
         }
+            "fidelity": agreement.to_dict(),
         path = quantizer.save(
             model,
             args.output,

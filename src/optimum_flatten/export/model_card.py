@@ -68,6 +68,13 @@ def render_model_card(report: dict[str, Any]) -> str:
             if name in evaluation:
                 entry = evaluation[name]
                 lines.append(f"| {name} | {entry['perplexity']:.3f} | {entry.get('protocol', '')} |")
+        agreement = evaluation.get("fidelity")
+        if agreement:
+            lines += [
+                "",
+                f"Fidelity to the dense model on the same tokens: mean KL(dense ‖ compressed) "
+                f"{agreement['kl']:.4f} nats per token, top-1 next-token agreement {agreement['top1_agreement']:.3f}.",
+            ]
         lines.append("")
     loader, remote = _loader(report), bool((report.get("load_with") or {}).get("trust_remote_code"))
     lines += [
