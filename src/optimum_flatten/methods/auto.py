@@ -31,7 +31,7 @@ from .base import CompressionMethod, MethodContext
 from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
 from .registry import get_method_class, register_method
 
-DEFAULT_CANDIDATES = "shortgpt shortgpt+scale shortgpt+lstsq uidl uidl+scale replaceme flattengpt flattengpt+lstsq"
+DEFAULT_CANDIDATES = "shortgpt shortgpt+scale shortgpt+lstsq uidl uidl+scale replaceme flattengpt flattengpt+lstsq come"
 
 
 @dataclass
