@@ -243,10 +243,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"{count_parameters(model) / dense_params:.3f}",
         ),
         ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
-        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
-    ]
         ("KL to dense (nats/token)", "0", f"{agreement.kl:.4f}", ""),
         ("top-1 agreement with dense", "1", f"{agreement.top1_agreement:.3f}", ""),
+        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
+    ]
     print()
     print(f"plan: {quantizer.report['plan_summary']}")
     print(_table(rows, ("", "dense", "compressed", "ratio")))
@@ -259,9 +259,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         evaluation = {
             "dense": {"perplexity": dense_ppl, "protocol": protocol},
             "compressed": {"perplexity": ppl, "protocol": protocol},
+            "fidelity": agreement.to_dict(),
             "prefill": speed.to_dict(),
         }
-            "fidelity": agreement.to_dict(),
         path = quantizer.save(
             model,
             args.output,
