@@ -147,12 +147,18 @@ def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tok
 
 @torch.no_grad()
 def next_token_nll(
-    adapter: Any, states: Sequence[torch.Tensor], batches: Sequence[Any], stack: str | None = None
+    adapter: Any,
+    states: Sequence[torch.Tensor],
+    batches: Sequence[Any],
+    stack: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
     """Mean next-token NLL of final-layer `states` (before the final norm) over pairs of real tokens.
 
-    One row at a time through the final norm and the LM head, so the float32 logits never exceed (seq, vocab):
-    with a 150k vocabulary a whole batch of them would dwarf the model.
+    One row at a time through the final norm and the LM head, so the logits never exceed (seq, vocab): with a
+    150k vocabulary a whole batch of them would dwarf the model. The log-softmax runs in `dtype` (float32, or
+    float64 for a method that compares candidates whose losses differ in the later digits, as ffn_merge does),
+    over the contiguous vocabulary axis, which is also about twice as fast as over a transposed batch.
     """
     norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
     total, count = 0.0, 0
@@ -160,7 +166,7 @@ def next_token_nll(
         mask = batch.attention_mask.to(hidden.device).bool()
         targets = batch.input_ids.to(hidden.device)
         for row in range(hidden.shape[0]):
-            logits = head(norm(hidden[row : row + 1]))[0, :-1].float()
+            logits = head(norm(hidden[row : row + 1]))[0, :-1].to(dtype)
             valid = mask[row, :-1] & mask[row, 1:]
             nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
             total += float(nll)

@@ -161,11 +161,13 @@ def report_warnings(report: dict[str, Any]) -> list[str]:
 
 
 def _summary(report: dict[str, Any]) -> str:
+    from ..export.model_card import describe_parameters  # as the card says it (ffn_merge: file and memory apart)
+
     rows = [
         ("method", report["method"]),
         ("plan", report["plan_summary"]),
         ("layers", f"{report['num_layers_before']} -> {report['num_layers_after']}"),
-        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
+        ("parameters", describe_parameters(report)),
         ("calibration tokens", report["calibration"]["tokens"]),
         ("compression seconds", report["total_seconds"]),
     ]

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..calibration.capture import capture_module_inputs
+from ..calibration.states import next_token_nll
 from ..config import LayerPlan, MethodConfig
 from ..ops.ffn_alignment import (
     alignment_permutation,
@@ -45,6 +46,7 @@ from ..ops.ffn_alignment import (
 )
 from ..ops.similarity import masked_cosine_sum
 from ..utils.offload import is_offloaded
+from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext
 from .ffn_tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
 from .registry import register_method
@@ -208,7 +210,9 @@ class WindowScorer:
             self.runner.inputs = self.runner.inputs[:num]
             self.runner.masks = self.runner.masks[:num]
         self.masks = self.runner.masks
-        self.input_ids = [b.input_ids for b in context.batches[: len(self.masks)]]
+        self.batches = list(context.batches[: len(self.masks)])
+        head = adapter.lm_head(self.stack) if config.selection == "nll" else None
+        self._head_weights = 0 if head is None else count_parameters(head)
         self.layers = list(adapter.layers(self.stack))
         self.states, self.mlp_inputs = self._capture()
         #: Final hidden states (after the final norm) of the original model, the reference for "cosine".
@@ -240,35 +244,56 @@ class WindowScorer:
         return x.reshape(-1, x.shape[-1])[mask]
 
     def correlation(self, anchor: int, member: int) -> torch.Tensor:
-        """(units, units) correlation between the anchor's and the member's units, averaged over the signals.
+        """(units, units) correlation between the anchor's and the member's units, averaged over the signals."""
+        return self.correlations(anchor, [member])[member]
 
-        One signal at a time (gated MLPs have two), so that at most a few (units x units) float64 matrices are alive.
+    def correlations(self, anchor: int, members: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The correlation of every member's units with the anchor's, from one pass over the calibration batches.
+
+        Per batch, each layer's signals (gate and up pre-activations of a gated MLP) are computed once, and the
+        anchor's are shared by all members: a window of k layers costs k signal computations a batch, not
+        4 (k - 1) as pair by pair, one signal at a time. The sums are accumulated per signal in batch order and
+        averaged over the signals in signal order, exactly as the pairwise computation does, so the result is the
+        same to the last bit. Memory: per member, one (units x units) float64 sum per signal.
         """
-        views = [self.adapter.block(self.stack, i).mlp for i in (anchor, member)]
-        weights = [read_mlp(v) for v in views]
+        views = {i: self.adapter.block(self.stack, i).mlp for i in (anchor, *members)}
+        weights = {i: read_mlp(v) for i, v in views.items()}
         signal = self.config.alignment_signal
-        num_signals = num_alignment_signals(weights[0], signal)
-        total = None
-        for s in range(num_signals):
-            sums = None
-            for b in range(len(self.masks)):
-                a, m = (
-                    alignment_signals(self._tokens(i, b), w, signal, v.activation)[s]
-                    for i, w, v in zip((anchor, member), weights, views, strict=True)
-                )
-                batch = correlation_sums(a, m)
-                sums = batch if sums is None else sums + batch
-            corr = correlation_from_sums(sums)
-            total = corr if total is None else total + corr
-        return total / num_signals
+        num_signals = num_alignment_signals(weights[anchor], signal)
+        sums: dict[int, list[Any]] = {m: [None] * num_signals for m in members}
+        for b in range(len(self.masks)):
+            reference = alignment_signals(self._tokens(anchor, b), weights[anchor], signal, views[anchor].activation)
+            for member in members:
+                signals = alignment_signals(self._tokens(member, b), weights[member], signal, views[member].activation)
+                for s in range(num_signals):
+                    batch = correlation_sums(reference[s], signals[s])
+                    sums[member][s] = batch if sums[member][s] is None else sums[member][s] + batch
+                del signals
+            del reference
+        result = {}
+        for member in members:
+            total = None
+            for s in range(num_signals):
+                corr = correlation_from_sums(sums[member][s])
+                total = corr if total is None else total + corr
+            sums[member] = []  # frees the float64 sums before the next member's correlation is built
+            result[member] = total / num_signals
+        return result
+
+    def prepare_permutations(self, anchor: int, members: Sequence[int]) -> None:
+        """Computes the alignments of `members` to `anchor` that are not memoised yet, in one pass (see
+        `correlations`)."""
+        missing = [m for m in members if m != anchor and (anchor, m) not in self._permutations]
+        if not missing:
+            return
+        with self.context.timer("alignment"):
+            for member, corr in self.correlations(anchor, missing).items():
+                self._permutations[(anchor, member)] = alignment_permutation(corr)
 
     def permutation(self, anchor: int, member: int) -> torch.Tensor:
         """The alignment of `member`'s units to `anchor`'s (memoised: greedy rounds revisit the same pairs)."""
-        key = (anchor, member)
-        if key not in self._permutations:
-            with self.context.timer("alignment"):
-                self._permutations[key] = alignment_permutation(self.correlation(anchor, member))
-        return self._permutations[key]
+        self.prepare_permutations(anchor, [member])
+        return self._permutations[(anchor, member)]
 
     # ------------------------------------------------------------------ scoring
     def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -277,26 +302,16 @@ class WindowScorer:
 
     def score(self, final: Sequence[torch.Tensor]) -> float:
         """The selection criterion of a candidate's final hidden states (before the final norm)."""
-        finished = self.finish(final)
         if self.config.selection == "cosine":
             total, count = 0.0, 0
-            for a, b, mask in zip(finished, self.reference, self.masks, strict=True):
+            for a, b, mask in zip(self.finish(final), self.reference, self.masks, strict=True):
                 s, c = masked_cosine_sum(a, b, mask)
                 total, count = total + s, count + c
             return total / count
-        return self._nll(finished)
-
-    def _nll(self, finished: Sequence[torch.Tensor]) -> float:
-        head = self.adapter.lm_head(self.stack)
-        total, count = 0.0, 0
-        for h, ids, mask in zip(finished, self.input_ids, self.masks, strict=True):
-            logits = head(h[:, :-1]).double()
-            targets = ids[:, 1:].to(logits.device)
-            valid = (mask[:, :-1] * mask[:, 1:]).to(logits.device).bool()
-            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-            total += float(losses[valid].sum())
-            count += int(valid.sum())
-        return total / count
+        # One row at a time (the logits of a whole batch, (batch, seq, vocab) in float64, were gigabytes and the
+        # log-softmax over a transposed batch half as fast); float64 as before, so close candidates stay apart.
+        self.context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in final)
+        return next_token_nll(self.adapter, final, self.batches, self.stack, dtype=torch.float64)
 
     def better(self, a: float, b: float) -> bool:
         """Whether score `a` beats score `b` (ties keep the earlier candidate)."""
@@ -314,6 +329,8 @@ class WindowScorer:
 def merged_mlp(adapter: Any, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None):
     """The averaged MLP of `window` (non-anchor members aligned first for the "permute" variant)."""
     anchor = config.anchor_of(window)
+    if config.variant == "permute":
+        scorer.prepare_permutations(anchor, window)
     members = []
     for i in window:
         weights = read_mlp(adapter.block(stack, i).mlp)
@@ -321,6 +338,23 @@ def merged_mlp(adapter: Any, stack: str, window: Window, config: FfnMergeConfig,
             weights = permute_mlp_units(weights, scorer.permutation(anchor, i))
         members.append(weights)
     return average_mlps(members)
+
+
+def parameter_footprint(model: nn.Module) -> tuple[int, int]:
+    """(elements, bytes) of a model's unique parameters: tensors tied to one another count once.
+
+    Before `tie_mlps_` this is what ``model.safetensors`` holds and a plain `from_pretrained` loads (the stock format
+    has no way to say that two layers share one MLP, so each layer is written in full); after it, what the model
+    occupies in memory. ffn_merge reports both, so no number claims a saving the file does not have.
+    """
+    seen: set[int] = set()
+    elements = size = 0
+    for parameter in model.parameters():
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            elements += parameter.numel()
+            size += parameter.numel() * parameter.element_size()
+    return elements, size
 
 
 def _room(num_layers: int, used: set[int], k: int) -> int:
@@ -416,11 +450,12 @@ class FfnMergeMethod(CompressionMethod):
         # One scorer per stack, sharing the context's timers, work count and report (dataclasses.replace passes the
         # same dict and list objects on).
         scorers = {s: WindowScorer(adapter, dataclasses.replace(context, stack=s), cfg) for s in stacks}
-        windows, rounds = self._choose(adapter, scorers)
-        final_scores = {}
-        for stack, scorer in scorers.items():
-            blocks = self._candidate_blocks(adapter, stack, windows, scorer)
-            final_scores[stack] = scorer.score(scorer.run_from(windows[0][0], blocks, scorer.states))
+        windows, rounds, final_scores = self._choose(adapter, scorers)
+        if final_scores is None:  # explicit windows: one run with all of them, from the first
+            final_scores = {}
+            for stack, scorer in scorers.items():
+                blocks = self._candidate_blocks(adapter, stack, windows, scorer)
+                final_scores[stack] = scorer.score(scorer.run_from(windows[0][0], blocks, scorer.states))
         final_score = sum(final_scores.values()) / len(final_scores)
         self._windows, self._scorers = windows, scorers
         context.report["ffn_groups"] = [
@@ -453,43 +488,55 @@ class FfnMergeMethod(CompressionMethod):
                 blocks[i] = view.module
         return blocks
 
-    def _choose(self, adapter: Any, scorers: Mapping[str, WindowScorer]) -> tuple[list[Window], list[list[dict]]]:
+    def _choose(
+        self, adapter: Any, scorers: Mapping[str, WindowScorer]
+    ) -> tuple[list[Window], list[list[dict]], dict[str, float] | None]:
         """The explicit windows, or a greedy search: per round, the best non-overlapping window given earlier ones.
 
         A candidate's score is the mean of its scores on the stacks in `scorers` (one stack unless in sync).
+        Returns the windows, the scores of every round, and the per-stack scores of the final choice (None for
+        explicit windows). The winner of the last round is run with every chosen window merged, from the cached
+        state at its start, which the earlier rounds left computed with their windows merged: the very run a
+        fresh pass from the first window would repeat, so its score is the final score. For the same reason the
+        winner's merged blocks are kept and committed as scored, not rebuilt, and the last round updates no states.
         """
         k = self.config.window_size
         if self.config.window_starts is not None:
-            return [tuple(range(s, s + k)) for s in self.config.window_starts], []
+            return [tuple(range(s, s + k)) for s in self.config.window_starts], [], None
         chosen: list[Window] = []
         committed: dict[str, dict[int, nn.Module]] = {s: {} for s in scorers}
         states = {s: scorer.states for s, scorer in scorers.items()}
         rounds = []
+        final_scores: dict[str, float] = {}
         progress = next(iter(scorers.values())).context
-        for round_index in range(self.config.resolved_num_windows):
-            still_to_place = self.config.resolved_num_windows - round_index - 1
+        num_rounds = self.config.resolved_num_windows
+        for round_index in range(num_rounds):
+            still_to_place = num_rounds - round_index - 1
             candidates = self.candidate_windows(adapter, list(scorers), chosen, still_to_place)
             if not candidates:
                 raise ValueError(
                     f"no window of {k} identically shaped, unmerged adjacent layers is left for window "
-                    f"{round_index + 1} of {self.config.resolved_num_windows}; lower num_windows or window_size."
+                    f"{round_index + 1} of {num_rounds}; lower num_windows or window_size."
                 )
             scored = []
-            best, best_score = None, None
+            best, best_score, best_blocks, best_by_stack = None, None, {}, {}
             desc = f"window {round_index + 1}: scoring candidates"
             with progress.progress_bar(len(candidates), desc) as bar:
                 for window in candidates:
-                    value = self._score_window(adapter, scorers, committed, states, window)
+                    value, by_stack, blocks = self._score_window(adapter, scorers, committed, states, window)
                     scored.append({"start": window[0], "layers": list(window), "score": value})
                     if best_score is None or next(iter(scorers.values())).better(value, best_score):
-                        best, best_score = window, value
+                        best, best_score, best_blocks, best_by_stack = window, value, blocks, by_stack
+                    del blocks  # only the best candidate's blocks stay alive
                     bar.update()
             rounds.append(scored)
             chosen.append(best)
+            final_scores = best_by_stack
             for stack, scorer in scorers.items():
-                committed[stack].update(self._candidate_blocks(adapter, stack, [best], scorer))
-                states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
-        return sorted(chosen), rounds
+                committed[stack].update(best_blocks[stack])
+                if still_to_place:
+                    states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
+        return sorted(chosen), rounds, final_scores
 
     def _score_window(
         self,
@@ -498,13 +545,15 @@ class FfnMergeMethod(CompressionMethod):
         committed: Mapping[str, Mapping[int, nn.Module]],
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         window: Window,
-    ) -> float:
-        """The mean over the stacks of the score with `window` merged on top of the committed windows."""
-        values = []
+    ) -> tuple[float, dict[str, float], dict[str, dict[int, nn.Module]]]:
+        """The score with `window` merged on top of the committed windows (mean over the stacks), each stack's
+        score, and the window's merged blocks per stack."""
+        values, blocks = {}, {}
         for stack, scorer in scorers.items():
-            blocks = {**committed[stack], **self._candidate_blocks(adapter, stack, [window], scorer)}
-            values.append(scorer.score(scorer.run_from(window[0], blocks, states[stack])))
-        return sum(values) / len(values)
+            blocks[stack] = self._candidate_blocks(adapter, stack, [window], scorer)
+            run = scorer.run_from(window[0], {**committed[stack], **blocks[stack]}, states[stack])
+            values[stack] = scorer.score(run)
+        return sum(values.values()) / len(values), values, blocks
 
     @staticmethod
     def _states_with(
@@ -533,6 +582,9 @@ class FfnMergeMethod(CompressionMethod):
             stack: [merged_mlp(adapter, stack, w, self.config, scorer) for w in self._windows]
             for stack, scorer in self._scorers.items()
         }
+        # What the stock format stores: every layer its own MLP (tied copies are written out in full), so this is
+        # also what a plain from_pretrained has. Merging changes no shape, so it is counted before anything changes.
+        in_file = parameter_footprint(adapter.model)
         shared = 0
         for stack, weights_list in merged.items():
             for window, weights in zip(self._windows, weights_list, strict=True):
@@ -540,7 +592,10 @@ class FfnMergeMethod(CompressionMethod):
                     write_mlp_(adapter.block(stack, i).mlp, weights)
                 if self.config.tie:
                     shared += tie_mlps_(adapter, stack, window)
+        in_memory = parameter_footprint(adapter.model)
         context.report["ffn_parameters_shared"] = shared
+        context.report["ffn_parameters_in_file"], context.report["ffn_bytes_in_file"] = in_file
+        context.report["ffn_parameters_in_memory"], context.report["ffn_bytes_in_memory"] = in_memory
         self._scorers = {}  # frees the cached calibration states
 
 
@@ -550,5 +605,6 @@ __all__ = [
     "WindowScorer",
     "check_windows_fit",
     "merged_mlp",
+    "parameter_footprint",
     "retie_ffn_",
 ]
