@@ -2,7 +2,8 @@
 
 Layers, lowest first (a module may import its own layer and those below):
   utils, ops  <  registry of methods (methods/registry.py, a plugin table)  <  config, bundled  <  calibration
-  <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  quantizer  <  integration  <  cli, package root.
+  <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  quantizer  <  integration  <  estimate
+  <  cli, package root. Only the command line imports the estimator (`test_only_the_cli_imports_the_estimator`).
 The method registry loads the built-in methods lazily (plugin discovery, like transformers' auto mappings); that one
 upward import, inside a function, is the only exception and is listed here by name.
 """
@@ -30,6 +31,7 @@ LAYERS = [
     {"export"},
     {"quantizer"},
     {"integration"},
+    {"estimate"},
     {"cli", "__init__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
@@ -86,9 +88,31 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     assert _violations() == ["adapters/bad.py:1 (adapters) imports quantizer, which sits above it"]
 
 
+def test_only_the_cli_imports_the_estimator():
+    """The estimator reads config, adapters and methods; nothing but the command line may depend on it."""
+    importers = {
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*.py")
+        if any(target == "estimate" for target, _ in _imports(path)) and path.name != "estimate.py"
+    }
+    assert importers <= {"cli/main.py"}, importers
+
+
 @pytest.mark.parametrize(
     "module",
-    ["utils", "ops", "config", "calibration", "adapters", "methods", "evaluation", "export", "quantizer", "cli.main"],
+    [
+        "utils",
+        "ops",
+        "config",
+        "calibration",
+        "adapters",
+        "methods",
+        "evaluation",
+        "export",
+        "quantizer",
+        "estimate",
+        "cli.main",
+    ],
 )
 def test_each_part_imports_alone_in_a_fresh_interpreter(module):
     """No part depends on another having been imported first (what an import circle breaks)."""

