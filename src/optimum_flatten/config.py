@@ -232,41 +232,13 @@ class FlattenConfig(QuantizationConfigMixin):
                 stacklevel=2,
             )
         self._tokenizer = tokenizer
-        if linear_replacement is not None:
-            if linear_replacement not in ESTIMATORS:
-                raise ValueError(
-                    f"unknown linear_replacement {linear_replacement!r}."
-                    f"{did_you_mean(str(linear_replacement), ESTIMATORS)} Choose one of {list(ESTIMATORS)} or None."
-                )
-            if method_class.keeps_depth or not method_class.accepts_linear_replacement:
-                reason = "keeps every layer" if method_class.keeps_depth else "fits its own linear replacement"
-                raise ValueError(
-                    f"linear_replacement does not apply to method {method!r}: it {reason}. Drop linear_replacement "
-                    "(replaceme takes estimator= instead)."
-                )
+        _check_correction("linear_replacement", linear_replacement, ESTIMATORS, method, method_class)
+        _check_correction("compensation", compensation, COMPENSATIONS, method, method_class)
+        if linear_replacement is not None and compensation is not None:
+            raise ValueError(
+                "compensation and linear_replacement both correct the stream at a cut; choose one of them."
+            )
         self.linear_replacement = linear_replacement
-        if compensation is not None:
-            if compensation not in COMPENSATIONS:
-                raise ValueError(
-                    f"unknown compensation {compensation!r}.{did_you_mean(str(compensation), COMPENSATIONS)} "
-                    f"Choose one of {list(COMPENSATIONS)} or None."
-                )
-            if method_class.keeps_depth or method_class.merges_layers or not method_class.accepts_linear_replacement:
-                reason = (
-                    "keeps every layer"
-                    if method_class.keeps_depth
-                    else "merges layers, and Prune&Comp's factor is defined for dropped ones"
-                    if method_class.merges_layers
-                    else "fits its own linear replacement"
-                )
-                raise ValueError(
-                    f"compensation does not apply to method {method!r}: it {reason}. Use it with shortgpt, sleb or "
-                    "uidl (or linear_replacement for merging methods)."
-                )
-            if linear_replacement is not None:
-                raise ValueError(
-                    "compensation and linear_replacement both correct the stream at a cut; choose one of them."
-                )
         self.compensation = compensation
 
         calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
@@ -400,6 +372,34 @@ _TOP_LEVEL_FIELDS = (
     "linear_replacement",
     "compensation",
 )
+
+
+def _check_correction(option: str, value: Any, names: tuple[str, ...], method: str, method_class: Any) -> None:
+    """Refuses an unknown correction name, or one the method cannot take, when the config is made.
+
+    Every correction needs the method to leave cuts behind (not keep depth) and not to fit a map of its own; the
+    compensation is also defined for dropped layers only, not merged ones.
+    """
+    if value is None:
+        return
+    if value not in names:
+        raise ValueError(
+            f"unknown {option} {value!r}.{did_you_mean(str(value), names)} Choose one of {list(names)} or None."
+        )
+    if method_class.keeps_depth:
+        reason = "keeps every layer"
+    elif not method_class.accepts_linear_replacement:
+        reason = "fits its own linear replacement"
+    elif option == "compensation" and method_class.merges_layers:
+        reason = "merges layers, and Prune&Comp's factor is defined for dropped ones"
+    else:
+        return
+    hint = (
+        "replaceme takes estimator= instead"
+        if option == "linear_replacement"
+        else "use it with shortgpt, sleb or uidl, or linear_replacement for merging methods"
+    )
+    raise ValueError(f"{option} does not apply to method {method!r}: it {reason}. Drop {option} ({hint}).")
 
 
 def describe_dataset(dataset: Any) -> Any:
