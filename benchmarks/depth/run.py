@@ -105,6 +105,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         result["timings"] = quantizer.report["timings_seconds"]
         result["calibration_tokens"] = quantizer.report["calibration"]["tokens"]
         result["cost_stack_passes"] = quantizer.report["cost"]["stack_passes"]
+        # What a method chose and fitted, where it says (auto's candidate scores, the maps, the compensation).
+        for key in ("auto", "blocks", "linear_replacement", "compensation", "greedy_replace_steps", "replaceme"):
+            if key in quantizer.report:
+                result[key] = quantizer.report[key]
     ppl = perplexity(model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
     speed = prefill_tokens_per_second(model, seqlen=args.eval_seqlen, repeats=5)
     result.update(

@@ -39,7 +39,7 @@ def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_ev
     candidates = "shortgpt uidl+scale replaceme flattengpt+lstsq"
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
-    config = _config(candidates=candidates)
+    config = _config(candidates=candidates, refit=False)
     quantizer = FlattenQuantizer(config, progress=False)
     quantizer.compress(model, tiny_models.CharTokenizer())
     report = quantizer.report["auto"]
@@ -133,3 +133,29 @@ def test_the_model_card_lists_every_candidate_and_the_winner():
         assert f"| {entry['candidate']} | {entry['validation_nll']} |" in card
     if "scale" in quantizer.report["auto"]["winner"]:
         assert "Magnitude compensation" in card
+
+
+def test_refit_runs_the_winner_on_every_calibration_batch():
+    model = tiny_models.FACTORIES["qwen3"]()
+    original = copy.deepcopy(model)
+    quantizer = FlattenQuantizer(_config(candidates="uidl+scale shortgpt"), progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    report = quantizer.report["auto"]
+    assert report["refit"]["on"] == "every calibration batch"
+    name, _, correction = report["winner"].partition("+")
+    direct = FlattenQuantizer(
+        FlattenConfig(
+            method=name,
+            num_layers_to_remove=2,
+            dataset=tiny_models.sample_texts(),
+            nsamples=8,
+            seqlen=24,
+            batch_size=2,
+            **({"compensation": correction} if correction else {}),
+        ),
+        progress=False,
+    )
+    direct.compress(original, tiny_models.CharTokenizer())
+    assert quantizer.plan == direct.plan
+    ids = sample_ids(batch=2, length=16, seed=10)
+    torch.testing.assert_close(logits(model, ids), logits(original, ids))

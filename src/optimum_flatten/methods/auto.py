@@ -44,12 +44,16 @@ class AutoConfig(MethodConfig):
         max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
         max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
             limit. The first candidate is always scored.
+        refit: After the choice, run the winner on every calibration batch (the held-out part only served to
+            choose, as in any model selection); False applies exactly the model that was scored, fitted on the
+            fitting part only.
     """
 
     candidates: str = DEFAULT_CANDIDATES
     validation_fraction: float = 0.25
     max_candidates: int | None = None
     max_seconds: float | None = None
+    refit: bool = True
 
     def __post_init__(self) -> None:
         specs = self.candidate_specs()
@@ -178,9 +182,25 @@ class AutoMethod(CompressionMethod):
                 f"{sum('validation_nll' in e for e in scored)} scored candidates"
             ),
         }
-        # The winner runs again on the model itself, fitted on the same part; its plan is recomputed there.
-        self._fit = fit
-        return LayerPlan.from_dict(scored[best[1]]["plan"])
+        # The winner runs again on the model itself: on every batch (refit) or on the same fitting part.
+        self._context = MethodContext(
+            batches=list(context.batches) if self.config.refit else fit, stack=context.stack, progress=context.progress
+        )
+        method = self._winner[0]
+        with context.timer("refit"):
+            final = method.plan(adapter, self._context, num_to_remove)
+        scored_plan = LayerPlan.from_dict(scored[best[1]]["plan"])
+        if not self.config.refit and final.group_lists() != scored_plan.group_lists():
+            raise RuntimeError(
+                f"auto: the winner planned {final.describe()} on the model but {scored_plan.describe()} on its copy "
+                "from the same batches; the method is not deterministic, the model was not changed."
+            )
+        context.report["auto"]["refit"] = {
+            "on": "every calibration batch" if self.config.refit else "the fitting part only",
+            "plan_summary": final.describe(),
+            "same_plan_as_scored": final.group_lists() == scored_plan.group_lists(),
+        }
+        return final
 
     def _score(
         self,
@@ -222,15 +242,8 @@ class AutoMethod(CompressionMethod):
         if self._winner is None:
             raise RuntimeError("auto.apply_ called before auto.plan")
         method, corrections = self._winner
-        sub = MethodContext(batches=self._fit, stack=context.stack, progress=context.progress)
-        again = method.plan(adapter, sub, plan.num_removed)
-        if again.to_dict()["groups"] != plan.to_dict()["groups"]:
-            raise RuntimeError(
-                f"auto: the winner planned {again.describe()} on the model but {plan.describe()} on its copy; "
-                "the method is not deterministic, the model was not changed."
-            )
-        apply_with_corrections_(adapter, method, again, sub, corrections)
-        context.extra_work += sub.work
-        context.report.setdefault("auto", {})["winner_report"] = {
-            k: v for k, v in sub.report.items() if k in ("linear_replacement", "compensation", "blocks")
+        apply_with_corrections_(adapter, method, plan, self._context, corrections)
+        context.extra_work += self._context.work
+        context.report["auto"]["winner_report"] = {
+            k: v for k, v in self._context.report.items() if k in ("linear_replacement", "compensation", "blocks")
         }
