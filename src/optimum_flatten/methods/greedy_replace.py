@@ -25,12 +25,12 @@ import torch
 
 from ..calibration.states import next_token_nll
 from ..config import LayerPlan, MethodConfig
-from ..ops.linear_map import LinearMapStatistics, fold_map_into_linear, solve_least_squares
+from ..ops.linear_map import fold_map_into_linear
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .linear_bridge import capture_mlp, fold_into_down_, require_pre_norm
+from .linear_bridge import fit_least_squares, fold_into_down_, require_pre_norm
 from .registry import register_method
 
 
@@ -90,12 +90,9 @@ class GreedyReplaceMethod(CompressionMethod):
                     states.append(runner.run(modules.get(index, layers[index]), index, states[-1]))
                 best: tuple[float, str, int, Any] | None = None
                 for position, index in enumerate(kept):
-                    actions: list[tuple[str, Any]] = []
-                    if self.config.allow_drop or position == 0:
-                        actions.append(("drop", None))
-                    if position > 0:
-                        actions.append(("replace", None))
-                    for action, _ in actions:
+                    actions = ["drop"] if self.config.allow_drop or position == 0 else []
+                    actions += ["replace"] if position > 0 else []
+                    for action in actions:
                         if action == "drop":
                             start = states[position][:limit]
                             candidate_map = None
@@ -145,21 +142,14 @@ class GreedyReplaceMethod(CompressionMethod):
 
         The output with T is Y + M T, computed from the captured M and Y (no second run of the layer).
         """
-        block = adapter.block_view(module, position)
-        dim = block.mlp.down.out_features
-        stats = LinearMapStatistics(dim, device=inputs[0].device)
         captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-        state = {"batch": 0}
 
-        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
-            b = state["batch"]
-            stats.update(m, targets[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+        def keep_scored(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
             if b < limit:
                 captured.append((m, y))
 
-        with capture_mlp(block, on_batch):
-            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
-        transform, _ = solve_least_squares(stats)
+        block = adapter.block_view(module, position)
+        transform, _, _ = fit_least_squares(block, runner, module, position, inputs, targets, on_capture=keep_scored)
         outputs = [
             (y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
         ]

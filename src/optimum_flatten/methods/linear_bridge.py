@@ -184,17 +184,8 @@ def _fit_one(
     dim = block.mlp.down.out_features
     state = {"batch": 0}
     if options.estimator == "lstsq":
-        stats = LinearMapStatistics(dim, device=inputs[0].device)
-
-        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
-            b = state["batch"]
-            l_b = target[b].to(m.device)
-            stats.update(m, l_b.to(torch.float64) - y.to(torch.float64), runner.masks[b])
-
-        with capture_mlp(block, on_batch):
-            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
-        transform, info = solve_least_squares(stats)
-        detail: dict[str, Any] = {"tokens": stats.count, "jitter": info.jitter}
+        transform, info, count = fit_least_squares(block, runner, module, position, inputs, target)
+        detail: dict[str, Any] = {"tokens": count, "jitter": info.jitter}
     else:
         ms: list[torch.Tensor] = []
         ys: list[torch.Tensor] = []
@@ -227,6 +218,35 @@ def _fit_one(
         }
     fold_into_down_(adapter, stack, k, transform)
     return detail
+
+
+def fit_least_squares(
+    block: Any,
+    runner: Any,
+    module: torch.nn.Module,
+    position: int,
+    inputs: Sequence[torch.Tensor],
+    target: Sequence[torch.Tensor],
+    on_capture: Any = None,
+) -> tuple[torch.Tensor, Any, int]:
+    """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, solve info, tokens).
+
+    One run of the layer over every batch; M and Y are reduced to float64 statistics batch by batch, so no token
+    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y.
+    """
+    stats = LinearMapStatistics(block.mlp.down.out_features, device=inputs[0].device)
+    state = {"batch": 0}
+
+    def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+        b = state["batch"]
+        stats.update(m, target[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+        if on_capture is not None:
+            on_capture(b, m, y)
+
+    with capture_mlp(block, on_batch):
+        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    transform, info = solve_least_squares(stats)
+    return transform, info, stats.count
 
 
 def fold_into_down_(adapter: Any, stack: str, index: int, transform: torch.Tensor) -> None:

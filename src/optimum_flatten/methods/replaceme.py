@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config import LayerPlan
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .linear_bridge import BridgeOptions, bridged_apply_, check_estimator, require_pre_norm
+from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 from .registry import register_method
 from .uidl import BlockSelectionConfig, select_blocks
 
@@ -37,8 +37,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_estimator(self.estimator)
-        self.bridge_options()
+        self.bridge_options()  # BridgeOptions checks the estimator and the cosine fit's bounds
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(self.estimator, self.cosine_epochs, self.cosine_lr, self.cosine_minibatch)
