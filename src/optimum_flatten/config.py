@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import types
+import typing
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -420,6 +422,72 @@ def _reject_unknown(data: Mapping[str, Any], allowed: Iterable[str], what: str) 
         )
 
 
+def option_converter(hint: Any) -> tuple[Any, list[str] | None]:
+    """(callable reading an option from text, its choices) for a config field's type hint.
+
+    One reader for every place an option arrives as text (command-line flags, ``auto``'s candidate specs), so the
+    type hints of the config dataclasses are the single definition of what an option accepts. Optional fields take
+    the word ``none``; Literal fields list their choices.
+    """
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return str, [str(v) for v in typing.get_args(hint)]
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) != 1:
+            return str, None
+        inner, choices = option_converter(args[0])
+        return _or_none(inner), ([*choices, "none"] if choices else None)
+    if hint is bool:
+        return _parse_bool, None
+    if hint in (int, float, str):
+        return hint, None
+    return str, None
+
+
+def _or_none(convert: Any) -> Any:
+    def parse(value: str) -> Any:
+        return None if value.lower() == "none" else convert(value)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+_parse_bool.__name__ = "true/false"
+
+
+def parse_method_options(config_class: type, text: str, where: str) -> dict[str, Any]:
+    """``"key=value,key=value"`` read into typed method options (unknown keys and bad values refused with `where`)."""
+    hints = typing.get_type_hints(config_class)
+    allowed = [f.name for f in dataclasses.fields(config_class)]
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"{where}: option {item!r} needs the form key=value.")
+        if key not in allowed:
+            raise ValueError(f"{where}: unknown option {key!r}.{did_you_mean(key, allowed)} Allowed: {allowed}.")
+        convert, choices = option_converter(hints[key])
+        try:
+            parsed = convert(value.strip())
+        except ValueError as error:
+            raise ValueError(f"{where}: option {key}={value!r}: {error}") from None
+        if choices is not None and str(value.strip()) not in choices:
+            raise ValueError(f"{where}: option {key}={value!r} is not one of {choices}.")
+        options[key] = parsed
+    return options
+
+
 @dataclass
 class MethodConfig:
     """Base of every method's options: a dataclass that rejects unknown keys and round-trips through dicts."""
@@ -441,4 +509,6 @@ __all__ = [
     "LayerPlan",
     "MethodConfig",
     "describe_dataset",
+    "option_converter",
+    "parse_method_options",
 ]

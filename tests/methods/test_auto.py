@@ -159,3 +159,31 @@ def test_refit_runs_the_winner_on_every_calibration_batch():
     assert quantizer.plan == direct.plan
     ids = sample_ids(batch=2, length=16, seed=10)
     torch.testing.assert_close(logits(model, ids), logits(original, ids))
+
+
+def test_candidate_options_are_read_through_the_type_hints_and_reach_the_method():
+    from optimum_flatten.methods.auto import AutoConfig
+
+    specs = AutoConfig(candidates="replaceme:num_blocks=2,tokens=all+lstsq uidl:tokens=all+scale sleb").candidate_specs()
+    assert [s.label for s in specs] == ["replaceme:num_blocks=2,tokens=all+lstsq", "uidl:tokens=all+scale", "sleb"]
+    assert specs[0].options == {"num_blocks": 2, "tokens": "all"} and isinstance(specs[0].options["num_blocks"], int)
+    assert specs[0].build().config.num_blocks == 2 and specs[2].build().config == type(specs[2].build().config)()
+    for text, message in [
+        ("replaceme:num_block=2", r"unknown option 'num_block'.*num_blocks"),
+        ("replaceme:num_blocks=two", r"num_blocks='two'"),
+        ("uidl:tokens=some", r"tokens='some' is not one of \['last', 'all'\]"),
+        ("uidl:tokens", "needs the form key=value"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            AutoConfig(candidates=text)
+
+
+def test_a_candidate_with_options_is_scored_and_applied_with_them():
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    config = _config(candidates="replaceme:num_blocks=2", refit=False)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    assert quantizer.report["auto"]["winner"] == "replaceme:num_blocks=2"
+    # Two blocks of one layer each, as the option asked, and what was scored is what was applied.
+    blocks = quantizer.report["auto"]["winner_report"]["blocks"]
+    assert len(blocks) == 2 and all(end - start == 1 for start, end in blocks)

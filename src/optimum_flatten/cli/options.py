@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..config import COMPENSATIONS, CalibrationConfig
+from ..config import COMPENSATIONS, CalibrationConfig, option_converter
 from ..methods.registry import get_method_class, registered_methods
 from ..ops.linear_map import ESTIMATORS
 
@@ -34,43 +33,6 @@ _HELP = {
 }
 
 
-def _converter(hint: Any) -> tuple[Any, list[str] | None]:
-    """(callable converting a string, choices) for a type hint; Optional and Literal are unwrapped."""
-    origin = typing.get_origin(hint)
-    if origin is typing.Literal:
-        return str, [str(v) for v in typing.get_args(hint)]
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) != 1:
-            return str, None
-        inner, choices = _converter(args[0])
-        return _or_none(inner), ([*choices, "none"] if choices else None)
-    if hint is bool:
-        return _parse_bool, None
-    if hint in (int, float, str):
-        return hint, None
-    return str, None
-
-
-def _or_none(convert: Any) -> Any:
-    """Optional fields accept the word `none` on the command line."""
-
-    def parse(value: str) -> Any:
-        return None if value.lower() == "none" else convert(value)
-
-    parse.__name__ = getattr(convert, "__name__", "value")
-    return parse
-
-
-def _parse_bool(value: str) -> bool:
-    lowered = value.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
 def _add_dataclass_fields(
     group: argparse._ArgumentGroup,
     cls: type,
@@ -83,7 +45,7 @@ def _add_dataclass_fields(
         if f.name in seen or typing.get_origin(hints[f.name]) is dict:  # dict fields stay API-only
             continue
         seen.add(f.name)
-        convert, choices = _converter(hints[f.name])
+        convert, choices = option_converter(hints[f.name])
         owners = (shared or {}).get(f.name, [])
         if len(owners) > 1:
             group.add_argument(
@@ -221,7 +183,7 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
             item = typing.get_args(args[0])[0]
             group.add_argument(flag, dest=f.name, type=item, nargs="+", default=argparse.SUPPRESS)
             continue
-        convert, choices = _converter(hint)
+        convert, choices = option_converter(hint)
         group.add_argument(
             flag,
             dest=f.name,

@@ -6,8 +6,9 @@ model; its score is the mean next-token NLL of the compressed copy on the valida
 the row-bounded head of the states engine). The lowest wins and is then run on the model itself. Nothing is selected
 on an evaluation text: the validation part is calibration text the candidates never fitted on.
 
-Candidates are written ``method`` or ``method+correction`` (``+lstsq`` / ``+cosine``: linear replacement,
-``+scale``: magnitude compensation), e.g. ``"shortgpt+scale"``; method options are the method's defaults.
+Candidates are written ``method[:option=value,...][+correction]`` (``+lstsq`` / ``+cosine``: linear replacement,
+``+scale``: magnitude compensation), e.g. ``"shortgpt+scale"`` or ``"replaceme:num_blocks=2"``; options not given are
+the method's defaults, and the values are read through the option's type hint, as the command line reads them.
 
 Memory: one copy of the model at a time besides the model itself (offloaded models are copied with their offload
 hooks, so prefer a model that fits in memory). Cost: each candidate's own cost on the fitting part, one pass over the
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
-from ..config import COMPENSATIONS, LayerPlan, MethodConfig
+from ..config import COMPENSATIONS, LayerPlan, MethodConfig, parse_method_options
 from ..ops.linear_map import ESTIMATORS
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
 from .base import CompressionMethod, MethodContext
@@ -66,12 +67,13 @@ class AutoConfig(MethodConfig):
         if self.max_seconds is not None and not float(self.max_seconds) > 0:
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds!r}.")
 
-    def candidate_specs(self) -> list[tuple[str, Corrections]]:
-        """The parsed candidates; every name is checked here, before any model is touched."""
+    def candidate_specs(self) -> list[Candidate]:
+        """The parsed candidates; every name and option is checked here, before any model is touched."""
         specs = []
         for text in str(self.candidates).split():
-            name, _, correction = text.partition("+")
-            get_method_class(name)  # raises UnknownMethodError with a did-you-mean
+            head, _, correction = text.partition("+")
+            name, _, option_text = head.partition(":")
+            method_class = get_method_class(name)  # raises UnknownMethodError with a did-you-mean
             if name == "auto":
                 raise ValueError("auto cannot be its own candidate.")
             if correction and correction not in ESTIMATORS + COMPENSATIONS:
@@ -83,8 +85,29 @@ class AutoConfig(MethodConfig):
                 linear_replacement=correction if correction in ESTIMATORS else None,
                 compensation=correction if correction in COMPENSATIONS else None,
             )
-            specs.append((name, corrections))
+            options = parse_method_options(method_class.config_class, option_text, where=f"candidate {text!r}")
+            method_class.config_class(**options)  # the method's own checks, now rather than mid-search
+            specs.append(Candidate(name, options, corrections))
         return specs
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One parsed candidate: a method, the options that differ from its defaults, and its correction."""
+
+    name: str
+    options: dict[str, Any]
+    corrections: Corrections
+
+    @property
+    def label(self) -> str:
+        options = ",".join(f"{k}={v}" for k, v in self.options.items())
+        suffix = self.corrections.linear_replacement or self.corrections.compensation
+        return self.name + (f":{options}" if options else "") + (f"+{suffix}" if suffix else "")
+
+    def build(self) -> CompressionMethod:
+        method_class = get_method_class(self.name)
+        return method_class(method_class.config_class(**self.options))
 
 
 def split_batches(batches: list[Any], fraction: float) -> tuple[list[Any], list[Any]]:
@@ -98,11 +121,6 @@ def split_batches(batches: list[Any], fraction: float) -> tuple[list[Any], list[
     return batches[:-held], batches[-held:]
 
 
-def _label(name: str, corrections: Corrections) -> str:
-    suffix = corrections.linear_replacement or corrections.compensation
-    return f"{name}+{suffix}" if suffix else name
-
-
 @register_method("auto")
 class AutoMethod(CompressionMethod):
     config_class = AutoConfig
@@ -114,6 +132,7 @@ class AutoMethod(CompressionMethod):
     def __init__(self, config: AutoConfig) -> None:
         super().__init__(config)
         self._winner: tuple[CompressionMethod, Corrections] | None = None
+        self._context: MethodContext | None = None
 
     @classmethod
     def card_lines(cls, report: dict[str, Any]) -> list[str]:
@@ -149,11 +168,11 @@ class AutoMethod(CompressionMethod):
         scored: list[dict[str, Any]] = []
         best: tuple[float, int] | None = None
         with context.timer("selection"), context.progress_bar(len(specs), "auto") as bar:
-            for i, (name, corrections) in enumerate(specs):
+            for i, spec in enumerate(specs):
                 if i and self.config.max_seconds is not None and time.perf_counter() - start > self.config.max_seconds:
-                    scored.append({"candidate": _label(name, corrections), "skipped": "max_seconds reached"})
+                    scored.append({"candidate": spec.label, "skipped": "max_seconds reached"})
                     continue
-                entry = self._score(adapter, context, name, corrections, fit, validation, num_to_remove)
+                entry = self._score(adapter, context, spec, fit, validation, num_to_remove)
                 scored.append(entry)
                 if "validation_nll" in entry and (best is None or entry["validation_nll"] < best[0]):
                     best = (entry["validation_nll"], i)
@@ -164,9 +183,8 @@ class AutoMethod(CompressionMethod):
                 "auto: no candidate could compress this model: "
                 + "; ".join(f"{e['candidate']}: {e.get('refused', e.get('skipped'))}" for e in scored)
             )
-        name, corrections = specs[best[1]]
-        winner_class = get_method_class(name)
-        self._winner = (winner_class(winner_class.config_class()), corrections)
+        winner = specs[best[1]]
+        self._winner = (winner.build(), winner.corrections)
         context.report["auto"] = {
             "split": {
                 "fitting_batches": len(fit),
@@ -176,7 +194,7 @@ class AutoMethod(CompressionMethod):
                 "rule": "the last batches of the calibration set validate; the others fit",
             },
             "candidates": scored,
-            "winner": _label(name, corrections),
+            "winner": winner.label,
             "why": (
                 f"lowest mean next-token NLL on the held-out calibration batches ({best[0]:.4f}) among "
                 f"{sum('validation_nll' in e for e in scored)} scored candidates"
@@ -206,15 +224,14 @@ class AutoMethod(CompressionMethod):
         self,
         adapter: Any,
         context: MethodContext,
-        name: str,
-        corrections: Corrections,
+        spec: Candidate,
         fit: list[Any],
         validation: list[Any],
         num_to_remove: int,
     ) -> dict[str, Any]:
-        label = _label(name, corrections)
-        method_class = get_method_class(name)
-        method = method_class(method_class.config_class())
+        label, name, corrections = spec.label, spec.name, spec.corrections
+        method = spec.build()
+        method_class = type(method)
         if method_class.keeps_depth:
             return {"candidate": label, "refused": f"{name} keeps every layer; it cannot meet a depth target"}
         started = time.perf_counter()
