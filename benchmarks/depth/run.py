@@ -55,6 +55,7 @@ VARIANTS: dict[str, dict] = {
     "replaceme_all_tokens": dict(method="replaceme", tokens="all"),
     "replaceme_cosine": dict(method="replaceme", estimator="cosine"),
     "replaceme_2_blocks": dict(method="replaceme", num_blocks=2),
+    "replaceme_loss_selection": dict(method="replaceme", selection="loss"),
     # The check on the package's ReplaceMe: the paper's definition in plain torch (reference_replaceme.py), on the
     # same calibration windows as replaceme_all_tokens.
     "replaceme_reference": dict(reference="replaceme_lstsq_all_tokens"),

@@ -223,3 +223,43 @@ def test_a_leading_dropped_run_is_reported_unbridged():
     assert quantizer.plan.dropped_indices == [0]
     assert quantizer.report["linear_replacement"]["maps"] == []
     assert quantizer.report["linear_replacement"]["unbridged_leading_layers"] == [0]
+
+
+@torch.no_grad()
+def _naive_nll(model, batch) -> float:
+    """Mean next-token NLL over pairs of real tokens, from one full forward (float64 log-softmax)."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
+    logp = torch.log_softmax(out[:, :-1], dim=-1)
+    nll = -logp.gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    pairs = batch.attention_mask[:, :-1].bool() & batch.attention_mask[:, 1:].bool()
+    return float(nll[pairs].mean())
+
+
+def test_loss_selection_scores_every_block_as_the_naive_replaced_model_and_takes_the_lowest():
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    original = copy.deepcopy(model)
+    config = _config("replaceme", n=2, tokens="all", selection="loss", scoring_batches=1, batch_size=4)
+    quantizer = _compress(model, config)
+    losses = {int(s): v for s, v in quantizer.report["block_losses"].items()}
+    assert sorted(losses) == [1, 2, 3, 4]  # every start with a layer before it, for 6 layers and n=2
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
+    assert len(batches) == 2
+    for start, score in losses.items():
+        transform = _naive_fit(original, batches, start - 1, start + 2)  # fitted on every batch
+        kept = [i for i in range(6) if not start <= i < start + 2]
+        reference = shallower_reference(original, kept)
+        mlp, _, _ = _mlp_parts(_layers(reference)[start - 1])
+        mlp.register_forward_hook(lambda _m, _a, out, t=transform: out @ t.float())
+        assert score == pytest.approx(_naive_nll(reference, batches[0]), abs=2e-5)  # scored on the first batch
+    best = min(losses, key=losses.get)
+    assert quantizer.report["blocks"] == [[best, best + 2]]
+    assert len(_layers(model)) == 4
+
+
+def test_loss_selection_refusals():
+    with pytest.raises(ValueError, match="selection='loss' chooses one block"):
+        _config("replaceme", n=2, selection="loss", num_blocks=2)
+    with pytest.raises(ValueError, match="selection must be"):
+        _config("replaceme", n=2, selection="angle")
+    with pytest.raises(UnsupportedArchitectureError, match="no LM head"):
+        _compress(tiny_models.FACTORIES["vit"](), _config("replaceme", n=2, selection="loss"))

@@ -30,7 +30,7 @@ from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .linear_bridge import fit_least_squares, fold_into_down_, require_pre_norm
+from .linear_bridge import fit_with_outputs, fold_into_down_, require_pre_norm
 from .registry import register_method
 
 
@@ -99,7 +99,7 @@ class GreedyReplaceMethod(CompressionMethod):
                         else:
                             previous = kept[position - 1]
                             module = modules.get(previous, layers[previous])
-                            candidate_map, start = self._fit(
+                            candidate_map, start = fit_with_outputs(
                                 adapter, runner, module, previous, states[position - 1], states[position + 1], limit
                             )
                         current = start
@@ -127,33 +127,6 @@ class GreedyReplaceMethod(CompressionMethod):
                 bar.update()
         context.report["greedy_replace_steps"] = steps
         return LayerPlan.from_kept(num_layers, kept, stack=context.stack)
-
-    @staticmethod
-    def _fit(
-        adapter: Any,
-        runner: Any,
-        module: torch.nn.Module,
-        position: int,
-        inputs: list[torch.Tensor],
-        targets: list[torch.Tensor],
-        limit: int,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """T fitted on every batch for the layer at `position`, and that layer's output with T on the scored batches.
-
-        The output with T is Y + M T, computed from the captured M and Y (no second run of the layer).
-        """
-        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def keep_scored(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-            if b < limit:
-                captured.append((m, y))
-
-        block = adapter.block_view(module, position)
-        transform, _, _ = fit_least_squares(block, runner, module, position, inputs, targets, on_capture=keep_scored)
-        outputs = [
-            (y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
-        ]
-        return transform, outputs
 
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
         for index, transform in self._maps:

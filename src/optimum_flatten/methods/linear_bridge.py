@@ -249,6 +249,34 @@ def fit_least_squares(
     return transform, info, stats.count
 
 
+def fit_with_outputs(
+    adapter: Any,
+    runner: Any,
+    module: torch.nn.Module,
+    position: int,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    limit: int,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
+
+    What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``,
+    computed from the captured M and Y (no second run of the layer, no folded copy).
+    """
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep_scored(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
+        if b < limit:
+            captured.append((m, y))
+
+    block = adapter.block_view(module, position)
+    transform, _, _ = fit_least_squares(block, runner, module, position, inputs, targets, on_capture=keep_scored)
+    outputs = [
+        (y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
+    ]
+    return transform, outputs
+
+
 def fold_into_down_(adapter: Any, stack: str, index: int, transform: torch.Tensor) -> None:
     """Folds the row-vector map `transform` after layer `index`'s down projection (offloaded layers too)."""
 

@@ -5,18 +5,29 @@ repository measures the last token), restricted to blocks that have a layer befo
 into that layer's down projection. T maps that layer's MLP output M so that ``M T + Y`` approximates the block's
 output L (Y: that layer's residual stream before its MLP): least squares in closed form, or the cosine distance by
 Adam. See docs/methods/replaceme.md and `ops/linear_map.py` for the formulas.
+
+``selection="loss"`` (not in the paper) chooses the block by what the replacement leaves instead of by the angular
+distance: for every start, T is fitted and the model with that block replaced is scored by next-token NLL on the first
+calibration batches; the lowest wins. The distance says which block changes the stream least, the loss says which
+block a linear map replaces best.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import torch
+
+from ..calibration.states import next_token_nll
 from ..config import LayerPlan
+from ..utils.errors import UnsupportedArchitectureError
+from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
+from .linear_bridge import BridgeOptions, bridged_apply_, fit_with_outputs, require_pre_norm
 from .registry import register_method
-from .uidl import BlockSelectionConfig, select_blocks
+from .uidl import BlockSelectionConfig, block_size, select_blocks
 
 
 @dataclass
@@ -27,6 +38,11 @@ class ReplaceMeConfig(BlockSelectionConfig):
         estimator: ``"lstsq"`` (closed form, float64 statistics) or ``"cosine"`` (the paper's cosine objective).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded Adam run (epochs over all tokens).
         seed: Seeds the cosine fit's token order.
+        selection: ``"distance"`` (the paper: smallest angular distance across the block) or ``"loss"`` (every
+            start's least-squares replacement scored by next-token NLL; one block, a model with an LM head). The
+            final map is fitted with `estimator` either way.
+        scoring_batches: With ``selection="loss"``, score on the first this-many calibration batches (None: all);
+            T is always fitted on every batch. Cost: about (layers - n) suffix runs over the scored batches.
     """
 
     estimator: str = "lstsq"
@@ -34,10 +50,19 @@ class ReplaceMeConfig(BlockSelectionConfig):
     cosine_lr: float = 1e-4
     cosine_minibatch: int = 1024
     seed: int = 0
+    selection: Literal["distance", "loss"] = "distance"
+    scoring_batches: int | None = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.bridge_options()  # BridgeOptions checks the estimator and the cosine fit's bounds
+        if self.selection not in ("distance", "loss"):
+            raise ValueError(f"selection must be 'distance' or 'loss', got {self.selection!r}.")
+        if self.selection == "loss" and self.num_blocks != 1:
+            raise ValueError("selection='loss' chooses one block; use num_blocks=1 or selection='distance'.")
+        batches = self.scoring_batches
+        if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 1):
+            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(self.estimator, self.cosine_epochs, self.cosine_lr, self.cosine_minibatch)
@@ -53,9 +78,49 @@ class ReplaceMeMethod(CompressionMethod):
 
     def preflight(self, adapter: Any, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'replaceme'")
+        if self.config.selection == "loss" and adapter.lm_head(stack) is None:
+            raise UnsupportedArchitectureError(
+                f"replaceme with selection='loss' scores blocks by next-token loss, and this "
+                f"{type(adapter.model).__name__} has no LM head reading the {stack!r} stack; use selection='distance'."
+            )
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        return select_blocks(adapter, context, num_to_remove, self.config, first_start=1)
+        if self.config.selection == "distance":
+            return select_blocks(adapter, context, num_to_remove, self.config, first_start=1)
+        return self._select_by_loss(adapter, context, num_to_remove)
+
+    def _select_by_loss(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        """For every start s >= 1: fit T on layer s-1 towards the state after the block, run the layers after the
+        block on the scored batches from ``Y + M T``, take the NLL. One walk down the stack keeps only the boundaries
+        a start needs (n + 2 of them), so memory does not grow with depth."""
+        num_layers = adapter.num_layers(context.stack)
+        size = block_size(num_to_remove, 1, num_layers, first_start=1)
+        runner = context.new_runner(adapter)
+        layers = list(adapter.layers(context.stack))
+        limit = min(self.config.scoring_batches or runner.num_batches, runner.num_batches)
+        scored = list(context.batches)[:limit]
+        head_weights = count_parameters(adapter.lm_head(context.stack))
+        window: deque[list[torch.Tensor]] = deque([runner.inputs], maxlen=size + 2)
+        losses: dict[int, float] = {}
+        with context.timer("selection"), context.progress_bar(num_layers - size, "replaceme blocks") as bar:
+            for index, layer in enumerate(layers):
+                window.append(runner.run(layer, index, window[-1]))
+                start = index + 1 - size  # the block [start, index] ends here; window[-1] leaves it
+                if start < 1 or len(window) < size + 2:
+                    continue
+                _, current = fit_with_outputs(
+                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit
+                )
+                for later in range(index + 1, num_layers):
+                    current = runner.run(layers[later], later, current)
+                losses[start] = next_token_nll(adapter, current, scored, context.stack)
+                context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
+                bar.update()
+        start = min(losses, key=lambda s: (losses[s], s))
+        context.report["block_losses"] = {str(s): round(v, 6) for s, v in losses.items()}
+        context.report["blocks"] = [[start, start + size]]
+        removed = set(range(start, start + size))
+        return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
 
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
         context.report["replaceme"] = bridged_apply_(
