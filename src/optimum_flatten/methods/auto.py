@@ -204,6 +204,7 @@ class AutoMethod(CompressionMethod):
         self._context = MethodContext(
             batches=list(context.batches) if self.config.refit else fit, stack=context.stack, progress=context.progress
         )
+        self._context.compensation = winner.corrections.compensation
         method = self._winner[0]
         with context.timer("refit"):
             final = method.plan(adapter, self._context, num_to_remove)

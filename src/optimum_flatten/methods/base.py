@@ -31,6 +31,11 @@ class MethodContext:
 
     #: Weight x token products spent outside the block runners (e.g. LM-head evaluations); see `work`.
     extra_work: int = 0
+    #: The compensation requested with this method (``"scale"`` or None), for a method whose own loop measures it.
+    compensation: str | None = None
+    #: Compensation factors a method measured in its own loop (dropped layer -> α), used by the fold instead of a
+    #: fresh bottom-up measurement (Prune&Comp measures each α right after its drop, in drop order).
+    measured_scales: dict[int, float] | None = None
     _runners: list[LayerwiseRunner] = field(default_factory=list)
 
     def new_runner(self, adapter: Any) -> LayerwiseRunner:

@@ -130,12 +130,21 @@ def fold_stream_scales_(adapter: Any, stack: str, layer_scales: Sequence[float],
             norm.bias.data.div_(embedding_scale)
 
 
-def compensated_apply_(adapter: Any, plan: LayerPlan, context: Any, apply: Any) -> dict[str, Any]:
-    """Measures every α on the original layers, runs `apply()` (the drop), then folds; returns the report entry."""
-    runner = context.new_runner(adapter)
-    layers = list(adapter.layers(plan.stack))
-    with context.timer("compensation"):
-        scales = measure_scales(runner, layers, plan)
+def compensated_apply_(
+    adapter: Any, plan: LayerPlan, context: Any, apply: Any, scales: dict[int, float] | None = None
+) -> dict[str, Any]:
+    """Measures every α on the original layers (unless the method's own loop gave `scales`, one per dropped layer),
+    runs `apply()` (the drop), then folds; returns the report entry."""
+    if scales is None:
+        runner = context.new_runner(adapter)
+        layers = list(adapter.layers(plan.stack))
+        with context.timer("compensation"):
+            scales = measure_scales(runner, layers, plan)
+    elif set(scales) != set(plan.dropped_indices):
+        raise RuntimeError(
+            f"compensation factors were measured for layers {sorted(scales)} but the plan drops "
+            f"{plan.dropped_indices}; this is a bug in the method, the model was not changed."
+        )
     apply()
     kept = [g.indices[0] for g in plan.groups]
     layer_scales = []

@@ -53,6 +53,7 @@ def plan_and_apply_(
     """
     stack = context.stack
     num_layers = adapter.num_layers(stack)
+    context.compensation = corrections.compensation
     with context.timer("plan"):
         plan = method.plan(adapter, context, num_to_remove)
     if plan.num_layers != num_layers or plan.num_removed != num_to_remove:
@@ -80,7 +81,9 @@ def apply_with_corrections_(
         method.apply_(adapter, plan, context)
 
     if corrections.compensation is not None:
-        context.report["compensation"] = compensated_apply_(adapter, plan, context, apply)
+        context.report["compensation"] = compensated_apply_(
+            adapter, plan, context, apply, scales=context.measured_scales
+        )
     elif corrections.linear_replacement is not None:
         options = BridgeOptions(corrections.linear_replacement)
         context.report["linear_replacement"] = bridged_apply_(

@@ -2,6 +2,13 @@
 
 BI_i = 1 − E_tokens cos(h_i, h_{i+1}), where h_i enters layer i and h_{i+1} leaves it, measured on the residual
 stream before the final norm for every layer including the last, padding masked.
+
+``iterative=True`` is Prune&Comp's loop (Chen et al., AAAI 2026, arXiv 2507.18212, Algorithm 1): drop the one layer
+with the lowest BI, and with ``compensation="scale"`` measure its α on the stream as already compensated, then
+re-score the shortened (and compensated) model; repeat. Compensation scales the stream entering a later layer, so it
+changes the later layers' BI: the re-scoring is what makes the loop differ from one pass. The compensated model is
+walked virtually (a pre-norm layer run on α·x computes what the folded model computes, see compensation.py), so
+nothing is folded until the end; each round costs one pass over the kept layers.
 """
 
 from __future__ import annotations
@@ -14,12 +21,25 @@ import torch
 from ..config import LayerPlan, MethodConfig
 from ..ops import top_k_indices
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .compensation import magnitude_ratio
 from .registry import register_method
 
 
 @dataclass
 class ShortGPTConfig(MethodConfig):
-    """ShortGPT has no options: the Block Influence score fully decides the plan."""
+    """Options of ShortGPT.
+
+    Attributes:
+        iterative: Drop one layer per round and re-score the shortened model (with ``compensation="scale"``, after
+            compensating each drop), as Prune&Comp's loop does; costs one pass per removed layer. False: the paper's
+            single scoring pass.
+    """
+
+    iterative: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.iterative, bool):
+            raise ValueError(f"iterative must be True or False, got {self.iterative!r}.")
 
 
 def block_influence(adapter: Any, context: MethodContext) -> torch.Tensor:
@@ -34,6 +54,43 @@ def block_influence(adapter: Any, context: MethodContext) -> torch.Tensor:
     return scores
 
 
+@torch.no_grad()
+def iterative_plan(adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    """One layer dropped per round on the model as shortened (and compensated) so far; α measured right after."""
+    states = context.new_states(adapter, keep=())
+    runner, layers = states.runner, states.layers
+    compensate = context.compensation == "scale"
+    dropped: dict[int, float] = {}  # layer -> α (1.0 without compensation), in drop order
+    rounds: list[dict[str, Any]] = []
+    with context.timer("selection"), context.progress_bar(num_to_remove, "iterative block influence") as bar:
+        for _ in range(num_to_remove):
+            current = runner.inputs
+            scores: dict[int, float] = {}
+            alphas: dict[int, float] = {}
+            for i, layer in enumerate(layers):
+                if i in dropped:
+                    if dropped[i] != 1.0:
+                        current = [h * dropped[i] for h in current]
+                    continue
+                output = runner.run(layer, i, current)
+                scores[i] = 1.0 - states.mean_cosine(current, output, tokens="all")
+                if compensate:
+                    alphas[i] = magnitude_ratio(current, output, runner.masks)
+                current = output
+            worst = min(scores, key=lambda i: (scores[i], i))
+            dropped[worst] = alphas.get(worst, 1.0)
+            rounds.append(
+                {"dropped": worst, "block_influence": {str(i): round(v, 6) for i, v in scores.items()}}
+                | ({"alpha": dropped[worst]} if compensate else {})
+            )
+            bar.update()
+    if compensate:
+        context.measured_scales = dict(dropped)
+    context.report["block_influence_rounds"] = rounds
+    num_layers = len(layers)
+    return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in dropped], stack=context.stack)
+
+
 @register_method("shortgpt")
 class ShortGPTMethod(CompressionMethod):
     config_class = ShortGPTConfig
@@ -41,6 +98,8 @@ class ShortGPTMethod(CompressionMethod):
     required_capabilities = frozenset({"layer_drop"})
 
     def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        if self.config.iterative:
+            return iterative_plan(adapter, context, num_to_remove)
         scores = block_influence(adapter, context)
         num_layers = scores.numel()
         kept = top_k_indices(scores, num_layers - num_to_remove)
