@@ -63,6 +63,8 @@ VARIANTS: dict[str, dict] = {
     "sleb_first_2_sequences_lstsq": dict(method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq"),
     "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
     "shortgpt_scale": dict(method="shortgpt", compensation="scale"),
+    # Prune&Comp as the paper runs it: one drop per round, compensated, re-scored.
+    "shortgpt_iterative_scale": dict(method="shortgpt", iterative=True, compensation="scale"),
     "uidl_scale": dict(method="uidl", compensation="scale"),
     "sleb_first_2_sequences_scale": dict(method="sleb", scoring_batches=1, batch_size=2, compensation="scale"),
     # The held-out split is the last calibration batch (8 of 32 sequences). Five of the default candidates, to bound
