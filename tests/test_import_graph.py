@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 
 LAYERS = [
     {"utils", "ops"},
+    {"plan"},
     {"methods.registry"},
     {"config", "bundled"},
     {"calibration"},

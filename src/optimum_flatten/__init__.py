@@ -6,9 +6,10 @@ Public API: `FlattenConfig` (what), `FlattenQuantizer` (the compressor), `get_ad
 
 from . import adapters as _adapters  # noqa: F401  (registers the built-in adapters)
 from .adapters.registry import get_adapter, register_adapter
-from .config import CalibrationConfig, FlattenConfig, LayerPlan
+from .config import CalibrationConfig, FlattenConfig
 from .integration import register as _register_with_transformers
 from .methods.registry import register_method
+from .plan import LayerPlan
 from .quantizer import FlattenQuantizer
 
 _register_with_transformers()

@@ -13,11 +13,12 @@ from torch import nn
 
 from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
-from .config import FlattenConfig, LayerPlan, describe_dataset
+from .config import FlattenConfig, describe_dataset
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .methods.base import CompressionMethod, MethodContext
 from .methods.pipeline import Corrections, plan_and_apply_, preflight
 from .methods.registry import get_method_class, methods_for
+from .plan import LayerPlan
 from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length

@@ -25,8 +25,9 @@ from typing import Any
 
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
-from ..config import COMPENSATIONS, LayerPlan, MethodConfig, parse_method_options
+from ..config import COMPENSATIONS, MethodConfig, parse_method_options
 from ..ops.linear_map import ESTIMATORS
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
 from .base import CompressionMethod, MethodContext
 from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
+from ..plan import LayerPlan
 from ..utils.torch_utils import synchronize
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..calibration.capture import capture_module_inputs
 from ..calibration.states import CalibratedStates
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
 from ..ops import kv_group_scores, top_k_indices
 from ..ops.channel_sensitivity import (
     accumulate_abs_sum,
@@ -40,6 +40,7 @@ from ..ops.channel_sensitivity import (
     head_channel_totals,
     proportional_shares,
 )
+from ..plan import LayerPlan
 from ..utils.offload import detached_copy, dispatch_like
 from .base import CompressionMethod, MethodContext
 from .flattengpt import fold_block_norms_

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import LayerPlan
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import edit_block_
 

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ..calibration.states import next_token_nll
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
 from ..ops.linear_map import fold_map_into_linear
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy
 from ..utils.torch_utils import count_parameters

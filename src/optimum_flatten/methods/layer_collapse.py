@@ -35,9 +35,10 @@ from torch import nn
 from ..adapters import get_adapter
 from ..calibration.capture import LayerwiseRunner, capture_module_inputs
 from ..calibration.data import CalibrationBatch
-from ..config import FlattenConfig, LayerPlan, MethodConfig
+from ..config import FlattenConfig, MethodConfig
 from ..ops.linear_collapse import collapse_error, collapse_error_bound, collapse_linear_pair
 from ..ops.parametric_activations import ParametricActivation, make_parametric_activation
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from ..calibration.states import CalibratedStates
-from ..config import LayerPlan
 from ..ops.linear_map import (
     ESTIMATORS,
     LinearMapStatistics,
@@ -32,6 +31,7 @@ from ..ops.linear_map import (
     fold_map_into_linear,
     solve_least_squares,
 )
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
 from ..utils.offload import edit_block_
 from ..utils.torch_utils import first_output

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import LayerPlan
+from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext
 from .compensation import compensated_apply_, require_compensable
 from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from ..calibration.states import next_token_nll
-from ..config import LayerPlan
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
 from ..ops import top_k_indices
+from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import magnitude_ratio
 from .registry import register_method

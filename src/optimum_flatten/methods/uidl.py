@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..calibration.states import CalibratedStates
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
+from ..plan import LayerPlan
 from ..utils.errors import InvalidTargetError
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method

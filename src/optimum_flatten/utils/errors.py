@@ -7,7 +7,8 @@ what was wrong, what was received, what is allowed and how to fix it.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -46,3 +47,13 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 class NotCollapsibleError(ValueError):
     """An MLP was asked to collapse while its activation is still measurably nonlinear (|1 − α| ≥ threshold)."""
+
+
+def reject_unknown_keys(data: Mapping[str, Any], allowed: Iterable[str], what: str) -> None:
+    """Raises TypeError naming the unknown keys of `data`, with a did-you-mean and the allowed keys."""
+    allowed = list(allowed)
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise TypeError(
+            f"{what} got unknown key(s) {unknown}.{did_you_mean(unknown[0], allowed)} Allowed: {sorted(allowed)}."
+        )
