@@ -174,3 +174,14 @@ def next_token_nll(
     if count == 0:
         raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
     return total / count
+
+
+def mean_angle(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None]) -> float:
+    """Mean arccos(cos(a_t, b_t)) / π over every real token of per-batch states (padding excluded), in [0, 1]."""
+    total, count = 0.0, 0
+    for x, y, mask in zip(a, b, masks, strict=True):
+        cos = cosine_rows(x, y, mask, "all").clamp(-1.0, 1.0)
+        total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
+    if count == 0:
+        raise ValueError("no calibration token is unmasked: cannot compare states.")
+    return total / count
