@@ -71,6 +71,8 @@ VARIANTS: dict[str, dict] = {
     # the run on this machine: the peers' best (replaceme) and each correction on the cheap selections.
     "auto": dict(method="auto", candidates="replaceme shortgpt+scale uidl+scale shortgpt+lstsq flattengpt+lstsq"),
     "greedy_replace": dict(method="greedy_replace"),
+    # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
+    "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),
     "sliding_window_reference_code": dict(
         method="sliding_window", search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),
