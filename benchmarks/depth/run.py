@@ -56,6 +56,8 @@ VARIANTS: dict[str, dict] = {
     "replaceme_cosine": dict(method="replaceme", estimator="cosine"),
     "replaceme_2_blocks": dict(method="replaceme", num_blocks=2),
     "replaceme_loss_selection": dict(method="replaceme", selection="loss"),
+    "replaceme_correct_after_1": dict(method="replaceme", correct_after=1),
+    "replaceme_correct_after_2": dict(method="replaceme", correct_after=2),
     # The check on the package's ReplaceMe: the paper's definition in plain torch (reference_replaceme.py), on the
     # same calibration windows as replaceme_all_tokens.
     "replaceme_reference": dict(reference="replaceme_lstsq_all_tokens"),

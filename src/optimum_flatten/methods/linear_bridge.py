@@ -44,15 +44,21 @@ class BridgeOptions:
     Attributes:
         estimator: ``"lstsq"`` (closed form on float64 statistics) or ``"cosine"`` (Adam on the cosine distance).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
+        correct_after: Also refit the down projections of this many kept layers after every bridged span, each
+            towards the dense state after its own layer, so that they absorb what the bridge left (not in the paper;
+            0: the bridges alone).
     """
 
     estimator: str = "lstsq"
     cosine_epochs: int = 10
     cosine_lr: float = 1e-4
     cosine_minibatch: int = 1024
+    correct_after: int = 0
 
     def __post_init__(self) -> None:
         check_estimator(self.estimator)
+        if not isinstance(self.correct_after, int) or isinstance(self.correct_after, bool) or self.correct_after < 0:
+            raise ValueError(f"correct_after must be a non-negative integer, got {self.correct_after!r}.")
         for name in ("cosine_epochs", "cosine_minibatch"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -81,19 +87,20 @@ def require_pre_norm(adapter: Any, stack: str, what: str) -> None:
         )
 
 
-def bridged_spans(plan: LayerPlan) -> list[tuple[int, int, int]]:
-    """``(output index, first original layer, end)`` of every output layer whose span holds more than one layer."""
-    spans = []
-    for k, group in enumerate(plan.groups):
-        end = plan.groups[k + 1].indices[0] if k + 1 < len(plan.groups) else plan.num_layers
-        if end - group.indices[0] > 1:
-            spans.append((k, group.indices[0], end))
-    return spans
+def bridged_spans(plan: LayerPlan, correct_after: int = 0) -> list[tuple[int, int, int]]:
+    """``(output index, first original layer, end)`` of every output layer whose span holds more than one layer,
+    and of the `correct_after` output layers after each of them (spans of their own layer only)."""
+    ends = [
+        plan.groups[k + 1].indices[0] if k + 1 < len(plan.groups) else plan.num_layers for k in range(len(plan.groups))
+    ]
+    bridged = [k for k, group in enumerate(plan.groups) if ends[k] - group.indices[0] > 1]
+    chosen = sorted({j for k in bridged for j in range(k, min(k + 1 + correct_after, len(plan.groups)))})
+    return [(k, plan.groups[k].indices[0], ends[k]) for k in chosen]
 
 
-def dense_targets(states: CalibratedStates, plan: LayerPlan) -> dict[int, list[torch.Tensor]]:
-    """The dense stack's states at the end of every bridged span, in one walk (before the plan is applied)."""
-    wanted = {end for _, _, end in bridged_spans(plan)}
+def dense_targets(states: CalibratedStates, plan: LayerPlan, correct_after: int = 0) -> dict[int, list[torch.Tensor]]:
+    """The dense stack's states at the end of every fitted span, in one walk (before the plan is applied)."""
+    wanted = {end for _, _, end in bridged_spans(plan, correct_after)}
     found: dict[int, list[torch.Tensor]] = {}
     if not wanted:
         return found
@@ -146,7 +153,7 @@ def fit_and_fold_(
         options: The estimator.
         seed: Seeds the cosine fit's token order.
     """
-    spans = {k: (first, end) for k, first, end in bridged_spans(plan)}
+    spans = {k: (first, end) for k, first, end in bridged_spans(plan, options.correct_after)}
     layers = adapter.layers(plan.stack)
     entries: list[dict[str, Any]] = []
     current: Sequence[torch.Tensor] = runner.inputs
@@ -271,9 +278,7 @@ def fit_with_outputs(
 
     block = adapter.block_view(module, position)
     transform, _, _ = fit_least_squares(block, runner, module, position, inputs, targets, on_capture=keep_scored)
-    outputs = [
-        (y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
-    ]
+    outputs = [(y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured]
     return transform, outputs
 
 
@@ -298,7 +303,7 @@ def bridged_apply_(
     """
     states = context.new_states(adapter, keep=())
     with context.timer("linear_replacement"):
-        targets = dense_targets(states, plan)
+        targets = dense_targets(states, plan, options.correct_after)
     apply()
     with context.timer("linear_replacement"):
         return fit_and_fold_(adapter, plan, states.runner, targets, options, seed)

@@ -41,6 +41,8 @@ class ReplaceMeConfig(BlockSelectionConfig):
         selection: ``"distance"`` (the paper: smallest angular distance across the block) or ``"loss"`` (every
             start's least-squares replacement scored by next-token NLL; one block, a model with an LM head). The
             final map is fitted with `estimator` either way.
+        correct_after: Also refit the down projections of this many kept layers after the block, each towards the
+            dense state after it (not in the paper; see docs/methods/replaceme.md). 0: the paper's single map.
         scoring_batches: With ``selection="loss"``, score on the first this-many calibration batches (None: all);
             T is always fitted on every batch. Cost: about (layers - n) suffix runs over the scored batches.
     """
@@ -52,6 +54,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
     seed: int = 0
     selection: Literal["distance", "loss"] = "distance"
     scoring_batches: int | None = 1
+    correct_after: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -65,7 +68,9 @@ class ReplaceMeConfig(BlockSelectionConfig):
             raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
 
     def bridge_options(self) -> BridgeOptions:
-        return BridgeOptions(self.estimator, self.cosine_epochs, self.cosine_lr, self.cosine_minibatch)
+        return BridgeOptions(
+            self.estimator, self.cosine_epochs, self.cosine_lr, self.cosine_minibatch, self.correct_after
+        )
 
 
 @register_method("replaceme")
