@@ -174,12 +174,17 @@ def test_an_error_during_the_save_leaves_the_old_checkpoint_and_no_trace(tmp_pat
     (out / "notes.txt").write_text("keep me")
     before = _tree(out)
 
+    calls = []
+
     def failing_card(_report):
+        calls.append(_report)
         raise KeyboardInterrupt("interrupted while writing")
 
-    monkeypatch.setattr("optimum_flatten.export.model_card.render_model_card", failing_card)
-    with pytest.raises(KeyboardInterrupt):
+    # Patched where the save looks it up (checkpoint's own name), and checked to have been reached.
+    monkeypatch.setattr("optimum_flatten.export.checkpoint.render_model_card", failing_card)
+    with pytest.raises(KeyboardInterrupt, match="interrupted while writing"):
         quantizer.save(model, out, overwrite=True)
+    assert len(calls) == 1
     assert _tree(out) == before and _siblings(out) == []
     with pytest.raises(KeyboardInterrupt):
         quantizer.save(model, tmp_path / "fresh")

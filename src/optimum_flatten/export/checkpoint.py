@@ -23,6 +23,7 @@ from torch import nn
 
 from ..utils.errors import OutputDirectoryError
 from ..utils.offload import is_offloaded
+from .model_card import render_model_card
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +225,7 @@ def save_compressed(
     """
     if compat not in ("v4", None):
         raise ValueError(f"compat must be 'v4' or None, got {compat!r}.")
-    from .model_card import render_model_card
-    from .plots import plot_similarity
+    from .plots import plot_similarity  # matplotlib: imported only when a checkpoint is written
 
     path = check_output_dir(output_dir, overwrite, sources=_model_sources(model)).resolve()
     report = dict(report or {})
