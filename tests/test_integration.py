@@ -104,7 +104,63 @@ def test_compress_on_load_with_dtype_and_device_map_for_every_method(tmp_path, m
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert model.flatten_report["method"] == method
     assert not hasattr(model.config, "quantization_config")
-    assert all(int(k.split(".")[2]) < 4 for k in getattr(model, "hf_device_map", {}) if k.startswith("model.layers."))
+
+
+#: factory -> (stack, where its layers sit in the model, layer count, the modules beside them)
+DEVICE_MAP_CASES = {
+    "llama_gqa": ("decoder", "model.layers", 6, ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"]),
+    "gpt2": ("decoder", "transformer.h", 6, ["transformer.wte", "transformer.wpe", "transformer.ln_f", "lm_head"]),
+    "bert": ("encoder", "bert.encoder.layer", 6, ["bert.embeddings", "cls"]),
+    "marian_decoder": ("decoder", "model.decoder.layers", 4, ["model.shared", "model.encoder.layers.1", "lm_head"]),
+    "marian_encoder": ("encoder", "model.encoder.layers", 5, ["model.shared", "model.decoder.layers.1", "lm_head"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEVICE_MAP_CASES))
+def test_device_map_keys_of_every_family_follow_the_kept_layers(case):
+    """A per-layer hf_device_map (one entry per layer, some split into submodules) is renumbered exactly: kept
+    layers move to their new index, dropped and merged-away layers disappear, other stacks and modules stay."""
+    from optimum_flatten import get_adapter
+    from optimum_flatten.config import LayerPlan
+    from optimum_flatten.integration import _renumber_device_map
+
+    stack, path, count, others = DEVICE_MAP_CASES[case]
+    model = tiny_models.FACTORIES[case.split("_")[0] if case.startswith("marian") else case]()
+    device_map = {name: "cpu" for name in others}
+    device_map.update({f"{path}.{i}": f"cpu:{i}" for i in range(count)})
+    device_map[f"{path}.{count - 1}.mlp"] = "disk"  # a layer split over devices keeps its submodule keys
+    model.hf_device_map = dict(device_map)
+    # Drop layer 2 and merge layer 1 into layer 0: the output layers start at original 0, 3, 4, ..., count - 1.
+    plan = LayerPlan(num_layers=count, groups=[[0, 1], *[[i] for i in range(3, count)]], stack=stack)
+    get_adapter(model).keep_layers_(stack, plan.first_indices)
+
+    _renumber_device_map(model, plan)
+
+    expected = {name: "cpu" for name in others}
+    expected.update({f"{path}.{new}": f"cpu:{old}" for new, old in enumerate(plan.first_indices)})
+    expected[f"{path}.{count - 3}.mlp"] = "disk"
+    assert model.hf_device_map == expected
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "gpt2"])
+def test_compress_on_load_renumbers_a_per_layer_device_map(tmp_path, factory):
+    """Loaded with one device_map entry per layer (odd layers on disk, so that transformers dispatches and records
+    `hf_device_map` before compressing), the compressed model's map names exactly its kept layers, each on the
+    device its original layer had."""
+    dense_dir = tmp_path / "dense"
+    tiny_models.FACTORIES[factory]().save_pretrained(dense_dir)
+    _, path, count, others = DEVICE_MAP_CASES[factory]
+    layer_devices = {f"{path}.{i}": "disk" if i % 2 else "cpu" for i in range(count)}
+    model = AutoModelForCausalLM.from_pretrained(
+        dense_dir,
+        device_map={name: "cpu" for name in others} | layer_devices,
+        offload_folder=tmp_path / "offload",
+        quantization_config=_config(method="shortgpt", tokenizer=tiny_models.CharTokenizer()),
+    )
+    first_indices = [group[0] for group in model.flatten_report["plan"]["groups"]]
+    expected = {name: "cpu" for name in others}
+    expected.update({f"{path}.{new}": layer_devices[f"{path}.{old}"] for new, old in enumerate(first_indices)})
+    assert len(first_indices) == 4 and model.hf_device_map == expected
 
 
 def test_layer_collapse_is_refused_on_load_before_any_weight_loads(tmp_path):

@@ -295,3 +295,15 @@ def sample_pixel_values(num: int = 2, seed: int = 0) -> torch.Tensor:
 
 FACTORIES.update({"bert": tiny_bert, "vit": tiny_vit})
 MODEL_TYPES.update({"bert": "bert", "vit": "vit"})
+
+
+def tiny_starcoder2(seed: int = 0):
+    """StarCoder2 (pre-LN with biased LayerNorms, GQA, RoPE, a non-gated c_fc/c_proj MLP): no adapter ships for it;
+    tests/adapters/test_layout_example.py declares one from a layout, as docs/contributing shows."""
+    from transformers import Starcoder2Config
+
+    config = Starcoder2Config(**_common(num_key_value_heads=2, norm_epsilon=1e-5, use_bias=True, residual_dropout=0.0))
+    return _build(config, seed)
+
+
+FACTORIES["starcoder2"] = tiny_starcoder2

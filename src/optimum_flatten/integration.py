@@ -20,7 +20,8 @@ from transformers.quantizers.auto import (
 )
 from transformers.quantizers.base import HfQuantizer
 
-from .config import FlattenConfig
+from .adapters import get_adapter
+from .config import FlattenConfig, LayerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class FlattenHfQuantizer(HfQuantizer):
         quantizer.compress(model, tokenizer)
         self.report = quantizer.report
         model.flatten_report = quantizer.report
-        _renumber_device_map(model, quantizer.plan.first_indices if quantizer.plan else None)
+        _renumber_device_map(model, quantizer.plan)
         self.remove_quantization_config(model)
         return model
 
@@ -78,24 +79,13 @@ class FlattenHfQuantizer(HfQuantizer):
         return True
 
 
-def _renumber_device_map(model: Any, first_indices: list[int] | None) -> None:
-    """Rewrites `hf_device_map` keys of layers to their new indices (dropped layers disappear)."""
+def _renumber_device_map(model: Any, plan: LayerPlan | None) -> None:
+    """Rewrites the `hf_device_map` keys of the compressed stack's layers to their new indices (dropped layers
+    disappear); where the layers live comes from the model's adapter, so every family's map follows."""
     device_map = getattr(model, "hf_device_map", None)
-    if not device_map or first_indices is None:
+    if not device_map or plan is None:
         return
-    position = {old: new for new, old in enumerate(first_indices)}
-    renumbered: dict[str, Any] = {}
-    for key, device in device_map.items():
-        parts = key.split(".")
-        if "layers" in parts:
-            at = parts.index("layers")
-            if at + 1 < len(parts) and parts[at + 1].isdigit():
-                old = int(parts[at + 1])
-                if old not in position:
-                    continue
-                parts[at + 1] = str(position[old])
-        renumbered[".".join(parts)] = device
-    model.hf_device_map = renumbered
+    model.hf_device_map = get_adapter(model).renumber_module_keys(device_map, plan.stack, plan.first_indices)
 
 
 def register() -> None:

@@ -11,7 +11,7 @@ hidden -> 3 * hidden whose rows are [q; k; v]), ``self_attn.o_proj``, ``self_att
 Three remote-code quirks shape this adapter:
 
 * The attention module reads ``self.num_heads`` and ``self.hidden_size`` (as the width of each of q, k and v) at run
-  time, so every resize keeps both in line with W_pack (`_sync_sizes`).
+  time, so every resize keeps both in line with W_pack (the size attributes of `BAICHUAN_LAYOUT`).
 * The decoder layers are called with everything but the hidden state by keyword and return a tuple, which the model
   loop indexes (``layer_outputs[0]``); the KV cache is the legacy tuple of (k, v) per layer, addressed by the
   layer's position in the loop, not by a stored index. `layer_output_is_tuple` tells calibration to make its stand-in
@@ -26,16 +26,17 @@ with plain transformers and no remote code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from collections.abc import Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import PENDING_PART_SIZES, LinearView, PackedPartView
-from .llama import LlamaAdapter, check_cached_forward
+from .base import PackedLinearView
+from .layout import AttentionLayout
+from .llama import LLAMA_LAYOUT, LlamaAdapter
 from .registry import register_adapter
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,17 @@ BAICHUAN2_ARCHITECTURE = "BaichuanForCausalLM"
 DEFAULT_ROPE_THETA = 10000.0
 
 
-class PackedLinearView(PackedPartView):
-    """One part (q, k or v) of Baichuan's fused ``W_pack`` (an nn.Linear whose rows are [q; k; v])."""
+#: The LLaMA block with q, k and v fused in ``W_pack`` and no stored layer index (the tuple cache is addressed by the
+#: layer's position in the loop). The remote attention reads ``num_heads`` and ``hidden_size`` (the width of each of
+#: q, k and v) at run time, so both follow every resize.
+BAICHUAN_LAYOUT = dataclasses.replace(
+    LLAMA_LAYOUT,
+    attention=AttentionLayout(
+        fused_qkv="W_pack", layer_idx=None, size_attributes=(("num_heads", "heads"), ("hidden_size", "q_width"))
+    ),
+)
+
+__all__ = ["BAICHUAN_LAYOUT", "BaichuanAdapter", "PackedLinearView"]
 
 
 @register_adapter
@@ -67,6 +77,7 @@ class BaichuanAdapter(LlamaAdapter):
     capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
     # The remote model loop indexes ``layer_outputs[0]``: calibration stand-ins must answer with a tuple too.
     layer_output_is_tuple = True
+    layouts = (BAICHUAN_LAYOUT,)
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -114,18 +125,7 @@ class BaichuanAdapter(LlamaAdapter):
     # ----------------------------------------------------------------- reading
     def _inner_model(self) -> nn.Module:
         """The remote ``BaichuanModel`` (``model.model``): embeddings, layers and final norm."""
-        return super().base_model()
-
-    def layers(self, stack: str = "decoder") -> nn.ModuleList:
-        self._check_stack(stack)
-        return self._inner_model().layers
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self._check_stack(stack)
-        self._inner_model().layers = layers
-
-    def final_norm(self, stack: str | None = None) -> nn.Module | None:
-        return self._inner_model().norm
+        return self._root()
 
     def embeddings(self) -> nn.Module:
         return self._inner_model().embed_tokens
@@ -133,65 +133,6 @@ class BaichuanAdapter(LlamaAdapter):
     def lm_head(self, stack: str | None = None) -> nn.Module | None:
         """The ``NormHead``; its `weight` is the raw parameter, normalised row-wise at inference (see export)."""
         return self.model.lm_head
-
-    def qkv_views(self, attn: nn.Module) -> tuple[LinearView, LinearView, LinearView]:
-        """q, k and v as row slices of the fused W_pack."""
-        return tuple(PackedLinearView(attn, "W_pack", part) for part in range(3))  # type: ignore[return-value]
-
-    # ---------------------------------------------------------------- mutating
-    def _sync_sizes(self, module: nn.Module) -> None:
-        """Keeps the remote attention's run-time size attributes in line with its resized W_pack.
-
-        The remote forward splits W_pack's output with ``unflatten(-1, (3, self.hidden_size))`` and reshapes the
-        heads with ``self.num_heads``, so ``hidden_size`` there is the width of each of q, k and v (equal to the model
-        width only while the block has its original number of heads).
-        """
-        super()._sync_sizes(module)
-        attn = module.self_attn
-        sizes = PackedLinearView(attn, "W_pack", 0).part_sizes()
-        if len(set(sizes)) != 1:
-            raise ValueError(
-                f"W_pack holds q/k/v parts of {list(sizes)} rows; Baichuan's attention needs equal parts (full "
-                "multi-head attention). Resize q, k and v together (keep_heads_)."
-            )
-        attn.num_heads = sizes[0] // attn.head_dim
-        attn.hidden_size = sizes[0]
-
-    def reindex_(self, stack: str = "decoder") -> None:
-        """Nothing to renumber: the tuple KV cache is addressed by the layer's position in the model's loop.
-
-        The remote layers store no layer index (the model passes ``past_key_values[idx]`` to layer ``idx``), so a
-        stack with dropped or merged layers is consistent as soon as the module list is.
-        """
-        self._check_stack(stack)
-
-    # -------------------------------------------------------------- validating
-    def validate(self) -> None:
-        layers = self.layers()
-        problems = []
-        if self.config.num_hidden_layers != len(layers):
-            problems.append(f"config.num_hidden_layers={self.config.num_hidden_layers} but {len(layers)} layers")
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            pending = getattr(attn.W_pack, PENDING_PART_SIZES, None)
-            if pending is not None:
-                problems.append(f"layer {i} W_pack holds unequal q/k/v parts {list(pending)}")
-                continue
-            g = self.block_view(layer, i).attention.geometry
-            if g.num_heads != self.config.num_attention_heads or g.num_kv_heads != g.num_heads:
-                problems.append(f"layer {i} has {g.num_heads} heads / {g.num_kv_heads} KV heads")
-            if attn.num_heads != g.num_heads or attn.hidden_size != g.num_heads * g.head_dim:
-                problems.append(
-                    f"layer {i} attention attributes num_heads={attn.num_heads}, hidden_size={attn.hidden_size} "
-                    f"disagree with W_pack ({g.num_heads} heads of {g.head_dim})"
-                )
-            if layer.mlp.up_proj.out_features != self.config.intermediate_size:
-                problems.append(f"layer {i} has intermediate size {layer.mlp.up_proj.out_features}")
-        if problems:
-            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
-        # The remote forward takes `past_key_values` as the legacy tuple and returns one; the check only passes the
-        # returned cache back in, so it holds for tuple caches as well.
-        check_cached_forward(self.model)
 
     # --------------------------------------------------------------- exporting
     def export_model(self) -> nn.Module:
@@ -341,8 +282,3 @@ class BaichuanAdapter(LlamaAdapter):
                     "export would change the outputs. Set config.rope_theta to the base the model uses."
                 )
         return theta
-
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        """Sets ``num_hidden_layers``; Baichuan has no per-layer config lists."""
-        self._check_stack(stack)
-        self.config.num_hidden_layers = len(list(first_indices))

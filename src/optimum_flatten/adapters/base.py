@@ -7,18 +7,20 @@ quirks (fused projections, transposed Conv1D, remote-code module names) live in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, onloaded
+from .checks import check_cached_forward
+from .layout import AttentionLayout, BlockLayout, NormPosition, PositionScheme
 
-NormPosition = Literal["pre", "post", "parallel"]
-PositionScheme = Literal["rope", "alibi", "learned", "sinusoidal", "none"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -307,11 +309,65 @@ class BlockView:
     cross_attention: AttentionView | None = None
 
 
+class PackedLinearView(PackedPartView):
+    """One part (q, k or v) of a fused ``nn.Linear`` whose rows are [q; k; v] (Baichuan's ``W_pack``)."""
+
+
+#: Storage kind (`BlockLayout.storage`) -> (view of one linear map, view of one part of a fused q/k/v map).
+_STORAGE: dict[str, tuple[type[LinearView], type[PackedPartView]]] = {"linear": (LinearView, PackedLinearView)}
+
+
+def register_storage(kind: str, linear: type[LinearView], packed: type[PackedPartView]) -> None:
+    """Binds the views of a storage kind, so that a layout saying ``storage=kind`` is read through them."""
+    _STORAGE[kind] = (linear, packed)
+
+
+def _attribute(root: Any, path: str) -> Any:
+    """``root.a.b`` for ``path="a.b"``; `root` itself for ``""``."""
+    return functools.reduce(getattr, path.split("."), root) if path else root
+
+
+def _has_attribute(root: Any, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    try:
+        return hasattr(_attribute(root, parent), name)
+    except AttributeError:
+        return False
+
+
+def _set_attribute(root: Any, path: str, value: Any) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_attribute(root, parent), name, value)
+
+
+def _view(cls: type[LinearView], root: nn.Module, path: str) -> LinearView:
+    parent, _, name = path.rpartition(".")
+    return cls(_attribute(root, parent), name)
+
+
+def _cat_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Concatenated biases of concatenated maps; None when no member has one."""
+    if all(t is None for t in tensors):
+        return None
+    if any(t is None for t in tensors):
+        raise ValueError("cannot concatenate blocks where only some members have a bias.")
+    return torch.cat(list(tensors), dim=0)
+
+
+def _sum_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Summed biases of maps whose outputs are summed (each member adds its own to the stream)."""
+    present = [t for t in tensors if t is not None]
+    return torch.stack(present).sum(dim=0) if present else None
+
+
 class ArchitectureAdapter:
     """Base class of the per-family adapters, bound to one model instance.
 
-    Subclasses declare the `model_types` they serve and the `capabilities` methods may require
-    (e.g. ``{"head_geometry", "gated_mlp", "pre_norm", "concat_heads"}``).
+    A family declares its `model_types`, the `capabilities` methods may require (e.g. ``{"head_geometry",
+    "gated_mlp", "pre_norm", "concat_heads"}``) and one `BlockLayout` per stack; views, renumbering, config updates,
+    size attributes, validation, concatenation, pruning, merges and device-map keys are derived from the layouts.
+    A subclass overrides only what its modules do that a layout cannot say (GPT-2's index-dependent attention
+    scaling, Marian's two calibration entries, Baichuan's export).
     """
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -321,37 +377,143 @@ class ArchitectureAdapter:
     #: Whether the model's layer loop expects each layer to return a tuple (transformers 4.x and remote code) rather
     #: than the bare hidden state (transformers 5): calibration stand-ins must answer in the same form.
     layer_output_is_tuple: ClassVar[bool] = False
+    #: One layout per stack, in the model's order (an encoder-decoder lists the encoder first).
+    layouts: ClassVar[tuple[BlockLayout, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.config = model.config
 
-    #: The family's one stack (a family with several, Marian, overrides the stack methods).
-    default_stack: ClassVar[str] = "decoder"
-    #: Where the layers sit in the base model: ``"layers"`` (LLaMA, ViT), ``"h"`` (GPT-2), ``"encoder.layer"`` (BERT).
-    layers_path: ClassVar[str] = "layers"
+    # ------------------------------------------------------------------ layout
+    @property
+    def default_stack(self) -> str:
+        """The stack meant when none is named: the only one, or the last (an encoder-decoder's decoder)."""
+        return self.layouts[-1].stack
+
+    def layout(self, stack: str | None = None) -> BlockLayout:
+        stack = stack or self.default_stack
+        self._check_stack(stack)
+        return next(layout for layout in self.layouts if layout.stack == stack)
+
+    def _block_layout(self, module: nn.Module) -> BlockLayout:
+        """The layout a block follows: the last one whose cross-attention, if it names one, the block has (a block
+        does not know its stack; an encoder-decoder's decoder blocks are the ones with a cross-attention)."""
+        for layout in reversed(self.layouts):
+            cross = layout.cross_attention
+            if cross is None or _has_attribute(module, cross.path):
+                return layout
+        raise ValueError(f"{type(module).__name__} matches no layout of {type(self).__name__}.")
+
+    @property
+    def mergeable_prefixes(self) -> tuple[str, ...]:
+        """Block submodules whose parameters a parameter merge combines; the norms stay those of the first member."""
+        return tuple(dict.fromkeys(p for layout in self.layouts for p in layout.merge_prefixes()))
+
+    def _key_name(self, key: str) -> str:
+        """A config key as the config spells it: GPT-2's ``n_layer (num_hidden_layers)`` through its attribute_map."""
+        alias = (getattr(self.config, "attribute_map", None) or {}).get(key)
+        return f"{alias} ({key})" if alias else key
 
     # ----------------------------------------------------------------- reading
     def stacks(self) -> list[str]:
-        return [self.default_stack]
+        return [layout.stack for layout in self.layouts]
 
-    def layers(self, stack: str | None = None) -> nn.ModuleList:
-        return self.base_model(stack).get_submodule(self.layers_path)
+    def _root(self, stack: str | None = None) -> nn.Module:
+        """The module the layout's paths start from, found by transformers' own convention: a head model keeps its
+        base model under ``base_model_prefix`` (``model``, ``transformer``, ``bert``, ``vit``); a bare base model is
+        the model itself."""
+        first = self.layout(stack).layers.split(".")[0]
+        inner = getattr(self.model, getattr(self.model, "base_model_prefix", "") or "", None)
+        return inner if isinstance(inner, nn.Module) and hasattr(inner, first) else self.model
 
     def base_model(self, stack: str | None = None) -> nn.Module:
-        """The module whose forward runs embeddings and the stack's layers (no LM head), for calibration.
+        """The module whose forward runs embeddings and the stack's layers (no LM head), for calibration."""
+        return self._root(stack)
 
-        transformers' own convention finds it: a head model keeps its base model under ``base_model_prefix``
-        (``model``, ``transformer``, ``bert``, ``vit``); a bare base model is the model itself.
+    def layers(self, stack: str | None = None) -> nn.ModuleList:
+        return self._root(stack).get_submodule(self.layout(stack).layers)
+
+    def layers_module_path(self, stack: str | None = None) -> str:
+        """The qualified name of `stack`'s layer list in the model (``model.layers``, ``transformer.h``,
+        ``bert.encoder.layer``, ``model.decoder.layers``): what module-keyed maps such as ``hf_device_map`` use.
+
+        Found by identity among the model's modules, so it follows `layers` wherever a family keeps its stacks.
+
+        Raises:
+            ValueError: the stack's layer list is not a submodule of the model.
         """
-        self._check_stack(stack or self.default_stack)
-        inner = getattr(self.model, getattr(self.model, "base_model_prefix", "") or "", None)
-        first = self.layers_path.split(".")[0]
-        return inner if isinstance(inner, nn.Module) and hasattr(inner, first) else self.model
+        layers = self._stack_layers(stack)
+        for name, module in self.model.named_modules():
+            if module is layers:
+                return name
+        raise ValueError(f"the layers of stack {stack!r} are not a submodule of {type(self.model).__name__}.")
+
+    def renumber_module_keys(self, mapping: Mapping[str, T], stack: str, first_indices: Sequence[int]) -> dict[str, T]:
+        """`mapping` (keyed by module names, e.g. ``hf_device_map``) with `stack`'s layer keys renumbered.
+
+        A key under layer ``old`` of the stack (``<layers path>.old`` or one of its submodules) moves to the new index
+        of the output layer whose first member ``old`` was; keys of layers that were dropped or merged into an
+        earlier one disappear. Every other key, the other stacks' included, is kept as it is.
+
+        Args:
+            mapping: Module name -> anything (a device, for ``hf_device_map``).
+            stack: The stack that changed.
+            first_indices: For every output layer, the original index of its first member (`LayerPlan.first_indices`).
+        """
+        prefix = self.layers_module_path(stack)
+        prefix = f"{prefix}." if prefix else ""
+        position = {old: new for new, old in enumerate(first_indices)}
+        renumbered: dict[str, T] = {}
+        for key, value in mapping.items():
+            index, dot, rest = key[len(prefix) :].partition(".") if key.startswith(prefix) else ("", "", "")
+            if not index.isdigit():
+                renumbered[key] = value
+            elif int(index) in position:
+                renumbered[f"{prefix}{position[int(index)]}{dot}{rest}"] = value
+        return renumbered
 
     def block_view(self, module: nn.Module, index: int) -> BlockView:
         """A view over a block module, in the model or standalone (e.g. a flattened block under construction)."""
-        raise NotImplementedError
+        layout = self._block_layout(module)
+        linear = _STORAGE[layout.storage][0]
+        mlp = layout.mlp
+        mlp_module = _attribute(module, mlp.path)
+        cross = layout.cross_attention
+        return BlockView(
+            index=index,
+            module=module,
+            norm_position=layout.norm_position,
+            attn_norm=NormView(_attribute(module, layout.attn_norm), layout.norm_kind),
+            mlp_norm=NormView(_attribute(module, layout.mlp_norm), layout.norm_kind),
+            attention=self._attention_view(module, layout.attention, layout.storage),
+            cross_attention=None if cross is None else self._attention_view(module, cross, layout.storage),
+            mlp=MlpView(
+                up=_view(linear, mlp_module, mlp.up),
+                gate=None if mlp.gate is None else _view(linear, mlp_module, mlp.gate),
+                down=_view(linear, mlp_module, mlp.down),
+                activation=_attribute(mlp_module, mlp.activation),
+                module=mlp_module,
+            ),
+        )
+
+    @staticmethod
+    def _attention_view(block: nn.Module, layout: AttentionLayout, storage: str) -> AttentionView:
+        linear, packed = _STORAGE[storage]
+        attn = _attribute(block, layout.path)
+        if layout.fused_qkv is not None:
+            parent, _, name = layout.fused_qkv.rpartition(".")
+            q, k, v = (packed(_attribute(attn, parent), name, part) for part in range(3))
+        else:
+            q, k, v = (_view(linear, attn, path) for path in (layout.q, layout.k, layout.v))
+        return AttentionView(
+            q=q,
+            k=k,
+            v=v,
+            o=_view(linear, attn, layout.o),
+            geometry=HeadGeometry.of(q, k, int(_attribute(attn, layout.head_dim))),
+            position_scheme=layout.position_scheme,
+            module=attn,
+        )
 
     def blocks(self, stack: str | None = None) -> list[BlockView]:
         """Views of every block of `stack` (None: the family's default stack, the one `layers()` gives)."""
@@ -364,7 +526,6 @@ class ArchitectureAdapter:
         return len(self._stack_layers(stack))
 
     def _stack_layers(self, stack: str | None) -> nn.ModuleList:
-        # Each family's `layers` carries its own default stack ("decoder", or "encoder" for BERT and ViT).
         return self.layers() if stack is None else self.layers(stack)
 
     def embeddings(self) -> nn.Module:
@@ -376,11 +537,12 @@ class ArchitectureAdapter:
         `stack` matters only for families with several stacks (an encoder-decoder's head reads the decoder only);
         None means the model's main stack.
         """
-        return self.model.get_output_embeddings()
+        return self.model.get_output_embeddings() if self.layout(stack).lm_head else None
 
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         """The norm applied to `stack`'s last hidden states before any head (None: the stack ends without one)."""
-        raise NotImplementedError
+        path = self.layout(stack).final_norm
+        return None if path is None else self._root(stack).get_submodule(path)
 
     def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
         """Keyword arguments of `base_model(stack)`'s forward for one calibration batch.
@@ -429,6 +591,9 @@ class ArchitectureAdapter:
 
     def replace_block_(self, stack: str, index: int, module: nn.Module) -> None:
         self.layers(stack)[index] = module
+
+    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
+        _set_attribute(self._root(stack), self.layout(stack).layers, layers)
 
     def replace_mlp_activation_(self, block: BlockView, module: nn.Module) -> None:
         """Puts `module` where the block's MLP activation is (LayerCollapse's parametric activation, for one).
@@ -506,11 +671,6 @@ class ArchitectureAdapter:
         """
         return None
 
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        parent, _, name = self.layers_path.rpartition(".")
-        base = self.base_model(stack)
-        setattr(base.get_submodule(parent) if parent else base, name, layers)
-
     def detached_block(self, stack: str, index: int) -> BlockView:
         """A view of an in-memory, hook-free copy of layer `index` (its weights onloaded once if offloaded).
 
@@ -524,18 +684,76 @@ class ArchitectureAdapter:
 
         The members' norms must already be plain normalisations (gain 1, bias 0): FlattenGPT folds the gains into
         the projections of `detached_block` copies first, which is what makes one shared norm exact. The result
-        computes the members in parallel on one input, sums their contributions, and takes the place of the first.
+        computes the members in parallel on one input, sums their contributions (so the o and down biases are
+        summed), and takes the place of the first.
+
+        Raises:
+            UnsupportedArchitectureError: the family lacks ``pre_norm`` or ``concat_heads``, with the reason.
+            ValueError: norms still carry gains, or the members differ in head size or queries per KV head.
         """
-        raise NotImplementedError
+        self.require({"pre_norm", "concat_heads"}, "flattengpt")
+        layout = self._block_layout(members[0].module)
+        norms = [m.attn_norm for m in members] + [m.mlp_norm for m in members]
+        require_unit_norms(norms, f"{layout.attn_norm}/{layout.mlp_norm}")
+        head_dims = {m.attention.geometry.head_dim for m in members}
+        ratios = {m.attention.geometry.queries_per_kv for m in members}
+        if len(head_dims) != 1 or len(ratios) != 1:
+            raise ValueError(
+                f"blocks {[m.index for m in members]} have different head_dim {sorted(head_dims)} or queries per "
+                f"KV head {sorted(ratios)}; only blocks of one head geometry can be concatenated."
+            )
+        wide = self._copy_block(members[0].module)
+        view = self.block_view(wide, members[0].index)
+        attn, mlp = [m.attention for m in members], [m.mlp for m in members]
+        queries = [self._concat_query(m, members[0]) for m in members]
+        view.attention.q.set_(torch.cat([w for w, _ in queries]), _cat_optional([b for _, b in queries]))
+        for name in ("k", "v"):
+            getattr(view.attention, name).set_(
+                torch.cat([getattr(a, name).weight for a in attn]), _cat_optional([getattr(a, name).bias for a in attn])
+            )
+        view.attention.o.set_(torch.cat([a.o.weight for a in attn], dim=1), _sum_optional([a.o.bias for a in attn]))
+        for name in ("gate", "up") if view.mlp.gate is not None else ("up",):
+            getattr(view.mlp, name).set_(
+                torch.cat([getattr(m, name).weight for m in mlp]), _cat_optional([getattr(m, name).bias for m in mlp])
+            )
+        view.mlp.down.set_(torch.cat([m.down.weight for m in mlp], dim=1), _sum_optional([m.down.bias for m in mlp]))
+        self._sync_sizes(wide)
+        return wide
+
+    def _concat_query(self, member: BlockView, first: BlockView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The query map (weight, bias) `member` contributes to a concatenation placed at `first`'s position: its
+        own, unless the family's attention depends on the position (GPT-2 rescales it)."""
+        return member.attention.q.weight, member.attention.q.bias
 
     def keep_heads_(
-        self, block: BlockView, kv_head_indices: Sequence[int], o_weight: torch.Tensor | None = None
+        self,
+        block: BlockView,
+        kv_head_indices: Sequence[int],
+        o_weight: torch.Tensor | None = None,
+        *,
+        cross: bool = False,
     ) -> None:
-        """Keeps the given key/value heads with every query head attached to them (all heads when not GQA).
+        """Keeps the given key/value heads with every query head attached to them (every head when not GQA).
 
-        `o_weight` (hidden, kept heads x head_dim) replaces the kept columns of the output projection.
+        `o_weight` (hidden, kept heads x head_dim) replaces the kept columns of the output projection. With
+        ``cross=True`` the block's cross-attention is pruned instead (an encoder-decoder's decoder).
         """
-        raise NotImplementedError
+        att = block.cross_attention if cross else block.attention
+        if att is None:
+            raise ValueError(f"block {block.index} has no cross-attention (an encoder block), got cross=True.")
+        geometry = att.geometry
+        kv = check_unique_indices(kv_head_indices, geometry.num_kv_heads, "key/value head").tolist()
+        q_rows = torch.tensor(geometry.head_channels(geometry.query_heads_of(kv)), dtype=torch.long)
+        kv_rows = torch.tensor(geometry.head_channels(kv), dtype=torch.long)
+        new_o = att.o.weight[:, q_rows] if o_weight is None else o_weight
+        if tuple(new_o.shape) != (att.o.out_features, q_rows.numel()):
+            raise ValueError(
+                f"o_weight must be (hidden={att.o.out_features}, kept={q_rows.numel()}), got {tuple(new_o.shape)}."
+            )
+        for view, rows in ((att.q, q_rows), (att.k, kv_rows), (att.v, kv_rows)):
+            view.set_(view.weight[rows], None if view.bias is None else view.bias[rows])
+        att.o.set_(new_o, att.o.bias)
+        self._sync_sizes(block.module)
 
     def keep_mlp_channels_(
         self, block: BlockView, indices: Sequence[int], down_weight: torch.Tensor | None = None
@@ -559,53 +777,139 @@ class ArchitectureAdapter:
         mlp.down.set_(new_down, mlp.down.bias)
         self._sync_sizes(block.module)
 
+    def _size_values(self, layout: AttentionLayout, view: AttentionView) -> dict[str, int]:
+        """What each kind of size attribute of an attention module must hold, read from its weights.
+
+        Raises:
+            ValueError: a fused q/k/v map holds parts of different sizes (a resize is under way).
+        """
+        if layout.fused_qkv is not None:
+            sizes = view.q.part_sizes()  # type: ignore[attr-defined]
+            if len(set(sizes)) != 1:
+                raise ValueError(
+                    f"{layout.fused_qkv} holds q/k/v parts of {list(sizes)} rows; {type(self).__name__}'s attention "
+                    "needs equal parts (full multi-head attention). Resize q, k and v together (keep_heads_)."
+                )
+        head_dim = view.geometry.head_dim
+        return {
+            "heads": view.q.out_features // head_dim,
+            "kv_heads": view.k.out_features // head_dim,
+            "q_width": view.q.out_features,
+        }
+
+    def _size_attributes(self, module: nn.Module) -> list[tuple[nn.Module, str, int]]:
+        """(module, attribute, value from the weights) of every size attribute the block's modules have."""
+        layout = self._block_layout(module)
+        view = self.block_view(module, -1)
+        found = []
+        for att, att_view in zip(layout.attentions(), (view.attention, view.cross_attention), strict=False):
+            values = self._size_values(att, att_view)
+            found += [(att_view.module, attr, values[source]) for attr, source in att.size_attributes]
+        width = {"width": view.mlp.intermediate_size}
+        found += [(view.mlp.module, attr, width[source]) for attr, source in layout.mlp.size_attributes]
+        return [(owner, attr, value) for owner, attr, value in found if _has_attribute(owner, attr)]
+
     def _sync_sizes(self, module: nn.Module) -> None:
-        """Keeps the informational size attributes of a resized block in line with its weights (default: none)."""
+        """Keeps the size attributes a block's modules hold next to their weights (`AttentionLayout.size_attributes`,
+        `MlpLayout.size_attributes`) in line with the weights after a resize: some forwards reshape with them."""
+        for owner, attr, value in self._size_attributes(module):
+            _set_attribute(owner, attr, value)
 
     def _check_stack(self, stack: str) -> None:
         if stack not in self.stacks():
             raise ValueError(f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}.")
 
-    def reindex_(self, stack: str = "decoder") -> None:
-        """Renumbers every layer index stored in modules (the KV cache is addressed by it)."""
-        raise NotImplementedError
+    def reindex_(self, stack: str | None = None) -> None:
+        """Renumbers every layer index stored in the stack's modules (`AttentionLayout.layer_idx`: the KV cache is
+        addressed by it); a layout without one has nothing to renumber."""
+        layout = self.layout(stack)
+        for i, layer in enumerate(self.layers(layout.stack)):
+            for att in layout.attentions():
+                if att.layer_idx is not None:
+                    _set_attribute(_attribute(layer, att.path), att.layer_idx, i)
 
     def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
         """Updates the layer count and per-layer config lists after the stack became `first_indices`.
 
-        The default serves a family with one stack: ``num_hidden_layers`` (transformers' ``attribute_map`` turns it
-        into GPT-2's ``n_layer``) and, when the config has one, the per-layer ``layer_types`` list (Qwen2's sliding
-        windows). A family with other per-layer lists or several stacks overrides it.
+        Sets the layout's ``layer_count_key`` (transformers' ``attribute_map`` turns ``num_hidden_layers`` into
+        GPT-2's ``n_layer``) and, when the config has one, the per-layer ``layer_types`` list (Qwen2's sliding
+        windows). A family with other per-layer settings extends it (Qwen2's ``max_window_layers``).
 
         Args:
             stack: The stack that changed.
             first_indices: For every output layer, the original index whose per-layer config it inherits.
         """
-        self._check_stack(stack)
         first_indices = list(first_indices)
-        self.config.num_hidden_layers = len(first_indices)
+        setattr(self.config, self.layout(stack).layer_count_key, len(first_indices))
         layer_types = getattr(self.config, "layer_types", None)
         if isinstance(layer_types, list):
             self.config.layer_types = [layer_types[i] for i in first_indices]
 
-    def layer_count_problems(self) -> list[str]:
+    def layer_count_problems(self, stack: str | None = None) -> list[str]:
         """What `validate` reports when the config's layer count (or its ``layer_types`` list) disagrees with the
-        stack of a one-stack family."""
-        count, config = len(self.layers()), self.config
+        stack."""
+        layout = self.layout(stack)
+        count, config = len(self.layers(layout.stack)), self.config
+        what = f"{layout.stack} layers" if len(self.layouts) > 1 else "layers"
         problems = []
-        if config.num_hidden_layers != count:
-            problems.append(f"config.num_hidden_layers={config.num_hidden_layers} but {count} layers")
+        declared = getattr(config, layout.layer_count_key)
+        if declared != count:
+            problems.append(f"config.{self._key_name(layout.layer_count_key)}={declared} but {count} {what}")
         layer_types = getattr(config, "layer_types", None)
         if isinstance(layer_types, list) and len(layer_types) != count:
             problems.append(f"config.layer_types has {len(layer_types)} entries for {count} layers")
         return problems
 
-    def validate(self) -> None:
-        """Checks that the config agrees with the modules and that a tiny forward runs with and without cache."""
-        raise NotImplementedError
+    def expected_mlp_width(self, stack: str | None = None) -> int:
+        """The MLP width the config describes for `stack` (`MlpLayout.width_key`)."""
+        return getattr(self.config, self.layout(stack).mlp.width_key)
 
-    #: Block submodules whose parameters a parameter merge combines; the norms stay those of the first member.
-    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("self_attn.", "mlp.")
+    def block_problems(self, stack: str, index: int, module: nn.Module) -> list[str]:
+        """What `validate` reports about one block: layer index, head counts, size attributes and MLP width against
+        the config (a fused q/k/v map in the middle of a resize is reported alone)."""
+        layout = self.layout(stack)
+        several = len(self.layouts) > 1
+        where = f"{stack} layer {index}" if several else f"layer {index}"
+        view = self.block_view(module, index)
+        problems = []
+        for att, att_view in zip(layout.attentions(), (view.attention, view.cross_attention), strict=False):
+            label = f"{where} {att.path}" if several else where
+            if att.fused_qkv is not None:
+                pending = getattr(_attribute(att_view.module, att.fused_qkv), PENDING_PART_SIZES, None)
+                if pending is not None:
+                    return [f"{label} {att.fused_qkv} holds unequal q/k/v parts {list(pending)}"]
+            if att.layer_idx is not None and (value := _attribute(att_view.module, att.layer_idx)) != index:
+                problems.append(f"{label} has layer_idx {value}")
+            g = att_view.geometry
+            heads = getattr(self.config, att.heads_key)
+            kv_heads = (getattr(self.config, att.kv_heads_key, None) if att.kv_heads_key else None) or heads
+            if (g.num_heads, g.num_kv_heads) != (heads, kv_heads):
+                problems.append(
+                    f"{label} has {g.num_heads} heads of {g.head_dim} / {g.num_kv_heads} KV heads "
+                    f"({self._key_name(att.heads_key)}={heads})"
+                )
+        for owner, attr, expected in self._size_attributes(module):
+            if (value := _attribute(owner, attr)) != expected:
+                problems.append(f"{where} {type(owner).__name__}.{attr}={value} but its weights give {expected}")
+        if problem := self.mlp_width_problem(view, self.expected_mlp_width(stack), layout.mlp.width_key):
+            problems.append(f"{stack} {problem}" if several else problem)
+        return problems
+
+    def validate(self) -> None:
+        """Checks that the config agrees with the modules of every stack, then runs `check_forward`."""
+        problems = []
+        for stack in self.stacks():
+            problems += self.layer_count_problems(stack)
+            for i, layer in enumerate(self.layers(stack)):
+                problems += self.block_problems(stack, i, layer)
+        if problems:
+            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
+        self.check_forward()
+
+    def check_forward(self) -> None:
+        """A tiny forward that would fail on what the config checks cannot see (the default: cached decoding must
+        match uncached decoding, which catches a wrong cache index); encoders check shapes instead."""
+        check_cached_forward(self.model)
 
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The block parameters a parameter merge combines (attention and MLP), by state-dict name.

@@ -12,7 +12,7 @@ Three quirks shape this adapter:
 * Storage. `Conv1DView` shows a Conv1D as an (out, in) map and `PackedConv1DView` shows one part of ``c_attn``
   (columns [q | k | v] of the stored weight); writes rebuild a Conv1D, so a saved checkpoint stays a plain GPT-2.
   ``GPT2Attention.forward`` splits ``c_attn``'s output with ``self.split_size`` (the q width), which every resize
-  keeps in line (`_sync_sizes`).
+  keeps in line (the layout's size attributes).
 * Call convention. ``GPT2Model.forward`` calls each block with ``past_key_values``, the mask and
   ``encoder_hidden_states`` as *positional* arguments (5.23; "for gradient checkpointing"), and a block returns the
   bare hidden state. The calibration recorders must name those positional arguments (see docs/adapters/gpt2.md).
@@ -29,7 +29,6 @@ Three quirks shape this adapter:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -38,19 +37,8 @@ from transformers.pytorch_utils import Conv1D
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import onloaded
-from .base import (
-    PENDING_PART_SIZES,
-    ArchitectureAdapter,
-    AttentionView,
-    BlockView,
-    HeadGeometry,
-    LinearView,
-    MlpView,
-    NormView,
-    PackedPartView,
-    require_unit_norms,
-)
-from .llama import check_cached_forward
+from .base import PENDING_PART_SIZES, ArchitectureAdapter, BlockView, LinearView, PackedPartView, register_storage
+from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
 
 #: State-dict names of a block's fused q/k/v projection (the only parameters the layer-index scaling touches).
@@ -106,6 +94,28 @@ class Conv1DView(LinearView):
 class PackedConv1DView(PackedPartView, Conv1DView):
     """One part (q, k or v) of GPT-2's fused ``c_attn``: a block of output columns of the stored (in, 3 * hidden)
     weight, i.e. a row block of the Conv1D's (out, in) view."""
+
+
+register_storage("conv1d", Conv1DView, PackedConv1DView)
+
+#: The GPT2Block. ``GPT2Attention.forward`` splits c_attn's output with ``split_size`` (the q width); ``num_heads`` is
+#: informational there but kept right for readers.
+GPT2_LAYOUT = BlockLayout(
+    layers="h",
+    attention=AttentionLayout(
+        path="attn",
+        fused_qkv="c_attn",
+        o="c_proj",
+        position_scheme="learned",
+        size_attributes=(("split_size", "q_width"), ("num_heads", "heads")),
+    ),
+    mlp=MlpLayout(up="c_fc", gate=None, down="c_proj", activation="act", width_key="n_inner"),
+    attn_norm="ln_1",
+    mlp_norm="ln_2",
+    norm_kind="layer",
+    storage="conv1d",
+    final_norm="ln_f",
+)
 
 
 def _check_linear_args(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -167,13 +177,11 @@ class GPT2Adapter(ArchitectureAdapter):
     """
 
     model_types = ("gpt2",)
-    layers_path = "h"
+    layouts = (GPT2_LAYOUT,)
     capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "GPT-2's MLP is c_fc -> GELU -> c_proj without a gate projection",
     }
-    #: The attention and MLP parameters of a GPT2Block, by state-dict prefix (``ln_1`` / ``ln_2`` are the norms).
-    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("attn.", "mlp.")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -185,43 +193,11 @@ class GPT2Adapter(ArchitectureAdapter):
             )
 
     # ----------------------------------------------------------------- reading
-    def final_norm(self, stack: str | None = None) -> nn.Module | None:
-        return self.base_model().ln_f
-
     def position_embeddings(self) -> nn.Module:
         """The learned absolute position table ``wpe`` (added to the token embeddings before layer 0)."""
         return self.base_model().wpe
 
-    def block_view(self, module: nn.Module, index: int) -> BlockView:
-        attn, mlp = module.attn, module.mlp
-        head_dim = attn.head_dim
-        q, k, v = (PackedConv1DView(attn, "c_attn", part) for part in range(3))
-        geometry = HeadGeometry.of(q, k, head_dim)
-        return BlockView(
-            index=index,
-            module=module,
-            norm_position="pre",
-            attn_norm=NormView(module.ln_1, "layer"),
-            mlp_norm=NormView(module.ln_2, "layer"),
-            attention=AttentionView(
-                q=q,
-                k=k,
-                v=v,
-                o=Conv1DView(attn, "c_proj"),
-                geometry=geometry,
-                position_scheme="learned",
-                module=attn,
-            ),
-            mlp=MlpView(
-                up=Conv1DView(mlp, "c_fc"),
-                gate=None,
-                down=Conv1DView(mlp, "c_proj"),
-                activation=mlp.act,
-                module=mlp,
-            ),
-        )
-
-    def intermediate_size(self) -> int:
+    def expected_mlp_width(self, stack: str | None = None) -> int:
         """The MLP width the config describes: ``n_inner``, or 4 * n_embd when it is None (as GPT2Block does)."""
         inner = getattr(self.config, "n_inner", None)
         return inner if inner is not None else 4 * self.config.n_embd
@@ -238,107 +214,29 @@ class GPT2Adapter(ArchitectureAdapter):
         attn.scaling = target
 
     # ---------------------------------------------------------------- mutating
-    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
-        """A block holding every head and MLP unit of `members`, computing them in parallel on one input.
-
-        It takes the first member's place, so it uses the first member's attention scaling; the other members'
-        queries are rescaled to it (a no-op unless ``scale_attn_by_inverse_layer_idx``).
-        """
-        require_unit_norms([m.attn_norm for m in members] + [m.mlp_norm for m in members], "ln_1/ln_2")
-        head_dims = {m.attention.geometry.head_dim for m in members}
-        if len(head_dims) != 1:
-            raise ValueError(
-                f"blocks {[m.index for m in members]} have different head_dim {sorted(head_dims)}; only blocks of "
-                "one head size can be concatenated."
-            )
-        wide = self._copy_block(members[0].module)
-        target = float(members[0].module.attn.scaling)
-        parts: list[list[torch.Tensor]] = [[], [], []]
-        part_biases: list[list[torch.Tensor]] = [[], [], []]
-        for member in members:
-            att = member.attention
-            factor = float(member.module.attn.scaling) / target
-            q_weight, q_bias = _scaled_query(att.q.weight, att.q.bias, att.q.out_features, factor, False)
-            for i, (w, b) in enumerate(((q_weight, q_bias), (att.k.weight, att.k.bias), (att.v.weight, att.v.bias))):
-                parts[i].append(w)
-                part_biases[i].append(b)
-        view = self.block_view(wide, members[0].index)
-        _set_fused_qkv_(
-            view, [torch.cat(p, dim=0) for p in parts], [torch.cat(b, dim=0) for b in part_biases], wide.attn.c_attn
-        )
-        view.attention.o.set_(
-            torch.cat([m.attention.o.weight for m in members], dim=1),
-            torch.stack([m.attention.o.bias for m in members]).sum(dim=0),
-        )
-        view.mlp.up.set_(
-            torch.cat([m.mlp.up.weight for m in members], dim=0), torch.cat([m.mlp.up.bias for m in members])
-        )
-        view.mlp.down.set_(
-            torch.cat([m.mlp.down.weight for m in members], dim=1),
-            torch.stack([m.mlp.down.bias for m in members]).sum(dim=0),
-        )
-        self._sync_sizes(wide)
-        return wide
-
-    def keep_heads_(
-        self, block: BlockView, kv_head_indices: Sequence[int], o_weight: torch.Tensor | None = None
-    ) -> None:
-        """Keeps the given heads (GPT-2 has no GQA: every head has its own key and value)."""
-        geometry = block.attention.geometry
-        heads = sorted(int(i) for i in kv_head_indices)
-        if not heads or any(not 0 <= i < geometry.num_heads for i in heads) or len(set(heads)) != len(heads):
-            raise ValueError(
-                f"head indices must be unique values in 0..{geometry.num_heads - 1}, got {list(kv_head_indices)}."
-            )
-        rows = torch.tensor(geometry.head_channels(heads))
-        att = block.attention
-        new_o = att.o.weight[:, rows] if o_weight is None else o_weight
-        if tuple(new_o.shape) != (att.o.out_features, rows.numel()):
-            raise ValueError(
-                f"o_weight must be (hidden={att.o.out_features}, kept={rows.numel()}), got {tuple(new_o.shape)}."
-            )
-        _set_fused_qkv_(
-            block,
-            [view.weight[rows] for view in (att.q, att.k, att.v)],
-            [view.bias[rows] for view in (att.q, att.k, att.v)],
-            att.q.module,
-        )
-        att.o.set_(new_o, att.o.bias)
-        self._sync_sizes(block.module)
-
-    @staticmethod
-    def _sync_sizes(module: nn.Module) -> None:
-        """Keeps the attention's run-time split width and head count in line with a resized c_attn.
-
-        ``GPT2Attention.forward`` splits c_attn's output with ``split_size`` (transformers 5.x); ``num_heads`` is
-        informational there but kept right for readers.
-        """
-        attn = module.attn
-        sizes = PackedConv1DView(attn, "c_attn", 0).part_sizes()
-        if len(set(sizes)) != 1:
-            raise ValueError(
-                f"c_attn holds q/k/v parts of {list(sizes)} columns; GPT-2's attention needs equal parts (full "
-                "multi-head attention). Resize q, k and v together (keep_heads_)."
-            )
-        attn.split_size = sizes[0]
-        attn.num_heads = sizes[0] // attn.head_dim
+    def _concat_query(self, member: BlockView, first: BlockView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The member's query map rescaled to the scaling of `first`, whose place the concatenation takes (a no-op
+        unless ``scale_attn_by_inverse_layer_idx``)."""
+        factor = float(member.module.attn.scaling) / float(first.module.attn.scaling)
+        q = member.attention.q
+        return _scaled_query(q.weight, q.bias, q.out_features, factor, False)
 
     def collapsed_stock_config(self) -> dict[str, Any]:
         """``n_inner = n_embd`` and ``activation_function = "linear"`` (ACT2FN's identity); the export writes
         ``mlp.c_proj`` as the identity. GPT-2's heads (LM head, sequence summary) do not read the MLP activation."""
         return {"n_inner": self.config.n_embd, "activation_function": "linear"}
 
-    def reindex_(self, stack: str = "decoder") -> None:
+    def reindex_(self, stack: str | None = None) -> None:
         """Renumbers ``attn.layer_idx`` (the KV cache index) and keeps each block's function at its new index.
 
         With ``scale_attn_by_inverse_layer_idx`` a block's ``scaling`` depends on its index; each block's queries are
         rescaled so that it computes what it computed before with the scaling a fresh block at its new position has
         (exact up to one float rounding of the query weights; see the module docstring).
         """
+        super().reindex_(stack)
         for i, layer in enumerate(self.layers(stack)):
             attn = layer.attn
             self._rescale_attention_(attn, expected_scaling(self.config, attn.head_dim, i))
-            attn.layer_idx = i
 
     # -------------------------------------------------------------- merging
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -372,44 +270,19 @@ class GPT2Adapter(ArchitectureAdapter):
         return super().build_merged_block(stack, first, state)
 
     # -------------------------------------------------------------- validating
-    def validate(self) -> None:
-        layers = self.layers()
-        config = self.config
-        problems = []
-        if config.n_layer != len(layers):
-            problems.append(f"config.n_layer (num_hidden_layers)={config.n_layer} but {len(layers)} layers")
-        for i, layer in enumerate(layers):
-            attn = layer.attn
-            pending = getattr(attn.c_attn, PENDING_PART_SIZES, None)
-            if pending is not None:
-                problems.append(f"layer {i} c_attn holds unequal q/k/v parts {list(pending)}")
-                continue
-            for name, conv in (("attn.c_attn", attn.c_attn), ("attn.c_proj", attn.c_proj)):
-                if (conv.nx, conv.nf) != tuple(conv.weight.shape):
-                    problems.append(f"layer {i} {name} has nx, nf={conv.nx, conv.nf} for a weight {conv.weight.shape}")
-            g = self.block_view(layer, i).attention.geometry
-            if g.num_heads != config.n_head or g.num_kv_heads != g.num_heads:
-                problems.append(
-                    f"layer {i} has {g.num_heads} heads / {g.num_kv_heads} KV heads (n_head={config.n_head})"
-                )
-            if attn.split_size != g.num_heads * g.head_dim:
-                problems.append(f"layer {i} attention split_size={attn.split_size} but q is {g.num_heads * g.head_dim}")
-            if attn.layer_idx != i:
-                problems.append(f"layer {i} has layer_idx {attn.layer_idx}")
-            expected = expected_scaling(config, attn.head_dim, i)
-            if not abs(float(attn.scaling) - expected) <= 1e-12 * expected:
-                problems.append(
-                    f"layer {i} attention scaling {attn.scaling!r} differs from {expected!r}, what it gets on reload"
-                )
-            if problem := self.mlp_width_problem(self.block_view(layer, i), self.intermediate_size(), "n_inner"):
-                problems.append(problem)
-        if problems:
-            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
-        check_cached_forward(self.model)
-
-
-def _set_fused_qkv_(
-    block: BlockView, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor], like: Conv1D
-) -> None:
-    """Rebuilds a block's c_attn from (out, in) q, k and v in one step (no half-resized intermediate state)."""
-    block.attention.module.c_attn = _new_conv1d(torch.cat(list(weights), dim=0), torch.cat(list(biases)), like)
+    def block_problems(self, stack: str, index: int, module: nn.Module) -> list[str]:
+        """The generic checks, plus Conv1D's informational ``nx``/``nf`` and the index-dependent attention scaling a
+        reloaded checkpoint would rebuild."""
+        problems = super().block_problems(stack, index, module)
+        attn = module.attn
+        if getattr(attn.c_attn, PENDING_PART_SIZES, None) is not None:
+            return problems
+        for name, conv in (("attn.c_attn", attn.c_attn), ("attn.c_proj", attn.c_proj)):
+            if (conv.nx, conv.nf) != tuple(conv.weight.shape):
+                problems.append(f"layer {index} {name} has nx, nf={conv.nx, conv.nf} for a weight {conv.weight.shape}")
+        expected = expected_scaling(self.config, attn.head_dim, index)
+        if not abs(float(attn.scaling) - expected) <= 1e-12 * expected:
+            problems.append(
+                f"layer {index} attention scaling {attn.scaling!r} differs from {expected!r}, what it gets on reload"
+            )
+        return problems

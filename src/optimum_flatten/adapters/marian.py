@@ -31,7 +31,7 @@ Module layout bound here (transformers 5.x, checked on 5.23, ``models/marian/mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -39,23 +39,48 @@ from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import first_output, input_device, model_dtype
-from .base import (
-    ArchitectureAdapter,
-    AttentionView,
-    BlockView,
-    HeadGeometry,
-    LinearView,
-    MlpView,
-    NormView,
-)
-from .llama import CACHE_CHECK_TOLERANCE, compare_cached_steps
+from .base import ArchitectureAdapter, BlockView, NormView
+from .checks import CACHE_CHECK_TOLERANCE, compare_cached_steps
+from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
 
-#: Stack name -> (config key of its layer count, of its head count, of its MLP width).
-_CONFIG_KEYS = {
-    "encoder": ("encoder_layers", "encoder_attention_heads", "encoder_ffn_dim"),
-    "decoder": ("decoder_layers", "decoder_attention_heads", "decoder_ffn_dim"),
-}
+#: An encoder block: MarianAttention reshapes with ``head_dim`` only (5.23), ``num_heads`` is informational; encoder
+#: layers are built without a cache index. A parameter merge combines the attentions and fc1/fc2 (the derived
+#: prefixes ``self_attn.``, ``encoder_attn.``, ``fc1.``, ``fc2.``: their trailing dots keep ``self_attn.`` from matching
+#: ``self_attn_layer_norm.``); the three LayerNorms stay the first member's.
+MARIAN_ENCODER_LAYOUT = BlockLayout(
+    stack="encoder",
+    layers="encoder.layers",
+    attention=AttentionLayout(
+        o="out_proj",
+        layer_idx=None,
+        position_scheme="sinusoidal",
+        size_attributes=(("num_heads", "heads"),),
+        heads_key="encoder_attention_heads",
+    ),
+    mlp=MlpLayout(path="", up="fc1", gate=None, down="fc2", activation="activation_fn", width_key="encoder_ffn_dim"),
+    attn_norm="self_attn_layer_norm",
+    mlp_norm="final_layer_norm",
+    norm_kind="layer",
+    norm_position="post",
+    final_norm=None,
+    lm_head=False,
+    layer_count_key="encoder_layers",
+)
+_DECODER_ATTENTION = dataclasses.replace(
+    MARIAN_ENCODER_LAYOUT.attention, layer_idx="layer_idx", heads_key="decoder_attention_heads"
+)
+#: A decoder block adds the cross-attention ``encoder_attn``; both attentions carry the EncoderDecoderCache index.
+MARIAN_DECODER_LAYOUT = dataclasses.replace(
+    MARIAN_ENCODER_LAYOUT,
+    stack="decoder",
+    layers="decoder.layers",
+    attention=_DECODER_ATTENTION,
+    cross_attention=dataclasses.replace(_DECODER_ATTENTION, path="encoder_attn"),
+    mlp=dataclasses.replace(MARIAN_ENCODER_LAYOUT.mlp, width_key="decoder_ffn_dim"),
+    lm_head=True,
+    layer_count_key="decoder_layers",
+)
 
 
 def teacher_forcing_inputs(
@@ -121,6 +146,7 @@ class MarianAdapter(ArchitectureAdapter):
     """
 
     model_types = ("marian",)
+    layouts = (MARIAN_ENCODER_LAYOUT, MARIAN_DECODER_LAYOUT)
     capabilities = frozenset({"head_geometry", "layer_drop"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "pre_norm": "Marian blocks are post-LN: each LayerNorm follows a residual add, so its gain and bias act on "
@@ -129,11 +155,6 @@ class MarianAdapter(ArchitectureAdapter):
         "as a whole, so the members' attention and MLP outputs cannot be summed into one wider block",
         "gated_mlp": "Marian's MLP is fc1 -> activation -> fc2 without a gate projection",
     }
-    #: Attention (self and, in the decoder, cross) and MLP parameters, by state-dict prefix. A parameter merge combines
-    #: these; ``self_attn_layer_norm``, ``encoder_attn_layer_norm`` and ``final_layer_norm`` stay the first member's
-    #: (the trailing dots keep ``self_attn.`` from matching ``self_attn_layer_norm.``). An encoder block simply has no
-    #: ``encoder_attn.`` entry, so one tuple serves both stacks.
-    mergeable_prefixes: ClassVar[tuple[str, ...]] = ("self_attn.", "encoder_attn.", "fc1.", "fc2.")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
@@ -151,9 +172,6 @@ class MarianAdapter(ArchitectureAdapter):
             )
 
     # ----------------------------------------------------------------- reading
-    def stacks(self) -> list[str]:
-        return ["encoder", "decoder"]
-
     def _seq2seq_or_none(self) -> nn.Module | None:
         for candidate in (getattr(self.model, "model", None), self.model):
             if isinstance(candidate, nn.Module) and hasattr(candidate, "encoder") and hasattr(candidate, "decoder"):
@@ -164,21 +182,11 @@ class MarianAdapter(ArchitectureAdapter):
         """The ``MarianModel`` (encoder + decoder, no head)."""
         return self._seq2seq_or_none()
 
-    def _stack_module(self, stack: str) -> nn.Module:
-        self._check_stack(stack)
-        return getattr(self.seq2seq(), stack)
-
     def base_model(self, stack: str = "decoder") -> nn.Module:
         """What calibration runs: the encoder alone for "encoder" (the forward never reaches the decoder), the whole
         ``MarianModel`` for "decoder" (the encoder runs fully, its output feeds every decoder layer)."""
         self._check_stack(stack)
         return self.seq2seq().encoder if stack == "encoder" else self.seq2seq()
-
-    def layers(self, stack: str = "decoder") -> nn.ModuleList:
-        return self._stack_module(stack).layers
-
-    def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
-        self._stack_module(stack).layers = layers
 
     def final_norm(self, stack: str | None = None) -> nn.Module | None:
         """Marian's stacks end without a norm (transformers 5.23): an identity, so callers may apply it blindly.
@@ -200,26 +208,7 @@ class MarianAdapter(ArchitectureAdapter):
 
     def position_embeddings(self, stack: str = "decoder") -> nn.Module:
         """The stack's fixed sinusoidal position table (``embed_positions``)."""
-        return self._stack_module(stack).embed_positions
-
-    def block_view(self, module: nn.Module, index: int) -> BlockView:
-        cross = getattr(module, "encoder_attn", None)
-        return BlockView(
-            index=index,
-            module=module,
-            norm_position="post",
-            attn_norm=NormView(module.self_attn_layer_norm, "layer"),
-            mlp_norm=NormView(module.final_layer_norm, "layer"),
-            attention=_attention_view(module.self_attn),
-            cross_attention=None if cross is None else _attention_view(cross),
-            mlp=MlpView(
-                up=LinearView(module, "fc1"),
-                gate=None,
-                down=LinearView(module, "fc2"),
-                activation=module.activation_fn,
-                module=module,
-            ),
-        )
+        return self._root(stack).get_submodule(stack).embed_positions
 
     def cross_attn_norm(self, block: BlockView) -> NormView | None:
         """The LayerNorm after the cross-attention residual add (``encoder_attn_layer_norm``), None in the encoder.
@@ -228,13 +217,6 @@ class MarianAdapter(ArchitectureAdapter):
         """
         norm = getattr(block.module, "encoder_attn_layer_norm", None)
         return None if norm is None else NormView(norm, "layer")
-
-    def _check_stack(self, stack: str) -> None:
-        if stack not in _CONFIG_KEYS:
-            raise ValueError(
-                f"{type(self).__name__} has stacks {self.stacks()}, got {stack!r}; pass stacks=['encoder'] or "
-                "stacks=['decoder']."
-            )
 
     # ------------------------------------------------------------- calibration
     def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
@@ -269,44 +251,6 @@ class MarianAdapter(ArchitectureAdapter):
         self._check_stack(stack)
         return batch.attention_mask if stack == "encoder" else self.decoder_inputs(batch)[1]
 
-    # ---------------------------------------------------------------- mutating
-    def build_concat_block(self, members: Sequence[BlockView]) -> nn.Module:
-        self.require({"concat_heads"}, "flattengpt")
-        raise AssertionError("unreachable")
-
-    def keep_heads_(
-        self,
-        block: BlockView,
-        kv_head_indices: Sequence[int],
-        o_weight: torch.Tensor | None = None,
-        *,
-        cross: bool = False,
-    ) -> None:
-        """Keeps the given heads of the self-attention (or, with ``cross=True``, the decoder's cross-attention).
-
-        Marian has no GQA: every head has its own key and value, so head indices are key/value head indices.
-        """
-        att = block.cross_attention if cross else block.attention
-        if att is None:
-            raise ValueError(f"block {block.index} has no cross-attention (an encoder block), got cross=True.")
-        geometry = att.geometry
-        heads = sorted(int(i) for i in kv_head_indices)
-        if not heads or any(not 0 <= i < geometry.num_heads for i in heads) or len(set(heads)) != len(heads):
-            raise ValueError(
-                f"head indices must be unique values in 0..{geometry.num_heads - 1}, got {list(kv_head_indices)}."
-            )
-        rows = torch.tensor(geometry.head_channels(heads))
-        new_o = att.o.weight[:, rows] if o_weight is None else o_weight
-        if tuple(new_o.shape) != (att.o.out_features, rows.numel()):
-            raise ValueError(
-                f"o_weight must be (hidden={att.o.out_features}, kept={rows.numel()}), got {tuple(new_o.shape)}."
-            )
-        for view in (att.q, att.k, att.v):
-            view.set_(view.weight[rows], None if view.bias is None else view.bias[rows])
-        att.o.set_(new_o, att.o.bias)
-        # MarianAttention reshapes with head_dim only (5.23); num_heads and embed_dim are informational.
-        att.module.num_heads = len(heads)
-
     def collapsed_stock_config(self) -> dict[str, Any]:
         """Both MLP widths = ``d_model`` and ``activation_function = "linear"`` (ACT2FN's identity).
 
@@ -316,71 +260,10 @@ class MarianAdapter(ArchitectureAdapter):
         d_model = self.config.d_model
         return {"encoder_ffn_dim": d_model, "decoder_ffn_dim": d_model, "activation_function": "linear"}
 
-    def reindex_(self, stack: str = "decoder") -> None:
-        """Renumbers the decoder's ``self_attn.layer_idx`` and ``encoder_attn.layer_idx`` (both address the
-        EncoderDecoderCache). Encoder layers carry no index (None, as built) and need nothing; the attention scaling
-        does not depend on the index, so no weight changes."""
-        self._check_stack(stack)
-        if stack == "decoder":
-            for i, layer in enumerate(self.layers(stack)):
-                layer.self_attn.layer_idx = i
-                layer.encoder_attn.layer_idx = i
-
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        """Sets ``encoder_layers`` or ``decoder_layers`` (``num_hidden_layers`` is an alias of ``encoder_layers``);
-        Marian has no per-layer config lists."""
-        self._check_stack(stack)
-        setattr(self.config, _CONFIG_KEYS[stack][0], len(list(first_indices)))
-
     # -------------------------------------------------------------- validating
-    def validate(self) -> None:
-        """Both stacks agree with the config, decoder layer indices are 0..L-1, and cached decoding matches."""
-        problems: list[str] = []
-        for stack in self.stacks():
-            problems.extend(self._stack_problems(stack))
-        if problems:
-            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
+    def check_forward(self) -> None:
+        """Cached decoding matches uncached decoding (a wrong decoder ``layer_idx`` reads another layer's cache)."""
         check_cached_seq2seq_forward(self.model)
-
-    def _stack_problems(self, stack: str) -> list[str]:
-        layers_key, heads_key, ffn_key = _CONFIG_KEYS[stack]
-        layers = self.layers(stack)
-        problems = []
-        if getattr(self.config, layers_key) != len(layers):
-            problems.append(f"config.{layers_key}={getattr(self.config, layers_key)} but {len(layers)} {stack} layers")
-        for i, layer in enumerate(layers):
-            view = self.block_view(layer, i)
-            attentions = [("self_attn", view.attention)]
-            if stack == "decoder":
-                attentions.append(("encoder_attn", view.cross_attention))
-            for name, att in attentions:
-                if stack == "decoder" and att.module.layer_idx != i:
-                    problems.append(f"{stack} layer {i} {name} has layer_idx {att.module.layer_idx}")
-                if att.geometry.num_heads != getattr(self.config, heads_key):
-                    problems.append(
-                        f"{stack} layer {i} {name} has {att.geometry.num_heads} heads "
-                        f"({heads_key}={getattr(self.config, heads_key)})"
-                    )
-            if problem := self.mlp_width_problem(view, getattr(self.config, ffn_key), ffn_key):
-                problems.append(f"{stack} {problem}")
-        return problems
-
-
-def _attention_view(attn: nn.Module) -> AttentionView:
-    """A MarianAttention as a view; positions are the sinusoidal table added at the stack input (for cross-attention
-    the keys carry the encoder's)."""
-    q = LinearView(attn, "q_proj")
-    head_dim = attn.head_dim
-    geometry = HeadGeometry.of(q, LinearView(attn, "k_proj"), head_dim)
-    return AttentionView(
-        q=q,
-        k=LinearView(attn, "k_proj"),
-        v=LinearView(attn, "v_proj"),
-        o=LinearView(attn, "out_proj"),
-        geometry=geometry,
-        position_scheme="sinusoidal",
-        module=attn,
-    )
 
 
 def _decoder_output(model: nn.Module, **inputs: Any) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from .base import BlockView
 from .llama import LlamaAdapter
 from .registry import register_adapter
 
@@ -46,7 +45,3 @@ class Qwen3Adapter(LlamaAdapter):
         "concat_heads": "Qwen3's per-head q_norm/k_norm share one gain per layer, so two layers' heads cannot "
         "be concatenated into one attention module exactly",
     }
-
-    def build_concat_block(self, members: Sequence[BlockView]):
-        self.require({"concat_heads"}, "flattengpt")
-        raise AssertionError("unreachable")
