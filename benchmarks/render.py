@@ -199,6 +199,52 @@ def clients_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def curve_table(model: str) -> str:
+    """Ratio to dense (SOTU >= 2000 / KJV) by layers removed, one row per method (the PNG's numbers)."""
+    sys.path.insert(0, str(Path(__file__).parent / "depth"))
+    from curve import curve_points
+
+    points = curve_points(model)
+    depths = sorted({n for by_depth in points.values() for n in by_depth})
+    lines = ["| variant | " + " | ".join(f"{n} removed" for n in depths) + " |", "|---" * (len(depths) + 1) + "|"]
+    for variant, by_depth in points.items():
+        cells = [f"{by_depth[n][0]:.3f} / {by_depth[n][1]:.3f}" if n in by_depth else "" for n in depths]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(paths: list[Path]) -> str:
+    """Compression cost in dense forwards over the same tokens, one row per JSON (before/after a change)."""
+    lines = []
+    header = [
+        "run",
+        "device",
+        "dtype",
+        "threads",
+        "calibration",
+        "dense forward s",
+        "compress s",
+        "ratio",
+        "stack passes",
+        "largest phases (in dense forwards)",
+        "plan",
+    ]
+    lines += ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for path in paths:
+        d = json.loads(path.read_text())
+        phases = sorted(
+            ((k, v) for k, v in d["phases_in_dense_forwards"].items() if k != "plan"), key=lambda kv: -kv[1]
+        )[:3]
+        lines.append(
+            f"| {d['protocol'].get('label', path.stem)} | {d['device']} | {d['dtype']} | {d['threads']} | "
+            f"{d['shapes']['calibration']} | {d['dense_forward_seconds']:.1f} | {d['compress_seconds']:.1f} | "
+            f"{d['compress_in_dense_forwards']:.2f}× | {d['stack_passes']} | "
+            + ", ".join(f"{k} {v:.2f}" for k, v in phases)
+            + f" | {d['plan']} |"
+        )
+    return "\n".join(lines)
+
+
 def _outcome(row: dict) -> str:
     if row["status"] == "skipped":
         return "skipped"
@@ -217,6 +263,11 @@ def tables() -> dict[str, str]:
             out[f"{kind}:{model}"] = renderers[kind](path)
     if (RESULTS / "families.json").exists() and "families_table" in globals():
         out["families"] = globals()["families_table"](RESULTS / "families.json")
+    for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("cost_*.json")}):
+        runs = sorted(RESULTS.glob(f"cost_{model}*.json"), key=lambda p: (not p.stem.endswith("before"), p.stem))
+        out[f"cost:{model}"] = cost_table(runs)
+    for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("curve_*_*.json")}):
+        out[f"curve:{model}"] = curve_table(model)
     if (RESULTS / "clients.json").exists():
         out["clients"] = clients_table(RESULTS / "clients.json")
     return out

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+import tiny_models
+from optimum_flatten import FlattenConfig, FlattenQuantizer
 from tiny_models import VOCAB
 
 #: Tolerances by dtype: (atol, rtol). float64 is used by the naive references, float32 by the tiny models.
@@ -42,6 +46,41 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     dtype = dtype or actual.dtype
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.to(expected.dtype), expected, atol=atol, rtol=rtol)
+
+
+#: The suite's usual calibration: the tiny sample texts, 8 samples of 24 tokens (a few seconds per method on CPU).
+TINY_CALIBRATION: dict[str, Any] = {"nsamples": 8, "seqlen": 24}
+
+_CHAR_TOKENIZER = object()  # sentinel: "the character tokenizer", so that None can still mean "no tokenizer"
+
+
+def tiny_config(method: str, **options: Any) -> FlattenConfig:
+    """A FlattenConfig for `method` calibrated on the tiny sample texts; `options` override or add to the defaults."""
+    return FlattenConfig(method=method, **{"dataset": tiny_models.sample_texts(), **TINY_CALIBRATION, **options})
+
+
+def compress(
+    model: torch.nn.Module,
+    method: str | FlattenConfig,
+    tokenizer: Any = _CHAR_TOKENIZER,
+    **options: Any,
+) -> FlattenQuantizer:
+    """Compresses `model` in place and returns the quantizer (its `report` and `plan` are what tests read).
+
+    `method` is a method name (the config is `tiny_config(method, **options)`) or a ready FlattenConfig (then
+    `options` must be empty). The tokenizer defaults to the tiny character tokenizer; pass None for a model whose
+    calibration needs none (images, or a method without calibration). One helper instead of a build-config /
+    build-quantizer / compress block in every test, so a change of the quantizer's API is made here once.
+    """
+    if isinstance(method, FlattenConfig):
+        if options:
+            raise TypeError(f"options {sorted(options)} given with a ready FlattenConfig; put them in the config.")
+        config = method
+    else:
+        config = tiny_config(method, **options)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer() if tokenizer is _CHAR_TOKENIZER else tokenizer)
+    return quantizer
 
 
 def sample_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:

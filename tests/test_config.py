@@ -28,6 +28,7 @@ def test_round_trip_through_dict_and_json():
         "attention_correction": True,
         "head_selection": "importance",
         "attention_ridge_ratio": 1.0,
+        "covariance_dtype": "float32",
     }
     assert data["calibration"]["nsamples"] == 16
     again = FlattenConfig.from_dict(data)
@@ -78,9 +79,18 @@ def test_resolve_target_against_depth():
         FlattenConfig(target_sparsity=0.01).resolve_num_layers_to_remove(30)
 
 
-@pytest.mark.parametrize("bad", [dict(calibration_mode="twice"), dict(max_group_size=1), dict(ridge_ratio=0)])
-def test_method_options_are_validated(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (dict(calibration_mode="twice"), r"calibration_mode must be 'one_pass' or 'sequential', got 'twice'"),
+        (dict(max_group_size=1), r"max_group_size must be an integer >= 2 or None, got 1\."),
+        (dict(ridge_ratio=0), r"ridge_ratio must be > 0, got 0\."),
+    ],
+)
+def test_method_options_are_validated(bad, match):
+    """Each bad option is refused by its own check, which names it: a bare ValueError from anywhere (a typo in
+    another option, a failure further in) would pass a test without `match`."""
+    with pytest.raises(ValueError, match=match):
         FlattenConfig(num_layers_to_remove=1, **bad)
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import assert_close, compress, logits, sample_ids
 
 RELOAD_SCRIPT = r"""
 import json, sys, torch
@@ -39,12 +38,7 @@ print(json.dumps({
 
 def _compressed(factory="llama_gqa", method="flattengpt"):
     model = tiny_models.FACTORIES[factory]()
-    config = FlattenConfig(
-        method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return model, quantizer
+    return model, compress(model, method, num_layers_to_remove=2)
 
 
 @pytest.mark.parametrize("factory", ["llama_gqa", "qwen2", "mistral"])
@@ -101,9 +95,7 @@ def test_card_and_report_name_a_local_base_by_its_folder_only(tmp_path):
     tiny_models.tiny_llama_gqa().save_pretrained(dense)
     (dense / "README.md").write_text("---\nlicense: mit\n---\n")
     model = AutoModelForCausalLM.from_pretrained(dense).eval()
-    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2)
     assert (quantizer.report["base_model"], quantizer.report["base_model_on_hub"]) == ("dense-model", False)
     assert quantizer.report["license"] == "mit"  # still read from the source folder
     out = quantizer.save(model, tmp_path / "out")

@@ -14,19 +14,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.export.checkpoint import add_v4_compat, save_compressed
 
 
 def _compressed(factory: str = "llama_gqa"):
     model = tiny_models.FACTORIES[factory]()
-    config = FlattenConfig(
-        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=4, seqlen=16
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return model, quantizer
+    return model, compress(model, "shortgpt", num_layers_to_remove=2, nsamples=4, seqlen=16)
 
 
 def _read(path) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -62,3 +64,51 @@ def test_next_token_nll_equals_the_model_loss_over_real_pairs():
     valid = (mask[:, :-1] & mask[:, 1:]).bool()
     expected = torch.nn.functional.cross_entropy(logits[valid], ids[:, 1:][valid])
     assert nll == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_first_batches_are_the_engine_of_a_calibration_on_those_batches_only():
+    """`scoring_batches` in one place: the cut-down engine's states, masks, token ids and NLL are those of an engine
+    built from the first batches alone (the reference shares no runner with it)."""
+    from optimum_flatten.calibration.states import CalibratedStates
+
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    adapter = get_adapter(model)
+    ids = sample_ids(batch=4, length=16, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    context = _context(ids, mask)
+    states = CalibratedStates.on_first_batches(
+        context.new_runner(adapter), adapter.layers("decoder"), context.batches, num_batches=1
+    )
+    alone = MethodContext(batches=context.batches[:1], progress=False)
+    reference = alone.new_states(adapter)
+    assert states.num_batches == 1 and states.batches == context.batches[:1]
+    assert torch.equal(states.masks[0], reference.masks[0])
+    assert torch.equal(states.boundary(6)[0], reference.boundary(6)[0])
+    assert states.next_token_nll(adapter, states.boundary(6)) == next_token_nll(
+        adapter, reference.boundary(6), alone.batches
+    )
+    everything = CalibratedStates.on_first_batches(
+        context.new_runner(adapter), adapter.layers("decoder"), context.batches, num_batches=None
+    )
+    assert everything.num_batches == 2 and everything.batches == list(context.batches)
+    with pytest.raises(ValueError, match="built without their calibration batches"):
+        reference.next_token_nll(adapter, reference.boundary(6))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
+def test_scoring_batches_is_checked_once_for_every_method(bad):
+    from optimum_flatten.calibration.states import check_scoring_batches
+    from optimum_flatten.methods.ffn_merge import FfnMergeConfig
+    from optimum_flatten.methods.laco import LaCoConfig
+    from optimum_flatten.methods.sleb import SLEBConfig
+
+    check_scoring_batches(None)
+    check_scoring_batches(3)
+    message = f"scoring_batches must be a positive integer or None, got {bad!r}"
+    for make in (
+        lambda: check_scoring_batches(bad),
+        *(lambda c=c: c(scoring_batches=bad) for c in (SLEBConfig, LaCoConfig, FfnMergeConfig)),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make()

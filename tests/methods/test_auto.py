@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, logits, sample_ids, tiny_config
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration.capture import LayerwiseRunner
 from optimum_flatten.calibration.data import build_calibration_batches
 from optimum_flatten.calibration.states import CalibratedStates, next_token_nll
@@ -18,15 +18,7 @@ from optimum_flatten.utils.errors import UnknownMethodError, UnsupportedArchitec
 
 
 def _config(**options) -> FlattenConfig:
-    return FlattenConfig(
-        method="auto",
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        batch_size=2,
-        **options,
-    )
+    return tiny_config("auto", num_layers_to_remove=2, batch_size=2, **options)
 
 
 def _validation_nll(model, batches) -> float:
@@ -40,8 +32,7 @@ def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_ev
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
     config = _config(candidates=candidates, refit=False)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     report = quantizer.report["auto"]
     assert report["split"]["fitting_batches"] == 3 and report["split"]["validation_batches"] == 1
     scores = {c["candidate"]: c["validation_nll"] for c in report["candidates"]}
@@ -77,8 +68,7 @@ def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_ev
 
 def test_budget_limits_the_candidates_and_the_choice_is_among_those_scored():
     model = tiny_models.FACTORIES["qwen3"]()
-    quantizer = FlattenQuantizer(_config(candidates="uidl shortgpt replaceme", max_candidates=2), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(candidates="uidl shortgpt replaceme", max_candidates=2))
     scored = [c["candidate"] for c in quantizer.report["auto"]["candidates"]]
     assert scored == ["uidl", "shortgpt"]
     assert quantizer.report["auto"]["winner"] in scored
@@ -87,10 +77,9 @@ def test_budget_limits_the_candidates_and_the_choice_is_among_those_scored():
 def test_a_refused_candidate_is_recorded_and_the_others_compete():
     model = tiny_models.FACTORIES["bert"]()
     with pytest.raises(UnsupportedArchitectureError, match="no LM head"):
-        FlattenQuantizer(_config(candidates="shortgpt"), progress=False).compress(model, tiny_models.CharTokenizer())
+        compress(model, _config(candidates="shortgpt"))
     gpt2 = tiny_models.FACTORIES["gpt2"]()  # flattengpt needs views GPT-2 has; ffn_merge keeps depth: refused
-    quantizer = FlattenQuantizer(_config(candidates="ffn_merge shortgpt"), progress=False)
-    quantizer.compress(gpt2, tiny_models.CharTokenizer())
+    quantizer = compress(gpt2, _config(candidates="ffn_merge shortgpt"))
     first, second = quantizer.report["auto"]["candidates"]
     assert "validation_nll" in second
     assert "refused" in first and "keeps every layer" in first["refused"]
@@ -108,25 +97,14 @@ def test_bad_candidates_are_refused_when_the_config_is_made():
         _config(linear_replacement="lstsq")
     model = tiny_models.FACTORIES["llama_gqa"]()
     with pytest.raises(ValueError, match="at least 2 calibration batches"):
-        FlattenQuantizer(
-            FlattenConfig(
-                method="auto",
-                num_layers_to_remove=2,
-                dataset=tiny_models.sample_texts(),
-                nsamples=2,
-                seqlen=24,
-                batch_size=8,
-            ),
-            progress=False,
-        ).compress(model, tiny_models.CharTokenizer())
+        compress(model, "auto", num_layers_to_remove=2, nsamples=2, batch_size=8)
 
 
 def test_the_model_card_lists_every_candidate_and_the_winner():
     from optimum_flatten.export.model_card import render_model_card
 
     model = tiny_models.FACTORIES["llama_gqa"]()
-    quantizer = FlattenQuantizer(_config(candidates="shortgpt uidl+scale replaceme"), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(candidates="shortgpt uidl+scale replaceme"))
     card = render_model_card(quantizer.report)
     assert f"Chosen automatically: `{quantizer.report['auto']['winner']}`" in card
     for entry in quantizer.report["auto"]["candidates"]:
@@ -138,24 +116,12 @@ def test_the_model_card_lists_every_candidate_and_the_winner():
 def test_refit_runs_the_winner_on_every_calibration_batch():
     model = tiny_models.FACTORIES["qwen3"]()
     original = copy.deepcopy(model)
-    quantizer = FlattenQuantizer(_config(candidates="uidl+scale shortgpt"), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(candidates="uidl+scale shortgpt"))
     report = quantizer.report["auto"]
     assert report["refit"]["on"] == "every calibration batch"
     name, _, correction = report["winner"].partition("+")
-    direct = FlattenQuantizer(
-        FlattenConfig(
-            method=name,
-            num_layers_to_remove=2,
-            dataset=tiny_models.sample_texts(),
-            nsamples=8,
-            seqlen=24,
-            batch_size=2,
-            **({"compensation": correction} if correction else {}),
-        ),
-        progress=False,
-    )
-    direct.compress(original, tiny_models.CharTokenizer())
+    options = {"compensation": correction} if correction else {}
+    direct = compress(original, name, num_layers_to_remove=2, batch_size=2, **options)
     assert quantizer.plan == direct.plan
     ids = sample_ids(batch=2, length=16, seed=10)
     torch.testing.assert_close(logits(model, ids), logits(original, ids))
@@ -164,7 +130,9 @@ def test_refit_runs_the_winner_on_every_calibration_batch():
 def test_candidate_options_are_read_through_the_type_hints_and_reach_the_method():
     from optimum_flatten.methods.auto import AutoConfig
 
-    specs = AutoConfig(candidates="replaceme:num_blocks=2,tokens=all+lstsq uidl:tokens=all+scale sleb").candidate_specs()
+    specs = AutoConfig(
+        candidates="replaceme:num_blocks=2,tokens=all+lstsq uidl:tokens=all+scale sleb"
+    ).candidate_specs()
     assert [s.label for s in specs] == ["replaceme:num_blocks=2,tokens=all+lstsq", "uidl:tokens=all+scale", "sleb"]
     assert specs[0].options == {"num_blocks": 2, "tokens": "all"} and isinstance(specs[0].options["num_blocks"], int)
     assert specs[0].build().config.num_blocks == 2 and specs[2].build().config == type(specs[2].build().config)()
@@ -181,8 +149,7 @@ def test_candidate_options_are_read_through_the_type_hints_and_reach_the_method(
 def test_a_candidate_with_options_is_scored_and_applied_with_them():
     model = tiny_models.FACTORIES["llama_gqa"]()
     config = _config(candidates="replaceme:num_blocks=2", refit=False)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     assert quantizer.report["auto"]["winner"] == "replaceme:num_blocks=2"
     # Two blocks of one layer each, as the option asked, and what was scored is what was applied.
     blocks = quantizer.report["auto"]["winner_report"]["blocks"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tiny_models
-from common import greedy_generate_both_ways, logits, sample_ids
+from common import compress, greedy_generate_both_ways, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
@@ -218,8 +218,7 @@ def test_merged_layers_equal_a_naive_reference_from_the_formulas(fold_norms, num
 # --------------------------------------------------------------------------------------------------- shares
 def test_shares_sum_to_the_original_counts_and_follow_block_influence():
     model = tiny_models.tiny_llama_gqa()
-    quantizer = FlattenQuantizer(_config(num_layers_to_remove=3), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(num_layers_to_remove=3))
     merges = quantizer.report["merges"]
     assert len(merges) == 3
     for merge in merges:
@@ -338,10 +337,15 @@ def test_compress_changes_outputs_and_keeps_the_architecture(factory):
     model = tiny_models.FACTORIES[factory]()
     reference = copy.deepcopy(model)
     ids = sample_ids()
-    quantizer = FlattenQuantizer(_config(num_layers_to_remove=3), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(num_layers_to_remove=3))
     assert model.config.num_hidden_layers == 3 and type(model) is type(reference)
-    assert sum(len(g) for g in quantizer.report["plan"]["groups"]) == 6
+    # The plan is what the recorded merges build, each taking the pair of smallest distance (lowest on ties).
+    groups = [[i] for i in range(6)]
+    for merge in quantizer.report["merges"]:
+        k = merge["distances"].index(min(merge["distances"]))
+        assert merge["members"] == groups[k : k + 2] and merge["angular_distance"] == merge["distances"][k]
+        groups[k : k + 2] = [groups[k] + groups[k + 1]]
+    assert quantizer.report["plan"]["groups"] == groups and len(quantizer.report["merges"]) == 3
     assert not torch.allclose(logits(model, ids), logits(reference, ids), atol=1e-3), "a merge changes the outputs"
     if hasattr(model, "generate"):  # the tiny remote-code Baichuan has none (validate checked its KV cache)
         with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
@@ -375,8 +379,7 @@ def test_vit_encoder_with_layernorm_biases(fold_norms):
 
 def test_without_chaining_every_group_is_a_pair():
     model = tiny_models.tiny_llama_gqa()
-    quantizer = FlattenQuantizer(_config(num_layers_to_remove=2, allow_chaining=False), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(num_layers_to_remove=2, allow_chaining=False))
     assert all(len(g) <= 2 for g in quantizer.report["plan"]["groups"])
 
 
@@ -385,8 +388,7 @@ def test_save_and_plain_reload_give_the_same_logits(tmp_path, factory, options):
     from transformers import AutoModelForCausalLM
 
     model = tiny_models.FACTORIES[factory]()
-    quantizer = FlattenQuantizer(_config(num_layers_to_remove=3, **options), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, _config(num_layers_to_remove=3, **options))
     quantizer.save(model, tmp_path / "out", tiny_models.tiny_hf_tokenizer())
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert reloaded.config.num_hidden_layers == 3
@@ -403,7 +405,7 @@ def test_a_family_without_the_head_and_channel_views_is_refused_before_any_chang
     model = tiny_models.tiny_qwen3()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(UnsupportedArchitectureError, match=r"'come' needs \['concat_heads'\].*q_norm"):
-        FlattenQuantizer(_config(), progress=False).compress(model, tiny_models.CharTokenizer())
+        compress(model, _config())
     assert model.config.num_hidden_layers == 6 and _unchanged(model, state)
 
 

@@ -8,23 +8,15 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids, shallower_reference
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, logits, sample_ids, shallower_reference, tiny_config
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration.data import build_calibration_batches
 from optimum_flatten.methods.compensation import fold_stream_scales_
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 
 
 def _config(method: str = "shortgpt", n: int = 1, **options) -> FlattenConfig:
-    return FlattenConfig(
-        method=method, num_layers_to_remove=n, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options
-    )
-
-
-def _compress(model, config):
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return tiny_config(method, num_layers_to_remove=n, **options)
 
 
 def _negligible_norm_eps(model) -> None:
@@ -73,7 +65,7 @@ def test_one_drop_measures_the_paper_alpha_and_equals_scaling_the_stream_at_the_
     _negligible_norm_eps(model)
     original = copy.deepcopy(model)
     config = _config(compensation="scale")
-    quantizer = _compress(model, config)
+    quantizer = compress(model, config)
     (dropped,) = quantizer.plan.dropped_indices
     assert dropped < 5  # the next layer's input is a hidden state of the model (not after the final norm)
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
@@ -102,7 +94,7 @@ def test_compensated_checkpoint_reloads_with_plain_transformers_and_keeps_the_ti
     from transformers import AutoModelForCausalLM
 
     model = tiny_models.FACTORIES["gpt2"]()
-    quantizer = _compress(model, _config("uidl", n=2, compensation="scale"))
+    quantizer = compress(model, _config("uidl", n=2, compensation="scale"))
     assert set(quantizer.report["compensation"]["alpha"]) == {str(i) for i in quantizer.plan.dropped_indices}
     quantizer.save(model, tmp_path / "out", tiny_models.tiny_hf_tokenizer())
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -125,6 +117,6 @@ def test_bad_compensation_requests_are_refused_before_any_weight_changes():
     bert = tiny_models.FACTORIES["bert"]()
     before = {k: v.clone() for k, v in bert.state_dict().items()}
     with pytest.raises(UnsupportedArchitectureError, match="pre-norm"):
-        _compress(bert, _config(compensation="scale"))
+        compress(bert, _config(compensation="scale"))
     for key, value in bert.state_dict().items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import tiny_models
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import compress
 from optimum_flatten.utils.torch_utils import count_parameters
 
 
 def _compress(method: str, **kwargs):
     model = tiny_models.tiny_llama_gqa()
-    config = FlattenConfig(
-        method=method, num_layers_to_remove=1, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **kwargs
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
     layer_weights = count_parameters(model.model.layers[0])
     head_weights = count_parameters(model.lm_head)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, method, num_layers_to_remove=1, **kwargs)
     return quantizer.report["cost"]["stack_passes"], layer_weights, head_weights
 
 

@@ -11,8 +11,8 @@ from scipy.optimize import linear_sum_assignment
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, logits, sample_ids
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod
@@ -30,13 +30,6 @@ def _batches(seed: int = 3) -> list[CalibrationBatch]:
     mask = torch.ones_like(ids)
     mask[1, -4:] = 0  # a right-padded row: padding must stay out of every statistic
     return [CalibrationBatch(ids, mask)]
-
-
-def _compress(model, **options) -> FlattenQuantizer:
-    config = FlattenConfig(method="ffn_merge", dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
 
 
 def _state(model) -> dict[str, torch.Tensor]:
@@ -114,7 +107,7 @@ def test_merging_shuffled_copies_of_one_mlp_recovers_it(factory, anchor):
             # Assignment is correct: member's units are put back in the anchor's order.
             found = method._scorer.permutation(anchor_index, member)
             assert torch.equal(shuffles[member][found], shuffles[anchor_index])
-    quantizer = _compress(model, window_size=3, window_starts=[1], anchor=anchor)
+    quantizer = compress(model, "ffn_merge", window_size=3, window_starts=[1], anchor=anchor)
     assert quantizer.report["ffn_groups"] == [
         {"stack": "decoder", "layers": window, "anchor": anchor_index, "variant": "permute", "tied": True}
     ]
@@ -156,7 +149,7 @@ def test_vanilla_average_of_identical_layers_is_identity(factory):
         write_mlp_(adapter.block("decoder", target).mlp, same)
     ids = sample_ids()
     reference = logits(model, ids)
-    _compress(model, window_size=3, window_starts=[2], variant="vanilla")
+    compress(model, "ffn_merge", window_size=3, window_starts=[2], variant="vanilla")
     assert_close(logits(model, ids), reference)
 
 
@@ -166,7 +159,7 @@ def test_tied_tensors_share_storage_and_parameter_count_drops(factory):
     original = copy.deepcopy(model)
     ids = sample_ids()
     k = 3
-    quantizer = _compress(model, window_size=k, num_windows=1)
+    quantizer = compress(model, "ffn_merge", window_size=k, num_windows=1)
     (group,) = quantizer.report["ffn_groups"]
     layers = group["layers"]
     assert len(layers) == k and layers == list(range(layers[0], layers[0] + k))
@@ -188,8 +181,8 @@ def test_tied_tensors_share_storage_and_parameter_count_drops(factory):
 def test_untied_variant_has_equal_values_in_separate_storage():
     tied, untied = tiny_models.tiny_llama_gqa(), tiny_models.tiny_llama_gqa()
     before = count_parameters(untied)
-    _compress(tied, window_size=2, window_starts=[3])
-    _compress(untied, window_size=2, window_starts=[3], tie=False)
+    compress(tied, "ffn_merge", window_size=2, window_starts=[3])
+    compress(untied, "ffn_merge", window_size=2, window_starts=[3], tie=False)
     a, b = untied.model.layers[3].mlp, untied.model.layers[4].mlp
     for name in NAMES:
         assert torch.equal(getattr(a, name).weight, getattr(b, name).weight)
@@ -289,7 +282,7 @@ def test_chosen_window_and_scores_match_a_naive_recomputation(selection):
 
 def test_second_window_is_scored_with_the_first_merged_and_never_overlaps():
     model = tiny_models.tiny_llama_gqa()
-    quantizer = _compress(model, window_size=2, num_windows=3)
+    quantizer = compress(model, "ffn_merge", window_size=2, num_windows=3)
     windows = [g["layers"] for g in quantizer.report["ffn_groups"]]
     assert sorted(i for w in windows for i in w) == list(range(6))
     rounds = quantizer.report["ffn_window_scores"]
@@ -302,7 +295,7 @@ def test_second_window_is_scored_with_the_first_merged_and_never_overlaps():
 @pytest.mark.parametrize("factory", FACTORIES)
 def test_save_reload_plain_then_retie(factory, tmp_path):
     model = tiny_models.FACTORIES[factory]()
-    quantizer = _compress(model, window_size=2, num_windows=2)
+    quantizer = compress(model, "ffn_merge", window_size=2, num_windows=2)
     ids = sample_ids()
     expected = logits(model, ids)
     path = quantizer.save(model, tmp_path / "out")
@@ -334,11 +327,11 @@ def test_window_larger_than_the_stack_raises_before_any_change():
     model = tiny_models.tiny_llama_gqa()
     before = _state(model)
     with pytest.raises(ValueError, match="larger than the stack of 6"):
-        _compress(model, window_size=7)
+        compress(model, "ffn_merge", window_size=7)
     with pytest.raises(ValueError, match="need 8 layers"):
-        _compress(model, window_size=4, num_windows=2)
+        compress(model, "ffn_merge", window_size=4, num_windows=2)
     with pytest.raises(ValueError, match="run past the last layer"):
-        _compress(model, window_size=3, window_starts=[4])
+        compress(model, "ffn_merge", window_size=3, window_starts=[4])
     _assert_unchanged(model, before)
     assert count_parameters(model) == sum(t.numel() for t in before.values())
 
@@ -370,7 +363,7 @@ def test_tying_layers_of_different_shapes_raises_before_any_change():
     adapter.keep_mlp_channels_(adapter.block("decoder", 2), range(40))  # layer 2 now has 40 units, the rest 48
     before = _state(model)
     with pytest.raises(ValueError, match=r"cannot merge and tie the feed-forward sublayers of layers \[1, 2\]"):
-        _compress(model, window_size=2, window_starts=[1])
+        compress(model, "ffn_merge", window_size=2, window_starts=[1])
     _assert_unchanged(model, before)
     # A search simply leaves such windows out of the candidates.
     method = FfnMergeMethod(FfnMergeConfig(window_size=2))

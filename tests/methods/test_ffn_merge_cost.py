@@ -11,8 +11,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.cli.main import _summary
 from optimum_flatten.export.model_card import describe_parameters
@@ -28,13 +28,6 @@ from optimum_flatten.ops.ffn_alignment import (
 from optimum_flatten.utils.torch_utils import count_parameters
 
 
-def _compress(model, **options) -> FlattenQuantizer:
-    config = FlattenConfig(method="ffn_merge", dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
-
-
 def _file_footprint(path) -> tuple[int, int]:
     elements = size = 0
     with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
@@ -47,7 +40,7 @@ def _file_footprint(path) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------- honest parameter counts
 def test_report_card_and_summary_give_the_file_count_and_the_in_memory_count_apart(tmp_path):
     model = tiny_models.tiny_llama_gqa()
-    quantizer = _compress(model, window_size=2, num_windows=2)
+    quantizer = compress(model, "ffn_merge", window_size=2, num_windows=2)
     report = quantizer.report
     path = quantizer.save(model, tmp_path / "out")
 
@@ -75,7 +68,7 @@ def test_report_card_and_summary_give_the_file_count_and_the_in_memory_count_apa
 
 def test_untied_merge_claims_no_saving():
     model = tiny_models.tiny_llama_gqa()
-    report = _compress(model, window_size=2, window_starts=[1], tie=False).report
+    report = compress(model, "ffn_merge", window_size=2, window_starts=[1], tie=False).report
     assert report["ffn_parameters_in_file"] == report["ffn_parameters_in_memory"] == report["parameters_before"]
     text = describe_parameters(report)
     assert "retie_ffn_" not in text and f"{report['parameters_before']:,} in the checkpoint" in text

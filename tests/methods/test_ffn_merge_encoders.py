@@ -11,8 +11,8 @@ import torch
 from transformers import BertForMaskedLM, ViTForImageClassification
 
 import tiny_models
-from common import assert_close, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, sample_ids
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.export.checkpoint import REPORT_NAME
 from optimum_flatten.methods.ffn_tying import retie_ffn_
 from optimum_flatten.utils.torch_utils import count_parameters
@@ -44,8 +44,7 @@ def test_ffn_merge_ties_saves_and_reties_on_encoders(tmp_path, family, variant):
     config = FlattenConfig(
         method="ffn_merge", window_size=2, num_windows=1, variant=variant, dataset=data(), nsamples=8, seqlen=24
     )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     (group,) = quantizer.report["ffn_groups"]
     first, second = group["layers"]
     adapter = get_adapter(model)

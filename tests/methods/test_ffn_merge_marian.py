@@ -10,8 +10,8 @@ import torch
 from transformers import MarianMTModel
 
 import tiny_models
-from common import assert_close, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.export.checkpoint import REPORT_NAME
 from optimum_flatten.methods.base import MethodContext
@@ -40,13 +40,6 @@ def _logits(model) -> torch.Tensor:
 @torch.no_grad()
 def _generate(model) -> torch.Tensor:
     return model.generate(input_ids=sample_ids(2, 8, seed=4), max_new_tokens=6, do_sample=False, num_beams=1)
-
-
-def _compress(model, **options) -> FlattenQuantizer:
-    config = FlattenConfig(method="ffn_merge", dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
 
 
 def _batches() -> list[CalibrationBatch]:
@@ -112,7 +105,7 @@ def test_aligning_a_layer_of_either_stack_is_function_preserving(stack):
 def test_single_stack_merge_ties_saves_and_reloads(stack, tmp_path):
     original, model = tiny_models.tiny_marian(), tiny_models.tiny_marian()
     before = _logits(model)
-    quantizer = _compress(model, stacks=[stack], window_size=2)
+    quantizer = compress(model, "ffn_merge", stacks=[stack], window_size=2)
     groups = quantizer.report["ffn_groups"]
     assert len(groups) == 1 and groups[0]["stack"] == stack
     window = groups[0]["layers"]
@@ -127,7 +120,7 @@ def test_single_stack_merge_ties_saves_and_reloads(stack, tmp_path):
 # ----------------------------------------------------------------------------------------------- in sync
 def test_sync_merges_the_same_window_in_both_stacks_and_reloads(tmp_path):
     original, model = tiny_models.tiny_marian(), tiny_models.tiny_marian()
-    quantizer = _compress(model, window_size=2, sync_stacks=True)
+    quantizer = compress(model, "ffn_merge", window_size=2, sync_stacks=True)
     groups = quantizer.report["ffn_groups"]
     assert [g["stack"] for g in groups] == ["encoder", "decoder"]
     assert groups[0]["layers"] == groups[1]["layers"]
@@ -146,9 +139,10 @@ def test_sync_scores_each_position_by_the_mean_of_the_single_stack_scores():
     scored with the other unmerged); candidates are the positions that fit both stacks (the decoder has 4 layers)."""
     single = {}
     for stack in STACKS:
-        rounds = _compress(tiny_models.tiny_marian(), stacks=[stack], window_size=2).report["ffn_window_scores"]
+        alone = compress(tiny_models.tiny_marian(), "ffn_merge", stacks=[stack], window_size=2)
+        rounds = alone.report["ffn_window_scores"]
         single[stack] = {entry["start"]: entry["score"] for entry in rounds[0]}
-    quantizer = _compress(tiny_models.tiny_marian(), window_size=2, sync_stacks=True)
+    quantizer = compress(tiny_models.tiny_marian(), "ffn_merge", window_size=2, sync_stacks=True)
     scored = quantizer.report["ffn_window_scores"][0]
     assert [entry["start"] for entry in scored] == [0, 1, 2]
     for entry in scored:
@@ -160,7 +154,7 @@ def test_sync_scores_each_position_by_the_mean_of_the_single_stack_scores():
 
 def test_sync_with_explicit_windows_merges_both_stacks(tmp_path):
     model = tiny_models.tiny_marian()
-    quantizer = _compress(model, window_size=2, window_starts=[0, 2], sync_stacks=True)
+    quantizer = compress(model, "ffn_merge", window_size=2, window_starts=[0, 2], sync_stacks=True)
     groups = [(g["stack"], g["layers"]) for g in quantizer.report["ffn_groups"]]
     assert groups == [("encoder", [0, 1]), ("encoder", [2, 3]), ("decoder", [0, 1]), ("decoder", [2, 3])]
     for stack, layers in groups:
@@ -172,10 +166,10 @@ def test_sync_refusals_change_nothing():
     model = tiny_models.tiny_marian()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"merges every stack \['encoder', 'decoder'\].*got stacks=\['decoder'\]"):
-        _compress(model, stacks=["decoder"], sync_stacks=True)
+        compress(model, "ffn_merge", stacks=["decoder"], sync_stacks=True)
     with pytest.raises(ValueError, match="sync_stacks=True scores every stack by the cosine"):
         FfnMergeConfig(sync_stacks=True, selection="nll")
     with pytest.raises(ValueError, match="decoder stack: window_size=5 is larger than the stack of 4 layers"):
-        _compress(model, window_size=5, sync_stacks=True)
+        compress(model, "ffn_merge", window_size=5, sync_stacks=True)
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)

@@ -164,12 +164,30 @@ def test_bad_requests_fail_clearly_and_touch_nothing(kwargs, error, match):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
+def _naive_greedy(similarity: torch.Tensor, merges: int, limit: int | None) -> list[list[int]] | None:
+    """FlattenGPT's Algorithm 1 written out: merge the adjacent pair with the top S[first of left, last of right]."""
+    groups = [[i] for i in range(similarity.shape[0])]
+    for _ in range(merges):
+        pairs = [g for g in range(len(groups) - 1) if limit is None or len(groups[g]) + len(groups[g + 1]) <= limit]
+        if not pairs:
+            return None
+        g = max(pairs, key=lambda g: (float(similarity[groups[g][0], groups[g + 1][-1]]), -g))
+        groups[g : g + 2] = [groups[g] + groups[g + 1]]
+    return groups
+
+
 def test_groups_of_three_when_allowed():
+    """Without a size limit a chain of three forms where its end layers' inputs are the most similar; with the default
+    limit of two the same similarities cannot remove three layers. Only a plan that really lifted the limit passes."""
     model = tiny_models.tiny_llama_gqa()
     quantizer = FlattenQuantizer(_config(num_layers_to_remove=3, max_group_size=None), progress=False)
     quantizer.compress(model, tiny_models.CharTokenizer())
     assert model.config.num_hidden_layers == 3
-    assert sum(len(g) for g in quantizer.report["plan"]["groups"]) == 6
+    groups = quantizer.report["plan"]["groups"]
+    similarity = torch.tensor(quantizer.report["similarity"], dtype=torch.float64)
+    assert groups == _naive_greedy(similarity, 3, limit=None)
+    assert max(len(g) for g in groups) == 3
+    assert _naive_greedy(similarity, 3, limit=2) != groups
 
 
 @pytest.mark.parametrize("exhaustive", [True, False])

@@ -8,21 +8,13 @@ import pytest
 import torch
 
 import tiny_models
-from common import shallower_reference
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import compress, shallower_reference, tiny_config
+from optimum_flatten import FlattenConfig
 from optimum_flatten.calibration.data import build_calibration_batches
 
 
 def _config(n: int, **options) -> FlattenConfig:
-    return FlattenConfig(
-        method="greedy_replace",
-        num_layers_to_remove=n,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        batch_size=4,
-        **options,
-    )
+    return tiny_config("greedy_replace", num_layers_to_remove=n, batch_size=4, **options)
 
 
 @torch.no_grad()
@@ -65,8 +57,7 @@ def test_first_step_takes_the_action_with_the_lowest_naive_loss_and_the_result_s
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
     config = _config(1, scoring_batches=None)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     (step,) = quantizer.report["greedy_replace_steps"]
 
@@ -88,8 +79,7 @@ def test_several_steps_fold_the_maps_they_chose_and_reload(tmp_path):
 
     model = tiny_models.FACTORIES["qwen2"]()
     config = _config(2)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     steps = quantizer.report["greedy_replace_steps"]
     assert len(steps) == 2 and model.config.num_hidden_layers == 4
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)[:1]
@@ -106,4 +96,4 @@ def test_post_norm_and_bad_options_are_refused():
         _config(1, scoring_batches=0)
     bert = tiny_models.FACTORIES["bert"]()
     with pytest.raises(UnsupportedArchitectureError, match="pre-norm"):
-        FlattenQuantizer(_config(1), progress=False).compress(bert, tiny_models.CharTokenizer())
+        compress(bert, _config(1))

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import GPT2LMHeadModel, TrainingArguments
 
 import tiny_models
-from common import assert_close, logits, reload_with_remote_code, sample_ids
+from common import assert_close, compress, logits, reload_with_remote_code, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.export.checkpoint import REPORT_NAME
@@ -42,9 +42,7 @@ def _config(**options) -> FlattenConfig:
 
 
 def _compress(model, **options) -> FlattenQuantizer:
-    quantizer = FlattenQuantizer(_config(**options), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return compress(model, _config(**options))
 
 
 def _state(model) -> dict[str, torch.Tensor]:

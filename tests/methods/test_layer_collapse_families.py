@@ -15,8 +15,8 @@ from torch import nn
 from transformers import BertForMaskedLM, BertModel, MarianMTModel, ViTForImageClassification
 
 import tiny_models
-from common import assert_close, reload_with_remote_code, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, reload_with_remote_code, sample_ids
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.export.checkpoint import REPORT_NAME, save_compressed
 from optimum_flatten.export.layer_collapse import LayerCollapseExportError, save_layer_collapse
 from optimum_flatten.methods.layer_collapse import collapse_prepared_mlps_, prepare_layer_collapse_, prepared_mlps
@@ -173,8 +173,7 @@ def test_bert_collapse_through_the_quantizer_measures_the_error():
     _linearise(model, {"encoder": 3})
     linearised = FAMILIES["bert"].outputs(model)
     config = FlattenConfig(method="layer_collapse", dataset=tiny_models.sample_texts(), nsamples=4, seqlen=16)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     records = quantizer.report["layer_collapse"]["collapsed"]
     assert [r["layer"] for r in records] == [3, 4, 5]
     assert all(r["error_bound"] == 0.0 and r["relative_error"] < 1e-12 for r in records)

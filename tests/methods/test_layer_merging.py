@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, greedy_generate_both_ways, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, greedy_generate_both_ways, logits, sample_ids, tiny_config
+from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.laco import LaCoConfig, LaCoMethod
@@ -53,20 +53,16 @@ def test_merge_equals_naive_reference_from_copies(factory, rule):
     model = tiny_models.FACTORIES[factory]()
     groups = [(0,), (1, 2, 3), (4,), (5,)]
     reference = _naive_merged_model(model, groups, rule)
-    config = FlattenConfig(
-        method="laco",
+    config = tiny_config(
+        "laco",
         num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
         window_size=3,
         threshold=0.01,
         min_layer=1,
         max_layer=3,
         merge_rule=rule,
     )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     assert quantizer.plan.group_lists() == [list(g) for g in groups]
     ids = sample_ids()
     assert_close(logits(model, ids), logits(reference, ids))
@@ -153,16 +149,7 @@ def test_sliding_window_decisions_match_a_naive_loop(factory):
 def test_sliding_window_threshold_search_reaches_the_target_and_reports_it():
     model = tiny_models.tiny_qwen3()
     original = copy.deepcopy(model)
-    config = FlattenConfig(
-        method="sliding_window",
-        num_layers_to_remove=3,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        similarity="cka",
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, "sliding_window", num_layers_to_remove=3, similarity="cka")
     assert model.config.num_hidden_layers == 3
     assert 0 < quantizer.report["threshold"] <= 1
     assert quantizer.report["final_similarity"] >= quantizer.report["threshold"]
@@ -200,10 +187,7 @@ def test_bad_options_fail_before_any_weight_is_touched(method, kwargs, match):
     model = tiny_models.tiny_llama_gqa()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=match):
-        config = FlattenConfig(
-            method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **kwargs
-        )
-        FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
+        compress(model, method, num_layers_to_remove=2, **kwargs)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
 
 
@@ -314,18 +298,9 @@ def test_searched_threshold_records_the_calibration_loss_of_the_merged_model(met
     model = tiny_models.tiny_llama_gqa()
     original = copy.deepcopy(model)
     kwargs = dict(window_size=2) if method == "laco" else {}
-    config = FlattenConfig(
-        method=method,
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        threshold=None,
-        **kwargs,
-    )
+    config = tiny_config(method, num_layers_to_remove=2, threshold=None, **kwargs)
     monkeypatch.setattr(stack_search, "NLL_RISE_BOUND", -1.0)  # any change is "past the bound"
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, config)
     loss = quantizer.report["calibration_loss"]
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     groups = quantizer.plan.group_lists()
@@ -340,17 +315,8 @@ def test_searched_threshold_records_the_calibration_loss_of_the_merged_model(met
 
 def test_no_warning_within_the_bound():
     model = tiny_models.tiny_llama_gqa()
-    config = FlattenConfig(
-        method="laco",
-        num_layers_to_remove=1,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        threshold=None,
-        window_size=2,
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    config = tiny_config("laco", num_layers_to_remove=1, threshold=None, window_size=2)
+    quantizer = compress(model, config)
     loss = quantizer.report["calibration_loss"]
     assert loss["bound"] == pytest.approx(0.693147, abs=1e-6)
     assert ("warning" in loss) == (loss["rise"] > loss["bound"])

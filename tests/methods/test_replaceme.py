@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids, shallower_reference
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, logits, sample_ids, shallower_reference, tiny_config
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.data import build_calibration_batches
 from optimum_flatten.methods.base import MethodContext
@@ -19,15 +19,7 @@ from optimum_flatten.utils.errors import UnsupportedArchitectureError
 
 
 def _config(method: str, n: int = 2, **options) -> FlattenConfig:
-    return FlattenConfig(
-        method=method, num_layers_to_remove=n, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options
-    )
-
-
-def _compress(model, config):
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return tiny_config(method, num_layers_to_remove=n, **options)
 
 
 def _layers(model):
@@ -73,7 +65,7 @@ def test_replaceme_folds_the_least_squares_map_of_the_naive_reference(factory):
     model = tiny_models.FACTORIES[factory]()
     original = copy.deepcopy(model)
     config = _config("replaceme", n=2, tokens="all")
-    quantizer = _compress(model, config)
+    quantizer = compress(model, config)
     ((start, end),) = quantizer.report["blocks"]
     assert start >= 1 and end == start + 2
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
@@ -120,7 +112,7 @@ def test_uidl_distances_match_the_naive_last_token_angle_with_padding():
 def test_uidl_drops_the_block_with_the_smallest_distance_and_equals_the_shallower_model():
     model = tiny_models.FACTORIES["qwen3"]()
     original = copy.deepcopy(model)
-    quantizer = _compress(model, _config("uidl", n=2))
+    quantizer = compress(model, _config("uidl", n=2))
     distances = {int(k): v for k, v in quantizer.report["block_distances"].items()}
     best = min(distances, key=lambda s: (distances[s], s))
     assert quantizer.report["blocks"] == [[best, best + 2]]
@@ -131,7 +123,7 @@ def test_uidl_drops_the_block_with_the_smallest_distance_and_equals_the_shallowe
 
 def test_two_blocks_do_not_overlap_and_each_gets_a_map():
     model = tiny_models.FACTORIES["llama_mha"]()
-    quantizer = _compress(model, _config("replaceme", n=2, num_blocks=2))
+    quantizer = compress(model, _config("replaceme", n=2, num_blocks=2))
     (a0, a1), (b0, b1) = quantizer.report["blocks"]
     assert a1 <= b0 and a1 - a0 == 1 and b1 - b0 == 1
     assert [m["span"] for m in quantizer.report["replaceme"]["maps"]] == [[a0 - 1, a1], [b0 - 1, b1]] or (
@@ -142,7 +134,7 @@ def test_two_blocks_do_not_overlap_and_each_gets_a_map():
 
 def test_cosine_estimator_records_its_steps_and_lowers_the_distance():
     model = tiny_models.FACTORIES["llama_gqa"]()
-    quantizer = _compress(model, _config("replaceme", n=2, estimator="cosine", cosine_epochs=3, cosine_lr=1e-3))
+    quantizer = compress(model, _config("replaceme", n=2, estimator="cosine", cosine_epochs=3, cosine_lr=1e-3))
     (entry,) = quantizer.report["replaceme"]["maps"]
     tokens = entry["tokens"]
     assert entry["optimizer_steps"] == 3 * math.ceil(tokens / 1024)
@@ -155,7 +147,7 @@ def test_linear_replacement_bridges_every_span_and_reloads_with_plain_transforme
 
     model = tiny_models.FACTORIES["llama_gqa"]()
     reference = copy.deepcopy(model)
-    quantizer = _compress(model, _config(method, n=2, linear_replacement="lstsq"))
+    quantizer = compress(model, _config(method, n=2, linear_replacement="lstsq"))
     spans = [m["span"] for m in quantizer.report["linear_replacement"]["maps"]]
     plan = quantizer.plan
     expected = []
@@ -164,7 +156,7 @@ def test_linear_replacement_bridges_every_span_and_reloads_with_plain_transforme
         if end - group.indices[0] > 1:
             expected.append([group.indices[0], end])
     assert spans == expected and spans
-    _compress(reference, _config(method, n=2))  # the same plan without the maps differs
+    compress(reference, _config(method, n=2))  # the same plan without the maps differs
     ids = sample_ids(batch=2, length=16, seed=7)
     assert not torch.allclose(logits(model, ids), logits(reference, ids), atol=1e-4)
 
@@ -178,7 +170,7 @@ def test_linear_replacement_drop_plan_matches_the_naive_fit(factory):
     model = tiny_models.FACTORIES[factory]()
     original = copy.deepcopy(model)
     config = _config("shortgpt", n=1, linear_replacement="lstsq")
-    quantizer = _compress(model, config)
+    quantizer = compress(model, config)
     (dropped,) = quantizer.plan.dropped_indices
     assert dropped > 0
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
@@ -202,9 +194,9 @@ def test_bad_requests_are_refused_before_any_weight_changes():
     model = tiny_models.FACTORIES["llama_gqa"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(Exception, match=r"cannot remove 6|at most 5"):
-        _compress(model, _config("replaceme", n=6))
+        compress(model, _config("replaceme", n=6))
     with pytest.raises(Exception, match="cannot be split into 3 equal blocks"):
-        _compress(model, _config("replaceme", n=4, num_blocks=3))
+        compress(model, _config("replaceme", n=4, num_blocks=3))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key], atol=0, rtol=0)
 
@@ -212,14 +204,14 @@ def test_bad_requests_are_refused_before_any_weight_changes():
     bert_before = {k: v.clone() for k, v in bert.state_dict().items()}
     for config in (_config("replaceme"), _config("shortgpt", linear_replacement="lstsq")):
         with pytest.raises(UnsupportedArchitectureError, match="pre-norm"):
-            _compress(bert, config)
+            compress(bert, config)
     for key, value in bert.state_dict().items():
         torch.testing.assert_close(value, bert_before[key], atol=0, rtol=0)
 
 
 def test_a_leading_dropped_run_is_reported_unbridged():
     model = tiny_models.FACTORIES["llama_gqa"]()  # ShortGPT drops layer 0 here
-    quantizer = _compress(model, _config("shortgpt", n=1, linear_replacement="lstsq"))
+    quantizer = compress(model, _config("shortgpt", n=1, linear_replacement="lstsq"))
     assert quantizer.plan.dropped_indices == [0]
     assert quantizer.report["linear_replacement"]["maps"] == []
     assert quantizer.report["linear_replacement"]["unbridged_leading_layers"] == [0]
@@ -239,7 +231,7 @@ def test_loss_selection_scores_every_block_as_the_naive_replaced_model_and_takes
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
     config = _config("replaceme", n=2, tokens="all", selection="loss", scoring_batches=1, batch_size=4)
-    quantizer = _compress(model, config)
+    quantizer = compress(model, config)
     losses = {int(s): v for s, v in quantizer.report["block_losses"].items()}
     assert sorted(losses) == [1, 2, 3, 4]  # every start with a layer before it, for 6 layers and n=2
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
@@ -262,4 +254,4 @@ def test_loss_selection_refusals():
     with pytest.raises(ValueError, match="selection must be"):
         _config("replaceme", n=2, selection="angle")
     with pytest.raises(UnsupportedArchitectureError, match="no LM head"):
-        _compress(tiny_models.FACTORIES["vit"](), _config("replaceme", n=2, selection="loss"))
+        compress(tiny_models.FACTORIES["vit"](), _config("replaceme", n=2, selection="loss"))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, logits, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.shortgpt import block_influence
@@ -38,11 +38,7 @@ def test_block_influence_matches_naive_and_lowest_are_dropped(factory):
     torch.testing.assert_close(scores, reference, atol=1e-6, rtol=0)
 
     original = copy.deepcopy(model)
-    config = FlattenConfig(
-        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
     bi = torch.tensor(quantizer.report["block_influence"])
     dropped = quantizer.plan.dropped_indices
     assert len(dropped) == 2

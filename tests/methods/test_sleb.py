@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids, shallower_reference
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress, logits, sample_ids, shallower_reference
+from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.sleb import SLEBConfig, SLEBMethod
@@ -37,10 +37,7 @@ def test_sleb_matches_naive_iterative_removal(factory):
 def test_sleb_compresses_and_changes_outputs():
     model = tiny_models.tiny_qwen2()
     original = copy.deepcopy(model)
-    config = FlattenConfig(
-        method="sleb", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
-    )
-    FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
+    compress(model, "sleb", num_layers_to_remove=2)
     assert model.config.num_hidden_layers == 4 and len(model.config.layer_types) == 4
     ids = sample_ids()
     assert not torch.allclose(logits(model, ids), logits(original, ids), atol=1e-3)
@@ -48,15 +45,6 @@ def test_sleb_compresses_and_changes_outputs():
 
 def test_sleb_protection_that_leaves_too_few_layers_is_refused():
     model = tiny_models.tiny_llama_gqa()
-    config = FlattenConfig(
-        method="sleb",
-        num_layers_to_remove=5,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        protect_first=True,
-        protect_last=True,
-    )
     with pytest.raises(ValueError, match="only 4 layers can be removed"):
-        FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
+        compress(model, "sleb", num_layers_to_remove=5, protect_first=True, protect_last=True)
     assert model.config.num_hidden_layers == 6

@@ -42,6 +42,31 @@ class CalibratedStates:
         self.layers = list(layers)
         self.keep = None if keep is None else set(keep) | {0}
         self._cache: dict[int, list[torch.Tensor]] = {0: runner.inputs}
+        #: The calibration batches the states were computed from (token ids for `next_token_nll`), when known.
+        self.batches: list[Any] | None = None
+
+    @classmethod
+    def on_first_batches(
+        cls,
+        runner: LayerwiseRunner,
+        layers: Sequence[torch.nn.Module],
+        batches: Sequence[Any],
+        num_batches: int | None = None,
+        keep: Iterable[int] | None = None,
+    ) -> CalibratedStates:
+        """The engine over the first `num_batches` calibration batches only (None: all of them).
+
+        A search method scores many candidates, each through every layer above its change, so its cost scales with
+        the batches it scores on; ``scoring_batches`` trades that cost against noise. The runner is cut down in
+        place (its inputs and masks), so every run, mask and the NLL's token ids see the same batches.
+        """
+        check_scoring_batches(num_batches)
+        if num_batches is not None:
+            runner.inputs = runner.inputs[:num_batches]
+            runner.masks = runner.masks[:num_batches]
+        states = cls(runner, layers, keep)
+        states.batches = list(batches)[: runner.num_batches]
+        return states
 
     @property
     def num_layers(self) -> int:
@@ -50,6 +75,10 @@ class CalibratedStates:
     @property
     def masks(self) -> list[torch.Tensor]:
         return self.runner.masks
+
+    @property
+    def num_batches(self) -> int:
+        return self.runner.num_batches
 
     def boundary(self, index: int) -> list[torch.Tensor]:
         """States entering layer `index` of the original stack (``index == num_layers``: the stack's output)."""
@@ -110,6 +139,17 @@ class CalibratedStates:
             raise ValueError("no calibration token is unmasked: cannot compare states.")
         return total / count
 
+    def next_token_nll(
+        self, adapter: Any, final: Sequence[torch.Tensor], stack: str | None = None, dtype: torch.dtype = torch.float32
+    ) -> float:
+        """`next_token_nll` of final-layer states on the engine's own batches (row-bounded; see the function)."""
+        if self.batches is None:
+            raise ValueError(
+                "these states were built without their calibration batches (no token ids to score); build them "
+                "with CalibratedStates.on_first_batches."
+            )
+        return next_token_nll(adapter, final, self.batches, stack, dtype)
+
     def mean_angular_distance(
         self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], tokens: TokenChoice = "last"
     ) -> float:
@@ -121,6 +161,15 @@ class CalibratedStates:
         if count == 0:
             raise ValueError("no calibration token is unmasked: cannot compare states.")
         return total / count
+
+
+def check_scoring_batches(value: Any) -> None:
+    """The one check of a method's ``scoring_batches`` option: a positive integer, or None for every batch.
+
+    A bool is refused although Python counts it as an int: ``scoring_batches=True`` would silently mean one batch.
+    """
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"scoring_batches must be a positive integer or None, got {value!r}.")
 
 
 def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Running statistics over calibration tokens, accumulated in float64 with padding masked."""
+"""Running statistics over calibration tokens with padding masked: float64 sums, or a float32 centred scatter with
+its mean part exact in float64."""
 
 from __future__ import annotations
 
@@ -54,3 +55,90 @@ class SecondMoment:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         result, self.sum = self.sum.div_(self.count), None
         return result
+
+
+class CentredSecondMoment:
+    """C = E[x xᵀ] kept as a float32 scatter about a fixed centre, with the mean part exact in float64.
+
+    Half the memory of `SecondMoment` and no dim² float64 work per batch: each batch adds its centred product straight
+    into the float32 running scatter (in chunks of `chunk_tokens` tokens, so no product or token copy of a whole batch
+    is ever materialised). With c the centre (the first batch's mean, rounded to float32), s = Σ x in float64 and n
+    tokens,
+
+        Σ x xᵀ = Σ (x − c)(x − c)ᵀ + c sᵀ + s cᵀ − n c cᵀ,   so   C = M / n + μ μᵀ − δ δᵀ,   μ = s / n, δ = μ − c,
+
+    where M is the float32 scatter. The rank-two mean part is never added into M: `CentredMoment` adds it in float64
+    to each block it hands out. What is rounded is therefore only the scatter about a point close to the mean, which
+    carries no large common component (the reason an uncentred float32 sum loses the small directions); the error
+    is a few float32 roundings relative to the scatter's own entries (bounded against `SecondMoment` in
+    tests/ops/test_ridge_blocked.py).
+    """
+
+    def __init__(self, dim: int, device: torch.device | str = "cpu", chunk_tokens: int = 4096) -> None:
+        self.scatter = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+        self.total = torch.zeros(dim, dtype=torch.float64, device=device)
+        self.centre: torch.Tensor | None = None
+        self.count = 0
+        self.chunk_tokens = chunk_tokens
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
+        flat = x.reshape(-1, x.shape[-1])
+        if mask is not None:
+            flat = flat[mask.reshape(-1).to(flat.device).bool()]
+        flat = flat.to(self.scatter.device)
+        n = flat.shape[0]
+        if n == 0:
+            return
+        if self.centre is None:
+            self.centre = (flat.sum(dim=0, dtype=torch.float64) / n).float()
+        self.total.add_(flat.sum(dim=0, dtype=torch.float64))
+        for chunk in flat.split(self.chunk_tokens):
+            centred = chunk.float() - self.centre
+            self.scatter.addmm_(centred.T, centred)
+        self.count += n
+
+    def finish(self) -> CentredMoment:
+        """The statistic as a `CentredMoment` (the running scatter is divided in place and handed over)."""
+        if self.count == 0 or self.centre is None:
+            raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
+        mean = self.total / self.count
+        result = CentredMoment(self.scatter.div_(self.count), mean, mean - self.centre.double())
+        self.scatter = None
+        return result
+
+
+class CentredMoment:
+    """C = S + μ μᵀ − δ δᵀ with S a float32 (dim × dim) matrix and μ, δ float64 vectors; read in float64 blocks.
+
+    Whoever needs C in float64 asks for the block it needs (`block`, `columns`), so only that block ever exists in
+    float64. `release()` drops S once the last block has been read.
+    """
+
+    def __init__(self, scatter: torch.Tensor, mean: torch.Tensor, offset: torch.Tensor) -> None:
+        self.scatter, self.mean, self.offset = scatter, mean, offset
+
+    @property
+    def dim(self) -> int:
+        return self.mean.shape[0]
+
+    def diagonal(self) -> torch.Tensor:
+        return self.scatter.diagonal().double() + self.mean.square() - self.offset.square()
+
+    def trace(self) -> float:
+        return float(self.diagonal().sum())
+
+    def block(self, rows: torch.Tensor | slice, cols: torch.Tensor | slice) -> torch.Tensor:
+        """C[rows, cols] in float64 (rows and cols: index tensors or slices)."""
+        device = self.mean.device
+        rows = rows if isinstance(rows, slice) else torch.as_tensor(rows, dtype=torch.long, device=device)
+        cols = cols if isinstance(cols, slice) else torch.as_tensor(cols, dtype=torch.long, device=device)
+        # Columns first: the callers ask for few columns (a panel, a chunk) and possibly many rows.
+        part = self.scatter[:, cols] if isinstance(cols, slice) else self.scatter.index_select(1, cols)
+        part = part[rows] if isinstance(rows, slice) else part.index_select(0, rows)
+        result = part.double()
+        result.addr_(self.mean[rows], self.mean[cols]).addr_(self.offset[rows], self.offset[cols], alpha=-1.0)
+        return result
+
+    def release(self) -> None:
+        self.scatter = None

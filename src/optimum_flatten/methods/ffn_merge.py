@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..calibration.capture import capture_module_inputs
-from ..calibration.states import next_token_nll
+from ..calibration.states import CalibratedStates, check_scoring_batches
 from ..config import LayerPlan, MethodConfig
 from ..ops.ffn_alignment import (
     alignment_permutation,
@@ -44,7 +44,6 @@ from ..ops.ffn_alignment import (
     num_alignment_signals,
     permute_mlp_units,
 )
-from ..ops.similarity import masked_cosine_sum
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext
@@ -99,8 +98,7 @@ class FfnMergeConfig(MethodConfig):
             )
         if self.num_windows is not None:
             _check_positive_int("num_windows", self.num_windows)
-        if self.scoring_batches is not None:
-            _check_positive_int("scoring_batches", self.scoring_batches)
+        check_scoring_batches(self.scoring_batches)
         _check_choice("anchor", self.anchor, ("first", "middle", "last"))
         _check_choice("variant", self.variant, ("permute", "vanilla"))
         _check_choice("alignment_signal", self.alignment_signal, ("pre_activation", "hidden"))
@@ -197,6 +195,9 @@ class WindowScorer:
     One pass stores the input of every layer (``states``) and of every MLP (``mlp_inputs``), so alignment needs
     no forward at all and a candidate window starting at s is run from the cached state at s: the prefix is never
     recomputed. Memory: about 2 (L + 1) copies of the calibration hidden states.
+
+    The states, the suffix runs, the cosine and the next-token loss are the states engine's (`engine`); the scorer
+    adds the MLP inputs and the alignments.
     """
 
     def __init__(self, adapter: Any, context: MethodContext, config: FfnMergeConfig) -> None:
@@ -204,29 +205,30 @@ class WindowScorer:
         self.context = context
         self.config = config
         self.stack = context.stack
-        self.runner = context.new_runner(adapter)
-        num = config.scoring_batches
-        if num is not None:
-            self.runner.inputs = self.runner.inputs[:num]
-            self.runner.masks = self.runner.masks[:num]
-        self.masks = self.runner.masks
-        self.batches = list(context.batches[: len(self.masks)])
+        # Alignment and scoring on the first `scoring_batches` batches only.
+        self.engine = CalibratedStates.on_first_batches(
+            context.new_runner(adapter), adapter.layers(self.stack), context.batches, config.scoring_batches
+        )
+        self.runner = self.engine.runner
+        self.masks = self.engine.masks
+        self.batches = self.engine.batches
         head = adapter.lm_head(self.stack) if config.selection == "nll" else None
         self._head_weights = 0 if head is None else count_parameters(head)
-        self.layers = list(adapter.layers(self.stack))
+        self.layers = self.engine.layers
         self.states, self.mlp_inputs = self._capture()
         #: Final hidden states (after the final norm) of the original model, the reference for "cosine".
         self.reference = self.finish(self.states[-1])
         self._permutations: dict[tuple[int, int], torch.Tensor] = {}
 
     def _capture(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        states, mlp_inputs = [self.runner.inputs], []
+        states, mlp_inputs = [self.engine.boundary(0)], []
         num_layers = len(self.layers)
         with self.context.timer("selection"), self.context.progress_bar(num_layers, "ffn capture") as bar:
-            for i, layer in enumerate(self.layers):
+            for i in range(num_layers):
                 captured: list[torch.Tensor] = []
+                # The engine caches every boundary, so boundary i + 1 runs layer i once, here, under the capture.
                 with capture_module_inputs(self.adapter.block(self.stack, i).mlp.up.module, captured.append):
-                    states.append(self.runner.run(layer, i, states[-1]))
+                    states.append(self.engine.boundary(i + 1))
                 if len(captured) != self.runner.num_batches:
                     raise RuntimeError(
                         f"layer {i}'s MLP was called {len(captured)} times for {self.runner.num_batches} batches; "
@@ -303,15 +305,11 @@ class WindowScorer:
     def score(self, final: Sequence[torch.Tensor]) -> float:
         """The selection criterion of a candidate's final hidden states (before the final norm)."""
         if self.config.selection == "cosine":
-            total, count = 0.0, 0
-            for a, b, mask in zip(self.finish(final), self.reference, self.masks, strict=True):
-                s, c = masked_cosine_sum(a, b, mask)
-                total, count = total + s, count + c
-            return total / count
+            return self.engine.mean_cosine(self.finish(final), self.reference, tokens="all")
         # One row at a time (the logits of a whole batch, (batch, seq, vocab) in float64, were gigabytes and the
         # log-softmax over a transposed batch half as fast); float64 as before, so close candidates stay apart.
         self.context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in final)
-        return next_token_nll(self.adapter, final, self.batches, self.stack, dtype=torch.float64)
+        return self.engine.next_token_nll(self.adapter, final, self.stack, dtype=torch.float64)
 
     def better(self, a: float, b: float) -> bool:
         """Whether score `a` beats score `b` (ties keep the earlier candidate)."""
@@ -319,11 +317,8 @@ class WindowScorer:
 
     def run_from(self, start: int, blocks: Mapping[int, nn.Module], states: Sequence[Sequence[torch.Tensor]]):
         """Final states (before the final norm) when layers in `blocks` are replaced, from cached `states[start]`."""
-        current = states[start]
         with self.context.timer("selection"):
-            for position in range(start, len(self.layers)):
-                current = self.runner.run(blocks.get(position, self.layers[position]), position, current)
-        return current
+            return self.engine.run_layers(range(start, len(self.layers)), states[start], dict(blocks))
 
 
 def merged_mlp(adapter: Any, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None):
@@ -563,8 +558,7 @@ class FfnMergeMethod(CompressionMethod):
         updated = list(states[: start + 1])
         with scorer.context.timer("selection"):
             for position in range(start, len(scorer.layers)):
-                block = blocks.get(position, scorer.layers[position])
-                updated.append(scorer.runner.run(block, position, updated[-1]))
+                updated.append(scorer.engine.run_layers([position], updated[-1], dict(blocks)))
         return updated
 
     @torch.no_grad()

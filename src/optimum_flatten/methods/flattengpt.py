@@ -20,8 +20,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..calibration.capture import LayerwiseRunner, capture_module_inputs
-from ..calibration.stats import SecondMoment
+from ..calibration.capture import LayerwiseRunner
+from ..calibration.partial import run_to_input
+from ..calibration.stats import CentredSecondMoment, SecondMoment
 from ..config import LayerPlan, MethodConfig
 from ..ops import (
     accumulate_head_importance,
@@ -35,6 +36,7 @@ from ..ops import (
     ridge_reconstruction_error,
     top_k_indices,
 )
+from ..ops.ridge import kept_blocks, nystrom_from_blocks, ridge_leverage_scores_packed
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CompressionMethod, MethodContext
@@ -70,6 +72,14 @@ class FlattenGPTConfig(MethodConfig):
             second moment of the o_proj input; use it with `attention_correction=True`.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
             1.0 measured better than 10 on SmolLM2-135M.
+        covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's
+            MLP is 2·d_int wide: 57,344 channels at LLaMA-2-70B, where a float64 C is 24.5 GiB and its factor as
+            much again). ``"float32"``: C kept as a float32 scatter about a fixed centre with the mean part exact in
+            float64 (`CentredSecondMoment`), leverage scores from a float32 Cholesky factor stored as a triangle
+            only, and the Nyström solve on the kept × kept block in float64 (the only block the correction
+            solves): about a third of the memory, so 70B fits one 80 GB GPU. ``"float64"``: C and its full
+            factor in float64, the reference the float32 path is tested against (tests/ops/test_ridge_blocked.py)
+            — kept to check a result, or where memory is plentiful.
     """
 
     calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
@@ -80,8 +90,11 @@ class FlattenGPTConfig(MethodConfig):
     attention_correction: bool = True
     head_selection: Literal["importance", "reconstruction"] = "importance"
     attention_ridge_ratio: float | None = 1.0
+    covariance_dtype: Literal["float32", "float64"] = "float32"
 
     def __post_init__(self) -> None:
+        if self.covariance_dtype not in ("float32", "float64"):
+            raise ValueError(f"covariance_dtype must be 'float32' or 'float64', got {self.covariance_dtype!r}.")
         if self.head_selection not in ("importance", "reconstruction"):
             raise ValueError(f"head_selection must be 'importance' or 'reconstruction', got {self.head_selection!r}.")
         if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
@@ -114,7 +127,10 @@ class FlattenGPTMethod(CompressionMethod):
     def similarity_matrix(self, adapter: Any, context: MethodContext) -> torch.Tensor:
         """S[i, j] (i < j, within the band) = mean cosine similarity of the inputs of layers i and j.
 
-        One layer-by-layer pass of the original model; only the inputs of the last `band` layers are held.
+        One layer-by-layer pass of the original model; only the inputs of the last `band` layers are held. When the
+        band is the whole stack, every layer's unit-normalised input is held anyway: with the per-token norms kept
+        beside them (N floats a layer) they are the layer inputs themselves, which `apply_` then takes instead of
+        running the original model a second time (see `_SelectionCache`).
         """
         runner = context.new_runner(adapter)
         num_layers = adapter.num_layers(context.stack)
@@ -123,14 +139,21 @@ class FlattenGPTMethod(CompressionMethod):
         similarity = torch.full((num_layers, num_layers), float("nan"), dtype=torch.float64)
         # Unit-normalised copies of the inputs of the last `band` layers: a cosine is then a row-wise dot product.
         window: deque[tuple[int, list[torch.Tensor]]] = deque(maxlen=band)
+        norms: dict[int, list[torch.Tensor]] = {}
+        keep_norms = band >= num_layers
         masks = [m.to(torch.float64) for m in runner.masks]
         num_tokens = float(sum(m.sum() for m in masks))
         current = runner.inputs
+        dtype = current[0].dtype
         layers = adapter.layers(context.stack)
         with context.timer("selection"), context.progress_bar(num_layers, "similarity") as bar:
             for i in range(num_layers):
                 similarity[i, i] = 1.0
-                normalised = [unit_rows(h) for h in current]
+                pairs = [unit_rows_and_norms(h) for h in current]
+                normalised = [unit for unit, _ in pairs]
+                if keep_norms:
+                    norms[i] = [norm for _, norm in pairs]
+                del pairs
                 for j, states in window:
                     total = sum(
                         float(((a * b).sum(dim=-1).double() * m.to(a.device)).sum())
@@ -142,6 +165,8 @@ class FlattenGPTMethod(CompressionMethod):
                     current = runner.run(layers[i], i, current)
                 bar.set_description(f"block {i + 1}/{num_layers}: similarity")
                 bar.update()
+        units = dict(window) if keep_norms else None
+        self._cache = _SelectionCache(context, runner, units, norms if keep_norms else None, dtype)
         return similarity
 
     def _auto_band(self, runner: LayerwiseRunner, num_layers: int) -> int:
@@ -166,6 +191,8 @@ class FlattenGPTMethod(CompressionMethod):
         similarity = self.similarity_matrix(adapter, context)
         groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
+        # Only the inputs of the layers that start a merged group are needed again.
+        self._cache.keep_only({g[0] for g in groups if len(g) > 1})
         return LayerPlan(
             num_layers=adapter.num_layers(context.stack),
             groups=groups,
@@ -175,39 +202,49 @@ class FlattenGPTMethod(CompressionMethod):
 
     # ------------------------------------------------------------- application
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
-        runner = context.new_runner(adapter)
+        """Compresses every merged group; each compressed block takes its first member's place as soon as nothing
+        needs that member any more, so the model never holds more than one extra block."""
+        if len({i for g in plan.groups for i in g.indices}) != plan.num_layers:
+            raise ValueError(f"FlattenGPT plans cover every layer; got dropped layers {plan.dropped_indices}.")
+        cache, self._cache = getattr(self, "_cache", None), None
+        if cache is not None and cache.context is not context:
+            cache = None  # planned on other batches (or another model): nothing of it applies here
+        runner = cache.runner if cache is not None else context.new_runner(adapter)
         layers = adapter.layers(context.stack)
-        compressed: dict[int, torch.nn.Module] = {}
         group_reports = []
-        kept = {i for g in plan.groups for i in g.indices}
         current = runner.inputs
         sequential = self.config.calibration_mode == "sequential"
+        # One pass over the original model's states: its layer inputs may already be held from the selection.
+        from_cache = cache is not None and cache.units is not None and not sequential
+        if cache is not None and not from_cache:
+            cache.keep_only(set())
         with context.progress_bar(plan.num_layers, "flattengpt") as bar:
             for group in plan.groups:
                 for index in group.indices:
                     bar.set_description(f"block {index + 1}/{plan.num_layers}: flatten-and-prune")
+                first = group.indices[0]
                 if group.is_keep:
-                    index = group.indices[0]
-                    with context.timer("propagate"):
-                        current = runner.run(layers[index], index, current)
+                    if not from_cache:
+                        with context.timer("propagate"):
+                            current = runner.run(layers[first], first, current)
                     bar.update()
                     continue
-                block, group_report = self._compress_group(adapter, runner, group.indices, current, context)
+                inputs = cache.inputs(first) if from_cache else current
+                block, group_report = self._compress_group(adapter, runner, group.indices, inputs, context)
+                del inputs
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
-                block = dispatch_like(block, layers[group.indices[0]])
-                compressed[group.indices[0]] = block
+                block = dispatch_like(block, layers[first])
                 group_reports.append(group_report)
-                with context.timer("propagate"):
-                    if sequential:
-                        current = runner.run(block, group.indices[0], current)
-                    else:
-                        for index in group.indices:
-                            current = runner.run(layers[index], index, current)
+                if not from_cache:
+                    with context.timer("propagate"):
+                        if sequential:
+                            current = runner.run(block, first, current)
+                        else:
+                            for index in group.indices:
+                                current = runner.run(layers[index], index, current)
+                adapter.replace_block_(context.stack, first, block)
+                del block
                 bar.update(len(group.indices))
-        if len(kept) != plan.num_layers:
-            raise ValueError(f"FlattenGPT plans cover every layer; got dropped layers {plan.dropped_indices}.")
-        for first, block in compressed.items():
-            adapter.replace_block_(context.stack, first, block)
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
 
@@ -225,7 +262,7 @@ class FlattenGPTMethod(CompressionMethod):
             for member in members:
                 fold_block_norms_(member)
             wide = adapter.build_concat_block(members)
-            del members
+            del members, member
         first = adapter.block(stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         view = adapter.block_view(wide, indices[0])
@@ -235,22 +272,23 @@ class FlattenGPTMethod(CompressionMethod):
         column_norms = o_proj_column_norms(view.attention.o.weight, geometry.num_heads)
         head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
         head_count = 0
-        batch_index = [0]
         needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
         device = module_device(wide)  # statistics and solves stay on the device the layer lives on
         o_moment = SecondMoment(geometry.num_heads * geometry.head_dim, device) if needs_o_moment else None
 
-        def on_heads(x: torch.Tensor) -> None:
+        def on_heads(b: int, x: torch.Tensor) -> None:
             nonlocal head_sum, head_count
-            mask = runner.masks[batch_index[0]]
+            mask = runner.masks[b]
             total, count = accumulate_head_importance(x, column_norms, mask)
             head_sum += total.cpu()
             head_count += count
             if o_moment is not None:
                 o_moment.update(x, mask)
 
-        with context.timer("head_scoring"), capture_module_inputs(view.attention.o.module, on_heads):
-            runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
+        # Only the attention up to o_proj runs: the head scores and the o_proj moment read its input.
+        after_o = [view.attention.o.module, view.mlp_norm.module, view.mlp.module]
+        with context.timer("head_scoring"):
+            run_to_input(runner, wide, indices[0], inputs, view.attention.o.module, on_heads, after_o)
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
@@ -269,37 +307,77 @@ class FlattenGPTMethod(CompressionMethod):
                 if self.config.attention_correction:
                     channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
                     o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
+                del o_second_moment, o_rows, o_moment  # freed before the (larger) MLP statistics
         adapter.keep_heads_(view, kept_kv, o_weight)
+        del o_weight
 
-        # MLP channels by ridge leverage, on the activations the pruned attention produces.
+        # MLP channels by ridge leverage, on the activations the pruned attention produces; the down projection,
+        # whose input is the statistic, does not run.
         view = adapter.block_view(wide, indices[0])
-        moment = SecondMoment(view.mlp.intermediate_size, device)
+        float64 = self.config.covariance_dtype == "float64"
+        width = view.mlp.intermediate_size
+        moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device)
 
-        def on_mlp(x: torch.Tensor) -> None:
-            moment.update(x, runner.masks[batch_index[0]])
+        def on_mlp(b: int, x: torch.Tensor) -> None:
+            moment.update(x, runner.masks[b])
 
-        with context.timer("covariance"), capture_module_inputs(view.mlp.down.module, on_mlp):
-            runner.run(wide, indices[0], inputs, on_batch=lambda b: batch_index.__setitem__(0, b))
+        with context.timer("covariance"):
+            run_to_input(runner, wide, indices[0], inputs, view.mlp.down.module, on_mlp, [view.mlp.down.module])
+        tokens = moment.count
         with context.timer("solve"):
-            second_moment = moment.finish()
-            lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
-            leverage = ridge_leverage_scores(second_moment, lam)
-            kept_channels = top_k_indices(leverage, target_channels)
-            keep = torch.tensor(kept_channels)
-            corrected = nystrom_down_correction(second_moment, view.mlp.down.weight.T, keep, lam)
+            down_rows = view.mlp.down.weight.T
+            if float64:
+                kept_channels, corrected, lam = self._mlp_float64(moment, down_rows, target_channels)
+            else:
+                kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels)
             adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
         per_member = geometry.num_kv_heads // len(indices)
-        width = target_channels
         report = {
             "members": list(indices),
             "kv_group_scores": [round(float(s), 6) for s in group_scores],
             "kept_kv_groups": kept_kv,
             "kept_kv_groups_per_member": [sum(1 for g in kept_kv if g // per_member == m) for m in range(len(indices))],
-            "kept_channels_per_member": [sum(1 for c in kept_channels if c // width == m) for m in range(len(indices))],
+            "kept_channels_per_member": [
+                sum(1 for c in kept_channels if c // target_channels == m) for m in range(len(indices))
+            ],
             "ridge_lambda": lam,
-            "calibration_tokens": moment.count,
+            "calibration_tokens": tokens,
         }
         return wide, report
+
+    def _mlp_float64(
+        self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int
+    ) -> tuple[list[int], torch.Tensor, float]:
+        """Leverage and Nyström on a float64 C with a full float64 factor (the reference path)."""
+        second_moment = moment.finish()
+        lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
+        kept_channels = top_k_indices(ridge_leverage_scores(second_moment, lam), num_keep)
+        corrected = nystrom_down_correction(second_moment, down_rows, torch.tensor(kept_channels), lam)
+        return kept_channels, corrected, lam
+
+    def _mlp_float32(
+        self, moment: CentredSecondMoment, down_rows: torch.Tensor, num_keep: int
+    ) -> tuple[list[int], torch.Tensor, float]:
+        """Leverage from a triangle-only float32 factor (the channels near the cut re-scored in float64, so the
+        kept set is the float64 path's); the Nyström solve on the kept block in float64.
+
+        Holds at most the float32 scatter with either the factor's triangle or the float64 kept block and
+        C[K, R] W_D[R]; the scatter is dropped before the kept block is factorised.
+        """
+        stats = moment.finish()
+        lam = self.config.ridge_ratio * stats.trace() / stats.dim
+        leverage = ridge_leverage_scores_packed(
+            lambda start, stop: stats.block(slice(start, None), slice(start, stop)),
+            stats.dim,
+            lam,
+            refine_top_k=num_keep,
+        )
+        kept_channels = top_k_indices(leverage, num_keep)
+        keep = torch.tensor(kept_channels, device=down_rows.device)
+        kept_block, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
+        stats.release()
+        corrected = nystrom_from_blocks(kept_block, cross, down_rows[keep], lam)
+        return kept_channels, corrected, lam
 
 
 MAX_EXHAUSTIVE_SUBSETS = 4096
@@ -329,8 +407,43 @@ def select_kv_groups_by_reconstruction(
 
 def unit_rows(hidden: torch.Tensor) -> torch.Tensor:
     """Token vectors scaled to unit length in float32 (normalised in float64 first, so no overflow or bias)."""
+    return unit_rows_and_norms(hidden)[0]
+
+
+def unit_rows_and_norms(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unit_rows` and the float64 token norms it divided by (unit × norm gives the token back)."""
     h = hidden.double()
-    return (h / h.norm(dim=-1, keepdim=True).clamp_min(1e-12)).float()
+    norms = h.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return (h / norms).float(), norms
+
+
+@dataclass
+class _SelectionCache:
+    """What the similarity pass leaves for `apply_` on the same context: its runner (so the layer-0 states and the
+    call arguments are not recorded a second time) and, when the band held every layer, the unit-normalised inputs
+    and token norms of the layers that start a merged group. In the one-pass mode those are the states the
+    application measures each group on, so it needs no second pass through the original model: the inputs come back
+    as unit × norm, computed in float64 and rounded to the model dtype (equal to the original states but for one
+    rounding of the float32 unit copies: at most about 1e-7 relative in float32; 16-bit states come back exactly).
+    """
+
+    context: MethodContext
+    runner: LayerwiseRunner
+    units: dict[int, list[torch.Tensor]] | None
+    norms: dict[int, list[torch.Tensor]] | None
+    dtype: torch.dtype
+
+    def keep_only(self, indices: set[int]) -> None:
+        if self.units is not None and self.norms is not None:
+            self.units = {i: self.units[i] for i in indices}
+            self.norms = {i: self.norms[i] for i in indices}
+
+    def inputs(self, index: int) -> list[torch.Tensor]:
+        """The states entering layer `index` (consumed: the copy is dropped once handed out)."""
+        if self.units is None or self.norms is None:
+            raise KeyError(index)
+        units, norms = self.units.pop(index), self.norms.pop(index)
+        return [(u.double() * n).to(self.dtype) for u, n in zip(units, norms, strict=True)]
 
 
 def fold_block_norms_(block: Any) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..calibration.states import next_token_nll
+from ..calibration.states import CalibratedStates, check_scoring_batches, next_token_nll
 from ..config import LayerPlan, MethodConfig
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
@@ -34,8 +34,7 @@ class SLEBConfig(MethodConfig):
     scoring_batches: int | None = None
 
     def __post_init__(self) -> None:
-        if self.scoring_batches is not None and (not isinstance(self.scoring_batches, int) or self.scoring_batches < 1):
-            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
+        check_scoring_batches(self.scoring_batches)
 
 
 #: Kept under its old name: the row-bounded next-token loss now lives in the states engine.
@@ -66,27 +65,29 @@ class SLEBMethod(CompressionMethod):
                 f"with protected layers {sorted(protected)} only {num_layers - len(protected)} layers can be "
                 f"removed, fewer than the {num_to_remove} requested."
             )
-        runner = context.new_runner(adapter)
-        limit = self.config.scoring_batches or runner.num_batches
-        batches = list(context.batches)[:limit]
-        inputs = runner.inputs[:limit]
-        layers = adapter.layers(context.stack)
+        # Only the input of layer 0 is cached: after the first removal the stack differs from the original one,
+        # so each step computes the boundaries of its own current stack.
+        states = CalibratedStates.on_first_batches(
+            context.new_runner(adapter),
+            adapter.layers(context.stack),
+            context.batches,
+            self.config.scoring_batches,
+            keep=(),
+        )
         head_weights = count_parameters(adapter.lm_head(context.stack))
         kept = list(range(num_layers))
         history = []
         with context.timer("selection"), context.progress_bar(num_to_remove, "sleb") as bar:
             for step in range(num_to_remove):
-                states = [inputs]
+                boundaries = [states.boundary(0)]
                 for index in kept:
-                    states.append(runner.run(layers[index], index, states[-1]))
+                    boundaries.append(states.run_layers([index], boundaries[-1]))
                 scores = {}
                 for position, index in enumerate(kept):
                     if index in protected:
                         continue
-                    current = states[position]
-                    for later in kept[position + 1 :]:
-                        current = runner.run(layers[later], later, current)
-                    scores[index] = calibration_nll(adapter, current, batches, context.stack)
+                    current = states.run_layers(kept[position + 1 :], boundaries[position])
+                    scores[index] = calibration_nll(adapter, current, states.batches, context.stack)
                     context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
                 removed = min(scores, key=lambda i: (scores[i], i))
                 history.append({"removed": removed, "nll": scores[removed], "scores": scores})

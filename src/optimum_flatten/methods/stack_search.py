@@ -17,9 +17,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..calibration.states import next_token_nll
+from ..calibration.states import CalibratedStates, check_scoring_batches
 from ..config import LayerPlan, MethodConfig
-from ..ops import MERGE_RULES, masked_cosine_sum
+from ..ops import MERGE_RULES
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext
@@ -37,7 +37,11 @@ NLL_RISE_BOUND = math.log(2)
 
 
 class StackEvaluator:
-    """Runs candidate stacks on the calibration batches and compares them with the original model."""
+    """Runs candidate stacks on the calibration batches and compares them with the original model.
+
+    The states, the candidate runs, the cosine and the next-token loss are the states engine's (`engine`): the
+    evaluator adds only what a search over merged stacks needs (merged blocks, memoised scores, the trace).
+    """
 
     def __init__(
         self, adapter: Any, context: MethodContext, merge_rule: str = "differences", num_batches: int | None = None
@@ -47,24 +51,21 @@ class StackEvaluator:
         self.adapter = adapter
         self.context = context
         self.merge = MERGE_RULES[merge_rule]
-        self.runner = context.new_runner(adapter)
-        if num_batches is not None:
-            # Score on the first batches only: the search runs many candidates, each above its window.
-            self.runner.inputs = self.runner.inputs[:num_batches]
-            self.runner.masks = self.runner.masks[:num_batches]
-        self.layers = list(adapter.layers(context.stack))
-        self.masks = self.runner.masks
+        # Score on the first batches only: the search runs many candidates, each above its window.
+        self.engine = CalibratedStates.on_first_batches(
+            context.new_runner(adapter), adapter.layers(context.stack), context.batches, num_batches
+        )
+        self.runner = self.engine.runner
+        self.layers = self.engine.layers
+        self.masks = self.engine.masks
         self._merged_cache: dict[Group, nn.Module] = {}
         self._scores: dict[tuple[str, tuple[Group, ...]], float] = {}
         #: Every (candidate, score) asked for, in order (repeats included): what a refusal reports on.
         self.trace: list[tuple[tuple[Group, ...], float]] = []
         with context.timer("selection"):
-            states = [self.runner.inputs]
-            for i, layer in enumerate(self.layers):
-                states.append(self.runner.run(layer, i, states[-1]))
-        #: states[i] enters original layer i; states[L] leaves the last layer (before the final norm).
-        self.states = states
-        self.reference = self.finish(states[-1])
+            #: states[i] enters original layer i; states[L] leaves the last layer (before the final norm).
+            self.states = self.engine.all_boundaries()
+        self.reference = self.finish(self.states[-1])
 
     @property
     def num_layers(self) -> int:
@@ -88,10 +89,11 @@ class StackEvaluator:
         start = 0
         while start < len(stack) and stack[start] == (start,):
             start += 1
-        current = self.states[start]
+        suffix = stack[start:]
         with self.context.timer("selection"):
-            for group in stack[start:]:
-                current = self.runner.run(self.block(group), group[0], current)
+            # A group runs as the layer at its first member's position, with that layer's call arguments.
+            blocks = {group[0]: self.block(group) for group in suffix if len(group) > 1}
+            current = self.engine.run_layers([group[0] for group in suffix], self.states[start], blocks)
         # Keep only the merged blocks this stack uses: the accepted ones are reused by the next candidates, the
         # rejected ones would otherwise pile up one layer each.
         used = set(stack)
@@ -105,11 +107,7 @@ class StackEvaluator:
 
     def cosine_to_reference(self, states: Sequence[torch.Tensor]) -> float:
         """Masked mean token cosine similarity between a candidate's final states and the original model's."""
-        total, count = 0.0, 0
-        for a, b, mask in zip(states, self.reference, self.masks, strict=True):
-            s, c = masked_cosine_sum(a, b, mask)
-            total, count = total + s, count + c
-        return total / count
+        return self.engine.mean_cosine(states, self.reference, tokens="all")
 
     def cka_to_reference(self, states: Sequence[torch.Tensor]) -> float:
         """Linear CKA between the candidate's and the original's final token representations (masked)."""
@@ -229,8 +227,7 @@ def check_merge_options(
     threshold: float | None, merge_rule: str, search_steps: int, scoring_batches: int | None = None
 ) -> None:
     """Validation shared by the parameter-merge methods' configs."""
-    if scoring_batches is not None and (not isinstance(scoring_batches, int) or scoring_batches < 1):
-        raise ValueError(f"scoring_batches must be a positive integer or None, got {scoring_batches!r}.")
+    check_scoring_batches(scoring_batches)
     if not isinstance(search_steps, int) or search_steps < 1:
         raise ValueError(f"search_steps must be a positive integer, got {search_steps!r}.")
     if threshold is not None and not (isinstance(threshold, (int, float)) and 0.0 < float(threshold) <= 1.0):
@@ -381,11 +378,11 @@ class ParameterMergeMethod(CompressionMethod):
         head = adapter.lm_head(context.stack)
         if head is None:
             return None
-        batches = list(context.batches)[: len(evaluator.masks)]
+        engine = evaluator.engine
         with context.timer("selection"):
-            dense = next_token_nll(adapter, evaluator.states[-1], batches, context.stack)
+            dense = engine.next_token_nll(adapter, evaluator.states[-1], context.stack)
             merged_states = evaluator.run_stack(stack)
-            merged = next_token_nll(adapter, merged_states, batches, context.stack)
+            merged = engine.next_token_nll(adapter, merged_states, context.stack)
         tokens = sum(int(h.shape[0] * h.shape[1]) for h in merged_states)
         context.extra_work += 2 * count_parameters(head) * tokens
         rise = merged - dense
@@ -395,7 +392,7 @@ class ParameterMergeMethod(CompressionMethod):
             "rise": round(rise, 6),
             "perplexity_ratio": math.exp(rise) if rise < 700 else math.inf,
             "bound": round(NLL_RISE_BOUND, 6),
-            "batches": len(batches),
+            "batches": engine.num_batches,
         }
         if rise > NLL_RISE_BOUND:
             searched = (

@@ -1,0 +1,94 @@
+"""FlattenGPT's cheaper paths give the reference path's result.
+
+- the default float32 statistics (`covariance_dtype="float32"`) against the float64 reference: same plan, same kept
+  KV groups and MLP channels, every weight within 1e-4 of the tensor's largest entry;
+- the one-pass application from the selection's cached inputs (full similarity band) against propagating the
+  original model again (band 1): the same, within 1e-5;
+- `run_to_input` hands the hook exactly what a full forward hands it, and counts only the weights that ran.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiny_models
+from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from optimum_flatten.calibration import LayerwiseRunner, build_calibration_batches
+from optimum_flatten.calibration.capture import capture_module_inputs
+from optimum_flatten.calibration.partial import run_to_input, weights_run
+
+
+def _compress(model, **options):
+    config = FlattenConfig(
+        num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, batch_size=4, **options
+    )
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(model, tiny_models.CharTokenizer())
+    return quantizer.report
+
+
+def _kept(report):
+    return [(g["members"], g["kept_kv_groups"], g["kept_channels_per_member"]) for g in report["groups"]]
+
+
+def _max_relative_difference(a, b) -> float:
+    first, second = a.state_dict(), b.state_dict()
+    assert first.keys() == second.keys()
+    return max(
+        float((first[k].double() - second[k].double()).abs().max() / second[k].double().abs().max().clamp_min(1e-30))
+        for k in first
+    )
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen2"])
+def test_float32_statistics_match_the_float64_reference(factory):
+    model = tiny_models.FACTORIES[factory]()
+    reference = copy.deepcopy(model)
+    fast_report = _compress(model)
+    slow_report = _compress(reference, covariance_dtype="float64")
+    assert fast_report["plan_summary"] == slow_report["plan_summary"]
+    assert _kept(fast_report) == _kept(slow_report)
+    assert _max_relative_difference(model, reference) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "sequential"])
+def test_cached_inputs_match_propagating_the_original_model(mode):
+    model = tiny_models.tiny_llama_gqa()
+    propagated = copy.deepcopy(model)
+    cached_report = _compress(model, calibration_mode=mode)
+    propagated_report = _compress(propagated, calibration_mode=mode, similarity_band=1)
+    assert cached_report["similarity_band"] == model.config.num_hidden_layers + 2  # the whole (original) stack
+    assert propagated_report["similarity_band"] == 1
+    assert _kept(cached_report) == _kept(propagated_report)
+    assert _max_relative_difference(model, propagated) <= 1e-5
+    if mode == "one_pass":
+        assert "propagate" not in cached_report["timings_seconds"]
+        assert cached_report["cost"]["stack_passes"] < propagated_report["cost"]["stack_passes"] - 0.9
+    else:
+        assert cached_report["cost"]["stack_passes"] == propagated_report["cost"]["stack_passes"]
+
+
+def test_run_to_input_captures_what_a_full_run_sees():
+    model = tiny_models.tiny_llama_gqa()
+    adapter = get_adapter(model)
+    config = FlattenConfig(num_layers_to_remove=1, dataset=tiny_models.sample_texts(), nsamples=4, seqlen=16)
+    batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
+    runner = LayerwiseRunner(adapter, batches)
+    block = adapter.block_view(adapter.layers()[1], 1)
+    target = block.mlp.down.module
+    full, partial = [], []
+    with capture_module_inputs(target, full.append):
+        runner.run(block.module, 1, runner.inputs)
+    before = runner.work
+    run_to_input(runner, block.module, 1, runner.inputs, target, lambda b, x: partial.append((b, x)), [target])
+    assert [b for b, _ in partial] == list(range(len(batches)))
+    for expected, (_, seen) in zip(full, partial, strict=True):
+        assert torch.equal(expected, seen)
+    tokens = sum(h.shape[0] * h.shape[1] for h in runner.inputs)
+    assert runner.work - before == weights_run(block.module, [target]) * tokens
+    assert (
+        weights_run(block.module, [target]) == sum(p.numel() for p in block.module.parameters()) - target.weight.numel()
+    )

@@ -1,0 +1,123 @@
+"""The float32 statistics path of FlattenGPT against the float64 reference, with the bounds it is held to.
+
+- `CentredSecondMoment` (float32 scatter about a fixed centre, mean part exact in float64) against `SecondMoment`:
+  every entry within 1e-5 of the largest centred entry, even when the tokens carry a common offset 100 times their
+  spread (an uncentred float32 sum would lose the spread there);
+- `ridge_leverage_scores_packed` (triangle-only factor): in float64 equal to `ridge_leverage_scores` to 1e-10; in
+  float32 within 1e-5 (scores lie in [0, 1)) on activations with a massive channel, with the same top half;
+- `kept_blocks` + `nystrom_from_blocks` equal `nystrom_down_correction` to 1e-10 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimum_flatten.calibration.stats import CentredSecondMoment, SecondMoment
+from optimum_flatten.ops import top_k_indices
+from optimum_flatten.ops.ridge import (
+    default_ridge_lambda,
+    kept_blocks,
+    max_refined,
+    nystrom_down_correction,
+    nystrom_from_blocks,
+    ridge_leverage_scores,
+    ridge_leverage_scores_packed,
+)
+
+
+def _activations(dim: int = 300, batches: int = 4, offset: float = 3.0, seed: int = 0) -> list[torch.Tensor]:
+    """Correlated, heavy-tailed float32 activations with a common offset and one massive channel."""
+    generator = torch.Generator().manual_seed(seed)
+    mix = torch.randn(dim, dim, generator=generator) / dim**0.5
+    scales = torch.logspace(-2, 1, dim)
+    out = []
+    for _ in range(batches):
+        x = (torch.randn(3, 100, dim, generator=generator) @ mix) * scales + offset
+        x[..., 5] *= 200.0
+        out.append(x)
+    return out
+
+
+def _both(xs: list[torch.Tensor], masks: list[torch.Tensor | None]):
+    reference, centred = SecondMoment(xs[0].shape[-1]), CentredSecondMoment(xs[0].shape[-1], chunk_tokens=128)
+    for x, m in zip(xs, masks, strict=True):
+        reference.update(x.double(), m)
+        centred.update(x, m)
+    return reference.finish(), centred.finish()
+
+
+@pytest.mark.parametrize("offset", [0.0, 3.0, 100.0])
+def test_centred_float32_moment_matches_float64(offset):
+    xs = _activations(offset=offset)
+    masks = [None, torch.ones(3, 100), (torch.rand(3, 100, generator=torch.Generator().manual_seed(1)) > 0.3), None]
+    reference, centred = _both(xs, masks)
+    full = centred.block(slice(None), slice(None))
+    flat = torch.cat(
+        [
+            x.reshape(-1, x.shape[-1])[m.reshape(-1).bool()] if m is not None else x.reshape(-1, 300)
+            for x, m in zip(xs, masks, strict=True)
+        ]
+    ).double()
+    spread = (flat - flat.mean(0)).T @ (flat - flat.mean(0)) / flat.shape[0]
+    assert float((full - reference).abs().max()) <= 1e-5 * float(spread.abs().max())
+    torch.testing.assert_close(centred.diagonal(), reference.diagonal(), rtol=1e-5, atol=0)
+    rows, cols = torch.tensor([7, 3, 250]), torch.tensor([0, 299, 5, 5])
+    torch.testing.assert_close(centred.block(rows, cols), full[rows][:, cols], rtol=0, atol=0)
+
+
+def test_centred_moment_refuses_an_empty_statistic():
+    moment = CentredSecondMoment(4)
+    moment.update(torch.randn(1, 3, 4), torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="no calibration token"):
+        moment.finish()
+
+
+@pytest.mark.parametrize("block_size", [64, 77, 1024])
+def test_packed_leverage_matches_the_full_factor(block_size):
+    reference, centred = _both(_activations(), [None] * 4)
+    lam = default_ridge_lambda(reference, 10.0)
+    expected = ridge_leverage_scores(reference, lam)
+
+    def columns(start, stop):
+        return reference[start:, start:stop]
+
+    exact = ridge_leverage_scores_packed(columns, 300, lam, torch.float64, block_size)
+    torch.testing.assert_close(exact, expected, rtol=0, atol=1e-10)
+
+    def centred_columns(start, stop):
+        return centred.block(slice(start, None), slice(start, stop))
+
+    centred_lam = 10.0 * centred.trace() / 300
+    fast = ridge_leverage_scores_packed(centred_columns, 300, centred_lam, torch.float32, block_size)
+    assert float((fast - expected).abs().max()) <= 1e-5
+    # Near-ties at the cut (neighbouring channels of this log-spaced spectrum) can swap in float32; refining the
+    # channels near the cut in float64 gives the float64 path's kept set.
+    refined = ridge_leverage_scores_packed(centred_columns, 300, centred_lam, torch.float32, block_size, 150)
+    assert float((refined - expected).abs().max()) <= 1e-5
+    assert set(top_k_indices(refined, 150)) == set(top_k_indices(expected, 150))
+    distance = (fast - float(fast.topk(150).values[-1])).abs()
+    near = distance.argsort()[: max_refined(300)]  # the channels re-scored: the nearest to the cut
+    assert float((refined - expected)[near].abs().max()) <= 1e-9
+
+
+def test_packed_leverage_adds_jitter_when_the_matrix_is_singular():
+    """A rank-deficient C with λ = 0 fails the first factorisation; the jitter retry gives scores in [0, 1]."""
+    x = torch.randn(50, 4, dtype=torch.float64)
+    c = x @ x.T  # rank 4 of 50
+    scores = ridge_leverage_scores_packed(lambda a, b: c[a:, a:b], 50, 0.0, torch.float64, 16)
+    assert bool(((scores >= 0) & (scores <= 1)).all())
+    assert float(scores.sum()) == pytest.approx(4.0, abs=0.05)
+
+
+def test_blocked_nystrom_matches_the_full_correction():
+    reference, centred = _both(_activations(), [None] * 4)
+    lam = default_ridge_lambda(reference, 10.0)
+    w = torch.randn(300, 40, dtype=torch.float32)
+    keep = torch.tensor(top_k_indices(ridge_leverage_scores(reference, lam), 150))
+    expected = nystrom_down_correction(reference, w, keep, lam)
+    kept, cross = kept_blocks(lambda r, c: reference[r][:, c], 300, w, keep, chunk=37)
+    torch.testing.assert_close(nystrom_from_blocks(kept, cross, w[keep], lam), expected, rtol=1e-10, atol=1e-12)
+    kept, cross = kept_blocks(centred.block, 300, w, keep, chunk=64)
+    result = nystrom_from_blocks(kept, cross, w[keep], 10.0 * centred.trace() / 300)
+    assert float((result - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
