@@ -72,6 +72,12 @@ VARIANTS: dict[str, dict] = {
     # The held-out split is the last calibration batch (8 of 32 sequences). Five of the default candidates, to bound
     # the run on this machine: the peers' best (replaceme) and each correction on the cheap selections.
     "auto": dict(method="auto", candidates="replaceme shortgpt+scale uidl+scale shortgpt+lstsq flattengpt+lstsq"),
+    # auto with this session's candidates: ReplaceMe and its corrected variants, Prune&Comp's loop, FlattenGPT+lstsq.
+    "auto_wide": dict(
+        method="auto",
+        candidates="replaceme replaceme:correct_after=1 replaceme:correct_after=2 shortgpt:iterative=true+scale "
+        "flattengpt+lstsq",
+    ),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
     "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),
