@@ -9,6 +9,7 @@ the hook.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -49,22 +50,20 @@ def run_to_input(
     """
     device = module_device(module)
     weights = weights_run(module, skipped)
-    batch = [0]
+    for b, hidden in enumerate(inputs):
+        runner.work += weights * hidden.shape[0] * hidden.shape[1]
+        kwargs = _to_device(runner.layer_kwargs[position][b], device)
+        # One hook per batch, bound to its index: the callback never has to be told which batch is running.
+        handle = target.register_forward_pre_hook(functools.partial(_hand_over, callback, b))
+        try:
+            module(hidden.to(device), **kwargs)
+        except _Reached:
+            continue
+        finally:
+            handle.remove()
+        raise RuntimeError(f"the forward of {type(module).__name__} never called {type(target).__name__}")
 
-    def hook(_module: nn.Module, args: tuple) -> None:
-        callback(batch[0], args[0].detach())
-        raise _Reached
 
-    handle = target.register_forward_pre_hook(hook)
-    try:
-        for b, hidden in enumerate(inputs):
-            batch[0] = b
-            runner.work += weights * hidden.shape[0] * hidden.shape[1]
-            kwargs = _to_device(runner.layer_kwargs[position][b], device)
-            try:
-                module(hidden.to(device), **kwargs)
-            except _Reached:
-                continue
-            raise RuntimeError(f"the forward of {type(module).__name__} never called {type(target).__name__}")
-    finally:
-        handle.remove()
+def _hand_over(callback: Callable[[int, torch.Tensor], None], batch: int, _module: nn.Module, args: tuple) -> None:
+    callback(batch, args[0].detach())
+    raise _Reached
