@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..calibration.states import mean_angle, next_token_nll
+from ..calibration.states import check_scoring_batches, mean_angle, next_token_nll
 from ..config import MethodConfig
 from ..ops.linear_map import fold_map_into_linear
 from ..plan import LayerPlan
@@ -56,8 +56,7 @@ class GreedyReplaceConfig(MethodConfig):
     shortlist: int | None = None
 
     def __post_init__(self) -> None:
-        if self.scoring_batches is not None and (not isinstance(self.scoring_batches, int) or self.scoring_batches < 1):
-            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
+        check_scoring_batches(self.scoring_batches)
         if self.shortlist is not None and (
             not isinstance(self.shortlist, int) or isinstance(self.shortlist, bool) or self.shortlist < 1
         ):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..calibration.states import next_token_nll
+from ..calibration.states import check_scoring_batches, next_token_nll
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
@@ -63,9 +63,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
             raise ValueError(f"selection must be 'distance' or 'loss', got {self.selection!r}.")
         if self.selection == "loss" and self.num_blocks != 1:
             raise ValueError("selection='loss' chooses one block; use num_blocks=1 or selection='distance'.")
-        batches = self.scoring_batches
-        if batches is not None and (not isinstance(batches, int) or isinstance(batches, bool) or batches < 1):
-            raise ValueError(f"scoring_batches must be a positive integer or None, got {self.scoring_batches!r}.")
+        check_scoring_batches(self.scoring_batches)
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(
