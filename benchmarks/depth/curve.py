@@ -55,6 +55,7 @@ def plot(model: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     points = curve_points(model)
     figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
@@ -66,6 +67,7 @@ def plot(model: str) -> Path:
             xs = sorted(points[variant])
             axis.plot(xs, [points[variant][x][panel] for x in xs], marker="o", label=variant)
         axis.set_title(title)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_xlabel("layers removed")
         axis.set_yscale("log")
         axis.grid(True, which="both", alpha=0.3)
