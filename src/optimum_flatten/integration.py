@@ -22,6 +22,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from .adapters import get_adapter
 from .config import FlattenConfig, LayerPlan
+from .methods.registry import get_method_class
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +40,13 @@ class FlattenHfQuantizer(HfQuantizer):
         self.report: dict[str, Any] = {}
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
-        if self.quantization_config.method == "layer_collapse":
-            # Collapsed MLPs have per-layer shapes that model.save_pretrained cannot describe; and LayerCollapse
-            # needs a training run between loading and collapsing anyway.
+        # The method class says whether it can run here (a class-level flag, as transformers' quantizers declare
+        # what they support), so this driver holds no list of methods.
+        method = self.quantization_config.method
+        method_class = get_method_class(method)
+        if not method_class.supports_compress_on_load:
             raise ValueError(
-                "method 'layer_collapse' cannot run inside from_pretrained: it collapses MLPs whose alpha a training "
-                "run brought to 1, and the result needs optimum-flatten's export (model.save_pretrained would write "
-                "a config that does not describe it). Load the model, train it (prepare_layer_collapse_, "
-                "build_layer_collapse_trainer), then FlattenQuantizer(config).compress(model, tokenizer) and "
-                "FlattenQuantizer.save(model, path)."
+                f"method {method!r} cannot run inside from_pretrained: {method_class.compress_on_load_refusal}"
             )
         if self.pre_quantized:
             raise ValueError(

@@ -115,25 +115,13 @@ class FlattenQuantizer(OptimumQuantizer):
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
     def _stack(self, adapter: Any, method: CompressionMethod) -> str:
-        """The stack the method plans on. A method with ``spans_stacks`` (ffn_merge with sync_stacks) merges every
-        stack itself and must get all of them; its identity plan is then reported on the model's last stack."""
+        """The stack the method plans on: the last of those it compresses (`CompressionMethod.stacks_to_compress`
+        decides how many; a method that changes every stack itself reports its identity plan on the last one)."""
         stacks = self.config.stacks or adapter.stacks()
         unknown = [s for s in stacks if s not in adapter.stacks()]
         if unknown:
             raise ValueError(f"stacks {unknown} do not exist in this model; it has {adapter.stacks()}.")
-        if method.spans_stacks:
-            if sorted(stacks) != sorted(adapter.stacks()):
-                raise ValueError(
-                    f"method {self.config.method!r} with sync_stacks=True merges every stack {adapter.stacks()} in "
-                    f"one compression, got stacks={stacks}; leave stacks unset, or drop sync_stacks to merge one stack."
-                )
-            return adapter.stacks()[-1]
-        if len(stacks) != 1:
-            raise ValueError(
-                f"this version compresses one stack at a time, got stacks={stacks}; pass one of them (ffn_merge also "
-                "takes sync_stacks=True to merge the same windows in every stack)."
-            )
-        return stacks[0]
+        return method.stacks_to_compress(adapter, list(stacks))[-1]
 
     def compress(self, model: nn.Module, tokenizer: Any = None) -> nn.Module:
         """Compresses `model` in place and returns it; `self.report` then holds what was done and measured.
@@ -164,7 +152,7 @@ class FlattenQuantizer(OptimumQuantizer):
         )
         preflight(adapter, method, stack, corrections)
         num_layers = adapter.num_layers(stack)
-        # A depth-keeping method (ffn_merge) must plan the identity; it reports what it changed in `context.report`.
+        # A depth-keeping method must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
         tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
         if method.requires_calibration:
@@ -190,7 +178,7 @@ class FlattenQuantizer(OptimumQuantizer):
         self.plan = plan
         self.config.layer_plan = plan.to_dict()
         synchronize()  # so that total_seconds counts the GPU work, not its launch
-        self.report = {
+        core = {
             "method": self.config.method,
             "method_args": self.config.method_args,
             "model_type": model.config.model_type,
@@ -216,8 +204,8 @@ class FlattenQuantizer(OptimumQuantizer):
             "timings_seconds": {k: round(v, 3) for k, v in context.timings.items()},
             "cost": compute_cost(context, stack_weights, sum(int(m.numel()) for m in masks)),
             "total_seconds": round(time.perf_counter() - start, 3),
-            **context.report,
         }
+        self.report = merge_method_report(core, context.report, self.config.method)
         return model
 
     def save(
@@ -256,6 +244,25 @@ class FlattenQuantizer(OptimumQuantizer):
 
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
+
+def merge_method_report(core: dict[str, Any], method_report: dict[str, Any], method: str) -> dict[str, Any]:
+    """The core report with the method's own entries added; a method entry never replaces a core one.
+
+    Method entries sit at the top level (each method's own keys) where the card, the CLI and users read them,
+    so a method could otherwise overwrite ``plan`` or ``parameters_after`` and the saved report would describe
+    another model.
+
+    Raises:
+        RuntimeError: the method reported a key the core report owns (a defect of the method, named here).
+    """
+    clashes = sorted(set(core) & set(method_report))
+    if clashes:
+        raise RuntimeError(
+            f"method {method!r} reported {clashes}, which the core report owns; a method reports under keys of its "
+            f"own (e.g. report[{method!r}]), so that it cannot overwrite what the compressor measured."
+        )
+    return {**core, **method_report}
 
 
 def compute_cost(context: MethodContext, stack_weights: int, tokens: int) -> dict[str, Any]:

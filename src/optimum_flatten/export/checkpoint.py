@@ -9,6 +9,7 @@ from) are refused with the reason before anything is written.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import logging
 import os
@@ -17,13 +18,16 @@ import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
 from ..utils.errors import OutputDirectoryError
 from ..utils.offload import is_offloaded
 from .model_card import render_model_card
+
+if TYPE_CHECKING:
+    from ..methods.base import CheckpointWriter
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +37,12 @@ CARD_NAME = "README.md"
 #: Shard size when some weights are offloaded (transformers' default of 50 GB would onload them all at once).
 OFFLOADED_SHARD_SIZE = "1GB"
 
-#: What a checkpoint consists of: transformers' weights, config and tokenizer/processor files, and this library's
-#: report, card, heatmap and LayerCollapse remote code. A save over an existing checkpoint replaces the files it
-#: writes and removes the files matching these patterns that it does not write (shards of another count, the
-#: vocabulary of another tokenizer), since they would describe another model; every other file is kept. Remote
-#: code of other projects (``modeling_*.py``) is replaced when written again and otherwise kept: it may be the
-#: user's own.
+#: What a checkpoint consists of: transformers' weights, config and tokenizer/processor files, this library's
+#: report, card and heatmap, and the files methods declare (`CompressionMethod.checkpoint_files`). A save over an
+#: existing checkpoint replaces the files it writes and removes the files matching these patterns that it does not
+#: write (shards of another count, the vocabulary of another tokenizer), since they would describe another model;
+#: every other file is kept. Remote code of other projects (``modeling_*.py``) is replaced when written again and
+#: otherwise kept: it may be the user's own.
 CHECKPOINT_PATTERNS = (
     "config.json",
     "generation_config.json",
@@ -68,7 +72,6 @@ CHECKPOINT_PATTERNS = (
     REPORT_NAME,
     HEATMAP_NAME,
     CARD_NAME,
-    "modeling_layer_collapse_*.py",
 )
 
 #: Hidden siblings of an output folder: ``.NAME.partial-PID-HEX`` (a save being written) and ``.NAME.old-PID-HEX``
@@ -79,7 +82,14 @@ _STAGING, _BACKUP = "partial", "old"
 
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file or folder name in a checkpoint folder is part of the checkpoint (see CHECKPOINT_PATTERNS)."""
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS)
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS + method_checkpoint_files())
+
+
+def method_checkpoint_files() -> tuple[str, ...]:
+    """The file patterns registered methods' writers add to a checkpoint (e.g. remote modelling code)."""
+    from ..methods.registry import get_method_class, registered_methods
+
+    return tuple(pattern for name in registered_methods() for pattern in get_method_class(name).checkpoint_files)
 
 
 def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[str | Path | None] = ()) -> Path:
@@ -214,10 +224,11 @@ def save_compressed(
     `save_pretrained` does. On an error the replaced files are put back. Leftovers of an interrupted earlier save
     to the same path are removed first. Folders and files follow the umask.
 
-    A model with LayerCollapse MLPs (collapsed or with α) is written by `export.layer_collapse`, which picks the
-    stock format when it can and remote code otherwise; the format lands in the report as ``export_format``.
-    `writer(model, directory, **save_kwargs) -> format name` replaces the weight/config writing (used by
-    `save_layer_collapse` to force a format).
+    A model that a method left in a state ``save_pretrained`` cannot describe is written by the writer that method
+    names (`CompressionMethod.checkpoint_writer`, asked of every registered method), with the report entries it
+    gives; the format lands in the report as ``export_format``, and a remote-code checkpoint's loader as
+    ``load_with``. `writer(model, directory, **save_kwargs) -> format name` replaces the weight/config writing
+    (e.g. to force a format).
 
     ``compat="v4"`` (the default) adds to config.json and tokenizer_config.json the keys transformers 4.x reads
     (see `add_v4_compat`), so that clients pinned below 5 load the same model; None writes the files as
@@ -236,7 +247,6 @@ def save_compressed(
     except OSError as error:
         raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
     from ..adapters import get_adapter
-    from .layer_collapse import layer_collapse_states, loader_for, write_layer_collapse_model
 
     try:
         exported = get_adapter(model).export_model()
@@ -244,20 +254,17 @@ def save_compressed(
         # memory the compression needed.
         shards = {"max_shard_size": OFFLOADED_SHARD_SIZE} if is_offloaded(exported) else {}
         report.setdefault("architecture", type(exported).__name__)
-        states = layer_collapse_states(exported)
-        if any(state.is_present for state in states):
-            report["mlp_layout"] = {
-                state.stack: {"collapsed": list(state.collapsed), "linearisable": list(state.linearisable)}
-                for state in states
-            }
+        method_writer = method_checkpoint_writer(exported)
+        if method_writer is not None:
+            report.update(method_writer.report)
             if writer is None:
-                writer = write_layer_collapse_model  # per-layer MLP shapes: no stock config describes them as they are
+                writer = resolve_writer(method_writer.function)
         if writer is None:
             exported.save_pretrained(staging, safe_serialization=True, **shards)
         else:
             report["export_format"] = writer(exported, staging, **shards)
             if report["export_format"] == "remote_code":
-                report["load_with"] = loader_for(staging)
+                report["load_with"] = remote_code_loader(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         if compat == "v4":
@@ -278,6 +285,42 @@ def save_compressed(
     model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
     return path
+
+
+def method_checkpoint_writer(model: nn.Module) -> CheckpointWriter | None:
+    """The writer a registered method asks for `model` (`CompressionMethod.checkpoint_writer`), or None for a
+    plain ``save_pretrained``. Every method is asked, since a method's changes live in the model whichever report
+    is saved; this module holds no method's test. At most one may answer: two would each describe only part of it.
+
+    Raises:
+        RuntimeError: more than one method claims the model.
+    """
+    from ..methods.registry import get_method_class, registered_methods
+
+    claims = {name: get_method_class(name).checkpoint_writer(model) for name in registered_methods()}
+    claims = {name: claim for name, claim in claims.items() if claim is not None}
+    if len(claims) > 1:
+        raise RuntimeError(f"methods {sorted(claims)} each need their own checkpoint writer for this model.")
+    return next(iter(claims.values()), None)
+
+
+def resolve_writer(function: str) -> Callable[..., str]:
+    """The writer function named ``"package.module:function"`` (see `CheckpointWriter`)."""
+    module, _, name = function.partition(":")
+    if not module or not name:
+        raise ValueError(f"a checkpoint writer is named 'package.module:function', got {function!r}.")
+    return getattr(importlib.import_module(module), name)
+
+
+def remote_code_loader(directory: str | Path) -> dict[str, Any] | None:
+    """How to load a checkpoint written with remote code: ``{"class": <Auto class>, "trust_remote_code": True}``
+    from the ``auto_map`` of its config.json; None for a checkpoint whose class in config.json says it all."""
+    config_path = Path(directory) / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    autos = [name for name in config.get("auto_map", {}) if name.startswith("AutoModel")]
+    return {"class": autos[0], "trust_remote_code": True} if autos else None
 
 
 #: tokenizer_config.json classes of transformers 5 that 4.x does not have, and the 4.x class that reads the same

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..methods.base import CardSection
 
 
 def render_model_card(report: dict[str, Any]) -> str:
@@ -36,20 +39,13 @@ def render_model_card(report: dict[str, Any]) -> str:
         lines.append(f"- Base model: `{base}`, a local checkpoint folder (not a Hub repo)")
     if report.get("plan_summary"):
         lines.append(f"- Plan: {report['plan_summary']}")
-    for stack, layout in (report.get("mlp_layout") or {}).items():
-        lines.append(
-            f"- {stack}: MLPs collapsed into one linear map in layers {layout['collapsed']}"
-            + (f", learned linearity alpha still in layers {layout['linearisable']}" if layout["linearisable"] else "")
-        )
     if merged:
         lines.append(f"- Merged groups (original 0-based layer indices): {merged}")
-    for group in report.get("ffn_groups") or []:
-        lines.append(f"- Feed-forward sublayers shared by layers {group['layers']} ({group.get('stack', 'decoder')})")
     dropped = sorted(set(range(plan.get("num_layers", 0))) - {i for g in groups for i in g})
     if dropped:
         lines.append(f"- Removed layers (original 0-based indices): {dropped}")
     lines += _correction_lines(report)
-    lines += _method_lines(report)
+    lines += [line for section in method_sections(report) for line in section.lines]
     lines.append(f"- Parameters: {describe_parameters(report)}")
     if calibration:
         lines.append(
@@ -117,33 +113,11 @@ def card_base_name(report: dict[str, Any]) -> tuple[str, bool]:
 
 
 def _summary(report: dict[str, Any]) -> str:
+    """The opening paragraph: a method's own (what its checkpoint holds beyond the layer count), else the generic."""
+    summary = next((section.summary for section in method_sections(report) if section.summary), None)
+    if summary is not None:
+        return summary
     architecture = report.get("architecture", "transformers")
-    if report.get("export_format") == "remote_code":
-        # LayerCollapse with per-layer MLP shapes: the modelling file beside the weights subclasses the stock class.
-        return (
-            f"This checkpoint is `{architecture}` with some MLPs collapsed into one linear map (or carrying a learned "
-            "linearity alpha), which no stock config can describe. The modelling file in this directory (listed in "
-            "config.json's `auto_map`) subclasses the stock class; load it with `trust_remote_code=True`. It needs "
-            "torch and transformers only, not optimum-flatten."
-        )
-    if report.get("export_format") == "stock":
-        return (
-            f"This is an ordinary `{architecture}` checkpoint whose MLPs are each one linear map (LayerCollapse), "
-            "stored as an MLP of width = hidden size with a linear activation and an identity down map. It loads "
-            "with plain `transformers`; optimum-flatten is not needed."
-        )
-    if report.get("ffn_groups"):
-        # ffn_merge keeps every layer; the file stores each shared MLP in full, so it loads anywhere.
-        groups = [g["layers"] for g in report["ffn_groups"]]
-        return (
-            f"This is an ordinary `{architecture}` checkpoint whose layers {groups} share their feed-forward "
-            "parameters. The stock format has no way to say that two layers use one MLP (its config gives every "
-            "layer its own, and `model.safetensors` stores no aliases), so each layer's copy is stored in full: "
-            "the file is as large as the base model's, and a plain `from_pretrained` loads as many parameters as "
-            "the base has. That is what makes it load with plain `transformers` and every tool built on it; "
-            "`optimum_flatten.methods.ffn_merge.retie_ffn_(model, report)` (with flatten_report.json) makes the "
-            "identical copies one tensor again, and only then is the model smaller, in memory."
-        )
     return (
         f"This is an ordinary `{architecture}` checkpoint with {report.get('num_layers_after', '?')} layers instead "
         f"of {report.get('num_layers_before', '?')}. It loads with plain `transformers`; optimum-flatten is not needed."
@@ -176,42 +150,29 @@ def _correction_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _method_lines(report: dict[str, Any]) -> list[str]:
-    """Lines the method itself adds (its `card_lines`); none for a method this version does not know."""
-    from ..methods.registry import get_method_class
-    from ..utils.errors import UnknownMethodError
+def method_sections(report: dict[str, Any]) -> list[CardSection]:
+    """Every registered method's `card_section` for `report`, the report's own method first, then by name.
 
-    try:
-        return list(get_method_class(str(report.get("method"))).card_lines(report))
-    except UnknownMethodError:
-        return []
+    Every method is asked because some entries describe the model rather than the run (a checkpoint written by a
+    method's writer after another method compressed it); each answers only from the entries it writes, so the card
+    names no method. A report of a method this version does not know gets the others' sections only.
+    """
+    from ..methods.registry import get_method_class, registered_methods
+
+    own = str(report.get("method"))
+    names = sorted(registered_methods(), key=lambda name: name != own)
+    sections = (get_method_class(name).card_section(report) for name in names)
+    return [section for section in sections if section is not None]
 
 
 def describe_parameters(report: dict[str, Any]) -> str:
     """The parameter counts of a report as a plain reload has them (the card's line and the CLI summary).
 
-    For ffn_merge the count after compression is the in-memory one (tied MLPs counted once), which a plain
-    `from_pretrained` does not have: the file stores each shared MLP in full. Its line gives what the file holds
-    and a plain reload loads first, then what `retie_ffn_` leaves in memory, so no reader takes the smaller number
-    for the checkpoint's size. Reports written before the method recorded its file count fall back to the count
-    before compression (ffn_merge changes no tensor shape).
+    A method whose checkpoint holds another count than the model in memory says so through its `card_section`
+    (its ``parameters``), so no reader takes the in-memory number for the checkpoint's size.
     """
     before, after = report.get("parameters_before"), report.get("parameters_after")
     if not isinstance(before, int) or not isinstance(after, int):
         return "see flatten_report.json"
-    if not report.get("ffn_groups"):
-        return f"{before:,} -> {after:,}"
-    in_file = report.get("ffn_parameters_in_file", before)
-    in_memory = report.get("ffn_parameters_in_memory", after)
-    text = f"{before:,} -> {in_file:,} in the checkpoint (model.safetensors, and a plain from_pretrained)"
-    if in_memory != in_file:
-        text += f"; {in_memory:,} in memory after retie_ffn_"
-    file_bytes, memory_bytes = report.get("ffn_bytes_in_file"), report.get("ffn_bytes_in_memory")
-    if isinstance(file_bytes, int) and isinstance(memory_bytes, int):
-        text += f" (weights {_megabytes(file_bytes)} in the file"
-        text += f", {_megabytes(memory_bytes)} in memory after retie_ffn_)" if memory_bytes != file_bytes else ")"
-    return text
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:,.1f} MB"
+    text = next((section.parameters for section in method_sections(report) if section.parameters), None)
+    return text if text is not None else f"{before:,} -> {after:,}"

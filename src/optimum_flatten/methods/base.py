@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -75,6 +75,33 @@ class MethodContext:
         return tqdm(total=total, desc=desc, disable=not self.progress, leave=False)
 
 
+@dataclass(frozen=True)
+class CheckpointWriter:
+    """How to write a model that a method left in a state the stock ``save_pretrained`` cannot describe.
+
+    Methods sit below the export layer, so a method names its writer by ``"module:function"`` (as transformers'
+    ``auto_map`` names remote code) instead of importing it; the exporter resolves it. The function is called as
+    ``function(model, directory, **save_kwargs)`` and returns the format it wrote (the report's ``export_format``).
+    """
+
+    #: ``"package.module:function"`` of the writer.
+    function: str
+    #: Entries the saved report gets (what the checkpoint holds that the stock config does not say).
+    report: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CardSection:
+    """What a method contributes to the model card, each part optional; the card itself names no method."""
+
+    #: Replaces the generic opening paragraph ("an ordinary checkpoint with N layers instead of M").
+    summary: str | None = None
+    #: Markdown list items under "What was done".
+    lines: tuple[str, ...] = ()
+    #: Replaces the generic "before -> after" parameter text (card and CLI summary).
+    parameters: str | None = None
+
+
 class CompressionMethod(ABC):
     """A depth-compression method.
 
@@ -97,16 +124,66 @@ class CompressionMethod(ABC):
     #: (compensation="scale") is refused for them before calibration.
     merges_layers: ClassVar[bool] = False
 
+    #: Whether ``from_pretrained(..., quantization_config=FlattenConfig(method=...))`` may run this method. A method
+    #: whose result needs more than ``save_pretrained`` (or a step between loading and compressing) says no, and
+    #: `compress_on_load_refusal` tells the user what to do instead.
+    supports_compress_on_load: ClassVar[bool] = True
+    #: Why compress-on-load is refused and what to run instead (shown after "cannot run inside from_pretrained: ").
+    compress_on_load_refusal: ClassVar[str] = ""
+    #: The option that lets this method change several stacks in one compression, as the one-stack refusal
+    #: suggests it (e.g. ``"sync_stacks=True to ..."``); None for a method that compresses one stack.
+    multi_stack_option: ClassVar[str | None] = None
+    #: File patterns this method's `checkpoint_writer` adds to a checkpoint folder (beside transformers' files), so
+    #: that a save over an existing checkpoint replaces or removes them like the rest of the checkpoint.
+    checkpoint_files: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
-        #: True when the method merges every stack of the model itself in one compression (ffn_merge with
-        #: sync_stacks); the quantizer then hands it all stacks instead of one.
-        self.spans_stacks = False
+
+    def stacks_to_compress(self, adapter: Any, requested: Sequence[str]) -> list[str]:
+        """The stacks this compression changes, from the `requested` ones (``FlattenConfig.stacks``, else every
+        stack of the model; the quantizer has checked that they exist). The quantizer plans on the last one.
+
+        The default compresses exactly one stack. A method that changes several stacks itself overrides this, so
+        the driver holds no method's stack policy.
+
+        Raises:
+            ValueError: more than one stack requested, naming the methods that can take several.
+        """
+        if len(requested) != 1:
+            raise ValueError(
+                f"this version compresses one stack at a time, got stacks={list(requested)}; pass one of them"
+                f"{_multi_stack_hint()}."
+            )
+        return [requested[0]]
+
+    @classmethod
+    def checkpoint_writer(cls, model: Any) -> CheckpointWriter | None:
+        """The writer for `model` when it carries this method's changes in a form ``save_pretrained`` cannot
+        describe; None (the default) when a plain ``save_pretrained`` writes it.
+
+        Asked of every registered method at save time, since the state lives in the model, whichever method's
+        report is being saved.
+        """
+        return None
 
     @classmethod
     def card_lines(cls, report: dict[str, Any]) -> list[str]:
-        """Markdown list items the model card adds under "What was done" for this method (default: none)."""
+        """Markdown list items the model card adds under "What was done" for this method (default: none).
+
+        The shorthand of `card_section` for a method that adds list items only.
+        """
         return []
+
+    @classmethod
+    def card_section(cls, report: dict[str, Any]) -> CardSection | None:
+        """This method's part of the model card for `report`, or None when the report carries none of its entries.
+
+        The card asks every registered method (the report's own first), so each one answers only from the entries
+        it writes. The default wraps `card_lines`.
+        """
+        lines = tuple(cls.card_lines(report))
+        return CardSection(lines=lines) if lines else None
 
     def preflight(self, adapter: Any, stack: str) -> None:
         """Refuses, before calibration and before any weight changes, a model this method cannot compress.
@@ -122,6 +199,18 @@ class CompressionMethod(ABC):
     @abstractmethod
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
         """Changes the model so that its stack becomes `plan` (before renumbering and config update)."""
+
+
+def _multi_stack_hint() -> str:
+    """`` (NAME also takes OPTION)`` for every registered method that can change several stacks, else ``""``."""
+    from .registry import get_method_class, registered_methods
+
+    hints = [
+        f"{name} also takes {option}"
+        for name in registered_methods()
+        if (option := get_method_class(name).multi_stack_option)
+    ]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def apply_layer_drop_(adapter: Any, plan: LayerPlan) -> None:

@@ -46,7 +46,7 @@ from ..ops.ffn_alignment import (
 )
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext
+from .base import CardSection, CompressionMethod, MethodContext
 from .ffn_tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
 from .registry import register_method
 
@@ -364,6 +364,30 @@ def _room(num_layers: int, used: set[int], k: int) -> int:
     return room
 
 
+def _parameters_text(report: Mapping[str, Any]) -> str | None:
+    """The parameter counts as a plain reload has them: the file stores each shared MLP in full, so what it holds
+    (and a plain `from_pretrained` loads) comes first, then what `retie_ffn_` leaves in memory, so no reader takes
+    the smaller number for the checkpoint's size. Reports written before the method recorded its file count fall
+    back to the count before compression (this method changes no tensor shape). None without both counts."""
+    before, after = report.get("parameters_before"), report.get("parameters_after")
+    if not isinstance(before, int) or not isinstance(after, int):
+        return None
+    in_file = report.get("ffn_parameters_in_file", before)
+    in_memory = report.get("ffn_parameters_in_memory", after)
+    text = f"{before:,} -> {in_file:,} in the checkpoint (model.safetensors, and a plain from_pretrained)"
+    if in_memory != in_file:
+        text += f"; {in_memory:,} in memory after retie_ffn_"
+    file_bytes, memory_bytes = report.get("ffn_bytes_in_file"), report.get("ffn_bytes_in_memory")
+    if isinstance(file_bytes, int) and isinstance(memory_bytes, int):
+        text += f" (weights {_megabytes(file_bytes)} in the file"
+        text += f", {_megabytes(memory_bytes)} in memory after retie_ffn_)" if memory_bytes != file_bytes else ")"
+    return text
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB"
+
+
 # ---------------------------------------------------------------------------------------------- the method
 @register_method("ffn_merge")
 class FfnMergeMethod(CompressionMethod):
@@ -374,14 +398,52 @@ class FfnMergeMethod(CompressionMethod):
     required_capabilities = frozenset()
     #: Read by FlattenConfig and FlattenQuantizer: no layer count target, and the plan must be the identity.
     keeps_depth: ClassVar[bool] = True
+    multi_stack_option: ClassVar[str | None] = "sync_stacks=True to merge the same windows in every stack"
     config: FfnMergeConfig
 
     def __init__(self, config: FfnMergeConfig) -> None:
         super().__init__(config)
-        #: Read by FlattenQuantizer: with sync_stacks the method merges every stack itself in one compression.
-        self.spans_stacks = config.sync_stacks
         self._windows: list[Window] | None = None
         self._scorers: dict[str, WindowScorer] = {}
+
+    # ------------------------------------------------------------------------------------- lifecycle hooks
+    def stacks_to_compress(self, adapter: Any, requested: Sequence[str]) -> list[str]:
+        """With `sync_stacks` the method merges every stack itself in one compression, so it must be handed all of
+        them (the quantizer then reports the identity plan on the model's last stack); else one stack, as usual."""
+        if not self.config.sync_stacks:
+            return super().stacks_to_compress(adapter, requested)
+        if sorted(requested) != sorted(adapter.stacks()):
+            raise ValueError(
+                f"method {self.name!r} with sync_stacks=True merges every stack {adapter.stacks()} in one "
+                f"compression, got stacks={list(requested)}; leave stacks unset, or drop sync_stacks to merge one "
+                "stack."
+            )
+        return list(adapter.stacks())
+
+    @classmethod
+    def card_section(cls, report: dict[str, Any]) -> CardSection | None:
+        """The shared sublayers, why the file is as large as the base model's, and its two parameter counts.
+
+        Read from ``ffn_groups`` (and the ``ffn_*`` counts) whatever the report's method, as the card always did.
+        """
+        if not report.get("ffn_groups"):
+            return None
+        architecture = report.get("architecture", "transformers")
+        groups = [g["layers"] for g in report["ffn_groups"]]
+        summary = (
+            f"This is an ordinary `{architecture}` checkpoint whose layers {groups} share their feed-forward "
+            "parameters. The stock format has no way to say that two layers use one MLP (its config gives every "
+            "layer its own, and `model.safetensors` stores no aliases), so each layer's copy is stored in full: "
+            "the file is as large as the base model's, and a plain `from_pretrained` loads as many parameters as "
+            "the base has. That is what makes it load with plain `transformers` and every tool built on it; "
+            f"`optimum_flatten.methods.{cls.name}.retie_ffn_(model, report)` (with flatten_report.json) makes the "
+            "identical copies one tensor again, and only then is the model smaller, in memory."
+        )
+        lines = tuple(
+            f"- Feed-forward sublayers shared by layers {group['layers']} ({group.get('stack', 'decoder')})"
+            for group in report["ffn_groups"]
+        )
+        return CardSection(summary=summary, lines=lines, parameters=_parameters_text(report))
 
     @property
     def _scorer(self) -> WindowScorer | None:

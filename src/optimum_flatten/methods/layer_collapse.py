@@ -41,7 +41,7 @@ from ..ops.parametric_activations import ParametricActivation, make_parametric_a
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext
+from .base import CardSection, CheckpointWriter, CompressionMethod, MethodContext
 from .registry import register_method
 
 logger = logging.getLogger(__name__)
@@ -403,6 +403,26 @@ def collapse_prepared_mlps_(
     return _collapse_record(adapter, stack, sorted(targets), threshold, errors)
 
 
+def _card_summary(report: Mapping[str, Any]) -> str | None:
+    """The card's opening paragraph for the format the export wrote; None (the generic one) for any other."""
+    architecture = report.get("architecture", "transformers")
+    if report.get("export_format") == "remote_code":
+        # Per-layer MLP shapes: the modelling file beside the weights subclasses the stock class.
+        return (
+            f"This checkpoint is `{architecture}` with some MLPs collapsed into one linear map (or carrying a learned "
+            "linearity alpha), which no stock config can describe. The modelling file in this directory (listed in "
+            "config.json's `auto_map`) subclasses the stock class; load it with `trust_remote_code=True`. It needs "
+            "torch and transformers only, not optimum-flatten."
+        )
+    if report.get("export_format") == "stock":
+        return (
+            f"This is an ordinary `{architecture}` checkpoint whose MLPs are each one linear map (LayerCollapse), "
+            "stored as an MLP of width = hidden size with a linear activation and an identity down map. It loads "
+            "with plain `transformers`; optimum-flatten is not needed."
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- the method
 @register_method("layer_collapse")
 class LayerCollapseMethod(CompressionMethod):
@@ -416,7 +436,48 @@ class LayerCollapseMethod(CompressionMethod):
     config_class = LayerCollapseConfig
     keeps_depth: ClassVar[bool] = True
     required_capabilities = frozenset()
+    # Collapsed MLPs have per-layer shapes that model.save_pretrained cannot describe; and LayerCollapse needs a
+    # training run between loading and collapsing anyway.
+    supports_compress_on_load: ClassVar[bool] = False
+    compress_on_load_refusal: ClassVar[str] = (
+        "it collapses MLPs whose alpha a training run brought to 1, and the result needs optimum-flatten's export "
+        "(model.save_pretrained would write a config that does not describe it). Load the model, train it "
+        "(prepare_layer_collapse_, build_layer_collapse_trainer), then FlattenQuantizer(config).compress(model, "
+        "tokenizer) and FlattenQuantizer.save(model, path)."
+    )
+    #: The writer of models with collapsed or linearisable MLPs: the stock format when the family's config can
+    #: describe them, else remote code (it sits in the export layer, above methods, hence named, not imported).
+    checkpoint_writer_path: ClassVar[str] = "optimum_flatten.export.layer_collapse:write_layer_collapse_model"
+    #: The remote-code modelling file that writer adds (`export.layer_collapse_remote`).
+    checkpoint_files: ClassVar[tuple[str, ...]] = ("modeling_layer_collapse_*.py",)
     config: LayerCollapseConfig
+
+    # ------------------------------------------------------------------------------------- lifecycle hooks
+    @classmethod
+    def checkpoint_writer(cls, model: Any) -> CheckpointWriter | None:
+        """The LayerCollapse writer, with the MLP layout for the report, when any MLP of any stack is collapsed or
+        still carries an α (whichever method's report is saved: the state is in the model); else None."""
+        adapter = get_adapter(model)
+        layout = {}
+        for stack in adapter.stacks():
+            collapsed, linearisable = collapsed_mlp_indices(adapter, stack), sorted(prepared_mlps(adapter, stack))
+            layout[stack] = {"collapsed": collapsed, "linearisable": linearisable}
+        if not any(entry["collapsed"] or entry["linearisable"] for entry in layout.values()):
+            return None
+        return CheckpointWriter(function=cls.checkpoint_writer_path, report={"mlp_layout": layout})
+
+    @classmethod
+    def card_section(cls, report: dict[str, Any]) -> CardSection | None:
+        """Which MLPs are one linear map (from ``mlp_layout``) and how the written format loads (``export_format``)."""
+        layouts = report.get("mlp_layout") or {}
+        if not layouts:
+            return None
+        lines = tuple(
+            f"- {stack}: MLPs collapsed into one linear map in layers {layout['collapsed']}"
+            + (f", learned linearity alpha still in layers {layout['linearisable']}" if layout["linearisable"] else "")
+            for stack, layout in layouts.items()
+        )
+        return CardSection(summary=_card_summary(report), lines=lines)
 
     def __init__(self, config: LayerCollapseConfig) -> None:
         super().__init__(config)
