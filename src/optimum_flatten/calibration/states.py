@@ -154,13 +154,7 @@ class CalibratedStates:
         self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], tokens: TokenChoice = "last"
     ) -> float:
         """Mean of arccos(cos(a_t, b_t)) / π over the chosen tokens (Gromov et al.'s block distance, in [0, 1])."""
-        total, count = 0.0, 0
-        for x, y, mask in zip(a, b, self.masks, strict=True):
-            cos = cosine_rows(x, y, mask, tokens).clamp(-1.0, 1.0)
-            total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
-        if count == 0:
-            raise ValueError("no calibration token is unmasked: cannot compare states.")
-        return total / count
+        return mean_angle(a, b, self.masks, tokens)
 
 
 def check_scoring_batches(value: Any) -> None:
@@ -225,11 +219,19 @@ def next_token_nll(
     return total / count
 
 
-def mean_angle(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None]) -> float:
-    """Mean arccos(cos(a_t, b_t)) / π over every real token of per-batch states (padding excluded), in [0, 1]."""
+def mean_angle(
+    a: Sequence[torch.Tensor],
+    b: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor | None],
+    tokens: TokenChoice = "all",
+) -> float:
+    """Mean arccos(cos(a_t, b_t)) / π over the chosen real tokens of per-batch states (padding excluded), in [0, 1].
+
+    A function as well as the engine's method, for states a search holds on only some of the batches.
+    """
     total, count = 0.0, 0
     for x, y, mask in zip(a, b, masks, strict=True):
-        cos = cosine_rows(x, y, mask, "all").clamp(-1.0, 1.0)
+        cos = cosine_rows(x, y, mask, tokens).clamp(-1.0, 1.0)
         total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
     if count == 0:
         raise ValueError("no calibration token is unmasked: cannot compare states.")

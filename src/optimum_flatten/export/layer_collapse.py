@@ -157,14 +157,6 @@ def write_layer_collapse_model(
     return chosen
 
 
-def loader_for(directory: str | Path) -> dict[str, Any] | None:
-    """How to load a written remote-code checkpoint: ``{"class": <Auto class>, "trust_remote_code": True}``; None
-    for a stock one (its class in config.json says it all)."""
-    config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
-    autos = [name for name in config.get("auto_map", {}) if name.startswith("AutoModel")]
-    return {"class": autos[0], "trust_remote_code": True} if autos else None
-
-
 def save_layer_collapse(
     model: nn.Module,
     output_dir: str | Path,
@@ -240,7 +232,6 @@ __all__ = [
     "check_export",
     "layer_collapse_state",
     "layer_collapse_states",
-    "loader_for",
     "save_layer_collapse",
     "stock_format_problem",
     "write_layer_collapse_model",

@@ -74,6 +74,7 @@ class GreedyReplaceMethod(CompressionMethod):
     def __init__(self, config: GreedyReplaceConfig) -> None:
         super().__init__(config)
         self._maps: list[tuple[int, torch.Tensor]] = []
+        self._head_weights = 0
 
     def preflight(self, adapter: Any, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'greedy_replace'")
@@ -89,6 +90,7 @@ class GreedyReplaceMethod(CompressionMethod):
         num_layers = len(layers)
         limit = self.config.scoring_batches or runner.num_batches
         scored = list(context.batches)[:limit]
+        self._head_weights = count_parameters(adapter.lm_head(context.stack))  # the work of one head row
         modules: dict[int, torch.nn.Module] = {}  # private copies of layers that received a map
         kept = list(range(num_layers))
         steps: list[dict[str, Any]] = []
@@ -166,8 +168,8 @@ class GreedyReplaceMethod(CompressionMethod):
                 )
                 yield "replace", position, index, transform, start
 
-    @staticmethod
     def _score(
+        self,
         adapter: Any,
         runner: Any,
         layers: list[torch.nn.Module],
@@ -182,8 +184,7 @@ class GreedyReplaceMethod(CompressionMethod):
         current = start
         for later in kept[position + 1 :]:
             current = runner.run(modules.get(later, layers[later]), later, current)
-        head_weights = count_parameters(adapter.lm_head(context.stack))
-        context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
+        context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
         return next_token_nll(adapter, current, scored, context.stack)
 
     def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
