@@ -2,10 +2,14 @@
 
 Layers, lowest first (a module may import its own layer and those below):
   utils, ops  <  registry of methods (methods/registry.py, a plugin table)  <  config, bundled  <  calibration
-  <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  quantizer  <  integration  <  estimate
-  <  cli, package root. Only the command line imports the estimator (`test_only_the_cli_imports_the_estimator`).
-The method registry loads the built-in methods lazily (plugin discovery, like transformers' auto mappings); that one
-upward import, inside a function, is the only exception and is listed here by name.
+  <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
+  (methods/layer_collapse/, which writes its own checkpoints with the generic export)  <  quantizer  <  integration
+  <  estimate  <  cli, package root. Only the command line imports the estimator
+(`test_only_the_cli_imports_the_estimator`), and nothing but the plugin list and the command line imports the
+LayerCollapse package (`test_nothing_outside_it_imports_the_layer_collapse_package`): export, recovery, adapters and
+the quantizer reach it through the method registry and the method hooks only.
+The method registry loads the built-in methods lazily (plugin discovery, like transformers' auto mappings); those
+upward imports, inside a function, are the only exceptions and are listed here by name.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ LAYERS = [
     {"recovery"},
     {"evaluation"},
     {"export"},
+    {"methods.layer_collapse"},
     {"quantizer"},
     {"integration"},
     {"estimate"},
@@ -37,14 +42,22 @@ LAYERS = [
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: (importing module, imported part): lazy imports that go up on purpose.
-ALLOWED_UPWARD = {("methods/registry.py", "methods")}
+ALLOWED_UPWARD = {("methods/registry.py", "methods"), ("methods/__init__.py", "methods.layer_collapse")}
+#: The packages of methods that sit in their own layer (above the generic export they write checkpoints with).
+METHOD_PACKAGES = {"layer_collapse"}
 
 
 def _part(parts: list[str]) -> str:
-    """The layer a module path belongs to (``methods/registry`` is its own layer)."""
-    if parts[:2] == ["methods", "registry"]:
-        return "methods.registry"
+    """The layer a module path belongs to (``methods/registry`` and each method package are their own layer)."""
+    if parts[:1] == ["methods"] and len(parts) > 1 and (parts[1] == "registry" or parts[1] in METHOD_PACKAGES):
+        return f"methods.{parts[1]}"
     return parts[0] if parts else "__init__"
+
+
+def _is_module(parts: list[str]) -> bool:
+    """Whether `parts` name a module or package of this source tree (``from ..methods import sleb`` names one)."""
+    path = ROOT.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
@@ -55,10 +68,14 @@ def _imports(path: Path) -> list[tuple[str, int]]:
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - (node.level - 1)]
             target = base + (node.module.split(".") if node.module else [])
-            names = [[*target, alias.name] for alias in node.names] if not node.module else [target]
+            names = [[*target, alias.name] for alias in node.names]
+            names = [name if not node.module or _is_module(name) else target for name in names]
             found += [(_part(t) if t else "__init__", node.lineno) for t in names]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("optimum_flatten."):
             found.append((_part(node.module.split(".")[1:]), node.lineno))
+        elif isinstance(node, ast.Import):
+            modules = [alias.name.split(".")[1:] for alias in node.names if alias.name.startswith("optimum_flatten.")]
+            found += [(_part(module), node.lineno) for module in modules]
     return found
 
 
@@ -89,6 +106,46 @@ def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
     assert _violations() == ["adapters/bad.py:1 (adapters) imports quantizer, which sits above it"]
 
 
+def test_the_checker_sees_the_export_importing_a_method_package(tmp_path, monkeypatch):
+    """Both spellings: the package's module by path, and the package as a name imported from ``methods``."""
+    fake = tmp_path / "optimum_flatten"
+    (fake / "export").mkdir(parents=True)
+    (fake / "methods" / "layer_collapse").mkdir(parents=True)
+    (fake / "methods" / "layer_collapse" / "__init__.py").write_text("")
+    (fake / "export" / "bad.py").write_text(
+        "from ..methods.layer_collapse import save_layer_collapse\nfrom ..methods import layer_collapse\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert _violations() == [
+        "export/bad.py:1 (export) imports methods.layer_collapse, which sits above it",
+        "export/bad.py:2 (export) imports methods.layer_collapse, which sits above it",
+    ]
+
+
+def test_nothing_outside_it_imports_the_layer_collapse_package():
+    """Export, recovery, adapters and the quantizer ask the method registry and its hooks (the checkpoint writer,
+    the adoption of a reloaded model) instead of naming the package; only the plugin list and the CLI import it."""
+    package = ROOT / "methods" / "layer_collapse"
+    importers = {
+        str(path.relative_to(ROOT))
+        for path in ROOT.rglob("*.py")
+        if package not in path.parents and any(target == "methods.layer_collapse" for target, _ in _imports(path))
+    }
+    assert importers <= {"methods/__init__.py", "cli/main.py", "cli/options.py"}, importers
+
+
+def test_ops_holds_no_module_classes():
+    """ops/ is pure tensor maths: an nn.Module (or Parameter) subclass belongs to the method that uses it."""
+    found = []
+    for path in sorted((ROOT / "ops").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(base) for base in node.bases]
+                if any(base.split(".")[-1] in {"Module", "Parameter"} for base in bases):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(bases)})")
+    assert found == []
+
+
 def test_only_the_cli_imports_the_estimator():
     """The estimator reads config, adapters and methods; nothing but the command line may depend on it."""
     importers = {
@@ -108,6 +165,7 @@ def test_only_the_cli_imports_the_estimator():
         "calibration",
         "adapters",
         "methods",
+        "methods.layer_collapse",
         "evaluation",
         "export",
         "quantizer",

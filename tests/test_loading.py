@@ -39,8 +39,11 @@ def test_model_card_says_how_to_load_a_non_causal_model():
 def test_load_pretrained_resolves_a_remote_code_checkpoint_through_its_auto_map(tmp_path):
     """A partly collapsed BertForMaskedLM is written with remote code; load_pretrained goes through the Auto class
     its auto_map lists (AutoModelForMaskedLM, not AutoModelForCausalLM) and gets equal logits."""
-    from optimum_flatten.export.layer_collapse import save_layer_collapse
-    from optimum_flatten.methods.layer_collapse import collapse_prepared_mlps_, prepare_layer_collapse_
+    from optimum_flatten.methods.layer_collapse import (
+        collapse_prepared_mlps_,
+        prepare_layer_collapse_,
+        save_layer_collapse,
+    )
 
     model = tiny_models.tiny_bert()
     for activation in prepare_layer_collapse_(model, num_mlps=2).values():

@@ -24,15 +24,17 @@ from optimum_flatten.export.checkpoint import (
     REPORT_NAME,
     is_checkpoint_file,
     method_checkpoint_writer,
-    resolve_writer,
     save_compressed,
 )
-from optimum_flatten.export.layer_collapse import write_layer_collapse_model
 from optimum_flatten.export.model_card import describe_parameters, method_sections, render_model_card
 from optimum_flatten.integration import FlattenHfQuantizer
 from optimum_flatten.methods.base import CardSection, CheckpointWriter, CompressionMethod
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod
-from optimum_flatten.methods.layer_collapse import LayerCollapseMethod, prepare_layer_collapse_
+from optimum_flatten.methods.layer_collapse import (
+    LayerCollapseMethod,
+    prepare_layer_collapse_,
+    write_layer_collapse_model,
+)
 from optimum_flatten.methods.registry import get_method_class, registered_methods
 from optimum_flatten.methods.shortgpt import ShortGPTMethod
 from optimum_flatten.methods.sleb import SLEBMethod
@@ -43,11 +45,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 
 # ------------------------------------------------------------------------------------- no driver names a method
 def _driver_modules() -> list[Path]:
-    """The orchestrator, compress-on-load and the generic exporter. A module of export/ named after a method
-    (``<method>.py``, ``<method>_*.py``) is that method's own export code, not a driver."""
-    names = registered_methods()
-    owned = [p for p in (SRC / "export").glob("*.py") if any(re.fullmatch(rf"{n}(_\w+)?", p.stem) for n in names)]
-    return [SRC / "quantizer.py", SRC / "integration.py", *sorted(set((SRC / "export").glob("*.py")) - set(owned))]
+    """The orchestrator, compress-on-load and the generic exporter (every module of export/: a method's own export
+    code lives in the method's package, as LayerCollapse's does)."""
+    return [SRC / "quantizer.py", SRC / "integration.py", *sorted((SRC / "export").glob("*.py"))]
 
 
 def _method_mentions(text: str, names: list[str]) -> list[str]:
@@ -208,11 +208,11 @@ def test_layer_collapse_claims_only_a_model_with_its_mlps():
     assert claim == LayerCollapseMethod.checkpoint_writer(model)
     linearisable = claim.report["mlp_layout"][get_adapter(model).stacks()[0]]["linearisable"]
     assert len(linearisable) == 2 and claim.report["mlp_layout"][get_adapter(model).stacks()[0]]["collapsed"] == []
-    assert resolve_writer(claim.function) is write_layer_collapse_model
+    assert claim.function is write_layer_collapse_model  # the package's own writer, no dotted name
 
 
 def test_save_uses_the_writer_a_method_names_with_its_report_entries(tmp_path, monkeypatch):
-    writer = CheckpointWriter(function=f"{__name__}:_fake_writer", report={"fake_layout": [1, 2]})
+    writer = CheckpointWriter(function=_fake_writer, report={"fake_layout": [1, 2]})
     monkeypatch.setattr(SLEBMethod, "checkpoint_writer", classmethod(lambda cls, model: writer))
     path = save_compressed(tiny_models.tiny_llama_mha(), tmp_path / "out", report={"method": "shortgpt"})
     report = json.loads((path / REPORT_NAME).read_text())
@@ -221,16 +221,11 @@ def test_save_uses_the_writer_a_method_names_with_its_report_entries(tmp_path, m
 
 
 def test_two_methods_claiming_one_model_is_refused(monkeypatch):
-    writer = CheckpointWriter(function=f"{__name__}:_fake_writer")
+    writer = CheckpointWriter(function=_fake_writer)
     for method_class in (SLEBMethod, ShortGPTMethod):
         monkeypatch.setattr(method_class, "checkpoint_writer", classmethod(lambda cls, model: writer))
     with pytest.raises(RuntimeError, match=r"methods \['shortgpt', 'sleb'\] each need their own checkpoint writer"):
         method_checkpoint_writer(tiny_models.tiny_llama_mha())
-
-
-def test_resolve_writer_refuses_a_malformed_name():
-    with pytest.raises(ValueError, match=r"package\.module:function"):
-        resolve_writer("no_function_here")
 
 
 def test_checkpoint_files_of_methods_are_part_of_the_checkpoint(monkeypatch):

@@ -213,13 +213,12 @@ def layer_collapse_training(
     trained: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Prepares the last `num_mlps` MLPs and trains them to the identity with the library's two-phase AdamLC
-    schedule (`recovery.layer_collapse_training.train_to_linear`; see its `LinearisationSchedule`).
+    schedule (`optimum_flatten.methods.layer_collapse.train_to_linear`; see its `LinearisationSchedule`).
 
     `trained` is what the Trainer runs (default `model`): a wrapper around `model` that computes the loss, for a
     model whose forward has none (a sentence encoder trained to keep its embeddings).
     """
-    from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-    from optimum_flatten.recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
+    from optimum_flatten.methods.layer_collapse import LinearisationSchedule, prepare_layer_collapse_, train_to_linear
 
     alphas = prepare_layer_collapse_(model, num_mlps=num_mlps)
     schedule = LinearisationSchedule(
@@ -236,7 +235,7 @@ def layer_collapse_training(
 
 def snap_alpha_(model: nn.Module) -> None:
     """Sets every prepared α to exactly 1 without training: the abrupt linearisation, for comparison."""
-    from optimum_flatten.recovery.layer_collapse_training import parametric_activations
+    from optimum_flatten.methods.layer_collapse import parametric_activations
 
     with torch.no_grad():
         for _, module in parametric_activations(model):
@@ -261,7 +260,7 @@ def sentence_embeddings(
     model: nn.Module, tokenizer: Any, sentences: Sequence[str], max_length: int, layer: int | None = None
 ) -> torch.Tensor:
     """Mean pooling over real tokens, then L2 normalisation (sentence-transformers' recipe for this model)."""
-    from optimum_flatten.recovery.layer_collapse_training import mean_pooled
+    from optimum_flatten.methods.layer_collapse import mean_pooled
 
     outputs = []
     for start in range(0, len(sentences), 64):
@@ -431,8 +430,7 @@ def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
         }
 
     def layer_collapse(num_mlps: int, train: bool) -> Callable[[], dict[str, Any]]:
-        from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-        from optimum_flatten.recovery.layer_collapse_training import KeepEmbeddings
+        from optimum_flatten.methods.layer_collapse import KeepEmbeddings, prepare_layer_collapse_
 
         def body() -> dict[str, Any]:
             model = copy.deepcopy(dense_model)

@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _setup import parse
 
 from optimum_flatten import FlattenConfig, FlattenQuantizer
-from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
-from optimum_flatten.recovery.layer_collapse_training import (
+from optimum_flatten.methods.layer_collapse import (
     KeepEmbeddings,
     LinearisationSchedule,
     mean_pooled,
+    prepare_layer_collapse_,
     train_to_linear,
 )
 from optimum_flatten.utils.torch_utils import count_parameters

@@ -68,8 +68,7 @@ def test_compress_collapses_a_remote_code_checkpoint_saved_mid_training(tiny_che
     from transformers import GPT2LMHeadModel
 
     from common import assert_close, logits, sample_ids
-    from optimum_flatten.export.layer_collapse import save_layer_collapse
-    from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_
+    from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_, save_layer_collapse
 
     model = tiny_models.tiny_gpt2()
     for activation in prepare_layer_collapse_(model, num_mlps=6).values():

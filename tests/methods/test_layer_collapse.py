@@ -15,20 +15,17 @@ from common import assert_close, compress, logits, reload_with_remote_code, samp
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.export.checkpoint import REPORT_NAME
-from optimum_flatten.export.layer_collapse import save_layer_collapse
 from optimum_flatten.methods.layer_collapse import (
+    CollapseAlpha,
     LayerCollapseConfig,
+    build_layer_collapse_trainer,
     collapse_prepared_mlps_,
     prepare_layer_collapse_,
     prepared_mlps,
+    save_layer_collapse,
 )
-from optimum_flatten.ops import CollapseAlpha
-from optimum_flatten.recovery.layer_collapse_training import (
-    ALPHA_LOG_PREFIX,
-    NotCollapsibleError,
-    build_layer_collapse_trainer,
-)
-from optimum_flatten.utils.errors import InvalidTargetError, UnsupportedArchitectureError
+from optimum_flatten.methods.layer_collapse.training import ALPHA_LOG_PREFIX
+from optimum_flatten.utils.errors import InvalidTargetError, NotCollapsibleError, UnsupportedArchitectureError
 from optimum_flatten.utils.torch_utils import count_parameters
 
 NUM_LAYERS, HIDDEN, INNER = 6, 32, 48

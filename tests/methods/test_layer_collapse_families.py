@@ -18,8 +18,13 @@ import tiny_models
 from common import assert_close, compress, reload_with_remote_code, sample_ids
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.export.checkpoint import REPORT_NAME, save_compressed
-from optimum_flatten.export.layer_collapse import LayerCollapseExportError, save_layer_collapse
-from optimum_flatten.methods.layer_collapse import collapse_prepared_mlps_, prepare_layer_collapse_, prepared_mlps
+from optimum_flatten.methods.layer_collapse import (
+    LayerCollapseExportError,
+    collapse_prepared_mlps_,
+    prepare_layer_collapse_,
+    prepared_mlps,
+    save_layer_collapse,
+)
 from optimum_flatten.utils.torch_utils import count_parameters
 
 HIDDEN = 32

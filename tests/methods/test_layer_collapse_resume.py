@@ -15,10 +15,14 @@ from transformers import AutoModel, AutoModelForCausalLM, BertModel, GPT2LMHeadM
 import tiny_models
 from common import assert_close, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
-from optimum_flatten.export.layer_collapse import save_layer_collapse
-from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_, prepared_mlps
-from optimum_flatten.ops import CollapseAlpha, ParametricActivation
-from optimum_flatten.recovery.layer_collapse_training import parametric_activations
+from optimum_flatten.methods.layer_collapse import (
+    CollapseAlpha,
+    ParametricActivation,
+    parametric_activations,
+    prepare_layer_collapse_,
+    prepared_mlps,
+    save_layer_collapse,
+)
 from optimum_flatten.utils.torch_utils import count_parameters
 
 

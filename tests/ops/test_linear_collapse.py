@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from common import assert_close
+from optimum_flatten.methods.layer_collapse import make_parametric_activation
 from optimum_flatten.ops import (
     BatchNormStats,
     collapse_error,
     collapse_error_bound,
     collapse_linear_pair,
     fold_batchnorm_into_linear,
-    make_parametric_activation,
 )
 
 IN, HIDDEN, OUT = 5, 7, 4

@@ -34,21 +34,24 @@ def registered_adapters() -> dict[str, type]:
 def get_adapter(model: nn.Module):
     """The adapter for `model`, bound to that instance.
 
-    A model reloaded from a remote-code LayerCollapse checkpoint gets its stock family's adapter, and its α
-    activations become `ParametricActivation`s again (`adapters.reloaded`), so it can be trained and compressed on.
+    A model reloaded from a method's remote-code checkpoint (a ``"<stock>_<variant>"`` subclass of a stock class)
+    gets its stock family's adapter, after every registered method has adopted what it stored in the file's own
+    modules (`adapters.reloaded`): a reloaded LayerCollapse model gets its α activations back, so it can be trained
+    and compressed on.
 
     Raises:
         UnsupportedArchitectureError: when no adapter serves ``model.config.model_type`` (no silent fallback).
     """
-    from .reloaded import adopt_reloaded_, stock_model_type
+    from .reloaded import adopt_remote_code_, stock_model_type
 
     config = getattr(model, "config", None)
-    model_type = stock_model_type(config)  # a reloaded remote-code LayerCollapse model is served as its stock type
+    model_type = stock_model_type(config)
     cls = _ADAPTERS.get(model_type)
     if cls is None:
         raise UnsupportedArchitectureError(
             f"no adapter for model_type {model_type!r} ({type(model).__name__}). Supported model types: "
             f"{supported_model_types()}. To add one, see docs/contributing/adding_an_architecture.md."
         )
-    adopt_reloaded_(model)
+    if model_type != getattr(config, "model_type", None):  # a remote-code variant of the stock family
+        adopt_remote_code_(model)
     return cls(model)

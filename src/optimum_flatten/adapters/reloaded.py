@@ -1,46 +1,38 @@
-"""Models reloaded from optimum-flatten's own remote-code LayerCollapse checkpoints, served by the stock adapter.
+"""Models reloaded from a method's remote-code checkpoint: served by the adapter of the stock class they subclass.
 
-A partly collapsed (or mid-training) LayerCollapse model is saved with a modelling file that subclasses the stock
-class (`export.layer_collapse_remote`): ``config.model_type`` is ``"<stock>_layer_collapse"``, the module layout is
-the stock one except at the paths listed in ``config.layer_collapse``, and each α activation is the file's own
-``LinearisableActivation`` (it may not import optimum_flatten). To train, compress or save such a model again:
-
-- the adapter registry looks the stock model type up (`stock_model_type`);
-- `adopt_reloaded_` swaps each file-defined α activation for a `ParametricActivation` around the same base
-  activation with the same α value. Both compute ``lerp(f(x), x, clamp(α, 0, 1))`` and keep the state-dict names
-  (``...alpha``, ``...base``), so the function and the checkpoint layout do not change; what changes is that
-  `LayerCollapseTrainer`, `AdamLC` (which tells α from weights by its parameter type) and the export see them.
-- the export writes the stock classes again (`stock_classes`), never the file's subclasses.
-
-`get_adapter` adopts automatically, so `prepare_layer_collapse_`, `FlattenQuantizer.compress` and `save_compressed`
-work on the reloaded model as on the in-memory one.
+A method whose result no stock config describes saves it with a modelling file that subclasses the stock config and
+model classes and names its model_type ``"<stock>_<variant>"`` (LayerCollapse writes ``"gpt2_layer_collapse"``).
+The module layout is the stock one except where the file rewrites it, so the stock family's adapter serves it
+(`stock_model_type`); what the file changed back into the method's in-memory form is the method's business, so
+`get_adapter` asks every registered method (`adopt_remote_code_`, through the method registry, which sits below the
+adapters) and names none. An export writes the stock classes again (`stock_classes`), never the file's subclasses.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
-
-#: config.json key holding the module paths the modelling file rewrites.
-CONFIG_KEY = "layer_collapse"
-#: Suffix of the model_type of a remote-code LayerCollapse checkpoint.
-REMOTE_SUFFIX = "_layer_collapse"
-
-
-def is_reloaded(config: Any) -> bool:
-    """Whether `config` belongs to a model loaded from a remote-code LayerCollapse checkpoint."""
-    model_type = getattr(config, "model_type", None) or ""
-    return model_type.endswith(REMOTE_SUFFIX) and getattr(config, CONFIG_KEY, None) is not None
 
 
 def stock_model_type(config: Any) -> str | None:
-    """The stock model_type a config describes: ``"gpt2"`` for ``"gpt2_layer_collapse"``, else its own."""
+    """The model_type of the stock family `config` belongs to: ``"gpt2"`` for a ``"gpt2_<variant>"`` config whose
+    class is (or subclasses) transformers' ``GPT2Config``, else the config's own model_type."""
     model_type = getattr(config, "model_type", None)
-    if model_type is not None and is_reloaded(config):
-        return model_type.removesuffix(REMOTE_SUFFIX)
+    stock_class = _first_transformers_class(type(config), required=False)
+    stock = getattr(stock_class, "model_type", "") or ""
+    if model_type and stock and model_type != stock and model_type.startswith(f"{stock}_"):
+        return stock
     return model_type
+
+
+def adopt_remote_code_(model: nn.Module) -> None:
+    """Lets every registered method put back what its remote-code checkpoint stored in the file's own modules
+    (`CompressionMethod.adopt_reloaded_`); each method ignores a model that is not its own."""
+    from ..methods.registry import get_method_class, registered_methods
+
+    for name in registered_methods():
+        get_method_class(name).adopt_reloaded_(model)
 
 
 def stock_classes(model: nn.Module) -> tuple[type, type]:
@@ -53,43 +45,18 @@ def stock_classes(model: nn.Module) -> tuple[type, type]:
     return _first_transformers_class(type(model)), _first_transformers_class(type(model.config))
 
 
-def _first_transformers_class(cls: type) -> type:
+def _first_transformers_class(cls: type, required: bool = True) -> type | None:
     import transformers
 
     for candidate in cls.__mro__:
         if getattr(transformers, candidate.__name__, None) is candidate:
             return candidate
+    if not required:
+        return None
     raise ValueError(
         f"the class {cls.__module__}.{cls.__name__} is not part of transformers {transformers.__version__} and "
         "subclasses none of its classes."
     )
 
 
-def adopt_reloaded_(model: nn.Module) -> list[str]:
-    """Swaps the α activations of a reloaded remote-code model for `ParametricActivation`s; returns their paths.
-
-    Idempotent, and a no-op for any other model. Raises TypeError (from `make_parametric_activation`) if a recorded
-    activation wraps something LayerCollapse cannot linearise, which a checkpoint written by optimum-flatten never
-    holds.
-    """
-    from ..ops.parametric_activations import ParametricActivation, make_parametric_activation
-
-    config = getattr(model, "config", None)
-    if not is_reloaded(config):
-        return []
-    adopted = []
-    for path in getattr(config, CONFIG_KEY).get("linearisable", []):
-        module = model.get_submodule(path)
-        if isinstance(module, ParametricActivation) or not hasattr(module, "base"):
-            continue
-        replacement = make_parametric_activation(module.base)
-        with torch.no_grad():
-            replacement.alpha.data = module.alpha.detach().clone()  # the exact stored value, dtype and device
-        replacement.alpha.requires_grad_(module.alpha.requires_grad)
-        parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, name, replacement)
-        adopted.append(path)
-    return adopted
-
-
-__all__ = ["CONFIG_KEY", "REMOTE_SUFFIX", "adopt_reloaded_", "is_reloaded", "stock_classes", "stock_model_type"]
+__all__ = ["adopt_remote_code_", "stock_classes", "stock_model_type"]

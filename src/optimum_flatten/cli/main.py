@@ -527,10 +527,9 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     from ..adapters import get_adapter
     from ..config import FlattenConfig
     from ..export.checkpoint import REPORT_NAME, check_output_dir
-    from ..methods.layer_collapse import prepare_layer_collapse_
+    from ..methods.layer_collapse import LinearisationSchedule, prepare_layer_collapse_, train_to_linear
     from ..quantizer import FlattenQuantizer
     from ..recovery.data import build_training_rows, load_recovery_texts
-    from ..recovery.layer_collapse_training import LinearisationSchedule, train_to_linear
 
     _check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])

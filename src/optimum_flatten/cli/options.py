@@ -196,7 +196,7 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per scalar field of `LinearisationSchedule` (the AdamLC pull-then-land schedule)."""
-    from ..recovery.layer_collapse_training import LinearisationSchedule
+    from ..methods.layer_collapse import LinearisationSchedule
 
     group = parser.add_argument_group("linearisation schedule (AdamLC)")
     _add_dataclass_fields(group, LinearisationSchedule, set(), helps={})

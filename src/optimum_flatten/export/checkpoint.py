@@ -9,7 +9,6 @@ from) are refused with the reason before anything is written.
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import json
 import logging
 import os
@@ -258,7 +257,7 @@ def save_compressed(
         if method_writer is not None:
             report.update(method_writer.report)
             if writer is None:
-                writer = resolve_writer(method_writer.function)
+                writer = method_writer.function
         if writer is None:
             exported.save_pretrained(staging, safe_serialization=True, **shards)
         else:
@@ -302,14 +301,6 @@ def method_checkpoint_writer(model: nn.Module) -> CheckpointWriter | None:
     if len(claims) > 1:
         raise RuntimeError(f"methods {sorted(claims)} each need their own checkpoint writer for this model.")
     return next(iter(claims.values()), None)
-
-
-def resolve_writer(function: str) -> Callable[..., str]:
-    """The writer function named ``"package.module:function"`` (see `CheckpointWriter`)."""
-    module, _, name = function.partition(":")
-    if not module or not name:
-        raise ValueError(f"a checkpoint writer is named 'package.module:function', got {function!r}.")
-    return getattr(importlib.import_module(module), name)
 
 
 def remote_code_loader(directory: str | Path) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""How: one file per compression method, each registered by name."""
+"""How: one module per compression method (a package for a method of several steps: LayerCollapse), each
+registered by name."""
 
 from __future__ import annotations
 

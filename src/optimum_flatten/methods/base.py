@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -79,13 +79,13 @@ class MethodContext:
 class CheckpointWriter:
     """How to write a model that a method left in a state the stock ``save_pretrained`` cannot describe.
 
-    Methods sit below the export layer, so a method names its writer by ``"module:function"`` (as transformers'
-    ``auto_map`` names remote code) instead of importing it; the exporter resolves it. The function is called as
-    ``function(model, directory, **save_kwargs)`` and returns the format it wrote (the report's ``export_format``).
+    The writer is the method's own function (a method that writes checkpoints keeps its writer in its package, as
+    LayerCollapse does), so the exporter calls it without knowing the method: ``function(model, directory,
+    **save_kwargs)``, returning the format it wrote (the report's ``export_format``).
     """
 
-    #: ``"package.module:function"`` of the writer.
-    function: str
+    #: The writer.
+    function: Callable[..., str]
     #: Entries the saved report gets (what the checkpoint holds that the stock config does not say).
     report: Mapping[str, Any] = field(default_factory=dict)
 
@@ -166,6 +166,17 @@ class CompressionMethod(ABC):
         report is being saved.
         """
         return None
+
+    @classmethod
+    def adopt_reloaded_(cls, model: Any) -> list[str]:
+        """Puts back, in a model reloaded from this method's remote-code checkpoint, the modules its in-memory form
+        has (the modelling file may import only torch and transformers, so it holds look-alikes); returns the
+        module paths changed. The default, and any method for a model that is not its own, changes nothing.
+
+        Asked of every registered method by `get_adapter` when the model is a ``"<stock>_<variant>"`` remote-code
+        variant of a stock family, so that the adapters, below the methods, name none.
+        """
+        return []
 
     @classmethod
     def card_lines(cls, report: dict[str, Any]) -> list[str]:

@@ -10,15 +10,6 @@ from .linear_collapse import (
 )
 from .merge import MERGE_RULES, merge_as_reference_code, merge_by_differences
 from .norm_fold import fold_norm_into_linear
-from .parametric_activations import (
-    CollapseAlpha,
-    ParametricActivation,
-    activation_family,
-    make_parametric_activation,
-    parametric_gelu,
-    parametric_relu,
-    parametric_silu,
-)
 from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores, ridge_reconstruction_error
 from .selection import greedy_adjacent_groups, top_k_indices
 from .similarity import masked_cosine_sum
@@ -26,10 +17,7 @@ from .similarity import masked_cosine_sum
 __all__ = [
     "MERGE_RULES",
     "BatchNormStats",
-    "CollapseAlpha",
-    "ParametricActivation",
     "accumulate_head_importance",
-    "activation_family",
     "collapse_error",
     "collapse_error_bound",
     "collapse_linear_pair",
@@ -38,15 +26,11 @@ __all__ = [
     "fold_norm_into_linear",
     "greedy_adjacent_groups",
     "kv_group_scores",
-    "make_parametric_activation",
     "masked_cosine_sum",
     "merge_as_reference_code",
     "merge_by_differences",
     "nystrom_down_correction",
     "o_proj_column_norms",
-    "parametric_gelu",
-    "parametric_relu",
-    "parametric_silu",
     "ridge_leverage_scores",
     "ridge_reconstruction_error",
     "top_k_indices",

@@ -12,7 +12,7 @@ in its activation. Two formats, chosen per model:
   on disk and in memory after reload. Marian has one activation for both stacks, so both must be fully collapsed;
   ``BertForMaskedLM``'s head reads ``hidden_act`` too, so it has no stock format.
 - ``"remote_code"``: anything else (some MLPs collapsed, α left in the model, or a model the stock config cannot
-  describe). The checkpoint plus a modelling file registered in ``auto_map`` (`export.layer_collapse_remote`, the
+  describe). The checkpoint plus a modelling file registered in ``auto_map`` (`remote_code`, the
   same file for every family); it loads with ``AutoModel...from_pretrained(path, trust_remote_code=True)`` and needs
   only torch and transformers. It is also the smallest checkpoint (no identity maps).
 
@@ -31,6 +31,14 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ...adapters import get_adapter
+from ...adapters.reloaded import stock_classes, stock_model_type
+from ...export.checkpoint import save_compressed
+from .activation import ParametricActivation
+from .config import METHOD_NAME
+from .reload import CONFIG_KEY, is_reloaded
+from .remote_code import RemoteCodeUnavailableError, remote_layout, write_remote_code
 
 FORMATS = ("auto", "stock", "remote_code")
 
@@ -60,9 +68,6 @@ class LayerCollapseExportError(ValueError):
 
 def layer_collapse_states(model: nn.Module) -> list[LayerCollapseState]:
     """The LayerCollapse state of every stack of `model` (Marian has two), in the adapter's stack order."""
-    from ..adapters import get_adapter
-    from ..ops.parametric_activations import ParametricActivation
-
     adapter = get_adapter(model)
     states = []
     for stack in adapter.stacks():
@@ -81,8 +86,6 @@ def layer_collapse_state(model: nn.Module) -> LayerCollapseState | None:
 
 def stock_format_problem(model: nn.Module) -> str | None:
     """Why the stock format cannot describe `model`, or None when it can (see the module docstring)."""
-    from ..adapters import get_adapter
-
     states = layer_collapse_states(model)
     if not all(state.fully_collapsed for state in states):
         found = "; ".join(
@@ -108,8 +111,6 @@ def check_export(model: nn.Module, export_format: str = "auto") -> str:
         LayerCollapseExportError: ``"stock"`` asked for a model the stock config cannot describe, or a model whose
             class is not part of transformers (no remote code can subclass it).
     """
-    from .layer_collapse_remote import RemoteCodeUnavailableError, remote_layout
-
     if export_format not in FORMATS:
         raise ValueError(f"export_format must be one of {list(FORMATS)}, got {export_format!r}.")
     if layer_collapse_state(model) is None:
@@ -146,8 +147,6 @@ def write_layer_collapse_model(
     Raises:
         ValueError / LayerCollapseExportError: see `check_export`.
     """
-    from .layer_collapse_remote import write_remote_code
-
     chosen = check_export(model, export_format)
     directory = Path(directory)
     if chosen == "stock":
@@ -167,14 +166,12 @@ def save_layer_collapse(
     overwrite: bool = False,
 ) -> Path:
     """`save_compressed` with a chosen format (``"auto"``, ``"stock"`` or ``"remote_code"``); atomic likewise."""
-    from .checkpoint import save_compressed
-
     if layer_collapse_state(model) is None:
         raise ValueError("the model has no collapsed or linearisable MLP; use save_compressed or save_pretrained.")
     # The writer refuses a bad format or an inexpressible model (check_export) before it writes anything, and
     # save_compressed removes its staging directory on any error.
     writer = functools.partial(write_layer_collapse_model, export_format=export_format)
-    report = {"method": "layer_collapse", **(report or {})}
+    report = {"method": METHOD_NAME, **(report or {})}
     return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite, writer=writer)
 
 
@@ -198,9 +195,6 @@ def _write_stock(model: nn.Module, directory: Path, save_kwargs: dict[str, Any])
     Goes through the adapter views (the down slot of every block of every stack), so one writer serves every
     family; the config keys come from the adapter's `collapsed_stock_config`.
     """
-    from ..adapters import get_adapter
-    from ..adapters.reloaded import CONFIG_KEY, is_reloaded, stock_classes, stock_model_type
-
     adapter = get_adapter(model)
     swapped: list[tuple[Any, nn.Module]] = []
     try:

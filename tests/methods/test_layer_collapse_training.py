@@ -7,18 +7,19 @@ from transformers import Trainer, TrainingArguments
 
 import tiny_models
 from common import assert_close
-from optimum_flatten.ops import ParametricActivation, make_parametric_activation
-from optimum_flatten.recovery.layer_collapse_training import (
+from optimum_flatten.methods.layer_collapse import (
     AdamLC,
     LayerCollapseTrainer,
-    NotCollapsibleError,
+    ParametricActivation,
     attach_parametric_activations_,
     collapse_linearised_pair,
     collapse_penalty,
     collapse_ready,
+    make_parametric_activation,
     parametric_activations,
     require_collapse_ready,
 )
+from optimum_flatten.utils.errors import NotCollapsibleError
 
 WIDTH, HIDDEN, INIT_ALPHA = 4, 8, 0.3
 
@@ -287,7 +288,7 @@ def test_adamlc_through_trainer_optimizer_cls_and_kwargs(tmp_path):
 def test_keep_embeddings_is_one_minus_cosine_of_mean_pooled_real_tokens():
     """The self-distillation loss against a naive reference: padding never counts, and the dense model's own
     embeddings give a loss of 0."""
-    from optimum_flatten.recovery.layer_collapse_training import KeepEmbeddings, mean_pooled
+    from optimum_flatten.methods.layer_collapse import KeepEmbeddings, mean_pooled
 
     encoder = tiny_models.tiny_bert().bert.eval()
     ids = torch.randint(3, tiny_models.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -9,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers import activations as hf_act
 
 from common import assert_close
-from optimum_flatten.ops import (
+from optimum_flatten.methods.layer_collapse.activation import (
     CollapseAlpha,
     ParametricActivation,
     activation_family,

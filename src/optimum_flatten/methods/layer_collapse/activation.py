@@ -137,6 +137,11 @@ class ParametricActivation(nn.Module):
         return f"family={self.family!r}, alpha={float(self.alpha.detach()):.6g}"
 
 
+def parametric_activations(model: nn.Module) -> list[tuple[str, ParametricActivation]]:
+    """Every ParametricActivation in `model` with its qualified name, in module order."""
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, ParametricActivation)]
+
+
 # ---------------------------------------------------------------------------------------------------- factory
 def _transformers_module_families() -> dict[type, str]:
     try:
@@ -258,3 +263,18 @@ def make_parametric_activation(activation: nn.Module | Callable | str, alpha: fl
     if isinstance(activation, nn.Module):
         activation = _not_in_place(activation)
     return ParametricActivation(activation, family, alpha)
+
+
+__all__ = [
+    "FAMILIES",
+    "CollapseAlpha",
+    "ParametricActivation",
+    "activation_family",
+    "gaussian_cdf",
+    "make_parametric_activation",
+    "parametric_activations",
+    "parametric_gelu",
+    "parametric_relu",
+    "parametric_silu",
+    "tanh_gaussian_cdf",
+]

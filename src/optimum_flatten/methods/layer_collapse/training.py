@@ -1,4 +1,4 @@
-"""Training MLP activations towards the identity (LayerCollapse): attach, regularise, watch α, decide to collapse.
+"""Step 2 of LayerCollapse: train the prepared activations towards the identity while the task loss trains the rest.
 
 Two ways to pull every α towards 1, as in the paper (Shabgahi et al., arXiv:2311.17943):
 
@@ -8,11 +8,10 @@ Two ways to pull every α towards 1, as in the paper (Shabgahi et al., arXiv:231
   pull is not rescaled by Adam's per-parameter step size. Use it with a plain Trainer through
   ``Trainer(optimizer_cls_and_kwargs=(AdamLC, {"lr": ..., "lc": ...}))``.
 
-Which MLP activations to attach to is a question for the architecture adapter; the helpers here take explicit
-(parent module, attribute name) pairs.
-
-Importing this module imports `transformers.Trainer` (and through it datasets / peft when they are installed), so
-`optimum_flatten.recovery` does not import it; import it by its full name.
+`train_to_linear` runs the pull-then-land `LinearisationSchedule` that the command line, the examples and the
+benchmarks use. Importing this module imports `transformers.Trainer` (and through it datasets / peft when they are
+installed), so the package loads it only when one of its names is asked for (`optimum_flatten.methods.layer_collapse`
+resolves them lazily): registering the method for `FlattenQuantizer` does not import a trainer.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from ..ops.linear_collapse import BatchNormStats, collapse_linear_pair
-from ..ops.parametric_activations import CollapseAlpha, ParametricActivation, make_parametric_activation
-from ..utils.errors import NotCollapsibleError
+from .activation import CollapseAlpha, ParametricActivation, parametric_activations
 
 logger = logging.getLogger(__name__)
 
@@ -39,59 +36,7 @@ ALPHA_LOG_PREFIX = "lc_alpha/"
 REGULARIZER_LOG_KEY = "lc_regularizer"
 
 
-
-# ------------------------------------------------------------------------------------------------- helpers
-def attach_parametric_activations_(
-    targets: Sequence[tuple[nn.Module, str]], alpha: float = 0.0
-) -> list[ParametricActivation]:
-    """Replaces the activation modules named by (parent, attribute) pairs with parametric ones, in place.
-
-    Every pair is checked before anything is replaced, so a bad pair leaves the model untouched. A pair whose
-    attribute already holds a ParametricActivation keeps it (attaching twice is harmless).
-
-    Args:
-        targets: (parent module, attribute name) pairs, e.g. ``[(block.mlp, "act") for block in gpt2.transformer.h]``.
-        alpha: Initial α; 0 keeps every output unchanged.
-
-    Returns:
-        The parametric activations, in the order of `targets`.
-
-    Raises:
-        TypeError: a parent is not a module, or an activation is of an unsupported kind.
-        ValueError: an attribute does not exist, or alpha is outside [0, 1].
-    """
-    planned: list[tuple[nn.Module, str, ParametricActivation, bool]] = []
-    for parent, name in targets:
-        if not isinstance(parent, nn.Module):
-            raise TypeError(f"each target must be (nn.Module, attribute name), got parent {type(parent).__name__}.")
-        if not hasattr(parent, name):
-            raise ValueError(
-                f"{type(parent).__name__} has no attribute {name!r}; name the attribute that holds the activation "
-                f"(its child modules are {[child for child, _ in parent.named_children()]})."
-            )
-        current = getattr(parent, name)
-        if isinstance(current, ParametricActivation):
-            planned.append((parent, name, current, False))
-            continue
-        try:
-            wrapped = make_parametric_activation(current, alpha)
-        except TypeError as error:
-            raise TypeError(f"{type(parent).__name__}.{name}: {error}") from error
-        planned.append((parent, name, wrapped, True))
-    for parent, name, module, is_new in planned:
-        if is_new:
-            reference = next(iter(parent.parameters()), None)
-            if reference is not None:  # keep α on the block's device; α stays float32 (see docs on bf16)
-                module.to(device=reference.device)
-            setattr(parent, name, module)
-    return [module for _, _, module, _ in planned]
-
-
-def parametric_activations(model: nn.Module) -> list[tuple[str, ParametricActivation]]:
-    """Every ParametricActivation in `model` with its qualified name, in module order."""
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, ParametricActivation)]
-
-
+# ------------------------------------------------------------------------------------------------- penalty
 def collapse_penalty(modules: Iterable[ParametricActivation]) -> torch.Tensor:
     """``Σ (1 − α)²`` over the modules (differentiable); multiply by lc for the paper's regulariser."""
     terms = [(1.0 - module.current_alpha()).pow(2) for module in modules]
@@ -101,63 +46,6 @@ def collapse_penalty(modules: Iterable[ParametricActivation]) -> torch.Tensor:
     for term in terms[1:]:  # α of a model split over devices live on several devices
         total = total + term.to(total.device)
     return total
-
-
-def collapse_ready(modules: Sequence[ParametricActivation], threshold: float = 1e-4) -> list[bool]:
-    """For each module, whether its activation is linear enough to collapse: ``|1 − α| < threshold``.
-
-    Raises:
-        ValueError: threshold is not positive.
-        TypeError: an item is not a ParametricActivation.
-    """
-    _check_threshold(threshold)
-    return [_distance_to_identity(module) < threshold for module in modules]
-
-
-def require_collapse_ready(module: ParametricActivation, threshold: float = 1e-4, name: str | None = None) -> None:
-    """Raises NotCollapsibleError, stating α, unless ``|1 − α| < threshold``."""
-    _check_threshold(threshold)
-    distance = _distance_to_identity(module)
-    if distance >= threshold:
-        alpha = float(module.current_alpha().detach())
-        where = f" {name}" if name else ""
-        raise NotCollapsibleError(
-            f"cannot collapse the MLP of activation{where}: its activation is still nonlinear, alpha = {alpha:.6g} "
-            f"(|1 - alpha| = {distance:.3g}, threshold {threshold:g}). Collapsing needs |1 - alpha| < threshold. "
-            "Train longer or with a larger lc (LayerCollapseTrainer or AdamLC), or accept the error with a larger "
-            "threshold after checking ops.collapse_error on calibration data."
-        )
-
-
-def collapse_linearised_pair(
-    w1: torch.Tensor,
-    b1: torch.Tensor | None,
-    w2: torch.Tensor,
-    b2: torch.Tensor | None,
-    activation: ParametricActivation,
-    threshold: float = 1e-4,
-    between: BatchNormStats | None = None,
-    after: BatchNormStats | None = None,
-    name: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`ops.collapse_linear_pair` guarded by the collapse condition on the activation between the two maps.
-
-    Raises:
-        NotCollapsibleError: ``|1 − α| ≥ threshold``; the message states α.
-    """
-    require_collapse_ready(activation, threshold, name)
-    return collapse_linear_pair(w1, b1, w2, b2, between=between, after=after)
-
-
-def _check_threshold(threshold: float) -> None:
-    if not threshold > 0:
-        raise ValueError(f"threshold must be positive (collapse when |1 - alpha| < threshold), got {threshold}.")
-
-
-def _distance_to_identity(module: ParametricActivation) -> float:
-    if not isinstance(module, ParametricActivation):
-        raise TypeError(f"expected a ParametricActivation, got {type(module).__name__}.")
-    return abs(1.0 - float(module.current_alpha().detach()))
 
 
 # ------------------------------------------------------------------------------------------------- trainer
@@ -280,7 +168,7 @@ def build_layer_collapse_trainer(
       and the decoupled pull ``α ← α + 2·lr·lc·(1 − α)``. With ``2·lr·lc ≥ 1`` α reaches 1 in one step.
 
     Args:
-        model: A model prepared with `methods.layer_collapse.prepare_layer_collapse_`.
+        model: A model prepared with `prepare_layer_collapse_`.
         train_dataset: Rows the model's forward accepts (e.g. ``{"input_ids", "labels"}`` for a causal LM).
         args: `transformers.TrainingArguments` (use ``report_to=[]`` to keep the run local).
         lc: Strength of the pull (≥ 0).

@@ -28,7 +28,10 @@ from typing import Any
 
 from torch import nn
 
-from ..adapters.reloaded import CONFIG_KEY, REMOTE_SUFFIX, stock_classes, stock_model_type
+from ...adapters import get_adapter
+from ...adapters.reloaded import stock_classes, stock_model_type
+from .activation import ParametricActivation
+from .reload import CONFIG_KEY, REMOTE_SUFFIX, is_reloaded
 
 
 class RemoteCodeUnavailableError(ValueError):
@@ -123,10 +126,6 @@ def remote_layout(model: nn.Module) -> RemoteLayout:
             class loads it.
     """
     import transformers
-
-    from ..adapters import get_adapter
-    from ..adapters.reloaded import is_reloaded
-    from ..ops.parametric_activations import ParametricActivation
 
     model_class, config_class = type(model), type(model.config)
     if is_reloaded(model.config):  # reloaded from such a checkpoint: write the stock classes the file subclassed
@@ -291,7 +290,6 @@ class {model_class}({stock_model_class}):
 
 
 __all__ = [
-    "CONFIG_KEY",
     "RemoteCodeUnavailableError",
     "RemoteLayout",
     "auto_classes_for",
