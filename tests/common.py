@@ -126,6 +126,72 @@ def shallower_reference(model, kept: list[int]):
     return reference
 
 
+def decoder_layers(model):
+    """The layer list of a LLaMA-like (``model.layers``) or GPT-2 (``transformer.h``) causal LM."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def mlp_parts(layer):
+    """(MLP module, its norm, its down projection weight as (out, in)) for LLaMA-like and GPT-2 blocks."""
+    if hasattr(layer, "post_attention_layernorm"):
+        return layer.mlp, layer.post_attention_layernorm, lambda: layer.mlp.down_proj.weight
+    return layer.mlp, layer.ln_2, lambda: layer.mlp.c_proj.weight.T
+
+
+@torch.no_grad()
+def residual_streams(model, batches, end: int) -> list[torch.Tensor]:
+    """Per batch, the residual stream of `model` after its first `end` layers, from full forwards:
+    ``output_hidden_states[end]``, or the final norm's input when `end` is the layer count (the last hidden state
+    transformers returns is already normalised)."""
+    final_norm = model.transformer.ln_f if hasattr(model, "transformer") else model.model.norm
+    captured = {}
+    handle = final_norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("out", args[0]))
+    streams = []
+    try:
+        for batch in batches:
+            hidden = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
+            ).hidden_states
+            streams.append(captured["out"] if end == len(decoder_layers(model)) else hidden[end])
+    finally:
+        handle.remove()
+    return streams
+
+
+@torch.no_grad()
+def naive_fit_rows(model, batches, layer: int, targets: int | list[torch.Tensor]):
+    """The rows of the least-squares problems behind ReplaceMe-style maps, in float64, over every real token of
+    `batches`, from full forwards of `model`: M, the MLP output of layer `layer`; Y, the residual stream entering
+    that MLP's norm; L, the target (``residual_streams(model, batches, targets)`` when `targets` is an int, else
+    one (batch, seq, hidden) tensor per batch, e.g. the dense model's stream when `model` is already bridged)."""
+    if isinstance(targets, int):
+        targets = residual_streams(model, batches, targets)
+    mlp, norm, _ = mlp_parts(decoder_layers(model)[layer])
+    captured = {}
+    handles = [
+        mlp.register_forward_hook(lambda _m, _a, out: captured.__setitem__("m", out)),
+        norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("y", args[0])),
+    ]
+    ms, ys, ls = [], [], []
+    try:
+        for batch, target in zip(batches, targets, strict=True):
+            model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+            keep = batch.attention_mask.bool()
+            ms.append(captured["m"][keep].double())
+            ys.append(captured["y"][keep].double())
+            ls.append(target[keep].double())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.cat(ms), torch.cat(ys), torch.cat(ls)
+
+
+def naive_least_squares_map(model, batches, layer: int, targets: int | list[torch.Tensor]) -> torch.Tensor:
+    """T = argmin ||M T - (L - Y)|| by torch.linalg.lstsq on the rows of `naive_fit_rows` (ReplaceMe's formula)."""
+    m, y, target = naive_fit_rows(model, batches, layer, targets)
+    return torch.linalg.lstsq(m, target - y).solution
+
+
 _REMOTE_RELOAD = """
 import json, sys
 from pathlib import Path

@@ -113,3 +113,52 @@ def test_layer_plan_canonical_form_and_validation():
         LayerPlan(num_layers=3, groups=[(0, 1), (1,)])
     with pytest.raises(ValueError, match="ascending"):
         LayerPlan(num_layers=3, groups=[(2,), (0,)])
+
+
+def _wrong_value(hint):
+    """A value the hint does not admit, or None when the hint is one the type check leaves to the config."""
+    import types
+    import typing
+
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _wrong_value(inner[0]) if len(inner) == 1 else None
+    if origin is typing.Literal:
+        return "not-a-choice"
+    return {bool: "yes", int: 2.5, float: True, str: 3}.get(hint)
+
+
+def test_every_method_option_is_type_checked_from_its_hint_with_its_name():
+    """For every registered method and every scalar option, a value of the wrong type is refused at config time,
+    and the error names the option (the hints are the one definition the command line also reads)."""
+    import dataclasses
+    import typing
+
+    from optimum_flatten.methods.registry import get_method_class, registered_methods
+
+    checked = 0
+    for method in registered_methods():
+        config_class = get_method_class(method).config_class
+        hints = typing.get_type_hints(config_class)
+        for field in dataclasses.fields(config_class):
+            value = _wrong_value(hints[field.name])
+            if value is None:
+                continue
+            with pytest.raises(ValueError, match=rf"{config_class.__name__}: {field.name} must be .*, got "):
+                config_class.from_dict({field.name: value})
+            checked += 1
+    assert checked > 40  # every method's scalar options, not a handful
+
+
+def test_type_check_admits_what_the_hints_allow():
+    from optimum_flatten.config import check_option_types
+    from optimum_flatten.methods.flattengpt import FlattenGPTConfig
+    from optimum_flatten.utils.errors import OptionTypeError
+
+    check_option_types(FlattenGPTConfig, {"ridge_ratio": 3, "max_group_size": None, "calibration_mode": "sequential"})
+    with pytest.raises(OptionTypeError, match=r"max_group_size must be an integer or None, got True \(bool\)"):
+        check_option_types(FlattenGPTConfig, {"max_group_size": True})
+    with pytest.raises(ValueError, match="Did you mean 'sequential'"):
+        check_option_types(FlattenGPTConfig, {"calibration_mode": "sequentail"})

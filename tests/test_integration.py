@@ -121,8 +121,8 @@ def test_device_map_keys_of_every_family_follow_the_kept_layers(case):
     """A per-layer hf_device_map (one entry per layer, some split into submodules) is renumbered exactly: kept
     layers move to their new index, dropped and merged-away layers disappear, other stacks and modules stay."""
     from optimum_flatten import get_adapter
-    from optimum_flatten.config import LayerPlan
     from optimum_flatten.integration import _renumber_device_map
+    from optimum_flatten.plan import LayerPlan
 
     stack, path, count, others = DEVICE_MAP_CASES[case]
     model = tiny_models.FACTORIES[case.split("_")[0] if case.startswith("marian") else case]()

@@ -39,6 +39,10 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
     "flattengpt_unlimited_groups": dict(method="flattengpt", max_group_size=None),
+    # The quality issue's out-of-domain ablation: stronger ridges (the third row), and heads chosen by how
+    # well the refit reconstructs the wide block instead of by importance.
+    "flattengpt_ridge_100_attention_ridge_10": dict(method="flattengpt", ridge_ratio=100.0, attention_ridge_ratio=10.0),
+    "flattengpt_heads_by_reconstruction": dict(method="flattengpt", head_selection="reconstruction"),
     "shortgpt": dict(method="shortgpt"),
     "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
     # The threshold searches run many candidate models: similarity is measured on the first calibration batch.
@@ -58,12 +62,20 @@ VARIANTS: dict[str, dict] = {
     "replaceme_loss_selection": dict(method="replaceme", selection="loss"),
     "replaceme_correct_after_1": dict(method="replaceme", correct_after=1),
     "replaceme_correct_after_2": dict(method="replaceme", correct_after=2),
+    # Not in either paper: one scalar gain on the stream at the cut, fitted jointly with T and folded upstream.
+    "replaceme_lstsq_gain": dict(method="replaceme", estimator="lstsq_gain"),
     # The check on the package's ReplaceMe: the paper's definition in plain torch (reference_replaceme.py), on the
     # same calibration windows as replaceme_all_tokens.
     "replaceme_reference": dict(reference="replaceme_lstsq_all_tokens"),
     "shortgpt_lstsq": dict(method="shortgpt", linear_replacement="lstsq"),
     "sleb_first_2_sequences_lstsq": dict(method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq"),
     "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
+    # The least-squares bridges with a gain on the stream at each cut (docs/methods/replaceme.md).
+    "flattengpt_lstsq_gain": dict(method="flattengpt", linear_replacement="lstsq_gain"),
+    "shortgpt_lstsq_gain": dict(method="shortgpt", linear_replacement="lstsq_gain"),
+    "sleb_first_2_sequences_lstsq_gain": dict(
+        method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq_gain"
+    ),
     "shortgpt_scale": dict(method="shortgpt", compensation="scale"),
     # Prune&Comp as the paper runs it: one drop per round, compensated, re-scored.
     "shortgpt_iterative_scale": dict(method="shortgpt", iterative=True, compensation="scale"),

@@ -22,7 +22,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .ops.linear_map import ESTIMATORS
 from .plan import LayerGroup, LayerPlan
-from .utils.errors import InvalidTargetError, did_you_mean, reject_unknown_keys
+from .utils.errors import InvalidTargetError, OptionTypeError, did_you_mean, reject_unknown_keys
 
 logger = logging.getLogger(__name__)
 
@@ -367,13 +367,79 @@ def parse_method_options(config_class: type, text: str, where: str) -> dict[str,
     return options
 
 
+def check_option_types(config_class: type, data: Mapping[str, Any]) -> None:
+    """Refuses a value whose type its field's hint does not admit, naming the option, the hint and the value.
+
+    The hints are the one definition of what an option accepts (the command line and ``auto``'s candidate specs read
+    text through them with `option_converter`); checking Python values against them here means a wrong type fails
+    at config time with the option's name, not later inside a method with an opaque error. Ranges and relations
+    between options stay in each config's ``__post_init__``. Hints this check does not describe (containers, custom
+    classes) are left to the config.
+
+    Raises:
+        OptionTypeError: a value of the wrong type (bool is not accepted for int or float, int is accepted for
+            float; a TypeError and a ValueError).
+        ValueError: a value outside a ``Literal`` hint's choices.
+    """
+    hints = typing.get_type_hints(config_class)
+    for key, value in data.items():
+        if key not in hints or _admits(hints[key], value):
+            continue
+        message = f"{config_class.__name__}: {key} must be {_describe_hint(hints[key])}, got {value!r}"
+        if typing.get_origin(_without_none(hints[key])) is typing.Literal:
+            choices = [str(a) for a in typing.get_args(_without_none(hints[key]))]
+            raise ValueError(f"{message}.{did_you_mean(str(value), choices)}")
+        raise OptionTypeError(f"{message} ({type(value).__name__}).")
+
+
+def _without_none(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _admits(hint: Any, value: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits(arg, value) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # a hint this check does not describe: the config's own __post_init__ decides
+
+
+def _describe_hint(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        choices = [repr(a) for a in typing.get_args(hint)]
+        return " or ".join(choices) if len(choices) <= 2 else "one of " + ", ".join(choices)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_hint(arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    return {bool: "True or False", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
 @dataclass
 class MethodConfig:
-    """Base of every method's options: a dataclass that rejects unknown keys and round-trips through dicts."""
+    """Base of every method's options: a dataclass that rejects unknown keys and values of the wrong type (read
+    from the fields' type hints), and round-trips through dicts."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MethodConfig:
         reject_unknown_keys(data, [f.name for f in dataclasses.fields(cls)], f"{cls.__name__}")
+        check_option_types(cls, data)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -387,6 +453,7 @@ __all__ = [
     "LayerGroup",
     "LayerPlan",
     "MethodConfig",
+    "check_option_types",
     "describe_dataset",
     "option_converter",
     "parse_method_options",

@@ -1,13 +1,13 @@
-"""Baichuan-2 adapter: views over the fused W_pack, the LLaMA-family invariants, the LLaMA export, 13B refusal.
+"""Baichuan-2 adapter: the shared conformance checks, plus its quirks: views over the fused W_pack that write back
+into it, the remote attention's size attributes, the export as an equivalent LLaMA, the 13B (ALiBi) refusal.
 
 The model is `tiny_baichuan`, our re-implementation of the remote modelling code (the real one cannot be fetched in
-tests). The shared conformance base assumes stock transformers classes (position_embeddings kwargs,
-AutoModelForCausalLM.from_config), so the same checks are written here against Baichuan's call conventions.
+tests). Its layers take ``position_ids`` (not transformers' ``position_embeddings``) and the remote class has no
+``generate``, so the conformance subclass gives its own naive parallel form and leaves generation out (``validate``
+compares a cached forward with an uncached one instead).
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import tiny_baichuan
 import tiny_models
-from common import assert_close, greedy_generate_both_ways, logits, sample_ids, shallower_reference
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, greedy_generate_both_ways, logits, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.adapters.baichuan import BaichuanAdapter, PackedLinearView
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
 from optimum_flatten.methods.flattengpt import fold_block_norms_
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
+from tests.adapters.test_conformance import AdapterConformance
 
 
 @pytest.fixture
@@ -33,48 +34,51 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _naive_parallel(members, hidden, kwargs):
-    """Members run in parallel on one input: attention outputs summed, then MLP outputs summed."""
-    attn_kwargs = {k: kwargs[k] for k in ("attention_mask", "position_ids")}
-    attn = sum(m.self_attn(hidden_states=m.input_layernorm(hidden), **attn_kwargs)[0] for m in members)
-    mid = hidden + attn
-    return mid + sum(m.mlp(m.post_attention_layernorm(mid)) for m in members)
-
-
 def _compress(model, method: str):
-    config = FlattenConfig(
-        method=method, num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return compress(model, method, num_layers_to_remove=2)
+
+
+# ------------------------------------------------------------------------------------ shared conformance
+class TestBaichuanConformance(AdapterConformance):
+    """The shared checks on the decoder stack, with Baichuan's call convention and two non-adjacent kept heads."""
+
+    factory = "baichuan"
+    generates = False  # the remote class has no generate(); validate() checks the cached forward itself
+    half_resize_refusal = "unequal q/k/v parts"
+
+    def expected_num_kv_heads(self, config) -> int:
+        return config.num_attention_heads  # no GQA: W_pack holds as many k and v heads as q heads
+
+    def kept_kv_heads(self, geometry) -> list[int]:
+        return [1, 3]
+
+    def naive_parallel(self, members, hidden, kwargs):
+        """Members run in parallel on one input (the remote attention takes position_ids): attention outputs
+        summed, then MLP outputs summed."""
+        attn_kwargs = {k: kwargs[k] for k in ("attention_mask", "position_ids")}
+        attn = sum(m.self_attn(hidden_states=m.input_layernorm(hidden), **attn_kwargs)[0] for m in members)
+        mid = hidden + attn
+        return mid + sum(m.mlp(m.post_attention_layernorm(mid)) for m in members)
 
 
 # ------------------------------------------------------------------------------------------------------ views
-def test_views_match_config_and_hide_w_pack(model):
+def test_views_hide_w_pack(model):
     adapter = get_adapter(model)
-    config = model.config
     assert isinstance(adapter, BaichuanAdapter)
-    assert adapter.stacks() == ["decoder"]
-    assert adapter.num_layers() == config.num_hidden_layers
     assert adapter.embeddings() is model.model.embed_tokens
     assert adapter.lm_head() is model.lm_head
     assert adapter.final_norm() is model.model.norm
-    hidden = config.hidden_size
+    hidden = model.config.hidden_size
     for block, layer in zip(adapter.blocks(), model.model.layers, strict=True):
         att = block.attention
-        g = att.geometry
-        assert (g.num_heads, g.num_kv_heads, g.head_dim, g.hidden_size) == (4, 4, 8, hidden)
-        assert att.position_scheme == "rope" and block.norm_position == "pre"
+        assert (att.geometry.head_dim, att.geometry.hidden_size) == (8, hidden)
+        assert att.position_scheme == "rope" and block.mlp.gate is not None
         assert all(isinstance(v, PackedLinearView) for v in (att.q, att.k, att.v))
         w_pack = layer.self_attn.W_pack.weight
         for part, view in enumerate((att.q, att.k, att.v)):
             assert view.weight.shape == (hidden, hidden)
             assert torch.equal(view.weight, w_pack[part * hidden : (part + 1) * hidden])
             assert view.bias is None
-        assert att.o.weight.shape == (g.hidden_size, g.num_heads * g.head_dim)
-        assert block.mlp.intermediate_size == config.intermediate_size
-        assert block.mlp.gate is not None
 
 
 def test_packed_view_writes_back_into_w_pack(model):
@@ -99,116 +103,28 @@ def test_packed_view_writes_back_into_w_pack(model):
     assert not hasattr(fused, "_optimum_flatten_packed_sizes")
 
 
-# -------------------------------------------------------------------------------------------- invariants
-def test_norm_folding_preserves_logits(model):
-    ids = sample_ids()
-    before = logits(model, ids)
-    adapter = get_adapter(model)
-    for block in adapter.blocks():
-        assert not block.attn_norm.is_unit()
-        fold_block_norms_(block)
-        assert block.attn_norm.is_unit() and block.mlp_norm.is_unit()
-    assert_close(logits(model, ids), before)
-
-
-def test_concat_equals_members_in_parallel(model):
+# ------------------------------------------------------------------------------- the remote attention's sizes
+def test_concat_block_sets_the_remote_attributes_and_records_whole_states(model):
+    """The remote attention splits and reshapes with num_heads / hidden_size at run time, and the remote layer loop
+    indexes each layer's output; the base checks the concatenated block's outputs, this checks what they rely on."""
     adapter = get_adapter(model)
     ids = sample_ids()
     runner = LayerwiseRunner(adapter, [CalibrationBatch(input_ids=ids, attention_mask=torch.ones_like(ids))])
-    # The remote loop indexes each layer's output; the recorders must still see whole (batch, seq, hidden) states.
     assert runner.inputs[0].shape == (*ids.shape, model.config.hidden_size)
-    hidden = runner.run(adapter.layers()[0], 0)[0]
-    kwargs = runner.layer_kwargs[1][0]
-    assert set(kwargs) >= {"attention_mask", "position_ids", "past_key_value", "use_cache"}
-    originals = [copy.deepcopy(adapter.layers()[i]) for i in (1, 2)]
-    with torch.no_grad():
-        expected = _naive_parallel(originals, hidden, kwargs)
-        members = [adapter.detached_block("decoder", i) for i in (1, 2)]
-        for member in members:
-            fold_block_norms_(member)
-        wide = adapter.build_concat_block(members)
-        view = adapter.block_view(wide, 1)
-        assert view.attention.geometry.num_heads == view.attention.geometry.num_kv_heads == 8
-        assert view.mlp.intermediate_size == 2 * model.config.intermediate_size
-        # The remote attention splits and reshapes with these attributes at run time.
-        assert (wide.self_attn.num_heads, wide.self_attn.hidden_size) == (8, 64)
-        assert wide.self_attn.W_pack.weight.shape == (3 * 64, 32)
-        actual = runner.run(wide, 1, [hidden])[0]
-    assert_close(actual, expected)
+    assert set(runner.layer_kwargs[1][0]) >= {"attention_mask", "position_ids", "past_key_value", "use_cache"}
+    members = [adapter.detached_block("decoder", i) for i in (1, 2)]
+    for member in members:
+        fold_block_norms_(member)
+    wide = adapter.build_concat_block(members)
+    assert (wide.self_attn.num_heads, wide.self_attn.hidden_size) == (8, 64)
+    assert wide.self_attn.W_pack.weight.shape == (3 * 64, 32)
 
 
-def test_keep_heads_equals_zeroed_o_proj_columns(model):
+def test_head_pruning_resizes_w_pack_and_the_remote_attributes(model):
     adapter = get_adapter(model)
-    kept = [1, 3]
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        o = get_adapter(reference).block("decoder", 1).attention.o.module.weight
-        for head in (0, 2):
-            o[:, head * 8 : (head + 1) * 8] = 0
-    adapter.keep_heads_(adapter.block("decoder", 1), kept)
-    pruned = adapter.block("decoder", 1).attention.geometry
-    assert (pruned.num_heads, pruned.num_kv_heads) == (2, 2)
+    adapter.keep_heads_(adapter.block("decoder", 1), [1, 3])
     attn = model.model.layers[1].self_attn
     assert (attn.num_heads, attn.hidden_size, tuple(attn.W_pack.weight.shape)) == (2, 16, (48, 32))
-    ids = sample_ids()
-    assert_close(logits(model, ids), logits(reference, ids))
-
-
-def test_keep_mlp_channels_equals_zeroed_down_proj_columns(model):
-    adapter = get_adapter(model)
-    kept = [0, 3, 4, 10, 20, 47]
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        down = get_adapter(reference).block("decoder", 3).mlp.down.module.weight
-        mask = torch.ones(down.shape[1], dtype=torch.bool)
-        mask[kept] = False
-        down[:, mask] = 0
-    adapter.keep_mlp_channels_(adapter.block("decoder", 3), kept)
-    assert adapter.block("decoder", 3).mlp.intermediate_size == len(kept)
-    ids = sample_ids()
-    assert_close(logits(model, ids), logits(reference, ids))
-
-
-def test_keep_all_heads_and_channels_and_empty_plan_change_nothing(model):
-    adapter = get_adapter(model)
-    ids = sample_ids()
-    before = logits(model, ids)
-    block = adapter.block("decoder", 2)
-    adapter.keep_heads_(block, list(range(block.attention.geometry.num_kv_heads)))
-    adapter.keep_mlp_channels_(block, list(range(block.mlp.intermediate_size)))
-    adapter.keep_layers_("decoder", list(range(adapter.num_layers())))
-    adapter.reindex_("decoder")
-    adapter.update_config_("decoder", list(range(adapter.num_layers())))
-    adapter.validate()
-    assert torch.equal(logits(model, ids), before)
-
-
-def test_dropping_layers_matches_a_fresh_shallower_model_and_keeps_the_cache_right(model):
-    kept = [0, 2, 3, 5]
-    reference = shallower_reference(model, kept)
-    adapter = get_adapter(model)
-    adapter.keep_layers_("decoder", kept)
-    adapter.reindex_("decoder")
-    adapter.update_config_("decoder", kept)
-    assert model.config.num_hidden_layers == len(kept)
-    adapter.validate()  # includes the cached (tuple KV cache) vs uncached forward check
-    ids = sample_ids()
-    assert_close(logits(model, ids), logits(reference, ids))
-
-
-def test_validate_detects_inconsistent_config(model):
-    adapter = get_adapter(model)
-    adapter.keep_layers_("decoder", [0, 1, 2])
-    with pytest.raises(ValueError, match="num_hidden_layers"):
-        adapter.validate()
-
-
-def test_validate_detects_a_half_done_resize(model):
-    adapter = get_adapter(model)
-    block = adapter.block("decoder", 0)
-    block.attention.q.set_(block.attention.q.weight[:8])
-    with pytest.raises(ValueError, match="unequal q/k/v parts"):
-        adapter.validate()
 
 
 # ------------------------------------------------------------------------------------------------- export

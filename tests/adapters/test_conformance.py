@@ -47,6 +47,13 @@ class AdapterConformance:
     stack = "decoder"
     norm_position = "pre"
     generates = True
+    #: The config key that counts the layers of `stack` (Marian's "encoder_layers" / "decoder_layers").
+    layer_count_key = "num_hidden_layers"
+    #: The layers the layer-dropping check keeps (a family with fewer layers than the tiny LLaMA's six sets its own).
+    kept_layers = (0, 2, 3, 5)
+    #: What `validate` says when q was resized without k and v (GPT-2 and Baichuan, whose q/k/v share one fused
+    #: matrix, say "unequal q/k/v parts").
+    half_resize_refusal = r"layer 0 (self_attn )?has 1 heads"
 
     # Hooks for a family whose inputs are not token ids or whose outputs are not `.logits` (e.g. ViT's images).
     def sample_inputs(self):
@@ -58,7 +65,18 @@ class AdapterConformance:
     def calibration_batch(self, inputs) -> CalibrationBatch:
         return CalibrationBatch(input_ids=inputs, attention_mask=torch.ones_like(inputs))
 
+    def assert_generation_consistent(self, model, inputs) -> None:
+        """Greedy generation with the KV cache equals generation without it (only when `generates`)."""
+        with_cache, without_cache = greedy_generate_both_ways(model, inputs[:1, :5])
+        assert torch.equal(with_cache, without_cache)
+
     # Hooks a family overrides when its config keys or block layout differ from LLaMA's.
+    def expected_stacks(self) -> list[str]:
+        return [self.stack]
+
+    def expected_num_heads(self, config) -> int:
+        return config.num_attention_heads
+
     def expected_num_kv_heads(self, config) -> int:
         return config.num_key_value_heads
 
@@ -71,17 +89,21 @@ class AdapterConformance:
     def shallower_reference(self, model, kept):
         return shallower_reference(model, kept)
 
+    def kept_kv_heads(self, geometry) -> list[int]:
+        """The KV heads the head-pruning check keeps: the last one (a family may keep several, non-adjacent)."""
+        return [geometry.num_kv_heads - 1]
+
     @pytest.fixture
     def model(self):
         return tiny_models.FACTORIES[self.factory]()
 
     def test_views_match_config(self, model):
         adapter = get_adapter(model)
-        assert adapter.stacks() == [self.stack]
-        assert adapter.num_layers(self.stack) == model.config.num_hidden_layers
+        assert adapter.stacks() == self.expected_stacks()
+        assert adapter.num_layers(self.stack) == getattr(model.config, self.layer_count_key)
         for block in adapter.blocks(self.stack):
             g = block.attention.geometry
-            assert g.num_heads == model.config.num_attention_heads
+            assert g.num_heads == self.expected_num_heads(model.config)
             assert g.num_kv_heads == self.expected_num_kv_heads(model.config)
             assert g.head_dim * g.num_heads == block.attention.q.out_features
             assert block.mlp.intermediate_size == self.expected_intermediate_size(model.config)
@@ -113,25 +135,25 @@ class AdapterConformance:
         assert torch.equal(self.outputs(model, ids), before)
 
     def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
-        kept = [0, 2, 3, 5]
+        kept = list(self.kept_layers)
         reference = self.shallower_reference(model, kept)
         adapter = get_adapter(model)
         adapter.keep_layers_(self.stack, kept)
         adapter.reindex_(self.stack)
         adapter.update_config_(self.stack, kept)
+        assert getattr(model.config, self.layer_count_key) == len(kept)
         adapter.validate()
         ids = self.sample_inputs()
         assert_close(self.outputs(model, ids), self.outputs(reference, ids))
         if self.generates:
-            with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
-            assert torch.equal(with_cache, without_cache)
+            self.assert_generation_consistent(model, ids)
 
     def test_concat_before_pruning_equals_members_in_parallel(self, model):
         adapter = get_adapter(model)
         if not self.concat_supported:
             with pytest.raises(UnsupportedArchitectureError, match=self.concat_refusal):
                 adapter.require({"concat_heads"}, "flattengpt")
-            with pytest.raises(UnsupportedArchitectureError):
+            with pytest.raises(UnsupportedArchitectureError, match=self.concat_refusal):
                 adapter.build_concat_block([adapter.detached_block(self.stack, i) for i in (1, 2)])
             return
         runner = LayerwiseRunner(adapter, [self.calibration_batch(self.sample_inputs())], self.stack)
@@ -157,32 +179,44 @@ class AdapterConformance:
         before = self.outputs(model, ids)
         block = adapter.block(self.stack, 2)
         adapter.keep_heads_(block, list(range(block.attention.geometry.num_kv_heads)))
+        if block.cross_attention is not None:
+            adapter.keep_heads_(block, list(range(block.cross_attention.geometry.num_kv_heads)), cross=True)
         adapter.keep_mlp_channels_(block, list(range(block.mlp.intermediate_size)))
         assert torch.equal(self.outputs(model, ids), before)
+        adapter.validate()
 
-    def test_gqa_head_pruning_keeps_queries_with_their_kv_heads(self, model):
+    def check_head_pruning(self, model, cross: bool = False) -> None:
+        """Pruning KV heads (of the self- or the cross-attention of block 1) equals zeroing, in a copy, the o_proj
+        columns of every query head not attached to a kept KV head."""
         adapter = get_adapter(model)
+
+        def attention(block):
+            return block.cross_attention if cross else block.attention
+
         block = adapter.block(self.stack, 1)
-        g = block.attention.geometry
-        kept_kv = [g.num_kv_heads - 1]
+        g = attention(block).geometry
+        kept_kv = self.kept_kv_heads(g)
         reference = copy.deepcopy(model)
         ref_block = get_adapter(reference).block(self.stack, 1)
-        # Reference: zero the o_proj columns of every query head not attached to a kept KV head (through the
-        # (out, in) view, which shares the parameter's memory whatever the storage layout).
+        # Zeroed through the (out, in) view, which shares the parameter's memory whatever the storage layout.
         with torch.no_grad():
-            o = ref_block.attention.o.weight
+            o = attention(ref_block).o.weight
             for head in range(g.num_heads):
                 if head // g.queries_per_kv not in kept_kv:
                     o[:, head * g.head_dim : (head + 1) * g.head_dim] = 0
-        adapter.keep_heads_(block, kept_kv)
-        pruned = adapter.block(self.stack, 1).attention.geometry
-        assert (pruned.num_kv_heads, pruned.num_heads) == (1, g.queries_per_kv)
+        adapter.keep_heads_(block, kept_kv, cross=cross)
+        pruned = attention(adapter.block(self.stack, 1)).geometry
+        assert (pruned.num_kv_heads, pruned.num_heads) == (len(kept_kv), len(kept_kv) * g.queries_per_kv)
         ids = self.sample_inputs()
         assert_close(self.outputs(model, ids), self.outputs(reference, ids))
 
+    def test_gqa_head_pruning_keeps_queries_with_their_kv_heads(self, model):
+        self.check_head_pruning(model)
+
     def test_mlp_channel_pruning_equals_zeroed_channels(self, model):
         adapter = get_adapter(model)
-        kept = [0, 3, 4, 10, 20, 47]
+        width = adapter.block(self.stack, 3).mlp.intermediate_size
+        kept = [0, 3, 4, 10, 20, width - 1]
         reference = copy.deepcopy(model)
         with torch.no_grad():
             down = get_adapter(reference).block(self.stack, 3).mlp.down.weight
@@ -190,13 +224,26 @@ class AdapterConformance:
             mask[kept] = False
             down[:, mask] = 0
         adapter.keep_mlp_channels_(adapter.block(self.stack, 3), kept)
+        assert adapter.block(self.stack, 3).mlp.intermediate_size == len(kept)
         ids = self.sample_inputs()
         assert_close(self.outputs(model, ids), self.outputs(reference, ids))
 
+    def test_validate_detects_a_half_done_resize(self, model):
+        """A resize stopped after q (k and v untouched) is caught by `validate`."""
+        adapter = get_adapter(model)
+        q = adapter.block(self.stack, 0).attention.q
+        rows = adapter.block(self.stack, 0).attention.geometry.head_dim
+        q.set_(q.weight[:rows], None if q.bias is None else q.bias[:rows])
+        with pytest.raises(ValueError, match=self.half_resize_refusal):
+            adapter.validate()
+
     def test_validate_detects_inconsistent_config(self, model):
         adapter = get_adapter(model)
+        declared = getattr(model.config, self.layer_count_key)
         adapter.keep_layers_(self.stack, [0, 1, 2])
-        with pytest.raises(ValueError, match="num_hidden_layers"):
+        # "config.num_hidden_layers=6 but 3 layers"; GPT-2 spells its key "n_layer (num_hidden_layers)", a family
+        # with several stacks names the stack ("config.decoder_layers=4 but 3 decoder layers").
+        with pytest.raises(ValueError, match=rf"{self.layer_count_key}\)?={declared} but 3 ({self.stack} )?layers"):
             adapter.validate()
 
 

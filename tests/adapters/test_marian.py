@@ -1,10 +1,11 @@
 """Marian (OPUS-MT) adapter: two post-LN stacks, cross-attention, the EncoderDecoderCache, calibration on each stack,
 and the layer-dropping and merging methods end to end on each stack.
 
-The shared `AdapterConformance` base assumes one pre-norm "decoder" stack fed by ``input_ids`` alone (norm folding,
-head concatenation, ``model(input_ids)`` logits), so Marian gets its own checks. The naive references are written
-here: a freshly built shallower MarianMTModel holding copied (or hand-merged) weights, zeroed projection columns for
-pruning, Block Influence recomputed from the model's own ``output_hidden_states``, and transformers' own
+Each stack goes through the shared `AdapterConformance` checks (one subclass per stack, fed with source and target
+ids, with the stack's own config keys; post-LN, so folding and concatenation must be refused); what is Marian's own
+is checked here: cross-attention, the decoder's layer_idx and seq2seq cache, teacher forcing, merges and methods on
+one stack. The naive references are written here: a freshly built shallower MarianMTModel holding copied (or
+hand-merged) weights, Block Influence recomputed from the model's own ``output_hidden_states``, and transformers' own
 ``labels`` loss for the decoder's teacher-forcing alignment.
 """
 
@@ -25,6 +26,7 @@ from optimum_flatten.calibration.data import build_calibration_batches
 from optimum_flatten.methods.sleb import calibration_nll
 from optimum_flatten.ops import MERGE_RULES
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
+from tests.adapters.test_conformance import AdapterConformance
 
 STACKS = ["encoder", "decoder"]
 #: Per stack of the tiny factory: (layers, heads, head_dim, MLP width).
@@ -182,6 +184,74 @@ def _check_plain_reload(model, out) -> None:
     assert_cache_consistent(reloaded)
 
 
+# ------------------------------------------------------------------------------------ shared conformance
+class MarianStackConformance(AdapterConformance):
+    """The shared checks on one of Marian's stacks (`stack` set by the two subclasses below)."""
+
+    factory = "marian"
+    norm_position = "post"
+    concat_supported = False
+    concat_refusal = "post-LN"
+
+    @property
+    def layer_count_key(self) -> str:
+        return LAYER_KEYS[self.stack]
+
+    @property
+    def kept_layers(self) -> tuple[int, ...]:
+        return {"encoder": (0, 2, 4), "decoder": (1, 3)}[self.stack]
+
+    def sample_inputs(self):
+        return _source_target()
+
+    def outputs(self, model, inputs) -> torch.Tensor:
+        return mt_logits(model, *inputs)
+
+    def assert_generation_consistent(self, model, inputs) -> None:
+        assert_cache_consistent(model)
+
+    def expected_stacks(self) -> list[str]:
+        return STACKS
+
+    def expected_num_heads(self, config) -> int:
+        return getattr(config, f"{self.stack}_attention_heads")
+
+    def expected_num_kv_heads(self, config) -> int:
+        return self.expected_num_heads(config)
+
+    def expected_intermediate_size(self, config) -> int:
+        return getattr(config, f"{self.stack}_ffn_dim")
+
+    def shallower_reference(self, model, kept):
+        return fresh_marian_from_groups(model, self.stack, [(i,) for i in kept])
+
+    def test_keep_layers_and_reindex_match_a_fresh_shallower_model(self, model):
+        super().test_keep_layers_and_reindex_match_a_fresh_shallower_model(model)
+        other = "decoder" if self.stack == "encoder" else "encoder"
+        assert getattr(model.config, LAYER_KEYS[other]) == SHAPES[other][0]  # the other stack's count is untouched
+        for attn in ("self_attn", "encoder_attn"):
+            indices = [getattr(layer, attn).layer_idx for layer in model.model.decoder.layers]
+            assert indices == list(range(model.config.decoder_layers))
+
+    def test_gqa_head_pruning_keeps_queries_with_their_kv_heads(self, model):
+        super().test_gqa_head_pruning_keeps_queries_with_their_kv_heads(model)
+        with pytest.raises(ValueError, match="1 heads"):
+            get_adapter(model).validate()  # the config cannot describe per-layer head counts
+
+
+class TestMarianEncoderConformance(MarianStackConformance):
+    stack = "encoder"
+
+
+class TestMarianDecoderConformance(MarianStackConformance):
+    stack = "decoder"
+
+    def test_cross_attention_head_pruning_equals_zeroed_output_columns(self, model):
+        self.check_head_pruning(model, cross=True)
+        with pytest.raises(ValueError, match="1 heads"):
+            get_adapter(model).validate()
+
+
 # ------------------------------------------------------------------------------------------------- views
 def test_views_bind_both_stacks(model):
     adapter = get_adapter(model)
@@ -191,12 +261,11 @@ def test_views_bind_both_stacks(model):
     # num_hidden_layers is MarianConfig's alias of encoder_layers.
     assert model.config.num_hidden_layers == model.config.encoder_layers == 5
     for stack in STACKS:
-        num_layers, heads, head_dim, width = SHAPES[stack]
+        num_layers, heads, head_dim, _ = SHAPES[stack]
         layers = getattr(model.model, stack).layers
         assert adapter.num_layers(stack) == num_layers and adapter.layers(stack) is layers
         assert adapter.position_embeddings(stack) is getattr(model.model, stack).embed_positions
         for block, layer in zip(adapter.blocks(stack), layers, strict=True):
-            assert block.norm_position == "post"
             assert block.attn_norm.module is layer.self_attn_layer_norm and block.attn_norm.kind == "layer"
             assert block.mlp_norm.module is layer.final_layer_norm
             attentions = [(block.attention, layer.self_attn)]
@@ -213,7 +282,6 @@ def test_views_bind_both_stacks(model):
                     assert getattr(view, name).module is getattr(module, attr)
             assert block.mlp.gate is None and block.mlp.activation is layer.activation_fn
             assert block.mlp.up.module is layer.fc1 and block.mlp.down.module is layer.fc2
-            assert block.mlp.intermediate_size == width
 
 
 def test_model_level_views(model):
@@ -252,110 +320,23 @@ def test_refuses_models_it_does_not_bind():
         get_adapter(MarianMTModel(pre_ln))
 
 
-# ------------------------------------------------------------------------------------- heads and channels
-def test_keep_all_heads_and_channels_is_the_identity(model):
-    adapter = get_adapter(model)
-    before = mt_logits(model)
-    for stack in STACKS:
-        block = adapter.block(stack, 1)
-        adapter.keep_heads_(block, list(range(block.attention.geometry.num_heads)))
-        if stack == "decoder":
-            adapter.keep_heads_(block, list(range(block.cross_attention.geometry.num_heads)), cross=True)
-        adapter.keep_mlp_channels_(block, list(range(block.mlp.intermediate_size)))
-    assert torch.equal(mt_logits(model), before)
-    adapter.validate()
-
-
-@pytest.mark.parametrize(("stack", "cross"), [("encoder", False), ("decoder", False), ("decoder", True)])
-def test_head_pruning_equals_zeroed_output_columns(model, stack, cross):
-    adapter = get_adapter(model)
-    reference = copy.deepcopy(model)
-    ref_block = get_adapter(reference).block(stack, 2)
-    ref_att = ref_block.cross_attention if cross else ref_block.attention
-    g = ref_att.geometry
-    kept = [g.num_heads - 1]
-    with torch.no_grad():
-        for head in range(g.num_heads):
-            if head not in kept:
-                ref_att.o.weight[:, head * g.head_dim : (head + 1) * g.head_dim] = 0
-    adapter.keep_heads_(adapter.block(stack, 2), kept, cross=cross)
-    block = adapter.block(stack, 2)
-    pruned = (block.cross_attention if cross else block.attention).geometry
-    assert (pruned.num_heads, pruned.num_kv_heads) == (1, 1)
-    assert_close(mt_logits(model), mt_logits(reference))
-    with pytest.raises(ValueError, match="1 heads"):
-        adapter.validate()  # the config cannot describe per-layer head counts
-
-
+# ---------------------------------------------------------------------------------------- cross-attention
 def test_cross_attention_pruning_in_the_encoder_is_refused(model):
     adapter = get_adapter(model)
     with pytest.raises(ValueError, match="no cross-attention"):
         adapter.keep_heads_(adapter.block("encoder", 0), [0], cross=True)
 
 
-@pytest.mark.parametrize("stack", STACKS)
-def test_mlp_channel_pruning_equals_zeroed_channels(model, stack):
-    adapter = get_adapter(model)
-    kept = [0, 3, 4, 10, 20, 39]
-    reference = copy.deepcopy(model)
-    with torch.no_grad():
-        down = get_adapter(reference).block(stack, 3).mlp.down.weight
-        dropped = torch.ones(down.shape[1], dtype=torch.bool)
-        dropped[kept] = False
-        down[:, dropped] = 0
-    adapter.keep_mlp_channels_(adapter.block(stack, 3), kept)
-    assert adapter.block(stack, 3).mlp.intermediate_size == len(kept)
-    assert_close(mt_logits(model), mt_logits(reference))
-
-
 # ---------------------------------------------------------------------------------- dropping and reindexing
-@pytest.mark.parametrize("stack", STACKS)
-def test_empty_plan_changes_nothing(model, stack):
-    before = mt_logits(model)
-    adapter = get_adapter(model)
-    everything = list(range(adapter.num_layers(stack)))
-    adapter.keep_layers_(stack, everything)
-    adapter.reindex_(stack)
-    adapter.update_config_(stack, everything)
-    adapter.validate()
-    assert torch.equal(mt_logits(model), before)
-
-
-@pytest.mark.parametrize(("stack", "kept"), [("encoder", [0, 2, 4]), ("decoder", [1, 3])])
-def test_layer_dropping_equals_a_fresh_shallower_marian(model, stack, kept):
-    reference = fresh_marian_from_groups(model, stack, [(i,) for i in kept])
-    other = "decoder" if stack == "encoder" else "encoder"
-    other_count = getattr(model.config, LAYER_KEYS[other])
-    adapter = get_adapter(model)
-    adapter.keep_layers_(stack, kept)
-    adapter.reindex_(stack)
-    adapter.update_config_(stack, kept)
-    adapter.validate()
-    assert getattr(model.config, LAYER_KEYS[stack]) == len(kept)
-    assert getattr(model.config, LAYER_KEYS[other]) == other_count  # the other stack's count is untouched
-    assert [layer.self_attn.layer_idx for layer in model.model.decoder.layers] == list(
-        range(model.config.decoder_layers)
-    )
-    assert [layer.encoder_attn.layer_idx for layer in model.model.decoder.layers] == list(
-        range(model.config.decoder_layers)
-    )
-    assert_close(mt_logits(model), mt_logits(reference))
-    assert_cache_consistent(model)
-
-
-def test_validate_requires_reindexed_decoder_and_updated_config(model):
+def test_validate_requires_reindexed_decoder(model):
+    """The config's layer counts are checked per stack by the conformance base; the decoder's cache slots here."""
     adapter = get_adapter(model)
     adapter.keep_layers_("decoder", [0, 2, 3])
-    with pytest.raises(ValueError, match=r"config\.decoder_layers=4 but 3 decoder layers"):
-        adapter.validate()
     adapter.update_config_("decoder", [0, 2, 3])
     with pytest.raises(ValueError, match="decoder layer 1 self_attn has layer_idx 2"):
         adapter.validate()
     adapter.reindex_("decoder")
     adapter.validate()
-    adapter.keep_layers_("encoder", [0, 1])
-    with pytest.raises(ValueError, match=r"config\.encoder_layers=5 but 2 encoder layers"):
-        adapter.validate()
 
 
 def test_cache_check_catches_a_wrong_decoder_index(model):
@@ -528,11 +509,10 @@ def test_refusals_come_before_any_change(model, method, stack, match):
     assert model.config.to_dict() == config
 
 
-def test_concatenation_is_refused_with_the_reason(model):
+def test_capabilities_are_honest(model):
+    """Concatenation itself is refused (with the reason) by the conformance base; here what the refusal offers."""
     adapter = get_adapter(model)
     assert "pre_norm" not in adapter.capabilities and "concat_heads" not in adapter.capabilities
-    with pytest.raises(UnsupportedArchitectureError, match="post-LN"):
-        adapter.build_concat_block([adapter.detached_block("decoder", i) for i in (1, 2)])
     from optimum_flatten.methods.registry import methods_for
 
     assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(methods_for(adapter.capabilities))

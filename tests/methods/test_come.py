@@ -434,7 +434,7 @@ def test_bad_options_are_refused(options, match):
 
 
 def test_apply_refuses_a_plan_it_did_not_build():
-    from optimum_flatten.config import LayerPlan
+    from optimum_flatten.plan import LayerPlan
 
     model = tiny_models.tiny_llama_gqa()
     state = {k: v.clone() for k, v in model.state_dict().items()}

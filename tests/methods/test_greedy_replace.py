@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, shallower_reference, tiny_config
+from common import compress, naive_least_squares_map, shallower_reference, tiny_config
 from optimum_flatten import FlattenConfig
 from optimum_flatten.calibration.data import build_calibration_batches
 
@@ -31,21 +31,7 @@ def _nll(model, batches) -> float:
 @torch.no_grad()
 def _naive_replace(model, batches, previous: int, removed: int):
     """The shallower model with the least-squares map (torch.linalg.lstsq on all real tokens) folded at `previous`."""
-    layer = model.model.layers[previous]
-    captured = {}
-    hooks = [
-        layer.mlp.register_forward_hook(lambda _m, _a, out: captured.__setitem__("m", out)),
-        layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: captured.__setitem__("y", a[0])),
-    ]
-    ms, rs = [], []
-    for batch in batches:
-        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
-        keep = batch.attention_mask.bool()
-        ms.append(captured["m"][keep].double())
-        rs.append((hidden.hidden_states[removed + 1][keep] - captured["y"][keep]).double())
-    for hook in hooks:
-        hook.remove()
-    transform = torch.linalg.lstsq(torch.cat(ms), torch.cat(rs)).solution
+    transform = naive_least_squares_map(model, batches, previous, removed + 1)
     kept = [i for i in range(model.config.num_hidden_layers) if i != removed]
     reference = shallower_reference(model, kept)
     down = reference.model.layers[previous].mlp.down_proj

@@ -49,7 +49,15 @@ def test_a_narrow_shortlist_scores_fewer_actions_and_takes_one_of_them():
     assert narrow.report["cost"]["stack_passes"] < exhaustive.report["cost"]["stack_passes"]
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 2.5])
-def test_bad_shortlist_is_refused(bad):
-    with pytest.raises(ValueError, match="shortlist must be a positive integer or None"):
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (0, "shortlist must be a positive integer or None"),
+        (-1, "shortlist must be a positive integer or None"),
+        (True, "shortlist must be an integer or None, got True"),  # refused by the type check, before the range
+        (2.5, "shortlist must be an integer or None, got 2.5"),
+    ],
+)
+def test_bad_shortlist_is_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
         FlattenConfig(method="greedy_replace", num_layers_to_remove=1, dataset=["x"], shortlist=bad)

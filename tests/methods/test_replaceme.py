@@ -9,7 +9,16 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, logits, sample_ids, shallower_reference, tiny_config
+from common import (
+    compress,
+    decoder_layers,
+    logits,
+    mlp_parts,
+    naive_least_squares_map,
+    sample_ids,
+    shallower_reference,
+    tiny_config,
+)
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.data import build_calibration_batches
@@ -22,44 +31,6 @@ def _config(method: str, n: int = 2, **options) -> FlattenConfig:
     return tiny_config(method, num_layers_to_remove=n, **options)
 
 
-def _layers(model):
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
-
-
-def _mlp_parts(layer):
-    """(MLP module, its norm, its down projection weight as (out, in)) for LLaMA-like and GPT-2 blocks."""
-    if hasattr(layer, "post_attention_layernorm"):
-        return layer.mlp, layer.post_attention_layernorm, lambda: layer.mlp.down_proj.weight
-    return layer.mlp, layer.ln_2, lambda: layer.mlp.c_proj.weight.T
-
-
-@torch.no_grad()
-def _naive_fit(original, batches, last_kept: int, end: int) -> torch.Tensor:
-    """T by torch.linalg.lstsq over every real token, from full forwards of the dense model (the paper's formula)."""
-    mlp, norm, _ = _mlp_parts(_layers(original)[last_kept])
-    ms, ys, ls = [], [], []
-    captured = {}
-    handles = [
-        mlp.register_forward_hook(lambda _m, _a, out: captured.__setitem__("m", out)),
-        norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("y", args[0])),
-    ]
-    final_norm = original.transformer.ln_f if hasattr(original, "transformer") else original.model.norm
-    handles.append(final_norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("out", args[0])))
-    for batch in batches:
-        hidden = original(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True
-        ).hidden_states
-        target = captured["out"] if end == len(_layers(original)) else hidden[end]
-        keep = batch.attention_mask.bool()
-        ms.append(captured["m"][keep].double())
-        ys.append(captured["y"][keep].double())
-        ls.append(target[keep].double())
-    for handle in handles:
-        handle.remove()
-    m, y, target = torch.cat(ms), torch.cat(ys), torch.cat(ls)
-    return torch.linalg.lstsq(m, target - y).solution
-
-
 @pytest.mark.parametrize("factory", ["llama_gqa", "qwen2", "gpt2"])
 def test_replaceme_folds_the_least_squares_map_of_the_naive_reference(factory):
     model = tiny_models.FACTORIES[factory]()
@@ -69,19 +40,19 @@ def test_replaceme_folds_the_least_squares_map_of_the_naive_reference(factory):
     ((start, end),) = quantizer.report["blocks"]
     assert start >= 1 and end == start + 2
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
-    transform = _naive_fit(original, batches, start - 1, end)
+    transform = naive_least_squares_map(original, batches, start - 1, end)
 
-    _, _, down_before = _mlp_parts(_layers(original)[start - 1])
-    _, _, down_after = _mlp_parts(_layers(model)[start - 1])
+    _, _, down_before = mlp_parts(decoder_layers(original)[start - 1])
+    _, _, down_after = mlp_parts(decoder_layers(model)[start - 1])
     expected = transform.T @ down_before().double()
     torch.testing.assert_close(down_after().double(), expected, atol=2e-5, rtol=1e-4)
 
     # The fold is exact: the compressed model equals the dense model without the block, with T applied to the MLP
     # output of the layer before it by a hook (the naive, unfolded form).
-    kept = [i for i in range(len(_layers(original))) if not start <= i < end]
+    kept = [i for i in range(len(decoder_layers(original))) if not start <= i < end]
     reference = shallower_reference(original, kept) if factory != "gpt2" else None
     if reference is not None:
-        mlp, _, _ = _mlp_parts(_layers(reference)[start - 1])
+        mlp, _, _ = mlp_parts(decoder_layers(reference)[start - 1])
         mlp.register_forward_hook(lambda _m, _a, out: out @ transform.float())
         ids = sample_ids(batch=2, length=16, seed=5)
         torch.testing.assert_close(logits(model, ids), logits(reference, ids), atol=1e-4, rtol=1e-4)
@@ -174,10 +145,10 @@ def test_linear_replacement_drop_plan_matches_the_naive_fit(factory):
     (dropped,) = quantizer.plan.dropped_indices
     assert dropped > 0
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
-    transform = _naive_fit(original, batches, dropped - 1, dropped + 1)
+    transform = naive_least_squares_map(original, batches, dropped - 1, dropped + 1)
     assert quantizer.report["linear_replacement"]["maps"][0]["span"] == [dropped - 1, dropped + 1]
-    _, _, before = _mlp_parts(_layers(original)[dropped - 1])
-    _, _, after = _mlp_parts(_layers(model)[dropped - 1])
+    _, _, before = mlp_parts(decoder_layers(original)[dropped - 1])
+    _, _, after = mlp_parts(decoder_layers(model)[dropped - 1])
     torch.testing.assert_close(after().double(), transform.T @ before().double(), atol=2e-5, rtol=1e-4)
 
 
@@ -237,15 +208,15 @@ def test_loss_selection_scores_every_block_as_the_naive_replaced_model_and_takes
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     assert len(batches) == 2
     for start, score in losses.items():
-        transform = _naive_fit(original, batches, start - 1, start + 2)  # fitted on every batch
+        transform = naive_least_squares_map(original, batches, start - 1, start + 2)  # fitted on every batch
         kept = [i for i in range(6) if not start <= i < start + 2]
         reference = shallower_reference(original, kept)
-        mlp, _, _ = _mlp_parts(_layers(reference)[start - 1])
+        mlp, _, _ = mlp_parts(decoder_layers(reference)[start - 1])
         mlp.register_forward_hook(lambda _m, _a, out, t=transform: out @ t.float())
         assert score == pytest.approx(_naive_nll(reference, batches[0]), abs=2e-5)  # scored on the first batch
     best = min(losses, key=losses.get)
     assert quantizer.report["blocks"] == [[best, best + 2]]
-    assert len(_layers(model)) == 4
+    assert len(decoder_layers(model)) == 4
 
 
 def test_loss_selection_refusals():

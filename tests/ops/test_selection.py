@@ -1,9 +1,7 @@
-import math
-
 import pytest
 import torch
 
-from optimum_flatten.ops import greedy_adjacent_groups, masked_cosine_sum, top_k_indices
+from optimum_flatten.ops import greedy_adjacent_groups, top_k_indices
 
 
 def _matrix(entries, size):
@@ -40,19 +38,3 @@ def test_greedy_raises_when_no_merge_fits():
 def test_top_k_is_sorted_and_breaks_ties_by_index():
     assert top_k_indices(torch.tensor([0.1, 0.5, 0.5, 0.9]), 2) == [1, 3]
     assert top_k_indices(torch.tensor([0.5, 0.5, 0.5]), 2) == [0, 1]
-
-
-def test_masked_cosine_sum_matches_loop():
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(2, 4, 3, generator=g)
-    b = torch.randn(2, 4, 3, generator=g)
-    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1]])
-    total, count = masked_cosine_sum(a, b, mask)
-    expected = 0.0
-    for i in range(2):
-        for t in range(4):
-            if mask[i, t]:
-                x, y = a[i, t].double(), b[i, t].double()
-                expected += float(x @ y / (x.norm() * y.norm()))
-    assert count == 5
-    assert math.isclose(total, expected, rel_tol=1e-12)

@@ -80,7 +80,8 @@ class AutoConfig(MethodConfig):
             if correction and correction not in ESTIMATORS + COMPENSATIONS:
                 raise ValueError(
                     f"unknown correction {correction!r} in candidate {text!r}."
-                    f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} Use +lstsq, +cosine or +scale."
+                    f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} "
+                    "Use +lstsq, +lstsq_gain, +cosine or +scale."
                 )
             corrections = Corrections(
                 linear_replacement=correction if correction in ESTIMATORS else None,

@@ -23,7 +23,7 @@ import torch
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.partial import run_to_input
 from ..calibration.stats import CentredSecondMoment, SecondMoment
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
 from ..ops import (
     accumulate_head_importance,
     default_ridge_lambda,
@@ -37,6 +37,7 @@ from ..ops import (
     top_k_indices,
 )
 from ..ops.ridge import kept_blocks, nystrom_from_blocks, ridge_leverage_scores_packed
+from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CompressionMethod, MethodContext

@@ -30,11 +30,13 @@ from ..ops.linear_map import (
     fit_cosine,
     fold_map_into_linear,
     solve_least_squares,
+    solve_least_squares_with_gain,
 )
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
 from ..utils.offload import edit_block_
 from ..utils.torch_utils import first_output
+from .compensation import fold_stream_scales_
 
 
 @dataclass
@@ -42,7 +44,12 @@ class BridgeOptions:
     """How the map is estimated.
 
     Attributes:
-        estimator: ``"lstsq"`` (closed form on float64 statistics) or ``"cosine"`` (Adam on the cosine distance).
+        estimator: ``"lstsq"`` (closed form on float64 statistics), ``"lstsq_gain"`` (the same with one scalar
+            gain α on the residual stream at the cut, fitted jointly with T in closed form, ``α Y + M T ≈ L``, and
+            folded into every writer of the stream upstream as Prune&Comp folds its compensation; not in either
+            paper: T alone carries the stream through the removed layers unscaled, the gain lets the whole stream
+            shrink or grow by what those layers did to its magnitude; see docs/methods/replaceme.md) or
+            ``"cosine"`` (Adam on the cosine distance).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
         correct_after: Also refit the down projections of this many kept layers after every bridged span, each
             towards the dense state after its own layer, so that they absorb what the bridge left (not in the paper;
@@ -54,6 +61,11 @@ class BridgeOptions:
     cosine_lr: float = 1e-4
     cosine_minibatch: int = 1024
     correct_after: int = 0
+
+    @property
+    def stream_gain(self) -> bool:
+        """Whether each bridge also fits (and folds upstream) a scalar gain on the stream."""
+        return self.estimator == "lstsq_gain"
 
     def __post_init__(self) -> None:
         check_estimator(self.estimator)
@@ -166,6 +178,10 @@ def fit_and_fold_(
             entry.update(output_layer=k, span=[first, end])
             entries.append(entry)
             module = layers[k]  # an offloaded layer was replaced by its edited copy
+            if "gain" in entry:
+                # The fold scaled every writer of the stream up to layer k: the stream entering k is now α times
+                # what was computed, and the edited layer k expects it so.
+                current = [h * entry["gain"] for h in current]
         current = runner.run(module, position, current)
     leading = plan.groups[0].indices[0] if plan.groups else 0
     return {
@@ -190,9 +206,18 @@ def _fit_one(
     block = adapter.block_view(module, k)
     dim = block.mlp.down.out_features
     state = {"batch": 0}
-    if options.estimator == "lstsq":
-        transform, info, count = fit_least_squares(block, runner, module, position, inputs, target)
+    if options.estimator in ("lstsq", "lstsq_gain"):
+        transform, gain, info, count = fit_least_squares(
+            block, runner, module, position, inputs, target, with_gain=options.stream_gain
+        )
         detail: dict[str, Any] = {"tokens": count, "jitter": info.jitter}
+        if options.stream_gain:
+            detail["gain"] = gain
+            # α on the embeddings and on the o/down projections of layers 0..k scales the stream entering k's MLP
+            # norm (which does not see it) and k's own MLP output; T / α on the down projection undoes the latter.
+            scales = [gain if j <= k else 1.0 for j in range(adapter.num_layers(stack))]
+            fold_stream_scales_(adapter, stack, scales, gain)
+            transform = transform / gain
     else:
         ms: list[torch.Tensor] = []
         ys: list[torch.Tensor] = []
@@ -235,25 +260,30 @@ def fit_least_squares(
     inputs: Sequence[torch.Tensor],
     target: Sequence[torch.Tensor],
     on_capture: Any = None,
-) -> tuple[torch.Tensor, Any, int]:
-    """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, solve info, tokens).
+    with_gain: bool = False,
+) -> tuple[torch.Tensor, float, Any, int]:
+    """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, gain, solve info, tokens).
 
     One run of the layer over every batch; M and Y are reduced to float64 statistics batch by batch, so no token
-    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y.
+    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With `with_gain`,
+    T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1.
     """
-    stats = LinearMapStatistics(block.mlp.down.out_features, device=inputs[0].device)
+    stats = LinearMapStatistics(block.mlp.down.out_features, device=inputs[0].device, with_gain=with_gain)
     state = {"batch": 0}
 
     def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
         b = state["batch"]
-        stats.update(m, target[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+        stats.update(m, target[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b], stream=y)
         if on_capture is not None:
             on_capture(b, m, y)
 
     with capture_mlp(block, on_batch):
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    if with_gain:
+        transform, gain, info = solve_least_squares_with_gain(stats)
+        return transform, gain, info, stats.count
     transform, info = solve_least_squares(stats)
-    return transform, info, stats.count
+    return transform, 1.0, info, stats.count
 
 
 def fit_with_outputs(
@@ -264,11 +294,12 @@ def fit_with_outputs(
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
     limit: int,
+    with_gain: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
 
-    What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``,
-    computed from the captured M and Y (no second run of the layer, no folded copy).
+    What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``
+    (``α Y + M T`` `with_gain`), computed from the captured M and Y (no second run of the layer, no folded copy).
     """
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -277,8 +308,12 @@ def fit_with_outputs(
             captured.append((m, y))
 
     block = adapter.block_view(module, position)
-    transform, _, _ = fit_least_squares(block, runner, module, position, inputs, targets, on_capture=keep_scored)
-    outputs = [(y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured]
+    transform, gain, _, _ = fit_least_squares(
+        block, runner, module, position, inputs, targets, on_capture=keep_scored, with_gain=with_gain
+    )
+    outputs = [
+        (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
+    ]
     return transform, outputs
 
 

@@ -39,6 +39,8 @@ def preflight(adapter: Any, method: CompressionMethod, stack: str, corrections: 
     method.preflight(adapter, stack)
     if corrections.linear_replacement is not None:
         require_pre_norm(adapter, stack, f"linear_replacement={corrections.linear_replacement!r}")
+        if BridgeOptions(corrections.linear_replacement).stream_gain:
+            require_compensable(adapter, stack)  # the gain is folded into the embeddings like a compensation
     if corrections.compensation is not None:
         require_compensable(adapter, stack)
 

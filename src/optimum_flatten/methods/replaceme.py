@@ -25,6 +25,7 @@ from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .compensation import require_compensable
 from .linear_bridge import BridgeOptions, bridged_apply_, fit_with_outputs, require_pre_norm
 from .registry import register_method
 from .uidl import BlockSelectionConfig, block_size, select_blocks
@@ -35,7 +36,10 @@ class ReplaceMeConfig(BlockSelectionConfig):
     """Options of ReplaceMe (besides the block selection's `tokens` and `num_blocks`).
 
     Attributes:
-        estimator: ``"lstsq"`` (closed form, float64 statistics) or ``"cosine"`` (the paper's cosine objective).
+        estimator: ``"lstsq"`` (closed form, float64 statistics), ``"lstsq_gain"`` (the same plus one scalar gain
+            on the residual stream at the cut, fitted jointly with T and folded into the embeddings and the upstream
+            o/down projections as Prune&Comp folds its α; not in either paper, see docs/methods/replaceme.md) or
+            ``"cosine"`` (the paper's cosine objective).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded Adam run (epochs over all tokens).
         seed: Seeds the cosine fit's token order.
         selection: ``"distance"`` (the paper: smallest angular distance across the block) or ``"loss"`` (every
@@ -67,7 +71,11 @@ class ReplaceMeConfig(BlockSelectionConfig):
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(
-            self.estimator, self.cosine_epochs, self.cosine_lr, self.cosine_minibatch, self.correct_after
+            self.estimator,
+            self.cosine_epochs,
+            self.cosine_lr,
+            self.cosine_minibatch,
+            self.correct_after,
         )
 
 
@@ -81,6 +89,8 @@ class ReplaceMeMethod(CompressionMethod):
 
     def preflight(self, adapter: Any, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'replaceme'")
+        if self.config.bridge_options().stream_gain:
+            require_compensable(adapter, stack)
         if self.config.selection == "loss" and adapter.lm_head(stack) is None:
             raise UnsupportedArchitectureError(
                 f"replaceme with selection='loss' scores blocks by next-token loss, and this "
@@ -97,6 +107,7 @@ class ReplaceMeMethod(CompressionMethod):
         block on the scored batches from ``Y + M T``, take the NLL. One walk down the stack keeps only the boundaries
         a start needs (n + 2 of them), so memory does not grow with depth."""
         num_layers = adapter.num_layers(context.stack)
+        gain = self.config.bridge_options().stream_gain
         size = block_size(num_to_remove, 1, num_layers, first_start=1)
         runner = context.new_runner(adapter)
         layers = list(adapter.layers(context.stack))
@@ -112,7 +123,7 @@ class ReplaceMeMethod(CompressionMethod):
                 if start < 1 or len(window) < size + 2:
                     continue
                 _, current = fit_with_outputs(
-                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit
+                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit, gain
                 )
                 for later in range(index + 1, num_layers):
                     current = runner.run(layers[later], later, current)

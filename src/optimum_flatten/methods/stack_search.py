@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from ..calibration.states import CalibratedStates, check_scoring_batches
-from ..config import LayerPlan, MethodConfig
+from ..config import MethodConfig
 from ..ops import MERGE_RULES
+from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext

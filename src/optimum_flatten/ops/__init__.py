@@ -12,7 +12,6 @@ from .merge import MERGE_RULES, merge_as_reference_code, merge_by_differences
 from .norm_fold import fold_norm_into_linear
 from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores, ridge_reconstruction_error
 from .selection import greedy_adjacent_groups, top_k_indices
-from .similarity import masked_cosine_sum
 
 __all__ = [
     "MERGE_RULES",
@@ -26,7 +25,6 @@ __all__ = [
     "fold_norm_into_linear",
     "greedy_adjacent_groups",
     "kv_group_scores",
-    "masked_cosine_sum",
     "merge_as_reference_code",
     "merge_by_differences",
     "nystrom_down_correction",

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-#: Names of the ways a map can be estimated (see `solve_least_squares` and `fit_cosine`).
-ESTIMATORS = ("lstsq", "cosine")
+#: Names of the ways a map can be estimated (see `solve_least_squares`, `solve_least_squares_with_gain` and
+#: `fit_cosine`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual stream, fitted jointly.
+ESTIMATORS = ("lstsq", "lstsq_gain", "cosine")
 
 
 class LinearMapStatistics:
@@ -29,22 +30,43 @@ class LinearMapStatistics:
     channels differ by 10⁴ in scale (massive activations) would lose its small directions entirely.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, dim: int, device: torch.device | str = "cpu", with_gain: bool = False) -> None:
         self.gram = torch.zeros(dim, dim, dtype=torch.float64, device=device)
         self.cross = torch.zeros(dim, dim, dtype=torch.float64, device=device)
         self.count = 0
+        #: With a stream gain (`solve_least_squares_with_gain`): MᵀY, ⟨Y, R⟩ and ⟨Y, Y⟩ over the same tokens.
+        self.with_gain = with_gain
+        self.stream_cross = torch.zeros(dim, dim, dtype=torch.float64, device=device) if with_gain else None
+        self.stream_target = 0.0
+        self.stream_norm = 0.0
 
-    def update(self, inputs: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Adds the tokens of (batch, seq, dim) `inputs` M and `targets` R whose mask is 1."""
+    def update(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        stream: torch.Tensor | None = None,
+    ) -> None:
+        """Adds the tokens of (batch, seq, dim) `inputs` M and `targets` R whose mask is 1 (and of the residual
+        stream Y, which the statistics need when they were built `with_gain`)."""
+        if self.with_gain and stream is None:
+            raise ValueError("statistics built with_gain need the residual stream of every batch (stream=...).")
         m = inputs.reshape(-1, inputs.shape[-1])
         r = targets.reshape(-1, targets.shape[-1])
+        y = None if stream is None or not self.with_gain else stream.reshape(-1, stream.shape[-1])
         if mask is not None:
             keep = mask.reshape(-1).to(m.device).bool()
             m, r = m[keep], r[keep.to(r.device)]
+            y = None if y is None else y[keep.to(y.device)]
         m = m.to(self.gram.device, torch.float64)
         r = r.to(self.gram.device, torch.float64)
         self.gram.addmm_(m.T, m)
         self.cross.addmm_(m.T, r)
+        if y is not None:
+            y = y.to(self.gram.device, torch.float64)
+            self.stream_cross.addmm_(m.T, y)
+            self.stream_target += float((y * r).sum())
+            self.stream_norm += float((y * y).sum())
         self.count += m.shape[0]
 
 
@@ -68,6 +90,43 @@ def solve_least_squares(
     Raises:
         ValueError: when no token was accumulated.
     """
+    factor, info = _jittered_cholesky(stats, relative_jitter, max_attempts)
+    return torch.cholesky_solve(stats.cross, factor), info
+
+
+def solve_least_squares_with_gain(
+    stats: LinearMapStatistics, relative_jitter: float | None = None, max_attempts: int = 12
+) -> tuple[torch.Tensor, float, SolveInfo]:
+    """(T, α) minimising Σ‖α y + m T − l‖² over tokens, with R = L − Y accumulated as the target: the map of
+    `solve_least_squares` plus one scalar gain α on the residual stream at the cut.
+
+    With β = α − 1 the target is R − βY, so for a fixed β the best map is ``T(β) = T₀ − β B`` (T₀ = G⁻¹MᵀR,
+    B = G⁻¹MᵀY, G = MᵀM), and the residual ``(R − M T₀) − β (Y − M B)`` is linear in β. Its minimiser is
+    ``β = ⟨Y − M B, R − M T₀⟩ / ‖Y − M B‖²``; because G B = MᵀY and G T₀ = MᵀR, the two inner products reduce to
+    ``⟨Y, R⟩ − ⟨MᵀY, T₀⟩`` and ``⟨Y, Y⟩ − ⟨MᵀY, B⟩`` (Frobenius), so no token matrix is needed. Both solves share
+    one jittered Cholesky factor.
+
+    Raises:
+        ValueError: when the statistics were not built `with_gain`, or no token was accumulated.
+    """
+    if not stats.with_gain or stats.stream_cross is None:
+        raise ValueError("solve_least_squares_with_gain needs statistics built with with_gain=True.")
+    factor, info = _jittered_cholesky(stats, relative_jitter, max_attempts)
+    solved = torch.cholesky_solve(torch.cat([stats.cross, stats.stream_cross], dim=1), factor)
+    base, along = solved[:, : stats.cross.shape[1]], solved[:, stats.cross.shape[1] :]
+    numerator = stats.stream_target - float((stats.stream_cross * base).sum())
+    denominator = stats.stream_norm - float((stats.stream_cross * along).sum())
+    if not denominator > 0:
+        # Y lies in the span of M: the gain is not identifiable and the map alone fits as well as any (β = 0).
+        return base, 1.0, info
+    beta = numerator / denominator
+    return base - beta * along, 1.0 + beta, info
+
+
+def _jittered_cholesky(
+    stats: LinearMapStatistics, relative_jitter: float | None, max_attempts: int
+) -> tuple[torch.Tensor, SolveInfo]:
+    """The Cholesky factor of MᵀM + jitter·I, the jitter grown tenfold from its start until it succeeds."""
     if stats.count == 0:
         raise ValueError("no calibration token reached the linear-map statistics (are all tokens masked?).")
     gram = stats.gram
@@ -79,7 +138,7 @@ def solve_least_squares(
     for attempt in range(1, max_attempts + 1):
         factor, info = torch.linalg.cholesky_ex(gram + jitter * eye)
         if int(info) == 0:
-            return torch.cholesky_solve(stats.cross, factor), SolveInfo(jitter=jitter, attempts=attempt)
+            return factor, SolveInfo(jitter=jitter, attempts=attempt)
         jitter *= 10.0
     raise RuntimeError(
         f"the Gram matrix of the MLP outputs stayed singular after jitter {jitter:.3g}; the calibration tokens do not "

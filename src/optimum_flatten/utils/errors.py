@@ -19,6 +19,11 @@ class IndexSensitiveError(ValueError):
     """Renumbering layers would change the maths (the layer index enters the computation)."""
 
 
+class OptionTypeError(TypeError, ValueError):
+    """A method option of a type its hint does not admit. Both a TypeError (what it is) and a ValueError (what
+    every other refusal of a bad option raises), so callers catching either see it."""
+
+
 class InvalidTargetError(ValueError):
     """The compression target cannot be met for this model (e.g. removing every layer)."""
 
