@@ -4,7 +4,9 @@ Usage: python benchmarks/depth/merge.py benchmarks/results/quality_smollm2.json 
 
 Variants run in separate processes (to use idle cores, or added later) are only comparable when the model, the
 calibration windows, the evaluation windows and the depth are the same; the dense rows must also agree (the same
-perplexities to 1e-9 relative). A merged row replaces a row of the same variant. Rows that failed are not merged.
+perplexities to 1e-6 relative: a run with another torch thread count sums the float32 logits in another order, which
+moves the dense perplexity by about 1e-8, while any change of model, windows or tokens moves it by far more). A merged
+row replaces a row of the same variant. Rows that failed are not merged.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def merge(target: Path, sources: list[Path]) -> list[str]:
                 raise SystemExit(f"{source}: protocol {key!r} differs: {other['protocol'].get(key)!r}")
         other_dense = next(r for r in other["results"] if r["variant"] == "dense")
         for key in ("perplexity", "perplexity_kjv"):
-            if abs(other_dense[key] / dense[key] - 1) > 1e-9:
+            if abs(other_dense[key] / dense[key] - 1) > 1e-6:
                 raise SystemExit(f"{source}: the dense {key} differs ({other_dense[key]} vs {dense[key]})")
         for row in other["results"]:
             if row["variant"] == "dense" or "error" in row:
