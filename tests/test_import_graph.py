@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 
 LAYERS = [
     {"utils", "ops"},
-    {"plan"},
+    {"plan", "report"},
     {"methods.registry"},
     {"config", "bundled"},
     {"calibration"},

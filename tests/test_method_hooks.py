@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 import tiny_models
-from common import compress
+from common import compress, tiny_config
 from optimum_flatten import FlattenConfig
 from optimum_flatten.adapters import get_adapter
 from optimum_flatten.export.checkpoint import (
@@ -38,7 +39,9 @@ from optimum_flatten.methods.layer_collapse import (
 from optimum_flatten.methods.registry import get_method_class, registered_methods
 from optimum_flatten.methods.shortgpt import ShortGPTMethod
 from optimum_flatten.methods.sleb import SLEBMethod
-from optimum_flatten.quantizer import FlattenQuantizer, merge_method_report
+from optimum_flatten.quantizer import FlattenQuantizer
+from optimum_flatten.report import CompressionReport, core_fields
+from optimum_flatten.utils.errors import InvalidTargetError
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 
@@ -172,24 +175,74 @@ def test_quantizer_plans_on_the_last_stack_the_hook_returns(marian_adapter, monk
 
 
 # ------------------------------------------------------------------------------------ method report namespace
+def _core(**overrides: Any) -> dict[str, Any]:
+    core = {
+        "method": "sleb",
+        "method_args": {},
+        "model_type": "llama",
+        "base_model": "",
+        "base_model_on_hub": False,
+        "license": None,
+        "architecture": "LlamaForCausalLM",
+        "plan": {"groups": [[0]]},
+        "plan_summary": "1 -> 1",
+        "num_layers_before": 1,
+        "num_layers_after": 1,
+        "parameters_before": 10,
+        "parameters_after": 10,
+        "calibration": {},
+        "timings_seconds": {},
+        "cost": {},
+        "total_seconds": 0.0,
+    }
+    return {**core, **overrides}
+
+
 def test_method_entries_are_added_but_never_replace_core_ones():
-    core = {"method": "sleb", "plan": {"groups": [[0]]}}
-    assert merge_method_report(core, {"sleb_steps": [1]}, "sleb") == {**core, "sleb_steps": [1]}
+    report = CompressionReport(**_core(), method_entries={"sleb_steps": [1]})
+    assert report.to_dict() == {**_core(), "sleb_steps": [1]}
+    assert list(report) == [*core_fields(), "sleb_steps"]  # the saved JSON's key order
+    assert report["plan"] == {"groups": [[0]]} and report["sleb_steps"] == [1] and report.plan_summary == "1 -> 1"
+    assert dict(report) == report.to_dict() and {**report} == report.to_dict() and report == report.to_dict()
+    assert "sleb_steps" in report and "nothing" not in report and report.get("nothing") is None
+    with pytest.raises(KeyError):
+        report["nothing"]
     with pytest.raises(RuntimeError, match=r"method 'sleb' reported \['plan'\], which the core report owns"):
-        merge_method_report(core, {"plan": {"groups": []}, "sleb_steps": []}, "sleb")
+        CompressionReport(**_core(), method_entries={"plan": {"groups": []}, "sleb_steps": []})
+
+
+def test_compress_returns_a_typed_report_that_json_round_trips():
+    quantizer = compress(tiny_models.tiny_llama_mha(), "shortgpt", num_layers_to_remove=1)
+    report = quantizer.report
+    assert isinstance(report, CompressionReport)
+    assert report.num_layers_before - report.num_layers_after == 1 and "block_influence" in report.method_entries
+    assert json.loads(json.dumps(report.to_dict())) == report.to_dict()
+
+
+def test_preflight_refuses_before_any_weight_changes_and_resolves_the_run():
+    model = tiny_models.tiny_llama_mha()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantizer = FlattenQuantizer(tiny_config("shortgpt", num_layers_to_remove=1), progress=False)
+    checked = quantizer.preflight(model, tiny_models.CharTokenizer())
+    assert (checked.stack, checked.num_to_remove, checked.num_layers) == ("decoder", 1, model.config.num_hidden_layers)
+    assert len(checked.batches) >= 1
+    quantizer.config.num_layers_to_remove = model.config.num_hidden_layers
+    with pytest.raises(InvalidTargetError):
+        quantizer.preflight(model, tiny_models.CharTokenizer())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_compress_refuses_a_method_report_that_would_overwrite_the_plan(monkeypatch):
-    import optimum_flatten.quantizer as quantizer_module
+    import optimum_flatten.methods.pipeline as pipeline_module
 
-    original = quantizer_module.plan_and_apply_
+    original = pipeline_module.plan_and_apply_
 
     def overwriting(adapter, method, context, num_to_remove, corrections):
         plan = original(adapter, method, context, num_to_remove, corrections)
         context.report["plan"] = {"groups": "not what was done"}
         return plan
 
-    monkeypatch.setattr(quantizer_module, "plan_and_apply_", overwriting)
+    monkeypatch.setattr(pipeline_module, "plan_and_apply_", overwriting)
     with pytest.raises(RuntimeError, match=r"reported \['plan'\], which the core report owns"):
         compress(tiny_models.tiny_llama_mha(), "shortgpt", num_layers_to_remove=1)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +16,46 @@ from .adapters import get_adapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, describe_dataset
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
+from .methods import pipeline
 from .methods.base import CompressionMethod, MethodContext
-from .methods.pipeline import Corrections, plan_and_apply_, preflight
+from .methods.pipeline import Corrections
 from .methods.registry import get_method_class, methods_for
 from .plan import LayerPlan
+from .report import CompressionReport
 from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What `FlattenQuantizer.preflight` checked and resolved: everything the run needs, no weight changed yet."""
+
+    adapter: Any
+    method: CompressionMethod
+    #: The stack the method plans on.
+    stack: str
+    corrections: Corrections
+    #: Layers of that stack before.
+    num_layers: int
+    num_to_remove: int
+    #: The calibration batches (none for a method that needs no calibration).
+    batches: list[Any]
+
+
+@dataclass(frozen=True)
+class _Run:
+    plan: LayerPlan
+    context: MethodContext
+    params_before: int
+    stack_weights: int
+    #: The checkpoint the model was loaded from, read before the run cleared it.
+    source_name: str
+    #: Real-token masks of the calibration batches.
+    masks: list[torch.Tensor]
 
 
 class FlattenQuantizer(OptimumQuantizer):
@@ -57,7 +88,8 @@ class FlattenQuantizer(OptimumQuantizer):
         self.progress = progress
         self.model = model
         self.tokenizer = tokenizer
-        self.report: dict[str, Any] = {}
+        #: The last compression's record (empty before the first).
+        self.report: CompressionReport | dict[str, Any] = {}
         self.plan: LayerPlan | None = None
 
     @classmethod
@@ -126,16 +158,32 @@ class FlattenQuantizer(OptimumQuantizer):
     def compress(self, model: nn.Module, tokenizer: Any = None) -> nn.Module:
         """Compresses `model` in place and returns it; `self.report` then holds what was done and measured.
 
+        Three stages: `preflight` (every refusal, before any weight changes), the run (calibrate, plan, apply),
+        and the report (a `CompressionReport`).
+
         Raises:
             UnsupportedArchitectureError: no adapter, or the adapter lacks what the method needs.
             InvalidTargetError: the target removes no layer or every layer.
             CalibrationDataError: missing tokenizer, unreadable or too little calibration text.
         """
+        start = time.perf_counter()
+        checked = self.preflight(model, tokenizer)
+        run = self._run(model, checked)
+        self.plan = run.plan
+        self.config.layer_plan = run.plan.to_dict()
+        self.report = self._report(model, checked, run, start)
+        return model
+
+    def preflight(self, model: nn.Module, tokenizer: Any = None) -> Preflight:
+        """Every check `compress` makes before it touches a weight, and what they resolved (nothing is changed).
+
+        A refused request raises here, so `compress` never leaves a half-compressed model; callers can also use
+        it as a dry run (the calibration batches are built, so a bad dataset or tokenizer is refused too).
+        """
         if self.config is None:
             raise ValueError(
                 "no FlattenConfig: pass one to FlattenQuantizer(config) or to quantize(quantization_config=)."
             )
-        start = time.perf_counter()
         adapter = get_adapter(model)
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
@@ -150,7 +198,7 @@ class FlattenQuantizer(OptimumQuantizer):
         corrections = Corrections(
             self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed
         )
-        preflight(adapter, method, stack, corrections)
+        pipeline.preflight(adapter, method, stack, corrections)
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
@@ -159,54 +207,64 @@ class FlattenQuantizer(OptimumQuantizer):
             # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
             check_sequence_length(model, self.config.calibration.seqlen)
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
+        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches)
 
+    def _run(self, model: nn.Module, checked: Preflight) -> _Run:
+        """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
+        adapter, stack = checked.adapter, checked.stack
         params_before = count_parameters(model)
-        masks = [adapter.token_mask(stack, b) for b in batches]
         stack_weights = count_parameters(adapter.layers(stack))
-        context = MethodContext(batches=batches, stack=stack, progress=self.progress)
+        # Real positions per batch, as the adapter defines them on the original stack (read before it changes).
+        masks = [adapter.token_mask(stack, b) for b in checked.batches]
+        context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress)
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            plan = plan_and_apply_(adapter, method, context, num_to_remove, corrections)
+            plan = pipeline.plan_and_apply_(
+                adapter, checked.method, context, checked.num_to_remove, checked.corrections
+            )
         model.train(was_training)
         drop_own_quantization_config(model)
         source_name = source_name_or_path(model)
-        base_name, base_on_hub = public_base_name(source_name)
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
         set_name_or_path(model, "")
-        self.plan = plan
-        self.config.layer_plan = plan.to_dict()
+        return _Run(plan, context, params_before, stack_weights, source_name, masks)
+
+    def _report(self, model: nn.Module, checked: Preflight, run: _Run, start: float) -> CompressionReport:
+        """The record of what was done and measured (the method's entries beside the core fields)."""
+        base_name, base_on_hub = public_base_name(run.source_name)
+        masks = run.masks
         synchronize()  # so that total_seconds counts the GPU work, not its launch
-        core = {
-            "method": self.config.method,
-            "method_args": self.config.method_args,
-            "model_type": model.config.model_type,
-            "base_model": base_name,
-            "base_model_on_hub": base_on_hub,
-            "license": base_license(source_name),
-            "architecture": type(model).__name__,
-            "plan": plan.to_dict(),
-            "plan_summary": plan.describe(),
-            "num_layers_before": num_layers,
-            "num_layers_after": adapter.num_layers(stack),
-            "parameters_before": params_before,
-            "parameters_after": count_parameters(model),
-            "calibration": {
-                "dataset": describe_dataset(self.config.calibration.dataset),
-                "nsamples": self.config.calibration.nsamples,
-                "seqlen": self.config.calibration.seqlen,
-                "seed": self.config.calibration.seed,
-                "packing": self.config.calibration.packing,
+        calibration = self.config.calibration
+        return CompressionReport(
+            method=self.config.method,
+            method_args=self.config.method_args,
+            model_type=model.config.model_type,
+            base_model=base_name,
+            base_model_on_hub=base_on_hub,
+            license=base_license(run.source_name),
+            architecture=type(model).__name__,
+            plan=run.plan.to_dict(),
+            plan_summary=run.plan.describe(),
+            num_layers_before=checked.num_layers,
+            num_layers_after=checked.adapter.num_layers(checked.stack),
+            parameters_before=run.params_before,
+            parameters_after=count_parameters(model),
+            calibration={
+                "dataset": describe_dataset(calibration.dataset),
+                "nsamples": calibration.nsamples,
+                "seqlen": calibration.seqlen,
+                "seed": calibration.seed,
+                "packing": calibration.packing,
                 # Real positions of the stack (text tokens, or image patches and CLS), as the adapter defines them.
                 "tokens": sum(int(m.sum()) for m in masks),
             },
-            "timings_seconds": {k: round(v, 3) for k, v in context.timings.items()},
-            "cost": compute_cost(context, stack_weights, sum(int(m.numel()) for m in masks)),
-            "total_seconds": round(time.perf_counter() - start, 3),
-        }
-        self.report = merge_method_report(core, context.report, self.config.method)
-        return model
+            timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
+            cost=compute_cost(run.context, run.stack_weights, sum(int(m.numel()) for m in masks)),
+            total_seconds=round(time.perf_counter() - start, 3),
+            method_entries=dict(run.context.report),
+        )
 
     def save(
         self,
@@ -244,25 +302,6 @@ class FlattenQuantizer(OptimumQuantizer):
 
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
-
-
-def merge_method_report(core: dict[str, Any], method_report: dict[str, Any], method: str) -> dict[str, Any]:
-    """The core report with the method's own entries added; a method entry never replaces a core one.
-
-    Method entries sit at the top level (each method's own keys) where the card, the CLI and users read them,
-    so a method could otherwise overwrite ``plan`` or ``parameters_after`` and the saved report would describe
-    another model.
-
-    Raises:
-        RuntimeError: the method reported a key the core report owns (a defect of the method, named here).
-    """
-    clashes = sorted(set(core) & set(method_report))
-    if clashes:
-        raise RuntimeError(
-            f"method {method!r} reported {clashes}, which the core report owns; a method reports under keys of its "
-            f"own (e.g. report[{method!r}]), so that it cannot overwrite what the compressor measured."
-        )
-    return {**core, **method_report}
 
 
 def compute_cost(context: MethodContext, stack_weights: int, tokens: int) -> dict[str, Any]:
