@@ -245,6 +245,53 @@ def cost_table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def search_table(path: Path) -> str:
+    """The search methods' cost (`benchmarks/cost/search.py`): one row per labelled run, with what was skipped."""
+    header = [
+        "run",
+        "method",
+        "options",
+        "device",
+        "threads",
+        "calibration",
+        "compress s",
+        "stack passes",
+        "exhaustive search (stack passes)",
+        "skipped",
+        "plan",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for label, run in json.loads(path.read_text()).items():
+        report = run.get("method_report", {})
+        if "sleb_early_exits" in report:
+            skipped = (
+                f"{report['sleb_early_exits']} candidate-batches stopped early, "
+                f"{report['sleb_resumed_batches']} resumed"
+            )
+        elif "ffn_search" in report:
+            search = report["ffn_search"]
+            skipped = f"{search['early_exits']} stack-batches stopped early, {search['resumed_batches']} resumed"
+        else:
+            skipped = ""
+        groups = report.get("ffn_groups")
+        plan = run["plan"] + (f"; MLPs shared {' '.join(str(g['layers']) for g in groups)}" if groups else "")
+        cells = [
+            label,
+            run["protocol"]["method"],
+            json.dumps(run["protocol"]["method_args"]) if run["protocol"]["method_args"] else "defaults",
+            run["device"],
+            run["threads"],
+            run["shapes"]["calibration"],
+            f"{run['compress_seconds']:.1f}",
+            run["stack_passes"],
+            run.get("stack_passes_exhaustive_search", ""),
+            skipped,
+            plan,
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _outcome(row: dict) -> str:
     if row["status"] == "skipped":
         return "skipped"
@@ -261,6 +308,8 @@ def tables() -> dict[str, str]:
             out[f"depth:{path.stem}"] = depth_table(path)
         elif kind in renderers and model:
             out[f"{kind}:{model}"] = renderers[kind](path)
+        elif kind == "search" and model:
+            out[f"search:{model}"] = search_table(path)
     if (RESULTS / "families.json").exists() and "families_table" in globals():
         out["families"] = globals()["families_table"](RESULTS / "families.json")
     for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("cost_*.json")}):

@@ -89,6 +89,21 @@ def sample_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
+def padded_batches(num: int, seed: int, padded: tuple[int, int, int]) -> list:
+    """`num` calibration batches of 2 rows x 16 tokens; ``padded = (batch, row, count)`` right-pads `count` tokens of
+    that row, so that every search over them meets a masked tail."""
+    from optimum_flatten.calibration import CalibrationBatch
+
+    batches = []
+    for b in range(num):
+        ids = sample_ids(batch=2, length=16, seed=seed + b)
+        mask = torch.ones_like(ids)
+        if b == padded[0]:
+            mask[padded[1], -padded[2] :] = 0
+        batches.append(CalibrationBatch(ids, mask))
+    return batches
+
+
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
 

@@ -234,7 +234,7 @@ def test_cli_estimate_reads_config_json_only(tmp_path, capsys):
 
     assert main(["estimate", str(tmp_path), "--method", "sleb", "--num-layers-to-remove", "7"]) == 0
     text = capsys.readouterr().out
-    assert "peak workspace" in text and "stack passes:     99.7" in text  # the issue measured 99.7 for SLEB
+    assert "peak workspace" in text and "stack passes:     at most 99.7" in text  # the issue measured 99.7 for SLEB
 
 
 def _exit_code(argv: list[str]) -> int:

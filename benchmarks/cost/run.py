@@ -42,6 +42,33 @@ def dense_forward_seconds(model, batches, repeats: int) -> list[float]:
     return times
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, target, calibration shape and thread count every cost run takes (`cpu_run_header` states them)."""
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
+    parser.add_argument("--num-layers-to-remove", type=int, default=6)
+    parser.add_argument("--nsamples", type=int, default=32)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+
+
+def cpu_run_header(args: argparse.Namespace, model, report) -> dict:
+    """Device, dtype, threads and shapes of a float32 CPU compression run, as every cost result states them."""
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()})",
+        "dtype": "float32",
+        "threads": args.threads,
+        "shapes": {
+            "model": args.model,
+            "layers": report["num_layers_before"],
+            "hidden_size": model.config.hidden_size,
+            "intermediate_size": model.config.intermediate_size,
+            "calibration": f"{args.nsamples} x {args.seqlen} tokens, batches of {args.batch_size}",
+            "tokens": report["calibration"]["tokens"],
+        },
+    }
+
+
 def compare(saved: dict, current: dict) -> dict:
     """Same plan and kept units, and how far the weights moved (absolute, and relative to each tensor's max)."""
     same_groups = saved["groups"] == current["groups"]
@@ -64,12 +91,7 @@ def compare(saved: dict, current: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
-    parser.add_argument("--num-layers-to-remove", type=int, default=6)
-    parser.add_argument("--nsamples", type=int, default=32)
-    parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1)
+    add_run_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="dense forwards timed (median taken)")
     parser.add_argument("--method-args", default="{}", help="FlattenGPT options as JSON, e.g. '{\"ridge_ratio\": 1}'")
     parser.add_argument("--save-weights", default=None)
@@ -112,17 +134,7 @@ def main() -> None:
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
     }
     result = {
-        "device": f"cpu ({platform.processor() or platform.machine()})",
-        "dtype": "float32",
-        "threads": args.threads,
-        "shapes": {
-            "model": args.model,
-            "layers": report["num_layers_before"],
-            "hidden_size": model.config.hidden_size,
-            "intermediate_size": model.config.intermediate_size,
-            "calibration": f"{args.nsamples} x {args.seqlen} tokens, batches of {args.batch_size}",
-            "tokens": report["calibration"]["tokens"],
-        },
+        **cpu_run_header(args, model, report),
         "protocol": {
             "dense_forward": f"full model (embeddings to logits), no cache, median of {args.repeats} after a warm-up",
             "compression": f"FlattenGPT defaults + {method_args}, {args.num_layers_to_remove} layers removed, "

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from .adapters import get_adapter
+from .adapters.base import ArchitectureAdapter
 from .methods.pipeline import Corrections, preflight
 from .methods.registry import get_method_class, methods_for
 from .ops.ridge import max_refined, ridge_leverage_scores
@@ -353,7 +354,7 @@ def _unique_bytes(model: nn.Module) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
-def _single_stack(adapter: Any) -> str:
+def _single_stack(adapter: ArchitectureAdapter) -> str:
     stacks = adapter.stacks()
     if len(stacks) != 1:
         raise ValueError(
@@ -622,14 +623,17 @@ def _per_batch(z: _Sizes, comparison: int, what: str) -> Term:
 
 
 def _sleb(z: _Sizes, n: int, config: Any) -> tuple[list[Phase], float, bool, list[str]]:
-    """SLEB: every removal step recomputes the states entering every kept layer and re-runs each candidate's suffix.
+    """SLEB: the states entering every kept layer, and each candidate's suffix run batch by batch from them.
 
-    - selection: the runner (S, all batches) and the L states a step keeps on the scored batches (fraction f of
+    - selection: the runner (S, all batches) and the L states the search keeps on the scored batches (fraction f of
       S each: `scoring_batches`), the input of the layer a candidate's suffix runs and its outputs so far (one more
       copy and the run's), and the block temporaries or the next-token loss of one row
       (`next_token_nll`: the LM head's logits in float32, their valid rows and the log-softmax, 12·seqlen·V; a
-      16-bit head output is freed once cast).
-    Cost: each step with L′ kept layers runs L′ layers for the states, L′(L′ − 1)/2 for the suffixes and L′ LM heads.
+      16-bit head output is freed once cast). With more than one step and `resume_candidates`, the candidates
+      below the best removal keep their state entering it for the next step: up to L − 2 more states.
+    Cost, a bound: at most what the exhaustive search spends, each step with L′ kept layers running L′ layers for
+    the states, L′(L′ − 1)/2 for the suffixes and L′ LM heads. The search spends less: candidates stop once they
+    lose, the states below a removal are kept, and candidates resume from their stored states.
     """
     s, L = z.shape, z.shape.num_layers
     scored = min(config.scoring_batches or z.cal.batches, z.cal.batches)
@@ -647,6 +651,11 @@ def _sleb(z: _Sizes, n: int, config: Any) -> tuple[list[Phase], float, bool, lis
             ),
             Term("a candidate's suffix: the input of the layer run", scored_states, "the output of the layer before"),
             Term(
+                "candidates' states entering the best removal, for the next step",
+                (L - 2) * scored_states if n > 1 and getattr(config, "resume_candidates", False) else 0,
+                "at most one per candidate below it (resume_candidates)",
+            ),
+            Term(
                 "largest per-batch work: a layer run, or one row's next-token loss",
                 max(int(z.run_outputs() * fraction) + forward, nll),
                 "run outputs + block temporaries, or logits (seqlen × V) with their float32 copies",
@@ -655,7 +664,7 @@ def _sleb(z: _Sizes, n: int, config: Any) -> tuple[list[Phase], float, bool, lis
     )
     steps = range(L, L - n, -1)
     work = sum(k + k * (k - 1) / 2 + k * s.head_weights / s.layer_weights for k in steps)
-    return [selection], fraction * work / L, False, []
+    return [selection], fraction * work / L, True, []
 
 
 def _uidl(z: _Sizes, n: int, config: Any) -> tuple[list[Phase], float, bool, list[str]]:

@@ -13,6 +13,7 @@ from optimum.quantization_base import OptimumQuantizer
 from torch import nn
 
 from .adapters import get_adapter
+from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
 from .config import FlattenConfig, describe_dataset
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 class Preflight:
     """What `FlattenQuantizer.preflight` checked and resolved: everything the run needs, no weight changed yet."""
 
-    adapter: Any
+    adapter: ArchitectureAdapter
     method: CompressionMethod
     #: The stack the method plans on.
     stack: str
@@ -146,7 +147,7 @@ class FlattenQuantizer(OptimumQuantizer):
         self.compress(self.model, self.tokenizer)
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
-    def _stack(self, adapter: Any, method: CompressionMethod) -> str:
+    def _stack(self, adapter: ArchitectureAdapter, method: CompressionMethod) -> str:
         """The stack the method plans on: the last of those it compresses (`CompressionMethod.stacks_to_compress`
         decides how many; a method that changes every stack itself reports its identity plan on the last one)."""
         stacks = self.config.stacks or adapter.stacks()

@@ -19,9 +19,22 @@ from typing import Any, Literal
 
 import torch
 
-from .capture import LayerwiseRunner
+from ..utils.torch_utils import count_parameters, first_output, module_device
+from .capture import LayerwiseRunner, _to_device
 
 TokenChoice = Literal["last", "all"]
+
+#: A lower bound, per token pair, of the next-token NLL as `next_token_nll` computes it. Mathematically the NLL is
+#: nonnegative; in floating point the log-softmax at the largest logit is ``(x - max) - log(sum)`` with ``sum >= 1``
+#: up to the exp's rounding, so it can go below zero by a few units in the last place of float32 (about 1e-7). A
+#: search that stops scoring a candidate once its partial sum already loses (SLEB's early exit) bounds what the
+#: pairs it has not scored can still subtract by this floor: a hundred times the room that rounding needs.
+NLL_PAIR_FLOOR = -1e-5
+
+#: An upper bound, per token, of the cosine `cosine_rows` computes: 1, plus room for the few units in the last place
+#: of float64 by which a rounded cosine of two nearly parallel vectors can exceed it (a search bounding the score a
+#: candidate can still reach counts the tokens it has not scored at this).
+COSINE_TOKEN_CEILING = 1.0 + 1e-6
 
 
 class CalibratedStates:
@@ -129,6 +142,30 @@ class CalibratedStates:
             current = self.runner.run(module, i, current)
         return current
 
+    @torch.no_grad()
+    def run_layers_on_batch(
+        self,
+        indices: Sequence[int],
+        hidden: torch.Tensor,
+        batch: int,
+        modules: dict[int, torch.nn.Module] | None = None,
+    ) -> torch.Tensor:
+        """`run_layers` on one calibration batch: the original layers `indices` in order on `hidden`, batch `batch`.
+
+        Op for op what `LayerwiseRunner.run` does for that batch (same call arguments, same device moves), so the
+        result is the same tensor, bit for bit, as the batch's entry of `run_layers`: a search can score a candidate
+        batch by batch and stop early without changing any number it does compute. The work is counted on the runner
+        as its own runs are.
+        """
+        runner = self.runner
+        for i in indices:
+            module = (modules or {}).get(i, self.layers[i])
+            device = module_device(module)
+            runner.work += count_parameters(module) * hidden.shape[0] * hidden.shape[1]
+            kwargs = _to_device(runner.layer_kwargs[i][batch], device)
+            hidden = first_output(module(hidden.to(device), **kwargs)).to(hidden.device)
+        return hidden
+
     def mean_cosine(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], tokens: TokenChoice = "all") -> float:
         """Mean cosine similarity between two state lists over real tokens (or each row's last real token)."""
         total, count = 0.0, 0
@@ -202,21 +239,51 @@ def next_token_nll(
     150k vocabulary a whole batch of them would dwarf the model. The log-softmax runs in `dtype` (float32, or
     float64 for a method that compares candidates whose losses differ in the later digits, as ffn_merge does),
     over the contiguous vocabulary axis, which is also about twice as fast as over a transposed batch.
+
+    The sum is the one of `next_token_nll_terms` taken in batch and row order, so a search adding those terms itself
+    (and stopping early) gets this function's value exactly for the candidates it completes.
     """
-    norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
     total, count = 0.0, 0
     for hidden, batch in zip(states, batches, strict=True):
-        mask = batch.attention_mask.to(hidden.device).bool()
-        targets = batch.input_ids.to(hidden.device)
-        for row in range(hidden.shape[0]):
-            logits = head(norm(hidden[row : row + 1]))[0, :-1].to(dtype)
-            valid = mask[row, :-1] & mask[row, 1:]
-            nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
-            total += float(nll)
-            count += int(valid.sum())
+        for nll, pairs in next_token_nll_terms(adapter, hidden, batch, stack, dtype):
+            total += nll
+            count += pairs
     if count == 0:
         raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
     return total / count
+
+
+@torch.no_grad()
+def next_token_nll_terms(
+    adapter: Any,
+    hidden: torch.Tensor,
+    batch: Any,
+    stack: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[float, int]]:
+    """Per row of one batch's final-layer states, ``(summed NLL of its real pairs, number of those pairs)``.
+
+    Lazy: a row's logits are computed when its term is asked for, so a search that stops after a row (an early exit
+    of a hopeless candidate) never pays the LM head for the others. These are exactly the terms `next_token_nll`
+    adds, in its order.
+    """
+    norm, head = adapter.final_norm(stack) or torch.nn.Identity(), adapter.lm_head(stack)
+    mask = batch.attention_mask.to(hidden.device).bool()
+    targets = batch.input_ids.to(hidden.device)
+    for row in range(hidden.shape[0]):
+        logits = head(norm(hidden[row : row + 1]))[0, :-1].to(dtype)
+        valid = mask[row, :-1] & mask[row, 1:]
+        nll = torch.nn.functional.cross_entropy(logits[valid], targets[row, 1:][valid], reduction="sum")
+        yield float(nll), int(valid.sum())
+
+
+def next_token_pairs(batches: Sequence[Any]) -> int:
+    """The number of pairs of real tokens `next_token_nll` averages over on `batches` (the same for every candidate)."""
+    count = 0
+    for batch in batches:
+        mask = batch.attention_mask.bool()
+        count += int((mask[:, :-1] & mask[:, 1:]).sum())
+    return count
 
 
 def mean_angle(

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
 from ..config import COMPENSATIONS, MethodConfig, parse_method_options
@@ -154,14 +155,14 @@ class AutoMethod(CompressionMethod):
             lines.append(f"  | {entry['candidate']} | {score} | {entry.get('plan_summary', '')} |")
         return [*lines, ""]
 
-    def preflight(self, adapter: Any, stack: str) -> None:
+    def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         if adapter.lm_head(stack) is None:
             raise UnsupportedArchitectureError(
                 f"method 'auto' chooses by next-token loss on held-out calibration text, and this "
                 f"{type(adapter.model).__name__} has no LM head reading the {stack!r} stack; pick a method directly."
             )
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
         specs = self.config.candidate_specs()
         if self.config.max_candidates is not None:
@@ -225,7 +226,7 @@ class AutoMethod(CompressionMethod):
 
     def _score(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
         context: MethodContext,
         spec: Candidate,
         fit: list[Any],
@@ -258,7 +259,7 @@ class AutoMethod(CompressionMethod):
             "seconds": round(time.perf_counter() - started, 2),
         }
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         if self._winner is None:
             raise RuntimeError("auto.apply_ called before auto.plan")
         method, corrections = self._winner

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
@@ -39,14 +40,14 @@ class MethodContext:
     measured_scales: dict[int, float] | None = None
     _runners: list[LayerwiseRunner] = field(default_factory=list)
 
-    def new_runner(self, adapter: Any) -> LayerwiseRunner:
+    def new_runner(self, adapter: ArchitectureAdapter) -> LayerwiseRunner:
         """A fresh block runner positioned at the input of layer 0 (costs one embedding pass)."""
         with self.timer("capture"):
             runner = LayerwiseRunner(adapter, self.batches, self.stack)
         self._runners.append(runner)
         return runner
 
-    def new_states(self, adapter: Any, keep: Iterable[int] | None = None) -> CalibratedStates:
+    def new_states(self, adapter: ArchitectureAdapter, keep: Iterable[int] | None = None) -> CalibratedStates:
         """The states engine over a fresh runner: layer-boundary states of the stack, cached as `keep` allows."""
         return CalibratedStates(self.new_runner(adapter), adapter.layers(self.stack), keep)
 
@@ -140,7 +141,7 @@ class CompressionMethod(ABC):
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
 
-    def stacks_to_compress(self, adapter: Any, requested: Sequence[str]) -> list[str]:
+    def stacks_to_compress(self, adapter: ArchitectureAdapter, requested: Sequence[str]) -> list[str]:
         """The stacks this compression changes, from the `requested` ones (``FlattenConfig.stacks``, else every
         stack of the model; the quantizer has checked that they exist). The quantizer plans on the last one.
 
@@ -196,7 +197,7 @@ class CompressionMethod(ABC):
         lines = tuple(cls.card_lines(report))
         return CardSection(lines=lines) if lines else None
 
-    def preflight(self, adapter: Any, stack: str) -> None:
+    def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         """Refuses, before calibration and before any weight changes, a model this method cannot compress.
 
         The default accepts: most methods say what they need through `required_capabilities` alone.
@@ -204,11 +205,11 @@ class CompressionMethod(ABC):
         return None
 
     @abstractmethod
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         """Returns the plan removing `num_to_remove` layers of `context.stack`."""
 
     @abstractmethod
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         """Changes the model so that its stack becomes `plan` (before renumbering and config update)."""
 
 
@@ -224,7 +225,7 @@ def _multi_stack_hint() -> str:
     return f" ({'; '.join(hints)})" if hints else ""
 
 
-def apply_layer_drop_(adapter: Any, plan: LayerPlan) -> None:
+def apply_layer_drop_(adapter: ArchitectureAdapter, plan: LayerPlan) -> None:
     """Applies a keep/drop plan (no merged groups): the shared final step of the layer-drop methods."""
     if plan.merged_groups:
         raise ValueError(f"a layer-drop method got a plan with merged groups {plan.merged_groups}.")

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import capture_module_inputs
 from ..calibration.states import CalibratedStates
 from ..config import MethodConfig
@@ -121,7 +122,7 @@ class CoMeMethod(CompressionMethod):
         self._built: dict[tuple[int, ...], nn.Module] = {}
 
     # -------------------------------------------------------------- selection
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         stack = context.stack
         num_layers = adapter.num_layers(stack)
         states = context.new_states(adapter, keep=())
@@ -162,7 +163,9 @@ class CoMeMethod(CompressionMethod):
             stack=stack,
         )
 
-    def _measure(self, adapter: Any, states: CalibratedStates, entries: Sequence[_Entry]) -> _Measurement:
+    def _measure(
+        self, adapter: ArchitectureAdapter, states: CalibratedStates, entries: Sequence[_Entry]
+    ) -> _Measurement:
         """One pass of the current stack on the calibration states: Block Influence of every entry, angular distance
         of every adjacent pair (last token), and mean |activation| entering every o_proj and down projection.
 
@@ -206,7 +209,7 @@ class CoMeMethod(CompressionMethod):
 
     # ------------------------------------------------------------------ merge
     def _merge_entries(
-        self, adapter: Any, stack: str, a: _Entry, b: _Entry, k: int, measured: _Measurement
+        self, adapter: ArchitectureAdapter, stack: str, a: _Entry, b: _Entry, k: int, measured: _Measurement
     ) -> tuple[nn.Module, dict[str, Any]]:
         """Scores, shares and concatenation of entries k (= a) and k + 1 (= b); returns the block and its record."""
         members = [self._owned_view(adapter, stack, entry) for entry in (a, b)]
@@ -249,7 +252,7 @@ class CoMeMethod(CompressionMethod):
         return block, record
 
     @staticmethod
-    def _owned_view(adapter: Any, stack: str, entry: _Entry) -> Any:
+    def _owned_view(adapter: ArchitectureAdapter, stack: str, entry: _Entry) -> Any:
         """A view of an in-memory, hook-free copy of the entry that may be rewritten (the model is never written)."""
         if not entry.built:
             return adapter.detached_block(stack, entry.first)
@@ -258,7 +261,7 @@ class CoMeMethod(CompressionMethod):
         return adapter.block_view(copy, entry.first)
 
     # ------------------------------------------------------------- application
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         if plan.dropped_indices:
             raise ValueError(f"CoMe plans cover every layer; got dropped layers {plan.dropped_indices}.")
         missing = [list(g) for g in plan.merged_groups if g not in self._built]
@@ -275,7 +278,7 @@ class CoMeMethod(CompressionMethod):
 
 
 def concat_merge(
-    adapter: Any,
+    adapter: ArchitectureAdapter,
     members: Sequence[Any],
     kept_kv: Sequence[Sequence[int]],
     kept_channels: Sequence[Sequence[int]],

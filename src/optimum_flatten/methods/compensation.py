@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import edit_block_
 
 
-def _stream_sources(adapter: Any) -> list[torch.nn.Module]:
+def _stream_sources(adapter: ArchitectureAdapter) -> list[torch.nn.Module]:
     """The embedding tables that write the stream before layer 0 (token, and a learned position table if any)."""
     sources = [adapter.embeddings()]
     position = getattr(adapter, "position_embeddings", None)
@@ -39,7 +40,7 @@ def _stream_sources(adapter: Any) -> list[torch.nn.Module]:
     return sources
 
 
-def require_compensable(adapter: Any, stack: str) -> None:
+def require_compensable(adapter: ArchitectureAdapter, stack: str) -> None:
     """Refuses, before any change, a stack the fold cannot describe exactly."""
     block = adapter.block(stack, 0)
     if block.norm_position != "pre":
@@ -98,7 +99,9 @@ def magnitude_ratio(
 
 
 @torch.no_grad()
-def fold_stream_scales_(adapter: Any, stack: str, layer_scales: Sequence[float], embedding_scale: float) -> None:
+def fold_stream_scales_(
+    adapter: ArchitectureAdapter, stack: str, layer_scales: Sequence[float], embedding_scale: float
+) -> None:
     """Multiplies the embeddings by `embedding_scale` and layer k's o/down projections by `layer_scales[k]`.
 
     With tied embeddings the final norm is divided by `embedding_scale`, so the logits stay what they were.
@@ -131,7 +134,7 @@ def fold_stream_scales_(adapter: Any, stack: str, layer_scales: Sequence[float],
 
 
 def compensated_apply_(
-    adapter: Any, plan: LayerPlan, context: Any, apply: Any, scales: dict[int, float] | None = None
+    adapter: ArchitectureAdapter, plan: LayerPlan, context: Any, apply: Any, scales: dict[int, float] | None = None
 ) -> dict[str, Any]:
     """Measures every α on the original layers (unless the method's own loop gave `scales`, one per dropped layer),
     runs `apply()` (the drop), then folds; returns the report entry."""

@@ -23,18 +23,28 @@ sharing after a plain reload.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import capture_module_inputs
-from ..calibration.states import CalibratedStates, check_scoring_batches
-from ..config import LayerPlan, MethodConfig
+from ..calibration.states import (
+    COSINE_TOKEN_CEILING,
+    NLL_PAIR_FLOOR,
+    CalibratedStates,
+    check_scoring_batches,
+    cosine_rows,
+    next_token_nll_terms,
+    next_token_pairs,
+)
+from ..config import MethodConfig
 from ..ops.ffn_alignment import (
     alignment_permutation,
     alignment_signals,
@@ -44,6 +54,7 @@ from ..ops.ffn_alignment import (
     num_alignment_signals,
     permute_mlp_units,
 )
+from ..plan import LayerPlan
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
 from .base import CardSection, CompressionMethod, MethodContext
@@ -77,6 +88,14 @@ class FfnMergeConfig(MethodConfig):
             encoder + decoder setting for Marian), scored together (mean of the stacks' cosine scores). Leave
             FlattenConfig.stacks unset (or list every stack); needs ``selection="cosine"`` (an encoder has no LM
             head to score an NLL with). On a one-stack model it is the same as False.
+        resume_candidates: With several windows, keep for every candidate below the best window of a round its
+            state entering that window, so that the next round (which has it merged) resumes the candidate there
+            instead of re-running the layers between. The same windows and scores; costs up to one more copy of
+            the calibration states per stack. False keeps memory as before.
+        early_exit: Stop scoring a candidate window once it can no longer beat the best one (for "cosine" the
+            tokens not scored yet are counted at cosine 1, for "nll" at loss 0): the same windows, the same final
+            score, less work when candidates differ. Such a candidate's entry in ``ffn_window_scores`` has
+            ``score: None`` and the ``bound`` it lost with, so it is off by default.
     """
 
     window_size: int = 2
@@ -89,6 +108,8 @@ class FfnMergeConfig(MethodConfig):
     scoring_batches: int | None = None
     tie: bool = True
     sync_stacks: bool = False
+    resume_candidates: bool = True
+    early_exit: bool = False
 
     def __post_init__(self) -> None:
         _check_positive_int("window_size", self.window_size)
@@ -105,8 +126,9 @@ class FfnMergeConfig(MethodConfig):
         _check_choice("selection", self.selection, ("cosine", "nll"))
         if not isinstance(self.tie, bool):
             raise TypeError(f"tie must be True or False, got {self.tie!r}.")
-        if not isinstance(self.sync_stacks, bool):
-            raise TypeError(f"sync_stacks must be True or False, got {self.sync_stacks!r}.")
+        for name in ("sync_stacks", "resume_candidates", "early_exit"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.sync_stacks and self.selection != "cosine":
             raise ValueError(
                 f"sync_stacks=True scores every stack by the cosine of its final states, got selection="
@@ -200,7 +222,7 @@ class WindowScorer:
     adds the MLP inputs and the alignments.
     """
 
-    def __init__(self, adapter: Any, context: MethodContext, config: FfnMergeConfig) -> None:
+    def __init__(self, adapter: ArchitectureAdapter, context: MethodContext, config: FfnMergeConfig) -> None:
         self.adapter = adapter
         self.context = context
         self.config = config
@@ -320,8 +342,74 @@ class WindowScorer:
         with self.context.timer("selection"):
             return self.engine.run_layers(range(start, len(self.layers)), states[start], dict(blocks))
 
+    # -------------------------------------------------------------- batch by batch (the search's own path)
+    @functools.cached_property
+    def score_count(self) -> int:
+        """What `score` averages over: real tokens ("cosine") or pairs of real tokens ("nll"), on every batch."""
+        if self.config.selection == "nll":
+            return next_token_pairs(self.batches)
+        return sum(
+            int(h.shape[0] * h.shape[1]) if m is None else int(m.bool().sum())
+            for h, m in zip(self.reference, self.masks, strict=True)
+        )
 
-def merged_mlp(adapter: Any, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None):
+    def score_terms(self, hidden: torch.Tensor, batch: int) -> Iterator[tuple[float, int]]:
+        """The terms `score` adds for one batch's final states, in its order: ``(sum, count)`` of the batch's token
+        cosines, or of each row's next-token losses (lazily, so a search that stops skips the later rows' LM head).
+
+        Summed from 0.0 in batch order and divided by the summed count, they give `score` to the last bit.
+        """
+        if self.config.selection == "cosine":
+            cos = cosine_rows(self.finish([hidden])[0], self.reference[batch], self.masks[batch], "all")
+            yield float(cos.sum()), cos.numel()
+            return
+        for term in next_token_nll_terms(self.adapter, hidden, self.batches[batch], self.stack, torch.float64):
+            self.context.extra_work += self._head_weights * hidden.shape[1]
+            yield term
+
+    def score_value(self, total: float, count: int) -> float:
+        """`score` from the summed terms (the same division, and the same refusal when nothing was scored)."""
+        if count == 0:
+            if self.config.selection == "cosine":
+                raise ValueError("no calibration token is unmasked: cannot compare states.")
+            raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
+        return total / count
+
+    def score_bound(self, total: float, count: int) -> float:
+        """The best score a candidate can still reach after terms summing to `total` over `count` of the
+        `score_count` tokens or pairs: the rest counted at cosine 1 ("cosine", to `COSINE_TOKEN_CEILING`) or at
+        loss 0 ("nll", to `NLL_PAIR_FLOOR`). Rounding is monotone, so the score it ends with is never better."""
+        remaining = self.score_count - count
+        per_item = COSINE_TOKEN_CEILING if self.config.selection == "cosine" else NLL_PAIR_FLOOR
+        return (total + per_item * remaining) / self.score_count
+
+    def run_batch(
+        self, first: int, stop: int, blocks: Mapping[int, nn.Module], hidden: torch.Tensor, batch: int
+    ) -> torch.Tensor:
+        """Layers ``first .. stop - 1`` (those in `blocks` replaced) on one batch's states: bit for bit that batch's
+        entry of the same `run_from` over every batch."""
+        return self.engine.run_layers_on_batch(range(first, stop), hidden, batch, dict(blocks))
+
+
+class _Resume:
+    """Candidates' states entering one layer (``position``), per stack, window start and batch: left by a round for
+    the candidates below its winner, taken by the next round, which has that window merged from there on."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+        self._states: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def put(self, stack: str, start: int, batch: int, state: torch.Tensor) -> None:
+        self._states[(stack, start, batch)] = state
+
+    def take(self, stack: str, start: int, batch: int) -> torch.Tensor | None:
+        """The stored state (handed over once: the holder lets go of it), or None."""
+        return self._states.pop((stack, start, batch), None)
+
+
+def merged_mlp(
+    adapter: ArchitectureAdapter, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None
+):
     """The averaged MLP of `window` (non-anchor members aligned first for the "permute" variant)."""
     anchor = config.anchor_of(window)
     if config.variant == "permute":
@@ -405,9 +493,12 @@ class FfnMergeMethod(CompressionMethod):
         super().__init__(config)
         self._windows: list[Window] | None = None
         self._scorers: dict[str, WindowScorer] = {}
+        #: What the search skipped: stack-batches resumed from a stored state, and stack-batches of candidates that
+        #: stopped early (the batch they stopped in and the ones after it), over all rounds.
+        self._search = {"resumed_batches": 0, "early_exits": 0}
 
     # ------------------------------------------------------------------------------------- lifecycle hooks
-    def stacks_to_compress(self, adapter: Any, requested: Sequence[str]) -> list[str]:
+    def stacks_to_compress(self, adapter: ArchitectureAdapter, requested: Sequence[str]) -> list[str]:
         """With `sync_stacks` the method merges every stack itself in one compression, so it must be handed all of
         them (the quantizer then reports the identity plan on the model's last stack); else one stack, as usual."""
         if not self.config.sync_stacks:
@@ -450,12 +541,12 @@ class FfnMergeMethod(CompressionMethod):
         """The scorer of the only (or first) merged stack; kept for callers of the one-stack method."""
         return next(iter(self._scorers.values()), None)
 
-    def merged_stacks(self, adapter: Any, stack: str) -> list[str]:
+    def merged_stacks(self, adapter: ArchitectureAdapter, stack: str) -> list[str]:
         """The stacks one compression merges: every stack of the model with `sync_stacks`, else `stack`."""
         return list(adapter.stacks()) if self.config.sync_stacks else [stack]
 
     def candidate_windows(
-        self, adapter: Any, stack: str | Sequence[str], taken: Sequence[Window], still_to_place: int = 0
+        self, adapter: ArchitectureAdapter, stack: str | Sequence[str], taken: Sequence[Window], still_to_place: int = 0
     ) -> list[Window]:
         """Every window of `window_size` adjacent layers that overlaps no taken window, can be tied, and leaves room
         for `still_to_place` more windows (so a greedy choice never strands the later rounds).
@@ -482,7 +573,7 @@ class FfnMergeMethod(CompressionMethod):
         return windows
 
     @torch.no_grad()
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         """Chooses the windows (and their alignments) without touching the model; returns the identity plan."""
         if num_to_remove != 0:
             raise ValueError(f"ffn_merge keeps every layer; it cannot remove {num_to_remove}.")
@@ -507,6 +598,7 @@ class FfnMergeMethod(CompressionMethod):
         # One scorer per stack, sharing the context's timers, work count and report (dataclasses.replace passes the
         # same dict and list objects on).
         scorers = {s: WindowScorer(adapter, dataclasses.replace(context, stack=s), cfg) for s in stacks}
+        self._search = {"resumed_batches": 0, "early_exits": 0}
         windows, rounds, final_scores = self._choose(adapter, scorers)
         if final_scores is None:  # explicit windows: one run with all of them, from the first
             final_scores = {}
@@ -523,6 +615,8 @@ class FfnMergeMethod(CompressionMethod):
         context.report["ffn_window_scores"] = rounds
         context.report["ffn_selection"] = cfg.selection
         context.report["ffn_final_score"] = final_score
+        if cfg.window_starts is None:
+            context.report["ffn_search"] = dict(self._search)
         if cfg.sync_stacks:
             context.report["ffn_final_scores_by_stack"] = final_scores
         shared = [list(w) for w in windows]
@@ -533,7 +627,7 @@ class FfnMergeMethod(CompressionMethod):
         return LayerPlan.from_kept(num_layers, range(num_layers), stack=context.stack)
 
     def _candidate_blocks(
-        self, adapter: Any, stack: str, windows: Sequence[Window], scorer: WindowScorer
+        self, adapter: ArchitectureAdapter, stack: str, windows: Sequence[Window], scorer: WindowScorer
     ) -> dict[int, nn.Module]:
         """Detached copies of the windows' layers carrying their merged MLP (the model itself is untouched)."""
         blocks = {}
@@ -546,7 +640,7 @@ class FfnMergeMethod(CompressionMethod):
         return blocks
 
     def _choose(
-        self, adapter: Any, scorers: Mapping[str, WindowScorer]
+        self, adapter: ArchitectureAdapter, scorers: Mapping[str, WindowScorer]
     ) -> tuple[list[Window], list[list[dict]], dict[str, float] | None]:
         """The explicit windows, or a greedy search: per round, the best non-overlapping window given earlier ones.
 
@@ -565,7 +659,7 @@ class FfnMergeMethod(CompressionMethod):
         states = {s: scorer.states for s, scorer in scorers.items()}
         rounds = []
         final_scores: dict[str, float] = {}
-        progress = next(iter(scorers.values())).context
+        resume = _Resume()
         num_rounds = self.config.resolved_num_windows
         for round_index in range(num_rounds):
             still_to_place = num_rounds - round_index - 1
@@ -575,17 +669,10 @@ class FfnMergeMethod(CompressionMethod):
                     f"no window of {k} identically shaped, unmerged adjacent layers is left for window "
                     f"{round_index + 1} of {num_rounds}; lower num_windows or window_size."
                 )
-            scored = []
-            best, best_score, best_blocks, best_by_stack = None, None, {}, {}
-            desc = f"window {round_index + 1}: scoring candidates"
-            with progress.progress_bar(len(candidates), desc) as bar:
-                for window in candidates:
-                    value, by_stack, blocks = self._score_window(adapter, scorers, committed, states, window)
-                    scored.append({"start": window[0], "layers": list(window), "score": value})
-                    if best_score is None or next(iter(scorers.values())).better(value, best_score):
-                        best, best_score, best_blocks, best_by_stack = window, value, blocks, by_stack
-                    del blocks  # only the best candidate's blocks stay alive
-                    bar.update()
+            keep = self.config.resume_candidates and still_to_place > 0
+            best, best_blocks, best_by_stack, scored, resume = self._score_round(
+                adapter, scorers, committed, states, candidates, resume, keep, round_index
+            )
             rounds.append(scored)
             chosen.append(best)
             final_scores = best_by_stack
@@ -595,22 +682,129 @@ class FfnMergeMethod(CompressionMethod):
                     states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
         return sorted(chosen), rounds, final_scores
 
-    def _score_window(
+    def _score_round(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
+        scorers: Mapping[str, WindowScorer],
+        committed: Mapping[str, Mapping[int, nn.Module]],
+        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        candidates: Sequence[Window],
+        resume: _Resume,
+        keep: bool,
+        round_index: int,
+    ) -> tuple[Window, dict[str, dict[int, nn.Module]], dict[str, float], list[dict], _Resume]:
+        """Scores one round's candidates; returns the winner, its blocks and per-stack scores, every candidate's
+        entry (in start order) and what the next round resumes from.
+
+        The winner is the one the scan in start order with a strict `better` picks (the first of equal scores),
+        exactly as before. The candidates are *scored* top window first, though: a candidate below the best so
+        far stores its states entering the best window (when `keep`), and a new best makes those of no use. Every
+        candidate below the round's winner is scored after the winner has become the best (a tie with a lower
+        window moves the best down, as the winner would), so all of them leave their states for the next round,
+        which has the winner merged. With `early_exit`, the candidates scored when the best is known stop once
+        their bound loses.
+        """
+        first = next(iter(scorers.values()))
+        entries: dict[Window, dict] = {}
+        values: dict[Window, tuple[float, dict[str, float]]] = {}
+        best: Window | None = None
+        best_blocks: dict[str, dict[int, nn.Module]] = {}
+        stored = _Resume()
+        desc = f"window {round_index + 1}: scoring candidates"
+        with first.context.progress_bar(len(candidates), desc) as bar:
+            for window in sorted(candidates, reverse=True):
+                store_at = best[0] if keep and best is not None and best[0] > window[-1] else None
+                blocks = {s: self._candidate_blocks(adapter, s, [window], scorer) for s, scorer in scorers.items()}
+                against = None if best is None or not self.config.early_exit else (best, values[best][0])
+                value, by_stack, bound = self._score_candidate(
+                    scorers, committed, states, window, blocks, resume, store_at, stored, against
+                )
+                entries[window] = {"start": window[0], "layers": list(window), "score": value}
+                if value is None:
+                    entries[window]["bound"] = bound
+                    bar.update()
+                    continue
+                values[window] = (value, by_stack)
+                if best is None or first.better(value, values[best][0]) or value == values[best][0]:
+                    best, best_blocks, stored = window, blocks, _Resume(window[0])
+                del blocks  # only the best candidate's blocks stay alive
+                bar.update()
+        winner = None
+        for window in candidates:  # the choice as the scan in start order made it
+            if window in values and (winner is None or first.better(values[window][0], values[winner][0])):
+                winner = window
+        assert winner is not None  # the first candidate scored is never stopped: nothing to stop it against
+        if winner != best:  # only with scores that compare unequal to themselves (NaN): rebuild, resume nothing
+            best_blocks = {s: self._candidate_blocks(adapter, s, [winner], scorer) for s, scorer in scorers.items()}
+            stored = _Resume()
+        return winner, best_blocks, values[winner][1], [entries[w] for w in candidates], stored
+
+    def _score_candidate(
+        self,
         scorers: Mapping[str, WindowScorer],
         committed: Mapping[str, Mapping[int, nn.Module]],
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         window: Window,
-    ) -> tuple[float, dict[str, float], dict[str, dict[int, nn.Module]]]:
-        """The score with `window` merged on top of the committed windows (mean over the stacks), each stack's
-        score, and the window's merged blocks per stack."""
-        values, blocks = {}, {}
-        for stack, scorer in scorers.items():
-            blocks[stack] = self._candidate_blocks(adapter, stack, [window], scorer)
-            run = scorer.run_from(window[0], {**committed[stack], **blocks[stack]}, states[stack])
-            values[stack] = scorer.score(run)
-        return sum(values.values()) / len(values), values, blocks
+        blocks: Mapping[str, Mapping[int, nn.Module]],
+        resume: _Resume,
+        store_at: int | None,
+        stored: _Resume,
+        against: tuple[Window, float] | None,
+    ) -> tuple[float | None, dict[str, float] | None, float | None]:
+        """The score with `window` merged on top of the committed windows (mean over the stacks) and each stack's
+        score, computed batch by batch; or, once its bound loses to `against` (the best window and its score),
+        ``(None, None, bound)``.
+
+        Each batch starts from the cached state at the window's start, or from the state `resume` holds for it;
+        with `store_at`, the state entering that layer is stored in `stored`. Every number is the one the run over
+        all batches at once computes.
+        """
+        totals = {stack: [0.0, 0] for stack in scorers}
+        first = next(iter(scorers.values()))
+        with first.context.timer("selection"):
+            for b in range(first.runner.num_batches):
+                for done, (stack, scorer) in enumerate(scorers.items()):
+                    modules = {**committed[stack], **blocks[stack]}
+                    begin, hidden = window[0], states[stack][window[0]][b]
+                    resumed = resume.take(stack, window[0], b)
+                    if resumed is not None:
+                        begin, hidden = resume.position, resumed
+                        self._search["resumed_batches"] += 1
+                    if store_at is not None and begin < store_at:
+                        hidden = scorer.run_batch(begin, store_at, modules, hidden, b)
+                        stored.put(stack, window[0], b, hidden)
+                        begin = store_at
+                    hidden = scorer.run_batch(begin, len(scorer.layers), modules, hidden, b)
+                    for term, count in scorer.score_terms(hidden, b):
+                        totals[stack][0] += term
+                        totals[stack][1] += count
+                        if against is None:
+                            continue
+                        bound = self._loses(scorers, totals, window, against)
+                        if bound is not None:
+                            self._search["early_exits"] += len(scorers) * (first.runner.num_batches - b) - done
+                            return None, None, bound
+        by_stack = {stack: scorer.score_value(*totals[stack]) for stack, scorer in scorers.items()}
+        return sum(by_stack.values()) / len(by_stack), by_stack, None
+
+    @staticmethod
+    def _loses(
+        scorers: Mapping[str, WindowScorer],
+        totals: Mapping[str, list],
+        window: Window,
+        against: tuple[Window, float],
+    ) -> float | None:
+        """The bound of a candidate's score given its partial `totals`, when it can no longer be chosen over
+        `against` (beaten, or at best equal and later in start order); else None."""
+        if all(totals[stack][1] == scorer.score_count for stack, scorer in scorers.items()):
+            return None  # complete: its score decides
+        bounds = [scorer.score_bound(*totals[stack]) for stack, scorer in scorers.items()]
+        bound = sum(bounds) / len(bounds)
+        best, value = against
+        scorer = next(iter(scorers.values()))
+        if scorer.better(value, bound) or (bound == value and window[0] > best[0]):
+            return bound
+        return None
 
     @staticmethod
     def _states_with(
@@ -624,7 +818,7 @@ class FfnMergeMethod(CompressionMethod):
         return updated
 
     @torch.no_grad()
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         """Writes the merged MLPs (computed from the unmodified layers first) and ties each window's layers, in every
         merged stack."""
         if self._windows is None:

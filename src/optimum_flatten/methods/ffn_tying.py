@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.base import ArchitectureAdapter
 from ..ops.ffn_alignment import MlpWeights
 
 Window = tuple[int, ...]
@@ -50,7 +51,7 @@ def _linear_views(view: Any) -> list[Any]:
     return [v for v in (view.up, view.gate, view.down) if v is not None]
 
 
-def check_same_layout(adapter: Any, stack: str, window: Window) -> None:
+def check_same_layout(adapter: ArchitectureAdapter, stack: str, window: Window) -> None:
     """Raises when the MLPs of `window` cannot be averaged and tied (shapes, gate/bias presence, dtype, device)."""
     described = {}
     for i in window:
@@ -73,7 +74,7 @@ def check_same_layout(adapter: Any, stack: str, window: Window) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- tying
-def tie_mlps_(adapter: Any, stack: str, window: Window) -> int:
+def tie_mlps_(adapter: ArchitectureAdapter, stack: str, window: Window) -> int:
     """Ties the MLPs of layers `window[1:]` to the MLP of `window[0]`; returns the parameter elements freed."""
     source = adapter.block(stack, window[0]).mlp
     freed = 0

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.partial import run_to_input
 from ..calibration.stats import CentredSecondMoment, SecondMoment
@@ -125,7 +126,7 @@ class FlattenGPTMethod(CompressionMethod):
     config: FlattenGPTConfig
 
     # -------------------------------------------------------------- selection
-    def similarity_matrix(self, adapter: Any, context: MethodContext) -> torch.Tensor:
+    def similarity_matrix(self, adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:
         """S[i, j] (i < j, within the band) = mean cosine similarity of the inputs of layers i and j.
 
         One layer-by-layer pass of the original model; only the inputs of the last `band` layers are held. When the
@@ -188,7 +189,7 @@ class FlattenGPTMethod(CompressionMethod):
         )
         return band
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         similarity = self.similarity_matrix(adapter, context)
         groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
@@ -202,7 +203,7 @@ class FlattenGPTMethod(CompressionMethod):
         )
 
     # ------------------------------------------------------------- application
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         """Compresses every merged group; each compressed block takes its first member's place as soon as nothing
         needs that member any more, so the model never holds more than one extra block."""
         if len({i for g in plan.groups for i in g.indices}) != plan.num_layers:
@@ -251,7 +252,7 @@ class FlattenGPTMethod(CompressionMethod):
 
     def _compress_group(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
         runner: LayerwiseRunner,
         indices: tuple[int, ...],
         inputs: list[torch.Tensor],

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import check_scoring_batches, mean_angle, next_token_nll
 from ..config import MethodConfig
 from ..ops.linear_map import fold_map_into_linear
@@ -76,7 +77,7 @@ class GreedyReplaceMethod(CompressionMethod):
         self._maps: list[tuple[int, torch.Tensor]] = []
         self._head_weights = 0
 
-    def preflight(self, adapter: Any, stack: str) -> None:
+    def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'greedy_replace'")
         if adapter.lm_head(stack) is None:
             raise UnsupportedArchitectureError(
@@ -84,7 +85,7 @@ class GreedyReplaceMethod(CompressionMethod):
                 f"has no LM head reading the {stack!r} stack; use replaceme or uidl."
             )
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         runner = context.new_runner(adapter)
         layers = list(adapter.layers(context.stack))
         num_layers = len(layers)
@@ -148,7 +149,7 @@ class GreedyReplaceMethod(CompressionMethod):
 
     def _actions(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
         runner: Any,
         layers: list[torch.nn.Module],
         modules: dict[int, torch.nn.Module],
@@ -170,7 +171,7 @@ class GreedyReplaceMethod(CompressionMethod):
 
     def _score(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
         runner: Any,
         layers: list[torch.nn.Module],
         modules: dict[int, torch.nn.Module],
@@ -187,14 +188,14 @@ class GreedyReplaceMethod(CompressionMethod):
         context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
         return next_token_nll(adapter, current, scored, context.stack)
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         for index, transform in self._maps:
             fold_into_down_(adapter, plan.stack, index, transform)
         context.report["greedy_replace_maps"] = [index for index, _ in self._maps]
         apply_layer_drop_(adapter, plan)
 
 
-def _fold_(adapter: Any, module: torch.nn.Module, position: int, transform: torch.Tensor) -> None:
+def _fold_(adapter: ArchitectureAdapter, module: torch.nn.Module, position: int, transform: torch.Tensor) -> None:
     down = adapter.block_view(module, position).mlp.down
     weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
     down.set_(weight, bias)

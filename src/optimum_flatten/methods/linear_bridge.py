@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..ops.linear_map import (
     ESTIMATORS,
@@ -87,7 +88,7 @@ def check_estimator(name: Any) -> None:
         )
 
 
-def require_pre_norm(adapter: Any, stack: str, what: str) -> None:
+def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> None:
     """Refuses (before any change) a stack whose blocks normalise after the residual add."""
     position = adapter.block(stack, 0).norm_position
     if position != "pre":
@@ -148,7 +149,7 @@ def capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
 
 @torch.no_grad()
 def fit_and_fold_(
-    adapter: Any,
+    adapter: ArchitectureAdapter,
     plan: LayerPlan,
     runner: Any,
     targets: dict[int, list[torch.Tensor]],
@@ -192,7 +193,7 @@ def fit_and_fold_(
 
 
 def _fit_one(
-    adapter: Any,
+    adapter: ArchitectureAdapter,
     stack: str,
     k: int,
     position: int,
@@ -287,7 +288,7 @@ def fit_least_squares(
 
 
 def fit_with_outputs(
-    adapter: Any,
+    adapter: ArchitectureAdapter,
     runner: Any,
     module: torch.nn.Module,
     position: int,
@@ -317,7 +318,7 @@ def fit_with_outputs(
     return transform, outputs
 
 
-def fold_into_down_(adapter: Any, stack: str, index: int, transform: torch.Tensor) -> None:
+def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transform: torch.Tensor) -> None:
     """Folds the row-vector map `transform` after layer `index`'s down projection (offloaded layers too)."""
 
     def edit(module: torch.nn.Module) -> None:
@@ -329,7 +330,7 @@ def fold_into_down_(adapter: Any, stack: str, index: int, transform: torch.Tenso
 
 
 def bridged_apply_(
-    adapter: Any, plan: LayerPlan, context: Any, options: BridgeOptions, apply: Any, seed: int = 0
+    adapter: ArchitectureAdapter, plan: LayerPlan, context: Any, options: BridgeOptions, apply: Any, seed: int = 0
 ) -> dict[str, Any]:
     """Takes the dense targets, runs `apply()` (which applies `plan`), then fits and folds every bridge.
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
+from ..adapters.base import ArchitectureAdapter
 from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext
 from .compensation import compensated_apply_, require_compensable
@@ -34,7 +34,7 @@ class Corrections:
         return "none"
 
 
-def preflight(adapter: Any, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
+def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
     """Every refusal that depends on the model, before calibration and before any weight changes."""
     method.preflight(adapter, stack)
     if corrections.linear_replacement is not None:
@@ -46,7 +46,11 @@ def preflight(adapter: Any, method: CompressionMethod, stack: str, corrections: 
 
 
 def plan_and_apply_(
-    adapter: Any, method: CompressionMethod, context: MethodContext, num_to_remove: int, corrections: Corrections
+    adapter: ArchitectureAdapter,
+    method: CompressionMethod,
+    context: MethodContext,
+    num_to_remove: int,
+    corrections: Corrections,
 ) -> LayerPlan:
     """Plans, applies (with `corrections`), renumbers, updates the config and validates; returns the plan.
 
@@ -75,7 +79,11 @@ def plan_and_apply_(
 
 
 def apply_with_corrections_(
-    adapter: Any, method: CompressionMethod, plan: LayerPlan, context: MethodContext, corrections: Corrections
+    adapter: ArchitectureAdapter,
+    method: CompressionMethod,
+    plan: LayerPlan,
+    context: MethodContext,
+    corrections: Corrections,
 ) -> None:
     """``method.apply_`` with the requested correction measured before and folded after it (report filled)."""
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import check_scoring_batches, next_token_nll
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
@@ -87,7 +88,7 @@ class ReplaceMeMethod(CompressionMethod):
     accepts_linear_replacement = False
     config: ReplaceMeConfig
 
-    def preflight(self, adapter: Any, stack: str) -> None:
+    def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'replaceme'")
         if self.config.bridge_options().stream_gain:
             require_compensable(adapter, stack)
@@ -97,12 +98,12 @@ class ReplaceMeMethod(CompressionMethod):
                 f"{type(adapter.model).__name__} has no LM head reading the {stack!r} stack; use selection='distance'."
             )
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if self.config.selection == "distance":
             return select_blocks(adapter, context, num_to_remove, self.config, first_start=1)
         return self._select_by_loss(adapter, context, num_to_remove)
 
-    def _select_by_loss(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def _select_by_loss(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         """For every start s >= 1: fit T on layer s-1 towards the state after the block, run the layers after the
         block on the scored batches from ``Y + M T``, take the NLL. One walk down the stack keeps only the boundaries
         a start needs (n + 2 of them), so memory does not grow with depth."""
@@ -136,7 +137,7 @@ class ReplaceMeMethod(CompressionMethod):
         removed = set(range(start, start + size))
         return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         context.report["replaceme"] = bridged_apply_(
             adapter,
             plan,

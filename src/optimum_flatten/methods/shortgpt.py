@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import ArchitectureAdapter
 from ..config import MethodConfig
 from ..ops import top_k_indices
 from ..plan import LayerPlan
@@ -43,7 +44,7 @@ class ShortGPTConfig(MethodConfig):
             raise ValueError(f"iterative must be True or False, got {self.iterative!r}.")
 
 
-def block_influence(adapter: Any, context: MethodContext) -> torch.Tensor:
+def block_influence(adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:
     """(L,) float64 Block Influence of every layer of the stack, one layer-by-layer pass (two boundaries alive)."""
     states = context.new_states(adapter, keep=())
     scores = torch.zeros(states.num_layers, dtype=torch.float64)
@@ -56,7 +57,7 @@ def block_influence(adapter: Any, context: MethodContext) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iterative_plan(adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+def iterative_plan(adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
     """One layer dropped per round on the model as shortened (and compensated) so far; α measured right after."""
     states = context.new_states(adapter, keep=())
     runner, layers = states.runner, states.layers
@@ -98,7 +99,7 @@ class ShortGPTMethod(CompressionMethod):
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if self.config.iterative:
             return iterative_plan(adapter, context, num_to_remove)
         scores = block_influence(adapter, context)
@@ -112,5 +113,5 @@ class ShortGPTMethod(CompressionMethod):
             scores=[float(s) for s in scores],
         )
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         apply_layer_drop_(adapter, plan)

@@ -1,17 +1,39 @@
 """SLEB (Song et al., 2024, "SLEB: Streamlining LLMs through Redundancy Verification and Elimination of Blocks").
 
 Iterative: at each step remove the single layer whose removal raises the calibration negative log-likelihood
-the least, then re-score the shortened model. The states entering every layer of the current model are computed
-once per step; a candidate removal at position p re-runs only the layers above p.
+the least (ties: the lowest layer index), then re-score the shortened model.
+
+The search computes exactly what scoring every candidate on every calibration batch computes (the same plan and
+the same recorded NLLs, bit for bit), and skips only work that cannot change them:
+
+- a candidate removal at position p re-runs only the layers above p, from the cached state entering p;
+- the states entering every kept layer are computed once; after a removal at position w, those below w are
+  unchanged and only those above are recomputed;
+- a candidate is scored batch by batch and LM-head row by row, and stops as soon as its partial NLL sum already
+  loses to the best complete one: the terms still missing are nonnegative (to `NLL_PAIR_FLOOR`), so the partial
+  sum bounds the total from below, and ties are decided by the layer index exactly as before;
+- each candidate below the current best removal keeps its state entering that layer (optional: up to one more
+  copy of the states); when that layer is the one removed, the next step resumes those candidates from there
+  instead of re-running the layers between (the same layers on the same inputs: the same numbers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from ..calibration.states import CalibratedStates, check_scoring_batches, next_token_nll
-from ..config import LayerPlan, MethodConfig
+import torch
+
+from ..adapters.base import ArchitectureAdapter
+from ..calibration.states import (
+    NLL_PAIR_FLOOR,
+    CalibratedStates,
+    check_scoring_batches,
+    next_token_nll,
+    next_token_nll_terms,
+    next_token_pairs,
+)
+from ..config import MethodConfig
+from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
@@ -26,19 +48,199 @@ class SLEBConfig(MethodConfig):
         protect_first: Never remove the first layer.
         protect_last: Never remove the last layer.
         scoring_batches: Score removals on the first this-many calibration batches only (None: all); the cost of
-            a step is about L²/2 layer runs plus L LM-head evaluations over the scored tokens.
+            a step is at most about L²/2 layer runs plus L LM-head evaluations over the scored tokens.
+        resume_candidates: Keep, for every candidate below the current best removal, its state entering that
+            layer, so that the next step resumes the candidate there instead of re-running the layers between
+            (the same numbers; it saves layer runs on every step but the first). Costs up to one more copy of the
+            states on the scored batches; False keeps memory as low as the exhaustive search's.
     """
 
     protect_first: bool = False
     protect_last: bool = False
     scoring_batches: int | None = None
+    resume_candidates: bool = True
 
     def __post_init__(self) -> None:
         check_scoring_batches(self.scoring_batches)
+        if not isinstance(self.resume_candidates, bool):
+            raise TypeError(f"resume_candidates must be True or False, got {self.resume_candidates!r}.")
 
 
 #: Kept under its old name: the row-bounded next-token loss now lives in the states engine.
 calibration_nll = next_token_nll
+
+
+class _FloorViolated(Exception):
+    """A row's NLL fell below `NLL_PAIR_FLOOR` per pair: the early exit's bound does not hold for this model."""
+
+
+@dataclass
+class _Outcome:
+    """How far one candidate was scored: its partial NLL sum over `pairs` token pairs, and whether it is complete."""
+
+    partial: float
+    pairs: int
+    complete: bool
+    #: Candidate-batches not scored in full (the batch it stopped in, and those after it).
+    cut: int = 0
+
+
+@dataclass
+class _StepResult:
+    removed: int
+    nll: float
+    #: Candidates stopped early in this step.
+    candidates_cut: int
+    #: Candidate-batches not scored in full in this step.
+    batches_cut: int
+
+
+@dataclass
+class _Search:
+    """The current stack's states and the scoring of candidate removals on them, across SLEB's steps.
+
+    ``bounds[p]`` holds the states entering kept position p (``bounds[len(kept)]``: the stack's output), one tensor
+    per scored batch. ``resume[(layer, b)]`` is candidate `layer`'s state (batch b) entering position
+    ``resume_position``, left by the previous step for the candidates below the layer it removed.
+    """
+
+    adapter: ArchitectureAdapter
+    context: MethodContext
+    states: CalibratedStates
+    protected: set[int]
+    kept: list[int]
+    bounds: list[list[torch.Tensor]]
+    head_weights: int
+    pairs: int
+    prune: bool = True
+    #: The scores of the candidates the last step completed (the others lost before their last pair).
+    scores: dict[int, float] = field(default_factory=dict)
+    resume: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    resume_position: int = 0
+    early_exits: int = 0
+    resumed_batches: int = 0
+
+    @classmethod
+    def start(
+        cls, adapter: ArchitectureAdapter, context: MethodContext, states: CalibratedStates, protected: set[int]
+    ) -> _Search:
+        """The search on the full stack: one pass for the states entering every layer."""
+        pairs = next_token_pairs(states.batches)
+        if pairs == 0:
+            raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
+        bounds = [states.boundary(0)]
+        for index in range(states.num_layers):
+            bounds.append(states.run_layers([index], bounds[-1]))
+        return cls(
+            adapter=adapter,
+            context=context,
+            states=states,
+            protected=protected,
+            kept=list(range(states.num_layers)),
+            bounds=bounds,
+            head_weights=count_parameters(adapter.lm_head(context.stack)),
+            pairs=pairs,
+        )
+
+    # ------------------------------------------------------------------------------------------------ one step
+    def step(self, keep_resume_states: bool, last: bool = False) -> _StepResult:
+        """Removes the layer whose removal gives the lowest NLL (ties: lowest index) and updates the states (not
+        after the `last` step: nothing reads them).
+
+        Should a row's NLL break the early exit's bound, the step is scored again without early exits (and so are
+        the later steps).
+        """
+        candidates = [index for index in self.kept if index not in self.protected]
+        try:
+            result, stored = self._score_all(candidates, keep_resume_states)
+        except _FloorViolated:
+            self.prune = False
+            result, stored = self._score_all(candidates, keep_resume_states)
+        if last:
+            self.kept.remove(result.removed)
+        else:
+            self._remove(result.removed, stored)
+        return result
+
+    def _score_all(
+        self, candidates: list[int], keep_resume_states: bool
+    ) -> tuple[_StepResult, dict[tuple[int, int], torch.Tensor]]:
+        """Scores the candidates against the best complete one; returns the winner and the states the candidates
+        below it left for the next step.
+
+        Top layer first. A candidate below the best so far stores its state entering the best's layer; a new best
+        makes those of no use and they are dropped. Every candidate below the final winner is scored after it has
+        become the best, so all of them leave their state for the next step. The expensive candidates (low layers,
+        long suffixes) come last, when the best is as good as it gets and their early exits come soonest.
+        """
+        position = {index: p for p, index in enumerate(self.kept)}
+        best: tuple[float, int] | None = None
+        stored: dict[tuple[int, int], torch.Tensor] = {}
+        self.scores = {}
+        candidates_cut = batches_cut = 0
+        for index in sorted(candidates, key=position.__getitem__, reverse=True):
+            store_at = position[best[1]] if keep_resume_states and best is not None else None
+            if store_at is not None and store_at <= position[index] + 1:
+                store_at = None  # only above the candidate's first run layer is there anything to skip
+            outcome = self._score(index, position[index], best, store_at, stored)
+            if not outcome.complete:
+                candidates_cut, batches_cut = candidates_cut + 1, batches_cut + outcome.cut
+                continue
+            score = outcome.partial / self.pairs
+            self.scores[index] = score
+            if best is None or (score, index) < best:
+                best, stored = (score, index), {}  # the states entering the old best's layer are of no use now
+        assert best is not None  # the first candidate is always completed: there is nothing to stop it against
+        self.early_exits += batches_cut
+        return _StepResult(best[1], best[0], candidates_cut, batches_cut), stored
+
+    def _score(
+        self,
+        index: int,
+        position: int,
+        best: tuple[float, int] | None,
+        store_at: int | None,
+        stored: dict[tuple[int, int], torch.Tensor],
+    ) -> _Outcome:
+        """Scores removing the layer at `position`, batch by batch and row by row, until it completes or loses.
+
+        It loses once ``(lower bound of its mean NLL, index) > best``: the partial sum plus `NLL_PAIR_FLOOR` for
+        every pair not scored yet bounds the total sum from below, and dividing by the same positive count keeps
+        the order (also when rounded), so its final ``(score, index)`` would be greater than the best's as well.
+        """
+        partial, pairs = 0.0, 0
+        num_batches = self.states.num_batches
+        for b in range(num_batches):
+            begin, hidden = position + 1, self.bounds[position][b]
+            resumed = self.resume.pop((index, b), None)
+            if resumed is not None:
+                begin, hidden = self.resume_position, resumed
+                self.resumed_batches += 1
+            for p in range(begin, len(self.kept)):
+                if p == store_at:
+                    stored[(index, b)] = hidden
+                hidden = self.states.run_layers_on_batch([self.kept[p]], hidden, b)
+            for nll, n in next_token_nll_terms(self.adapter, hidden, self.states.batches[b], self.context.stack):
+                self.context.extra_work += self.head_weights * hidden.shape[1]
+                if nll < NLL_PAIR_FLOOR * n:
+                    raise _FloorViolated
+                partial, pairs = partial + nll, pairs + n
+                if best is not None and self.prune and pairs < self.pairs:
+                    lower = partial + NLL_PAIR_FLOOR * (self.pairs - pairs)
+                    if (lower / self.pairs, index) > best:
+                        return _Outcome(partial, pairs, complete=False, cut=num_batches - b)
+        return _Outcome(partial, pairs, complete=True)
+
+    def _remove(self, removed: int, stored: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Drops `removed` from the stack: the states below it stay, those above it are recomputed (the winner's
+        own suffix run), and the states its lower candidates stored become the next step's resume points."""
+        position = self.kept.index(removed)
+        self.kept.remove(removed)
+        del self.bounds[position + 1 :]  # freed before the new ones are computed: never two copies
+        for p in range(position, len(self.kept)):
+            self.bounds.append(self.states.run_layers([self.kept[p]], self.bounds[-1]))
+        # Every stored state enters the removed layer's position from below: the first layer above it now sits there.
+        self.resume, self.resume_position = stored, position
 
 
 @register_method("sleb")
@@ -48,7 +250,7 @@ class SLEBMethod(CompressionMethod):
     required_capabilities = frozenset({"layer_drop"})
     config: SLEBConfig
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if adapter.lm_head(context.stack) is None:
             raise UnsupportedArchitectureError(
                 f"method 'sleb' scores layer removals by the next-token negative log-likelihood of a causal LM head "
@@ -65,8 +267,7 @@ class SLEBMethod(CompressionMethod):
                 f"with protected layers {sorted(protected)} only {num_layers - len(protected)} layers can be "
                 f"removed, fewer than the {num_to_remove} requested."
             )
-        # Only the input of layer 0 is cached: after the first removal the stack differs from the original one,
-        # so each step computes the boundaries of its own current stack.
+        # Only the input of layer 0 is cached by the engine: the search keeps the states of its own current stack.
         states = CalibratedStates.on_first_batches(
             context.new_runner(adapter),
             adapter.layers(context.stack),
@@ -74,28 +275,21 @@ class SLEBMethod(CompressionMethod):
             self.config.scoring_batches,
             keep=(),
         )
-        head_weights = count_parameters(adapter.lm_head(context.stack))
-        kept = list(range(num_layers))
-        history = []
+        steps = []
         with context.timer("selection"), context.progress_bar(num_to_remove, "sleb") as bar:
+            search = _Search.start(adapter, context, states, protected)
             for step in range(num_to_remove):
-                boundaries = [states.boundary(0)]
-                for index in kept:
-                    boundaries.append(states.run_layers([index], boundaries[-1]))
-                scores = {}
-                for position, index in enumerate(kept):
-                    if index in protected:
-                        continue
-                    current = states.run_layers(kept[position + 1 :], boundaries[position])
-                    scores[index] = calibration_nll(adapter, current, states.batches, context.stack)
-                    context.extra_work += head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
-                removed = min(scores, key=lambda i: (scores[i], i))
-                history.append({"removed": removed, "nll": scores[removed], "scores": scores})
-                kept.remove(removed)
-                bar.set_description(f"step {step + 1}/{num_to_remove}: removed layer {removed}")
+                last = step == num_to_remove - 1
+                result = search.step(self.config.resume_candidates and not last, last)
+                steps.append(result)
+                bar.set_description(f"step {step + 1}/{num_to_remove}: removed layer {result.removed}")
                 bar.update()
-        context.report["sleb_steps"] = [{"removed": h["removed"], "nll": round(h["nll"], 6)} for h in history]
-        return LayerPlan.from_kept(num_layers, kept, stack=context.stack)
+        context.report["sleb_steps"] = [
+            {"removed": r.removed, "nll": round(r.nll, 6), "candidates_cut": r.candidates_cut} for r in steps
+        ]
+        context.report["sleb_early_exits"] = search.early_exits
+        context.report["sleb_resumed_batches"] = search.resumed_batches
+        return LayerPlan.from_kept(num_layers, search.kept, stack=context.stack)
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         apply_layer_drop_(adapter, plan)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates, check_scoring_batches
 from ..config import MethodConfig
 from ..ops import MERGE_RULES
@@ -45,7 +46,11 @@ class StackEvaluator:
     """
 
     def __init__(
-        self, adapter: Any, context: MethodContext, merge_rule: str = "differences", num_batches: int | None = None
+        self,
+        adapter: ArchitectureAdapter,
+        context: MethodContext,
+        merge_rule: str = "differences",
+        num_batches: int | None = None,
     ) -> None:
         if merge_rule not in MERGE_RULES:
             raise ValueError(f"merge_rule must be one of {sorted(MERGE_RULES)}, got {merge_rule!r}.")
@@ -181,7 +186,7 @@ def search_threshold(
     return best_threshold, best
 
 
-def apply_parameter_merge_(adapter: Any, plan: Any, merge_rule: str) -> None:
+def apply_parameter_merge_(adapter: ArchitectureAdapter, plan: Any, merge_rule: str) -> None:
     """Applies a plan whose groups merge layers by parameters, computed from the unmodified layers."""
     merge = MERGE_RULES[merge_rule]
     layers = adapter.layers(plan.stack)
@@ -293,7 +298,7 @@ class ParameterMergeMethod(CompressionMethod):
         """Method options whose lowering helps a fixed threshold reach the target, for the refusal (none here)."""
         return []
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         num_layers = adapter.num_layers(context.stack)
         top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
         evaluator = StackEvaluator(adapter, context, self.config.merge_rule, self.config.scoring_batches)
@@ -367,7 +372,7 @@ class ParameterMergeMethod(CompressionMethod):
 
     def _calibration_loss(
         self,
-        adapter: Any,
+        adapter: ArchitectureAdapter,
         context: MethodContext,
         evaluator: StackEvaluator,
         stack: Sequence[Group],
@@ -410,5 +415,5 @@ class ParameterMergeMethod(CompressionMethod):
             logger.warning("%s", loss["warning"])
         return loss
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         apply_parameter_merge_(adapter, plan, self.config.merge_rule)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..config import MethodConfig
 from ..plan import LayerPlan
@@ -85,7 +86,11 @@ def choose_blocks(distances: dict[int, float], size: int, num_blocks: int) -> li
 
 
 def select_blocks(
-    adapter: Any, context: MethodContext, num_to_remove: int, config: BlockSelectionConfig, first_start: int
+    adapter: ArchitectureAdapter,
+    context: MethodContext,
+    num_to_remove: int,
+    config: BlockSelectionConfig,
+    first_start: int,
 ) -> LayerPlan:
     """The plan dropping the chosen blocks; the distances go to the report."""
     num_layers = adapter.num_layers(context.stack)
@@ -106,8 +111,8 @@ class UIDLMethod(CompressionMethod):
     required_capabilities = frozenset({"layer_drop"})
     config: BlockSelectionConfig
 
-    def plan(self, adapter: Any, context: MethodContext, num_to_remove: int) -> LayerPlan:
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         return select_blocks(adapter, context, num_to_remove, self.config, first_start=0)
 
-    def apply_(self, adapter: Any, plan: LayerPlan, context: MethodContext) -> None:
+    def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         apply_layer_drop_(adapter, plan)
