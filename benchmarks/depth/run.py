@@ -43,6 +43,9 @@ VARIANTS: dict[str, dict] = {
     # well the refit reconstructs the wide block instead of by importance.
     "flattengpt_ridge_100_attention_ridge_10": dict(method="flattengpt", ridge_ratio=100.0, attention_ridge_ratio=10.0),
     "flattengpt_heads_by_reconstruction": dict(method="flattengpt", head_selection="reconstruction"),
+    # FlattenGPT's selection only: its merged pairs run in parallel, unpruned (the upper bound of its pruning;
+    # flattengpt_ablation.py). Not a stock checkpoint: measured in this process only.
+    "flattengpt_parallel_unpruned": dict(ablation="flattengpt_parallel_unpruned"),
     "shortgpt": dict(method="shortgpt"),
     "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
     # The threshold searches run many candidate models: similarity is measured on the first calibration batch.
@@ -72,6 +75,9 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
     # The least-squares bridges with a gain on the stream at each cut (docs/methods/replaceme.md).
     "flattengpt_lstsq_gain": dict(method="flattengpt", linear_replacement="lstsq_gain"),
+    "flattengpt_heads_by_reconstruction_lstsq": dict(
+        method="flattengpt", head_selection="reconstruction", linear_replacement="lstsq"
+    ),
     "shortgpt_lstsq_gain": dict(method="shortgpt", linear_replacement="lstsq_gain"),
     "sleb_first_2_sequences_lstsq_gain": dict(
         method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq_gain"
@@ -136,6 +142,12 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     result: dict = {"variant": name, "options": VARIANTS[name]}
     if VARIANTS[name].get("reference"):
         result.update(_run_reference(model, tokenizer, args))
+    elif VARIANTS[name].get("ablation"):
+        from flattengpt_ablation import flattengpt_parallel_unpruned_
+
+        start = time.perf_counter()
+        result.update(flattengpt_parallel_unpruned_(model, tokenizer, args))
+        result["compress_seconds"] = time.perf_counter() - start
     elif VARIANTS[name]:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
         options = {
