@@ -179,3 +179,17 @@ def test_each_part_imports_alone_in_a_fresh_interpreter(module):
         [sys.executable, "-c", f"import optimum_flatten.{module}"], capture_output=True, text=True, timeout=120
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen2", "baichuan", "gpt2", "marian"])
+def test_every_adapter_is_what_the_calibration_layer_types_it_as(factory):
+    """The calibration layer cannot import the adapters (they sit above it), so it types them by a protocol of the
+    members it calls; every adapter must satisfy it (bert and vit share the base class these exercise)."""
+    import tiny_models
+    from optimum_flatten import get_adapter
+    from optimum_flatten.adapters.base import ArchitectureAdapter
+    from optimum_flatten.calibration.model_access import CalibrationAdapter
+
+    adapter = get_adapter(tiny_models.FACTORIES[factory]())
+    assert isinstance(adapter, ArchitectureAdapter) and isinstance(adapter, CalibrationAdapter)
+    assert not isinstance(object(), CalibrationAdapter)  # the check has teeth

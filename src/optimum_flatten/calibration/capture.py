@@ -20,6 +20,7 @@ from torch import nn
 
 from ..utils.torch_utils import count_parameters, first_output, module_device
 from .data import CalibrationBatch
+from .model_access import CalibrationAdapter
 
 
 class _StopForward(Exception):
@@ -85,7 +86,9 @@ class LayerwiseRunner:
         layer_kwargs: ``layer_kwargs[i][b]`` are the keyword arguments the model passes to layer ``i`` for batch ``b``.
     """
 
-    def __init__(self, adapter: Any, batches: Sequence[CalibrationBatch], stack: str = "decoder") -> None:
+    def __init__(
+        self, adapter: CalibrationAdapter, batches: Sequence[CalibrationBatch], stack: str = "decoder"
+    ) -> None:
         self.adapter = adapter
         self.stack = stack
         #: Per batch, 1 on the positions of the stack's hidden states that are real tokens (the adapter knows which

@@ -21,6 +21,7 @@ import torch
 
 from ..utils.torch_utils import count_parameters, first_output, module_device
 from .capture import LayerwiseRunner, _to_device
+from .model_access import CalibrationAdapter
 
 TokenChoice = Literal["last", "all"]
 
@@ -177,7 +178,11 @@ class CalibratedStates:
         return total / count
 
     def next_token_nll(
-        self, adapter: Any, final: Sequence[torch.Tensor], stack: str | None = None, dtype: torch.dtype = torch.float32
+        self,
+        adapter: CalibrationAdapter,
+        final: Sequence[torch.Tensor],
+        stack: str | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> float:
         """`next_token_nll` of final-layer states on the engine's own batches (row-bounded; see the function)."""
         if self.batches is None:
@@ -227,7 +232,7 @@ def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tok
 
 @torch.no_grad()
 def next_token_nll(
-    adapter: Any,
+    adapter: CalibrationAdapter,
     states: Sequence[torch.Tensor],
     batches: Sequence[Any],
     stack: str | None = None,
@@ -255,7 +260,7 @@ def next_token_nll(
 
 @torch.no_grad()
 def next_token_nll_terms(
-    adapter: Any,
+    adapter: CalibrationAdapter,
     hidden: torch.Tensor,
     batch: Any,
     stack: str | None = None,
