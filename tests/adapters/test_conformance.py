@@ -34,7 +34,8 @@ def _naive_parallel(members, hidden, kwargs):
 
 
 def _attn_kwargs(kwargs):
-    return {k: v for k, v in kwargs.items() if k in ("attention_mask", "position_embeddings", "past_key_values")}
+    names = ("attention_mask", "position_embeddings", "past_key_values", "cache")
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
 class AdapterConformance:

@@ -3,7 +3,7 @@
 Naive references are written here from copies of the original weights: a hand-run of the original blocks, a
 freshly built shallower GPT-2, a parallel run of two blocks, and parameter merges computed by hand.
 
-Calibration: ``GPT2Model.forward`` (transformers 5.23) passes ``past_key_values``, the mask and
+Calibration: ``GPT2Model.forward`` passes the cache (``cache`` from transformers 5.24), the mask and
 ``encoder_hidden_states`` to each block *positionally*; the calibration recorder names them through the block's
 signature (`test_calibration_records_positional_block_arguments`).
 """
@@ -23,6 +23,7 @@ from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.adapters.gpt2 import Conv1DView, GPT2Adapter, PackedConv1DView
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
 from optimum_flatten.ops import MERGE_RULES
+from optimum_flatten.utils.cache import cache_keyword
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 from tests.adapters.test_conformance import AdapterConformance
 
@@ -172,7 +173,8 @@ def test_calibration_records_positional_block_arguments():
     ids = sample_ids()
     runner = _runner(model, ids)
     recorded = runner.layer_kwargs[1][0]
-    assert "attention_mask" in recorded and "past_key_values" in recorded
+    # The cache goes by the name this transformers release gives it (``cache`` from 5.24, ``past_key_values`` before).
+    assert "attention_mask" in recorded and cache_keyword(model.transformer.h[0]) in recorded
     # Running the recorded arguments by keyword reproduces the model's own hidden states.
     expected = model.transformer(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
     current = runner.inputs

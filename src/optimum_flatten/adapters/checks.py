@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.cache import cache_keyword, returned_cache
 from ..utils.torch_utils import first_output, input_device, model_dtype
 
 #: Relative tolerance of the cached-vs-uncached check by parameter dtype (half precision rounds differently along
@@ -31,10 +32,11 @@ def check_cached_forward(model: nn.Module, atol: float | None = None) -> None:
         full = first_output(model(ids, use_cache=False).logits)
         out = model(ids[:, :4], use_cache=True)
         steps = [out.logits[:, -1]]
-        cache = out.past_key_values
+        cache = returned_cache(out)
+        keyword = cache_keyword(model)
         for t in (4, 5):
-            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(ids[:, t : t + 1], use_cache=True, **{keyword: cache})
+            cache = returned_cache(out)
             steps.append(out.logits[:, -1])
     model.train(was_training)
     compare_cached_steps(steps, full, atol, "cached and uncached forwards disagree", "the KV cache indexing is broken.")

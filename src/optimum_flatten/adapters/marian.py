@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..utils.cache import cache_keyword, returned_cache
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import first_output, input_device, model_dtype
 from .base import ArchitectureAdapter, BlockView, NormView
@@ -318,8 +319,8 @@ def _cached_steps(model: nn.Module, source: torch.Tensor, target: torch.Tensor) 
             model,
             encoder_outputs=encoder_outputs,
             decoder_input_ids=target[:, t : t + 1],
-            past_key_values=out.past_key_values,
             use_cache=True,
+            **{cache_keyword(model): returned_cache(out)},
         )
         steps.append(step[:, -1])
     return steps
