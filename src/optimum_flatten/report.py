@@ -5,6 +5,12 @@ entries (SLEB's steps, FlattenGPT's groups, ...) sit beside them in `method_entr
 saved flatten_report.json (the model card, the CLI, the benchmarks, users' scripts) index it as one flat mapping,
 so the report is also a read-only `Mapping` whose keys are exactly those of that file: typed fields for the code,
 the same flat view for everything that reads the JSON.
+
+Why the method's entries are not nested under the method's name in the file: flatten_report.json is read by users'
+scripts and by `retie_ffn_` on saved checkpoints, which index it flat (``report["ffn_groups"]``), and nesting would
+break every one of them for no gain in safety. What nesting would protect, that a method's key overwrites a core
+field such as ``plan``, is refused when the record is built (`__post_init__`), and the typed record keeps the two
+apart (`method_entries`), so code can tell which entries are the method's.
 """
 
 from __future__ import annotations
