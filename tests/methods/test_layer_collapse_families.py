@@ -25,6 +25,7 @@ from optimum_flatten.methods.layer_collapse import (
     prepared_mlps,
     save_layer_collapse,
 )
+from optimum_flatten.methods.layer_collapse.mlp import is_mlp_collapsed
 from optimum_flatten.utils.torch_utils import count_parameters
 
 HIDDEN = 32
@@ -162,10 +163,10 @@ def test_collapse_at_alpha_one_equals_the_linearised_model(name):
         for i in range(num_layers):
             block, before = adapter.block(stack, i), reference.block(stack, i)
             if i < num_layers - 2:
-                assert not adapter.is_mlp_collapsed(block)
+                assert not is_mlp_collapsed(block)
                 assert torch.equal(block.mlp.up.weight, before.mlp.up.weight)
                 continue
-            assert adapter.is_mlp_collapsed(block) and isinstance(block.mlp.activation, nn.Identity)
+            assert is_mlp_collapsed(block) and isinstance(block.mlp.activation, nn.Identity)
             w1, b1 = before.mlp.up.weight.double(), before.mlp.up.bias.double()
             w2, b2 = before.mlp.down.weight.double(), before.mlp.down.bias.double()
             assert_close(block.mlp.up.weight.double(), w2 @ w1, torch.float32)
@@ -196,7 +197,7 @@ def test_export_all_collapsed_reloads_with_the_plain_class(name, tmp_path):
     path = save_layer_collapse(model, tmp_path / "out")
     assert json.loads((path / REPORT_NAME).read_text())["export_format"] == "stock"
     adapter = get_adapter(model)
-    assert all(adapter.is_mlp_collapsed(b) for s in family.stacks for b in adapter.blocks(s))  # save restored them
+    assert all(is_mlp_collapsed(b) for s in family.stacks for b in adapter.blocks(s))  # save restored them
     reloaded = family.plain_class.from_pretrained(path, **dict(family.reload_options)).eval()
     assert type(reloaded) is family.plain_class
     config = json.loads((path / "config.json").read_text())

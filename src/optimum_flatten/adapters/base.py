@@ -296,6 +296,12 @@ class MlpView:
     def intermediate_size(self) -> int:
         return self.up.out_features
 
+    @property
+    def is_single_map(self) -> bool:
+        """Whether the MLP is stored as one hidden -> hidden map: the map in the up slot, identities in the
+        activation and down slots (the form LayerCollapse leaves; the state-dict names stay the family's)."""
+        return isinstance(self.down.module, nn.Identity)
+
 
 @dataclass
 class BlockView:
@@ -379,6 +385,9 @@ class ArchitectureAdapter:
     layer_output_is_tuple: ClassVar[bool] = False
     #: One layout per stack, in the model's order (an encoder-decoder lists the encoder first).
     layouts: ClassVar[tuple[BlockLayout, ...]] = ()
+    #: Attributes marking modules outside the blocks that also read the MLP activation's config key (BERT's
+    #: prediction-head transform): a config that changes the blocks' activation changes them too.
+    activation_config_readers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -595,80 +604,16 @@ class ArchitectureAdapter:
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         _set_attribute(self._root(stack), self.layout(stack).layers, layers)
 
-    def replace_mlp_activation_(self, block: BlockView, module: nn.Module) -> None:
-        """Puts `module` where the block's MLP activation is (LayerCollapse's parametric activation, for one).
-
-        The default finds ``block.mlp.activation`` among the MLP module's submodules by identity, so every adapter
-        whose activation is a module gets this without code; an adapter whose activation is a plain function (or
-        lives outside ``block.mlp.module``) overrides it.
-
-        Raises:
-            ValueError: the activation is not a submodule of the MLP module.
-        """
-        activation = block.mlp.activation
-        for name, child in block.mlp.module.named_modules():
-            if name and child is activation:
-                parent_name, _, attribute = name.rpartition(".")
-                setattr(block.mlp.module.get_submodule(parent_name), attribute, module)
-                return
-        raise ValueError(
-            f"layer {block.index}: the MLP activation ({type(activation).__name__}) is not a submodule of "
-            f"{type(block.mlp.module).__name__}, so {type(self).__name__} cannot replace it generically; override "
-            "replace_mlp_activation_ in the adapter."
-        )
-
-    def is_mlp_collapsed(self, block: BlockView) -> bool:
-        """Whether the block's MLP was collapsed into one linear map (`collapse_mlp_` leaves an identity down map)."""
-        return isinstance(block.mlp.down.module, nn.Identity)
-
-    def collapse_mlp_(self, block: BlockView, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Replaces the block's MLP (up -> activation -> down) by the single map ``x @ weight.T + bias``.
-
-        The merged (hidden, hidden) map goes into the up slot through its view (so ``nn.Linear`` and GPT-2's
-        ``Conv1D`` alike), and the activation and down slots become ``nn.Identity``: the MLP module, its forward and
-        its state-dict names stay the architecture's (``...up.weight`` holds the merged map, the down map has no
-        entry). Only exact when the activation is the identity (LayerCollapse at alpha = 1); the caller checks that.
-
-        Raises:
-            UnsupportedArchitectureError: for a gated MLP (gate·up is bilinear, never one linear map).
-            ValueError: the MLP is already collapsed, or `weight` is not (hidden, hidden).
-        """
-        mlp = block.mlp
-        if mlp.gate is not None:
-            raise UnsupportedArchitectureError(
-                f"layer {block.index}: a gated MLP cannot collapse into one linear map (gate(x)·up(x) is bilinear)."
-            )
-        if self.is_mlp_collapsed(block):
-            raise ValueError(f"layer {block.index}: the MLP is already collapsed into one linear map.")
-        hidden = mlp.up.in_features
-        if tuple(weight.shape) != (hidden, hidden) or (bias is not None and tuple(bias.shape) != (hidden,)):
-            raise ValueError(
-                f"layer {block.index}: a collapsed MLP maps hidden={hidden} to hidden, got a weight of shape "
-                f"{tuple(weight.shape)} and bias {None if bias is None else tuple(bias.shape)}; pass the (out, in) "
-                "product W2·W1 of the down and up maps and W2·b1 + b2."
-            )
-        mlp.up.set_(weight, bias)
-        self.replace_mlp_activation_(block, nn.Identity())
-        mlp.down.swap_module_(nn.Identity())
-
-    def mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
-        """What `validate` reports about the block's MLP, or None: a collapsed MLP (LayerCollapse) must be one
-        hidden -> hidden map, any other must have the config's width (`width`, named `width_name` in the message)."""
+    def _mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
+        """What `validate` reports about the block's MLP, or None: an MLP stored as one map (`MlpView.is_single_map`)
+        must be hidden -> hidden, any other must have the config's width (`width`, named `width_name`)."""
         up = block.mlp.up
-        if self.is_mlp_collapsed(block):
+        if block.mlp.is_single_map:
             if up.out_features != up.in_features:
-                return f"layer {block.index} has a collapsed MLP of shape ({up.out_features}, {up.in_features})"
+                return f"layer {block.index} has a single-map MLP of shape ({up.out_features}, {up.in_features})"
             return None
         if block.mlp.intermediate_size != width:
             return f"layer {block.index} has MLP width {block.mlp.intermediate_size} ({width_name}={width})"
-        return None
-
-    def collapsed_stock_config(self) -> dict[str, Any] | None:
-        """Config changes under which the stock class describes this model once every MLP is collapsed, or None.
-
-        LayerCollapse's stock export writes a fully collapsed model as the stock architecture with MLP width =
-        hidden size, a ``"linear"`` activation and an identity down map; None means the family has no such export.
-        """
         return None
 
     def detached_block(self, stack: str, index: int) -> BlockView:
@@ -891,7 +836,7 @@ class ArchitectureAdapter:
         for owner, attr, expected in self._size_attributes(module):
             if (value := _attribute(owner, attr)) != expected:
                 problems.append(f"{where} {type(owner).__name__}.{attr}={value} but its weights give {expected}")
-        if problem := self.mlp_width_problem(view, self.expected_mlp_width(stack), layout.mlp.width_key):
+        if problem := self._mlp_width_problem(view, self.expected_mlp_width(stack), layout.mlp.width_key):
             problems.append(f"{stack} {problem}" if several else problem)
         return problems
 

@@ -28,7 +28,7 @@ signature. Decoder BERT (``is_decoder=True``, ``BertLMHeadModel``, cross-attenti
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -84,6 +84,8 @@ class BertAdapter(ArchitectureAdapter):
     model_types = ("bert",)
     layouts = (BERT_LAYOUT,)
     capabilities = frozenset({"head_geometry", "layer_drop"})
+    #: ``BertForMaskedLM``/``BertForPreTraining``'s ``cls.predictions.transform`` reads ``hidden_act`` (5.23).
+    activation_config_readers = ("transform_act_fn",)
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "pre_norm": "BERT is post-LN: each LayerNorm normalises the sum of a block's input and update, so norm gains "
         "cannot be folded into the projections and blocks cannot run in parallel on one normalised input; use "
@@ -106,25 +108,6 @@ class BertAdapter(ArchitectureAdapter):
     def position_embeddings(self) -> nn.Module:
         """The learned absolute position table (added with the token-type embeddings before the embedding LN)."""
         return self.base_model().embeddings.position_embeddings
-
-    def collapsed_stock_config(self) -> dict[str, Any]:
-        """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (transformers' identity
-        ``LinearActivation`` in ACT2FN); the export writes ``output.dense`` as the identity.
-
-        Raises:
-            ValueError: the model has a prediction head whose transform also reads ``hidden_act``
-                (``BertForMaskedLM``, ``BertForPreTraining``: ``cls.predictions.transform``, checked on 5.23), which
-                ``"linear"`` would change; the encoder alone (``model.bert``) or a pooler/classifier head has none.
-        """
-        heads = [name for name, module in self.model.named_modules() if hasattr(module, "transform_act_fn")]
-        if heads:
-            raise ValueError(
-                f"a stock BERT checkpoint of a fully collapsed model sets hidden_act='linear', but {heads} of this "
-                f"{type(self.model).__name__} also read hidden_act (got {self.config.hidden_act!r}), so the reloaded "
-                "head would compute something else. Export the encoder alone (save model.bert, a BertModel), or a "
-                "model whose heads do not read hidden_act (BertForSequenceClassification, BertForTokenClassification)."
-            )
-        return {"intermediate_size": self.config.hidden_size, "hidden_act": "linear"}
 
     # -------------------------------------------------------------- validating
     def check_forward(self) -> None:

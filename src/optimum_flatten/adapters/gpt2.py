@@ -29,7 +29,7 @@ Three quirks shape this adapter:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -109,7 +109,9 @@ GPT2_LAYOUT = BlockLayout(
         position_scheme="learned",
         size_attributes=(("split_size", "q_width"), ("num_heads", "heads")),
     ),
-    mlp=MlpLayout(up="c_fc", gate=None, down="c_proj", activation="act", width_key="n_inner"),
+    mlp=MlpLayout(
+        up="c_fc", gate=None, down="c_proj", activation="act", width_key="n_inner", activation_key="activation_function"
+    ),
     attn_norm="ln_1",
     mlp_norm="ln_2",
     norm_kind="layer",
@@ -220,11 +222,6 @@ class GPT2Adapter(ArchitectureAdapter):
         factor = float(member.module.attn.scaling) / float(first.module.attn.scaling)
         q = member.attention.q
         return _scaled_query(q.weight, q.bias, q.out_features, factor, False)
-
-    def collapsed_stock_config(self) -> dict[str, Any]:
-        """``n_inner = n_embd`` and ``activation_function = "linear"`` (ACT2FN's identity); the export writes
-        ``mlp.c_proj`` as the identity. GPT-2's heads (LM head, sequence summary) do not read the MLP activation."""
-        return {"n_inner": self.config.n_embd, "activation_function": "linear"}
 
     def reindex_(self, stack: str | None = None) -> None:
         """Renumbers ``attn.layer_idx`` (the KV cache index) and keeps each block's function at its new index.

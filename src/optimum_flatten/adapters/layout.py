@@ -58,6 +58,7 @@ class MlpLayout:
         up, gate, down, activation: Relative to the MLP module; ``gate`` is None for a non-gated MLP.
         size_attributes: As for attention (e.g. LLaMA's ``intermediate_size``).
         width_key: Config key of the MLP width.
+        activation_key: Config key naming the activation (what a stock config of a family says it is).
     """
 
     path: str = "mlp"
@@ -67,6 +68,7 @@ class MlpLayout:
     activation: str = "act_fn"
     size_attributes: tuple[tuple[str, SizeSource], ...] = ()
     width_key: str = "intermediate_size"
+    activation_key: str = "hidden_act"
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,15 @@ MARIAN_ENCODER_LAYOUT = BlockLayout(
         size_attributes=(("num_heads", "heads"),),
         heads_key="encoder_attention_heads",
     ),
-    mlp=MlpLayout(path="", up="fc1", gate=None, down="fc2", activation="activation_fn", width_key="encoder_ffn_dim"),
+    mlp=MlpLayout(
+        path="",
+        up="fc1",
+        gate=None,
+        down="fc2",
+        activation="activation_fn",
+        width_key="encoder_ffn_dim",
+        activation_key="activation_function",
+    ),
     attn_norm="self_attn_layer_norm",
     mlp_norm="final_layer_norm",
     norm_kind="layer",
@@ -251,15 +259,6 @@ class MarianAdapter(ArchitectureAdapter):
         """The source mask for the encoder, the decoder-input mask (start token real) for the decoder."""
         self._check_stack(stack)
         return batch.attention_mask if stack == "encoder" else self.decoder_inputs(batch)[1]
-
-    def collapsed_stock_config(self) -> dict[str, Any]:
-        """Both MLP widths = ``d_model`` and ``activation_function = "linear"`` (ACT2FN's identity).
-
-        MarianConfig has one activation for both stacks, so only a model whose every MLP of *both* stacks is
-        collapsed has a stock description; the export checks that.
-        """
-        d_model = self.config.d_model
-        return {"encoder_ffn_dim": d_model, "decoder_ffn_dim": d_model, "activation_function": "linear"}
 
     # -------------------------------------------------------------- validating
     def check_forward(self) -> None:

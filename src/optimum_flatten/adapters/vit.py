@@ -101,11 +101,6 @@ class ViTAdapter(ArchitectureAdapter):
         pixel_values = _pixel_values(batch)
         return torch.ones(pixel_values.shape[0], self.num_positions(pixel_values), dtype=torch.long)
 
-    def collapsed_stock_config(self) -> dict[str, Any]:
-        """``intermediate_size = hidden_size`` and ``hidden_act = "linear"`` (ACT2FN's identity); the export writes
-        ``mlp.fc2`` as the identity."""
-        return {"intermediate_size": self.config.hidden_size, "hidden_act": "linear"}
-
     # -------------------------------------------------------------- validating
     def check_forward(self) -> None:
         """One tiny forward on random images runs and gives finite states for CLS + every patch."""

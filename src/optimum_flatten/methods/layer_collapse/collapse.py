@@ -34,6 +34,7 @@ from ..registry import register_method
 from .activation import ParametricActivation
 from .config import METHOD_NAME, LayerCollapseConfig
 from .export import write_layer_collapse_model
+from .mlp import collapse_mlp_
 from .prepare import check_not_gated, collapsed_mlp_indices, prepared_mlps, single_stack
 from .reload import adopt_reloaded_
 
@@ -172,7 +173,7 @@ def _collapse_one_(adapter: ArchitectureAdapter, stack: str, index: int, thresho
     alpha = float(block.mlp.activation.current_alpha().detach())
     before = count_parameters(block.mlp.module)
     weight, bias = collapse_linear_pair(*_mlp_maps(block))
-    adapter.collapse_mlp_(block, weight, bias)
+    collapse_mlp_(block, weight, bias)
     after = count_parameters(adapter.block(stack, index).mlp.module)
     return {"layer": index, "alpha": alpha, "parameters_before": before, "parameters_after": after}
 

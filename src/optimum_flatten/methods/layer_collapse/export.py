@@ -5,7 +5,7 @@ un-collapsed one keeps ``up -> act -> down`` of the config's width, and a prepar
 in its activation. Two formats, chosen per model:
 
 - ``"stock"``: every MLP of every stack is collapsed, no α is left, and the family says under which config changes
-  its stock class computes that (`ModelAdapter.collapsed_stock_config`: MLP width = hidden size, activation
+  its stock class computes that (`mlp.collapsed_stock_config`: MLP width = hidden size, activation
   ``"linear"``, transformers' identity ``LinearActivation``). The down map is written as the identity with zero bias
   (``x·I + 0`` is exact in floating point); the checkpoint loads with the plain class (``GPT2LMHeadModel``,
   ``BertModel``, ``ViTForImageClassification``, ``MarianMTModel``). The identity costs d² + d parameters per layer
@@ -37,6 +37,7 @@ from ...adapters.reloaded import stock_classes, stock_model_type
 from ...export.checkpoint import save_compressed
 from .activation import ParametricActivation
 from .config import METHOD_NAME
+from .mlp import collapsed_stock_config, is_mlp_collapsed
 from .reload import CONFIG_KEY, is_reloaded
 from .remote_code import RemoteCodeUnavailableError, remote_layout, write_remote_code
 
@@ -72,7 +73,7 @@ def layer_collapse_states(model: nn.Module) -> list[LayerCollapseState]:
     states = []
     for stack in adapter.stacks():
         blocks = adapter.blocks(stack)
-        collapsed = tuple(b.index for b in blocks if adapter.is_mlp_collapsed(b))
+        collapsed = tuple(b.index for b in blocks if is_mlp_collapsed(b))
         linearisable = tuple(b.index for b in blocks if isinstance(b.mlp.activation, ParametricActivation))
         states.append(LayerCollapseState(stack, len(blocks), collapsed, linearisable))
     return states
@@ -94,7 +95,7 @@ def stock_format_problem(model: nn.Module) -> str | None:
         )
         return f"the stock format needs every MLP of every stack collapsed and no alpha left, got {found}"
     try:
-        changes = get_adapter(model).collapsed_stock_config()
+        changes = collapsed_stock_config(get_adapter(model))
     except ValueError as error:  # the family has a stock format, but not for this model's heads
         return str(error)
     if changes is None:
@@ -208,7 +209,7 @@ def _write_stock(model: nn.Module, directory: Path, save_kwargs: dict[str, Any])
             view.swap_module_(original)
     path = directory / "config.json"
     data = json.loads(path.read_text(encoding="utf-8"))
-    data.update(adapter.collapsed_stock_config())
+    data.update(collapsed_stock_config(adapter))
     if is_reloaded(model.config):  # back to the stock description: no remote code, no recorded paths
         model_class, _ = stock_classes(model)
         data.update(model_type=stock_model_type(model.config), architectures=[model_class.__name__])

@@ -20,6 +20,7 @@ from ...config import FlattenConfig
 from ...utils.errors import UnsupportedArchitectureError
 from .activation import ParametricActivation, make_parametric_activation
 from .config import LayerCollapseConfig, resolve_config
+from .mlp import is_mlp_collapsed, replace_mlp_activation_
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def prepared_mlps(adapter: ArchitectureAdapter, stack: str) -> dict[int, Paramet
 
 def collapsed_mlp_indices(adapter: ArchitectureAdapter, stack: str) -> list[int]:
     """Indices of the blocks of `stack` whose MLP is already a single linear map."""
-    return [block.index for block in adapter.blocks(stack) if adapter.is_mlp_collapsed(block)]
+    return [block.index for block in adapter.blocks(stack) if is_mlp_collapsed(block)]
 
 
 def check_not_gated(adapter: ArchitectureAdapter, indices: Sequence[int], stack: str) -> None:
@@ -126,7 +127,7 @@ def prepare_layer_collapse_(
     planned = [_planned(block.mlp.activation, float(cfg.initial_alpha), f"layer {block.index}") for block in blocks]
     for block, (activation, is_new) in zip(blocks, planned, strict=True):
         if is_new:
-            adapter.replace_mlp_activation_(block, _on_device_of(activation, block.mlp.module))
+            replace_mlp_activation_(block, _on_device_of(activation, block.mlp.module))
     logger.info("layer_collapse: linearisable activations in the MLPs of layers %s", indices)
     return {block.index: activation for block, (activation, _) in zip(blocks, planned, strict=True)}
 

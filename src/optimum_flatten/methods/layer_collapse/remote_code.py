@@ -31,6 +31,7 @@ from torch import nn
 from ...adapters import get_adapter
 from ...adapters.reloaded import stock_classes, stock_model_type
 from .activation import ParametricActivation
+from .mlp import is_mlp_collapsed
 from .reload import CONFIG_KEY, REMOTE_SUFFIX, is_reloaded
 
 
@@ -149,7 +150,7 @@ def remote_layout(model: nn.Module) -> RemoteLayout:
     for stack in adapter.stacks():
         for block in adapter.blocks(stack):
             mlp = block.mlp
-            if adapter.is_mlp_collapsed(block):
+            if is_mlp_collapsed(block):
                 up = mlp.up.module
                 collapsed.append(
                     {
