@@ -7,8 +7,7 @@ from huggingface_hub import HfApi
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.export.hub import HubUploadError
 
 
@@ -38,10 +37,7 @@ class RecordingApi:
 def _compressed():
     model = tiny_models.tiny_llama_gqa()
     model.config._name_or_path = "org/dense-model"
-    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return model, quantizer
+    return model, compress(model, "flattengpt", num_layers_to_remove=2)
 
 
 def test_push_uploads_weights_report_heatmap_and_card(tmp_path):
@@ -83,10 +79,6 @@ def test_licence_is_carried_from_a_local_base_card(tmp_path):
     tiny_models.tiny_llama_gqa().save_pretrained(base)
     (base / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# base\n")
     model = AutoModelForCausalLM.from_pretrained(base)
-    config = FlattenConfig(
-        method="shortgpt", num_layers_to_remove=1, dataset=tiny_models.sample_texts(), nsamples=4, seqlen=24
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=1, nsamples=4)
     card = (quantizer.save(model, tmp_path / "out") / "README.md").read_text()
     assert "license: mit" in card and "mit, carried over from the base model." in card

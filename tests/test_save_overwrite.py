@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.cli.main import main
 from optimum_flatten.export.checkpoint import CHECKPOINT_PATTERNS, remove_leftovers
 from optimum_flatten.utils.errors import OutputDirectoryError
@@ -29,19 +28,10 @@ from optimum_flatten.utils.errors import OutputDirectoryError
 TESTS = Path(__file__).parent
 
 
-def _compressed(factory: str = "llama_gqa"):
-    model = tiny_models.FACTORIES[factory]()
-    config = FlattenConfig(
-        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return model, quantizer
-
-
 @pytest.fixture(scope="module")
 def compressed():
-    return _compressed()
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    return model, compress(model, "shortgpt", num_layers_to_remove=2)
 
 
 def _tree(folder: Path) -> dict[str, bytes]:
@@ -216,7 +206,7 @@ KILLED_SAVE = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     import tiny_models
-    from optimum_flatten import FlattenConfig, FlattenQuantizer
+    from common import compress
 
     class SlowTokenizer(tiny_models.CharTokenizer):
         # Called after the weights are in the staging folder: say so, then hang until killed.
@@ -225,10 +215,7 @@ KILLED_SAVE = textwrap.dedent(
             time.sleep(600)
 
     model = tiny_models.tiny_llama_gqa()
-    config = FlattenConfig(method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(),
-                           nsamples=8, seqlen=24)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
     quantizer.save(model, sys.argv[2], SlowTokenizer(), overwrite=True)
     """
 )

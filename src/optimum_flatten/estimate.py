@@ -53,9 +53,8 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .methods.pipeline import Corrections, preflight
-from .methods.registry import get_method_class, methods_for
+from .methods.registry import get_method_class, require_capabilities
 from .ops.ridge import max_refined, ridge_leverage_scores
-from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import model_class_for, one_line, resolve_model_source
 
 GIB = 2**30
@@ -813,12 +812,7 @@ def estimate_memory(
     method_class = get_method_class(method)
     config = method_class.config_class(**(method_args or {}))
     adapter = get_adapter(model)
-    try:
-        adapter.require(method_class.required_capabilities, method)
-    except UnsupportedArchitectureError as error:
-        raise UnsupportedArchitectureError(
-            f"{error} Methods whose requirements {type(model).__name__} meets: {methods_for(adapter.capabilities)}."
-        ) from None
+    require_capabilities(adapter, method)
     stack = stack or _single_stack(adapter)
     preflight(adapter, method_class(config), stack, Corrections())
     shape = ModelShape.of(model, stack)

@@ -20,10 +20,9 @@ from .export.provenance import base_license, drop_own_quantization_config, set_n
 from .methods import pipeline
 from .methods.base import CompressionMethod, MethodContext
 from .methods.pipeline import Corrections
-from .methods.registry import get_method_class, methods_for
+from .methods.registry import get_method_class, require_capabilities
 from .plan import LayerPlan
 from .report import CompressionReport
-from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize
@@ -188,13 +187,7 @@ class FlattenQuantizer(OptimumQuantizer):
         adapter = get_adapter(model)
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
-        try:
-            adapter.require(method_class.required_capabilities, self.config.method)
-        except UnsupportedArchitectureError as error:
-            raise UnsupportedArchitectureError(
-                f"{error} Methods whose requirements {type(adapter.model).__name__} meets: "
-                f"{methods_for(adapter.capabilities)}."
-            ) from None
+        require_capabilities(adapter, self.config.method)
         stack = self._stack(adapter, method)
         corrections = Corrections(
             self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed

@@ -34,10 +34,6 @@ def _state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _compress(model, method: str):
-    return compress(model, method, num_layers_to_remove=2)
-
-
 # ------------------------------------------------------------------------------------ shared conformance
 class TestBaichuanConformance(AdapterConformance):
     """The shared checks on the decoder stack, with Baichuan's call convention and two non-adjacent kept heads."""
@@ -154,7 +150,7 @@ def test_export_model_is_an_equivalent_llama(model):
 def test_compress_save_reload_as_plain_llama(tmp_path, model, method):
     ids = sample_ids()
     original = logits(model, ids)
-    quantizer = _compress(model, method)
+    quantizer = compress(model, method, num_layers_to_remove=2)
     assert model.config.num_hidden_layers == len(model.model.layers) == 4
     compressed = logits(model, ids)
     assert not torch.allclose(compressed, original, atol=1e-3)  # the plan really changed the model
@@ -179,7 +175,7 @@ def test_13b_alibi_is_refused_before_anything_is_touched():
     with pytest.raises(UnsupportedArchitectureError, match=r"ALiBi.*RMSNorm and a SwiGLU MLP supports ALiBi"):
         get_adapter(model)
     with pytest.raises(UnsupportedArchitectureError, match="ALiBi"):
-        _compress(model, "flattengpt")
+        compress(model, "flattengpt", num_layers_to_remove=2)
     after_state = model.state_dict()
     assert after_state.keys() == before_state.keys()
     assert all(torch.equal(after_state[k], v) for k, v in before_state.items())

@@ -14,11 +14,12 @@ import torch
 from transformers import AutoModelForMaskedLM, BertForMaskedLM, BertForSequenceClassification, BertModel
 
 import tiny_models
-from common import assert_close, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.adapters.bert import BertAdapter
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner, build_calibration_batches
 from optimum_flatten.config import CalibrationConfig
+from optimum_flatten.methods.registry import require_capabilities
 from optimum_flatten.ops import MERGE_RULES
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 from tests.adapters.test_conformance import AdapterConformance
@@ -93,20 +94,6 @@ def _padded_inputs():
 def _masked_logits(model, ids, mask) -> torch.Tensor:
     """MLM logits on the real tokens only (padded positions carry no meaning)."""
     return model(input_ids=ids, attention_mask=mask).logits[mask.bool()]
-
-
-def _compress(model, method: str, **method_args) -> FlattenQuantizer:
-    config = FlattenConfig(
-        method=method,
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        **method_args,
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
 
 
 def _check_reload(model, out) -> None:
@@ -206,7 +193,7 @@ def test_capabilities_are_honest(model):
     assert {"head_geometry", "layer_drop"} <= adapter.capabilities
     assert not {"pre_norm", "concat_heads", "gated_mlp"} & adapter.capabilities
     with pytest.raises(UnsupportedArchitectureError, match=r"post-LN.*shortgpt, laco or sliding_window"):
-        adapter.require({"head_geometry", "pre_norm", "concat_heads"}, "flattengpt")
+        require_capabilities(adapter, "flattengpt")
 
 
 def test_head_pruning_syncs_the_informational_sizes(model):
@@ -267,7 +254,7 @@ def test_method_compresses_and_reloads_as_plain_bert(tmp_path, model, method, me
     ids, mask = _padded_inputs()
     original_model = copy.deepcopy(model)
     original = _masked_logits(model, ids, mask)
-    quantizer = _compress(model, method, **method_args)
+    quantizer = compress(model, method, num_layers_to_remove=2, **method_args)
     assert model.config.num_hidden_layers == len(model.bert.encoder.layer) == LAYERS - 2
     assert [layer.attention.self.layer_idx for layer in model.bert.encoder.layer] == list(range(LAYERS - 2))
     assert not torch.allclose(_masked_logits(model, ids, mask), original, atol=1e-3)
@@ -294,7 +281,7 @@ def test_shortgpt_keeps_the_layers_a_naive_block_influence_ranks_highest():
             count += int(real.sum())
     influence = 1.0 - sums / count
     expected_kept = sorted(torch.argsort(influence, descending=True)[: LAYERS - 2].tolist())
-    quantizer = _compress(model, "shortgpt")
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
     assert quantizer.plan.first_indices == expected_kept
     torch.testing.assert_close(
         torch.tensor(quantizer.report["block_influence"], dtype=torch.float64), influence, atol=1e-5, rtol=0
@@ -311,7 +298,7 @@ def test_shortgpt_keeps_the_layers_a_naive_block_influence_ranks_highest():
 def test_refused_methods_leave_the_model_untouched(model, method, match):
     before = _state(model)
     with pytest.raises(UnsupportedArchitectureError, match=match):
-        _compress(model, method)
+        compress(model, method, num_layers_to_remove=2)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert model.config.num_hidden_layers == len(model.bert.encoder.layer) == LAYERS

@@ -13,6 +13,7 @@ from optimum_flatten import get_adapter
 from optimum_flatten.adapters import registered_adapters
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
 from optimum_flatten.methods.flattengpt import fold_block_norms_
+from optimum_flatten.methods.registry import require_capabilities
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 
 
@@ -115,7 +116,7 @@ class AdapterConformance:
         adapter = get_adapter(model)
         if self.norm_position != "pre":  # folding is the pre-norm identity; a post-norm family must refuse it
             with pytest.raises(UnsupportedArchitectureError, match="pre_norm"):
-                adapter.require({"pre_norm"}, "flattengpt")
+                require_capabilities(adapter, "flattengpt")
             return
         ids = self.sample_inputs()
         before = self.outputs(model, ids)
@@ -153,7 +154,7 @@ class AdapterConformance:
         adapter = get_adapter(model)
         if not self.concat_supported:
             with pytest.raises(UnsupportedArchitectureError, match=self.concat_refusal):
-                adapter.require({"concat_heads"}, "flattengpt")
+                require_capabilities(adapter, "flattengpt")
             with pytest.raises(UnsupportedArchitectureError, match=self.concat_refusal):
                 adapter.build_concat_block([adapter.detached_block(self.stack, i) for i in (1, 2)])
             return

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 
 import tiny_models
-from common import assert_close, greedy_generate_both_ways, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, greedy_generate_both_ways, logits, sample_ids
+from optimum_flatten import get_adapter
 from optimum_flatten.adapters.gpt2 import Conv1DView, GPT2Adapter, PackedConv1DView
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
 from optimum_flatten.ops import MERGE_RULES
@@ -107,20 +107,6 @@ def run_original_blocks(model, kept, ids) -> torch.Tensor:
         hidden = hidden + block.attn(block.ln_1(hidden), attention_mask=mask)[0]
         hidden = hidden + block.mlp(block.ln_2(hidden))
     return model.lm_head(base.ln_f(hidden))
-
-
-def _compress(model, method: str, **method_args):
-    config = FlattenConfig(
-        method=method,
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        **method_args,
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
 
 
 def _check_reload(model, out, ids) -> None:
@@ -264,8 +250,8 @@ def test_capabilities_are_honest(model):
     adapter = get_adapter(model)
     assert "gated_mlp" not in adapter.capabilities
     assert {"head_geometry", "pre_norm", "concat_heads", "layer_drop"} <= adapter.capabilities
-    with pytest.raises(UnsupportedArchitectureError, match=r"gated_mlp.*without a gate projection"):
-        adapter.require({"gated_mlp"}, "some_method")
+    assert "without a gate projection" in adapter.missing_capabilities({"gated_mlp", "layer_drop"})["gated_mlp"]
+    assert set(adapter.missing_capabilities({"gated_mlp", "layer_drop"})) == {"gated_mlp"}
 
 
 def test_cross_attention_gpt2_is_refused():
@@ -364,7 +350,7 @@ def test_method_compresses_and_reloads_as_plain_gpt2(tmp_path, model, method, me
     ids = sample_ids()
     original_model = copy.deepcopy(model)
     original = logits(model, ids)
-    quantizer = _compress(model, method, **method_args)
+    quantizer = compress(model, method, num_layers_to_remove=2, **method_args)
     assert model.config.n_layer == len(model.transformer.h) == 4
     assert not torch.allclose(logits(model, ids), original, atol=1e-3)  # the plan really changed the model
     # The compressed model is the plan applied by hand to a fresh GPT-2.
@@ -377,7 +363,7 @@ def test_flattengpt_on_gpt2(tmp_path, model):
     """FlattenGPT's maths never reads a gate: on GPT-2 it folds the LayerNorm biases and prunes the plain MLP."""
     ids = sample_ids()
     original = logits(model, ids)
-    quantizer = _compress(model, "flattengpt")
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2)
     assert model.config.n_layer == len(model.transformer.h) == 4
     for block in get_adapter(model).blocks():
         assert block.attention.geometry.num_heads == HEADS and block.mlp.intermediate_size == INNER

@@ -45,3 +45,16 @@ class TestStarcoder2FromALayout(AdapterConformance):
 
 def test_the_example_is_not_left_registered():
     assert "starcoder2" not in registry.registered_adapters()
+
+
+def test_a_family_without_its_declarations_is_refused():
+    """The contract is an ABC: a family that forgets its layouts can be neither registered nor bound to a model."""
+
+    class NoLayouts(ArchitectureAdapter):
+        model_types = ("nolayouts",)
+
+    with pytest.raises(TypeError, match=r"does not declare \['layouts'\]"):
+        registry.register_adapter(NoLayouts)
+    with pytest.raises(TypeError, match="abstract"):
+        NoLayouts(object())
+    assert "nolayouts" not in registry.registered_adapters()

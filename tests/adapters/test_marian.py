@@ -18,8 +18,8 @@ import torch
 from transformers import MarianConfig, MarianForCausalLM, MarianMTModel
 
 import tiny_models
-from common import assert_close, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import assert_close, compress, sample_ids, tiny_config
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.adapters.marian import MarianAdapter, MarianLogitsHead, teacher_forcing_inputs
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
 from optimum_flatten.calibration.data import build_calibration_batches
@@ -153,21 +153,7 @@ def model_hidden_states(model, stack: str, batch: CalibrationBatch):
 
 
 def _config(method: str, stack: str | None, **method_args) -> FlattenConfig:
-    return FlattenConfig(
-        method=method,
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        stacks=None if stack is None else [stack],
-        **method_args,
-    )
-
-
-def _compress(model, method: str, stack: str | None, **method_args) -> FlattenQuantizer:
-    quantizer = FlattenQuantizer(_config(method, stack, **method_args), progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return tiny_config(method, num_layers_to_remove=2, stacks=None if stack is None else [stack], **method_args)
 
 
 def _check_plain_reload(model, out) -> None:
@@ -457,7 +443,7 @@ def naive_block_influence(model, stack: str) -> torch.Tensor:
 def test_shortgpt_drops_the_layers_a_naive_block_influence_picks(tmp_path, model, stack):
     scores = naive_block_influence(model, stack)
     original = copy.deepcopy(model)
-    quantizer = _compress(model, "shortgpt", stack)
+    quantizer = compress(model, _config("shortgpt", stack))
     assert quantizer.report["block_influence"] == pytest.approx(scores.tolist(), abs=1e-5)
     kept = sorted(torch.topk(scores, len(scores) - 2).indices.tolist())
     assert quantizer.plan.first_indices == kept
@@ -480,7 +466,7 @@ def test_method_compresses_one_stack_and_reloads_as_plain_marian(tmp_path, model
     before = mt_logits(model)
     other = "decoder" if stack == "encoder" else "encoder"
     other_layers = list(getattr(model.model, other).layers)
-    quantizer = _compress(model, method, stack, **method_args)
+    quantizer = compress(model, _config(method, stack, **method_args))
     assert quantizer.plan.stack == stack
     assert getattr(model.config, LAYER_KEYS[stack]) == len(getattr(model.model, stack).layers) == SHAPES[stack][0] - 2
     assert list(getattr(model.model, other).layers) == other_layers  # the other stack keeps its very modules
@@ -504,7 +490,7 @@ def test_method_compresses_one_stack_and_reloads_as_plain_marian(tmp_path, model
 def test_refusals_come_before_any_change(model, method, stack, match):
     state, config = _state(model), model.config.to_dict()
     with pytest.raises(ValueError, match=match):
-        _compress(model, method, stack)
+        compress(model, _config(method, stack))
     _assert_state_equal(model, state)
     assert model.config.to_dict() == config
 
@@ -518,4 +504,4 @@ def test_capabilities_are_honest(model):
     assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(methods_for(adapter.capabilities))
     assert "flattengpt" not in methods_for(adapter.capabilities)
     with pytest.raises(UnsupportedArchitectureError, match=r"Methods whose requirements .* meets: \[.*'shortgpt'"):
-        _compress(model, "flattengpt", "decoder")
+        compress(model, _config("flattengpt", "decoder"))

@@ -8,27 +8,13 @@ import pytest
 import torch
 
 import tiny_models
-from common import naive_least_squares_map, residual_streams
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import compress, naive_least_squares_map, residual_streams, tiny_config
+from optimum_flatten import FlattenConfig
 from optimum_flatten.calibration.data import build_calibration_batches
 
 
 def _config(**options) -> FlattenConfig:
-    return FlattenConfig(
-        method="replaceme",
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        tokens="all",
-        **options,
-    )
-
-
-def _compress(model, config) -> FlattenQuantizer:
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return tiny_config("replaceme", num_layers_to_remove=2, tokens="all", **options)
 
 
 @pytest.mark.parametrize("factory", ["llama_gqa", "qwen3"])
@@ -36,8 +22,8 @@ def test_the_layer_after_the_bridge_gets_the_naive_least_squares_map_on_the_brid
     model = tiny_models.FACTORIES[factory]()
     original = copy.deepcopy(model)
     bridged = copy.deepcopy(model)
-    plain = _compress(bridged, _config())
-    corrected = _compress(model, _config(correct_after=1))
+    plain = compress(bridged, _config())
+    corrected = compress(model, _config(correct_after=1))
     assert corrected.plan.group_lists() == plain.plan.group_lists()
     ((start, end),) = corrected.report["blocks"]
     maps = corrected.report["replaceme"]["maps"]

@@ -15,19 +15,15 @@ import pytest
 import torch
 
 import tiny_models
-from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
+from common import compress
+from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import LayerwiseRunner, build_calibration_batches
 from optimum_flatten.calibration.capture import capture_module_inputs
 from optimum_flatten.calibration.partial import run_to_input, weights_run
 
 
-def _compress(model, **options):
-    config = FlattenConfig(
-        num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, batch_size=4, **options
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer.report
+def _report(model, **options):
+    return compress(model, "flattengpt", num_layers_to_remove=2, batch_size=4, **options).report
 
 
 def _kept(report):
@@ -47,8 +43,8 @@ def _max_relative_difference(a, b) -> float:
 def test_float32_statistics_match_the_float64_reference(factory):
     model = tiny_models.FACTORIES[factory]()
     reference = copy.deepcopy(model)
-    fast_report = _compress(model)
-    slow_report = _compress(reference, covariance_dtype="float64")
+    fast_report = _report(model)
+    slow_report = _report(reference, covariance_dtype="float64")
     assert fast_report["plan_summary"] == slow_report["plan_summary"]
     assert _kept(fast_report) == _kept(slow_report)
     assert _max_relative_difference(model, reference) <= 1e-4
@@ -58,8 +54,8 @@ def test_float32_statistics_match_the_float64_reference(factory):
 def test_cached_inputs_match_propagating_the_original_model(mode):
     model = tiny_models.tiny_llama_gqa()
     propagated = copy.deepcopy(model)
-    cached_report = _compress(model, calibration_mode=mode)
-    propagated_report = _compress(propagated, calibration_mode=mode, similarity_band=1)
+    cached_report = _report(model, calibration_mode=mode)
+    propagated_report = _report(propagated, calibration_mode=mode, similarity_band=1)
     assert cached_report["similarity_band"] == model.config.num_hidden_layers + 2  # the whole (original) stack
     assert propagated_report["similarity_band"] == 1
     assert _kept(cached_report) == _kept(propagated_report)

@@ -8,23 +8,12 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids
+from common import compress, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 
 
 def _run(model, **options) -> FlattenQuantizer:
-    config = FlattenConfig(
-        method="greedy_replace",
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        batch_size=4,
-        **options,
-    )
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return compress(model, "greedy_replace", num_layers_to_remove=2, batch_size=4, **options)
 
 
 def test_a_shortlist_as_wide_as_every_action_is_the_exhaustive_search():

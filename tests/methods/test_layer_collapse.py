@@ -34,12 +34,9 @@ MODELING_MODULE, REMOTE_MODEL_TYPE = "modeling_layer_collapse_gpt2", "gpt2_layer
 SAVED_PER_MLP = (2 * HIDDEN * INNER + INNER + HIDDEN) - (HIDDEN * HIDDEN + HIDDEN)
 
 
-def _config(**options) -> FlattenConfig:
-    return FlattenConfig(method="layer_collapse", dataset=tiny_models.sample_texts(), nsamples=4, seqlen=16, **options)
-
-
 def _compress(model, **options) -> FlattenQuantizer:
-    return compress(model, _config(**options))
+    """LayerCollapse calibrated on 4 samples of 16 tokens."""
+    return compress(model, "layer_collapse", nsamples=4, seqlen=16, **options)
 
 
 def _state(model) -> dict[str, torch.Tensor]:
@@ -305,8 +302,7 @@ def test_collapse_without_calibration_data_when_not_measuring():
     model = _linearised(2)
     ids = sample_ids()
     linearised = logits(model, ids)
-    quantizer = FlattenQuantizer(FlattenConfig(method="layer_collapse", measure_error=False), progress=False)
-    quantizer.compress(model)
+    quantizer = compress(model, FlattenConfig(method="layer_collapse", measure_error=False), tokenizer=None)
     records = quantizer.report["layer_collapse"]["collapsed"]
     assert [r["layer"] for r in records] == [4, 5] and all("error" not in r for r in records)
     assert_close(logits(model, ids), linearised)

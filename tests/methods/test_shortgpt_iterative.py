@@ -8,21 +8,13 @@ import pytest
 import torch
 
 import tiny_models
-from common import logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import compress, logits, sample_ids, tiny_config
+from optimum_flatten import FlattenConfig
 from optimum_flatten.calibration.data import build_calibration_batches
 
 
 def _config(n: int, **options) -> FlattenConfig:
-    return FlattenConfig(
-        method="shortgpt", num_layers_to_remove=n, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, **options
-    )
-
-
-def _compress(model, config) -> FlattenQuantizer:
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tiny_models.CharTokenizer())
-    return quantizer
+    return tiny_config("shortgpt", num_layers_to_remove=n, **options)
 
 
 def _negligible_norm_eps(model) -> None:
@@ -88,7 +80,7 @@ def test_iterative_loop_equals_dropping_and_folding_one_layer_per_round(tied, co
     _negligible_norm_eps(model)
     reference = copy.deepcopy(model)
     config = _config(3, iterative=True, compensation=compensation)
-    quantizer = _compress(model, config)
+    quantizer = compress(model, config)
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     dropped = _naive_loop(reference, batches, 3, compensate=compensation == "scale")
     rounds = quantizer.report["block_influence_rounds"]
@@ -103,10 +95,10 @@ def test_iterative_loop_equals_dropping_and_folding_one_layer_per_round(tied, co
 
 def test_one_round_is_the_one_pass_plan_and_compensation_changes_the_later_rounds():
     model = tiny_models.FACTORIES["qwen3"]()
-    one_pass = _compress(copy.deepcopy(model), _config(1)).plan
-    assert _compress(copy.deepcopy(model), _config(1, iterative=True)).plan.dropped_indices == one_pass.dropped_indices
-    plain = _compress(copy.deepcopy(model), _config(3, iterative=True)).report["block_influence_rounds"]
-    scaled = _compress(copy.deepcopy(model), _config(3, iterative=True, compensation="scale"))
+    one_pass = compress(copy.deepcopy(model), _config(1)).plan
+    assert compress(copy.deepcopy(model), _config(1, iterative=True)).plan.dropped_indices == one_pass.dropped_indices
+    plain = compress(copy.deepcopy(model), _config(3, iterative=True)).report["block_influence_rounds"]
+    scaled = compress(copy.deepcopy(model), _config(3, iterative=True, compensation="scale"))
     rounds = scaled.report["block_influence_rounds"]
     # The first round sees the same model either way; after a compensated drop the later layers' scores move.
     assert rounds[0]["block_influence"] == plain[0]["block_influence"]

@@ -6,18 +6,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.recovery import RecoveryConfig, load_recovery_texts, recover
 from optimum_flatten.recovery.data import build_training_rows
 from optimum_flatten.recovery.trainer import default_target_modules
-
-
-def _compressed():
-    model = tiny_models.tiny_llama_gqa()
-    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24)
-    FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
-    return model
 
 
 def test_alpaca_records_are_formatted_and_padding_is_not_learned(tmp_path):
@@ -38,7 +30,8 @@ def test_alpaca_records_are_formatted_and_padding_is_not_learned(tmp_path):
 
 
 def test_lora_recovery_trains_only_the_chosen_renumbered_layers_and_merges_to_plain(tmp_path):
-    model = _compressed()
+    model = tiny_models.tiny_llama_gqa()
+    compress(model, "flattengpt", num_layers_to_remove=2)
     assert default_target_modules(model) == [
         "down_proj",
         "gate_proj",

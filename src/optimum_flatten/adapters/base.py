@@ -8,6 +8,7 @@ quirks (fused projections, transposed Conv1D, remote-code module names) live in 
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
@@ -366,7 +367,7 @@ def _sum_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None
     return torch.stack(present).sum(dim=0) if present else None
 
 
-class ArchitectureAdapter:
+class ArchitectureAdapter(ABC):
     """Base class of the per-family adapters, bound to one model instance.
 
     A family declares its `model_types`, the `capabilities` methods may require (e.g. ``{"head_geometry",
@@ -376,15 +377,12 @@ class ArchitectureAdapter:
     scaling, Marian's two calibration entries, Baichuan's export).
     """
 
-    model_types: ClassVar[tuple[str, ...]] = ()
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: Why a capability is missing, for the error raised by `require`.
     missing_capability_reasons: ClassVar[dict[str, str]] = {}
     #: Whether the model's layer loop expects each layer to return a tuple (transformers 4.x and remote code) rather
     #: than the bare hidden state (transformers 5): calibration stand-ins must answer in the same form.
     layer_output_is_tuple: ClassVar[bool] = False
-    #: One layout per stack, in the model's order (an encoder-decoder lists the encoder first).
-    layouts: ClassVar[tuple[BlockLayout, ...]] = ()
     #: Attributes marking modules outside the blocks that also read the MLP activation's config key (BERT's
     #: prediction-head transform): a config that changes the blocks' activation changes them too.
     activation_config_readers: ClassVar[tuple[str, ...]] = ()
@@ -392,6 +390,17 @@ class ArchitectureAdapter:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.config = model.config
+
+    # What every family must declare; a class attribute of the same name implements each (``model_types = ("llama",)``).
+    @property
+    @abstractmethod
+    def model_types(self) -> tuple[str, ...]:
+        """The ``config.model_type`` values this family serves."""
+
+    @property
+    @abstractmethod
+    def layouts(self) -> tuple[BlockLayout, ...]:
+        """One layout per stack, in the model's order (an encoder-decoder lists the encoder first)."""
 
     # ------------------------------------------------------------------ layout
     @property
@@ -569,15 +578,12 @@ class ArchitectureAdapter:
         """(batch, positions) mask, 1 where the hidden states entering `stack`'s layers are real tokens."""
         return batch.attention_mask
 
-    def require(self, capabilities: set[str] | frozenset[str], method: str) -> None:
-        """Raises UnsupportedArchitectureError naming what `method` needs and this architecture lacks."""
-        missing = sorted(set(capabilities) - set(self.capabilities))
-        if missing:
-            reasons = "; ".join(self.missing_capability_reasons.get(m, m) for m in missing)
-            raise UnsupportedArchitectureError(
-                f"method {method!r} needs {missing}, which model_type {self.config.model_type!r} does not offer "
-                f"({reasons}). Use a method that only drops or merges whole layers on this architecture."
-            )
+    def missing_capabilities(self, capabilities: set[str] | frozenset[str]) -> dict[str, str]:
+        """The capabilities among `capabilities` this family lacks, each with the reason (empty when none).
+
+        Only the facts: which method needs what, and the refusal, belong to the method registry above.
+        """
+        return {m: self.missing_capability_reasons.get(m, m) for m in sorted(set(capabilities) - self.capabilities)}
 
     # ---------------------------------------------------------------- mutating
     def keep_layers_(self, stack: str, indices: Sequence[int]) -> None:
@@ -636,7 +642,11 @@ class ArchitectureAdapter:
             UnsupportedArchitectureError: the family lacks ``pre_norm`` or ``concat_heads``, with the reason.
             ValueError: norms still carry gains, or the members differ in head size or queries per KV head.
         """
-        self.require({"pre_norm", "concat_heads"}, "flattengpt")
+        if missing := self.missing_capabilities({"pre_norm", "concat_heads"}):
+            raise UnsupportedArchitectureError(
+                f"model_type {self.config.model_type!r} cannot concatenate blocks: it lacks {sorted(missing)} "
+                f"({'; '.join(missing.values())})."
+            )
         layout = self._block_layout(members[0].module)
         norms = [m.attn_norm for m in members] + [m.mlp_norm for m in members]
         require_unit_norms(norms, f"{layout.attn_norm}/{layout.mlp_norm}")

@@ -11,7 +11,12 @@ _ADAPTERS: dict[str, type] = {}
 
 def register_adapter(cls: type) -> type:
     """Class decorator registering `cls` for each of its ``model_types``; a model type can be claimed only once."""
-    if not getattr(cls, "model_types", None):
+    if getattr(cls, "__abstractmethods__", None):
+        raise TypeError(
+            f"{cls.__name__} does not declare {sorted(cls.__abstractmethods__)}; every family states its model_types "
+            "and one BlockLayout per stack (see docs/contributing/adding_an_architecture.md)."
+        )
+    if not cls.model_types:
         raise TypeError(f"{cls.__name__} declares no model_types to register under.")
     for model_type in cls.model_types:
         if model_type in _ADAPTERS and _ADAPTERS[model_type] is not cls:

@@ -32,7 +32,7 @@ from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError, did_you_mean
 from .base import CompressionMethod, MethodContext
 from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
-from .registry import get_method_class, register_method
+from .registry import get_method_class, register_method, require_capabilities
 
 DEFAULT_CANDIDATES = "shortgpt shortgpt+scale shortgpt+lstsq uidl uidl+scale replaceme flattengpt flattengpt+lstsq come"
 
@@ -241,7 +241,7 @@ class AutoMethod(CompressionMethod):
         started = time.perf_counter()
         candidate = type(adapter)(copy.deepcopy(adapter.model))
         try:
-            candidate.require(method_class.required_capabilities, name)
+            require_capabilities(candidate, name)
             preflight(candidate, method, context.stack, corrections)
             sub = MethodContext(batches=fit, stack=context.stack, progress=False)
             plan = plan_and_apply_(candidate, method, sub, num_to_remove, corrections)

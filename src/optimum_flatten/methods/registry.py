@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..utils.errors import UnknownMethodError, did_you_mean
+from typing import Any
+
+from ..utils.errors import UnknownMethodError, UnsupportedArchitectureError, did_you_mean
 
 _METHODS: dict[str, type] = {}
 
@@ -49,3 +51,24 @@ def methods_for(capabilities: frozenset[str] | set[str]) -> list[str]:
     Refusals use it to name the alternatives; adapters never look methods up themselves (they sit below them).
     """
     return [name for name in registered_methods() if set(_METHODS[name].required_capabilities) <= set(capabilities)]
+
+
+def require_capabilities(adapter: Any, method: str) -> None:
+    """Refuses `method` on `adapter`'s architecture when the family lacks a capability the method declares.
+
+    The refusal lives here, above the adapters: an adapter states what it offers and why not (`missing_capabilities`),
+    the registry knows which method needs what and which registered methods the architecture can run instead.
+    `adapter` is an `ArchitectureAdapter`; the registry sits below the adapters in the import layers (the adapters
+    ask it for methods' reload hooks), so it does not import the type.
+
+    Raises:
+        UnsupportedArchitectureError: naming the method, what is missing with the family's reasons, and the
+            methods whose requirements the architecture meets.
+    """
+    missing = adapter.missing_capabilities(get_method_class(method).required_capabilities)
+    if missing:
+        raise UnsupportedArchitectureError(
+            f"method {method!r} needs {sorted(missing)}, which model_type {adapter.config.model_type!r} does not "
+            f"offer ({'; '.join(missing.values())}). Methods whose requirements {type(adapter.model).__name__} "
+            f"meets: {methods_for(adapter.capabilities)}."
+        )
