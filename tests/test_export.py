@@ -84,6 +84,7 @@ def test_saved_directory_holds_report_card_and_heatmap(tmp_path):
     assert "6 -> 4 layers" in card and "AutoModelForCausalLM.from_pretrained" in card
     png = (out / "similarity_heatmap.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert "![Layer-input similarity, merged groups outlined](similarity_heatmap.png)" in card
 
 
 def test_card_and_report_name_a_local_base_by_its_folder_only(tmp_path):

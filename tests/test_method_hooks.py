@@ -21,6 +21,7 @@ import tiny_models
 from common import compress, tiny_config
 from optimum_flatten import FlattenConfig
 from optimum_flatten.adapters import get_adapter
+from optimum_flatten.cli.main import report_warnings
 from optimum_flatten.export.checkpoint import (
     REPORT_NAME,
     is_checkpoint_file,
@@ -29,7 +30,7 @@ from optimum_flatten.export.checkpoint import (
 )
 from optimum_flatten.export.model_card import describe_parameters, method_sections, render_model_card
 from optimum_flatten.integration import FlattenHfQuantizer
-from optimum_flatten.methods.base import CardSection, CheckpointWriter, CompressionMethod
+from optimum_flatten.methods.base import CardSection, CheckpointWriter, CompressionMethod, LayerMatrixFigure
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod
 from optimum_flatten.methods.layer_collapse import (
     LayerCollapseMethod,
@@ -75,6 +76,44 @@ def test_no_driver_exporter_or_card_names_a_registered_method():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 found += [f"{path.relative_to(SRC)}:{node.lineno} {n}" for n in _method_mentions(node.value, names)]
+    assert found == []
+
+
+def _method_report_keys() -> set[str]:
+    """The report entries methods write (``context.report["key"] = ...`` and ``context.report.update({...})``),
+    less the core fields, the plan's ``groups`` and the corrections' entries (FlattenConfig options every method
+    takes, folded by the pipeline, not by a method)."""
+    from optimum_flatten.report import core_fields
+
+    keys: set[str] = set()
+    for path in (SRC / "methods").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "report"
+            ):
+                if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                    keys.add(node.slice.value)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+                if isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "report":
+                    for arg in node.args:
+                        if isinstance(arg, ast.Dict):
+                            keys |= {k.value for k in arg.keys if isinstance(k, ast.Constant)}
+    return keys - set(core_fields()) - {"groups", "linear_replacement", "compensation"}
+
+
+def test_no_driver_exporter_card_or_cli_reads_a_methods_report_entry():
+    """What a method reports reaches the card, the saved figures, the CLI's warnings and the comparison plot through
+    its `card_section`, so the readers hold none of its keys (a new method's entries need no change there)."""
+    keys = _method_report_keys()
+    assert {"similarity", "calibration_loss", "ffn_groups", "sleb_steps"} <= keys  # the scan sees what it guards
+    readers = [*_driver_modules(), SRC / "cli" / "main.py", SRC / "evaluation" / "compare.py"]
+    found = []
+    for path in readers:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in keys:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.value}")
     assert found == []
 
 
@@ -297,6 +336,29 @@ def test_card_takes_summary_lines_and_parameters_from_a_method_section(monkeypat
     assert "A fake summary." in card and "- fake line" in card and "- Parameters: fake parameters" in card
     assert describe_parameters(report) == "fake parameters"
     assert describe_parameters({"parameters_before": 10}) == "see flatten_report.json"  # counts checked first
+
+
+def test_a_methods_figure_is_drawn_into_the_checkpoint_and_shown_on_the_card(tmp_path, monkeypatch):
+    figure = LayerMatrixFigure(
+        file_name="fake_matrix.png", caption="A fake matrix", matrix=[[1.0, 0.5], [None, 1.0]], groups=[[0, 1]]
+    )
+    section = CardSection(figures=(figure,), warnings=("a fake warning",))
+    monkeypatch.setattr(SLEBMethod, "card_section", classmethod(lambda cls, report: section))
+    monkeypatch.setattr(SLEBMethod, "checkpoint_files", ("fake_matrix.png",))
+    model = tiny_models.tiny_llama_mha()
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=1)
+    out = quantizer.save(model, tmp_path / "out")
+    assert (out / "fake_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![A fake matrix](fake_matrix.png)" in (out / "README.md").read_text()
+    assert report_warnings(quantizer.report) == ["a fake warning"]
+    assert is_checkpoint_file("fake_matrix.png")
+
+
+def test_sections_equal_for_sibling_methods_appear_once(monkeypatch):
+    section = CardSection(lines=("- shared line",))
+    for method_class in (SLEBMethod, ShortGPTMethod):
+        monkeypatch.setattr(method_class, "card_section", classmethod(lambda cls, report: section))
+    assert render_model_card({"method": "sleb"}).count("- shared line") == 1
 
 
 def test_card_asks_the_reports_own_method_first(monkeypatch):

@@ -156,9 +156,11 @@ def _bundled_license(model_name: str) -> str | None:
 
 
 def report_warnings(report: dict[str, Any]) -> list[str]:
-    """Warnings the compression recorded in its report (a merged model whose calibration loss rose past its bound)."""
-    loss = report.get("calibration_loss") or {}
-    return [loss["warning"]] if loss.get("warning") else []
+    """Warnings the compression recorded in its report, as the methods' card sections state them (a merged model
+    whose calibration loss rose past its bound, for one)."""
+    from ..export.model_card import method_sections
+
+    return [warning for section in method_sections(dict(report)) for warning in section.warnings]
 
 
 def _summary(report: dict[str, Any]) -> str:

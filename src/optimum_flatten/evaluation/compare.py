@@ -123,6 +123,19 @@ def _load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device
     return model.to(device).eval()
 
 
+def _layer_figures(report: dict[str, Any]) -> list[Any]:
+    """The layer x layer figures the report's method draws from it (`CardSection.figures`); none for a report of a
+    method this version does not know."""
+    from ..methods.registry import get_method_class
+    from ..utils.errors import UnknownMethodError
+
+    try:
+        section = get_method_class(str(report.get("method"))).card_section(report)
+    except UnknownMethodError:
+        return []
+    return list(section.figures) if section is not None else []
+
+
 def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Two panels: adjacent-layer input similarity from the compression report, and perplexity per model."""
     import matplotlib
@@ -131,17 +144,18 @@ def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    label = "value"
     for entry in entries:
-        similarity = (entry.get("flatten_report") or {}).get("similarity")
-        if similarity:
-            adjacent = [similarity[i][i + 1] for i in range(len(similarity) - 1)]
+        for figure in _layer_figures(entry.get("flatten_report") or {})[:1]:
+            matrix, label = figure.matrix, figure.value_label
+            adjacent = [matrix[i][i + 1] for i in range(len(matrix) - 1)]
             left.plot(range(len(adjacent)), adjacent, marker="o", label=Path(entry["path"]).name)
-            for group in entry["flatten_report"]["plan"]["groups"]:
+            for group in figure.groups or []:
                 if len(group) > 1:
                     left.axvspan(group[0] - 0.4, group[-1] - 0.6, color="red", alpha=0.15)
     left.set_xlabel("layer i (original index)")
-    left.set_ylabel("cos sim of inputs of layers i and i+1")
-    left.set_title("Adjacent-layer similarity (merged groups shaded)")
+    left.set_ylabel(f"layers i and i+1: {label}", fontsize=8)
+    left.set_title("Adjacent layers (merged groups shaded)")
     if left.lines:
         left.legend()
     names = [Path(e["path"]).name for e in entries]

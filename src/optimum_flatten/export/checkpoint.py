@@ -23,7 +23,7 @@ from torch import nn
 
 from ..utils.errors import OutputDirectoryError
 from ..utils.offload import is_offloaded
-from .model_card import render_model_card
+from .model_card import method_sections, render_model_card
 
 if TYPE_CHECKING:
     from ..methods.base import CheckpointWriter
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 REPORT_NAME = "flatten_report.json"
-HEATMAP_NAME = "similarity_heatmap.png"
 CARD_NAME = "README.md"
 #: Shard size when some weights are offloaded (transformers' default of 50 GB would onload them all at once).
 OFFLOADED_SHARD_SIZE = "1GB"
@@ -69,7 +68,6 @@ CHECKPOINT_PATTERNS = (
     "preprocessor_config.json",
     "processor_config.json",
     REPORT_NAME,
-    HEATMAP_NAME,
     CARD_NAME,
 )
 
@@ -235,7 +233,7 @@ def save_compressed(
     """
     if compat not in ("v4", None):
         raise ValueError(f"compat must be 'v4' or None, got {compat!r}.")
-    from .plots import plot_similarity  # matplotlib: imported only when a checkpoint is written
+    from .plots import plot_layer_matrix  # matplotlib: imported only when a checkpoint is written
 
     path = check_output_dir(output_dir, overwrite, sources=_model_sources(model)).resolve()
     report = dict(report or {})
@@ -268,8 +266,8 @@ def save_compressed(
             tokenizer.save_pretrained(staging)
         if compat == "v4":
             add_v4_compat(staging)
-        if report.get("similarity") is not None:
-            plot_similarity(report["similarity"], report.get("plan", {}).get("groups"), staging / HEATMAP_NAME)
+        for figure in (figure for section in method_sections(report) for figure in section.figures):
+            plot_layer_matrix(figure.matrix, figure.groups, staging / figure.file_name, figure.value_label)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
         _follow_umask(staging)

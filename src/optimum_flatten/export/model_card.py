@@ -55,8 +55,8 @@ def render_model_card(report: dict[str, Any]) -> str:
     if report.get("total_seconds") is not None:
         lines.append(f"- Compression wall time: {report['total_seconds']} s")
     lines.append("")
-    if report.get("similarity") is not None:
-        lines += ["![Layer-input similarity, merged groups outlined](similarity_heatmap.png)", ""]
+    for figure in (figure for section in method_sections(report) for figure in section.figures):
+        lines += [f"![{figure.caption}]({figure.file_name})", ""]
     evaluation = report.get("evaluation")
     if evaluation:
         lines += ["## Measured", "", "| model | perplexity | protocol |", "|---|---|---|"]
@@ -161,8 +161,12 @@ def method_sections(report: dict[str, Any]) -> list[CardSection]:
 
     own = str(report.get("method"))
     names = sorted(registered_methods(), key=lambda name: name != own)
-    sections = (get_method_class(name).card_section(report) for name in names)
-    return [section for section in sections if section is not None]
+    sections: list[CardSection] = []
+    for name in names:  # methods sharing a base class answer alike for one report: keep one copy of each answer
+        section = get_method_class(name).card_section(report)
+        if section is not None and section not in sections:
+            sections.append(section)
+    return sections
 
 
 def describe_parameters(report: dict[str, Any]) -> str:

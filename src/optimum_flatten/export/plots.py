@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def plot_similarity(
-    similarity: Sequence[Sequence[float | None]], groups: Sequence[Sequence[int]] | None, path: str | Path
+def plot_layer_matrix(
+    matrix: Sequence[Sequence[float | None]],
+    groups: Sequence[Sequence[int]] | None,
+    path: str | Path,
+    value_label: str = "value",
 ) -> Path:
-    """Heatmap of the layer-input similarity matrix with merged groups outlined in red.
+    """Heatmap of a layer x layer matrix (a method's `LayerMatrixFigure`) with the groups outlined in red.
 
     Entries outside the computed band (None/NaN) are left blank.
     """
@@ -20,20 +23,20 @@ def plot_similarity(
     import numpy as np
     from matplotlib.patches import Rectangle
 
-    matrix = np.array([[np.nan if v is None else float(v) for v in row] for row in similarity], dtype=float)
+    matrix = np.array([[np.nan if v is None else float(v) for v in row] for row in matrix], dtype=float)
     size = matrix.shape[0]
     fig, ax = plt.subplots(figsize=(6.5, 5.5), dpi=120)
     finite = matrix[np.isfinite(matrix)]
-    low = float(finite.min()) if finite.size else 0.0
-    image = ax.imshow(matrix, cmap="viridis", vmin=low, vmax=1.0, origin="upper")
-    fig.colorbar(image, ax=ax, label="mean token cosine similarity of layer inputs")
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    image = ax.imshow(matrix, cmap="viridis", vmin=low, vmax=max(high, low + 1e-12), origin="upper")
+    fig.colorbar(image, ax=ax, label=value_label)
     for group in groups or []:
         if len(group) > 1:
             start, stop = group[0] - 0.5, group[-1] + 0.5
             ax.add_patch(Rectangle((start, start), stop - start, stop - start, fill=False, edgecolor="red", lw=2))
     ax.set_xlabel("layer j")
     ax.set_ylabel("layer i")
-    ax.set_title(f"Layer-input similarity ({size} layers); merged groups outlined")
+    ax.set_title(f"{value_label[:1].upper()}{value_label[1:]} ({size} layers); groups outlined", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

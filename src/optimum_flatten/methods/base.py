@@ -92,6 +92,25 @@ class CheckpointWriter:
 
 
 @dataclass(frozen=True)
+class LayerMatrixFigure:
+    """A layer x layer matrix the checkpoint shows as a heatmap, with the plan's groups outlined.
+
+    A method gives the data and the file name; the exporter draws it (the plotting code sits above the methods) and
+    the card shows it under `caption`, so neither names the method nor its report keys.
+    """
+
+    #: The PNG written into the checkpoint folder; list it in the method's `checkpoint_files` too.
+    file_name: str
+    caption: str
+    #: Rows of values; None where a band limit left an entry uncomputed.
+    matrix: Sequence[Sequence[float | None]]
+    #: Groups of original layer indices to outline (merged groups), or None.
+    groups: Sequence[Sequence[int]] | None = None
+    #: What a cell's value is, for the colour bar.
+    value_label: str = "value"
+
+
+@dataclass(frozen=True)
 class CardSection:
     """What a method contributes to the model card, each part optional; the card itself names no method."""
 
@@ -101,6 +120,10 @@ class CardSection:
     lines: tuple[str, ...] = ()
     #: Replaces the generic "before -> after" parameter text (card and CLI summary).
     parameters: str | None = None
+    #: Heatmaps written beside the checkpoint and shown on the card.
+    figures: tuple[LayerMatrixFigure, ...] = ()
+    #: Warnings the run recorded that a user must see (the CLI prints them after compressing).
+    warnings: tuple[str, ...] = ()
 
 
 class CompressionMethod(ABC):

@@ -16,9 +16,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+from torch import nn
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
@@ -41,7 +42,7 @@ from ..ops.ridge import kept_blocks, nystrom_from_blocks, ridge_leverage_scores_
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
-from .base import CompressionMethod, MethodContext
+from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
 from .registry import register_method
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,10 @@ class FlattenGPTConfig(MethodConfig):
                 )
 
 
+#: The file the similarity heatmap is written to, beside the checkpoint.
+SIMILARITY_FIGURE = "similarity_heatmap.png"
+
+
 @register_method("flattengpt")
 class FlattenGPTMethod(CompressionMethod):
     merges_layers = True
@@ -124,6 +129,23 @@ class FlattenGPTMethod(CompressionMethod):
     requires_calibration = True
     required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
     config: FlattenGPTConfig
+    #: The layer-input similarity heatmap (`card_section`).
+    checkpoint_files: ClassVar[tuple[str, ...]] = (SIMILARITY_FIGURE,)
+
+    @classmethod
+    def card_section(cls, report: dict[str, Any]) -> CardSection | None:
+        """The similarity heatmap the selection measured, merged groups outlined (nothing when the report has none)."""
+        similarity = report.get("similarity")
+        if similarity is None:
+            return None
+        figure = LayerMatrixFigure(
+            file_name=SIMILARITY_FIGURE,
+            caption="Layer-input similarity, merged groups outlined",
+            matrix=similarity,
+            groups=(report.get("plan") or {}).get("groups"),
+            value_label="mean token cosine similarity of layer inputs",
+        )
+        return CardSection(figures=(figure,))
 
     # -------------------------------------------------------------- selection
     def similarity_matrix(self, adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:
@@ -258,18 +280,56 @@ class FlattenGPTMethod(CompressionMethod):
         inputs: list[torch.Tensor],
         context: MethodContext,
     ) -> tuple[torch.nn.Module, dict[str, Any]]:
-        stack = context.stack
+        """One merged group, in the paper's three steps: flatten the members into one wide block, prune its heads
+        back to one layer's KV groups, then its MLP channels back to one layer's width (each step's statistics are
+        taken on the block the previous step left)."""
+        first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
+        target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
+        wide = self._flatten(adapter, indices, context)
+        heads = self._prune_heads(adapter, runner, wide, indices, inputs, target_kv, context)
+        channels = self._prune_channels(adapter, runner, wide, indices, inputs, target_channels, context)
+        num_kv = heads["num_kv_groups"]
+        per_member = num_kv // len(indices)
+        report = {
+            "members": list(indices),
+            "kv_group_scores": heads["kv_group_scores"],
+            "kept_kv_groups": heads["kept_kv_groups"],
+            "kept_kv_groups_per_member": [
+                sum(1 for g in heads["kept_kv_groups"] if g // per_member == m) for m in range(len(indices))
+            ],
+            "kept_channels_per_member": [
+                sum(1 for c in channels["kept_channels"] if c // target_channels == m) for m in range(len(indices))
+            ],
+            "ridge_lambda": channels["ridge_lambda"],
+            "calibration_tokens": channels["calibration_tokens"],
+        }
+        return wide, report
+
+    def _flatten(self, adapter: ArchitectureAdapter, indices: tuple[int, ...], context: MethodContext) -> nn.Module:
+        """The members' norm gains folded into copies of them, concatenated into one wide block (exact: the wide
+        block computes the members in parallel on one input)."""
         with context.timer("flatten"):
-            members = [adapter.detached_block(stack, i) for i in indices]
+            members = [adapter.detached_block(context.stack, i) for i in indices]
             for member in members:
                 fold_block_norms_(member)
-            wide = adapter.build_concat_block(members)
-            del members, member
-        first = adapter.block(stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
-        target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
-        view = adapter.block_view(wide, indices[0])
+            return adapter.build_concat_block(members)
 
-        # Attention heads by f_i (eq. 12), whole KV groups under GQA.
+    def _prune_heads(
+        self,
+        adapter: ArchitectureAdapter,
+        runner: LayerwiseRunner,
+        wide: nn.Module,
+        indices: tuple[int, ...],
+        inputs: list[torch.Tensor],
+        target_kv: int,
+        context: MethodContext,
+    ) -> dict[str, Any]:
+        """Keeps `target_kv` whole KV groups of the wide block, by f_i (eq. 12) or by reconstruction, and refits
+        o_proj on the kept heads when `attention_correction` asks (Nyström on the o_proj input's second moment).
+
+        Only the attention up to o_proj runs: the head scores and the o_proj moment read its input.
+        """
+        view = adapter.block_view(wide, indices[0])
         geometry = view.attention.geometry
         column_norms = o_proj_column_norms(view.attention.o.weight, geometry.num_heads)
         head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
@@ -287,7 +347,6 @@ class FlattenGPTMethod(CompressionMethod):
             if o_moment is not None:
                 o_moment.update(x, mask)
 
-        # Only the attention up to o_proj runs: the head scores and the o_proj moment read its input.
         after_o = [view.attention.o.module, view.mlp_norm.module, view.mlp.module]
         with context.timer("head_scoring"):
             run_to_input(runner, wide, indices[0], inputs, view.attention.o.module, on_heads, after_o)
@@ -311,13 +370,29 @@ class FlattenGPTMethod(CompressionMethod):
                     o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
                 del o_second_moment, o_rows, o_moment  # freed before the (larger) MLP statistics
         adapter.keep_heads_(view, kept_kv, o_weight)
-        del o_weight
+        return {
+            "num_kv_groups": geometry.num_kv_heads,
+            "kv_group_scores": [round(float(s), 6) for s in group_scores],
+            "kept_kv_groups": kept_kv,
+        }
 
-        # MLP channels by ridge leverage, on the activations the pruned attention produces; the down projection,
-        # whose input is the statistic, does not run.
+    def _prune_channels(
+        self,
+        adapter: ArchitectureAdapter,
+        runner: LayerwiseRunner,
+        wide: nn.Module,
+        indices: tuple[int, ...],
+        inputs: list[torch.Tensor],
+        target_channels: int,
+        context: MethodContext,
+    ) -> dict[str, Any]:
+        """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
+        on the activations the pruned attention produces; the down projection, whose input is the statistic, does
+        not run."""
         view = adapter.block_view(wide, indices[0])
         float64 = self.config.covariance_dtype == "float64"
         width = view.mlp.intermediate_size
+        device = module_device(wide)
         moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device)
 
         def on_mlp(b: int, x: torch.Tensor) -> None:
@@ -333,19 +408,7 @@ class FlattenGPTMethod(CompressionMethod):
             else:
                 kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels)
             adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
-        per_member = geometry.num_kv_heads // len(indices)
-        report = {
-            "members": list(indices),
-            "kv_group_scores": [round(float(s), 6) for s in group_scores],
-            "kept_kv_groups": kept_kv,
-            "kept_kv_groups_per_member": [sum(1 for g in kept_kv if g // per_member == m) for m in range(len(indices))],
-            "kept_channels_per_member": [
-                sum(1 for c in kept_channels if c // target_channels == m) for m in range(len(indices))
-            ],
-            "ridge_lambda": lam,
-            "calibration_tokens": tokens,
-        }
-        return wide, report
+        return {"kept_channels": kept_channels, "ridge_lambda": lam, "calibration_tokens": tokens}
 
     def _mlp_float64(
         self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,7 +25,7 @@ from ..ops import MERGE_RULES
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext
+from .base import CardSection, CompressionMethod, MethodContext
 
 logger = logging.getLogger(__name__)
 
@@ -287,8 +288,15 @@ class ParameterMergeMethod(CompressionMethod):
 
     required_capabilities = frozenset({"layer_drop"})
 
+    @abstractmethod
     def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group]:
-        raise NotImplementedError
+        """The stack reached at `threshold` (fewer than `target` layers removed when it falls short)."""
+
+    @classmethod
+    def card_section(cls, report: dict[str, Any]) -> CardSection | None:
+        """The calibration-loss warning, when the merged stack's loss rose past `NLL_RISE_BOUND`."""
+        warning = (report.get("calibration_loss") or {}).get("warning")
+        return CardSection(lines=(f"- Warning: {warning}",), warnings=(warning,)) if warning else None
 
     def accepts(self, score: float, threshold: float) -> bool:
         """Whether a candidate with similarity `score` passes `threshold` (at least it; LaCo: strictly above)."""
