@@ -3,6 +3,7 @@ computes what the previous search computed: the same windows and every score, to
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -141,3 +142,97 @@ def test_new_options_must_be_bools():
     for name in ("resume_candidates", "early_exit"):
         with pytest.raises((TypeError, ValueError), match=name):
             FfnMergeConfig(**{name: "yes"})
+
+
+# ------------------------------------------------------------------------------------ score_at="window"
+@torch.no_grad()
+def _layer_outputs(model, replaced: dict, index: int, batches) -> list[torch.Tensor]:
+    """The output of layer `index` on every batch, from a plain forward of a copy of `model` whose layers in
+    `replaced` are swapped for the given modules (the naive reference: no layerwise runner, no cached states)."""
+    reference = copy.deepcopy(model)
+    layers = get_adapter(reference).layers("decoder")
+    for i, module in replaced.items():
+        layers[i] = copy.deepcopy(module)
+    outputs = []
+    hook = layers[index].register_forward_hook(
+        lambda module, args, output: outputs.append(output[0] if isinstance(output, tuple) else output)
+    )
+    try:
+        for batch in batches:
+            reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    finally:
+        hook.remove()
+    return outputs
+
+
+def _masked_mean_cosine(a: list[torch.Tensor], b: list[torch.Tensor], batches) -> float:
+    total, count = 0.0, 0
+    for x, y, batch in zip(a, b, batches, strict=True):
+        cos = torch.nn.functional.cosine_similarity(x.double(), y.double(), dim=-1)[batch.attention_mask.bool()]
+        total, count = total + float(cos.sum()), count + cos.numel()
+    return total / count
+
+
+@torch.no_grad()
+def _naive_window_search(model, batches, config: FfnMergeConfig) -> tuple[list, list[list[float]]]:
+    """Greedy rounds in which a candidate's score is the masked token cosine between the output of its window's last
+    layer with the window merged and without, each on a full forward of the model with the earlier rounds' windows
+    merged."""
+    adapter = get_adapter(model)
+    method = FfnMergeMethod(config)
+    scorer = WindowScorer(adapter, MethodContext(batches=batches, stack="decoder", progress=False), config)
+    chosen, committed, rounds = [], {}, []
+    num_rounds = config.resolved_num_windows
+    for round_index in range(num_rounds):
+        best = best_value = best_blocks = None
+        scores = []
+        for window in method.candidate_windows(adapter, "decoder", chosen, num_rounds - round_index - 1):
+            blocks = method._candidate_blocks(adapter, "decoder", [window], scorer)
+            merged = _layer_outputs(model, {**committed, **blocks}, window[-1], batches)
+            unmerged = _layer_outputs(model, committed, window[-1], batches)
+            value = _masked_mean_cosine(merged, unmerged, batches)
+            scores.append(value)
+            if best is None or value > best_value:
+                best, best_value, best_blocks = window, value, blocks
+        rounds.append(scores)
+        chosen.append(best)
+        committed.update(best_blocks)
+    return sorted(chosen), rounds
+
+
+@pytest.mark.parametrize(
+    ("factory", "options"),
+    [("llama_gqa", {"window_size": 2, "num_windows": 2}), ("gpt2", {"window_size": 2, "num_windows": 2})],
+)
+def test_window_scores_equal_a_naive_full_forward_reference(factory, options):
+    model = tiny_models.FACTORIES[factory]()
+    batches = _batches()
+    windows, rounds = _naive_window_search(model, batches, FfnMergeConfig(**options))
+    report, work = _plan(model, batches, FfnMergeConfig(**options, score_at="window"))
+    assert report["ffn_score_at"] == "window"
+    assert _windows(report) == windows
+    scores = [[entry["score"] for entry in scored] for scored in report["ffn_window_scores"]]
+    assert len(scores) == len(rounds)
+    for ours, naive in zip(scores, rounds, strict=True):
+        assert ours == pytest.approx(naive, abs=2e-6)
+    # The final score is the output cosine of the chosen windows, as the output search reports it.
+    explicit, _ = _plan(model, batches, FfnMergeConfig(window_starts=[w[0] for w in windows], **options))
+    assert report["ffn_final_score"] == pytest.approx(explicit["ffn_final_score"], abs=1e-12)
+    _, output_work = _plan(model, batches, FfnMergeConfig(**options))
+    assert work < output_work
+
+
+def test_window_scoring_with_early_exit_keeps_the_windows():
+    model = tiny_models.tiny_llama_gqa()
+    batches = _batches(num=4)
+    options = {"window_size": 2, "num_windows": 2, "score_at": "window"}
+    full, _ = _plan(model, batches, FfnMergeConfig(**options))
+    early, _ = _plan(model, batches, FfnMergeConfig(**options, early_exit=True))
+    assert _windows(early) == _windows(full) and early["ffn_final_score"] == full["ffn_final_score"]
+
+
+def test_window_scoring_refuses_a_next_token_loss_and_unknown_places():
+    with pytest.raises(ValueError, match="score_at='window' compares the window's output states by cosine"):
+        FfnMergeConfig(score_at="window", selection="nll")
+    with pytest.raises(ValueError, match="score_at"):
+        FfnMergeConfig(score_at="middle")

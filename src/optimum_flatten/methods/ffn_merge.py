@@ -92,6 +92,11 @@ class FfnMergeConfig(MethodConfig):
             state entering that window, so that the next round (which has it merged) resumes the candidate there
             instead of re-running the layers between. The same windows and scores; costs up to one more copy of
             the calibration states per stack. False keeps memory as before.
+        score_at: Where a candidate window is scored: ``"output"`` (the final hidden states, the paper's selection:
+            each candidate runs the rest of the stack, about L/2 stack passes a round) or ``"window"`` (the
+            window's own output against the unmerged window's on the same input, mean masked token cosine: k layers
+            a candidate, about k stack passes a round). ``"window"`` needs ``selection="cosine"``; the report's
+            ``ffn_final_score`` is then still the final-state cosine of the chosen windows, measured once.
         early_exit: Stop scoring a candidate window once it can no longer beat the best one (for "cosine" the
             tokens not scored yet are counted at cosine 1, for "nll" at loss 0): the same windows, the same final
             score, less work when candidates differ. Such a candidate's entry in ``ffn_window_scores`` has
@@ -110,6 +115,7 @@ class FfnMergeConfig(MethodConfig):
     sync_stacks: bool = False
     resume_candidates: bool = True
     early_exit: bool = False
+    score_at: Literal["output", "window"] = "output"
 
     def __post_init__(self) -> None:
         _check_positive_int("window_size", self.window_size)
@@ -124,6 +130,12 @@ class FfnMergeConfig(MethodConfig):
         _check_choice("variant", self.variant, ("permute", "vanilla"))
         _check_choice("alignment_signal", self.alignment_signal, ("pre_activation", "hidden"))
         _check_choice("selection", self.selection, ("cosine", "nll"))
+        _check_choice("score_at", self.score_at, ("output", "window"))
+        if self.score_at == "window" and self.selection != "cosine":
+            raise ValueError(
+                f"score_at='window' compares the window's output states by cosine, got selection={self.selection!r}; "
+                "a next-token loss needs the final states (score_at='output')."
+            )
         if not isinstance(self.tie, bool):
             raise TypeError(f"tie must be True or False, got {self.tie!r}.")
         for name in ("sync_stacks", "resume_candidates", "early_exit"):
@@ -600,7 +612,7 @@ class FfnMergeMethod(CompressionMethod):
         scorers = {s: WindowScorer(adapter, dataclasses.replace(context, stack=s), cfg) for s in stacks}
         self._search = {"resumed_batches": 0, "early_exits": 0}
         windows, rounds, final_scores = self._choose(adapter, scorers)
-        if final_scores is None:  # explicit windows: one run with all of them, from the first
+        if final_scores is None:  # explicit windows, or windows scored locally: one run with all, from the first
             final_scores = {}
             for stack, scorer in scorers.items():
                 blocks = self._candidate_blocks(adapter, stack, windows, scorer)
@@ -614,6 +626,7 @@ class FfnMergeMethod(CompressionMethod):
         ]
         context.report["ffn_window_scores"] = rounds
         context.report["ffn_selection"] = cfg.selection
+        context.report["ffn_score_at"] = cfg.score_at
         context.report["ffn_final_score"] = final_score
         if cfg.window_starts is None:
             context.report["ffn_search"] = dict(self._search)
@@ -669,7 +682,7 @@ class FfnMergeMethod(CompressionMethod):
                     f"no window of {k} identically shaped, unmerged adjacent layers is left for window "
                     f"{round_index + 1} of {num_rounds}; lower num_windows or window_size."
                 )
-            keep = self.config.resume_candidates and still_to_place > 0
+            keep = self.config.resume_candidates and still_to_place > 0 and self.config.score_at == "output"
             best, best_blocks, best_by_stack, scored, resume = self._score_round(
                 adapter, scorers, committed, states, candidates, resume, keep, round_index
             )
@@ -680,6 +693,8 @@ class FfnMergeMethod(CompressionMethod):
                 committed[stack].update(best_blocks[stack])
                 if still_to_place:
                     states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
+        if self.config.score_at == "window":  # the rounds scored windows locally: the final states are not run yet
+            return sorted(chosen), rounds, None
         return sorted(chosen), rounds, final_scores
 
     def _score_round(
@@ -759,6 +774,8 @@ class FfnMergeMethod(CompressionMethod):
         with `store_at`, the state entering that layer is stored in `stored`. Every number is the one the run over
         all batches at once computes.
         """
+        if self.config.score_at == "window":
+            return self._score_window(scorers, states, window, blocks, against)
         totals = {stack: [0.0, 0] for stack in scorers}
         first = next(iter(scorers.values()))
         with first.context.timer("selection"):
@@ -784,6 +801,37 @@ class FfnMergeMethod(CompressionMethod):
                         if bound is not None:
                             self._search["early_exits"] += len(scorers) * (first.runner.num_batches - b) - done
                             return None, None, bound
+        by_stack = {stack: scorer.score_value(*totals[stack]) for stack, scorer in scorers.items()}
+        return sum(by_stack.values()) / len(by_stack), by_stack, None
+
+    def _score_window(
+        self,
+        scorers: Mapping[str, WindowScorer],
+        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        window: Window,
+        blocks: Mapping[str, Mapping[int, nn.Module]],
+        against: tuple[Window, float] | None,
+    ) -> tuple[float | None, dict[str, float] | None, float | None]:
+        """`score_at="window"`: the mean masked token cosine between the window's output with its MLPs merged and
+        the current stack's output there, both from the current stack's state entering the window (committed
+        windows upstream included; none lies inside a candidate). Returns as `_score_candidate` does, with the same
+        early exit (tokens not scored yet counted at cosine 1)."""
+        totals = {stack: [0.0, 0] for stack in scorers}
+        first = next(iter(scorers.values()))
+        stop = window[-1] + 1
+        with first.context.timer("selection"):
+            for b in range(first.runner.num_batches):
+                for done, (stack, scorer) in enumerate(scorers.items()):
+                    hidden = scorer.run_batch(window[0], stop, blocks[stack], states[stack][window[0]][b], b)
+                    cos = cosine_rows(hidden, states[stack][stop][b], scorer.masks[b], "all")
+                    totals[stack][0] += float(cos.sum())
+                    totals[stack][1] += cos.numel()
+                    if against is None:
+                        continue
+                    bound = self._loses(scorers, totals, window, against)
+                    if bound is not None:
+                        self._search["early_exits"] += len(scorers) * (first.runner.num_batches - b) - done
+                        return None, None, bound
         by_stack = {stack: scorer.score_value(*totals[stack]) for stack, scorer in scorers.items()}
         return sum(by_stack.values()) / len(by_stack), by_stack, None
 
