@@ -236,3 +236,39 @@ def test_window_scoring_refuses_a_next_token_loss_and_unknown_places():
         FfnMergeConfig(score_at="window", selection="nll")
     with pytest.raises(ValueError, match="score_at"):
         FfnMergeConfig(score_at="middle")
+
+
+def test_a_shortlist_rescores_the_best_windows_by_the_final_states():
+    """With `shortlist`, each round's winner is, among the windows the window score ranks best, the one the output
+    score (the naive search's criterion) prefers; a shortlist of every candidate chooses what the output search
+    chooses, with the same final score."""
+    model = tiny_models.tiny_llama_gqa()
+    batches = _batches()
+    options = {"window_size": 2, "num_windows": 2}
+    _, rounds = _naive_window_search(model, batches, FfnMergeConfig(**options))
+    output_windows, output_rounds, output_final, _ = _previous_search(model, batches, FfnMergeConfig(**options))
+    report, _ = _plan(model, batches, FfnMergeConfig(**options, score_at="window", shortlist=2))
+    chosen = _windows(report)
+    # The first round's window scores are the naive ones (later rounds follow another winner than the naive search).
+    assert [e["score"] for e in report["ffn_window_scores"][0]] == pytest.approx(rounds[0], abs=2e-6)
+    for scored in report["ffn_window_scores"]:
+        shortlisted = [e for e in scored if "output_score" in e]
+        assert len(shortlisted) == 2
+        best_local = sorted((e for e in scored), key=lambda e: (-e["score"], e["start"]))[:2]
+        assert {e["start"] for e in shortlisted} == {e["start"] for e in best_local}
+        winner = max(shortlisted, key=lambda e: (e["output_score"], -e["start"]))
+        assert tuple(winner["layers"]) in chosen
+    everything, _ = _plan(model, batches, FfnMergeConfig(**options, score_at="window", shortlist=100))
+    assert _windows(everything) == output_windows
+    assert everything["ffn_final_score"] == pytest.approx(output_final, abs=1e-12)
+    first_round = {e["start"]: e["output_score"] for e in everything["ffn_window_scores"][0]}
+    assert list(first_round.values()) == pytest.approx(output_rounds[0], abs=1e-12)
+
+
+def test_a_shortlist_needs_window_scores_in_full():
+    with pytest.raises(ValueError, match="needs score_at='window'"):
+        FfnMergeConfig(shortlist=3)
+    with pytest.raises(ValueError, match="early_exit=True"):
+        FfnMergeConfig(score_at="window", shortlist=3, early_exit=True)
+    with pytest.raises(ValueError, match="shortlist"):
+        FfnMergeConfig(score_at="window", shortlist=0)

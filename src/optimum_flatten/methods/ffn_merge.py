@@ -97,6 +97,9 @@ class FfnMergeConfig(MethodConfig):
             window's own output against the unmerged window's on the same input, mean masked token cosine: k layers
             a candidate, about k stack passes a round). ``"window"`` needs ``selection="cosine"``; the report's
             ``ffn_final_score`` is then still the final-state cosine of the chosen windows, measured once.
+        shortlist: With ``score_at="window"``, rescore the this-many best windows of each round by the final states
+            (the output criterion) and choose among them by that score: the cheap score shortlists, the paper's
+            decides. None chooses by the window score alone.
         early_exit: Stop scoring a candidate window once it can no longer beat the best one (for "cosine" the
             tokens not scored yet are counted at cosine 1, for "nll" at loss 0): the same windows, the same final
             score, less work when candidates differ. Such a candidate's entry in ``ffn_window_scores`` has
@@ -116,6 +119,7 @@ class FfnMergeConfig(MethodConfig):
     resume_candidates: bool = True
     early_exit: bool = False
     score_at: Literal["output", "window"] = "output"
+    shortlist: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("window_size", self.window_size)
@@ -131,6 +135,18 @@ class FfnMergeConfig(MethodConfig):
         _check_choice("alignment_signal", self.alignment_signal, ("pre_activation", "hidden"))
         _check_choice("selection", self.selection, ("cosine", "nll"))
         _check_choice("score_at", self.score_at, ("output", "window"))
+        if self.shortlist is not None:
+            _check_positive_int("shortlist", self.shortlist)
+            if self.score_at != "window":
+                raise ValueError(
+                    f"shortlist={self.shortlist} rescores the windows a window-level score ranked best; it needs "
+                    "score_at='window' (the output search already scores every window by the final states)."
+                )
+            if self.early_exit:
+                raise ValueError(
+                    "early_exit=True stops candidates that cannot beat the best window score, but a shortlist needs "
+                    f"the {self.shortlist} best scores in full; use one of them."
+                )
         if self.score_at == "window" and self.selection != "cosine":
             raise ValueError(
                 f"score_at='window' compares the window's output states by cosine, got selection={self.selection!r}; "
@@ -693,8 +709,8 @@ class FfnMergeMethod(CompressionMethod):
                 committed[stack].update(best_blocks[stack])
                 if still_to_place:
                     states[stack] = self._states_with(scorer, committed[stack], states[stack], best[0])
-        if self.config.score_at == "window":  # the rounds scored windows locally: the final states are not run yet
-            return sorted(chosen), rounds, None
+        if self.config.score_at == "window" and self.config.shortlist is None:
+            return sorted(chosen), rounds, None  # the rounds scored windows locally: the final states are not run yet
         return sorted(chosen), rounds, final_scores
 
     def _score_round(
@@ -752,7 +768,43 @@ class FfnMergeMethod(CompressionMethod):
         if winner != best:  # only with scores that compare unequal to themselves (NaN): rebuild, resume nothing
             best_blocks = {s: self._candidate_blocks(adapter, s, [winner], scorer) for s, scorer in scorers.items()}
             stored = _Resume()
-        return winner, best_blocks, values[winner][1], [entries[w] for w in candidates], stored
+        by_stack = values[winner][1]
+        if self.config.shortlist is not None:
+            winner, best_blocks, by_stack = self._rescore_shortlist(
+                adapter, scorers, committed, states, values, entries
+            )
+        return winner, best_blocks, by_stack, [entries[w] for w in candidates], stored
+
+    def _rescore_shortlist(
+        self,
+        adapter: ArchitectureAdapter,
+        scorers: Mapping[str, WindowScorer],
+        committed: Mapping[str, Mapping[int, nn.Module]],
+        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        values: Mapping[Window, tuple[float, dict[str, float]]],
+        entries: Mapping[Window, dict],
+    ) -> tuple[Window, dict[str, dict[int, nn.Module]], dict[str, float]]:
+        """`shortlist`: the `shortlist` best windows by their window score (the earlier start first among equals),
+        each scored by the final states with the committed windows merged; the best of those (the earlier start
+        among equals) wins. Adds ``output_score`` to the shortlisted entries."""
+        first = next(iter(scorers.values()))
+        ranked = sorted(values, key=lambda w: (-values[w][0], w[0]))[: self.config.shortlist]
+        winner: Window | None = None
+        winner_value = 0.0
+        winner_blocks: dict[str, dict[int, nn.Module]] = {}
+        winner_by_stack: dict[str, float] = {}
+        for window in sorted(ranked):
+            blocks = {s: self._candidate_blocks(adapter, s, [window], scorer) for s, scorer in scorers.items()}
+            by_stack = {
+                stack: scorer.score(scorer.run_from(window[0], {**committed[stack], **blocks[stack]}, states[stack]))
+                for stack, scorer in scorers.items()
+            }
+            value = sum(by_stack.values()) / len(by_stack)
+            entries[window]["output_score"] = value
+            if winner is None or first.better(value, winner_value):
+                winner, winner_value, winner_blocks, winner_by_stack = window, value, blocks, by_stack
+        assert winner is not None
+        return winner, winner_blocks, winner_by_stack
 
     def _score_candidate(
         self,
