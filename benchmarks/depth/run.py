@@ -33,6 +33,15 @@ import time
 from pathlib import Path
 
 VARIANTS: dict[str, dict] = {
+    # ffn_merge's window choices on SmolLM2 at 3 x 2 (benchmarks/results/search_ffn_merge_smollm2.json): the final-state
+    # search's (and its shortlist's) [12-14] and [24-26], the window score's alone [12-14] and [15-17]. Explicit
+    # windows, so only the choice differs; ffn_merge keeps every layer, hence no layer count.
+    "ffn_merge_windows_12_24": dict(
+        method="ffn_merge", num_layers_to_remove=None, window_size=3, window_starts=[12, 24]
+    ),
+    "ffn_merge_windows_12_15": dict(
+        method="ffn_merge", num_layers_to_remove=None, window_size=3, window_starts=[12, 15]
+    ),
     "dense": {},
     "flattengpt": dict(method="flattengpt"),
     "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
