@@ -822,29 +822,24 @@ class FfnMergeMethod(CompressionMethod):
         score, computed batch by batch; or, once its bound loses to `against` (the best window and its score),
         ``(None, None, bound)``.
 
-        Each batch starts from the cached state at the window's start, or from the state `resume` holds for it;
-        with `store_at`, the state entering that layer is stored in `stored`. Every number is the one the run over
-        all batches at once computes.
+        At the output (the default), each batch starts from the cached state at the window's start, or from the
+        state `resume` holds for it; with `store_at`, the state entering that layer is stored in `stored`. Every
+        number is the one the run over all batches at once computes. At the window, see `_window_terms`.
         """
-        if self.config.score_at == "window":
-            return self._score_window(scorers, states, window, blocks, against)
         totals = {stack: [0.0, 0] for stack in scorers}
         first = next(iter(scorers.values()))
         with first.context.timer("selection"):
             for b in range(first.runner.num_batches):
                 for done, (stack, scorer) in enumerate(scorers.items()):
-                    modules = {**committed[stack], **blocks[stack]}
-                    begin, hidden = window[0], states[stack][window[0]][b]
-                    resumed = resume.take(stack, window[0], b)
-                    if resumed is not None:
-                        begin, hidden = resume.position, resumed
-                        self._search["resumed_batches"] += 1
-                    if store_at is not None and begin < store_at:
-                        hidden = scorer.run_batch(begin, store_at, modules, hidden, b)
-                        stored.put(stack, window[0], b, hidden)
-                        begin = store_at
-                    hidden = scorer.run_batch(begin, len(scorer.layers), modules, hidden, b)
-                    for term, count in scorer.score_terms(hidden, b):
+                    if self.config.score_at == "window":
+                        terms = self._window_terms(scorer, states[stack], window, blocks[stack], b)
+                    else:
+                        modules = {**committed[stack], **blocks[stack]}
+                        hidden = self._output_states(
+                            scorer, stack, modules, states, window, resume, store_at, stored, b
+                        )
+                        terms = scorer.score_terms(hidden, b)
+                    for term, count in terms:
                         totals[stack][0] += term
                         totals[stack][1] += count
                         if against is None:
@@ -856,36 +851,46 @@ class FfnMergeMethod(CompressionMethod):
         by_stack = {stack: scorer.score_value(*totals[stack]) for stack, scorer in scorers.items()}
         return sum(by_stack.values()) / len(by_stack), by_stack, None
 
-    def _score_window(
+    def _output_states(
         self,
-        scorers: Mapping[str, WindowScorer],
+        scorer: WindowScorer,
+        stack: str,
+        modules: Mapping[int, nn.Module],
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         window: Window,
-        blocks: Mapping[str, Mapping[int, nn.Module]],
-        against: tuple[Window, float] | None,
-    ) -> tuple[float | None, dict[str, float] | None, float | None]:
-        """`score_at="window"`: the mean masked token cosine between the window's output with its MLPs merged and
-        the current stack's output there, both from the current stack's state entering the window (committed
-        windows upstream included; none lies inside a candidate). Returns as `_score_candidate` does, with the same
-        early exit (tokens not scored yet counted at cosine 1)."""
-        totals = {stack: [0.0, 0] for stack in scorers}
-        first = next(iter(scorers.values()))
+        resume: _Resume,
+        store_at: int | None,
+        stored: _Resume,
+        batch: int,
+    ) -> torch.Tensor:
+        """One batch's final states (before the final norm) with `modules` in place, from the window's start or
+        where `resume` left the batch; the state entering `store_at` is stored on the way."""
+        begin, hidden = window[0], states[stack][window[0]][batch]
+        resumed = resume.take(stack, window[0], batch)
+        if resumed is not None:
+            begin, hidden = resume.position, resumed
+            self._search["resumed_batches"] += 1
+        if store_at is not None and begin < store_at:
+            hidden = scorer.run_batch(begin, store_at, modules, hidden, batch)
+            stored.put(stack, window[0], batch, hidden)
+            begin = store_at
+        return scorer.run_batch(begin, len(scorer.layers), modules, hidden, batch)
+
+    @staticmethod
+    def _window_terms(
+        scorer: WindowScorer,
+        states: Sequence[Sequence[torch.Tensor]],
+        window: Window,
+        blocks: Mapping[int, nn.Module],
+        batch: int,
+    ) -> list[tuple[float, int]]:
+        """`score_at="window"`: one batch's ``(sum, count)`` of masked token cosines between the window's output
+        with its MLPs merged and the current stack's output there, both from the current stack's state entering the
+        window (committed windows upstream included; none lies inside a candidate)."""
         stop = window[-1] + 1
-        with first.context.timer("selection"):
-            for b in range(first.runner.num_batches):
-                for done, (stack, scorer) in enumerate(scorers.items()):
-                    hidden = scorer.run_batch(window[0], stop, blocks[stack], states[stack][window[0]][b], b)
-                    cos = cosine_rows(hidden, states[stack][stop][b], scorer.masks[b], "all")
-                    totals[stack][0] += float(cos.sum())
-                    totals[stack][1] += cos.numel()
-                    if against is None:
-                        continue
-                    bound = self._loses(scorers, totals, window, against)
-                    if bound is not None:
-                        self._search["early_exits"] += len(scorers) * (first.runner.num_batches - b) - done
-                        return None, None, bound
-        by_stack = {stack: scorer.score_value(*totals[stack]) for stack, scorer in scorers.items()}
-        return sum(by_stack.values()) / len(by_stack), by_stack, None
+        hidden = scorer.run_batch(window[0], stop, blocks, states[window[0]][batch], batch)
+        cos = cosine_rows(hidden, states[stop][batch], scorer.masks[batch], "all")
+        return [(float(cos.sum()), cos.numel())]
 
     @staticmethod
     def _loses(

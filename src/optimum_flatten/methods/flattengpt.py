@@ -118,6 +118,19 @@ class FlattenGPTConfig(MethodConfig):
                 )
 
 
+@dataclass(frozen=True)
+class _WideBlock:
+    """What the pruning steps of one merged group share: the wide block, the position it takes, the calibration
+    inputs it runs on, and the runner and context they run under."""
+
+    adapter: ArchitectureAdapter
+    runner: LayerwiseRunner
+    wide: nn.Module
+    first: int
+    inputs: list[torch.Tensor]
+    context: MethodContext
+
+
 #: The file the similarity heatmap is written to, beside the checkpoint.
 SIMILARITY_FIGURE = "similarity_heatmap.png"
 
@@ -286,8 +299,9 @@ class FlattenGPTMethod(CompressionMethod):
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
-        heads = self._prune_heads(adapter, runner, wide, indices, inputs, target_kv, context)
-        channels = self._prune_channels(adapter, runner, wide, indices, inputs, target_channels, context)
+        group = _WideBlock(adapter, runner, wide, indices[0], inputs, context)
+        heads = self._prune_heads(group, target_kv)
+        channels = self._prune_channels(group, target_channels)
         num_kv = heads["num_kv_groups"]
         per_member = num_kv // len(indices)
         report = {
@@ -314,22 +328,14 @@ class FlattenGPTMethod(CompressionMethod):
                 fold_block_norms_(member)
             return adapter.build_concat_block(members)
 
-    def _prune_heads(
-        self,
-        adapter: ArchitectureAdapter,
-        runner: LayerwiseRunner,
-        wide: nn.Module,
-        indices: tuple[int, ...],
-        inputs: list[torch.Tensor],
-        target_kv: int,
-        context: MethodContext,
-    ) -> dict[str, Any]:
+    def _prune_heads(self, group: _WideBlock, target_kv: int) -> dict[str, Any]:
         """Keeps `target_kv` whole KV groups of the wide block, by f_i (eq. 12) or by reconstruction, and refits
         o_proj on the kept heads when `attention_correction` asks (Nyström on the o_proj input's second moment).
 
         Only the attention up to o_proj runs: the head scores and the o_proj moment read its input.
         """
-        view = adapter.block_view(wide, indices[0])
+        adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
+        view = adapter.block_view(wide, group.first)
         geometry = view.attention.geometry
         column_norms = o_proj_column_norms(view.attention.o.weight, geometry.num_heads)
         head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
@@ -349,7 +355,7 @@ class FlattenGPTMethod(CompressionMethod):
 
         after_o = [view.attention.o.module, view.mlp_norm.module, view.mlp.module]
         with context.timer("head_scoring"):
-            run_to_input(runner, wide, indices[0], inputs, view.attention.o.module, on_heads, after_o)
+            run_to_input(runner, wide, group.first, inputs, view.attention.o.module, on_heads, after_o)
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
@@ -376,20 +382,12 @@ class FlattenGPTMethod(CompressionMethod):
             "kept_kv_groups": kept_kv,
         }
 
-    def _prune_channels(
-        self,
-        adapter: ArchitectureAdapter,
-        runner: LayerwiseRunner,
-        wide: nn.Module,
-        indices: tuple[int, ...],
-        inputs: list[torch.Tensor],
-        target_channels: int,
-        context: MethodContext,
-    ) -> dict[str, Any]:
+    def _prune_channels(self, group: _WideBlock, target_channels: int) -> dict[str, Any]:
         """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
         on the activations the pruned attention produces; the down projection, whose input is the statistic, does
         not run."""
-        view = adapter.block_view(wide, indices[0])
+        adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
+        view = adapter.block_view(wide, group.first)
         float64 = self.config.covariance_dtype == "float64"
         width = view.mlp.intermediate_size
         device = module_device(wide)
@@ -399,7 +397,7 @@ class FlattenGPTMethod(CompressionMethod):
             moment.update(x, runner.masks[b])
 
         with context.timer("covariance"):
-            run_to_input(runner, wide, indices[0], inputs, view.mlp.down.module, on_mlp, [view.mlp.down.module])
+            run_to_input(runner, wide, group.first, inputs, view.mlp.down.module, on_mlp, [view.mlp.down.module])
         tokens = moment.count
         with context.timer("solve"):
             down_rows = view.mlp.down.weight.T
