@@ -29,6 +29,7 @@ def test_round_trip_through_dict_and_json():
         "head_selection": "importance",
         "attention_ridge_ratio": 1.0,
         "covariance_dtype": "float32",
+        "mlp_correction": True,
     }
     assert data["calibration"]["nsamples"] == 16
     again = FlattenConfig.from_dict(data)

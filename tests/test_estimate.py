@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import tiny_models
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
-from optimum_flatten.estimate import ESTIMATORS, MemoryEstimate, estimate_memory
+from optimum_flatten.estimate import MemoryEstimate, estimate_memory, modelled_methods
 from optimum_flatten.methods.base import MethodContext
 
 TOLERANCE = 0.25
@@ -145,7 +145,7 @@ def _check(estimate: MemoryEstimate, measured: dict[str, Any]) -> None:
         assert estimate.stack_passes == pytest.approx(measured["stack_passes"], abs=1e-3)
 
 
-@pytest.mark.parametrize("method", sorted(ESTIMATORS))
+@pytest.mark.parametrize("method", modelled_methods())
 def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkeypatch):
     """hidden 256, MLP 688, 4 layers, 4 heads / 2 KV, vocab 1000; 8 x 128 tokens in batches of 2, float32."""
     calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
@@ -284,3 +284,23 @@ def test_cli_estimate_takes_a_bundled_name(capsys):
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["model"]["num_layers"] == 30 and result["model"]["hidden_size"] == 576
+
+
+def test_the_estimate_asks_the_method_for_its_memory_model(monkeypatch):
+    """The driver names no method: the methods with a `workspace` are the ones it covers, and a method without one
+    is refused with that list before any work."""
+    from optimum_flatten.methods.base import CompressionMethod
+    from optimum_flatten.methods.laco import LaCoMethod
+    from optimum_flatten.methods.shortgpt import ShortGPTMethod
+
+    assert "laco" not in modelled_methods() and "shortgpt" in modelled_methods()
+    shortgpt_model = ShortGPTMethod.__dict__["workspace"]
+    model = tiny_models.tiny_llama_gqa()
+    with pytest.raises(ValueError, match=r"no memory model for method 'laco'; the estimate covers \['come'"):
+        estimate_memory(model, "laco", 1, nsamples=4, seqlen=16, batch_size=2)
+    monkeypatch.setattr(ShortGPTMethod, "workspace", CompressionMethod.workspace)
+    assert "shortgpt" not in modelled_methods()
+    with pytest.raises(ValueError, match="no memory model for method 'shortgpt'"):
+        estimate_memory(model, "shortgpt", 1, nsamples=4, seqlen=16, batch_size=2)
+    monkeypatch.setattr(LaCoMethod, "workspace", shortgpt_model)
+    assert "laco" in modelled_methods()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import greedy_generate_both_ways, logits, sample_ids
+from common import compress, greedy_generate_both_ways, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
@@ -229,3 +229,40 @@ def test_similarity_band_bounds_memory_and_keeps_the_needed_diagonal():
                 assert torch.isnan(banded[i, j])
     plan = method.plan(get_adapter(model), MethodContext(batches, progress=False), 2)
     assert [g.indices for g in plan.groups] == greedy_adjacent_groups(full, 2, 2)
+
+
+@pytest.mark.parametrize("covariance_dtype", ["float32", "float64"])
+def test_without_the_mlp_refit_the_same_channels_are_kept_and_down_is_only_sliced(covariance_dtype):
+    """`mlp_correction=False`: the selection (heads, channels) is the default's, the up/gate rows are the same, and
+    the down projection holds exactly the wide block's columns of the kept channels (no refit)."""
+    original = tiny_models.tiny_llama_gqa()
+    refit, sliced = copy.deepcopy(original), copy.deepcopy(original)
+    options = {"num_layers_to_remove": 2, "covariance_dtype": covariance_dtype}
+    with_refit = compress(refit, "flattengpt", **options)
+    without = compress(sliced, "flattengpt", mlp_correction=False, **options)
+    assert without.plan.group_lists() == with_refit.plan.group_lists()
+    for ours, theirs in zip(without.report["groups"], with_refit.report["groups"], strict=True):
+        assert ours["kept_kv_groups"] == theirs["kept_kv_groups"]
+        assert ours["kept_channels_per_member"] == theirs["kept_channels_per_member"]
+    for group in without.report["groups"]:
+        position = without.plan.first_indices.index(group["members"][0])
+        ours, theirs = (
+            get_adapter(sliced).block("decoder", position).mlp,
+            get_adapter(refit).block("decoder", position).mlp,
+        )
+        assert torch.equal(ours.up.weight, theirs.up.weight) and torch.equal(ours.gate.weight, theirs.gate.weight)
+        assert not torch.allclose(ours.down.weight, theirs.down.weight)
+        wide = torch.cat([get_adapter(original).block("decoder", m).mlp.down.weight for m in group["members"]], dim=1)
+        columns = [
+            next(j for j in range(wide.shape[1]) if torch.equal(ours.down.weight[:, c], wide[:, j]))
+            for c in range(ours.down.weight.shape[1])
+        ]
+        assert len(set(columns)) == len(columns)
+        width = get_adapter(original).block("decoder", 0).mlp.intermediate_size
+        counts = [sum(1 for j in columns if j // width == m) for m in range(len(group["members"]))]
+        assert counts == group["kept_channels_per_member"]
+
+
+def test_mlp_correction_must_be_a_bool():
+    with pytest.raises(TypeError, match="mlp_correction"):
+        FlattenGPTConfig(mlp_correction="no")

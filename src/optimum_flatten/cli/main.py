@@ -663,14 +663,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_recovery_arguments(recover_parser)
     recover_parser.set_defaults(func=cmd_recover)
 
-    from ..estimate import ESTIMATORS
+    from ..estimate import modelled_methods
 
     estimate = verbs.add_parser(
         "estimate",
         help="memory per phase and stack passes a compression will need, from config.json alone (no weights)",
     )
     estimate.add_argument("model", help="checkpoint directory, hub name (config.json only), or a bundled model")
-    estimate.add_argument("--method", default="flattengpt", choices=sorted(ESTIMATORS), help="compression method")
+    estimate.add_argument("--method", default="flattengpt", choices=modelled_methods(), help="compression method")
     estimate.add_argument("--num-layers-to-remove", type=int, required=True)
     estimate.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
     estimate.add_argument("--seqlen", type=int, default=2048, help="tokens per calibration sequence (default: 2048)")
@@ -680,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
     )
-    add_method_arguments(estimate, sorted(ESTIMATORS), skip=("nsamples", "seqlen", "batch_size"))
+    add_method_arguments(estimate, modelled_methods(), skip=("nsamples", "seqlen", "batch_size"))
     estimate.set_defaults(func=cmd_estimate)
 
     collapse = verbs.add_parser(

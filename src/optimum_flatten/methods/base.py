@@ -17,6 +17,7 @@ from ..calibration.states import CalibratedStates
 from ..config import MethodConfig
 from ..plan import LayerPlan
 from ..utils.torch_utils import synchronize
+from .workspace import WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,15 @@ class CompressionMethod(ABC):
         """
         lines = tuple(cls.card_lines(report))
         return CardSection(lines=lines) if lines else None
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel | None:
+        """The method's memory model for `optimum-flatten estimate` removing `n` layers: the phases it times with
+        the terms each holds at its peak, the stack passes, whether those are a bound, and notes (see
+        `methods.workspace` and `optimum_flatten.estimate`). None (the default): the method has none, and the
+        estimate refuses it, naming the methods that have one.
+        """
+        return None
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         """Refuses, before calibration and before any weight changes, a model this method cannot compress.

@@ -46,6 +46,7 @@ from ..utils.offload import detached_copy, dispatch_like
 from .base import CompressionMethod, MethodContext
 from .flattengpt import fold_block_norms_
 from .registry import register_method
+from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,53 @@ class CoMeMethod(CompressionMethod):
     required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
     merges_layers = True
     config: CoMeConfig
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """CoMe: n steps, each one pass over the current stack (Block Influence, angular distances, |activation| sums)
+        and one merge of two layers into one of the same width.
+
+        - selection: the runner's layer-0 states, the previous input and the current boundary (2S), the boundary being
+          computed, and at the down-projection hook the float64 |activation| of one batch and its masked product
+          (16·T_b·i) beside the MLP activation; or the float64 cosine of one batch (40·T_b·d); plus the merged blocks
+          of the earlier steps (one layer each, n − 1 at most).
+        - merge: copies of the two members (2 layers), the wide block (2 layers, built as FlattenGPT's: the last weight
+          of the copy it starts from, d·i, is still held when the last concatenation lands), and the earlier merged
+          blocks (a bound: a chain frees the block it merges again).
+        Cost: step s runs the L − s layers of the current stack.
+        """
+        s = z.shape
+        built = Term("merged blocks of the earlier steps", (n - 1) * s.layer_bytes, "kept until the plan is applied")
+        at_hook = (2 * z.d + z.i) * z.Tb * z.b + 16 * z.Tb * z.i
+        selection = Phase(
+            "selection",
+            (
+                z.tokens(),
+                *z.runners(1),
+                Term("the previous input and the current boundary", 2 * z.S, ""),
+                built,
+                Term(
+                    "largest per-batch work: a layer run with the |activation| hook, or the float64 cosine",
+                    max(z.run_outputs() + max(z.block_forward(), at_hook), 40 * z.Tb * z.d),
+                    "float64 |x| and its masked product at the down projection",
+                ),
+            ),
+        )
+        merge = Phase(
+            "merge",
+            (
+                z.tokens(),
+                *z.runners(1),
+                built,
+                Term(
+                    "member copies and the wide block, with the last weight of the copy it starts from",
+                    4 * s.layer_bytes + z.d * z.i * z.b,
+                    "as FlattenGPT's flatten: the wide block starts as a copy of the first member",
+                ),
+            ),
+        )
+        passes = sum((s.num_layers - step) / s.num_layers for step in range(n))
+        return [selection, merge], passes, False, []
 
     def __init__(self, config: CoMeConfig) -> None:
         super().__init__(config)

@@ -43,7 +43,9 @@ from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from .flattengpt_workspace import flattengpt_workspace
 from .registry import register_method
+from .workspace import WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,9 @@ class FlattenGPTConfig(MethodConfig):
             refit, best reproduces the wide block's attention output — exhaustive when there are at most
             `MAX_EXHAUSTIVE_SUBSETS` candidate subsets, greedy backward elimination otherwise. Implies the
             second moment of the o_proj input; use it with `attention_correction=True`.
+        mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
+            channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
+            calibration text, adds in and out of domain (benchmarks/RESULTS.md).
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
             1.0 measured better than 10 on SmolLM2-135M.
         covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's
@@ -94,8 +99,11 @@ class FlattenGPTConfig(MethodConfig):
     head_selection: Literal["importance", "reconstruction"] = "importance"
     attention_ridge_ratio: float | None = 1.0
     covariance_dtype: Literal["float32", "float64"] = "float32"
+    mlp_correction: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mlp_correction, bool):
+            raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
         if self.covariance_dtype not in ("float32", "float64"):
             raise ValueError(f"covariance_dtype must be 'float32' or 'float64', got {self.covariance_dtype!r}.")
         if self.head_selection not in ("importance", "reconstruction"):
@@ -144,6 +152,11 @@ class FlattenGPTMethod(CompressionMethod):
     config: FlattenGPTConfig
     #: The layer-input similarity heatmap (`card_section`).
     checkpoint_files: ClassVar[tuple[str, ...]] = (SIMILARITY_FIGURE,)
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """FlattenGPT's memory model (`flattengpt_workspace`)."""
+        return flattengpt_workspace(z, n, config)
 
     @classmethod
     def card_section(cls, report: dict[str, Any]) -> CardSection | None:
@@ -415,6 +428,8 @@ class FlattenGPTMethod(CompressionMethod):
         second_moment = moment.finish()
         lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
         kept_channels = top_k_indices(ridge_leverage_scores(second_moment, lam), num_keep)
+        if not self.config.mlp_correction:
+            return kept_channels, down_rows[torch.tensor(kept_channels, device=down_rows.device)], lam
         corrected = nystrom_down_correction(second_moment, down_rows, torch.tensor(kept_channels), lam)
         return kept_channels, corrected, lam
 
@@ -437,6 +452,9 @@ class FlattenGPTMethod(CompressionMethod):
         )
         kept_channels = top_k_indices(leverage, num_keep)
         keep = torch.tensor(kept_channels, device=down_rows.device)
+        if not self.config.mlp_correction:
+            stats.release()
+            return kept_channels, down_rows[keep], lam
         kept_block, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
         stats.release()
         corrected = nystrom_from_blocks(kept_block, cross, down_rows[keep], lam)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -29,7 +29,8 @@ from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import require_compensable
 from .linear_bridge import BridgeOptions, bridged_apply_, fit_with_outputs, require_pre_norm
 from .registry import register_method
-from .uidl import BlockSelectionConfig, block_size, select_blocks
+from .uidl import BlockSelectionConfig, UIDLMethod, block_size, select_blocks
+from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 
 @dataclass
@@ -87,6 +88,50 @@ class ReplaceMeMethod(CompressionMethod):
     #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
     accepts_linear_replacement = False
     config: ReplaceMeConfig
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """ReplaceMe: UIDL's selection, then the dense target states, then one least-squares map per removed block.
+
+        - linear_replacement: a second runner (the first stays alive), the dense state at the end of the block (S), the
+          states propagated on the compressed model (S) and the boundary being computed; the float64 statistics MᵀM and
+          Mᵀ(L − Y) (2·8·d²) with, while the fitted layer runs, each batch's float64 copies at the MLP hook
+          (T_b·d·(24 + b)); the solve adds the identity, the jittered Gram matrix and its factor (3·8·d²); the fold,
+          with the statistics and the map T (8·d²) still held, a float64 W_down and its product (2·8·d·i). With
+          estimator="cosine" the fit keeps M, Y and L of every token in float32 (3·N·d·4, on the CPU) and their
+          concatenation (the same again).
+        Cost (a bound: it depends on where the block is): the selection walk (1), the dense walk up to the block's end
+        (≤ 1), and the compressed model up to the last bridged layer, that layer twice (≤ (L − n + blocks)/L).
+        """
+        L, d, i = z.shape.num_layers, z.d, z.i
+        phases, _, _, _ = UIDLMethod.workspace(z, n, config)
+        blocks = max(config.num_blocks, 1)
+        statistics = 2 * 8 * d * d
+        fit = max(
+            z.run_outputs() + statistics + z.Tb * d * (24 + z.b) + 3 * d * z.Tb * z.b,
+            statistics + 3 * 8 * d * d,
+            statistics + 8 * d * d + 2 * 8 * d * i,
+        )
+        if config.estimator == "cosine":
+            fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
+        phases.append(
+            Phase(
+                "linear_replacement",
+                (
+                    z.tokens(),
+                    *z.runners(2),
+                    Term("dense target states at the block's end", blocks * z.S, "taken before the layers are dropped"),
+                    Term("states propagated on the compressed model", z.S, ""),
+                    Term(
+                        "largest of: a layer run, the statistics with one batch's float64 copies, the solve, the fold",
+                        max(z.run_outputs() + z.block_forward(), fit),
+                        "MᵀM and Mᵀ(L − Y) in float64 (2·8·d²); Cholesky with jitter (3·8·d² more)",
+                    ),
+                ),
+            )
+        )
+        passes = 2.0 + (L - n + blocks) / L
+        return phases, passes, True, ["stack passes are a bound: they depend on where the removed block lies"]
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'replaceme'")

@@ -25,6 +25,7 @@ from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import magnitude_ratio
 from .registry import register_method
+from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 
 
 @dataclass
@@ -98,6 +99,25 @@ class ShortGPTMethod(CompressionMethod):
     config_class = ShortGPTConfig
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """ShortGPT: one walk over the stack, Block Influence = 1 − cos(input, output) per layer.
+
+        - selection: the runner (S); the walk's previous boundary, which the caller's loop variable still holds, and its
+          current one (2S); the boundary being computed (run); or, between runs, the float64 cosine of one batch
+          (`cosine_rows` over every token: two float64 copies, their masked copies and a product, 40·T_b·d).
+        """
+        selection = Phase(
+            "selection",
+            (
+                z.tokens(),
+                *z.runners(1),
+                Term("the walk's two boundaries", 2 * z.S, "the input and output of the last layer run"),
+                per_batch_term(z, 40 * z.Tb * z.d, "float64 cosine over every token"),
+            ),
+        )
+        return [selection], 1.0, False, []
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if self.config.iterative:

@@ -20,6 +20,7 @@ the same recorded NLLs, bit for bit), and skips only work that cannot change the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,7 @@ from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
+from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 
 @dataclass
@@ -249,6 +251,55 @@ class SLEBMethod(CompressionMethod):
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
     config: SLEBConfig
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """SLEB: the states entering every kept layer, and each candidate's suffix run batch by batch from them.
+
+        - selection: the runner (S, all batches) and the L states the search keeps on the scored batches (fraction f of
+          S each: `scoring_batches`), the input of the layer a candidate's suffix runs and its outputs so far (one more
+          copy and the run's), and the block temporaries or the next-token loss of one row
+          (`next_token_nll`: the LM head's logits in float32, their valid rows and the log-softmax, 12·seqlen·V; a
+          16-bit head output is freed once cast). With more than one step and `resume_candidates`, the candidates
+          below the best removal keep their state entering it for the next step: up to L − 2 more states.
+        Cost, a bound: at most what the exhaustive search spends, each step with L′ kept layers running L′ layers for
+        the states, L′(L′ − 1)/2 for the suffixes and L′ LM heads. The search spends less: candidates stop once they
+        lose, the states below a removal are kept, and candidates resume from their stored states.
+        """
+        s, L = z.shape, z.shape.num_layers
+        scored = min(config.scoring_batches or z.cal.batches, z.cal.batches)
+        fraction = min(1.0, scored * z.cal.batch_size / z.cal.nsamples)
+        scored_states = int(z.S * fraction)
+        nll = 12 * z.cal.seqlen * s.vocab_size
+        forward = z.block_forward()
+        selection = Phase(
+            "selection",
+            (
+                z.tokens(),
+                *z.runners(1),
+                Term(
+                    f"states entering every layer on the scored batches ({L})",
+                    L * scored_states,
+                    f"fraction {fraction:g}",
+                ),
+                Term(
+                    "a candidate's suffix: the input of the layer run", scored_states, "the output of the layer before"
+                ),
+                Term(
+                    "candidates' states entering the best removal, for the next step",
+                    (L - 2) * scored_states if n > 1 and getattr(config, "resume_candidates", False) else 0,
+                    "at most one per candidate below it (resume_candidates)",
+                ),
+                Term(
+                    "largest per-batch work: a layer run, or one row's next-token loss",
+                    max(int(z.run_outputs() * fraction) + forward, nll),
+                    "run outputs + block temporaries, or logits (seqlen × V) with their float32 copies",
+                ),
+            ),
+        )
+        steps = range(L, L - n, -1)
+        work = sum(k + k * (k - 1) / 2 + k * s.head_weights / s.layer_weights for k in steps)
+        return [selection], fraction * work / L, True, []
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if adapter.lm_head(context.stack) is None:

@@ -20,6 +20,7 @@ from ..plan import LayerPlan
 from ..utils.errors import InvalidTargetError
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
+from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 
 
 @dataclass
@@ -110,6 +111,28 @@ class UIDLMethod(CompressionMethod):
     config_class = BlockSelectionConfig
     required_capabilities = frozenset({"layer_drop"})
     config: BlockSelectionConfig
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """UIDL: one walk keeping the last size + 1 boundaries, for the angular distance of every block of size
+        n/blocks.
+
+        - selection: the runner's layer-0 states (once they leave the window), the window of size + 1 boundaries, the
+          boundary being computed (run), or the float64 last-token cosine of one batch (two float64 copies, 16·T_b·d).
+        """
+        L = z.shape.num_layers
+        size = max(1, n // max(config.num_blocks, 1))
+        window = max(min(j, size) + 1 + (1 if j > size else 0) for j in range(L))
+        selection = Phase(
+            "selection",
+            (
+                z.tokens(),
+                *z.runners(1),
+                Term(f"window of boundaries ({window - 1}) beyond the layer-0 states", (window - 1) * z.S, ""),
+                per_batch_term(z, 16 * z.Tb * z.d, "float64 last-token cosine"),
+            ),
+        )
+        return [selection], 1.0, False, []
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         return select_blocks(adapter, context, num_to_remove, self.config, first_start=0)

@@ -1,0 +1,237 @@
+"""FlattenGPT's memory model for `optimum-flatten estimate`: what its selection, flatten, head scoring, covariance
+and solves hold at their peaks (`FlattenGPTMethod.workspace`). Kept beside the method in a module of its own: it is
+as long as the method's phases are many, and it changes when they do."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..ops.ridge import max_refined
+from .workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
+
+
+def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+    """FlattenGPT: a similarity pass, then per merged group a wide block, two statistics and their solves.
+
+    The application reuses the selection's runner (one S), and each compressed block takes its first member's place
+    as soon as it is built (and, without the cache below, propagated): no block is held beside the one it replaces.
+
+    - selection: the runner (S) and the states entering and leaving the layer being run (S + run outputs), plus
+      `band` float32 unit-normalised copies of the states (the similarity window; the automatic band is the whole
+      stack when L copies fit `similarity_memory_gb`, else max_group_size − 1), and, when the last layer is
+      normalised, the copies of its earlier batches and one batch's float64 temporaries (20·T_b·d). With the whole
+      stack in the band, the float64 token norms of every layer (8·N each) are kept too.
+    - the **cache**: with the whole stack in the band and `calibration_mode="one_pass"`, the unit copies and norms of
+      the layers that start a merged group stay after the plan (n of them, fewer as groups are done), and each
+      group's input is rebuilt from them (S): the application runs no layer of the original model again.
+      Otherwise the states entering the group (S) come from propagating the original layers.
+    - flatten: the states entering the group, the group's member copies (g layers) and the wide block (g layers),
+      which starts as a copy of the first member whose weights are replaced one by one (its down projection, d·i,
+      is the last to go).
+    - head_scoring: the wide block (g layers); the o_proj input second moment (float64, (g·H·d_h)²); the wide block
+      runs each batch only up to its o_proj input, where it holds q, k, v and the attention output while the head
+      scores take two float64 copies of that input (16·T_b·g·H·d_h) and the moment its own update.
+    - covariance (the o_proj moment is freed before it; the wide block has its pruned attention): the MLP statistic
+      C — `covariance_dtype="float32"`: a float32 scatter 4·(g·i)², each batch adding, in chunks of 4096 tokens, a
+      centred float32 copy straight into it; "float64": 8·(g·i)² and one float32 (g·i)² product per batch — and the
+      block's MLP activations up to the down projection (which does not run): act(gate), up and their product
+      while it is computed, then the product with the update's masked token copy and centred chunk.
+    - solve, float32 (w = g·i channels, k = i kept, r = w − k dropped, B = 1024-channel panels), the largest of:
+      (a) the leverage scores: the scatter, the factor's lower-triangular panels in float32 (4·(w² + w·B)/2), one
+      panel read from C in float64 and cast (12·w·B; one panel of L⁻¹ and its square are less), or the float64
+      re-scoring of the m channels nearest the cut (4 float64 w × m blocks and a float64 panel of C, m =
+      `max_refined(w)` at most: a bound); (b) reading the kept blocks: the scatter, C[K, K] and C[K, R] W_D[R]
+      in float64 (8·k² + 8·k·d) and one chunk's copies ((4·w + 12·k)·B + 8·B·d); (c) after the scatter is dropped:
+      C[K, K], its float64 Cholesky factor (8·k² each), C[K, R] W_D[R], the float64 kept rows, the solve and their
+      sum (4 · 8·k·d). float64: C, its full factor and three (w × B) float64 panels, or the Nyström correction
+      (the k × k factor and the k × r block of C, float64 copies of W_down), whichever is larger.
+    - propagate (without the cache): the states entering and leaving the layer, and the group's compressed block
+      until it replaces its first member.
+
+    g is max_group_size (with None, the worst case n + 1); n groups at most (exactly n with pairs).
+    Cost: the selection runs L − 1 layers; without the cache the application runs every layer once more (the
+    members of a group too, on the original model's states); per group the wide block runs twice, each time only up
+    to the statistic: all heads up to o_proj, then the pruned attention and the MLP up to the down projection.
+    """
+    s, b, d, i = z.shape, z.b, z.d, z.i
+    L = s.num_layers
+    g = min(config.max_group_size or n + 1, n + 1, L)
+    band = config.similarity_band or _auto_band(z, config, L)
+    cached = band >= L and config.calibration_mode == "one_pass"
+    width = g * i  # the wide MLP: the statistic C is width x width
+    heads_width = g * s.num_heads * s.head_dim
+    keep, rest = i, width - i
+    float64 = config.covariance_dtype == "float64"
+    needs_o = config.attention_correction or config.head_selection == "reconstruction"
+    norm_bytes = s.norm_weights * b
+    wide = Term(
+        "wide block", g * (s.attention_weights + s.mlp_weights) * b + norm_bytes, f"the {g} members side by side"
+    )
+    pruned = Term(
+        "wide block with its pruned attention",
+        (s.attention_weights + g * s.mlp_weights) * b + norm_bytes,
+        "the kept heads and the g members' MLP channels",
+    )
+    o_moment = Term(
+        "o_proj input second moment (float64)",
+        8 * heads_width * heads_width if needs_o else 0,
+        "(g·H·d_h)², for the attention refit; freed before the MLP statistics",
+    )
+    c_bytes = (8 if float64 else 4) * width * width
+    c_moment = Term(
+        f"MLP second moment C ({config.covariance_dtype})",
+        c_bytes,
+        "(g·i)², the ridge statistics" + ("" if float64 else ": a centred scatter, the mean part kept in float64"),
+    )
+    cache = Term(
+        "cached inputs of the merged groups' first layers",
+        (n - 1) * (z.S32 + 8 * z.N) if cached else 0,
+        "unit copies and float64 norms from the selection, one fewer per group done",
+    )
+    apply_base = [
+        z.tokens(),
+        *z.runners(1),
+        cache,
+        Term("states entering the group", z.S, "rebuilt from the cache" if cached else "the propagated stream"),
+    ]
+    copies = min(band, L - 1)
+    normalise = z.S32 * (z.cal.batches - 1) // z.cal.batches + 20 * z.Tb * d
+    selection = Phase(
+        "selection",
+        (
+            z.tokens(),
+            *z.runners(1),
+            Term("states entering the layer", z.S, "one boundary of the stack"),
+            Term(f"float32 unit copies in the similarity band ({copies})", copies * z.S32, f"band = {band}"),
+            Term("float64 token norms of every layer", L * 8 * z.N if band >= L else 0, "the cache's norms"),
+            Term(
+                "largest per-batch work: a layer run, or normalising the last layer",
+                max(z.run_outputs() + z.block_forward(), normalise),
+                "run outputs + block temporaries, or one more float32 copy + float64 temporaries",
+            ),
+        ),
+    )
+    flatten = Phase(
+        "flatten",
+        (
+            *apply_base,
+            Term(
+                "member copies and the wide block, with the last weight of the copy it starts from",
+                2 * g * s.layer_bytes + d * i * b,
+                "the wide block starts as a copy of the first member whose weights are replaced one by one",
+            ),
+        ),
+    )
+    at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
+    head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width) if needs_o else 0)
+    head_scoring = Phase(
+        "head_scoring",
+        (
+            *apply_base,
+            wide,
+            o_moment,
+            Term(
+                "one batch of the wide block, stopped at the o_proj input",
+                at_o_hook + head_hook,
+                "q, k, v, attention output; float64 head scores; the moment's token copies and product",
+            ),
+        ),
+    )
+    chunk = min(4096, z.Tb)
+    upcast = 4 if b != 4 else 0
+    update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * (4 + upcast)
+    # The MLP peaks at act(gate), up and their product; at the hook only the product (the down input) is left.
+    mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
+    at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
+    attention_temporaries = z.block_forward(1, s.num_heads, s.num_kv_heads)
+    covariance = Phase(
+        "covariance",
+        (
+            *apply_base,
+            pruned,
+            c_moment,
+            Term(
+                "one batch of the wide block, stopped at the down-projection input",
+                max(at_down_hook, attention_temporaries),
+                "the MLP activations, the masked token copy and the centred float32 chunk"
+                + (" and the float32 (g·i)² product" if float64 else ""),
+            ),
+        ),
+    )
+    block = min(width, LEVERAGE_PANEL)
+    if float64:
+        leverage = 8 * width * width + 3 * 8 * width * block
+        nystrom = 8 * (width * d + 2 * keep * d + keep * keep + keep * rest + rest * d)
+        solve_term = Term(
+            "leverage scores: Cholesky factor of C + three column panels"
+            if leverage >= nystrom
+            else "Nyström correction: kept-block factor, C[K, R] and float64 copies of W_down",
+            max(leverage, nystrom),
+            "float64; the factor is the size of C",
+        )
+        solve_terms = (c_moment, solve_term)
+    else:
+        # The triangle and one panel of L⁻¹ with its square; or, after them, the float64 re-scoring of the channels
+        # near the cut (unit vectors, solution, residual and a solve's copy, m columns each) with one panel of C.
+        refine = 4 * 8 * width * max_refined(width) + 8 * width * block
+        # While a panel is factorised it is also read from C in float64 and cast (12·w·B).
+        leverage = 2 * (width * width + width * block) + max(12 * width * block, refine)
+        reading = 8 * keep * keep + 8 * keep * d + (4 * width + 12 * keep) * block + 8 * block * d
+        kept_solve = 16 * keep * keep + 4 * 8 * keep * d
+        with_scatter = max(leverage, reading)
+        if c_bytes + with_scatter >= kept_solve:
+            solve_terms = (
+                c_moment,
+                Term(
+                    "leverage scores: float32 factor as a triangle + one panel of L⁻¹"
+                    if leverage >= reading
+                    else "kept blocks: C[K, K] and C[K, R] W_D[R] in float64",
+                    with_scatter,
+                    "beside the float32 scatter",
+                ),
+            )
+        else:
+            solve_terms = (
+                Term(
+                    "Nyström solve: C[K, K] and its float64 factor, C[K, R] W_D[R], the kept rows and the result",
+                    kept_solve,
+                    "after the scatter is dropped",
+                ),
+            )
+    solve = Phase("solve", (*apply_base, pruned, *solve_terms))
+    phases = [selection, flatten, head_scoring, covariance, solve]
+    if not cached:
+        propagate = Phase(
+            "propagate",
+            (
+                *apply_base,
+                Term("the group's compressed block", s.layer_bytes, "until it replaces its first member"),
+                z.run_term(),
+            ),
+        )
+        phases.append(propagate)
+    p_layer, p_att, p_mlp, p_norm = s.layer_weights, s.attention_weights, s.mlp_weights, s.norm_weights
+    groups = n if g == 2 else math.ceil(n / (g - 1))
+    # Up to o_proj (all heads, the attention norm: half the norms), then up to the down projection (pruned heads).
+    per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
+    if cached:
+        propagation = 0
+    elif config.calibration_mode == "sequential":
+        # The compressed block (one layer) runs instead of its g members.
+        propagation = L * p_layer - groups * (g - 1) * p_layer
+    else:
+        propagation = L * p_layer
+    passes = ((L - 1) * p_layer + propagation + groups * per_group) / (L * p_layer)
+    notes = []
+    if g != 2:
+        notes.append(f"groups of up to {g} layers assumed (max_group_size={config.max_group_size}): a bound")
+    return phases, passes, g != 2, notes
+
+
+def _auto_band(z: WorkspaceSizes, config: Any, num_layers: int) -> int:
+    """`FlattenGPTMethod._auto_band`: every layer when L float32 copies fit the budget, else the narrowest band."""
+    fits = max(1, int(config.similarity_memory_gb * 2**30 // max(z.S32, 1)))
+    if fits >= num_layers:
+        return num_layers
+    return fits if config.max_group_size is None else config.max_group_size - 1
