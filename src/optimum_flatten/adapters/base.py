@@ -378,7 +378,7 @@ class ArchitectureAdapter(ABC):
     """
 
     capabilities: ClassVar[frozenset[str]] = frozenset()
-    #: Why a capability is missing, for the error raised by `require`.
+    #: Why a capability is missing, returned by `missing_capabilities` for the registry's refusal.
     missing_capability_reasons: ClassVar[dict[str, str]] = {}
     #: Whether the model's layer loop expects each layer to return a tuple (transformers 4.x and remote code) rather
     #: than the bare hidden state (transformers 5): calibration stand-ins must answer in the same form.

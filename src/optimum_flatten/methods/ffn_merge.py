@@ -675,10 +675,12 @@ class FfnMergeMethod(CompressionMethod):
 
         A candidate's score is the mean of its scores on the stacks in `scorers` (one stack unless in sync).
         Returns the windows, the scores of every round, and the per-stack scores of the final choice (None for
-        explicit windows). The winner of the last round is run with every chosen window merged, from the cached
-        state at its start, which the earlier rounds left computed with their windows merged: the very run a
-        fresh pass from the first window would repeat, so its score is the final score. For the same reason the
-        winner's merged blocks are kept and committed as scored, not rebuilt, and the last round updates no states.
+        explicit windows, and for windows scored at the window without a shortlist: their scores are not final-state
+        scores, so `plan` runs the final states once). Otherwise the winner of the last round is run with every
+        chosen window merged, from the cached state at its start, which the earlier rounds left computed with their
+        windows merged: the very run a fresh pass from the first window would repeat, so its score is the final
+        score. For the same reason the winner's merged blocks are kept and committed as scored, not rebuilt, and the
+        last round updates no states.
         """
         k = self.config.window_size
         if self.config.window_starts is not None:
