@@ -245,6 +245,66 @@ def cost_table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def gpu_cost_table(paths: list[Path]) -> str:
+    """`benchmarks/cost/gpu_shape.py`: cost in dense forwards and accelerator memory at a real model shape, measured
+    against the estimate of the same model, method and calibration; one row per JSON, with its code state."""
+    header = [
+        "run",
+        "device (torch)",
+        "dtype",
+        "shape",
+        "calibration",
+        "dense forward s",
+        "compress s",
+        "ratio",
+        "largest phases (in dense forwards)",
+        "weights GiB",
+        "workspace GiB: measured / estimated",
+        "largest phases' workspace GiB: measured / estimated",
+        "prefill tok/s: dense → compressed",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    gib = 2**30
+    for path in paths:
+        d = json.loads(path.read_text())
+        shapes = d["shapes"]
+        phases = sorted(
+            ((k, v) for k, v in d["phases_in_dense_forwards"].items() if k not in ("plan", "apply")),
+            key=lambda kv: -kv[1],
+        )[:3]
+        estimate = d["estimate"]["workspace_bytes"]
+        measured = d["memory"].get("phase_workspace_gib", {})
+        by_phase = sorted(estimate["phases"].items(), key=lambda kv: -kv[1])[:3]
+        phase_cells = ", ".join(
+            f"{k} {measured[k]:.1f} / {v / gib:.1f}" if k in measured else f"{k} — / {v / gib:.1f}" for k, v in by_phase
+        )
+        prefill = d.get("prefill")
+        prefill_cell = (
+            f"{prefill['dense']['tokens_per_second']:.0f} → {prefill['compressed']['tokens_per_second']:.0f} "
+            f"(1 × {prefill['dense']['seqlen']})"
+            if prefill
+            else ""
+        )
+        cells = [
+            d["protocol"]["label"],
+            f"{d['device']} ({d['torch']})",
+            d["dtype"],
+            f"{shapes['shape']}: {shapes['num_hidden_layers']} layers, hidden {shapes['hidden_size']}, "
+            f"MLP {shapes['intermediate_size']}, {shapes['num_attention_heads']}/{shapes['num_key_value_heads']} heads",
+            shapes["calibration"],
+            f"{d['dense_forward_seconds']:.2f}",
+            f"{d['compress_seconds']:.1f}",
+            f"{d['compress_in_dense_forwards']:.2f}×",
+            ", ".join(f"{k} {v:.2f}" for k, v in phases),
+            f"{d['weights_bytes'] / gib:.1f}",
+            f"{d['memory']['workspace_gib']:.1f} / {estimate['peak'] / gib:.1f}",
+            phase_cells,
+            prefill_cell,
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def search_table(path: Path) -> str:
     """The search methods' cost (`benchmarks/cost/search.py`): one row per labelled run, with what was skipped."""
     header = [
@@ -312,7 +372,11 @@ def tables() -> dict[str, str]:
             out[f"search:{model}"] = search_table(path)
     if (RESULTS / "families.json").exists() and "families_table" in globals():
         out["families"] = globals()["families_table"](RESULTS / "families.json")
-    for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("cost_*.json")}):
+    # By shape, then the runs before a change first, as they were measured.
+    gpu_runs = sorted(RESULTS.glob("cost_gpu_*.json"), key=lambda p: ("70b" in p.stem, "before" not in p.stem, p.stem))
+    if gpu_runs:
+        out["cost:gpu"] = gpu_cost_table(gpu_runs)
+    for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("cost_*.json")} - {"gpu"}):
         runs = sorted(RESULTS.glob(f"cost_{model}*.json"), key=lambda p: (not p.stem.endswith("before"), p.stem))
         out[f"cost:{model}"] = cost_table(runs)
     for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("curve_*_*.json")}):

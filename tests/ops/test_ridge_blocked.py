@@ -81,6 +81,63 @@ def test_centred_moment_refuses_an_empty_statistic():
         moment.finish()
 
 
+def _scatter_reference(xs: list[torch.Tensor], centre: torch.Tensor, count: int):
+    """The centred scatter M / n in float64, and Σ|y_i||y_j| / n (y = x - c), the scale every rounding bound takes."""
+    y = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]).double() - centre.double()
+    return y.T @ y / count, y.abs().T @ y.abs() / count
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+)
+def test_tf32_scatter_is_within_its_bound_and_restores_the_callers_precision(device):
+    """TF32 rounds each input to 10 mantissa bits (by truncation on some hardware: relative error below 2^-10) and
+    sums in float32, so each entry of the scatter is within (2·2^-10 + 2^-20 + γ_(n+2)) Σ|y_i||y_j| of the float64
+    one (y = x - c; the two extra terms of γ cover the centring subtraction). On the CPU there is no TF32 and the
+    option changes nothing, bit for bit."""
+    xs = [x.to(device) for x in _activations(offset=3.0)]
+    precision = torch.get_float32_matmul_precision()
+    fast = CentredSecondMoment(300, device, chunk_tokens=128, tf32=True)
+    plain = CentredSecondMoment(300, device, chunk_tokens=128)
+    for x in xs:
+        fast.update(x, None)
+        plain.update(x, None)
+    assert torch.get_float32_matmul_precision() == precision
+    count = fast.count
+    reference, scale = _scatter_reference([x.cpu() for x in xs], fast.centre.cpu(), count)
+    bound = (2 * 2.0**-10 + 2.0**-20 + gamma(count + 2, torch.float32)) * scale + 2.0**-24 * reference.abs()
+    assert_within(fast.scatter.cpu() / count, reference, bound, "TF32 scatter against float64")
+    if device == "cpu":
+        assert torch.equal(fast.scatter, plain.scatter)
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+)
+def test_tf32_second_moment_is_within_its_bound(device):
+    """`SecondMoment` centres each batch on its own mean: the TF32 product of batch b is within
+    (2·2^-10 + 2^-20 + γ_(n_b+2)) Σ|y||y| (y = x - its batch mean), and the float64 mean part adds a few float64
+    roundings of Σ|x||x|. On the CPU the option changes nothing, bit for bit."""
+    xs = [x.to(device) for x in _activations(offset=3.0)]
+    precision = torch.get_float32_matmul_precision()
+    fast, plain = SecondMoment(300, device, tf32=True), SecondMoment(300, device)
+    for x in xs:
+        fast.update(x, None)
+        plain.update(x, None)
+    assert torch.get_float32_matmul_precision() == precision
+    flats = [x.reshape(-1, 300).cpu().double() for x in xs]
+    reference = sum(f.T @ f for f in flats)
+    bound = sum(
+        (2 * 2.0**-10 + 2.0**-20 + gamma(f.shape[0] + 2, torch.float32))
+        * ((f - f.float().mean(0).double()).abs().T @ (f - f.float().mean(0).double()).abs())
+        + gamma(8, torch.float64) * (f.abs().T @ f.abs())
+        for f in flats
+    )
+    assert_within(fast.sum.cpu(), reference, bound, "TF32 second moment against float64")
+    if device == "cpu":
+        assert torch.equal(fast.sum, plain.sum)
+
+
 @pytest.mark.parametrize("block_size", [64, 77, 1024])
 def test_packed_leverage_matches_the_full_factor(block_size):
     reference, centred = _both(_activations(), [None] * 4)

@@ -140,7 +140,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     )
     chunk = min(4096, z.Tb)
     upcast = 4 if b != 4 else 0
-    update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * (4 + upcast)
+    # The masked token copy, then per chunk its float64 column sum or its float32 centred copy (and the cast to it).
+    update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * max(8, 4 + upcast)
     # The MLP peaks at act(gate), up and their product; at the hook only the product (the down input) is left.
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)

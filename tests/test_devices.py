@@ -1,0 +1,91 @@
+"""Every registered method on every device it may meet: the result stays where the model was, in its dtype.
+
+A method that builds a tensor on the default device (the CPU) or in float32 and writes it into a CUDA or bfloat16
+model fails only on that device or dtype, so each method runs here on a tiny model in float32 and bfloat16, on the
+CPU always and on CUDA where there is one (the `gpu` cases are skipped without it, as in CI). The CPU cases are
+what shows the test can pass without a GPU; the CUDA cases are the smoke test the GPU issue asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from common import compress, sample_ids, tiny_config
+from optimum_flatten.adapters import get_adapter
+from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_, prepared_mlps
+from optimum_flatten.methods.registry import get_method_class, registered_methods
+
+#: Options a method needs on the tiny calibration (8 samples of 24 tokens) beyond `num_layers_to_remove`.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "auto": {"batch_size": 4},  # a fitting and a validation batch
+    "laco": {"threshold": None},
+    "greedy_replace": {"shortlist": 2},
+}
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
+
+
+def _model_for(method: str) -> torch.nn.Module:
+    """Tiny LLaMA (GQA) for every method but LayerCollapse, which collapses GPT-2's ungated MLPs once α = 1."""
+    if method != "layer_collapse":
+        return tiny_models.tiny_llama_gqa()
+    model = tiny_models.tiny_gpt2()
+    prepare_layer_collapse_(model, num_mlps=2)
+    with torch.no_grad():
+        for activation in prepared_mlps(get_adapter(model), "decoder").values():
+            activation.alpha.fill_(1.0)
+    return model
+
+
+def test_the_table_names_only_registered_methods():
+    assert set(OPTIONS) <= set(registered_methods())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", registered_methods())
+def test_every_method_keeps_the_model_on_its_device_and_dtype(method, dtype, device):
+    model = _model_for(method).to(device=device, dtype=dtype)
+    layers_before = model.config.num_hidden_layers if hasattr(model.config, "num_hidden_layers") else None
+    method_class = get_method_class(method)
+    depth = {} if method_class.keeps_depth or method == "layer_collapse" else {"num_layers_to_remove": 2}
+    quantizer = compress(model, method, **depth, **OPTIONS.get(method, {}))
+
+    wrong = [
+        (name, str(t.device), t.dtype)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type != torch.device(device).type
+        or (t.is_floating_point() and t.dtype != dtype and "inv_freq" not in name)
+    ]
+    assert wrong == []
+    if depth:
+        assert model.config.num_hidden_layers == layers_before - 2
+    with torch.no_grad():
+        out = model(input_ids=sample_ids().to(device), use_cache=False).logits
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    assert bool(torch.isfinite(out).all())
+    assert quantizer.report["cost"]["stack_passes"] >= 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["flattengpt", "shortgpt", "replaceme"])
+def test_compress_on_load_with_a_cuda_device_map(tmp_path, method):
+    dense_dir = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense_dir)
+    config = tiny_config(method, num_layers_to_remove=2, tokenizer=tiny_models.CharTokenizer())
+    model = AutoModelForCausalLM.from_pretrained(
+        dense_dir, dtype=torch.bfloat16, device_map="cuda", quantization_config=config
+    )
+    assert model.config.num_hidden_layers == 4
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.flatten_report["method"] == method
