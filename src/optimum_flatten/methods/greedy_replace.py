@@ -6,14 +6,21 @@ it). Every step considers, for each remaining layer p, two actions on the curren
 
 - **drop** p;
 - **replace** p: fit T on the layer before p (its MLP output M and pre-MLP residual Y, target the current model's state
-  after p, least squares on float64 statistics) and fold it into that layer's down projection.
+  after p, least squares on float64 statistics) and fold it into that layer's down projection;
+- **flatten** p with the next layer (`allow_flatten=True`, the quality issue's hybrid): when p and p + 1 are both
+  still there and untouched, merge them as FlattenGPT merges a pair (one wide block pruned back to one layer's heads
+  and channels, `FlattenGPTMethod.compress_group`, with its default options) on the current model's states entering
+  p. A pair's block depends only on the layers before it, so it is built once and reused by the later steps until
+  an action before it changes its input.
 
 Each action is scored by the next-token NLL of the resulting model on the scored calibration batches, computed from
 cached prefix states: the states entering every layer of the current model are kept, so an action at p only re-runs
 the layers after p (and, for a replacement, the layer before p once to fit T). The cheapest action is taken.
 
-Nothing touches the model during planning: a replaced layer is a private copy holding the folded map; `apply_` folds
-the same maps into the real layers and drops the chosen ones. Layer 0 can only be dropped (no layer before it).
+Nothing touches the model during planning: a replaced layer is a private copy holding the folded map, a merged pair
+a private block; `apply_` installs the merged blocks, folds the same maps into the real layers (a map chosen after a
+merge may land in the merged block) and drops the chosen ones. Layer 0 can only be dropped or flattened (no layer
+before it to hold a map).
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ from ..config import MethodConfig
 from ..ops.linear_map import fold_map_into_linear
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
-from ..utils.offload import detached_copy
+from ..utils.offload import detached_copy, dispatch_like
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext, apply_layer_drop_
+from .base import CompressionMethod, MethodContext
+from .flattengpt import FlattenGPTConfig, FlattenGPTMethod
 from .linear_bridge import fit_with_outputs, fold_into_down_, require_pre_norm
-from .registry import register_method
+from .registry import register_method, require_capabilities
 
 
 @dataclass
@@ -50,11 +58,15 @@ class GreedyReplaceConfig(MethodConfig):
             pre-ranking needs no suffix run, so a step costs about one pass over the layers (the fits) plus
             `shortlist` suffix runs instead of L²/2 layer runs: on SmolLM2 the exhaustive search was still running
             after 40 CPU minutes.
+        allow_flatten: Consider merging a pair of adjacent untouched layers as FlattenGPT does, besides drops and
+            replacements (needs what FlattenGPT needs of the architecture). Each new pair costs FlattenGPT's
+            per-group work (the wide block run twice up to its statistics, and the solves).
     """
 
     scoring_batches: int | None = 1
     allow_drop: bool = True
     shortlist: int | None = None
+    allow_flatten: bool = False
 
     def __post_init__(self) -> None:
         check_scoring_batches(self.scoring_batches)
@@ -62,6 +74,8 @@ class GreedyReplaceConfig(MethodConfig):
             not isinstance(self.shortlist, int) or isinstance(self.shortlist, bool) or self.shortlist < 1
         ):
             raise ValueError(f"shortlist must be a positive integer or None, got {self.shortlist!r}.")
+        if not isinstance(self.allow_flatten, bool):
+            raise TypeError(f"allow_flatten must be True or False, got {self.allow_flatten!r}.")
 
 
 @register_method("greedy_replace")
@@ -75,6 +89,7 @@ class GreedyReplaceMethod(CompressionMethod):
     def __init__(self, config: GreedyReplaceConfig) -> None:
         super().__init__(config)
         self._maps: list[tuple[int, torch.Tensor]] = []
+        self._merges: dict[int, torch.nn.Module] = {}  # first member -> the merged pair's block
         self._head_weights = 0
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
@@ -84,6 +99,8 @@ class GreedyReplaceMethod(CompressionMethod):
                 f"method 'greedy_replace' scores actions by next-token loss, and this {type(adapter.model).__name__} "
                 f"has no LM head reading the {stack!r} stack; use replaceme or uidl."
             )
+        if self.config.allow_flatten:
+            require_capabilities(adapter, "flattengpt")
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         runner = context.new_runner(adapter)
@@ -95,7 +112,10 @@ class GreedyReplaceMethod(CompressionMethod):
         modules: dict[int, torch.nn.Module] = {}  # private copies of layers that received a map
         kept = list(range(num_layers))
         steps: list[dict[str, Any]] = []
-        self._maps = []
+        self._maps, self._merges = [], {}
+        #: Merged pairs built so far, by first member: (block, its output on the scored batches); valid while no
+        #: action before the pair changes its input.
+        pairs: dict[int, tuple[torch.nn.Module, list[torch.Tensor]]] = {}
         with context.timer("selection"), context.progress_bar(num_to_remove, "greedy_replace") as bar:
             for step in range(num_to_remove):
                 states = [runner.inputs]  # states entering kept[j], on every batch
@@ -104,7 +124,7 @@ class GreedyReplaceMethod(CompressionMethod):
                 best: tuple[float, str, int, Any] | None = None
                 shortlisted: list[dict[str, Any]] = []
                 for action, position, index, candidate_map, start in self._actions(
-                    adapter, runner, layers, modules, kept, states, limit
+                    adapter, runner, layers, modules, kept, states, limit, pairs, context
                 ):
                     if self.config.shortlist is None:
                         nll = self._score(adapter, runner, layers, modules, kept, position, start, scored, context)
@@ -128,7 +148,11 @@ class GreedyReplaceMethod(CompressionMethod):
                 assert best is not None
                 nll, action, index, transform = best
                 position = kept.index(index)
-                if action == "replace":
+                if action == "flatten":
+                    first = kept[position - 1]
+                    modules[first] = self._merges[first] = transform
+                    changed = first
+                elif action == "replace":
                     previous = kept[position - 1]
                     # A private, in-memory copy (offloaded layers too): the model is not touched while planning.
                     module = detached_copy(
@@ -137,15 +161,23 @@ class GreedyReplaceMethod(CompressionMethod):
                     _fold_(adapter, module, previous, transform)
                     modules[previous] = module
                     self._maps.append((previous, transform))
+                    changed = previous
+                else:
+                    changed = index
+                # A pair's block and output stay valid while everything before its first member is unchanged.
+                pairs = {first: built for first, built in pairs.items() if first < changed}
                 kept.remove(index)
                 steps.append(
                     {"action": action, "layer": index, "nll": round(nll, 6)}
+                    | ({"merged_with": kept[position - 1]} if action == "flatten" else {})
                     | ({"shortlist": [f"{c['action']} {c['index']}" for c in shortlisted]} if shortlisted else {})
                 )
                 bar.set_description(f"step {step + 1}/{num_to_remove}: {action} layer {index}")
                 bar.update()
         context.report["greedy_replace_steps"] = steps
-        return LayerPlan.from_kept(num_layers, kept, stack=context.stack)
+        groups = [[i, i + 1] if i in self._merges else [i] for i in kept]
+        rule = "flatten_prune" if self._merges else "none"
+        return LayerPlan(num_layers=num_layers, groups=groups, rule=rule, stack=context.stack)
 
     def _actions(
         self,
@@ -156,11 +188,22 @@ class GreedyReplaceMethod(CompressionMethod):
         kept: list[int],
         states: list[list[torch.Tensor]],
         limit: int,
-    ) -> Iterator[tuple[str, int, int, torch.Tensor | None, list[torch.Tensor]]]:
-        """Every action on the current model: (action, position in `kept`, layer, map or None, state after it)."""
+        pairs: dict[int, tuple[torch.nn.Module, list[torch.Tensor]]],
+        context: MethodContext,
+    ) -> Iterator[tuple[str, int, int, Any, list[torch.Tensor]]]:
+        """Every action on the current model: (action, position in `kept` of the layer it removes, that layer, the
+        map or merged block or None, the state after the action). A flatten removes the pair's second member."""
         for position, index in enumerate(kept):
             if self.config.allow_drop or position == 0:
                 yield "drop", position, index, None, states[position][:limit]
+            if self._flattenable(kept, modules, position):
+                if index not in pairs:
+                    block, _ = FlattenGPTMethod(FlattenGPTConfig()).compress_group(
+                        adapter, runner, (index, index + 1), states[position], context
+                    )
+                    pairs[index] = (block, runner.run(block, index, states[position][:limit]))
+                block, start = pairs[index]
+                yield "flatten", position + 1, index + 1, block, start
             if position > 0:
                 previous = kept[position - 1]
                 module = modules.get(previous, layers[previous])
@@ -168,6 +211,13 @@ class GreedyReplaceMethod(CompressionMethod):
                     adapter, runner, module, previous, states[position - 1], states[position + 1], limit
                 )
                 yield "replace", position, index, transform, start
+
+    def _flattenable(self, kept: list[int], modules: dict[int, torch.nn.Module], position: int) -> bool:
+        """The layer at `position` and the original layer after it are both kept and untouched (no map, no merge)."""
+        if not self.config.allow_flatten or position + 1 >= len(kept):
+            return False
+        index = kept[position]
+        return kept[position + 1] == index + 1 and index not in modules and index + 1 not in modules
 
     def _score(
         self,
@@ -189,10 +239,16 @@ class GreedyReplaceMethod(CompressionMethod):
         return next_token_nll(adapter, current, scored, context.stack)
 
     def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
+        layers = adapter.layers(plan.stack)
+        # Merged blocks first: a map chosen after a merge was fitted on, and folds into, the merged block.
+        for first, block in self._merges.items():
+            adapter.replace_block_(plan.stack, first, dispatch_like(block, layers[first]))
         for index, transform in self._maps:
             fold_into_down_(adapter, plan.stack, index, transform)
         context.report["greedy_replace_maps"] = [index for index, _ in self._maps]
-        apply_layer_drop_(adapter, plan)
+        context.report["greedy_replace_merges"] = [[first, first + 1] for first in self._merges]
+        self._merges = {}
+        adapter.keep_layers_(plan.stack, plan.first_indices)
 
 
 def _fold_(adapter: ArchitectureAdapter, module: torch.nn.Module, position: int, transform: torch.Tensor) -> None:
