@@ -139,6 +139,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from run import cost_fields  # benchmarks/cost/run.py, beside this script
 
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.calibration import build_calibration_batches
@@ -234,14 +235,7 @@ def main() -> None:
             "label": args.label,
         },
         "weights_bytes": weights_bytes,
-        "dense_forward_seconds": dense,
-        "dense_forward_seconds_all": forwards,
-        "compress_seconds": compress_seconds,
-        "compress_in_dense_forwards": compress_seconds / dense,
-        "timings_seconds": report["timings_seconds"],
-        "phases_in_dense_forwards": {k: v / dense for k, v in report["timings_seconds"].items()},
-        "stack_passes": report["cost"]["stack_passes"],
-        "plan": report["plan_summary"],
+        **cost_fields(dense, forwards, compress_seconds, report),
         "memory": memory,
         "estimate": estimate,
         "prefill": {"dense": prefill_dense, "compressed": prefill_compressed} if args.prefill else None,

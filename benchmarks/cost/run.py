@@ -42,6 +42,20 @@ def dense_forward_seconds(model, batches, repeats: int) -> list[float]:
     return times
 
 
+def cost_fields(dense: float, forwards: list[float], compress_seconds: float, report: dict) -> dict:
+    """The cost entries every cost result holds: the dense unit, the compression in it, per phase, in stack passes."""
+    return {
+        "dense_forward_seconds": dense,
+        "dense_forward_seconds_all": forwards,
+        "compress_seconds": compress_seconds,
+        "compress_in_dense_forwards": compress_seconds / dense,
+        "timings_seconds": report["timings_seconds"],
+        "phases_in_dense_forwards": {k: v / dense for k, v in report["timings_seconds"].items()},
+        "stack_passes": report["cost"]["stack_passes"],
+        "plan": report["plan_summary"],
+    }
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The model, target, calibration shape and thread count every cost run takes (`cpu_run_header` states them)."""
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
@@ -141,14 +155,7 @@ def main() -> None:
             "timed once",
             "label": args.label,
         },
-        "dense_forward_seconds": dense,
-        "dense_forward_seconds_all": forwards,
-        "compress_seconds": compress_seconds,
-        "compress_in_dense_forwards": compress_seconds / dense,
-        "timings_seconds": report["timings_seconds"],
-        "phases_in_dense_forwards": {k: v / dense for k, v in report["timings_seconds"].items()},
-        "stack_passes": report["cost"]["stack_passes"],
-        "plan": report["plan_summary"],
+        **cost_fields(dense, forwards, compress_seconds, report),
         "groups": groups,
     }
     if args.compare_weights:

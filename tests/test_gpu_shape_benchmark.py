@@ -1,0 +1,28 @@
+"""benchmarks/cost/gpu_shape.py runs where CI runs: its tiny shape on the CPU, so the GPU benchmark does not rot
+between the sessions that have a GPU (its numbers come only from a GPU: benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cost" / "gpu_shape.py"
+
+
+def test_tiny_shape_on_the_cpu_writes_cost_estimate_and_prefill(tmp_path):
+    out = tmp_path / "cost.json"
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--nsamples", "8", "--seqlen", "32"]
+    args += ["--num-layers-to-remove", "2", "--repeats", "1", "--prefill", "--prefill-length", "16"]
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["plan"].startswith("6 -> 4 layers")
+    assert result["shapes"]["tokens"] == 8 * 32
+    assert result["compress_in_dense_forwards"] > 0 and result["stack_passes"] > 0
+    assert result["estimate"]["method"] == "flattengpt" and result["estimate"]["workspace_bytes"]["peak"] > 0
+    assert result["memory"] == {}  # accelerator memory is measured on CUDA only
+    assert result["prefill"]["compressed"]["tokens_per_second"] > 0
