@@ -107,10 +107,11 @@ class CentredSecondMoment:
     is a few float32 roundings relative to the scatter's own entries (bounded against `SecondMoment` in
     tests/ops/test_ridge_blocked.py).
 
-    ``tf32=True`` lets CUDA run the scatter's products on TF32 tensor cores (inputs rounded to 10 mantissa bits,
-    products and sums in float32): about 8x the float32 throughput of an H100, for each entry's error bounded by
-    2·2⁻¹¹ + γₙ of Σ |x_i||x_j| (tested on CUDA against the float64 moment, tests/ops/test_ridge_blocked.py). It
-    changes nothing on the CPU, which has no TF32.
+    ``tf32=True`` lets CUDA run the scatter's products on TF32 tensor cores (inputs rounded, or truncated on some
+    hardware, to 10 mantissa bits; products and sums in float32): each entry within (2·2⁻¹⁰ + 2⁻²⁰ + γₙ₊₂) of
+    Σ |y_i||y_j| (y = x − c; tested on CUDA against float64, tests/ops/test_ridge_blocked.py), and FlattenGPT's
+    covariance phase at LLaMA-2-7B shape on an H100 went from 36 to 11 s. It changes nothing on the CPU, which has
+    no TF32.
     """
 
     def __init__(
