@@ -53,6 +53,8 @@ VARIANTS: dict[str, dict] = {
     # well the refit reconstructs the wide block instead of by importance.
     "flattengpt_ridge_100_attention_ridge_10": dict(method="flattengpt", ridge_ratio=100.0, attention_ridge_ratio=10.0),
     "flattengpt_heads_by_reconstruction": dict(method="flattengpt", head_selection="reconstruction"),
+    # Each member of a merged pair keeps its best KV groups in equal shares (f_i alone can keep none of a member's).
+    "flattengpt_heads_balanced": dict(method="flattengpt", head_selection="balanced"),
     # The MLP refit off: the same channels, W_down only sliced (what the Nyström refit adds in and out of domain).
     "flattengpt_no_mlp_refit": dict(method="flattengpt", mlp_correction=False),
     # FlattenGPT's selection only: its merged pairs run in parallel, unpruned (the upper bound of its pruning;

@@ -266,3 +266,24 @@ def test_without_the_mlp_refit_the_same_channels_are_kept_and_down_is_only_slice
 def test_mlp_correction_must_be_a_bool():
     with pytest.raises(TypeError, match="mlp_correction"):
         FlattenGPTConfig(mlp_correction="no")
+
+
+def test_balanced_head_selection_keeps_each_members_best_groups_in_even_shares():
+    """The same plan and scores as the default; each merged pair keeps its members' best KV groups (by the
+    reported f_i), half each (tiny LLaMA: 2 KV groups a layer, so one per member)."""
+    default = compress(tiny_models.tiny_llama_gqa(), "flattengpt", num_layers_to_remove=2)
+    balanced = compress(tiny_models.tiny_llama_gqa(), "flattengpt", num_layers_to_remove=2, head_selection="balanced")
+    assert balanced.report["plan"] == default.report["plan"]
+    # Not vacuous: by f_i alone one pair keeps both groups of one member and none of the other's.
+    assert [g["kept_kv_groups_per_member"] for g in default.report["groups"]] == [[1, 1], [0, 2]]
+    for ours, theirs in zip(balanced.report["groups"], default.report["groups"], strict=True):
+        assert ours["kv_group_scores"] == theirs["kv_group_scores"]
+        scores = torch.tensor(ours["kv_group_scores"])
+        per_member = len(scores) // 2
+        assert ours["kept_kv_groups_per_member"] == [1, 1]
+        for member in range(2):
+            own = scores[member * per_member : (member + 1) * per_member]
+            kept = [k for k in ours["kept_kv_groups"] if k // per_member == member]
+            assert kept == [member * per_member + int(own.argmax())]
+    with pytest.raises(ValueError, match="head_selection"):
+        FlattenGPTConfig(head_selection="even")

@@ -38,3 +38,44 @@ def test_greedy_raises_when_no_merge_fits():
 def test_top_k_is_sorted_and_breaks_ties_by_index():
     assert top_k_indices(torch.tensor([0.1, 0.5, 0.5, 0.9]), 2) == [1, 3]
     assert top_k_indices(torch.tensor([0.5, 0.5, 0.5]), 2) == [0, 1]
+
+
+def _balanced_by_enumeration(scores: torch.Tensor, k: int, parts: int) -> list[int]:
+    """The definition, by brute force: among subsets of size k with every segment's count k // parts or one more,
+    the one whose sorted score vector is largest (each segment's best first), ties to the lower indices."""
+    import itertools
+
+    size = scores.numel() // parts
+    best, best_key = None, None
+    for subset in itertools.combinations(range(scores.numel()), k):
+        counts = [sum(1 for i in subset if i // size == p) for p in range(parts)]
+        if any(c not in (k // parts, k // parts + 1) for c in counts):
+            continue
+        # Within a segment only its top-c can be chosen (each keeps its best).
+        tops = {p * size + j for p in range(parts) for j in top_k_indices(scores[p * size : (p + 1) * size], counts[p])}
+        if set(subset) != tops:
+            continue
+        key = sorted((-float(scores[i]), i) for i in subset)
+        if best_key is None or key < best_key:
+            best, best_key = sorted(subset), key
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("size", "parts", "k"), [(6, 2, 3), (4, 2, 2), (9, 3, 4), (8, 2, 5)])
+def test_balanced_top_k_takes_each_members_best_in_even_shares(seed, size, parts, k):
+    from optimum_flatten.ops import balanced_top_k
+
+    scores = torch.rand(size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    chosen = balanced_top_k(scores, k, parts)
+    assert chosen == _balanced_by_enumeration(scores, k, parts)
+    segment = size // parts
+    counts = [sum(1 for i in chosen if i // segment == p) for p in range(parts)]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == k
+
+
+def test_balanced_top_k_refuses_uneven_segments():
+    from optimum_flatten.ops import balanced_top_k
+
+    with pytest.raises(ValueError, match="evenly"):
+        balanced_top_k(torch.rand(5), 2, 2)

@@ -28,6 +28,7 @@ from ..calibration.stats import CentredSecondMoment, SecondMoment
 from ..config import MethodConfig
 from ..ops import (
     accumulate_head_importance,
+    balanced_top_k,
     default_ridge_lambda,
     fold_norm_into_linear,
     greedy_adjacent_groups,
@@ -74,7 +75,10 @@ class FlattenGPTConfig(MethodConfig):
             ``"reconstruction"`` (not in the paper) keeps the KV groups whose o_proj output, after the ridge
             refit, best reproduces the wide block's attention output — exhaustive when there are at most
             `MAX_EXHAUSTIVE_SUBSETS` candidate subsets, greedy backward elimination otherwise. Implies the
-            second moment of the o_proj input; use it with `attention_correction=True`.
+            second moment of the o_proj input; use it with `attention_correction=True`. ``"balanced"`` (not in
+            the paper) keeps each member's best KV groups by f_i in equal shares (the remainder to the members
+            with the best next group), so no member loses its attention altogether: an ablation of where the
+            out-of-domain loss of the pruning comes from (benchmarks/RESULTS.md).
         mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
             channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
             calibration text, adds in and out of domain (benchmarks/RESULTS.md).
@@ -99,7 +103,7 @@ class FlattenGPTConfig(MethodConfig):
     similarity_band: int | None = None
     similarity_memory_gb: float = 4.0
     attention_correction: bool = True
-    head_selection: Literal["importance", "reconstruction"] = "importance"
+    head_selection: Literal["importance", "reconstruction", "balanced"] = "importance"
     attention_ridge_ratio: float | None = 1.0
     covariance_dtype: Literal["float32", "float64", "tf32"] = "float32"
     mlp_correction: bool = True
@@ -109,8 +113,10 @@ class FlattenGPTConfig(MethodConfig):
             raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
         if self.covariance_dtype not in ("float32", "float64", "tf32"):
             raise ValueError(f"covariance_dtype must be 'float32', 'float64' or 'tf32', got {self.covariance_dtype!r}.")
-        if self.head_selection not in ("importance", "reconstruction"):
-            raise ValueError(f"head_selection must be 'importance' or 'reconstruction', got {self.head_selection!r}.")
+        if self.head_selection not in ("importance", "reconstruction", "balanced"):
+            raise ValueError(
+                f"head_selection must be 'importance', 'reconstruction' or 'balanced', got {self.head_selection!r}."
+            )
         if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
             raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
         if self.calibration_mode not in ("one_pass", "sequential"):
@@ -383,9 +389,12 @@ class FlattenGPTMethod(CompressionMethod):
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
-        if o_moment is None:
-            kept_kv = top_k_indices(group_scores, target_kv)
+        members = geometry.num_kv_heads // target_kv
+        if self.config.head_selection == "balanced":
+            kept_kv = balanced_top_k(group_scores, target_kv, members)
         else:
+            kept_kv = top_k_indices(group_scores, target_kv)
+        if o_moment is not None:
             with context.timer("solve"):
                 o_second_moment = o_moment.finish()
                 o_ratio = self.config.attention_ridge_ratio or self.config.ridge_ratio
@@ -393,8 +402,6 @@ class FlattenGPTMethod(CompressionMethod):
                 o_rows = view.attention.o.weight.T
                 if self.config.head_selection == "reconstruction":
                     kept_kv = select_kv_groups_by_reconstruction(o_second_moment, o_rows, geometry, target_kv, o_lam)
-                else:
-                    kept_kv = top_k_indices(group_scores, target_kv)
                 if self.config.attention_correction:
                     channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
                     o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T

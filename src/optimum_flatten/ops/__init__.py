@@ -11,12 +11,13 @@ from .linear_collapse import (
 from .merge import MERGE_RULES, merge_as_reference_code, merge_by_differences
 from .norm_fold import fold_norm_into_linear
 from .ridge import default_ridge_lambda, nystrom_down_correction, ridge_leverage_scores, ridge_reconstruction_error
-from .selection import greedy_adjacent_groups, top_k_indices
+from .selection import balanced_top_k, greedy_adjacent_groups, top_k_indices
 
 __all__ = [
     "MERGE_RULES",
     "BatchNormStats",
     "accumulate_head_importance",
+    "balanced_top_k",
     "collapse_error",
     "collapse_error_bound",
     "collapse_linear_pair",

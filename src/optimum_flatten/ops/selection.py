@@ -13,6 +13,24 @@ def top_k_indices(scores: torch.Tensor, k: int) -> list[int]:
     return sorted(order[:k])
 
 
+def balanced_top_k(scores: torch.Tensor, k: int, parts: int) -> list[int]:
+    """The k largest scores taken evenly from `parts` equal contiguous segments (a merged group's members): each
+    keeps its k // parts best; the k % parts left over go to the segments whose next-best score is largest. Ascending,
+    ties broken by the lower index, like `top_k_indices`."""
+    size = scores.numel() // parts
+    if size * parts != scores.numel() or not 0 <= k <= scores.numel():
+        raise ValueError(f"cannot take {k} of {scores.numel()} scores evenly from {parts} segments.")
+    ranked = [top_k_indices(scores[p * size : (p + 1) * size], size) for p in range(parts)]
+    ranked = [sorted(r, key=lambda i, p=p: (-float(scores[p * size + i]), i)) for p, r in enumerate(ranked)]
+    share = k // parts
+    chosen = [p * size + i for p, r in enumerate(ranked) for i in r[:share]]
+    spare = sorted(
+        (p for p in range(parts) if share < size), key=lambda p: (-float(scores[p * size + ranked[p][share]]), p)
+    )
+    chosen += [p * size + ranked[p][share] for p in spare[: k % parts]]
+    return sorted(chosen)
+
+
 def greedy_adjacent_groups(
     similarity: torch.Tensor, num_to_remove: int, max_group_size: int | None = None
 ) -> list[tuple[int, ...]]:
