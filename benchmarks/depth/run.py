@@ -129,8 +129,8 @@ CALIBRATIONS = {
     "sotu": "SOTU before 2000",
     "sotu+pydoc": (
         "SOTU before 2000 and Python's reference documentation (the standard library's pydoc_data topics, 0.46M "
-        "characters) in equal shares: the most recent speeches before 2000 up to the documentation's size, then "
-        "the documentation (another genre than both evaluation texts)"
+        "characters) in equal shares of characters: the most recent speeches before 2000 up to the documentation's "
+        "size, then the documentation (another genre than both evaluation texts)"
     ),
 }
 
