@@ -39,7 +39,7 @@ from ..ops import (
     ridge_reconstruction_error,
     top_k_indices,
 )
-from ..ops.ridge import kept_blocks, nystrom_from_blocks, ridge_leverage_scores_packed
+from ..ops.ridge import kept_blocks, nystrom_from_factor, ridge_factor, ridge_leverage_scores_packed
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
@@ -459,7 +459,7 @@ class FlattenGPTMethod(CompressionMethod):
         kept set is the float64 path's); the Nyström solve on the kept block in float64.
 
         Holds at most the float32 scatter with either the factor's triangle or the float64 kept block and
-        C[K, R] W_D[R]; the scatter is dropped before the kept block is factorised.
+        C[K, R] W_D[R]; the scatter is dropped before the kept block is factorised, and the block once it is.
         """
         stats = moment.finish()
         lam = self.config.ridge_ratio * stats.trace() / stats.dim
@@ -476,7 +476,9 @@ class FlattenGPTMethod(CompressionMethod):
             return kept_channels, down_rows[keep], lam
         kept_block, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
         stats.release()
-        corrected = nystrom_from_blocks(kept_block, cross, down_rows[keep], lam)
+        factor = ridge_factor(kept_block, lam)
+        del kept_block  # the solve copies the factor once more (column-major): the block would be a third k x k
+        corrected = nystrom_from_factor(factor, cross, down_rows[keep])
         return kept_channels, corrected, lam
 
 

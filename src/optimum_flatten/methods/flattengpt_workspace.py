@@ -43,8 +43,9 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       re-scoring of the m channels nearest the cut (4 float64 w × m blocks and a float64 panel of C, m =
       `max_refined(w)` at most: a bound); (b) reading the kept blocks: the scatter, C[K, K] and C[K, R] W_D[R]
       in float64 (8·k² + 8·k·d) and one chunk's copies ((4·w + 12·k)·B + 8·B·d); (c) after the scatter is dropped:
-      C[K, K], its float64 Cholesky factor (8·k² each), C[K, R] W_D[R], the float64 kept rows, the solve and their
-      sum (4 · 8·k·d). float64: C, its full factor and three (w × B) float64 panels, or the Nyström correction
+      the float64 Cholesky factor of C[K, K] + λI (C[K, K] itself is dropped once factorised) and the column-major
+      copy of it that the solve makes (8·k² each), C[K, R] W_D[R], the float64 kept rows, the solve and their sum
+      (4 · 8·k·d). float64: C, its full factor and three (w × B) float64 panels, or the Nyström correction
       (the k × k factor and the k × r block of C, float64 copies of W_down), whichever is larger.
     - propagate (without the cache): the states entering and leaving the layer, and the group's compressed block
       until it replaces its first member.
@@ -195,7 +196,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         else:
             solve_terms = (
                 Term(
-                    "Nyström solve: C[K, K] and its float64 factor, C[K, R] W_D[R], the kept rows and the result",
+                    "Nyström solve: the factor of C[K, K] + λI and the solve's column-major copy of it, C[K, R] "
+                    "W_D[R], the kept rows and the result",
                     kept_solve,
                     "after the scatter is dropped",
                 ),

@@ -299,7 +299,20 @@ def nystrom_from_blocks(
         cross: (k, hidden) C[K, R] W_D[R].
         kept_rows: (k, hidden) W_D[K].
     """
-    factor = _shifted_cholesky(kept_block.double(), lam)[0]
+    return nystrom_from_factor(ridge_factor(kept_block.double(), lam), cross, kept_rows)
+
+
+def ridge_factor(kept_block: torch.Tensor, lam: float) -> torch.Tensor:
+    """The Cholesky factor of C[K, K] + λI (jitter added if rounding made it indefinite; the block is restored).
+
+    A caller that holds nothing else of C[K, K] can drop the block once it has the factor: the solve that follows
+    (`nystrom_from_factor`) makes a column-major copy of the factor, so holding the block too costs a third k × k
+    float64 matrix (6.1 GiB at LLaMA-2-70B, measured on an H100)."""
+    return _shifted_cholesky(kept_block, lam)[0]
+
+
+def nystrom_from_factor(factor: torch.Tensor, cross: torch.Tensor, kept_rows: torch.Tensor) -> torch.Tensor:
+    """W_D[K] + (C[K,K] + λI)⁻¹ C[K,R] W_D[R] given the factor of C[K,K] + λI (`ridge_factor`)."""
     return kept_rows.double() + torch.cholesky_solve(cross.double(), factor)
 
 
