@@ -5,7 +5,7 @@
   spread (an uncentred float32 sum would lose the spread there);
 - `ridge_leverage_scores_packed` (triangle-only factor): in float64 equal to `ridge_leverage_scores` to 1e-10; in
   float32 within 1e-5 (scores lie in [0, 1)) on activations with a massive channel, with the same top half;
-- `kept_blocks` + `nystrom_from_blocks` equal `nystrom_down_correction` to 1e-10 relative.
+- `kept_blocks` + `ridge_factor` + `nystrom_from_factor` equal `nystrom_down_correction` to 1e-10 relative.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from optimum_flatten.ops.ridge import (
     kept_blocks,
     max_refined,
     nystrom_down_correction,
-    nystrom_from_blocks,
+    nystrom_from_factor,
+    ridge_factor,
     ridge_leverage_scores,
     ridge_leverage_scores_packed,
 )
@@ -182,7 +183,8 @@ def test_blocked_nystrom_matches_the_full_correction():
     keep = torch.tensor(top_k_indices(ridge_leverage_scores(reference, lam), 150))
     expected = nystrom_down_correction(reference, w, keep, lam)
     kept, cross = kept_blocks(lambda r, c: reference[r][:, c], 300, w, keep, chunk=37)
-    torch.testing.assert_close(nystrom_from_blocks(kept, cross, w[keep], lam), expected, rtol=1e-10, atol=1e-12)
+    result = nystrom_from_factor(ridge_factor(kept, lam), cross, w[keep])
+    torch.testing.assert_close(result, expected, rtol=1e-10, atol=1e-12)
     kept, cross = kept_blocks(centred.block, 300, w, keep, chunk=64)
-    result = nystrom_from_blocks(kept, cross, w[keep], 10.0 * centred.trace() / 300)
+    result = nystrom_from_factor(ridge_factor(kept, 10.0 * centred.trace() / 300), cross, w[keep])
     assert float((result - expected).abs().max()) <= 1e-4 * float(expected.abs().max())

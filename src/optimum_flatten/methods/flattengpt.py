@@ -389,11 +389,11 @@ class FlattenGPTMethod(CompressionMethod):
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
-        members = geometry.num_kv_heads // target_kv
         if self.config.head_selection == "balanced":
-            kept_kv = balanced_top_k(group_scores, target_kv, members)
-        else:
+            kept_kv = balanced_top_k(group_scores, target_kv, geometry.num_kv_heads // target_kv)
+        elif self.config.head_selection == "importance":
             kept_kv = top_k_indices(group_scores, target_kv)
+        # "reconstruction" chooses below, from the o_proj moment it implies.
         if o_moment is not None:
             with context.timer("solve"):
                 o_second_moment = o_moment.finish()

@@ -289,19 +289,6 @@ def _packed_inverse_diagonal(panels: list[torch.Tensor], dim: int, block_size: i
     return result
 
 
-def nystrom_from_blocks(
-    kept_block: torch.Tensor, cross: torch.Tensor, kept_rows: torch.Tensor, lam: float
-) -> torch.Tensor:
-    """W_D[K] + (C[K,K] + λI)⁻¹ C[K,R] W_D[R] from its blocks, in float64 (what `nystrom_down_correction` computes).
-
-    Args:
-        kept_block: (k, k) C[K, K]; its diagonal is shifted during the factorisation and put back.
-        cross: (k, hidden) C[K, R] W_D[R].
-        kept_rows: (k, hidden) W_D[K].
-    """
-    return nystrom_from_factor(ridge_factor(kept_block.double(), lam), cross, kept_rows)
-
-
 def ridge_factor(kept_block: torch.Tensor, lam: float) -> torch.Tensor:
     """The Cholesky factor of C[K, K] + λI (jitter added if rounding made it indefinite; the block is restored).
 
