@@ -84,6 +84,15 @@ VARIANTS: dict[str, dict] = {
     # The check on the package's ReplaceMe: the paper's definition in plain torch (reference_replaceme.py), on the
     # same calibration windows as replaceme_all_tokens.
     "replaceme_reference": dict(reference="replaceme_lstsq_all_tokens"),
+    # Not in the paper: the down projection before the block refitted on its own inputs (the MLP's intermediate
+    # activations), shrunk towards T's fold by a ridge chosen on the last calibration batch; and unshrunk.
+    "replaceme_lstsq_down": dict(method="replaceme", estimator="lstsq_down"),
+    "replaceme_lstsq_down_unshrunk": dict(method="replaceme", estimator="lstsq_down", down_ridge=0.0),
+    "flattengpt_lstsq_down": dict(method="flattengpt", linear_replacement="lstsq_down"),
+    "shortgpt_lstsq_down": dict(method="shortgpt", linear_replacement="lstsq_down"),
+    "sleb_first_2_sequences_lstsq_down": dict(
+        method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq_down"
+    ),
     "shortgpt_lstsq": dict(method="shortgpt", linear_replacement="lstsq"),
     "sleb_first_2_sequences_lstsq": dict(method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq"),
     "flattengpt_lstsq": dict(method="flattengpt", linear_replacement="lstsq"),
@@ -109,6 +118,11 @@ VARIANTS: dict[str, dict] = {
         method="auto",
         candidates="replaceme replaceme:correct_after=1 replaceme:correct_after=2 shortgpt:iterative=true+scale "
         "flattengpt+lstsq",
+    ),
+    # auto's five candidates above with each least-squares bridge refitting the down projection instead.
+    "auto_down": dict(
+        method="auto",
+        candidates="replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down flattengpt+lstsq_down",
     ),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.

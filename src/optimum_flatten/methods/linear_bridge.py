@@ -27,9 +27,12 @@ from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..ops.linear_map import (
     ESTIMATORS,
+    RIDGE_GRID,
     LinearMapStatistics,
     fit_cosine,
+    fit_towards_prior,
     fold_map_into_linear,
+    folded_map_prior,
     solve_least_squares,
     solve_least_squares_with_gain,
 )
@@ -49,12 +52,17 @@ class BridgeOptions:
             gain α on the residual stream at the cut, fitted jointly with T in closed form, ``α Y + M T ≈ L``, and
             folded into every writer of the stream upstream as Prune&Comp folds its compensation; not in either
             paper: T alone carries the stream through the removed layers unscaled, the gain lets the whole stream
-            shrink or grow by what those layers did to its magnitude; see docs/methods/replaceme.md) or
-            ``"cosine"`` (Adam on the cosine distance).
+            shrink or grow by what those layers did to its magnitude; see docs/methods/replaceme.md),
+            ``"lstsq_down"`` (the bridged layer's down projection refitted by least squares on its own inputs, the
+            MLP's intermediate activations: T's fit is a special case of it; not in the paper) or ``"cosine"``
+            (Adam on the cosine distance).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
         correct_after: Also refit the down projections of this many kept layers after every bridged span, each
             towards the dense state after its own layer, so that they absorb what the bridge left (not in the paper;
             0: the bridges alone).
+        down_ridge: With ``"lstsq_down"``, the ridge towards ReplaceMe's folded map, relative to the mean diagonal of
+            AᵀA (0: the plain refit; ``inf``: ReplaceMe). None: chosen per bridge from `RIDGE_GRID` on the last
+            calibration batch (see `refit_down_`).
     """
 
     estimator: str = "lstsq"
@@ -62,6 +70,7 @@ class BridgeOptions:
     cosine_lr: float = 1e-4
     cosine_minibatch: int = 1024
     correct_after: int = 0
+    down_ridge: float | None = None
 
     @property
     def stream_gain(self) -> bool:
@@ -78,6 +87,8 @@ class BridgeOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if not self.cosine_lr > 0:
             raise ValueError(f"cosine_lr must be positive, got {self.cosine_lr!r}.")
+        if self.down_ridge is not None and not self.down_ridge >= 0:
+            raise ValueError(f"down_ridge must be None (chosen on held-out tokens) or >= 0, got {self.down_ridge!r}.")
 
 
 def check_estimator(name: Any) -> None:
@@ -147,6 +158,29 @@ def capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def capture_down_input(block: Any, on_batch: Any) -> Iterator[None]:
+    """While open, calls ``on_batch(a, y)`` with each forward's down-projection input a (the MLP's intermediate
+    activation) and MLP-norm input y."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
+        seen["y"] = args[0].detach()
+
+    def down_hook(_module: Any, args: tuple[Any, ...]) -> None:
+        on_batch(args[0].detach(), seen.pop("y"))
+
+    handles = [
+        block.mlp_norm.module.register_forward_pre_hook(norm_hook),
+        block.mlp.down.module.register_forward_pre_hook(down_hook),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def fit_and_fold_(
     adapter: ArchitectureAdapter,
@@ -207,6 +241,8 @@ def _fit_one(
     block = adapter.block_view(module, k)
     dim = block.mlp.down.out_features
     state = {"batch": 0}
+    if options.estimator == "lstsq_down":
+        return refit_down_(adapter, stack, k, block, runner, module, position, inputs, target, options.down_ridge)
     if options.estimator in ("lstsq", "lstsq_gain"):
         transform, gain, info, count = fit_least_squares(
             block, runner, module, position, inputs, target, with_gain=options.stream_gain
@@ -285,6 +321,77 @@ def fit_least_squares(
         return transform, gain, info, stats.count
     transform, info = solve_least_squares(stats)
     return transform, 1.0, info, stats.count
+
+
+def refit_down_(
+    adapter: ArchitectureAdapter,
+    stack: str,
+    k: int,
+    block: Any,
+    runner: Any,
+    module: torch.nn.Module,
+    position: int,
+    inputs: Sequence[torch.Tensor],
+    target: Sequence[torch.Tensor],
+    ridge: float | None = None,
+) -> dict[str, Any]:
+    """Replaces layer k's down projection by ``W'`` (and ``b'`` where it has a bias) minimising
+    ``Σ‖a W'ᵀ + b' − (l − y)‖² + λ s ‖W' − W_T‖²`` over the real calibration tokens: estimator ``"lstsq_down"``.
+
+    ReplaceMe's T acts on the down projection's output, so its fold ``W_T = Tᵀ W_down`` is one candidate W' among
+    all; fitting W' directly uses every direction of the intermediate activation a instead of only the hidden-size
+    image the old W_down kept, with (intermediate × hidden) parameters where T has (hidden × hidden). The ridge
+    towards W_T is what keeps the extra freedom from fitting the calibration text alone: λ = 0 is the plain refit,
+    λ = ∞ ReplaceMe. With `ridge` None it is chosen from `RIDGE_GRID` by the squared error on the last calibration
+    batch, fitted on the others, then refitted on all (``fit_towards_prior``); with one batch it is 0. One run of
+    the layer; ``AᵀA`` (intermediate², one more row and column for a bias) and ``Aᵀ(L − Y)`` in float64, for the
+    fitting and the held-out batches apart.
+    """
+    down = block.mlp.down
+    held_out_batch = runner.num_batches - 1 if ridge is None and runner.num_batches > 1 else None
+
+    def statistics() -> LinearMapStatistics:
+        return LinearMapStatistics(
+            down.in_features, device=inputs[0].device, out_dim=down.out_features, intercept=down.bias is not None
+        )
+
+    fit, held_out = statistics(), statistics() if held_out_batch is not None else None
+    state = {"batch": 0}
+
+    def on_batch(a: torch.Tensor, y: torch.Tensor) -> None:
+        b = state["batch"]
+        into = held_out if b == held_out_batch else fit
+        into.update(a, target[b].to(a.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+
+    with capture_down_input(block, on_batch):
+        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
+    ridges = RIDGE_GRID if ridge is None else (ridge,)
+    solution, choice = fit_towards_prior(fit, held_out, folded_map_prior(lifted), ridges=ridges)
+    weight = solution[: down.in_features].T
+    bias = solution[down.in_features] if fit.intercept else None
+
+    def edit(edited: torch.nn.Module) -> None:
+        view = adapter.block_view(edited, k).mlp.down
+        view.set_(weight.to(view.weight.device), None if bias is None else bias.to(view.weight.device))
+
+    edit_block_(adapter.layers(stack), k, edit, memo={id(adapter.config): adapter.config})
+    detail: dict[str, Any] = {
+        "tokens": fit.count,
+        "jitter": choice.jitter,
+        "refitted": "down_projection",
+        "ridge": choice.ridge,
+        "ridge_chosen_on": (
+            "given"
+            if ridge is not None
+            else "the last calibration batch"
+            if choice.held_out_errors is not None
+            else "none held out (one calibration batch)"
+        ),
+    }
+    if choice.held_out_errors is not None:
+        detail["held_out_errors"] = {str(r): e for r, e in choice.held_out_errors.items()}
+    return detail
 
 
 def fit_with_outputs(

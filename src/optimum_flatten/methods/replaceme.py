@@ -22,6 +22,7 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import check_scoring_batches, next_token_nll
+from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
@@ -40,8 +41,9 @@ class ReplaceMeConfig(BlockSelectionConfig):
     Attributes:
         estimator: ``"lstsq"`` (closed form, float64 statistics), ``"lstsq_gain"`` (the same plus one scalar gain
             on the residual stream at the cut, fitted jointly with T and folded into the embeddings and the upstream
-            o/down projections as Prune&Comp folds its α; not in either paper, see docs/methods/replaceme.md) or
-            ``"cosine"`` (the paper's cosine objective).
+            o/down projections as Prune&Comp folds its α; not in either paper, see docs/methods/replaceme.md),
+            ``"lstsq_down"`` (the layer's down projection itself refitted on its inputs, shrunk towards T's fold;
+            not in the paper, see docs/methods/replaceme.md) or ``"cosine"`` (the paper's cosine objective).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded Adam run (epochs over all tokens).
         seed: Seeds the cosine fit's token order.
         selection: ``"distance"`` (the paper: smallest angular distance across the block) or ``"loss"`` (every
@@ -51,6 +53,8 @@ class ReplaceMeConfig(BlockSelectionConfig):
             dense state after it (not in the paper; see docs/methods/replaceme.md). 0: the paper's single map.
         scoring_batches: With ``selection="loss"``, score on the first this-many calibration batches (None: all);
             T is always fitted on every batch. Cost: about (layers - n) suffix runs over the scored batches.
+        down_ridge: With ``estimator="lstsq_down"``: the ridge towards T's fold, relative to the mean diagonal of
+            AᵀA (0: the plain refit, ``inf``: the paper's map); None chooses it on the last calibration batch.
     """
 
     estimator: str = "lstsq"
@@ -61,6 +65,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
     selection: Literal["distance", "loss"] = "distance"
     scoring_batches: int | None = 1
     correct_after: int = 0
+    down_ridge: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +83,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
             self.cosine_lr,
             self.cosine_minibatch,
             self.correct_after,
+            self.down_ridge,
         )
 
 
@@ -114,6 +120,16 @@ class ReplaceMeMethod(CompressionMethod):
         )
         if config.estimator == "cosine":
             fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
+        if config.estimator == "lstsq_down":
+            # AᵀA and Aᵀ(L − Y) over the intermediate width; float64 rows converted a chunk at a time; the solve's
+            # identity, jittered Gram matrix and factor, then its (i, d) solution and the new weight.
+            statistics = 8 * i * i + 8 * i * d
+            chunk = min(z.Tb, UPDATE_CHUNK_ROWS)
+            fit = max(
+                z.run_outputs() + statistics + z.Tb * d * 24 + chunk * (i + d) * 8 + 3 * d * z.Tb * z.b,
+                statistics + 3 * 8 * i * i + 8 * i * d,
+                statistics + 8 * i * d + (8 + z.b) * i * d,
+            )
         phases.append(
             Phase(
                 "linear_replacement",

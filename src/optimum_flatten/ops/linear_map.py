@@ -7,20 +7,30 @@ replaced block (Y_i: the residual stream of block i before its MLP is added). Tw
 - least squares (their Eq. for the L2 distance): ``T* = (MᵀM)⁻¹ Mᵀ (L − Y)``, in closed form;
 - cosine distance ``1 − cos(M T + Y, L)`` per token, minimised numerically with Adam from T = I.
 
+Not in the paper, ``"lstsq_down"`` fits the down projection of block i itself on what it reads, the MLP's
+intermediate activation A (rows ``a``): ``W'* = argmin Σ‖a W'ᵀ (+ b') − (l − y)‖²``. ReplaceMe's map is the special
+case ``W' = Tᵀ W_down`` (M = A W_downᵀ), so on the calibration tokens this fit is never worse than T's; it has
+intermediate × hidden parameters instead of hidden × hidden, and it *is* the new down projection (no fold).
+
 Rows are tokens, so a token's new MLP output is the row vector ``m T``; in a linear layer's (out, in) convention
 ``y = W a + b`` this is ``Tᵀ (W a + b)``: the fold is ``W' = Tᵀ W``, ``b' = Tᵀ b``, exact up to rounding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 #: Names of the ways a map can be estimated (see `solve_least_squares`, `solve_least_squares_with_gain` and
-#: `fit_cosine`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual stream, fitted jointly.
-ESTIMATORS = ("lstsq", "lstsq_gain", "cosine")
+#: `fit_cosine`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual stream, fitted jointly;
+#: ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs.
+ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "cosine")
+
+#: Token rows converted to float64 at a time by `LinearMapStatistics.update`: bounds the float64 copies of a batch
+#: (at LLaMA-2-7B's MLP width a whole 8 x 2048 batch would be 1.4 GB) without changing the sums' order of magnitude.
+UPDATE_CHUNK_ROWS = 4096
 
 
 class LinearMapStatistics:
@@ -28,12 +38,32 @@ class LinearMapStatistics:
 
     float64, because the normal equations square the condition number of M: in float32 a hidden state whose
     channels differ by 10⁴ in scale (massive activations) would lose its small directions entirely.
+
+    Args:
+        dim: Width of the inputs M.
+        device: Where the sums live.
+        with_gain: Also accumulate what `solve_least_squares_with_gain` needs.
+        out_dim: Width of the targets R (default `dim`: ReplaceMe's square map).
+        intercept: Append a constant 1 to every input row, so the solution's last row is a bias.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu", with_gain: bool = False) -> None:
-        self.gram = torch.zeros(dim, dim, dtype=torch.float64, device=device)
-        self.cross = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+    def __init__(
+        self,
+        dim: int,
+        device: torch.device | str = "cpu",
+        with_gain: bool = False,
+        out_dim: int | None = None,
+        intercept: bool = False,
+    ) -> None:
+        if with_gain and (intercept or (out_dim is not None and out_dim != dim)):
+            raise ValueError("a stream gain is fitted with ReplaceMe's square map only (no intercept, out_dim=dim).")
+        self.intercept = intercept
+        width = dim + int(intercept)
+        self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(width, dim if out_dim is None else out_dim, dtype=torch.float64, device=device)
         self.count = 0
+        #: ‖R‖² over the same tokens: the constant of the squared error, so that a held-out error is a real one.
+        self.target_norm = 0.0
         #: With a stream gain (`solve_least_squares_with_gain`): MᵀY, ⟨Y, R⟩ and ⟨Y, Y⟩ over the same tokens.
         self.with_gain = with_gain
         self.stream_cross = torch.zeros(dim, dim, dtype=torch.float64, device=device) if with_gain else None
@@ -58,15 +88,20 @@ class LinearMapStatistics:
             keep = mask.reshape(-1).to(m.device).bool()
             m, r = m[keep], r[keep.to(r.device)]
             y = None if y is None else y[keep.to(y.device)]
-        m = m.to(self.gram.device, torch.float64)
-        r = r.to(self.gram.device, torch.float64)
-        self.gram.addmm_(m.T, m)
-        self.cross.addmm_(m.T, r)
-        if y is not None:
-            y = y.to(self.gram.device, torch.float64)
-            self.stream_cross.addmm_(m.T, y)
-            self.stream_target += float((y * r).sum())
-            self.stream_norm += float((y * y).sum())
+        for start in range(0, m.shape[0], UPDATE_CHUNK_ROWS):
+            rows = slice(start, start + UPDATE_CHUNK_ROWS)
+            m_rows = m[rows].to(self.gram.device, torch.float64)
+            if self.intercept:
+                m_rows = torch.cat([m_rows, m_rows.new_ones(m_rows.shape[0], 1)], dim=1)
+            r_rows = r[rows].to(self.gram.device, torch.float64)
+            self.gram.addmm_(m_rows.T, m_rows)
+            self.cross.addmm_(m_rows.T, r_rows)
+            self.target_norm += float((r_rows * r_rows).sum())
+            if y is not None:
+                y_rows = y[rows].to(self.gram.device, torch.float64)
+                self.stream_cross.addmm_(m_rows.T, y_rows)
+                self.stream_target += float((y_rows * r_rows).sum())
+                self.stream_norm += float((y_rows * y_rows).sum())
         self.count += m.shape[0]
 
 
@@ -81,7 +116,8 @@ class SolveInfo:
 def solve_least_squares(
     stats: LinearMapStatistics, relative_jitter: float | None = None, max_attempts: int = 12
 ) -> tuple[torch.Tensor, SolveInfo]:
-    """T (dim, dim) float64 minimising Σ‖m T − r‖² from the accumulated statistics, by Cholesky with jitter.
+    """T (dim, out_dim) float64 minimising Σ‖m T − r‖² from the accumulated statistics, by Cholesky with jitter
+    (with an intercept, T has one more row: the bias).
 
     The jitter starts at `relative_jitter` times the mean diagonal of MᵀM; the default, dim · eps(float64), is the
     rounding level of the Gram matrix itself, so a well-posed fit is the exact least-squares answer. It grows tenfold
@@ -129,7 +165,13 @@ def _jittered_cholesky(
     """The Cholesky factor of MᵀM + jitter·I, the jitter grown tenfold from its start until it succeeds."""
     if stats.count == 0:
         raise ValueError("no calibration token reached the linear-map statistics (are all tokens masked?).")
-    gram = stats.gram
+    return _jittered_factor(stats.gram, relative_jitter, max_attempts)
+
+
+def _jittered_factor(
+    gram: torch.Tensor, relative_jitter: float | None = None, max_attempts: int = 12
+) -> tuple[torch.Tensor, SolveInfo]:
+    """The Cholesky factor of `gram` + jitter·I (see `solve_least_squares` for the jitter's start and growth)."""
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     if relative_jitter is None:
@@ -144,6 +186,96 @@ def _jittered_cholesky(
         f"the Gram matrix of the MLP outputs stayed singular after jitter {jitter:.3g}; the calibration tokens do not "
         "determine a linear map (too few tokens, or all equal)."
     )
+
+
+#: Ridge strengths tried by `fit_towards_prior`, relative to the mean diagonal of the fitting part's Gram matrix;
+#: ``inf`` is the prior itself. A geometric grid from "the plain refit" to "the prior", three steps a decade.
+RIDGE_GRID = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0, 100.0, float("inf"))
+
+
+@dataclass
+class RidgeChoice:
+    """What `fit_towards_prior` chose: the relative ridge, the held-out error of every ridge tried, relative to the
+    held-out targets' ‖R‖² (None: no held-out part, so the ridge was not chosen), and the final solve's jitter."""
+
+    ridge: float
+    held_out_errors: dict[float, float] | None
+    jitter: float
+
+
+def ridge_towards(
+    gram: torch.Tensor, cross: torch.Tensor, prior: torch.Tensor, ridge: float
+) -> tuple[torch.Tensor, SolveInfo]:
+    """W minimising ``‖A W − R‖² + λ s ‖W − P‖²`` from ``G = AᵀA`` and ``C = AᵀR``: ``(G + λ s I)⁻¹ (C + λ s P)``.
+
+    s is the mean diagonal of G, so `ridge` (λ) is relative to the inputs' scale; ``λ = inf`` returns the prior P and
+    ``λ = 0`` the least-squares solution (with `solve_least_squares`'s jitter).
+    """
+    if ridge == float("inf"):
+        return prior.clone(), SolveInfo(jitter=float("inf"), attempts=0)
+    scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
+    if ridge == 0.0:
+        factor, info = _jittered_factor(gram)
+        return torch.cholesky_solve(cross, factor), info
+    shifted = gram.clone()
+    shifted.diagonal().add_(ridge * scale)
+    factor, info = _jittered_factor(shifted)
+    return torch.cholesky_solve(cross + (ridge * scale) * prior, factor), info
+
+
+def fit_towards_prior(
+    fit: LinearMapStatistics,
+    held_out: LinearMapStatistics | None,
+    prior_of: Callable[[LinearMapStatistics], torch.Tensor],
+    ridges: Sequence[float] = RIDGE_GRID,
+) -> tuple[torch.Tensor, RidgeChoice]:
+    """The least-squares W shrunk towards a prior by the ridge that predicts held-out tokens best, refitted on all.
+
+    Every ridge λ in `ridges` is fitted on `fit` (its prior ``prior_of(fit)``) and scored on `held_out` by the
+    squared error ``tr(Wᵀ G_h W) − 2 tr(Wᵀ C_h) + ‖R_h‖²`` (reported relative to ``‖R_h‖²``), so no held-out token
+    is needed beyond its statistics. The best λ (the larger on a tie: the simpler model) is then fitted on both
+    parts together, towards ``prior_of`` of both. One ridge given is used as it is; without a held-out part, λ is 0.
+
+    `fit` is changed in place (it ends as the sum of both parts).
+    """
+    errors: dict[float, float] | None = None
+    ridge = ridges[0] if len(ridges) == 1 else 0.0
+    if len(ridges) > 1 and held_out is not None and held_out.count > 0 and fit.count > 0:
+        prior = prior_of(fit)
+        errors = {}
+        for candidate in ridges:
+            solution, _ = ridge_towards(fit.gram, fit.cross, prior, candidate)
+            error = (solution * (held_out.gram @ solution)).sum() - 2 * (solution * held_out.cross).sum()
+            errors[candidate] = (float(error) + held_out.target_norm) / max(held_out.target_norm, 1e-300)
+        best = min(errors.values())
+        ridge = max(r for r, e in errors.items() if e == best)
+        fit.gram += held_out.gram
+        fit.cross += held_out.cross
+        fit.count += held_out.count
+        fit.target_norm += held_out.target_norm
+    if fit.count == 0:
+        raise ValueError("no calibration token reached the linear-map statistics (are all tokens masked?).")
+    solution, info = ridge_towards(fit.gram, fit.cross, prior_of(fit), ridge)
+    return solution, RidgeChoice(ridge=ridge, held_out_errors=errors, jitter=info.jitter)
+
+
+def folded_map_prior(lifted: torch.Tensor) -> Callable[[LinearMapStatistics], torch.Tensor]:
+    """ReplaceMe's answer in the coordinates of a refitted linear layer, as a prior for `fit_towards_prior`.
+
+    `lifted` is the layer as rows act on it (``(in [+1], out)``: ``Wᵀ`` with the bias as the last row), so its
+    output is ``M = A · lifted``. From the statistics of A alone, ``MᵀM = liftedᵀ G lifted`` and
+    ``MᵀR = liftedᵀ C``: T is ReplaceMe's least-squares map on the same tokens and ``lifted · T`` the layer with T
+    folded in.
+    """
+    lifted = lifted.double()
+
+    def prior_of(stats: LinearMapStatistics) -> torch.Tensor:
+        lifted_here = lifted.to(stats.gram.device)
+        gram = lifted_here.T @ stats.gram @ lifted_here
+        factor, _ = _jittered_factor(gram)
+        return lifted_here @ torch.cholesky_solve(lifted_here.T @ stats.cross, factor)
+
+    return prior_of
 
 
 @dataclass
