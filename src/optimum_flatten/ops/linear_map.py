@@ -169,16 +169,20 @@ def _jittered_cholesky(
 
 
 def _jittered_factor(
-    gram: torch.Tensor, relative_jitter: float | None = None, max_attempts: int = 12
+    gram: torch.Tensor, relative_jitter: float | None = None, max_attempts: int = 12, shift: float = 0.0
 ) -> tuple[torch.Tensor, SolveInfo]:
-    """The Cholesky factor of `gram` + jitter·I (see `solve_least_squares` for the jitter's start and growth)."""
+    """The Cholesky factor of `gram` + (shift + jitter)·I (see `solve_least_squares` for the jitter's start and
+    growth; `shift` is a ridge). The diagonal is added to one copy in place: two (dim x dim) matrices at a time,
+    the copy and its factor."""
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
-    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     if relative_jitter is None:
         relative_jitter = gram.shape[0] * torch.finfo(torch.float64).eps
     jitter = relative_jitter * scale
     for attempt in range(1, max_attempts + 1):
-        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye)
+        shifted = gram.clone()
+        shifted.diagonal().add_(shift + jitter)
+        factor, info = torch.linalg.cholesky_ex(shifted)
+        del shifted
         if int(info) == 0:
             return factor, SolveInfo(jitter=jitter, attempts=attempt)
         jitter *= 10.0
@@ -217,9 +221,7 @@ def ridge_towards(
     if ridge == 0.0:
         factor, info = _jittered_factor(gram)
         return torch.cholesky_solve(cross, factor), info
-    shifted = gram.clone()
-    shifted.diagonal().add_(ridge * scale)
-    factor, info = _jittered_factor(shifted)
+    factor, info = _jittered_factor(gram, shift=ridge * scale)
     return torch.cholesky_solve(cross + (ridge * scale) * prior, factor), info
 
 
