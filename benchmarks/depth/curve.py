@@ -20,7 +20,17 @@ import sys
 from pathlib import Path
 
 #: The methods the quality issue asks for on the curve (run.py's variant names).
-CURVE_VARIANTS = ("shortgpt", "sleb_first_2_sequences", "uidl", "replaceme", "flattengpt", "auto")
+CURVE_VARIANTS = (
+    "shortgpt",
+    "sleb_first_2_sequences",
+    "uidl",
+    "replaceme",
+    "flattengpt",
+    "auto",
+    # ReplaceMe with the down projection refitted (estimator="lstsq_down"), and auto with it among its candidates.
+    "replaceme_lstsq_down",
+    "auto_down",
+)
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 

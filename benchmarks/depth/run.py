@@ -119,10 +119,12 @@ VARIANTS: dict[str, dict] = {
         candidates="replaceme replaceme:correct_after=1 replaceme:correct_after=2 shortgpt:iterative=true+scale "
         "flattengpt+lstsq",
     ),
-    # auto's five candidates above with each least-squares bridge refitting the down projection instead.
+    # auto's five candidates above with each least-squares bridge refitting the down projection instead, and the
+    # paper's ReplaceMe beside ReplaceMe with the down refit.
     "auto_down": dict(
         method="auto",
-        candidates="replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down flattengpt+lstsq_down",
+        candidates="replaceme replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down "
+        "flattengpt+lstsq_down",
     ),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.

@@ -275,3 +275,12 @@ def test_the_method_chooses_the_ridge_on_its_last_batch_and_an_infinite_ridge_is
     torch.testing.assert_close(infinite(), folded(), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="down_ridge must be None"):
         tiny_config("replaceme", estimator="lstsq_down", down_ridge=-1.0)
+
+
+def test_auto_takes_the_down_refit_as_an_option_and_as_a_correction():
+    config = tiny_config(
+        "auto", num_layers_to_remove=2, candidates="replaceme:estimator=lstsq_down shortgpt+lstsq_down"
+    )
+    assert config.method_config.candidates.split() == ["replaceme:estimator=lstsq_down", "shortgpt+lstsq_down"]
+    with pytest.raises(ValueError, match="lstsq_down"):
+        tiny_config("auto", num_layers_to_remove=2, candidates="shortgpt+lstsq_dwn")

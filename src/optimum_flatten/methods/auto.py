@@ -42,7 +42,8 @@ class AutoConfig(MethodConfig):
     """Options of the automatic choice.
 
     Attributes:
-        candidates: Space-separated candidate specs (``method`` or ``method+lstsq|+cosine|+scale``).
+        candidates: Space-separated candidate specs, ``method[:option=value,...][+correction]`` with a correction
+            among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``.
         validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
         max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
         max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
