@@ -34,7 +34,13 @@ from .base import CompressionMethod, MethodContext
 from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
 from .registry import get_method_class, register_method, require_capabilities
 
-DEFAULT_CANDIDATES = "shortgpt shortgpt+scale shortgpt+lstsq uidl uidl+scale replaceme flattengpt flattengpt+lstsq come"
+#: The bridges refit the down projection (``+lstsq_down``): on SmolLM2 it beat ReplaceMe's map as a bridge after
+#: ShortGPT, SLEB and FlattenGPT on both evaluation texts, and as ReplaceMe's own estimator on SmolLM2 and
+#: Qwen2.5 (benchmarks/RESULTS.md); the paper's ReplaceMe stays a candidate beside it.
+DEFAULT_CANDIDATES = (
+    "shortgpt shortgpt+scale shortgpt+lstsq_down uidl uidl+scale replaceme replaceme:estimator=lstsq_down "
+    "flattengpt flattengpt+lstsq_down come"
+)
 
 
 @dataclass
