@@ -90,6 +90,9 @@ VARIANTS: dict[str, dict] = {
     "replaceme_lstsq_down_unshrunk": dict(method="replaceme", estimator="lstsq_down", down_ridge=0.0),
     "flattengpt_lstsq_down": dict(method="flattengpt", linear_replacement="lstsq_down"),
     "shortgpt_lstsq_down": dict(method="shortgpt", linear_replacement="lstsq_down"),
+    "flattengpt_heads_by_reconstruction_lstsq_down": dict(
+        method="flattengpt", head_selection="reconstruction", linear_replacement="lstsq_down"
+    ),
     "sleb_first_2_sequences_lstsq_down": dict(
         method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq_down"
     ),
