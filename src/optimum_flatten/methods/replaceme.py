@@ -101,11 +101,13 @@ class ReplaceMeMethod(CompressionMethod):
 
         - linear_replacement: a second runner (the first stays alive), the dense state at the end of the block (S), the
           states propagated on the compressed model (S) and the boundary being computed; the float64 statistics MᵀM and
-          Mᵀ(L − Y) (2·8·d²) with, while the fitted layer runs, each batch's float64 copies at the MLP hook
-          (T_b·d·(24 + b)); the solve adds a copy of the Gram matrix with its jitter and its factor (2·8·d²); the fold,
-          with the statistics and the map T (8·d²) still held, a float64 W_down and its product (2·8·d·i). With
+          Mᵀ(L − Y) (2·8·d²) with, while the fitted layer runs, each batch's float64 copies at the MLP hook (T_b·d·(24 +
+          b)); the solve adds the factor (8·d²; the jitter goes on the Gram matrix's diagonal in place); the fold, with
+          the statistics and the map T (8·d²) still held, a float64 W_down and its product (2·8·d·i). With
           estimator="cosine" the fit keeps M, Y and L of every token in float32 (3·N·d·4, on the CPU) and their
-          concatenation (the same again).
+          concatenation (the same again). With estimator="lstsq_down" the statistics are AᵀA and Aᵀ(L − Y) over the
+          MLP's intermediate width i (8·i² + 8·i·d, twice while the ridge is chosen on a held-out batch) and the solve's
+          factor is i × i.
         Cost (a bound: it depends on where the block is): the selection walk (1), the dense walk up to the block's end
         (≤ 1), and the compressed model up to the last bridged layer, that layer twice (≤ (L − n + blocks)/L).
         """
@@ -115,21 +117,21 @@ class ReplaceMeMethod(CompressionMethod):
         statistics = 2 * 8 * d * d
         fit = max(
             z.run_outputs() + statistics + z.Tb * d * (24 + z.b) + 3 * d * z.Tb * z.b,
-            statistics + 2 * 8 * d * d,
+            statistics + 8 * d * d,
             statistics + 8 * d * d + 2 * 8 * d * i,
         )
         if config.estimator == "cosine":
             fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
         if config.estimator == "lstsq_down":
             # AᵀA and Aᵀ(L − Y) over the intermediate width, twice while a ridge is chosen on a held-out batch;
-            # float64 rows converted a chunk at a time; a solve holds the shifted copy of the Gram matrix and its
-            # factor, with the prior, the right-hand side, the solution and the held-out product (i × d each).
+            # float64 rows converted a chunk at a time; a solve holds the factor (the ridge and jitter go on the
+            # diagonal in place), the prior, the right-hand side, the solution and the held-out product (i × d each).
             sets = 2 if config.down_ridge is None and z.cal.batches > 1 else 1
             statistics = sets * (8 * i * i + 8 * i * d)
             chunk = min(z.Tb, UPDATE_CHUNK_ROWS)
             fit = max(
                 z.run_outputs() + statistics + z.Tb * d * 24 + chunk * (i + d) * 8 + 3 * d * z.Tb * z.b,
-                statistics + 2 * 8 * i * i + 4 * 8 * i * d,
+                statistics + 8 * i * i + 4 * 8 * i * d,
             )
         phases.append(
             Phase(
@@ -142,7 +144,7 @@ class ReplaceMeMethod(CompressionMethod):
                     Term(
                         "largest of: a layer run, the statistics with one batch's float64 copies, the solve, the fold",
                         max(z.run_outputs() + z.block_forward(), fit),
-                        "MᵀM and Mᵀ(L − Y) in float64 (2·8·d²); Cholesky with jitter (2·8·d² more)",
+                        "MᵀM and Mᵀ(L − Y) in float64 (2·8·d²); Cholesky with jitter (8·d² more)",
                     ),
                 ),
             )

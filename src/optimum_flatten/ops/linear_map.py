@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .ridge import cholesky_shifted_in_place
+
 #: Names of the ways a map can be estimated (see `solve_least_squares`, `solve_least_squares_with_gain` and
 #: `fit_cosine`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual stream, fitted jointly;
 #: ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs.
@@ -172,24 +174,23 @@ def _jittered_factor(
     gram: torch.Tensor, relative_jitter: float | None = None, max_attempts: int = 12, shift: float = 0.0
 ) -> tuple[torch.Tensor, SolveInfo]:
     """The Cholesky factor of `gram` + (shift + jitter)·I (see `solve_least_squares` for the jitter's start and
-    growth; `shift` is a ridge). The diagonal is added to one copy in place: two (dim x dim) matrices at a time,
-    the copy and its factor."""
+    growth; `shift` is a ridge). The diagonal is shifted in place and restored (`cholesky_shifted_in_place`): the
+    factor is the only (dim x dim) matrix it allocates."""
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
     if relative_jitter is None:
         relative_jitter = gram.shape[0] * torch.finfo(torch.float64).eps
-    jitter = relative_jitter * scale
-    for attempt in range(1, max_attempts + 1):
-        shifted = gram.clone()
-        shifted.diagonal().add_(shift + jitter)
-        factor, info = torch.linalg.cholesky_ex(shifted)
-        del shifted
-        if int(info) == 0:
-            return factor, SolveInfo(jitter=jitter, attempts=attempt)
+    jitters, jitter = [], relative_jitter * scale
+    for _ in range(max_attempts):
+        jitters.append(jitter)
         jitter *= 10.0
-    raise RuntimeError(
-        f"the Gram matrix of the MLP outputs stayed singular after jitter {jitter:.3g}; the calibration tokens do not "
-        "determine a linear map (too few tokens, or all equal)."
-    )
+    found = cholesky_shifted_in_place(gram, shift, jitters)
+    if found is None:
+        raise RuntimeError(
+            f"the Gram matrix of the MLP outputs stayed singular after jitter {jitter:.3g}; the calibration tokens do "
+            "not determine a linear map (too few tokens, or all equal)."
+        )
+    factor, used, attempt = found
+    return factor, SolveInfo(jitter=used, attempts=attempt)
 
 
 #: Ridge strengths tried by `fit_towards_prior`, relative to the mean diagonal of the fitting part's Gram matrix;

@@ -13,7 +13,7 @@ Cholesky solve in float64 (with jitter if needed), never an explicit inverse.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -24,27 +24,43 @@ def default_ridge_lambda(second_moment: torch.Tensor, ratio: float) -> float:
     return float(ratio) * float(torch.trace(c)) / c.shape[0]
 
 
+def cholesky_shifted_in_place(
+    matrix: torch.Tensor, shift: float, jitters: Iterable[float]
+) -> tuple[torch.Tensor, float, int] | None:
+    """(factor, jitter, attempt) of the Cholesky factor of `matrix + (shift + jitter)·I` for the first of `jitters`
+    that factorises, or None when none does.
+
+    The shift is added to the diagonal of `matrix` in place and the saved diagonal put back afterwards (bit for bit,
+    also on error), so the only n × n allocation is the factor: the statistics are the largest tensors a solve holds.
+    """
+    diagonal = matrix.diagonal()
+    saved = diagonal.clone()
+    try:
+        for attempt, jitter in enumerate(jitters, start=1):
+            diagonal.copy_(saved).add_(shift + jitter)
+            factor, info = torch.linalg.cholesky_ex(matrix)
+            if int(info) == 0:
+                return factor, jitter, attempt
+            del factor
+    finally:
+        diagonal.copy_(saved)
+    return None
+
+
 def _shifted_cholesky(matrix: torch.Tensor, shift: float) -> tuple[torch.Tensor, float]:
     """Cholesky factor of `matrix + shift·I`, and the shift actually used.
 
     If rounding made the matrix indefinite, a growing jitter (relative to its mean diagonal) is added to the shift;
-    callers that need the exact shift (the leverage formula) read it back. The shift is added to the diagonal of
-    `matrix` in place and the saved diagonal put back afterwards (bit for bit, also on error), so the only n × n
-    allocation is the factor: the statistics are the largest tensors FlattenGPT holds.
+    callers that need the exact shift (the leverage formula) read it back. In place, see `cholesky_shifted_in_place`.
     """
-    diagonal = matrix.diagonal()
-    saved = diagonal.clone()
-    scale = float(saved.abs().mean().clamp_min(1e-30))
-    try:
-        for jitter in [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)]:
-            diagonal.copy_(saved).add_(shift + jitter)
-            factor, info = torch.linalg.cholesky_ex(matrix)
-            if int(info) == 0:
-                return factor, shift + jitter
-            del factor
-    finally:
-        diagonal.copy_(saved)
-    raise torch.linalg.LinAlgError("matrix is not positive definite even with jitter; is the calibration data empty?")
+    scale = float(matrix.diagonal().abs().mean().clamp_min(1e-30))
+    found = cholesky_shifted_in_place(matrix, shift, [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)])
+    if found is None:
+        raise torch.linalg.LinAlgError(
+            "matrix is not positive definite even with jitter; is the calibration data empty?"
+        )
+    factor, jitter, _ = found
+    return factor, shift + jitter
 
 
 def ridge_leverage_scores(second_moment: torch.Tensor, lam: float, block_size: int = 1024) -> torch.Tensor:
