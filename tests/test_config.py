@@ -20,6 +20,8 @@ def test_round_trip_through_dict_and_json():
     data = json.loads(json.dumps(config.to_dict()))
     assert data["quant_method"] == "flatten"
     assert data["method_args"] == {
+        "selection": "similarity",
+        "scoring_batches": 1,
         "calibration_mode": "sequential",
         "max_group_size": 3,
         "ridge_ratio": 10.0,

@@ -272,7 +272,7 @@ def _exit_code(argv: list[str]) -> int:
     [
         (["estimate", "{missing}", "--num-layers-to-remove", "2"], "no such folder"),
         (["estimate", "{folder}", "--num-layers-to-remove", "32"], "num_layers_to_remove must be between 1 and 31"),
-        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--scoring-batches", "2"], "another method"),
+        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--resume-candidates", "false"], "another method"),
         (["estimate", "{folder}", "--num-layers-to-remove", "2", "--method", "laco"], "invalid choice"),
     ],
 )
@@ -326,3 +326,18 @@ def test_the_estimate_asks_the_method_for_its_memory_model(monkeypatch):
         estimate_memory(model, "shortgpt", 1, nsamples=4, seqlen=16, batch_size=2)
     monkeypatch.setattr(LaCoMethod, "workspace", shortgpt_model)
     assert "laco" in modelled_methods()
+
+
+@pytest.mark.parametrize("selection", ["loss", "wide_loss"])
+@pytest.mark.parametrize("layers", [4, 6])
+def test_flattengpt_loss_selection_estimate(layers, selection, monkeypatch):
+    """The loss selections: the states entering every layer on the scored batches and the candidates' blocks (every
+    compressed candidate with "loss", wide blocks with "wide_loss") replace the similarity pass; the estimate is
+    checked phase by phase, and its stack passes are a bound."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=layers)
+    options = {"selection": selection, "scoring_batches": 2}
+    estimate = estimate_memory(model, "flattengpt", 1, method_args=options, **calibration)
+    measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
+    _check(estimate, measured)
+    assert estimate.stack_passes_is_bound

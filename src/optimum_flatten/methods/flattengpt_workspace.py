@@ -57,9 +57,17 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     """
     s, b, d, i = z.shape, z.b, z.d, z.i
     L = s.num_layers
-    g = min(config.max_group_size or n + 1, n + 1, L)
+    kind = getattr(config, "selection", "similarity")
+    by_loss = kind in ("loss", "wide_loss")
+    # selection="loss" compresses every run of 2..max_group_size layers before choosing: each size occurs.
+    prebuilt = kind == "loss"
+    g = min(config.max_group_size, L) if prebuilt else min(config.max_group_size or n + 1, n + 1, L)
+    candidates = sum(L - size + 1 for size in range(2, g + 1)) if prebuilt else 0
     band = config.similarity_band or _auto_band(z, config, L)
-    cached = band >= L and config.calibration_mode == "one_pass"
+    cached = band >= L and config.calibration_mode == "one_pass" and not by_loss
+    scored = min(config.scoring_batches or z.cal.batches, z.cal.batches) if by_loss else 0
+    fraction = min(1.0, scored * z.cal.batch_size / z.cal.nsamples)
+    scored_states = int(z.S * fraction)
     width = g * i  # the wide MLP: the statistic C is width x width
     heads_width = g * s.num_heads * s.head_dim
     keep, rest = i, width - i
@@ -93,6 +101,16 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     apply_base = [
         z.tokens(),
         *z.runners(1),
+        Term(
+            "the loss selection's runner: layer-0 states on the scored batches",
+            0 if prebuilt else scored_states,
+            "the context keeps each runner it opened",
+        ),
+        Term(
+            "compressed candidate groups built so far",
+            max(candidates - 1, 0) * s.layer_bytes,
+            "selection='loss': every candidate group compressed before choosing, one layer each",
+        ),
         cache,
         Term("states entering the group", z.S, "rebuilt from the cache" if cached else "the propagated stream"),
     ]
@@ -113,6 +131,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             ),
         ),
     )
+    if by_loss:
+        selection = _loss_selection_phase(z, n, g, scored_states, fraction, candidates)
     flatten = Phase(
         "flatten",
         (
@@ -124,6 +144,9 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             ),
         ),
     )
+    if by_loss and not prebuilt and selection.bytes > flatten.bytes:
+        # The selection builds every candidate's wide block under the same phase name, beside its own states.
+        flatten = Phase("flatten", selection.terms)
     at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
     head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width) if needs_o else 0)
     head_scoring = Phase(
@@ -209,7 +232,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             "propagate",
             (
                 *apply_base,
-                Term("the group's compressed block", s.layer_bytes, "until it replaces its first member"),
+                Term(
+                    "the group's compressed block",
+                    0 if prebuilt else s.layer_bytes,
+                    "until it replaces its first member" if not prebuilt else "selection='loss': among the candidates",
+                ),
                 z.run_term(),
             ),
         )
@@ -220,16 +247,83 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
     if cached:
         propagation = 0
+    elif prebuilt:
+        # The candidates' pass runs the original layers 0..L-3 once; the application installs the chosen blocks.
+        propagation = (L - 2) * p_layer
     elif config.calibration_mode == "sequential":
         # The compressed block (one layer) runs instead of its g members.
         propagation = L * p_layer - groups * (g - 1) * p_layer
     else:
         propagation = L * p_layer
-    passes = ((L - 1) * p_layer + propagation + groups * per_group) / (L * p_layer)
+    if by_loss:
+        # Per merge with G groups: the states once more from the merge on (at most G runs), and each candidate's
+        # wide block (g layers) and the groups after it (at most G runs) and one LM head; the first G runs are the
+        # states themselves. A bound: merged groups after a candidate are counted as one layer each.
+        merges = [L - k for k in range(n)]
+        block = 1 if prebuilt else g  # a compressed candidate is one layer wide, a wide block g
+        work = L + sum(G + (G - 1) * (block + G) + (G - 1) * s.head_weights / p_layer for G in merges)
+        selection_work = fraction * work * p_layer
+    else:
+        selection_work = (L - 1) * p_layer
+    if prebuilt:
+        groups = candidates
+    passes = (selection_work + propagation + groups * per_group) / (L * p_layer)
     notes = []
+    if by_loss:
+        notes.append("the loss selection's candidate runs are a bound")
     if g != 2:
         notes.append(f"groups of up to {g} layers assumed (max_group_size={config.max_group_size}): a bound")
-    return phases, passes, g != 2, notes
+    return phases, passes, g != 2 or by_loss, notes
+
+
+def _loss_selection_phase(
+    z: WorkspaceSizes, n: int, g: int, scored_states: int, fraction: float, candidates: int
+) -> Phase:
+    """The loss selections (`groups_by_calibration_loss`): the states entering every group on the scored batches and
+    one candidate's suffix run, beside the candidates' blocks: with ``"loss"`` every compressed candidate (one layer
+    each, built before the search, whose runner stays open), with ``"wide_loss"`` the wide blocks of the merges made
+    and of the best candidate, and the candidate being flattened."""
+    s = z.shape
+    nll = 12 * z.cal.seqlen * s.vocab_size
+    if candidates:
+        forward = z.block_forward()
+        blocks = Term("the compressed candidate groups", candidates * s.layer_bytes, f"{candidates}, one layer each")
+        run = Term(
+            "the candidate's suffix run",
+            scored_states + max(int(z.run_outputs() * fraction) + forward, nll),
+            "the suffix's input, run outputs and temporaries, or one row's next-token loss",
+        )
+        runner = z.runners(1)
+    else:
+        forward = z.block_forward(g * z.i, g * s.num_heads, g * s.num_kv_heads)
+        blocks = Term(
+            "wide blocks of the merges made and of the best candidate so far",
+            n * g * s.layer_bytes,
+            f"{n} wide blocks of {g} layers at the last merge",
+        )
+        run = Term(
+            "the candidate: its members' copies and wide block while built, or its suffix run",
+            max(
+                2 * g * s.layer_bytes + z.d * z.i * z.b,
+                g * s.layer_bytes + scored_states + max(int(z.run_outputs() * fraction) + forward, nll),
+            ),
+            "flatten as in the flatten phase; or the block, the suffix's input, run outputs and temporaries, or "
+            "one row's next-token loss",
+        )
+        runner = z.runners(1)[1:]
+    return Phase(
+        "selection",
+        (
+            z.tokens(),
+            *runner,
+            Term("layer-0 states on the scored batches", scored_states, "the scoring runner, cut to those batches"),
+            Term(
+                f"states entering every group ({s.num_layers})", s.num_layers * scored_states, f"fraction {fraction:g}"
+            ),
+            blocks,
+            run,
+        ),
+    )
 
 
 def _auto_band(z: WorkspaceSizes, config: Any, num_layers: int) -> int:

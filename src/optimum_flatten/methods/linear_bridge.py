@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -137,43 +137,28 @@ def dense_targets(states: CalibratedStates, plan: LayerPlan, correct_after: int 
 
 
 @contextlib.contextmanager
-def capture_mlp(block: Any, on_batch: Any) -> Iterator[None]:
-    """While open, calls ``on_batch(m, y)`` with each forward's MLP output m and MLP-norm input y."""
+def capture_mlp(block: Any, on_batch: Any, read: Literal["output", "down_input"] = "output") -> Iterator[None]:
+    """While open, calls ``on_batch(x, y)`` on each forward, with y the MLP-norm input and x the MLP's output
+    (``read="output"``: what ReplaceMe's T maps) or the down projection's input, the intermediate activation
+    (``read="down_input"``: what the down refit fits on)."""
     seen: dict[str, torch.Tensor] = {}
 
     def norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
         seen["y"] = args[0].detach()
 
-    def mlp_hook(_module: Any, _args: Any, output: Any) -> None:
+    def output_hook(_module: Any, _args: Any, output: Any) -> None:
         on_batch(first_output(output).detach(), seen.pop("y"))
 
-    handles = [
-        block.mlp_norm.module.register_forward_pre_hook(norm_hook),
-        block.mlp.module.register_forward_hook(mlp_hook),
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def capture_down_input(block: Any, on_batch: Any) -> Iterator[None]:
-    """While open, calls ``on_batch(a, y)`` with each forward's down-projection input a (the MLP's intermediate
-    activation) and MLP-norm input y."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
-        seen["y"] = args[0].detach()
-
-    def down_hook(_module: Any, args: tuple[Any, ...]) -> None:
+    def down_input_hook(_module: Any, args: tuple[Any, ...]) -> None:
         on_batch(args[0].detach(), seen.pop("y"))
 
-    handles = [
-        block.mlp_norm.module.register_forward_pre_hook(norm_hook),
-        block.mlp.down.module.register_forward_pre_hook(down_hook),
-    ]
+    if read == "output":
+        reader = block.mlp.module.register_forward_hook(output_hook)
+    elif read == "down_input":
+        reader = block.mlp.down.module.register_forward_pre_hook(down_input_hook)
+    else:
+        raise ValueError(f"read must be 'output' or 'down_input', got {read!r}.")
+    handles = [block.mlp_norm.module.register_forward_pre_hook(norm_hook), reader]
     try:
         yield
     finally:
@@ -363,7 +348,7 @@ def refit_down_(
         into = held_out if b == held_out_batch else fit
         into.update(a, target[b].to(a.device, torch.float64) - y.to(torch.float64), runner.masks[b])
 
-    with capture_down_input(block, on_batch):
+    with capture_mlp(block, on_batch, read="down_input"):
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
     lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
     ridges = RIDGE_GRID if ridge is None else (ridge,)
