@@ -7,6 +7,8 @@ and every method must give the same plan and the same weights as with the model 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from accelerate.hooks import AlignDevicesHook
@@ -40,9 +42,11 @@ def _offloaded(dense_dir, tmp_path):
 
 
 def _config(method: str) -> FlattenConfig:
-    """`method` or `method+correction` (a linear replacement or a compensation on top)."""
+    """`method`, `method+correction` (a linear replacement or a compensation on top), or `method/option=value`."""
+    method, _, option = method.partition("/")
     method, _, correction = method.partition("+")
-    extra = {"threshold": None, "search_steps": 4} if method in ("laco", "sliding_window") else {}
+    extra: dict[str, Any] = dict([option.split("=")]) if option else {}
+    extra |= {"threshold": None, "search_steps": 4} if method in ("laco", "sliding_window") else {}
     if correction:
         extra["compensation" if correction == "scale" else "linear_replacement"] = correction
     return FlattenConfig(
@@ -54,6 +58,7 @@ def _config(method: str) -> FlattenConfig:
     "method",
     [
         "flattengpt",
+        "flattengpt/selection=loss",
         "laco",
         "sliding_window",
         "shortgpt",
@@ -76,7 +81,7 @@ def test_offloaded_compression_equals_in_memory_compression(dense_dir, tmp_path,
     quantizer.compress(offloaded, tokenizer)
 
     assert quantizer.plan == reference.plan
-    if method == "flattengpt":
+    if method.startswith("flattengpt"):
         for ours, theirs in zip(quantizer.report["groups"], reference.report["groups"], strict=True):
             assert ours["kept_kv_groups"] == theirs["kept_kv_groups"]
             assert ours["kept_channels_per_member"] == theirs["kept_channels_per_member"]
