@@ -286,21 +286,23 @@ class FlattenGPTMethod(CompressionMethod):
         self._prebuilt = None
         if self.config.selection in ("loss", "wide_loss"):
             self._cache = None
+            prebuilt: dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]] = {}
             if self.config.selection == "loss":
                 # Each candidate group compressed once, on the original model's states (one-pass): the block the
                 # application would build, so the search scores the compressed model itself and the chosen blocks
                 # are installed as they are.
                 prebuilt = self._compress_candidates(adapter, context)
-                candidate = lambda indices: prebuilt[indices][0]  # noqa: E731
-            else:
-                candidate = lambda indices: self._flatten(adapter, indices, context)  # noqa: E731
+
+            def candidate(indices: tuple[int, ...]) -> nn.Module:
+                return prebuilt[indices][0] if prebuilt else self._flatten(adapter, indices, context)
+
             groups, steps = groups_by_calibration_loss(
                 adapter, context, num_to_remove, self.config.max_group_size, self.config.scoring_batches, candidate
             )
             context.report["selection_steps"] = steps
-            if self.config.selection == "loss":
+            if prebuilt:
                 self._prebuilt = (context, {g: prebuilt[g] for g in groups if len(g) > 1})
-                del prebuilt, candidate
+                prebuilt.clear()  # the candidates not chosen
             return LayerPlan(
                 num_layers=adapter.num_layers(context.stack), groups=groups, rule="flatten_prune", stack=context.stack
             )
@@ -402,12 +404,13 @@ class FlattenGPTMethod(CompressionMethod):
     ) -> None:
         """The loss selection's compressed groups, built while planning, take their first members' places."""
         layers = adapter.layers(context.stack)
+        missing = [list(g.indices) for g in plan.groups if not g.is_keep and g.indices not in blocks]
+        if missing:  # before any layer is replaced
+            raise ValueError(f"groups {missing} were not among the groups the selection compressed.")
         group_reports = []
         for group in plan.groups:
             if group.is_keep:
                 continue
-            if group.indices not in blocks:
-                raise ValueError(f"group {list(group.indices)} was not among the groups the selection compressed.")
             block, group_report = blocks.pop(group.indices)
             adapter.replace_block_(context.stack, group.indices[0], dispatch_like(block, layers[group.indices[0]]))
             group_reports.append(group_report)
