@@ -433,3 +433,30 @@ def test_linear_replacement_and_replaceme_options_reach_the_config():
         "tokens": "all",
         "num_blocks": 2,
     }
+
+
+@pytest.mark.parametrize(
+    ("method", "value"),
+    [("replaceme", "loss"), ("flattengpt", "loss"), ("flattengpt", "wide_loss"), ("ffn_merge", "nll")],
+)
+def test_an_option_several_methods_share_takes_each_methods_own_values(method, value):
+    """`--selection` is an option of ffn_merge, ReplaceMe and FlattenGPT with other values each: every method's
+    values parse, and the method's config is what checks them."""
+    from optimum_flatten import FlattenConfig
+    from optimum_flatten.cli.main import build_parser
+    from optimum_flatten.cli.options import config_kwargs
+
+    argv = ["compress", "m", "--output", "o", "--method", method, "--selection", value]
+    if method != "ffn_merge":
+        argv += ["--num-layers-to-remove", "2"]
+    kwargs = config_kwargs(build_parser().parse_args(argv))
+    assert kwargs["selection"] == value
+    assert FlattenConfig(**kwargs).method_config.selection == value
+
+
+def test_a_shared_options_value_of_another_method_is_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    argv = ["compress", str(tiny_checkpoint), "--output", str(tmp_path / "o"), "--num-layers-to-remove", "2"]
+    assert main([*argv, "--selection", "nll"]) == 2  # ffn_merge's value, FlattenGPT's option
+    err = capsys.readouterr().err.strip()
+    assert "selection must be one of 'similarity', 'loss', 'wide_loss'" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -48,6 +48,7 @@ def _add_dataclass_fields(
         convert, choices = option_converter(hints[f.name])
         owners = (shared or {}).get(f.name, [])
         if len(owners) > 1:
+            choices = _shared_choices(f.name, owners)
             group.add_argument(
                 f"--{f.name.replace('_', '-')}",
                 dest=f.name,
@@ -66,6 +67,20 @@ def _add_dataclass_fields(
             default=argparse.SUPPRESS,
             help=f"{help_text} (default: {f.default!r})",
         )
+
+
+def _shared_choices(name: str, owners: Sequence[str]) -> list[Any] | None:
+    """The choices of an option several methods have: every owner's, in order (``--selection`` is ffn_merge's
+    cosine/nll, ReplaceMe's distance/loss and FlattenGPT's similarity/loss/wide_loss); None when any owner takes a
+    free value. The method's own config checks the value against its own choices."""
+    union: list[Any] = []
+    for owner in owners:
+        hint = typing.get_type_hints(get_method_class(owner).config_class)[name]
+        choices = option_converter(hint)[1]
+        if choices is None:
+            return None
+        union += [c for c in choices if c not in union]
+    return union
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
