@@ -161,9 +161,16 @@ def test_loss_selection_matches_naive_compressed_candidates(factory, limit):
 def test_loss_selection_compresses_to_a_stock_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from optimum_flatten.export.model_card import render_model_card
+
     model = tiny_models.tiny_llama_gqa()
-    compress(model, "flattengpt", num_layers_to_remove=2, selection="loss")
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, selection="loss")
     assert model.config.num_hidden_layers == 4
+    steps = quantizer.report["selection_steps"]
+    card = render_model_card(quantizer.report)
+    for k, step in enumerate(steps):
+        assert f"Merge {k + 1} chosen by calibration loss: {step['merged']}" in card
+        assert f"runner-up {step['runner_up']['merged']}" in card
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     ids = sample_ids()

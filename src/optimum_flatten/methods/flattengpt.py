@@ -202,7 +202,21 @@ class FlattenGPTMethod(CompressionMethod):
 
     @classmethod
     def card_section(cls, report: dict[str, Any]) -> CardSection | None:
-        """The similarity heatmap the selection measured, merged groups outlined (nothing when the report has none)."""
+        """The similarity heatmap the selection measured, merged groups outlined; with a loss selection, each merge
+        and its calibration NLL against the runner-up's (nothing when the report has neither)."""
+        steps = report.get("selection_steps")
+        if steps:
+            lines = tuple(
+                f"Merge {k + 1} chosen by calibration loss: {step['merged']} (next-token NLL {step['nll']:.4f} on the "
+                "scored calibration batches"
+                + (
+                    f"; runner-up {step['runner_up']['merged']} at {step['runner_up']['nll']:.4f})"
+                    if "runner_up" in step
+                    else ")"
+                )
+                for k, step in enumerate(steps)
+            )
+            return CardSection(lines=lines)
         similarity = report.get("similarity")
         if similarity is None:
             return None
