@@ -54,8 +54,8 @@ def groups_by_calibration_loss(
         The groups covering 0..L-1 in order, and one record per step (the merge made, its NLL, and the runner-up).
 
     Raises:
-        ValueError: when no admissible merge is left before `num_to_remove` merges were made (the same refusal as
-            the similarity selection's).
+        ValueError: when `num_to_remove` merges cannot be made within `max_group_size` (checked before every
+            merge, so the search never takes a merge that would strand it).
     """
     runner = context.new_runner(adapter)
     states = CalibratedStates.on_first_batches(runner, adapter.layers(context.stack), context.batches, scoring_batches)
@@ -63,7 +63,7 @@ def groups_by_calibration_loss(
     limit = max_group_size if max_group_size is not None else num_layers
     head_weights = count_parameters(adapter.lm_head(context.stack))
     groups: list[Group] = [(i,) for i in range(num_layers)]
-    blocks: dict[Group, nn.Module] = {}  # the wide blocks of the groups merged so far
+    blocks: dict[Group, nn.Module] = {}  # the blocks of the groups merged so far (candidate_block's)
 
     def run_group(group: Group, hidden: list[torch.Tensor], block: nn.Module | None = None) -> list[torch.Tensor]:
         # A group runs as the layer at its first member's position, with that layer's call arguments.
