@@ -46,6 +46,16 @@ def _model_for(method: str) -> torch.nn.Module:
     return model
 
 
+def _misplaced(model: torch.nn.Module, device: str, dtype: torch.dtype) -> list[tuple[str, str, torch.dtype]]:
+    """Every parameter or buffer off `device` or, if floating, not in `dtype` (RoPE's float32 frequencies aside)."""
+    return [
+        (name, str(t.device), t.dtype)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type != torch.device(device).type
+        or (t.is_floating_point() and t.dtype != dtype and "inv_freq" not in name)
+    ]
+
+
 def test_the_table_names_only_registered_methods():
     assert set(OPTIONS) <= set(registered_methods())
 
@@ -60,13 +70,7 @@ def test_every_method_keeps_the_model_on_its_device_and_dtype(method, dtype, dev
     depth = {} if method_class.keeps_depth or method == "layer_collapse" else {"num_layers_to_remove": 2}
     quantizer = compress(model, method, **depth, **OPTIONS.get(method, {}))
 
-    wrong = [
-        (name, str(t.device), t.dtype)
-        for name, t in [*model.named_parameters(), *model.named_buffers()]
-        if t.device.type != torch.device(device).type
-        or (t.is_floating_point() and t.dtype != dtype and "inv_freq" not in name)
-    ]
-    assert wrong == []
+    assert _misplaced(model, device, dtype) == []
     if depth:
         assert model.config.num_hidden_layers == layers_before - 2
     with torch.no_grad():
@@ -74,6 +78,33 @@ def test_every_method_keeps_the_model_on_its_device_and_dtype(method, dtype, dev
     assert out.device.type == torch.device(device).type and out.dtype == dtype
     assert bool(torch.isfinite(out).all())
     assert quantizer.report["cost"]["stack_passes"] >= 0
+
+
+#: FlattenGPT's options that take paths of their own (candidate blocks built and held, TF32 products, the float64
+#: reference, a reconstruction search, down-refit bridges): each must leave the model where it was, as the defaults do.
+FLATTENGPT_VARIANTS = {
+    "loss_selection": {"selection": "loss"},
+    "wide_loss_selection": {"selection": "wide_loss"},
+    "tf32_statistics": {"covariance_dtype": "tf32"},
+    "float64_statistics": {"covariance_dtype": "float64"},
+    "reconstruction_heads": {"head_selection": "reconstruction"},
+    "down_bridges": {"linear_replacement": "lstsq_down"},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", sorted(FLATTENGPT_VARIANTS))
+def test_flattengpt_options_keep_the_model_on_its_device_and_dtype(variant, dtype, device):
+    model = tiny_models.tiny_llama_gqa().to(device=device, dtype=dtype)
+    compress(model, "flattengpt", num_layers_to_remove=2, **FLATTENGPT_VARIANTS[variant])
+
+    assert _misplaced(model, device, dtype) == []
+    assert model.config.num_hidden_layers == 4
+    with torch.no_grad():
+        out = model(input_ids=sample_ids().to(device), use_cache=False).logits
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    assert bool(torch.isfinite(out).all())
 
 
 @pytest.mark.gpu
