@@ -29,6 +29,7 @@ def test_round_trip_through_dict_and_json():
         "similarity_memory_gb": 4.0,
         "attention_correction": True,
         "head_selection": "importance",
+        "attention_target": "parallel",
         "attention_ridge_ratio": 1.0,
         "covariance_dtype": "float32",
         "mlp_correction": True,

@@ -81,7 +81,8 @@ def test_every_method_keeps_the_model_on_its_device_and_dtype(method, dtype, dev
 
 
 #: FlattenGPT's options that take paths of their own (candidate blocks built and held, TF32 products, the float64
-#: reference, a reconstruction search, down-refit bridges): each must leave the model where it was, as the defaults do.
+#: reference, a reconstruction search, down-refit bridges, the members' sequential attention writes): each must
+#: leave the model where it was, as the defaults do.
 FLATTENGPT_VARIANTS = {
     "loss_selection": {"selection": "loss"},
     "wide_loss_selection": {"selection": "wide_loss"},
@@ -89,6 +90,7 @@ FLATTENGPT_VARIANTS = {
     "float64_statistics": {"covariance_dtype": "float64"},
     "reconstruction_heads": {"head_selection": "reconstruction"},
     "down_bridges": {"linear_replacement": "lstsq_down"},
+    "sequential_attention_target": {"attention_target": "sequential"},
 }
 
 

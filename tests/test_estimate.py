@@ -341,3 +341,17 @@ def test_flattengpt_loss_selection_estimate(layers, selection, monkeypatch):
     measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
     _check(estimate, measured)
     assert estimate.stack_passes_is_bound
+
+
+@pytest.mark.parametrize("head_selection", ["importance", "reconstruction"])
+def test_flattengpt_sequential_attention_target_estimate(head_selection, monkeypatch):
+    """`attention_target="sequential"`: the members' attention writes (a float32 states copy) and their cross
+    moment with the o_proj input join the head scoring, and the members' runs the stack passes."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=4)
+    options = {"attention_target": "sequential", "head_selection": head_selection}
+    estimate = estimate_memory(model, "flattengpt", 1, method_args=options, **calibration)
+    measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
+    _check(estimate, measured)
+    plain = estimate_memory(model, "flattengpt", 1, method_args={"head_selection": head_selection}, **calibration)
+    assert estimate.stack_passes > plain.stack_passes

@@ -107,6 +107,16 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_heads_by_reconstruction_lstsq_down": dict(
         method="flattengpt", head_selection="reconstruction", linear_replacement="lstsq_down"
     ),
+    "flattengpt_sequential_attention": dict(method="flattengpt", attention_target="sequential"),
+    "flattengpt_sequential_attention_lstsq_down": dict(
+        method="flattengpt", attention_target="sequential", linear_replacement="lstsq_down"
+    ),
+    "flattengpt_sequential_heads_by_reconstruction_lstsq_down": dict(
+        method="flattengpt",
+        attention_target="sequential",
+        head_selection="reconstruction",
+        linear_replacement="lstsq_down",
+    ),
     "sleb_first_2_sequences_lstsq_down": dict(
         method="sleb", scoring_batches=1, batch_size=2, linear_replacement="lstsq_down"
     ),

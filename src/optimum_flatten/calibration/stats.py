@@ -187,3 +187,37 @@ class CentredMoment:
 
     def release(self) -> None:
         self.scatter = None
+
+
+class CrossMoment:
+    """S = E[x yᵀ] and E‖y‖² over valid tokens, from float64 running sums, a chunk of tokens at a time.
+
+    The partner of `SecondMoment` when a projection is refitted towards a target y that is not its own output
+    (`ops.ridge.ridge_refit_to_target`). Both widths are a layer's (heads × head_dim by hidden), so the float64
+    product costs what a second moment of the smaller width does and no centring is needed for the memory.
+    """
+
+    def __init__(self, dim: int, out_dim: int, device: torch.device | str = "cpu", chunk_tokens: int = 4096) -> None:
+        self.sum = torch.zeros(dim, out_dim, dtype=torch.float64, device=device)
+        self.energy = 0.0
+        self.count = 0
+        self.chunk_tokens = chunk_tokens
+
+    def update(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Adds the tokens of `x` (batch, seq, dim) and `y` (batch, seq, out_dim) whose mask is 1."""
+        xs, ys = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        if mask is not None:
+            keep = mask.reshape(-1).bool()
+            xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
+        for start in range(0, xs.shape[0], self.chunk_tokens):
+            a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
+            b = ys[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
+            self.sum.addmm_(a.T, b)
+            self.energy += float(b.square().sum())
+        self.count += xs.shape[0]
+
+    def finish(self) -> tuple[torch.Tensor, float]:
+        """(E[x yᵀ], E‖y‖²); the running sum is consumed."""
+        if self.count == 0:
+            raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
+        return self.sum.div_(self.count), self.energy / self.count

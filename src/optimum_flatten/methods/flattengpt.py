@@ -26,7 +26,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.partial import run_to_input
 from ..calibration.states import check_scoring_batches
-from ..calibration.stats import CentredSecondMoment, SecondMoment
+from ..calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ..config import MethodConfig
 from ..ops import (
     accumulate_head_importance,
@@ -41,11 +41,19 @@ from ..ops import (
     ridge_reconstruction_error,
     top_k_indices,
 )
-from ..ops.ridge import kept_blocks, nystrom_from_factor, ridge_factor, ridge_leverage_scores_packed
+from ..ops.ridge import (
+    kept_blocks,
+    nystrom_from_factor,
+    ridge_factor,
+    ridge_leverage_scores_packed,
+    ridge_refit_to_target,
+    ridge_target_error,
+)
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from .flattengpt_attention_target import sequential_attention_writes
 from .flattengpt_loss_selection import groups_by_calibration_loss
 from .flattengpt_workspace import flattengpt_workspace
 from .registry import register_method
@@ -99,6 +107,14 @@ class FlattenGPTConfig(MethodConfig):
         mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
             channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
             calibration text, adds in and out of domain (benchmarks/RESULTS.md).
+        attention_target: What the kept heads are refitted towards (and, with ``head_selection="reconstruction"``,
+            chosen by). ``"parallel"`` (the paper's wide block): every member's attention on the group's input.
+            ``"sequential"`` (not in the paper): the sum of what the members' attentions wrote in the original
+            stack, each on its own input (`flattengpt_attention_target`), the function the merged block replaces;
+            the wide block's heads all read the group's input, so this is a regression of one on the other, with
+            the ridge pulling towards the kept heads' own o_proj. Needs `attention_correction` or reconstruction
+            (otherwise nothing is refitted). Costs one run of the group's original layers (the last up to its MLP
+            norm) and a float32 copy of the calibration states per group.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
             1.0 measured better than 10 on SmolLM2-135M.
         covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's
@@ -123,6 +139,7 @@ class FlattenGPTConfig(MethodConfig):
     similarity_memory_gb: float = 4.0
     attention_correction: bool = True
     head_selection: Literal["importance", "reconstruction", "balanced"] = "importance"
+    attention_target: Literal["parallel", "sequential"] = "parallel"
     attention_ridge_ratio: float | None = 1.0
     covariance_dtype: Literal["float32", "float64", "tf32"] = "float32"
     mlp_correction: bool = True
@@ -150,6 +167,17 @@ class FlattenGPTConfig(MethodConfig):
             raise ValueError(
                 f"head_selection must be 'importance', 'reconstruction' or 'balanced', got {self.head_selection!r}."
             )
+        if self.attention_target not in ("parallel", "sequential"):
+            raise ValueError(f"attention_target must be 'parallel' or 'sequential', got {self.attention_target!r}.")
+        if (
+            self.attention_target == "sequential"
+            and not self.attention_correction
+            and self.head_selection != "reconstruction"
+        ):
+            raise ValueError(
+                "attention_target='sequential' changes what the kept heads are refitted towards or chosen by; with "
+                "attention_correction=False and head_selection other than 'reconstruction' nothing uses it."
+            )
         if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
             raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
         if self.calibration_mode not in ("one_pass", "sequential"):
@@ -176,9 +204,13 @@ class _WideBlock:
     adapter: ArchitectureAdapter
     runner: LayerwiseRunner
     wide: nn.Module
-    first: int
+    indices: tuple[int, ...]
     inputs: list[torch.Tensor]
     context: MethodContext
+
+    @property
+    def first(self) -> int:
+        return self.indices[0]
 
 
 #: The file the similarity heatmap is written to, beside the checkpoint.
@@ -449,7 +481,7 @@ class FlattenGPTMethod(CompressionMethod):
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
-        group = _WideBlock(adapter, runner, wide, indices[0], inputs, context)
+        group = _WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
         heads = self._prune_heads(group, target_kv)
         channels = self._prune_channels(group, target_channels)
         num_kv = heads["num_kv_groups"]
@@ -494,6 +526,12 @@ class FlattenGPTMethod(CompressionMethod):
         device = module_device(wide)  # statistics and solves stay on the device the layer lives on
         tf32 = self.config.covariance_dtype == "tf32"
         o_moment = SecondMoment(geometry.num_heads * geometry.head_dim, device, tf32) if needs_o_moment else None
+        sequential = self.config.attention_target == "sequential"
+        o_module = view.attention.o.module
+        writes: list[torch.Tensor] = []
+        heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
+        cross = CrossMoment(heads_width, hidden, device) if sequential else None
+        bias = None if getattr(o_module, "bias", None) is None else o_module.bias.detach().float()
 
         def on_heads(b: int, x: torch.Tensor) -> None:
             nonlocal head_sum, head_count
@@ -503,10 +541,16 @@ class FlattenGPTMethod(CompressionMethod):
             head_count += count
             if o_moment is not None:
                 o_moment.update(x, mask)
+            if cross is not None:  # the target less the bias o_proj keeps as it is
+                target = writes[b].to(x.device)
+                cross.update(x, target if bias is None else target - bias.to(x.device), mask)
+                writes[b] = None  # type: ignore[call-overload]
 
-        after_o = [view.attention.o.module, view.mlp_norm.module, view.mlp.module]
+        after_o = [o_module, view.mlp_norm.module, view.mlp.module]
         with context.timer("head_scoring"):
-            run_to_input(runner, wide, group.first, inputs, view.attention.o.module, on_heads, after_o)
+            if sequential:
+                writes = sequential_attention_writes(adapter, runner, context.stack, group.indices, inputs)
+            run_to_input(runner, wide, group.first, inputs, o_module, on_heads, after_o)
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
@@ -521,12 +565,18 @@ class FlattenGPTMethod(CompressionMethod):
                 o_ratio = self.config.attention_ridge_ratio or self.config.ridge_ratio
                 o_lam = default_ridge_lambda(o_second_moment, o_ratio)
                 o_rows = view.attention.o.weight.T
+                target = cross.finish() if cross is not None else None
                 if self.config.head_selection == "reconstruction":
-                    kept_kv = select_kv_groups_by_reconstruction(o_second_moment, o_rows, geometry, target_kv, o_lam)
+                    kept_kv = select_kv_groups_by_reconstruction(
+                        o_second_moment, o_rows, geometry, target_kv, o_lam, target
+                    )
                 if self.config.attention_correction:
                     channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
-                    o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
-                del o_second_moment, o_rows, o_moment  # freed before the (larger) MLP statistics
+                    if target is None:
+                        o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
+                    else:
+                        o_weight = ridge_refit_to_target(o_second_moment, target[0], o_rows, channels, o_lam).T
+                del o_second_moment, o_rows, o_moment, target  # freed before the (larger) MLP statistics
         adapter.keep_heads_(view, kept_kv, o_weight)
         return {
             "num_kv_groups": geometry.num_kv_heads,
@@ -607,9 +657,15 @@ MAX_EXHAUSTIVE_SUBSETS = 4096
 
 
 def select_kv_groups_by_reconstruction(
-    second_moment: torch.Tensor, o_rows: torch.Tensor, geometry: Any, num_keep: int, lam: float
+    second_moment: torch.Tensor,
+    o_rows: torch.Tensor,
+    geometry: Any,
+    num_keep: int,
+    lam: float,
+    target: tuple[torch.Tensor, float] | None = None,
 ) -> list[int]:
-    """The `num_keep` KV groups whose heads, refit by ridge, best reproduce the full attention output.
+    """The `num_keep` KV groups whose heads, refit by ridge, best reproduce the full attention output, or `target`
+    when given: (E[a tᵀ], E‖t‖²) of another target t (`attention_target="sequential"`).
 
     Exhaustive over all subsets when there are at most MAX_EXHAUSTIVE_SUBSETS of them, else greedy backward
     elimination (repeatedly drop the group whose removal costs least).
@@ -617,6 +673,8 @@ def select_kv_groups_by_reconstruction(
 
     def error(groups: Sequence[int]) -> float:
         channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(groups)))
+        if target is not None:
+            return ridge_target_error(second_moment, target[0], target[1], o_rows, channels, lam)
         return ridge_reconstruction_error(second_moment, o_rows, channels, lam)
 
     groups = list(range(geometry.num_kv_heads))

@@ -31,7 +31,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       is the last to go).
     - head_scoring: the wide block (g layers); the o_proj input second moment (float64, (g·H·d_h)²); the wide block
       runs each batch only up to its o_proj input, where it holds q, k, v and the attention output while the head
-      scores take two float64 copies of that input (16·T_b·g·H·d_h) and the moment its own update.
+      scores take two float64 copies of that input (16·T_b·g·H·d_h) and the moment its own update. With
+      `attention_target="sequential"` also the members' attention writes (float32, S32), built by running the
+      members in turn (a member's outputs, S, held meanwhile), and their float64 cross moment with the o_proj
+      input ((g·H·d_h)·d).
     - covariance (the o_proj moment is freed before it; the wide block has its pruned attention): the MLP statistic
       C — `covariance_dtype="float32"`: a float32 scatter 4·(g·i)², each batch adding, in chunks of 4096 tokens, a
       centred float32 copy straight into it; "float64": 8·(g·i)² and one float32 (g·i)² product per batch — and the
@@ -149,6 +152,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         flatten = Phase("flatten", selection.terms)
     at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
     head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width) if needs_o else 0)
+    sequential = getattr(config, "attention_target", "parallel") == "sequential"
+    # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
+    # the members one after another (the first's outputs held while the next runs), then read batch by batch
+    # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
+    cross_update = 8 * min(4096, z.Tb) * (heads_width + d) if sequential else 0
     head_scoring = Phase(
         "head_scoring",
         (
@@ -156,9 +164,22 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             wide,
             o_moment,
             Term(
+                "the members' sequential attention writes (float32)",
+                z.S32 if sequential else 0,
+                "attention_target='sequential': one states copy, freed batch by batch",
+            ),
+            Term(
+                "o_proj input-target cross moment (float64)", 8 * heads_width * d if sequential else 0, "(g·H·d_h) × d"
+            ),
+            Term(
                 "one batch of the wide block, stopped at the o_proj input",
-                at_o_hook + head_hook,
-                "q, k, v, attention output; float64 head scores; the moment's token copies and product",
+                max(at_o_hook + head_hook + cross_update, z.S + z.block_forward() if sequential else 0),
+                "q, k, v, attention output; float64 head scores; the moment's token copies and product"
+                + (
+                    "; or the members' run for the writes: a member's outputs and one batch's temporaries"
+                    if sequential
+                    else ""
+                ),
             ),
         ),
     )
@@ -245,6 +266,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     groups = n if g == 2 else math.ceil(n / (g - 1))
     # Up to o_proj (all heads, the attention norm: half the norms), then up to the down projection (pruned heads).
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
+    if sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
+        per_group += (g - 1) * p_layer + p_att + p_norm / 2
     if cached:
         propagation = 0
     elif prebuilt:

@@ -137,6 +137,54 @@ def ridge_reconstruction_error(
     return float(full - 2 * (delta * cross).sum() + (delta * (c_kk @ delta)).sum())
 
 
+def ridge_refit_to_target(
+    second_moment: torch.Tensor, cross: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor, lam: float
+) -> torch.Tensor:
+    """The kept rows W' minimising E‖t − a_K W'‖² + λ‖W' − W_K‖² for an arbitrary target t, in float64.
+
+    The Nyström correction is the case t = a W (the pruned layer's own output); a target that is not a function of
+    a — what the members of a merged group wrote in the original stack, each on its own input — needs the cross
+    moment S = E[a tᵀ] as well. The normal equations (C_KK + λI) W' = S_K + λ W_K give
+    W' = W_K + (C_KK + λI)⁻¹ (S_K − C_KK W_K); with S = C W the bracket is C_KR W_R, Nyström's.
+
+    Args:
+        second_moment: (n, n) C = E[a aᵀ] of the inputs a of the refitted projection.
+        cross: (n, hidden) S = E[a tᵀ] over the same tokens (the target less any bias the projection keeps).
+        rows: (n, hidden) W, row i being what input channel i writes; the ridge pulls towards its kept rows.
+        keep: indices of the k kept input channels.
+        lam: ridge λ.
+
+    Returns:
+        (k, hidden) float64 refitted rows, in the order of `keep`.
+    """
+    c = second_moment.double()
+    keep = torch.as_tensor(keep, dtype=torch.long, device=c.device)
+    kept_rows = rows.double()[keep]
+    c_kk = c[keep[:, None], keep]
+    rhs = cross.double()[keep] - c_kk @ kept_rows
+    return kept_rows + torch.cholesky_solve(rhs, _shifted_cholesky(c_kk, lam)[0])
+
+
+def ridge_target_error(
+    second_moment: torch.Tensor,
+    cross: torch.Tensor,
+    target_energy: float,
+    rows: torch.Tensor,
+    keep: torch.Tensor,
+    lam: float,
+) -> float:
+    """E‖t − a_K W'‖² per token after `ridge_refit_to_target` (float64): E‖t‖² − 2 tr(W'ᵀ S_K) + tr(W'ᵀ C_KK W').
+
+    `target_energy` is E‖t‖² over the same tokens. Compares candidate subsets (which KV groups to keep) against a
+    target that the full projection need not reproduce exactly, without running the model.
+    """
+    c = second_moment.double()
+    keep = torch.as_tensor(keep, dtype=torch.long, device=c.device)
+    refit = ridge_refit_to_target(c, cross, rows, keep, lam)
+    c_kk = c[keep[:, None], keep]
+    return float(target_energy - 2 * (refit * cross.double()[keep]).sum() + (refit * (c_kk @ refit)).sum())
+
+
 # ------------------------------------------------------------------------- blocked path, for statistics too big to copy
 def ridge_leverage_scores_packed(
     columns: Callable[[int, int], torch.Tensor],

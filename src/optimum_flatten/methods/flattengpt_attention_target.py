@@ -1,0 +1,65 @@
+"""What a merged group's attention should reproduce when FlattenGPT refits the kept heads towards the original stack.
+
+The paper prunes a merged group towards its wide block: every member's attention reading the group's input x. The
+stack it replaces is sequential: member m's attention reads the state the members before it left. With
+``attention_target="sequential"`` the kept heads' o_proj is refitted (and, with ``head_selection="reconstruction"``,
+the KV groups chosen) towards the sum of the members' attention writes in that sequential stack, the function the
+merged block replaces; the block's MLP then starts from what the attention really wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..adapters.base import ArchitectureAdapter
+from ..calibration.capture import LayerwiseRunner
+from ..calibration.partial import run_to_input
+
+
+@torch.no_grad()
+def sequential_attention_writes(
+    adapter: ArchitectureAdapter,
+    runner: LayerwiseRunner,
+    stack: torch.nn.Module,
+    indices: Sequence[int],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Per calibration batch, the sum of what the attentions of the layers at `indices` (consecutive, untouched)
+    add to the residual stream when they run one after another from `inputs`: float32, on each input's device.
+
+    A pre-norm layer's attention write is the MLP norm's input less the layer's input (what the attention adds to the
+    stream, its output bias included), so no attention internals are read. The last member runs only up to its MLP
+    norm; the others run whole, as they feed the next.
+    """
+    layers = adapter.layers(stack)
+    writes: list[torch.Tensor | None] = [None] * len(inputs)
+    current = list(inputs)
+
+    def add(b: int, after_attention: torch.Tensor) -> None:
+        before = current[b]
+        write = after_attention.float() - before.to(after_attention.device).float()
+        write = write.to(inputs[b].device)
+        writes[b] = write if writes[b] is None else writes[b].add_(write)
+
+    batch = [0]  # the batch the runner is on, for the hook
+
+    def on_norm_input(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        add(batch[0], args[0])
+
+    def on_batch(b: int) -> None:
+        batch[0] = b
+
+    for position, index in enumerate(indices):
+        view = adapter.block_view(layers[index], index)
+        norm = view.mlp_norm.module
+        if position == len(indices) - 1:
+            run_to_input(runner, layers[index], index, current, norm, add, [norm, view.mlp.module])
+            break
+        handle = norm.register_forward_pre_hook(on_norm_input)
+        try:
+            current = runner.run(layers[index], index, current, on_batch=on_batch)
+        finally:
+            handle.remove()
+    return [w for w in writes if w is not None]
