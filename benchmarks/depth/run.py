@@ -108,6 +108,9 @@ VARIANTS: dict[str, dict] = {
         method="flattengpt", head_selection="reconstruction", linear_replacement="lstsq_down"
     ),
     "flattengpt_sequential_attention": dict(method="flattengpt", attention_target="sequential"),
+    "flattengpt_sequential_heads_by_reconstruction": dict(
+        method="flattengpt", attention_target="sequential", head_selection="reconstruction"
+    ),
     "flattengpt_sequential_attention_lstsq_down": dict(
         method="flattengpt", attention_target="sequential", linear_replacement="lstsq_down"
     ),
