@@ -111,6 +111,14 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_sequential_heads_by_reconstruction": dict(
         method="flattengpt", attention_target="sequential", head_selection="reconstruction"
     ),
+    "flattengpt_loss_selection_sequential_heads_by_reconstruction_lstsq_down": dict(
+        method="flattengpt",
+        selection="loss",
+        batch_size=2,
+        attention_target="sequential",
+        head_selection="reconstruction",
+        linear_replacement="lstsq_down",
+    ),
     "flattengpt_sequential_attention_lstsq_down": dict(
         method="flattengpt", attention_target="sequential", linear_replacement="lstsq_down"
     ),
