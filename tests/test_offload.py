@@ -59,6 +59,7 @@ def _config(method: str) -> FlattenConfig:
     [
         "flattengpt",
         "flattengpt/selection=loss",
+        "flattengpt/attention_target=sequential",
         "laco",
         "sliding_window",
         "shortgpt",
