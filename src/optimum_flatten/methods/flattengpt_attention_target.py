@@ -62,4 +62,7 @@ def sequential_attention_writes(
             current = runner.run(layers[index], index, current, on_batch=on_batch)
         finally:
             handle.remove()
-    return [w for w in writes if w is not None]
+    missing = [b for b, write in enumerate(writes) if write is None]
+    if missing:  # the writes are read by batch index: a gap would pair one batch's target with another's inputs
+        raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")
+    return [write for write in writes if write is not None]
