@@ -352,6 +352,30 @@ def search_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def kv_search_table(path: Path) -> str:
+    """`benchmarks/cost/kv_search.py`: FlattenGPT's greedy KV-group search, one factorisation a step against one refit
+    per candidate, one row per labelled run."""
+    header = ["run", "device", "threads", "KV groups → kept", "o_proj input × hidden", "factorisations"]
+    header += ["s, one a step", "s, one per candidate", "speed-up", "same groups"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for label, r in json.loads(path.read_text()).items():
+        z, f, t = r["shapes"], r["factorisations"], r["seconds"]
+        cells = [
+            label,
+            f"{r['device']} (torch {r['torch']}, {r['dtype']})",
+            r["threads"],
+            f"{z['kv_groups']} → {z['kept']}",
+            f"{z['o_proj_input_width']} × {z['hidden']}",
+            f"{f['one_factorisation_a_step']} / {f['one_refit_per_candidate']}",
+            f"{t['one_factorisation_a_step']:.2f}",
+            f"{t['one_refit_per_candidate']:.2f}",
+            f"{r['speedup']:.1f}×",
+            "yes" if r["same_groups"] else "**no**",
+        ]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def _outcome(row: dict) -> str:
     if row["status"] == "skipped":
         return "skipped"
@@ -383,6 +407,8 @@ def tables() -> dict[str, str]:
         out[f"curve:{model}"] = curve_table(model)
     if (RESULTS / "clients.json").exists():
         out["clients"] = clients_table(RESULTS / "clients.json")
+    if (RESULTS / "kv_search.json").exists():
+        out["kv_search"] = kv_search_table(RESULTS / "kv_search.json")
     return out
 
 

@@ -57,6 +57,9 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "clients.json"
+#: FlattenGPT's defaults when clients.json was measured (before 2026-11-26: the paper's head target and selection),
+#: kept so it reproduces; the checkpoints' architecture does not depend on them.
+FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance"}
 #: Relative tolerance of a logit difference (to the largest reference logit): float32 noise through a few dozen
 #: layers, kernels that sum in another order (ONNX Runtime, inductor, sdpa) stay far below it.
 TOLERANCE = 1e-5
@@ -183,18 +186,22 @@ def _randomised(model: Any, seed: int = 0) -> Any:
 
 #: (checkpoint name, model builder, method options) of the tiny models; built from configs, always available.
 TINY = [
-    ("tiny-qwen2 flattengpt", tiny_qwen2, {"method": "flattengpt", "num_layers_to_remove": 2}),
+    (
+        "tiny-qwen2 flattengpt",
+        tiny_qwen2,
+        {"method": "flattengpt", "num_layers_to_remove": 2, **FLATTENGPT_AS_MEASURED},
+    ),
     ("tiny-qwen2 ffn_merge", tiny_qwen2, {"method": "ffn_merge", "window_size": 2, "num_windows": 2}),
-    ("tiny-gpt2 flattengpt", tiny_gpt2, {"method": "flattengpt", "num_layers_to_remove": 2}),
+    ("tiny-gpt2 flattengpt", tiny_gpt2, {"method": "flattengpt", "num_layers_to_remove": 2, **FLATTENGPT_AS_MEASURED}),
     (
         "tiny-gpt2-hub-config flattengpt",
         lambda: tiny_gpt2(hub_config=True),
-        {"method": "flattengpt", "num_layers_to_remove": 2},
+        {"method": "flattengpt", "num_layers_to_remove": 2, **FLATTENGPT_AS_MEASURED},
     ),
 ]
 #: The bundled SmolLM2's methods, at a small calibration (`--smollm2-nsamples` x `--smollm2-seqlen`).
 SMOLLM2 = [
-    ("smollm2 flattengpt", {"method": "flattengpt", "num_layers_to_remove": 6}),
+    ("smollm2 flattengpt", {"method": "flattengpt", "num_layers_to_remove": 6, **FLATTENGPT_AS_MEASURED}),
     ("smollm2 shortgpt", {"method": "shortgpt", "num_layers_to_remove": 6}),
     ("smollm2 ffn_merge", {"method": "ffn_merge", "window_size": 2, "num_windows": 1, "scoring_batches": 1}),
 ]

@@ -26,6 +26,8 @@ CURVE_VARIANTS = (
     "uidl",
     "replaceme",
     "flattengpt",
+    # FlattenGPT's defaults before 2026-11-26 (the paper's head target and selection), beside today's.
+    "flattengpt_parallel_target",
     "auto",
     # ReplaceMe with the down projection refitted (estimator="lstsq_down"), and auto with it among its candidates.
     "replaceme_lstsq_down",

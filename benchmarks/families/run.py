@@ -51,6 +51,9 @@ from torch import nn
 
 SECTIONS = ("bert", "gpt2", "vit", "marian")
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "families.json"
+#: FlattenGPT's defaults when families.json was measured (before 2026-11-26: the paper's head target and selection),
+#: kept so it reproduces.
+FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance"}
 
 
 # ------------------------------------------------------------------------------------------------ shared
@@ -401,7 +404,9 @@ def run_bert(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
             f"sliding_window -{removed}",
             variant("sliding_window", {"num_layers_to_remove": removed, **search}),
         )
-    run_variant(section, save, "flattengpt -1", variant("flattengpt", {"num_layers_to_remove": 1}))
+    run_variant(
+        section, save, "flattengpt -1", variant("flattengpt", {"num_layers_to_remove": 1, **FLATTENGPT_AS_MEASURED})
+    )
     run_variant(section, save, "sleb -1", variant("sleb", {"num_layers_to_remove": 1}))
     for windows in (1, 2):
         for kind in ("permute", "vanilla"):
@@ -613,7 +618,7 @@ def run_gpt2(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None]
             ("sleb", {}),
             ("laco", search),
             ("sliding_window", search),
-            ("flattengpt", {}),
+            ("flattengpt", FLATTENGPT_AS_MEASURED),
         ):
             run_variant(
                 section, save, f"{method} -{removed}", variant(method, {"num_layers_to_remove": removed, **extra})
@@ -826,7 +831,12 @@ def run_vit(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], None])
 
     search = dict(threshold=None, search_steps=args.search_steps)
     for removed in (1, 2):
-        for method, extra in (("shortgpt", {}), ("laco", search), ("sliding_window", search), ("flattengpt", {})):
+        for method, extra in (
+            ("shortgpt", {}),
+            ("laco", search),
+            ("sliding_window", search),
+            ("flattengpt", FLATTENGPT_AS_MEASURED),
+        ):
             run_variant(
                 section, save, f"{method} -{removed}", variant(method, {"num_layers_to_remove": removed, **extra})
             )
@@ -1069,7 +1079,7 @@ def run_marian(args: argparse.Namespace, save_fn: Callable[[dict[str, Any]], Non
             ("laco window 2", "laco", {"num_layers_to_remove": 1, "window_size": 2, "interval": 1, **search}),
             ("sliding_window", "sliding_window", {"num_layers_to_remove": 1, **search}),
             ("sleb", "sleb", {"num_layers_to_remove": 1}),
-            ("flattengpt", "flattengpt", {"num_layers_to_remove": 1}),
+            ("flattengpt", "flattengpt", {"num_layers_to_remove": 1, **FLATTENGPT_AS_MEASURED}),
             ("ffn_merge permute 2x1", "ffn_merge", {"window_size": 2, "num_windows": 1, "variant": "permute"}),
             ("ffn_merge vanilla 2x1", "ffn_merge", {"window_size": 2, "num_windows": 1, "variant": "vanilla"}),
         ):

@@ -269,9 +269,9 @@ def test_mlp_correction_must_be_a_bool():
 
 
 def test_balanced_head_selection_keeps_each_members_best_groups_in_even_shares():
-    """The same plan and scores as the default; each merged pair keeps its members' best KV groups (by the
-    reported f_i), half each (tiny LLaMA: 2 KV groups a layer, so one per member)."""
-    default = compress(tiny_models.tiny_llama_gqa(), "flattengpt", num_layers_to_remove=2)
+    """The same plan and scores as the paper's selection by importance; each merged pair keeps its members' best KV
+    groups (by the reported f_i), half each (tiny LLaMA: 2 KV groups a layer, so one per member)."""
+    default = compress(tiny_models.tiny_llama_gqa(), "flattengpt", num_layers_to_remove=2, head_selection="importance")
     balanced = compress(tiny_models.tiny_llama_gqa(), "flattengpt", num_layers_to_remove=2, head_selection="balanced")
     assert balanced.report["plan"] == default.report["plan"]
     # Not vacuous: by f_i alone one pair keeps both groups of one member and none of the other's.
@@ -287,3 +287,33 @@ def test_balanced_head_selection_keeps_each_members_best_groups_in_even_shares()
             assert kept == [member * per_member + int(own.argmax())]
     with pytest.raises(ValueError, match="head_selection"):
         FlattenGPTConfig(head_selection="even")
+
+
+@pytest.mark.parametrize("with_target", [False, True])
+def test_greedy_reconstruction_drops_what_one_refit_per_candidate_would(monkeypatch, with_target):
+    """The greedy elimination scores each step's removals from one factorisation; it keeps the groups the plain
+    elimination keeps, which refits every candidate subset on its own (`ridge_target_error`)."""
+    from optimum_flatten.adapters import HeadGeometry
+    from optimum_flatten.methods import flattengpt
+    from optimum_flatten.ops.ridge import ridge_reconstruction_error, ridge_target_error
+
+    monkeypatch.setattr(flattengpt, "MAX_EXHAUSTIVE_SUBSETS", 0)
+    geometry = HeadGeometry(num_heads=12, num_kv_heads=6, head_dim=2, hidden_size=5)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(500, 24, generator=g, dtype=torch.float64) @ torch.randn(24, 24, generator=g, dtype=torch.float64)
+    rows = torch.randn(24, 5, generator=g, dtype=torch.float64)
+    t = a @ rows + torch.randn(500, 5, generator=g, dtype=torch.float64)
+    c = a.T @ a / 500
+    target = (a.T @ t / 500, float(t.square().sum()) / 500) if with_target else None
+    lam = 0.3 * float(torch.trace(c)) / 24
+
+    def error(groups):
+        channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(groups)))
+        if target is None:
+            return ridge_reconstruction_error(c, rows, channels, lam)
+        return ridge_target_error(c, target[0], target[1], rows, channels, lam)
+
+    kept = list(range(6))
+    while len(kept) > 2:
+        kept = min(([k for k in kept if k != drop] for drop in kept), key=error)
+    assert flattengpt.select_kv_groups_by_reconstruction(c, rows, geometry, 2, lam, target) == kept

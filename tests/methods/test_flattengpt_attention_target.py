@@ -159,7 +159,7 @@ def test_sequential_attention_writes_match_a_plain_forward(factory):
 def test_kept_heads_o_proj_is_the_ridge_refit_towards_the_sequential_writes(factory):
     model = tiny_models.FACTORIES[factory]()
     dense = copy.deepcopy(model)
-    report = _compressed(model, attention_target="sequential")
+    report = _compressed(model, attention_target="sequential", head_selection="importance")
     (group,) = report["groups"]
     members = tuple(group["members"])
     z, t = _naive_statistics(dense, _batches(), members)
@@ -209,8 +209,8 @@ def test_reconstruction_keeps_the_groups_that_best_reproduce_the_sequential_writ
 def test_sequential_target_changes_only_the_attention_refit():
     """Same plan, same kept heads by importance; only o_proj (and what the MLP then sees) differs."""
     parallel, sequential = tiny_models.tiny_llama_gqa(), tiny_models.tiny_llama_gqa()
-    a = _compressed(parallel)
-    b = _compressed(sequential, attention_target="sequential")
+    a = _compressed(parallel, attention_target="parallel", head_selection="importance")
+    b = _compressed(sequential, attention_target="sequential", head_selection="importance")
     assert [g["members"] for g in a["groups"]] == [g["members"] for g in b["groups"]]
     assert [g["kept_kv_groups"] for g in a["groups"]] == [g["kept_kv_groups"] for g in b["groups"]]
     first = a["groups"][0]["members"][0]
@@ -238,7 +238,12 @@ def test_sequential_target_reloads_with_plain_transformers(tmp_path):
     ("options", "message"),
     [
         ({"attention_target": "serial"}, "attention_target must be"),
-        ({"attention_target": "sequential", "attention_correction": False}, "nothing uses it"),
+        (
+            {"attention_target": "sequential", "attention_correction": False, "head_selection": "importance"},
+            "nothing uses it",
+        ),
+        # The paper's options without its target: the default target would be refused, with what to pass.
+        ({"attention_correction": False, "head_selection": "importance"}, "attention_target='parallel'"),
     ],
 )
 def test_refusals_before_any_change(options, message):
@@ -249,3 +254,17 @@ def test_refusals_before_any_change(options, message):
     with pytest.raises(ValueError, match=message):
         compress(model, "flattengpt", num_layers_to_remove=2, **options)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_defaults_are_the_sequential_target_with_heads_by_reconstruction():
+    """The defaults (since 2026-11-26) build exactly what the explicit options build, and differ from the paper's
+    target: the benchmarks' `flattengpt` rows rely on the first, their pinned older rows on the second."""
+    default, explicit, paper = (tiny_models.tiny_llama_gqa() for _ in range(3))
+    compress(default, "flattengpt", num_layers_to_remove=2)
+    compress(
+        explicit, "flattengpt", num_layers_to_remove=2, attention_target="sequential", head_selection="reconstruction"
+    )
+    compress(paper, "flattengpt", num_layers_to_remove=2, attention_target="parallel", head_selection="importance")
+    state, other = default.state_dict(), explicit.state_dict()
+    assert all(torch.equal(state[k], other[k]) for k in state)
+    assert any(not torch.equal(state[k], v) for k, v in paper.state_dict().items())

@@ -92,7 +92,7 @@ def _naive_flatten(model, config: FlattenConfig, first: int):
     copy: full forwards, none of the search's cached states)."""
     from optimum_flatten import get_adapter
     from optimum_flatten.methods.base import MethodContext
-    from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
+    from optimum_flatten.methods.flattengpt import FlattenGPTMethod
     from optimum_flatten.plan import LayerPlan
 
     reference = copy.deepcopy(model)
@@ -102,17 +102,19 @@ def _naive_flatten(model, config: FlattenConfig, first: int):
     plan = LayerPlan(num_layers=num_layers, groups=groups, rule="flatten_prune")
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     context = MethodContext(batches=batches, stack="decoder", progress=False)
-    FlattenGPTMethod(FlattenGPTConfig()).apply_(adapter, plan, context)
+    FlattenGPTMethod(config.method_config.flatten_config()).apply_(adapter, plan, context)
     adapter.reindex_("decoder")
     adapter.update_config_("decoder", plan.first_indices)
     return reference
 
 
-def test_flatten_action_scores_what_a_full_forward_of_flattengpts_own_merge_scores(monkeypatch):
+@pytest.mark.parametrize("paper_merge", [True, False])
+def test_flatten_action_scores_what_a_full_forward_of_flattengpts_own_merge_scores(monkeypatch, paper_merge):
     """With drops taken out of the actions (layer 0's too, which `allow_drop=False` keeps because no map can replace
     it; on this tiny model it would win), the first step's choice is the action whose result, built on a copy by
-    FlattenGPT itself (merges) or with torch.linalg.lstsq (maps) and scored by full forwards, has the lowest loss;
-    here that is a merge, and the compressed model scores what the search said."""
+    FlattenGPT itself (merges) or with torch.linalg.lstsq (maps) and scored by full forwards, has the lowest loss,
+    and the compressed model scores what the search said. With the paper's head target and selection
+    (`flatten_options`) that action is a merge; with FlattenGPT's defaults, on this tiny random model, a map."""
     from optimum_flatten.methods.greedy_replace import GreedyReplaceMethod
 
     actions = GreedyReplaceMethod._actions
@@ -123,7 +125,9 @@ def test_flatten_action_scores_what_a_full_forward_of_flattengpts_own_merge_scor
     monkeypatch.setattr(GreedyReplaceMethod, "_actions", without_drops)
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
-    config = _config(1, scoring_batches=None, allow_flatten=True, allow_drop=False)
+    paper = {"attention_target": "parallel", "head_selection": "importance"}
+    options = paper if paper_merge else {}
+    config = _config(1, scoring_batches=None, allow_flatten=True, allow_drop=False, flatten_options=options)
     quantizer = compress(model, config)
     batches = build_calibration_batches(tiny_models.CharTokenizer(), config.calibration)
     (step,) = quantizer.report["greedy_replace_steps"]
@@ -131,12 +135,14 @@ def test_flatten_action_scores_what_a_full_forward_of_flattengpts_own_merge_scor
     for layer in range(1, 6):
         naive[("replace", layer)] = _nll(_naive_replace(original, batches, layer - 1, layer), batches)
     best = min(naive, key=naive.get)
-    assert best[0] == "flatten"  # the case this test exists for: a merge wins
-    assert (step["action"], step["layer"]) == best and step["merged_with"] == best[1] - 1
+    assert best[0] == ("flatten" if paper_merge else "replace")  # not vacuous: with the paper's pair a merge wins
+    assert (step["action"], step["layer"]) == best
     assert step["nll"] == pytest.approx(naive[best], rel=1e-4)
     assert _nll(model, batches) == pytest.approx(step["nll"], rel=1e-4)
-    assert quantizer.report["greedy_replace_merges"] == [[best[1] - 1, best[1]]]
-    assert quantizer.plan.merged_groups == [(best[1] - 1, best[1])] and quantizer.plan.rule == "flatten_prune"
+    if paper_merge:
+        assert step["merged_with"] == best[1] - 1
+        assert quantizer.report["greedy_replace_merges"] == [[best[1] - 1, best[1]]]
+        assert quantizer.plan.merged_groups == [(best[1] - 1, best[1])] and quantizer.plan.rule == "flatten_prune"
 
 
 def test_merges_drops_and_maps_together_reload_as_the_search_scored(tmp_path):
@@ -165,3 +171,15 @@ def test_flatten_is_refused_where_flattengpt_is_and_the_option_must_be_a_bool():
     with pytest.raises(UnsupportedArchitectureError, match="'flattengpt' needs"):
         compress(qwen3, _config(1, allow_flatten=True))
     assert all(torch.equal(before[k], v) for k, v in qwen3.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"attention_targt": "parallel"}, "no FlattenGPT option"), ({"attention_target": "serial"}, "attention_target")],
+)
+def test_flatten_options_are_checked_before_any_weight_changes(options, message):
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        compress(model, _config(1, allow_flatten=True, flatten_options=options))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from common import assert_close
@@ -7,6 +8,7 @@ from optimum_flatten.ops import (
     ridge_leverage_scores,
     ridge_reconstruction_error,
 )
+from optimum_flatten.ops.ridge import ridge_block_removal_errors, ridge_target_error
 
 
 def _activations(n_tokens=200, dim=10, seed=0):
@@ -107,3 +109,23 @@ def test_solves_leave_the_second_moment_bit_for_bit_unchanged():
     nystrom_down_correction(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([0, 2, 5]), lam)
     ridge_reconstruction_error(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([1, 4]), lam)
     assert torch.equal(c, before)
+
+
+@pytest.mark.parametrize("sizes", [(3, 3, 3, 3, 3), (1, 4, 2, 5)])
+def test_block_removal_errors_match_a_refit_of_each_reduced_set(sizes):
+    """One factorisation scores every removal: each error equals `ridge_target_error` on the set without that block
+    (a separate factorisation per candidate), for a target that is not a function of the inputs."""
+    g = torch.Generator().manual_seed(3)
+    n, hidden, tokens = sum(sizes), 4, 300
+    a = torch.randn(tokens, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
+    t = a[:, :hidden] * 0.5 + torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    c, s, energy = a.T @ a / tokens, a.T @ t / tokens, float(t.square().sum()) / tokens
+    rows = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    lam = default_ridge_lambda(c, 0.5)
+    bounds = torch.tensor((0, *sizes)).cumsum(0)
+    blocks = [torch.arange(int(bounds[i]), int(bounds[i + 1])) for i in range(len(sizes))]
+    errors = ridge_block_removal_errors(c, s, energy, rows, blocks, lam)
+    for j in range(len(blocks)):
+        rest = torch.cat([b for i, b in enumerate(blocks) if i != j])
+        expected = ridge_target_error(c, s, energy, rows, rest, lam)
+        assert abs(float(errors[j]) - expected) <= 1e-10 * abs(expected)

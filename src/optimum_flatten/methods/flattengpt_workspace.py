@@ -10,6 +10,43 @@ from typing import Any
 from ..ops.ridge import max_refined
 from .workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 
+#: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
+MAX_EXHAUSTIVE_SUBSETS = 4096
+
+
+def _attention_solve_bytes(
+    config: Any, g: int, heads: int, kv_heads: int, head_dim: int, d: int, sequential: bool
+) -> int:
+    """Float64 temporaries of the attention solve beside the o_proj moment (and the cross moment, counted apart).
+
+    With hw = g·H·d_h o_proj input channels, k = H·d_h kept, r = hw − k dropped and d the hidden size:
+    - the refit towards a target (`ridge_refit_to_target`, also each candidate's `ridge_target_error`): first the
+      float64 copy of o_proj it takes the kept rows from (8·hw·d + 8·k·d), then the kept block of the moment and
+      its factor beside the kept rows, right-hand side, solve and result (16·k² + 4 · 8·k·d), whichever is larger.
+    - the Nyström refit (`nystrom_down_correction`, the parallel target) holds the float64 copy of o_proj
+      throughout, with the kept block's factor, C[K, R] and its product with the dropped rows (8·hw·d + 16·k² +
+      8·k·r + 8·r·d + 16·k·d); each candidate's `ridge_reconstruction_error` also takes C[R, R] (8·r²).
+    - the greedy elimination (`ridge_block_removal_errors`), at its first step with k₁ = hw − one group's channels:
+      the kept block and its factor, then the factor and the inverse it gives (16·k₁²); after them the inverse, the
+      float64 copy of o_proj, and B, W*, W* − W_K, P·(W* − W_K) with the copy B is built from (8·k₁² + 8·hw·d +
+      5 · 8·k₁·d); for the parallel target also the cross moment C·W it makes (8·hw·d).
+    """
+    hw, k = g * heads * head_dim, heads * head_dim
+    r = hw - k
+    reconstruction = config.head_selection == "reconstruction"
+    if not (config.attention_correction or reconstruction):
+        return 0
+    towards_target = max(8 * hw * d + 8 * k * d, 16 * k * k + 4 * 8 * k * d)
+    nystrom = 8 * hw * d + 16 * k * k + 8 * k * r + 8 * r * d + 16 * k * d
+    refit = (towards_target if sequential else nystrom) if config.attention_correction else 0
+    if not reconstruction:
+        return refit
+    if math.comb(g * kv_heads, kv_heads) <= MAX_EXHAUSTIVE_SUBSETS:
+        return max(refit, towards_target if sequential else nystrom + 8 * r * r)
+    k1 = hw - (heads // kv_heads) * head_dim
+    greedy = max(16 * k1 * k1, 8 * k1 * k1 + 8 * hw * d + 5 * 8 * k1 * d) + (0 if sequential else 8 * hw * d)
+    return max(refit, greedy)
+
 
 def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
     """FlattenGPT: a similarity pass, then per merged group a wide block, two statistics and their solves.
@@ -35,6 +72,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       `attention_target="sequential"` also the members' attention writes (float32, S32), built by running the
       members in turn (a member's outputs, S, held meanwhile), and their float64 cross moment with the o_proj
       input ((g·H·d_h)·d).
+    - attention_solve (the writes are freed; the moments stay): the kept heads' refit, or the search for the KV groups
+      and then the refit, in float64 (`_attention_solve_bytes`).
     - covariance (the o_proj moment is freed before it; the wide block has its pruned attention): the MLP statistic
       C — `covariance_dtype="float32"`: a float32 scatter 4·(g·i)², each batch adding, in chunks of 4096 tokens, a
       centred float32 copy straight into it; "float64": 8·(g·i)² and one float32 (g·i)² product per batch — and the
@@ -247,7 +286,24 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
                 ),
             )
     solve = Phase("solve", (*apply_base, pruned, *solve_terms))
-    phases = [selection, flatten, head_scoring, covariance, solve]
+    attention_solve = Phase(
+        "attention_solve",
+        (
+            *apply_base,
+            wide,
+            o_moment,
+            Term(
+                "o_proj input-target cross moment (float64)", 8 * heads_width * d if sequential else 0, "(g·H·d_h) × d"
+            ),
+            Term(
+                "the attention solve's temporaries (float64)",
+                _attention_solve_bytes(config, g, s.num_heads, s.num_kv_heads, s.head_dim, d, sequential),
+                "the kept heads' refit or the KV groups' search, whichever holds more (`_attention_solve_bytes`)",
+            ),
+        ),
+    )
+    # Without the o_proj moment (the paper's pruning) nothing is solved for the attention.
+    phases = [selection, flatten, head_scoring, *([attention_solve] if needs_o else []), covariance, solve]
     if not cached:
         propagate = Phase(
             "propagate",

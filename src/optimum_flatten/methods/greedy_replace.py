@@ -9,9 +9,9 @@ it). Every step considers, for each remaining layer p, two actions on the curren
   after p, least squares on float64 statistics) and fold it into that layer's down projection;
 - **flatten** p with the next layer (`allow_flatten=True`, the quality issue's hybrid): when p and p + 1 are both
   still there and untouched, merge them as FlattenGPT merges a pair (one wide block pruned back to one layer's heads
-  and channels, `FlattenGPTMethod.compress_group`, with its default options) on the current model's states entering
-  p. A pair's block depends only on the layers before it, so it is built once and reused by the later steps until
-  an action before it changes its input.
+  and channels, `FlattenGPTMethod.compress_group`, with its default options or `flatten_options`) on the current
+  model's states entering p. A pair's block depends only on the layers before it, so it is built once and reused by
+  the later steps until an action before it changes its input.
 
 Each action is scored by the next-token NLL of the resulting model on the scored calibration batches, computed from
 cached prefix states: the states entering every layer of the current model are kept, so an action at p only re-runs
@@ -26,7 +26,7 @@ before it to hold a map).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -61,12 +61,16 @@ class GreedyReplaceConfig(MethodConfig):
         allow_flatten: Consider merging a pair of adjacent untouched layers as FlattenGPT does, besides drops and
             replacements (needs what FlattenGPT needs of the architecture). Each new pair costs FlattenGPT's
             per-group work (the wide block run twice up to its statistics, and the solves).
+        flatten_options: `FlattenGPTConfig` fields for those merges (empty: FlattenGPT's defaults), so a search can
+            be pinned to a FlattenGPT configuration whatever the defaults become; checked when the config is built.
+            API only (not a command-line flag).
     """
 
     scoring_batches: int | None = 1
     allow_drop: bool = True
     shortlist: int | None = None
     allow_flatten: bool = False
+    flatten_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_scoring_batches(self.scoring_batches)
@@ -76,6 +80,17 @@ class GreedyReplaceConfig(MethodConfig):
             raise ValueError(f"shortlist must be a positive integer or None, got {self.shortlist!r}.")
         if not isinstance(self.allow_flatten, bool):
             raise TypeError(f"allow_flatten must be True or False, got {self.allow_flatten!r}.")
+        if not isinstance(self.flatten_options, dict):
+            raise TypeError(f"flatten_options must be a dict of FlattenGPTConfig fields, got {self.flatten_options!r}.")
+        self.flatten_config()  # refuses unknown or invalid options now, before any weight changes
+
+    def flatten_config(self) -> FlattenGPTConfig:
+        """The FlattenGPT configuration the merges use."""
+        known = {f.name for f in fields(FlattenGPTConfig)}
+        unknown = sorted(set(self.flatten_options) - known)
+        if unknown:
+            raise ValueError(f"flatten_options has no FlattenGPT option(s) {unknown}; known: {sorted(known)}.")
+        return FlattenGPTConfig(**self.flatten_options)
 
 
 @register_method("greedy_replace")
@@ -198,7 +213,7 @@ class GreedyReplaceMethod(CompressionMethod):
                 yield "drop", position, index, None, states[position][:limit]
             if self._flattenable(kept, modules, position):
                 if index not in pairs:
-                    block, _ = FlattenGPTMethod(FlattenGPTConfig()).compress_group(
+                    block, _ = FlattenGPTMethod(self.config.flatten_config()).compress_group(
                         adapter, runner, (index, index + 1), states[position], context
                     )
                     pairs[index] = (block, runner.run(block, index, states[position][:limit]))

@@ -13,7 +13,7 @@ Cholesky solve in float64 (with jitter if needed), never an explicit inverse.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -183,6 +183,61 @@ def ridge_target_error(
     refit = ridge_refit_to_target(c, cross, rows, keep, lam)
     c_kk = c[keep[:, None], keep]
     return float(target_energy - 2 * (refit * cross.double()[keep]).sum() + (refit * (c_kk @ refit)).sum())
+
+
+def ridge_block_removal_errors(
+    second_moment: torch.Tensor,
+    cross: torch.Tensor,
+    target_energy: float,
+    rows: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    lam: float,
+) -> torch.Tensor:
+    """For each block of `blocks` (disjoint channel index sets, together the kept channels K), the
+    `ridge_target_error` of keeping every other block: the error each removal would leave, from one factorisation.
+
+    The ridge refit on K solves A W* = B with A = C_KK + λI and B = S_K + λ W_K. Dropping block J leaves, with
+    P = A⁻¹ (the principal-submatrix identity behind Optimal Brain Surgeon), W' = W*_K' − P_K'J P_JJ⁻¹ W*_J on
+    K' = K without J, and the data error is E‖t‖² + λ‖W_K'‖² − tr(B_K'ᵀ W') − λ‖W' − W_K'‖²; every term of it reduces to
+    J × J and J × hidden products of P, W*, PD (D = W* − W_K) and B. So one Cholesky factor of A (and the inverse
+    it gives, the quantity the identity is about) serves all removals, instead of one factorisation per candidate:
+    O(k³ + k²·hidden) a step of a greedy elimination over k kept channels instead of O(blocks · (k³ + k²·hidden)).
+    Float64 throughout; tested against `ridge_target_error` on each reduced set (tests/ops/test_ridge.py).
+    """
+    c = second_moment.double()
+    keep = torch.cat([torch.as_tensor(b, dtype=torch.long, device=c.device) for b in blocks])
+    w0 = rows.double()[keep]
+    b_rhs = cross.double()[keep] + lam * w0
+    factor, _ = _shifted_cholesky(c[keep[:, None], keep], lam)
+    inverse = torch.cholesky_inverse(factor)
+    del factor
+    refit = inverse @ b_rhs  # W*
+    delta = refit - w0  # D
+    inverse_delta = inverse @ delta  # P D
+    total_bw, total_dd, total_w0 = float((b_rhs * refit).sum()), float((delta * delta).sum()), float((w0 * w0).sum())
+    errors = torch.empty(len(blocks), dtype=torch.float64)
+    start = 0
+    for position, block in enumerate(blocks):
+        span = slice(start, start + len(block))
+        start = span.stop
+        p_jj = inverse[span, span]
+        z = torch.cholesky_solve(refit[span], _shifted_cholesky(p_jj.clone(), 0.0)[0])  # P_JJ⁻¹ W*_J
+        # tr(B_K'ᵀ W') = tr(Bᵀ W*) − tr(B_Jᵀ W*_J) − ⟨W*_J − P_JJ B_J, Z⟩  (P_K'Jᵀ B_K' = W*_J − P_JJ B_J)
+        fit = (
+            total_bw - float((b_rhs[span] * refit[span]).sum()) - float(((refit[span] - p_jj @ b_rhs[span]) * z).sum())
+        )
+        # ‖W' − W_K'‖² = ‖D‖² − ‖D_J‖² − 2⟨(PD)_J − P_JJ D_J, Z⟩ + tr(Zᵀ (P_K'Jᵀ P_K'J) Z)
+        column = inverse[:, span]
+        gram = column.T @ column - p_jj @ p_jj
+        moved = (
+            total_dd
+            - float((delta[span] * delta[span]).sum())
+            - 2 * float(((inverse_delta[span] - p_jj @ delta[span]) * z).sum())
+            + float((z * (gram @ z)).sum())
+        )
+        kept_prior = total_w0 - float((w0[span] * w0[span]).sum())
+        errors[position] = target_energy + lam * kept_prior - fit - lam * moved
+    return errors
 
 
 # ------------------------------------------------------------------------- blocked path, for statistics too big to copy
