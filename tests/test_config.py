@@ -33,6 +33,7 @@ def test_round_trip_through_dict_and_json():
         "attention_ridge_ratio": 1.0,
         "covariance_dtype": "float32",
         "mlp_correction": True,
+        "mlp_target": "sequential",
     }
     assert data["calibration"]["nsamples"] == 16
     again = FlattenConfig.from_dict(data)

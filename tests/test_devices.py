@@ -88,9 +88,10 @@ FLATTENGPT_VARIANTS = {
     "wide_loss_selection": {"selection": "wide_loss"},
     "tf32_statistics": {"covariance_dtype": "tf32"},
     "float64_statistics": {"covariance_dtype": "float64"},
-    "reconstruction_heads": {"head_selection": "reconstruction"},
+    "paper_targets": {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"},
+    "importance_heads": {"head_selection": "importance"},
     "down_bridges": {"linear_replacement": "lstsq_down"},
-    "sequential_attention_target": {"attention_target": "sequential"},
+    "parallel_mlp_target": {"mlp_target": "parallel"},
 }
 
 

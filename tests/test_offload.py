@@ -59,7 +59,7 @@ def _config(method: str) -> FlattenConfig:
     [
         "flattengpt",
         "flattengpt/selection=loss",
-        "flattengpt/attention_target=sequential",
+        "flattengpt/attention_target=parallel",
         "laco",
         "sliding_window",
         "shortgpt",

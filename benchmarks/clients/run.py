@@ -59,7 +59,7 @@ import torch
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "clients.json"
 #: FlattenGPT's defaults when clients.json was measured (before 2026-11-26: the paper's head target and selection),
 #: kept so it reproduces; the checkpoints' architecture does not depend on them.
-FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance"}
+FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"}
 #: Relative tolerance of a logit difference (to the largest reference logit): float32 noise through a few dozen
 #: layers, kernels that sum in another order (ONNX Runtime, inductor, sdpa) stay far below it.
 TOLERANCE = 1e-5

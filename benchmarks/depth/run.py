@@ -33,10 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-#: FlattenGPT's defaults before 2026-11-26 (the paper's head target and selection), pinned in every variant measured
-#: with them; and the same as an auto candidate spec.
-PAPER_TARGET = dict(attention_target="parallel", head_selection="importance")
-FLATTENGPT_PAPER_TARGET = "flattengpt:attention_target=parallel,head_selection=importance"
+#: FlattenGPT's defaults before 2026-11-26 (the paper's head target and selection, and its MLP refit), pinned in every
+#: variant measured with them; and the same as an auto candidate spec.
+PAPER_TARGET = dict(attention_target="parallel", head_selection="importance", mlp_target="parallel")
+FLATTENGPT_PAPER_TARGET = "flattengpt:attention_target=parallel,head_selection=importance,mlp_target=parallel"
 
 VARIANTS: dict[str, dict] = {
     # ffn_merge's window choices on SmolLM2 at 3 x 2 (benchmarks/results/search_ffn_merge_smollm2.json): the final-state
@@ -49,12 +49,15 @@ VARIANTS: dict[str, dict] = {
         method="ffn_merge", num_layers_to_remove=None, window_size=3, window_starts=[12, 15]
     ),
     "dense": {},
-    # FlattenGPT's defaults: the kept heads refitted towards, and chosen by, what the members' attentions wrote in
-    # the original stack (attention_target="sequential", head_selection="reconstruction"; defaults since 2026-11-26).
+    # FlattenGPT's defaults (since 2026-11-26): the kept heads refitted towards, and chosen by, what the members'
+    # attentions wrote in the original stack (attention_target="sequential", head_selection="reconstruction"), and
+    # the MLP's down projection towards what the merged pair must still write after them (mlp_target="sequential").
     "flattengpt": dict(method="flattengpt"),
-    # The defaults before that, the paper's wide-block target with heads by importance. Every FlattenGPT variant below
+    # The defaults before that, the paper's wide-block targets with heads by importance. Every FlattenGPT variant below
     # measured before the change keeps those options explicitly (`PAPER_TARGET`), so its stored numbers reproduce.
     "flattengpt_parallel_target": dict(method="flattengpt"),
+    # The defaults for a few hours of that day: the attention's sequential target and heads, the paper's MLP refit.
+    "flattengpt_parallel_mlp": dict(method="flattengpt", mlp_target="parallel"),
     "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
     "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
@@ -216,6 +219,10 @@ MEASURED_WITH_PAPER_TARGET = (
 )
 for _name in MEASURED_WITH_PAPER_TARGET:
     VARIANTS[_name] = {**VARIANTS[_name], **{k: v for k, v in PAPER_TARGET.items() if k not in VARIANTS[_name]}}
+# Every other FlattenGPT variant but the defaults was measured with the paper's MLP refit.
+for _name, _options in VARIANTS.items():
+    if _options.get("method") == "flattengpt" and _name != "flattengpt" and "mlp_target" not in _options:
+        VARIANTS[_name] = {**_options, "mlp_target": "parallel"}
 
 
 #: `--calibration` choices: the protocol's speeches, or the same speeches mixed with a text of another genre.

@@ -53,7 +53,7 @@ SECTIONS = ("bert", "gpt2", "vit", "marian")
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "families.json"
 #: FlattenGPT's defaults when families.json was measured (before 2026-11-26: the paper's head target and selection),
 #: kept so it reproduces.
-FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance"}
+FLATTENGPT_AS_MEASURED = {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"}
 
 
 # ------------------------------------------------------------------------------------------------ shared

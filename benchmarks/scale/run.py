@@ -92,6 +92,7 @@ def run_one(args: argparse.Namespace) -> dict:
         # FlattenGPT's defaults when the stored results were measured (before 2026-11-26), kept so they reproduce.
         attention_target="parallel",
         head_selection="importance",
+        mlp_target="parallel",
     )
     result: dict = {"run": args.one, "threads": args.threads}
     start = time.perf_counter()
@@ -266,8 +267,8 @@ def main() -> None:
     result = {
         "protocol": {
             "model": args.model,
-            "method": "flattengpt (attention_target='parallel', head_selection='importance': the defaults before "
-            "2026-11-26)",
+            "method": "flattengpt (attention_target='parallel', head_selection='importance', mlp_target='parallel': "
+            "the defaults before 2026-11-26)",
             "num_layers_to_remove": args.num_layers_to_remove,
             "calibration": f"SOTU before 2000, packed, {args.nsamples} x {args.seqlen} tokens, batches of "
             f"{args.batch_size}, seed 0",

@@ -239,7 +239,7 @@ def test_without_the_mlp_refit_the_same_channels_are_kept_and_down_is_only_slice
     refit, sliced = copy.deepcopy(original), copy.deepcopy(original)
     options = {"num_layers_to_remove": 2, "covariance_dtype": covariance_dtype}
     with_refit = compress(refit, "flattengpt", **options)
-    without = compress(sliced, "flattengpt", mlp_correction=False, **options)
+    without = compress(sliced, "flattengpt", mlp_correction=False, mlp_target="parallel", **options)
     assert without.plan.group_lists() == with_refit.plan.group_lists()
     for ours, theirs in zip(without.report["groups"], with_refit.report["groups"], strict=True):
         assert ours["kept_kv_groups"] == theirs["kept_kv_groups"]

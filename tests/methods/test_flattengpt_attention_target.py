@@ -256,15 +256,15 @@ def test_refusals_before_any_change(options, message):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def test_defaults_are_the_sequential_target_with_heads_by_reconstruction():
+def test_defaults_are_the_sequential_targets_with_heads_by_reconstruction():
     """The defaults (since 2026-11-26) build exactly what the explicit options build, and differ from the paper's
-    target: the benchmarks' `flattengpt` rows rely on the first, their pinned older rows on the second."""
+    targets: the benchmarks' `flattengpt` rows rely on the first, their pinned older rows on the second."""
     default, explicit, paper = (tiny_models.tiny_llama_gqa() for _ in range(3))
     compress(default, "flattengpt", num_layers_to_remove=2)
-    compress(
-        explicit, "flattengpt", num_layers_to_remove=2, attention_target="sequential", head_selection="reconstruction"
-    )
-    compress(paper, "flattengpt", num_layers_to_remove=2, attention_target="parallel", head_selection="importance")
+    sequential = {"attention_target": "sequential", "head_selection": "reconstruction", "mlp_target": "sequential"}
+    compress(explicit, "flattengpt", num_layers_to_remove=2, **sequential)
+    parallel = {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"}
+    compress(paper, "flattengpt", num_layers_to_remove=2, **parallel)
     state, other = default.state_dict(), explicit.state_dict()
     assert all(torch.equal(state[k], other[k]) for k in state)
     assert any(not torch.equal(state[k], v) for k, v in paper.state_dict().items())

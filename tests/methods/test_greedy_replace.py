@@ -125,7 +125,7 @@ def test_flatten_action_scores_what_a_full_forward_of_flattengpts_own_merge_scor
     monkeypatch.setattr(GreedyReplaceMethod, "_actions", without_drops)
     model = tiny_models.FACTORIES["llama_gqa"]()
     original = copy.deepcopy(model)
-    paper = {"attention_target": "parallel", "head_selection": "importance"}
+    paper = {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"}
     options = paper if paper_merge else {}
     config = _config(1, scoring_batches=None, allow_flatten=True, allow_drop=False, flatten_options=options)
     quantizer = compress(model, config)

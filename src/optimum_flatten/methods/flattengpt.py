@@ -54,9 +54,9 @@ from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
 from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
-from .flattengpt_attention_target import sequential_attention_writes
+from .flattengpt_attention_target import sequential_attention_writes, sequential_group_outputs
 from .flattengpt_loss_selection import groups_by_calibration_loss
-from .flattengpt_workspace import MAX_EXHAUSTIVE_SUBSETS, flattengpt_workspace
+from .flattengpt_workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_workspace
 from .registry import register_method
 from .workspace import WorkspaceModel, WorkspaceSizes
 
@@ -92,7 +92,7 @@ class FlattenGPTConfig(MethodConfig):
             `similarity_memory_gb`, else the smallest band the selection needs (max_group_size - 1), or as many
             as fit when groups are unlimited. Must be at least max_group_size - 1.
         similarity_memory_gb: Budget for the automatic band.
-        attention_correction: Not in the paper (``False``, with the paper's head selection and target, reproduces
+        attention_correction: Not in the paper (``False``, with the paper's head selection and targets, reproduces
             it). Also refit the kept heads' o_proj
             columns with the same ridge (Nyström) formula used for W_down, on the second moment of the o_proj input,
             so the kept heads absorb what the pruned heads wrote to the residual stream. On by default because it
@@ -120,9 +120,18 @@ class FlattenGPTConfig(MethodConfig):
             the ridge pulling towards the kept heads' own o_proj. The default since it measured better than the
             paper's target on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B, with either head
             selection (benchmarks/RESULTS.md); ``attention_correction=False, head_selection="importance",
-            attention_target="parallel"`` reproduces the paper. Needs `attention_correction` or reconstruction
-            (otherwise nothing is refitted). Costs one run of the group's original layers (the last up to its MLP
-            norm) and a float32 copy of the calibration states per group.
+            attention_target="parallel", mlp_target="parallel"`` reproduces the paper. Needs `attention_correction`
+            or reconstruction (otherwise nothing is refitted). Costs one run of the group's original layers (the
+            last up to its MLP norm) and a float32 copy of the calibration states per group.
+        mlp_target: What the kept channels' down projection is refitted towards. ``"parallel"`` (the paper): the
+            wide MLP's own output on the pruned attention's state (Nyström). ``"sequential"`` (not in the paper):
+            what the whole block must still write after its pruned attention, the original group's output less the
+            MLP's input residual (`flattengpt_attention_target.sequential_group_outputs`), so the MLP also absorbs
+            what the merge and the attention pruning changed. The channels are chosen by leverage either way. The
+            default since it measured better than the paper's refit on both evaluation texts of both SmolLM2-135M
+            and Qwen2.5-0.5B, with the sequential attention target (benchmarks/RESULTS.md). Costs one run of the
+            group's original layers and a copy of the calibration states per group, and a float64 (g·i) × d cross
+            moment.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
             1.0 measured better than 10 on SmolLM2-135M.
         covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's
@@ -151,6 +160,7 @@ class FlattenGPTConfig(MethodConfig):
     attention_ridge_ratio: float | None = 1.0
     covariance_dtype: Literal["float32", "float64", "tf32"] = "float32"
     mlp_correction: bool = True
+    mlp_target: Literal["parallel", "sequential"] = "sequential"
 
     def __post_init__(self) -> None:
         if self.selection not in ("similarity", "loss", "wide_loss"):
@@ -186,6 +196,13 @@ class FlattenGPTConfig(MethodConfig):
                 "attention_target='sequential' (the default) changes what the kept heads are refitted towards or "
                 "chosen by; with attention_correction=False and head_selection other than 'reconstruction' nothing "
                 "uses it. To reproduce the paper, also pass attention_target='parallel'."
+            )
+        if self.mlp_target not in ("parallel", "sequential"):
+            raise ValueError(f"mlp_target must be 'parallel' or 'sequential', got {self.mlp_target!r}.")
+        if self.mlp_target == "sequential" and not self.mlp_correction:
+            raise ValueError(
+                "mlp_target='sequential' (the default) changes what the kept channels' down projection is refitted "
+                "towards; with mlp_correction=False nothing is refitted. Also pass mlp_target='parallel'."
             )
         if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
             raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
@@ -604,36 +621,64 @@ class FlattenGPTMethod(CompressionMethod):
         device = module_device(wide)
         tf32 = self.config.covariance_dtype == "tf32"
         moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device, tf32=tf32)
+        sequential = self.config.mlp_correction and self.config.mlp_target == "sequential"
+        down = view.mlp.down.module
+        # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
+        hidden = view.mlp.down.weight.shape[0]
+        cross = CrossMoment(width, hidden, device, chunk_tokens=MLP_CROSS_CHUNK) if sequential else None
+        bias = None if getattr(down, "bias", None) is None else down.bias.detach().float()
+        outputs: list[torch.Tensor] = []
+        residual: list[torch.Tensor] = []  # the MLP norm's input of the batch running (read before its down input)
+
+        def on_mlp_norm(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            residual[:] = [args[0]]
 
         def on_mlp(b: int, x: torch.Tensor) -> None:
-            moment.update(x, runner.masks[b])
+            mask = runner.masks[b]
+            moment.update(x, mask)
+            if cross is not None:  # what the block must still write, less the bias the projection keeps
+                target = outputs[b].to(x.device).float() - residual.pop().to(x.device).float()
+                cross.update(x, target if bias is None else target - bias.to(x.device), mask)
+                outputs[b] = None  # type: ignore[call-overload]
 
         with context.timer("covariance"):
-            run_to_input(runner, wide, group.first, inputs, view.mlp.down.module, on_mlp, [view.mlp.down.module])
+            if sequential:
+                outputs = sequential_group_outputs(adapter, runner, context.stack, group.indices, inputs)
+            handle = view.mlp_norm.module.register_forward_pre_hook(on_mlp_norm) if sequential else None
+            try:
+                run_to_input(runner, wide, group.first, inputs, down, on_mlp, [down])
+            finally:
+                if handle is not None:
+                    handle.remove()
         tokens = moment.count
         with context.timer("solve"):
             down_rows = view.mlp.down.weight.T
+            target = cross.finish()[0] if cross is not None else None
             if float64:
-                kept_channels, corrected, lam = self._mlp_float64(moment, down_rows, target_channels)
+                kept_channels, corrected, lam = self._mlp_float64(moment, down_rows, target_channels, target)
             else:
-                kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels)
+                kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels, target)
             adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
         return {"kept_channels": kept_channels, "ridge_lambda": lam, "calibration_tokens": tokens}
 
     def _mlp_float64(
-        self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int
+        self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None
     ) -> tuple[list[int], torch.Tensor, float]:
-        """Leverage and Nyström on a float64 C with a full float64 factor (the reference path)."""
+        """Leverage and Nyström (or the ridge refit towards `target`'s cross moment) on a float64 C with a full
+        float64 factor (the reference path)."""
         second_moment = moment.finish()
         lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
         kept_channels = top_k_indices(ridge_leverage_scores(second_moment, lam), num_keep)
         if not self.config.mlp_correction:
             return kept_channels, down_rows[torch.tensor(kept_channels, device=down_rows.device)], lam
-        corrected = nystrom_down_correction(second_moment, down_rows, torch.tensor(kept_channels), lam)
+        keep = torch.tensor(kept_channels)
+        if target is not None:
+            return kept_channels, ridge_refit_to_target(second_moment, target, down_rows, keep, lam), lam
+        corrected = nystrom_down_correction(second_moment, down_rows, keep, lam)
         return kept_channels, corrected, lam
 
     def _mlp_float32(
-        self, moment: CentredSecondMoment, down_rows: torch.Tensor, num_keep: int
+        self, moment: CentredSecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None
     ) -> tuple[list[int], torch.Tensor, float]:
         """Leverage from a triangle-only float32 factor (the channels near the cut re-scored in float64, so the
         kept set is the float64 path's); the Nyström solve on the kept block in float64.
@@ -656,6 +701,8 @@ class FlattenGPTMethod(CompressionMethod):
             return kept_channels, down_rows[keep], lam
         kept_block, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
         stats.release()
+        if target is not None:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`)
+            cross = target[keep.to(target.device)].to(cross.device) - kept_block @ down_rows[keep].double()
         factor = ridge_factor(kept_block, lam)
         del kept_block  # the solve copies the factor once more (column-major): the block would be a third k x k
         corrected = nystrom_from_factor(factor, cross, down_rows[keep])

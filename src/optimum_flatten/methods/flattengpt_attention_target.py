@@ -66,3 +66,21 @@ def sequential_attention_writes(
     if missing:  # the writes are read by batch index: a gap would pair one batch's target with another's inputs
         raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")
     return [write for write in writes if write is not None]
+
+
+@torch.no_grad()
+def sequential_group_outputs(
+    adapter: ArchitectureAdapter,
+    runner: LayerwiseRunner,
+    stack: torch.nn.Module,
+    indices: Sequence[int],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Per calibration batch, the state the layers at `indices` (consecutive, untouched) leave when they run one
+    after another from `inputs`: what the merged block as a whole replaces (`mlp_target="sequential"`), in the
+    runner's dtype and on each input's device."""
+    layers = adapter.layers(stack)
+    current = list(inputs)
+    for index in indices:
+        current = runner.run(layers[index], index, current)
+    return [out.to(inp.device) for out, inp in zip(current, inputs, strict=True)]

@@ -12,6 +12,8 @@ from .workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSiz
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096
+#: Tokens per float64 chunk of the MLP's cross moment with its target (`mlp_target="sequential"`).
+MLP_CROSS_CHUNK = 1024
 
 
 def _attention_solve_bytes(
@@ -72,6 +74,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       `attention_target="sequential"` also the members' attention writes (float32, S32), built by running the
       members in turn (a member's outputs, S, held meanwhile), and their float64 cross moment with the o_proj
       input ((g·H·d_h)·d).
+    - with `mlp_target="sequential"` the covariance also holds the original group's output (S, built by running the
+      members whole) and the float64 cross moment of the down input with the target ((g·i)·d), each batch adding
+      its float32 target and float64 chunk copies; the solve keeps that moment (S_K − C_KK W_K, built beside
+      C[K, K] and W_K, stays under the kept solve's two factors).
     - attention_solve (the writes are freed; the moments stay): the kept heads' refit, or the search for the KV groups
       and then the refit, in float64 (`_attention_solve_bytes`).
     - covariance (the o_proj moment is freed before it; the wide block has its pruned attention): the MLP statistic
@@ -230,17 +236,33 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
     attention_temporaries = z.block_forward(1, s.num_heads, s.num_kv_heads)
+    mlp_target = config.mlp_correction and getattr(config, "mlp_target", "parallel") == "sequential"
+    # mlp_target="sequential": the float64 cross moment of the down input with the target, and per batch the float32
+    # target (the group's output less the MLP input residual) with the float64 chunk copies of both sides.
+    mlp_cross = Term("down input-target cross moment (float64)", 8 * width * d if mlp_target else 0, "(g·i) × d")
+    target_update = 2 * 4 * z.Tb * d + 8 * min(MLP_CROSS_CHUNK, z.Tb) * (width + d) if mlp_target else 0
     covariance = Phase(
         "covariance",
         (
             *apply_base,
             pruned,
             c_moment,
+            mlp_cross,
+            Term(
+                "the original group's output on every batch",
+                z.S if mlp_target else 0,
+                "mlp_target='sequential': one states copy, freed batch by batch",
+            ),
             Term(
                 "one batch of the wide block, stopped at the down-projection input",
-                max(at_down_hook, attention_temporaries),
+                max(
+                    at_down_hook + target_update,
+                    attention_temporaries,
+                    z.run_outputs() + z.block_forward() if mlp_target else 0,
+                ),
                 "the MLP activations, the masked token copy and the centred float32 chunk"
-                + (" and the float32 (g·i)² product" if float64 else ""),
+                + (" and the float32 (g·i)² product" if float64 else "")
+                + ("; the target and its chunk; or the members' run for the output" if mlp_target else ""),
             ),
         ),
     )
@@ -248,6 +270,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     if float64:
         leverage = 8 * width * width + 3 * 8 * width * block
         nystrom = 8 * (width * d + 2 * keep * d + keep * keep + keep * rest + rest * d)
+        if mlp_target:  # `ridge_refit_to_target`: the float64 copy of W_down first, then the kept block's factor
+            nystrom = max(8 * width * d + 8 * keep * d, 16 * keep * keep + 4 * 8 * keep * d)
         solve_term = Term(
             "leverage scores: Cholesky factor of C + three column panels"
             if leverage >= nystrom
@@ -285,6 +309,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
                     "after the scatter is dropped",
                 ),
             )
+    if mlp_target:  # the cross moment stays; S_K − C_KK W_K (built beside C[K, K]) peaks below the kept solve
+        solve_terms = (*solve_terms, mlp_cross)
     solve = Phase("solve", (*apply_base, pruned, *solve_terms))
     attention_solve = Phase(
         "attention_solve",
@@ -324,6 +350,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
     if sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
         per_group += (g - 1) * p_layer + p_att + p_norm / 2
+    if mlp_target:  # the members once more, whole, for the group's output
+        per_group += g * p_layer
     if cached:
         propagation = 0
     elif prebuilt:
