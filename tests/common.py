@@ -272,3 +272,26 @@ def reload_with_remote_code(jobs: dict[str, tuple[str, dict[str, torch.Tensor], 
     for name, job in spec.items():
         out[name]["output"] = torch.load(job["output"])
     return out
+
+
+def assert_refused_before_any_change(model, method: str, message: str, **options: Any) -> None:
+    """Compressing `model` with `options` raises a ValueError matching `message`, and no weight has changed."""
+    import pytest
+
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        compress(model, method, **options)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def assert_reloads_with_plain_transformers(model, folder) -> None:
+    """`model` saved to `folder` and loaded back by plain transformers gives the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder)
+    ids = sample_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            reloaded(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits
+        )

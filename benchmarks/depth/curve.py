@@ -26,8 +26,10 @@ CURVE_VARIANTS = (
     "uidl",
     "replaceme",
     "flattengpt",
-    # FlattenGPT's defaults before 2026-11-26 (the paper's head target and selection), beside today's.
+    # FlattenGPT's defaults before 2026-11-26 (the paper's targets and head selection), and with the sequential
+    # attention target alone (the first of that day's two changes), beside today's.
     "flattengpt_parallel_target",
+    "flattengpt_parallel_mlp",
     "auto",
     # ReplaceMe with the down projection refitted (estimator="lstsq_down"), and auto with it among its candidates.
     "replaceme_lstsq_down",

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, sample_ids
+from common import (
+    assert_refused_before_any_change,
+    assert_reloads_with_plain_transformers,
+    compress,
+    padded_batches,
+)
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.stats import CrossMoment
@@ -24,11 +29,7 @@ from optimum_flatten.ops.ridge import ridge_refit_to_target, ridge_target_error
 
 def _batches() -> list[CalibrationBatch]:
     """Two batches, the second padded at the end of one row (padding must not reach any statistic)."""
-    first = sample_ids(batch=2, length=16, seed=3)
-    second = sample_ids(batch=2, length=16, seed=4)
-    mask = torch.ones_like(second)
-    mask[1, 11:] = 0
-    return [CalibrationBatch(first, torch.ones_like(first)), CalibrationBatch(second, mask)]
+    return padded_batches(2, 3, (1, 1, 5))
 
 
 # ------------------------------------------------------------------------------------------------------------- ops
@@ -221,17 +222,9 @@ def test_sequential_target_changes_only_the_attention_refit():
 
 
 def test_sequential_target_reloads_with_plain_transformers(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model = tiny_models.tiny_llama_gqa()
     compress(model, "flattengpt", num_layers_to_remove=2, attention_target="sequential")
-    model.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    ids = sample_ids()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            reloaded(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits
-        )
+    assert_reloads_with_plain_transformers(model, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -249,11 +242,9 @@ def test_sequential_target_reloads_with_plain_transformers(tmp_path):
 def test_refusals_before_any_change(options, message):
     with pytest.raises(ValueError, match=message):
         FlattenGPTConfig(**options)
-    model = tiny_models.tiny_llama_gqa()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=message):
-        compress(model, "flattengpt", num_layers_to_remove=2, **options)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert_refused_before_any_change(
+        tiny_models.tiny_llama_gqa(), "flattengpt", message, num_layers_to_remove=2, **options
+    )
 
 
 def test_defaults_are_the_sequential_targets_with_heads_by_reconstruction():

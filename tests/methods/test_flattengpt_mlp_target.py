@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, sample_ids
+from common import (
+    assert_refused_before_any_change,
+    assert_reloads_with_plain_transformers,
+    compress,
+    padded_batches,
+)
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.methods.base import MethodContext
@@ -19,11 +24,7 @@ from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMetho
 
 def _batches() -> list[CalibrationBatch]:
     """Two batches, the second padded at the end of one row (padding must not reach any statistic)."""
-    first = sample_ids(batch=2, length=16, seed=3)
-    second = sample_ids(batch=2, length=16, seed=4)
-    mask = torch.ones_like(second)
-    mask[1, 11:] = 0
-    return [CalibrationBatch(first, torch.ones_like(first)), CalibrationBatch(second, mask)]
+    return padded_batches(2, 3, (1, 1, 5))
 
 
 def _compress_spying(model, monkeypatch, **options):
@@ -104,20 +105,12 @@ def test_down_projection_is_the_ridge_refit_towards_what_the_pair_still_writes(f
 
 
 def test_sequential_mlp_target_keeps_the_channels_and_reloads_with_plain_transformers(tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
-    _, parallel = _compress_spying(tiny_models.tiny_llama_gqa(), monkeypatch)
+    _, parallel = _compress_spying(tiny_models.tiny_llama_gqa(), monkeypatch, mlp_target="parallel")
     _, sequential = _compress_spying(tiny_models.tiny_llama_gqa(), monkeypatch, mlp_target="sequential")
     assert parallel["kept"] == sequential["kept"]  # chosen by leverage either way
     ours = tiny_models.tiny_llama_gqa()
     compress(ours, "flattengpt", num_layers_to_remove=2, mlp_target="sequential")
-    ours.save_pretrained(tmp_path)
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    ids = sample_ids()
-    with torch.no_grad():
-        torch.testing.assert_close(
-            reloaded(input_ids=ids, use_cache=False).logits, ours(input_ids=ids, use_cache=False).logits
-        )
+    assert_reloads_with_plain_transformers(ours, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -130,8 +123,6 @@ def test_sequential_mlp_target_keeps_the_channels_and_reloads_with_plain_transfo
 def test_refusals_before_any_change(options, message):
     with pytest.raises(ValueError, match=message):
         FlattenGPTConfig(**options)
-    model = tiny_models.tiny_llama_gqa()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=message):
-        compress(model, "flattengpt", num_layers_to_remove=2, **options)
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert_refused_before_any_change(
+        tiny_models.tiny_llama_gqa(), "flattengpt", message, num_layers_to_remove=2, **options
+    )
