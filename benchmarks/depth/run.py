@@ -58,6 +58,8 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_parallel_target": dict(method="flattengpt"),
     # The defaults for a few hours of that day: the attention's sequential target and heads, the paper's MLP refit.
     "flattengpt_parallel_mlp": dict(method="flattengpt", mlp_target="parallel"),
+    # The defaults with down-refit bridges on top (what they still add once the MLP is refitted towards the pair).
+    "flattengpt_defaults_lstsq_down": dict(method="flattengpt", linear_replacement="lstsq_down"),
     "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
     "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
@@ -219,9 +221,11 @@ MEASURED_WITH_PAPER_TARGET = (
 )
 for _name in MEASURED_WITH_PAPER_TARGET:
     VARIANTS[_name] = {**VARIANTS[_name], **{k: v for k, v in PAPER_TARGET.items() if k not in VARIANTS[_name]}}
-# Every other FlattenGPT variant but the defaults was measured with the paper's MLP refit.
+#: The FlattenGPT variants that run today's defaults (with what they name on top).
+WITH_TODAYS_DEFAULTS = ("flattengpt", "flattengpt_defaults_lstsq_down")
+# Every other FlattenGPT variant was measured with the paper's MLP refit.
 for _name, _options in VARIANTS.items():
-    if _options.get("method") == "flattengpt" and _name != "flattengpt" and "mlp_target" not in _options:
+    if _options.get("method") == "flattengpt" and _name not in WITH_TODAYS_DEFAULTS and "mlp_target" not in _options:
         VARIANTS[_name] = {**_options, "mlp_target": "parallel"}
 
 
