@@ -93,9 +93,9 @@ class FlattenGPTConfig(MethodConfig):
             as fit when groups are unlimited. Must be at least max_group_size - 1.
         similarity_memory_gb: Budget for the automatic band.
         attention_correction: Not in the paper (``False``, with the paper's head selection and targets, reproduces
-            it). Also refit the kept heads' o_proj
-            columns with the same ridge (Nyström) formula used for W_down, on the second moment of the o_proj input,
-            so the kept heads absorb what the pruned heads wrote to the residual stream. On by default because it
+            it). Also refit the kept heads' o_proj columns with the same ridge (Nyström) formula used for W_down, on
+            the second moment of the o_proj input, so the kept heads absorb what the pruned heads wrote to the
+            residual stream. On by default because it
             measured better on SmolLM2-135M (benchmarks/RESULTS.md). Costs one (2·H·head_dim)² second moment per
             group.
         head_selection: ``"importance"`` keeps the heads (KV groups) with the largest f_i (the paper);
@@ -105,10 +105,9 @@ class FlattenGPTConfig(MethodConfig):
             a step, `select_kv_groups_by_reconstruction`). Implies the second moment of the o_proj input; use it
             with `attention_correction=True`. The default because, with the sequential target, it measured better
             than ``"importance"`` on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B
-            (benchmarks/RESULTS.md). ``"balanced"`` (not in
-            the paper) keeps each member's best KV groups by f_i in equal shares (the remainder to the members
-            with the best next group), so no member loses its attention altogether: an ablation of where the
-            out-of-domain loss of the pruning comes from (benchmarks/RESULTS.md).
+            (benchmarks/RESULTS.md). ``"balanced"`` (not in the paper) keeps each member's best KV groups by f_i in
+            equal shares (the remainder to the members with the best next group), so no member loses its attention
+            altogether: an ablation of where the out-of-domain loss of the pruning comes from (benchmarks/RESULTS.md).
         mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
             channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
             calibration text, adds in and out of domain (benchmarks/RESULTS.md).
