@@ -181,6 +181,12 @@ VARIANTS: dict[str, dict] = {
         + FLATTENGPT_PAPER_TARGET
         + "+lstsq_down",
     ),
+    # auto_down's candidates with FlattenGPT's defaults since 2026-11-26 (the sequential targets) as its FlattenGPT.
+    "auto_down_todays_flattengpt": dict(
+        method="auto",
+        candidates="replaceme replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down "
+        "flattengpt+lstsq_down",
+    ),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
     "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),

@@ -53,6 +53,7 @@ def test_float32_statistics_match_the_float64_reference(factory):
 @pytest.mark.parametrize("mode", ["one_pass", "sequential"])
 def test_cached_inputs_match_propagating_the_original_model(mode):
     model = tiny_models.tiny_llama_gqa()
+    model_layers_before = model.config.num_hidden_layers
     propagated = copy.deepcopy(model)
     cached_report = _report(model, calibration_mode=mode)
     propagated_report = _report(propagated, calibration_mode=mode, similarity_band=1)
@@ -62,7 +63,11 @@ def test_cached_inputs_match_propagating_the_original_model(mode):
     assert _max_relative_difference(model, propagated) <= 1e-5
     if mode == "one_pass":
         assert "propagate" not in cached_report["timings_seconds"]
-        assert cached_report["cost"]["stack_passes"] < propagated_report["cost"]["stack_passes"] - 0.9
+        # Without the cache only the kept layers run again: a merged pair's original outputs, computed for the MLP's
+        # target, are its propagation (the tiny model's layers are all the same size).
+        kept_layers = sum(1 for g in propagated_report["plan"]["groups"] if len(g) == 1)
+        extra = propagated_report["cost"]["stack_passes"] - cached_report["cost"]["stack_passes"]
+        assert extra == pytest.approx(kept_layers / model_layers_before, abs=2e-3)
     else:
         assert cached_report["cost"]["stack_passes"] == propagated_report["cost"]["stack_passes"]
 

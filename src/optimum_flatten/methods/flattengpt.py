@@ -448,7 +448,10 @@ class FlattenGPTMethod(CompressionMethod):
                     bar.update()
                     continue
                 inputs = cache.inputs(first) if from_cache else current
-                block, group_report = self.compress_group(adapter, runner, group.indices, inputs, context)
+                # The MLP's sequential target runs the original members from these inputs: exactly the propagation
+                # the one-pass mode needs next, so their outputs are kept for it instead of running them again.
+                reuse: list[torch.Tensor] | None = [] if self._outputs_propagate(from_cache, sequential) else None
+                block, group_report = self.compress_group(adapter, runner, group.indices, inputs, context, reuse)
                 del inputs
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
                 block = dispatch_like(block, layers[first])
@@ -457,6 +460,8 @@ class FlattenGPTMethod(CompressionMethod):
                     with context.timer("propagate"):
                         if sequential:
                             current = runner.run(block, first, current)
+                        elif reuse:
+                            current, reuse = reuse, None  # no second reference once the next layers run
                         else:
                             for index in group.indices:
                                 current = runner.run(layers[index], index, current)
@@ -465,6 +470,12 @@ class FlattenGPTMethod(CompressionMethod):
                 bar.update(len(group.indices))
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
+
+    def _outputs_propagate(self, from_cache: bool, sequential_calibration: bool) -> bool:
+        """Whether a merged group's original outputs, computed for the MLP's target, are the states to propagate:
+        in the one-pass mode without the selection's cached inputs."""
+        mlp_target = self.config.mlp_correction and self.config.mlp_target == "sequential"
+        return mlp_target and not from_cache and not sequential_calibration
 
     def _install_prebuilt_(
         self,
@@ -495,6 +506,7 @@ class FlattenGPTMethod(CompressionMethod):
         indices: tuple[int, ...],
         inputs: list[torch.Tensor],
         context: MethodContext,
+        group_outputs: list[torch.Tensor] | None = None,
     ) -> tuple[torch.nn.Module, dict[str, Any]]:
         """One merged group, in the paper's three steps: flatten the members into one wide block, prune its heads
         back to one layer's KV groups, then its MLP channels back to one layer's width (each step's statistics are
@@ -508,7 +520,7 @@ class FlattenGPTMethod(CompressionMethod):
         wide = self._flatten(adapter, indices, context)
         group = _WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
         heads = self._prune_heads(group, target_kv)
-        channels = self._prune_channels(group, target_channels)
+        channels = self._prune_channels(group, target_channels, group_outputs)
         num_kv = heads["num_kv_groups"]
         per_member = num_kv // len(indices)
         report = {
@@ -609,7 +621,9 @@ class FlattenGPTMethod(CompressionMethod):
             "kept_kv_groups": kept_kv,
         }
 
-    def _prune_channels(self, group: _WideBlock, target_channels: int) -> dict[str, Any]:
+    def _prune_channels(
+        self, group: _WideBlock, target_channels: int, group_outputs: list[torch.Tensor] | None = None
+    ) -> dict[str, Any]:
         """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
         on the activations the pruned attention produces; the down projection, whose input is the statistic, does
         not run."""
@@ -638,7 +652,8 @@ class FlattenGPTMethod(CompressionMethod):
             if cross is not None:  # what the block must still write, less the bias the projection keeps
                 target = outputs[b].to(x.device).float() - residual.pop().to(x.device).float()
                 cross.update(x, target if bias is None else target - bias.to(x.device), mask)
-                outputs[b] = None  # type: ignore[call-overload]
+                if group_outputs is None:  # else kept for the caller, who propagates them
+                    outputs[b] = None  # type: ignore[call-overload]
 
         with context.timer("covariance"):
             if sequential:
@@ -649,6 +664,8 @@ class FlattenGPTMethod(CompressionMethod):
             finally:
                 if handle is not None:
                     handle.remove()
+            if group_outputs is not None:
+                group_outputs.extend(outputs)
         tokens = moment.count
         with context.timer("solve"):
             down_rows = view.mlp.down.weight.T
