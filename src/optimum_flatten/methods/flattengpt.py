@@ -42,6 +42,7 @@ from ..ops import (
     top_k_indices,
 )
 from ..ops.ridge import (
+    kept_block,
     kept_blocks,
     nystrom_from_factor,
     ridge_block_removal_errors,
@@ -715,12 +716,15 @@ class FlattenGPTMethod(CompressionMethod):
         if not self.config.mlp_correction:
             stats.release()
             return kept_channels, down_rows[keep], lam
-        kept_block, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
-        stats.release()
-        if target is not None:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`)
-            cross = target[keep.to(target.device)].to(cross.device) - kept_block @ down_rows[keep].double()
-        factor = ridge_factor(kept_block, lam)
-        del kept_block  # the solve copies the factor once more (column-major): the block would be a third k x k
+        if target is None:
+            kept, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
+            stats.release()
+        else:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`): C[K, R] is not read
+            kept = kept_block(stats.block, keep, down_rows.device)
+            stats.release()
+            cross = target[keep.to(target.device)].to(kept.device) - kept @ down_rows[keep].double()
+        factor = ridge_factor(kept, lam)
+        del kept  # the solve copies the factor once more (column-major): the block would be a third k x k
         corrected = nystrom_from_factor(factor, cross, down_rows[keep])
         return kept_channels, corrected, lam
 

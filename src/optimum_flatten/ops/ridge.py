@@ -438,7 +438,18 @@ def kept_blocks(
     cross = torch.zeros(keep.numel(), down_rows.shape[1], dtype=torch.float64, device=down_rows.device)
     for part in dropped.split(chunk):
         cross.addmm_(block(keep, part).to(cross.device), down_rows[part].double())
-    kept = torch.empty(keep.numel(), keep.numel(), dtype=torch.float64, device=down_rows.device)
+    return kept_block(block, keep, down_rows.device, chunk), cross
+
+
+def kept_block(
+    block: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    keep: torch.Tensor,
+    device: torch.device,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """C[K, K] in float64 on `device`, read through `block(rows, cols)` `chunk` kept channels at a time: all a refit
+    towards another target needs of C (`ridge_refit_to_target`), where `kept_blocks`' C[K, R] W_D[R] is not used."""
+    kept = torch.empty(keep.numel(), keep.numel(), dtype=torch.float64, device=device)
     for start in range(0, keep.numel(), chunk):
         kept[:, start : start + chunk] = block(keep, keep[start : start + chunk])
-    return kept, cross
+    return kept
