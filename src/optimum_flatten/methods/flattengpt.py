@@ -475,8 +475,7 @@ class FlattenGPTMethod(CompressionMethod):
     def _outputs_propagate(self, from_cache: bool, sequential_calibration: bool) -> bool:
         """Whether a merged group's original outputs, computed for the MLP's target, are the states to propagate:
         in the one-pass mode without the selection's cached inputs."""
-        mlp_target = self.config.mlp_correction and self.config.mlp_target == "sequential"
-        return mlp_target and not from_cache and not sequential_calibration
+        return self.config.mlp_target == "sequential" and not from_cache and not sequential_calibration
 
     def _install_prebuilt_(
         self,
@@ -635,7 +634,7 @@ class FlattenGPTMethod(CompressionMethod):
         device = module_device(wide)
         tf32 = self.config.covariance_dtype == "tf32"
         moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device, tf32=tf32)
-        sequential = self.config.mlp_correction and self.config.mlp_target == "sequential"
+        sequential = self.config.mlp_target == "sequential"  # the config refuses it without mlp_correction
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
         hidden = view.mlp.down.weight.shape[0]

@@ -238,7 +238,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
     attention_temporaries = z.block_forward(1, s.num_heads, s.num_kv_heads)
-    mlp_target = config.mlp_correction and getattr(config, "mlp_target", "parallel") == "sequential"
+    mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
     # mlp_target="sequential": the float64 cross moment of the down input with the target, and per batch the float32
     # target (the group's output less the MLP input residual) with the float64 chunk copies of both sides.
     mlp_cross = Term("down input-target cross moment (float64)", 8 * width * d if mlp_target else 0, "(g·i) × d")
