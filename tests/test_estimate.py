@@ -357,21 +357,6 @@ def test_flattengpt_loss_selection_estimate(layers, selection, monkeypatch):
     assert estimate.stack_passes_is_bound
 
 
-@pytest.mark.parametrize("head_selection", ["importance", "reconstruction"])
-def test_flattengpt_sequential_attention_target_estimate(head_selection, monkeypatch):
-    """`attention_target="sequential"`: the members' attention writes (a float32 states copy) and their cross
-    moment with the o_proj input join the head scoring, and the members' runs the stack passes."""
-    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
-    model = _llama(layers=4)
-    options = {"attention_target": "sequential", "head_selection": head_selection}
-    estimate = estimate_memory(model, "flattengpt", 1, method_args=options, **calibration)
-    measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
-    _check(estimate, measured)
-    parallel = {"attention_target": "parallel", "head_selection": head_selection}
-    plain = estimate_memory(model, "flattengpt", 1, method_args=parallel, **calibration)
-    assert estimate.stack_passes > plain.stack_passes
-
-
 @pytest.mark.parametrize(
     ("kv_heads", "options"),
     [
@@ -394,20 +379,28 @@ def test_flattengpt_attention_solve_estimate_where_it_dominates(kv_heads, option
     _check(estimate, measured)
 
 
-@pytest.mark.parametrize("covariance_dtype", ["float32", "float64"])
-def test_flattengpt_sequential_mlp_target_estimate(covariance_dtype, monkeypatch):
-    """`mlp_target="sequential"`: the original group's output (a states copy) and the down input's float64 cross
-    moment with the target join the covariance and the solve, and the members' runs the stack passes."""
+@pytest.mark.parametrize(
+    ("options", "target", "phase"),
+    [
+        ({"attention_target": "sequential", "head_selection": "importance"}, "attention_target", "head_scoring"),
+        ({"attention_target": "sequential", "head_selection": "reconstruction"}, "attention_target", "head_scoring"),
+        ({"mlp_target": "sequential", "covariance_dtype": "float32"}, "mlp_target", "covariance"),
+        ({"mlp_target": "sequential", "covariance_dtype": "float64"}, "mlp_target", "covariance"),
+    ],
+)
+def test_flattengpt_sequential_target_estimate(options, target, phase, monkeypatch):
+    """The sequential targets, checked phase by phase against a real compression. `attention_target`: the members'
+    attention writes (a float32 states copy) and their cross moment with the o_proj input join the head scoring.
+    `mlp_target`: the original group's output (a states copy) and the down input's float64 cross moment with the
+    target join the covariance and the solve. Both add the members' runs to the stack passes."""
     calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
     model = _llama(layers=4)
-    options = {"mlp_target": "sequential", "covariance_dtype": covariance_dtype}
     estimate = estimate_memory(model, "flattengpt", 1, method_args=options, **calibration)
     measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
     _check(estimate, measured)
-    parallel = {"mlp_target": "parallel", "covariance_dtype": covariance_dtype}
-    plain = estimate_memory(model, "flattengpt", 1, method_args=parallel, **calibration)
+    plain = estimate_memory(model, "flattengpt", 1, method_args={**options, target: "parallel"}, **calibration)
     assert estimate.stack_passes > plain.stack_passes
-    assert estimate.phase("covariance").bytes > plain.phase("covariance").bytes
+    assert estimate.phase(phase).bytes > plain.phase(phase).bytes
 
 
 @pytest.mark.parametrize("max_group_size", [2, 3])
