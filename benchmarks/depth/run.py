@@ -60,6 +60,10 @@ VARIANTS: dict[str, dict] = {
     "flattengpt_parallel_mlp": dict(method="flattengpt", mlp_target="parallel"),
     # The defaults with down-refit bridges on top (what they still add once the MLP is refitted towards the pair).
     "flattengpt_defaults_lstsq_down": dict(method="flattengpt", linear_replacement="lstsq_down"),
+    # The defaults with the MLP refit's ridge λ at 1× and 100× the mean eigenvalue of C instead of 10× (the ratio was
+    # chosen with the paper's Nyström refit; the sequential target pulls towards the kept rows, not the wide MLP).
+    "flattengpt_defaults_ridge_1": dict(method="flattengpt", ridge_ratio=1.0),
+    "flattengpt_defaults_ridge_100": dict(method="flattengpt", ridge_ratio=100.0),
     "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
     "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),

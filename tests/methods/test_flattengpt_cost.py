@@ -20,6 +20,7 @@ from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import LayerwiseRunner, build_calibration_batches
 from optimum_flatten.calibration.capture import capture_module_inputs
 from optimum_flatten.calibration.partial import run_to_input, weights_run
+from optimum_flatten.methods.flattengpt import FlattenGPTMethod
 
 
 def _report(model, **options):
@@ -70,6 +71,44 @@ def test_cached_inputs_match_propagating_the_original_model(mode):
         assert extra == pytest.approx(kept_layers / model_layers_before, abs=2e-3)
     else:
         assert cached_report["cost"]["stack_passes"] == propagated_report["cost"]["stack_passes"]
+
+
+@pytest.mark.parametrize("similarity_band", [None, 1])  # with the selection's cached inputs, and without
+def test_both_sequential_targets_run_the_members_once(similarity_band, monkeypatch):
+    """The defaults' two sequential targets take the attention writes and the group's outputs from one run of the
+    members: the merged pair's attentions run once less per batch than when the MLP's target runs them again, and
+    the model is the same (to the bit: the same runs, in the same order)."""
+    options = {"similarity_band": similarity_band} if similarity_band else {}
+
+    def attention_calls(model, route):
+        calls: dict[int, int] = {}
+        for index, layer in enumerate(model.model.layers):
+            layer.self_attn.register_forward_pre_hook(
+                lambda *_, index=index: calls.__setitem__(index, calls.get(index, 0) + 1)
+            )
+        with monkeypatch.context() as patch:
+            if route == "two runs":  # the MLP's target runs the members again, as before one run served both
+                heads, channels = FlattenGPTMethod._prune_heads, FlattenGPTMethod._prune_channels
+                patch.setattr(FlattenGPTMethod, "_prune_heads", lambda self, g, kv, traced=None: heads(self, g, kv))
+                patch.setattr(
+                    FlattenGPTMethod,
+                    "_prune_channels",
+                    lambda self, g, width, outputs=None, traced=None: channels(self, g, width, outputs),
+                )
+            report = compress(model, "flattengpt", num_layers_to_remove=1, batch_size=4, **options).report
+        return calls, report
+
+    model = tiny_models.tiny_llama_gqa()
+    reference = copy.deepcopy(model)
+    once, report = attention_calls(model, "one run")
+    twice, reference_report = attention_calls(reference, "two runs")
+    (members,) = [g["members"] for g in report["groups"]]
+    batches = 2  # 8 calibration sequences in batches of 4
+    assert [twice[i] - once[i] for i in members] == [batches, batches]
+    assert all(twice[i] == once[i] for i in once if i not in members)
+    assert report["cost"]["stack_passes"] < reference_report["cost"]["stack_passes"]
+    assert _kept(report) == _kept(reference_report)
+    assert _max_relative_difference(model, reference) == 0.0
 
 
 def test_run_to_input_captures_what_a_full_run_sees():

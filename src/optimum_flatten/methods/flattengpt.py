@@ -519,8 +519,11 @@ class FlattenGPTMethod(CompressionMethod):
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
         group = _WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
-        heads = self._prune_heads(group, target_kv)
-        channels = self._prune_channels(group, target_channels, group_outputs)
+        # With both sequential targets, one run of the members gives the attention writes and the group's outputs.
+        both = self.config.attention_target == "sequential" and self.config.mlp_target == "sequential"
+        traced: list[torch.Tensor] | None = [] if both else None
+        heads = self._prune_heads(group, target_kv, traced)
+        channels = self._prune_channels(group, target_channels, group_outputs, traced)
         num_kv = heads["num_kv_groups"]
         per_member = num_kv // len(indices)
         report = {
@@ -547,11 +550,15 @@ class FlattenGPTMethod(CompressionMethod):
                 fold_block_norms_(member)
             return adapter.build_concat_block(members)
 
-    def _prune_heads(self, group: _WideBlock, target_kv: int) -> dict[str, Any]:
+    def _prune_heads(
+        self, group: _WideBlock, target_kv: int, group_outputs: list[torch.Tensor] | None = None
+    ) -> dict[str, Any]:
         """Keeps `target_kv` whole KV groups of the wide block, by f_i (eq. 12) or by reconstruction, and refits
         o_proj on the kept heads when `attention_correction` asks (Nyström on the o_proj input's second moment).
 
-        Only the attention up to o_proj runs: the head scores and the o_proj moment read its input.
+        Only the attention up to o_proj runs: the head scores and the o_proj moment read its input. With the
+        sequential target and `group_outputs` given, the members' run for their writes goes on to their outputs,
+        which `group_outputs` receives for the MLP's target.
         """
         adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
         view = adapter.block_view(wide, group.first)
@@ -586,7 +593,9 @@ class FlattenGPTMethod(CompressionMethod):
         after_o = [o_module, view.mlp_norm.module, view.mlp.module]
         with context.timer("head_scoring"):
             if sequential:
-                writes = sequential_attention_writes(adapter, runner, context.stack, group.indices, inputs)
+                writes = sequential_attention_writes(
+                    adapter, runner, context.stack, group.indices, inputs, group_outputs
+                )
             run_to_input(runner, wide, group.first, inputs, o_module, on_heads, after_o)
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
@@ -622,11 +631,16 @@ class FlattenGPTMethod(CompressionMethod):
         }
 
     def _prune_channels(
-        self, group: _WideBlock, target_channels: int, group_outputs: list[torch.Tensor] | None = None
+        self,
+        group: _WideBlock,
+        target_channels: int,
+        group_outputs: list[torch.Tensor] | None = None,
+        traced_outputs: list[torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
         on the activations the pruned attention produces; the down projection, whose input is the statistic, does
-        not run."""
+        not run. The sequential target reads the original group's outputs: `traced_outputs` when the attention's
+        run of the members already gave them, else the members run once more."""
         adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
         view = adapter.block_view(wide, group.first)
         float64 = self.config.covariance_dtype == "float64"
@@ -656,7 +670,9 @@ class FlattenGPTMethod(CompressionMethod):
                     outputs[b] = None  # type: ignore[call-overload]
 
         with context.timer("covariance"):
-            if sequential:
+            if sequential and traced_outputs is not None:
+                outputs = traced_outputs
+            elif sequential:
                 outputs = sequential_group_outputs(adapter, runner, context.stack, group.indices, inputs)
             handle = view.mlp_norm.module.register_forward_pre_hook(on_mlp_norm) if sequential else None
             try:

@@ -25,13 +25,16 @@ def sequential_attention_writes(
     stack: torch.nn.Module,
     indices: Sequence[int],
     inputs: Sequence[torch.Tensor],
+    outputs: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Per calibration batch, the sum of what the attentions of the layers at `indices` (consecutive, untouched)
     add to the residual stream when they run one after another from `inputs`: float32, on each input's device.
 
     A pre-norm layer's attention write is the MLP norm's input less the layer's input (what the attention adds to the
-    stream, its output bias included), so no attention internals are read. The last member runs only up to its MLP
-    norm; the others run whole, as they feed the next.
+    stream, its output bias included), so no attention internals are read. The members before the last run whole, as
+    they feed the next. The last runs only up to its MLP norm, unless `outputs` is given: then it runs whole too and
+    `outputs` receives what `sequential_group_outputs` would return, from this one run of the members instead of a
+    second (the defaults' two sequential targets read both).
     """
     layers = adapter.layers(stack)
     writes: list[torch.Tensor | None] = [None] * len(inputs)
@@ -54,7 +57,7 @@ def sequential_attention_writes(
     for position, index in enumerate(indices):
         view = adapter.block_view(layers[index], index)
         norm = view.mlp_norm.module
-        if position == len(indices) - 1:
+        if position == len(indices) - 1 and outputs is None:
             run_to_input(runner, layers[index], index, current, norm, add, [norm, view.mlp.module])
             break
         handle = norm.register_forward_pre_hook(on_norm_input)
@@ -62,6 +65,8 @@ def sequential_attention_writes(
             current = runner.run(layers[index], index, current, on_batch=on_batch)
         finally:
             handle.remove()
+    if outputs is not None:
+        outputs.extend(out.to(inp.device) for out, inp in zip(current, inputs, strict=True))
     missing = [b for b, write in enumerate(writes) if write is None]
     if missing:  # the writes are read by batch index: a gap would pair one batch's target with another's inputs
         raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")

@@ -204,6 +204,14 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
     # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
     cross_update = 8 * min(4096, z.Tb) * (heads_width + d) if sequential else 0
+    mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
+    # Both sequential targets: the members' run for the writes goes on to the group's output, which then waits for
+    # the MLP's target through the head scoring and the attention solve (one run of the members instead of two).
+    traced = Term(
+        "the original group's output, traced with the writes",
+        z.S if sequential and mlp_target else 0,
+        "both sequential targets: one states copy, kept for the MLP's target",
+    )
     head_scoring = Phase(
         "head_scoring",
         (
@@ -218,6 +226,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             Term(
                 "o_proj input-target cross moment (float64)", 8 * heads_width * d if sequential else 0, "(g·H·d_h) × d"
             ),
+            traced,
             Term(
                 "one batch of the wide block, stopped at the o_proj input",
                 max(at_o_hook + head_hook + cross_update, z.S + z.block_forward() if sequential else 0),
@@ -238,7 +247,6 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
     attention_temporaries = z.block_forward(1, s.num_heads, s.num_kv_heads)
-    mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
     # mlp_target="sequential": the float64 cross moment of the down input with the target, and per batch the float32
     # target (the group's output less the MLP input residual) with the float64 chunk copies of both sides.
     mlp_cross = Term("down input-target cross moment (float64)", 8 * width * d if mlp_target else 0, "(g·i) × d")
@@ -329,6 +337,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             Term(
                 "o_proj input-target cross moment (float64)", 8 * heads_width * d if sequential else 0, "(g·H·d_h) × d"
             ),
+            traced,
             Term(
                 "the attention solve's temporaries (float64)",
                 _attention_solve_bytes(config, g, s.num_heads, s.num_kv_heads, s.head_dim, d, sequential),
@@ -358,9 +367,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     groups = n if g == 2 else math.ceil(n / (g - 1))
     # Up to o_proj (all heads, the attention norm: half the norms), then up to the down projection (pruned heads).
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
-    if sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
+    if sequential and mlp_target:  # the members whole, once, for their attention writes and the group's output
+        per_group += g * p_layer
+    elif sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
         per_group += (g - 1) * p_layer + p_att + p_norm / 2
-    if mlp_target:  # the members once more, whole, for the group's output
+    elif mlp_target:  # the members whole for the group's output
         per_group += g * p_layer
     if cached:
         propagation = 0
