@@ -64,6 +64,9 @@ VARIANTS: dict[str, dict] = {
     # chosen with the paper's Nyström refit; the sequential target pulls towards the kept rows, not the wide MLP).
     "flattengpt_defaults_ridge_1": dict(method="flattengpt", ridge_ratio=1.0),
     "flattengpt_defaults_ridge_100": dict(method="flattengpt", ridge_ratio=100.0),
+    # The defaults with the pairs chosen by calibration loss (each candidate pair compressed as applied and scored on
+    # the first 2 sequences, as the SLEB row).
+    "flattengpt_defaults_loss_selection": dict(method="flattengpt", selection="loss", batch_size=2),
     "flattengpt_paper_no_attention_refit": dict(method="flattengpt", attention_correction=False),
     "flattengpt_sequential": dict(method="flattengpt", calibration_mode="sequential"),
     "flattengpt_groups_up_to_3": dict(method="flattengpt", max_group_size=3),
