@@ -3,10 +3,12 @@
 What is compared (`_measure`): a compression of a small LLaMA runs under `LiveBytes`, a `TorchDispatchMode` that
 sees every aten op of `FlattenQuantizer.compress` and keeps the storage of each tensor an op allocates (outputs
 that alias an input — views, in-place and ``out=`` results, told by the op schema's alias info — are not
-allocations) until that storage is freed (a `weakref.finalize` on the storage). So at any moment it knows the bytes
-of the storages the compression has allocated and not freed yet: the **workspace**. The **measured weights** are
-the bytes of the distinct storages of the model's parameters and buffers before compressing. Compared with the
-estimate:
+allocations) until that storage is freed (a `weakref.finalize` on the storage). The model's weights are counted the same way
+from the start, until the model frees them. The **measured weights** are the bytes of the distinct storages of the
+model's parameters and buffers before compressing, and the **workspace** at any moment is what is alive less those
+bytes: a compressed block that takes a member's place (the member freed) adds nothing, as on a real device, where
+counting only the new allocations would charge the block to the workspace and never see the member go. Compared
+with the estimate:
 
 - ``weights_bytes`` with the measured weights (exact);
 - each phase's workspace with the largest workspace seen while that phase (the innermost `MethodContext.timer` of
@@ -55,6 +57,16 @@ class LiveBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+
+    def adopt(self, storages: Any) -> None:
+        """Counts `storages` (allocated before the mode, the model's weights) as live until they are freed, so a
+        layer the method lets go of (a merged group's member once its block takes the place) frees what it held."""
+        for storage in storages:
+            key = storage._cdata
+            if key not in self.live:
+                self.live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                weakref.finalize(storage, self._free, key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -112,17 +124,21 @@ def _llama(hidden: int = 256, intermediate: int = 688, layers: int = 4, heads: i
 
 def _measure(model: Any, method: str, monkeypatch: pytest.MonkeyPatch, **calibration: int) -> dict[str, Any]:
     """Weights, workspace peak (overall and per phase) and stack passes of a real compression of `model`."""
-    tensors = [*model.parameters(), *model.buffers()]
-    weights = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in [*model.parameters(), *model.buffers()]}
+    weights = sum(storage.nbytes() for storage in storages.values())
     config = FlattenConfig(method=method, num_layers_to_remove=1, dataset=tiny_models.sample_texts(400), **calibration)
     quantizer = FlattenQuantizer(config, progress=False)
     tracker = LiveBytes()
+    # The weights count from the start and stop counting when the model frees them: the workspace is what the
+    # compression holds beyond the weights still held (a compressed block in a member's place adds nothing).
+    tracker.adopt(storages.values())
+    del storages
     with _phases_into(tracker, monkeypatch), tracker:
         quantizer.compress(model, tiny_models.CharTokenizer())
     return {
         "weights": weights,
-        "workspace": tracker.peak,
-        "phases": tracker.phase_peaks,
+        "workspace": tracker.peak - weights,
+        "phases": {name: peak - weights for name, peak in tracker.phase_peaks.items()},
         "stack_passes": quantizer.report["cost"]["stack_passes"],
     }
 

@@ -354,9 +354,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
                 *apply_base,
                 Term(
                     "the group's compressed block",
-                    # With selection="wide_loss" about one layer more stays alive here than the terms above name
-                    # (measured; not traced yet): this term covers it.
-                    0 if prebuilt or (reused and not by_loss) else s.layer_bytes,
+                    0 if prebuilt or reused else s.layer_bytes,
                     "until it replaces its first member" if not prebuilt else "selection='loss': among the candidates",
                 ),
                 z.run_term(),
