@@ -73,15 +73,17 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       scores take two float64 copies of that input (16·T_b·g·H·d_h) and the moment its own update. With
       `attention_target="sequential"` also the members' attention writes (float32, S32), built by running the
       members in turn (a member's outputs, S, held meanwhile), and their float64 cross moment with the o_proj
-      input ((g·H·d_h)·d).
+      input ((g·H·d_h)·d). With `mlp_target="sequential"` as well (the defaults) that run goes on through the last
+      member, and the group's output it leaves (S) is held from then on for the MLP's target: the members run once
+      per group, not twice.
     - with `mlp_target="sequential"` the covariance also holds the original group's output (S, built by running the
       members whole) and the float64 cross moment of the down input with the target ((g·i)·d), each batch adding
       its float32 target and float64 chunk copies; the solve keeps that moment (S_K − C_KK W_K, built beside
       C[K, K] and W_K, stays under the kept solve's two factors).
     - without the cache, in the one-pass mode, those outputs are the group's propagation: they stay through the solve
       and the members do not run again (only the kept layers propagate).
-    - attention_solve (the writes are freed; the moments stay): the kept heads' refit, or the search for the KV groups
-      and then the refit, in float64 (`_attention_solve_bytes`).
+    - attention_solve (the writes are freed; the moments stay, and with both sequential targets the group's output):
+      the kept heads' refit, or the search for the KV groups and then the refit, in float64 (`_attention_solve_bytes`).
     - covariance (the o_proj moment is freed before it; the wide block has its pruned attention): the MLP statistic
       C — `covariance_dtype="float32"`: a float32 scatter 4·(g·i)², each batch adding, in chunks of 4096 tokens, a
       centred float32 copy straight into it; "float64": 8·(g·i)² and one float32 (g·i)² product per batch — and the
