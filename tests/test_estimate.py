@@ -3,12 +3,12 @@
 What is compared (`_measure`): a compression of a small LLaMA runs under `LiveBytes`, a `TorchDispatchMode` that
 sees every aten op of `FlattenQuantizer.compress` and keeps the storage of each tensor an op allocates (outputs
 that alias an input — views, in-place and ``out=`` results, told by the op schema's alias info — are not
-allocations) until that storage is freed (a `weakref.finalize` on the storage). The model's weights are counted the same way
-from the start, until the model frees them. The **measured weights** are the bytes of the distinct storages of the
-model's parameters and buffers before compressing, and the **workspace** at any moment is what is alive less those
-bytes: a compressed block that takes a member's place (the member freed) adds nothing, as on a real device, where
-counting only the new allocations would charge the block to the workspace and never see the member go. Compared
-with the estimate:
+allocations) until that storage is freed (a `weakref.finalize` on the storage). The model's weights are counted
+the same way from the start, until the model frees them. The **measured weights** are the bytes of the distinct
+storages of the model's parameters and buffers before compressing, and the **workspace** at any moment is what is
+alive less those bytes: a compressed block that takes a member's place (the member freed) adds nothing, as on a
+device; counting only the new allocations would charge the block to the workspace and never see the member go.
+Compared with the estimate:
 
 - ``weights_bytes`` with the measured weights (exact);
 - each phase's workspace with the largest workspace seen while that phase (the innermost `MethodContext.timer` of

@@ -22,7 +22,7 @@ from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.stats import CrossMoment
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
-from optimum_flatten.methods.flattengpt_attention_target import sequential_attention_writes
+from optimum_flatten.methods.flattengpt_attention_target import sequential_attention_writes, sequential_group_outputs
 from optimum_flatten.ops import nystrom_down_correction
 from optimum_flatten.ops.ridge import ridge_refit_to_target, ridge_target_error
 
@@ -154,6 +154,27 @@ def test_sequential_attention_writes_match_a_plain_forward(factory):
     _, expected = _naive_statistics(model, batches, (2, 3))
     got = torch.cat([w[b.attention_mask.bool()] for w, b in zip(writes, batches, strict=True)]).double()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("factory", ["llama_gqa", "qwen2"])
+def test_one_run_gives_the_writes_and_the_group_outputs(factory):
+    """With `outputs`, the members' run for the writes goes on through the last member: the same writes, and the
+    outputs `sequential_group_outputs` gives from a run of its own, to the bit."""
+    model = tiny_models.FACTORIES[factory]()
+    context = MethodContext(batches=_batches(), progress=False)
+    adapter = get_adapter(model)
+    runner = context.new_runner(adapter)
+    layers = adapter.layers(context.stack)
+    states = runner.run(layers[1], 1, runner.run(layers[0], 0))
+    outputs: list[torch.Tensor] = []
+    writes = sequential_attention_writes(adapter, runner, context.stack, (2, 3), states, outputs)
+    alone = sequential_attention_writes(adapter, runner, context.stack, (2, 3), states)
+    expected = sequential_group_outputs(adapter, runner, context.stack, (2, 3), states)
+    assert len(outputs) == len(expected) == len(writes) == len(alone)
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(writes, alone, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("factory", ["llama_gqa", "qwen2"])
