@@ -408,8 +408,16 @@ def test_flattengpt_attention_solve_estimate_where_it_dominates(kv_heads, option
             "attention_target",
             "head_scoring",
         ),
-        ({"mlp_target": "sequential", "covariance_dtype": "float32"}, "mlp_target", "covariance"),
-        ({"mlp_target": "sequential", "covariance_dtype": "float64"}, "mlp_target", "covariance"),
+        (
+            {"attention_target": "parallel", "mlp_target": "sequential", "covariance_dtype": "float32"},
+            "mlp_target",
+            "covariance",
+        ),
+        (
+            {"attention_target": "parallel", "mlp_target": "sequential", "covariance_dtype": "float64"},
+            "mlp_target",
+            "covariance",
+        ),
     ],
 )
 def test_flattengpt_sequential_target_estimate(options, target, phase, monkeypatch):

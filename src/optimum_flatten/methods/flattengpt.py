@@ -131,7 +131,7 @@ class FlattenGPTConfig(MethodConfig):
             default since it measured better than the paper's refit on both evaluation texts of both SmolLM2-135M
             and Qwen2.5-0.5B, with the sequential attention target (benchmarks/RESULTS.md). Costs one run of the
             group's original layers and a copy of the calibration states per group, and a float64 (g·i) × d cross
-            moment.
+            moment; with the sequential attention target the same run serves both targets.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
             1.0 measured better than 10 on SmolLM2-135M.
         covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's

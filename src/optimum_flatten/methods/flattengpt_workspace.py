@@ -270,11 +270,13 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
                 max(
                     at_down_hook + target_update,
                     attention_temporaries,
-                    z.run_outputs() + z.block_forward() if mlp_target else 0,
+                    # The members run here for the output only when the attention's run did not give it.
+                    z.run_outputs() + z.block_forward() if mlp_target and not sequential else 0,
                 ),
                 "the MLP activations, the masked token copy and the centred float32 chunk"
                 + (" and the float32 (g·i)² product" if float64 else "")
-                + ("; the target and its chunk; or the members' run for the output" if mlp_target else ""),
+                + ("; the target and its chunk" if mlp_target else "")
+                + ("; or the members' run for the output" if mlp_target and not sequential else ""),
             ),
         ),
     )
@@ -367,12 +369,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     groups = n if g == 2 else math.ceil(n / (g - 1))
     # Up to o_proj (all heads, the attention norm: half the norms), then up to the down projection (pruned heads).
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
-    if sequential and mlp_target:  # the members whole, once, for their attention writes and the group's output
+    if mlp_target:  # the members whole, once, for the group's output (and the attention writes, when sequential)
         per_group += g * p_layer
     elif sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
         per_group += (g - 1) * p_layer + p_att + p_norm / 2
-    elif mlp_target:  # the members whole for the group's output
-        per_group += g * p_layer
     if cached:
         propagation = 0
     elif prebuilt:
