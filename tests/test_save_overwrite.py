@@ -304,3 +304,71 @@ def test_every_file_a_save_writes_is_a_checkpoint_part(tmp_path, compressed):
     out = quantizer.save(model, tmp_path / "out", tiny_models.tiny_hf_tokenizer())
     for name in (p.name for p in out.iterdir()):
         assert any(fnmatch.fnmatchcase(name, pattern) for pattern in CHECKPOINT_PATTERNS), name
+
+
+def _disk_full_oserror(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _disk_full_safetensors(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
+
+
+@pytest.mark.parametrize("fail", [_disk_full_oserror, _disk_full_safetensors])
+def test_a_full_disk_is_one_line_and_leaves_the_old_checkpoint_intact(tmp_path, monkeypatch, capsys, fail, compressed):
+    """The write of the weights raises as a full disk does (as OSError(ENOSPC), and as safetensors reports it: its
+    own error with the OS message as text); the CLI answers in one line with exit 2, and the checkpoint that was in
+    the folder is byte for byte what it was, with no hidden sibling left."""
+    model, quantizer = compressed
+    out = tmp_path / "out"
+    _old_checkpoint(out)
+    (out / "notes.txt").write_text("keep me")
+    before = _tree(out)
+    source = tmp_path / "source"
+    model.save_pretrained(source)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(source)
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join(tiny_models.sample_texts(60)))
+    calls = []
+
+    def full(*args, **kwargs):
+        calls.append(args)
+        fail()
+
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
+    with pytest.raises(OutputDirectoryError, match=r"disk filled up .* the checkpoint already in .* is intact"):
+        quantizer.save(model, out, overwrite=True)
+    assert calls and _tree(out) == before and _siblings(out) == []
+    with pytest.raises(OutputDirectoryError, match=r"nothing was written to .* needs about [0-9.]+ GiB"):
+        quantizer.save(model, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists() and _siblings(tmp_path / "fresh") == []
+
+    argv = [
+        "compress",
+        str(source),
+        "--method",
+        "shortgpt",
+        "--num-layers-to-remove",
+        "1",
+        "--dataset",
+        str(data),
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "32",
+        "--no-progress",
+        "--output",
+        str(out),
+        "--overwrite",
+    ]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%" not in line]
+    assert len(err) == 1 and err[0].startswith("error: the disk filled up") and "is intact" in err[0], err
+    assert _tree(out) == before and _siblings(out) == []

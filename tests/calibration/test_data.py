@@ -73,3 +73,26 @@ def test_dataset_like_objects_use_the_text_column():
     assert load_texts(FakeDataset()) == ["one", "two"]
     with pytest.raises(CalibrationDataError, match="no column 'body'"):
         load_texts(FakeDataset(), text_column="body")
+
+
+def test_a_malformed_json_file_is_named_with_its_position(tmp_path):
+    path = tmp_path / "calib.json"
+    path.write_text('[{"text": "one"}, {"text": }]', encoding="utf-8")
+    with pytest.raises(CalibrationDataError, match=r"calib\.json.*is not valid JSON .* line 1, column 28"):
+        load_texts(str(path))
+
+
+def test_a_jsonl_file_in_another_encoding_is_named(tmp_path):
+    path = tmp_path / "calib.jsonl"
+    path.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(CalibrationDataError, match=r"calib\.jsonl.*is not UTF-8 text"):
+        load_texts(str(path))
+
+
+def test_recovery_data_names_a_malformed_record(tmp_path):
+    from optimum_flatten.recovery import load_recovery_texts
+
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b\x02"}\n', encoding="utf-8")
+    with pytest.raises(CalibrationDataError, match=r"line 2 of .*alpaca\.jsonl"):
+        load_recovery_texts(str(path))

@@ -288,3 +288,57 @@ def test_evaluate_refuses_a_baseline_with_another_tokenizer_or_compares_bits_per
         result = perplexity(AutoModelForCausalLM.from_pretrained(folder).eval(), stream, seqlen=32)
         assert entry["bits_per_byte"] == pytest.approx(result.nll / math.log(2) * stream.numel() / size, rel=1e-5)
     assert entries[0]["path"] == str(other) and 250 <= len(tokenize_corpus(_word_tokenizer(), texts)) <= 256
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _not_safetensors(path: Path) -> None:
+    path.write_bytes(b"this is a text file that someone saved under the name of the weights\n" * 4)
+
+
+def _too_short(path: Path) -> None:
+    path.write_bytes(b"abc")
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [(_truncate, "truncated"), (_not_safetensors, "truncated, or not safetensors"), (_too_short, "shorter than")],
+)
+@pytest.mark.parametrize("verb", ["compress", "evaluate"])
+def test_broken_weights_are_one_line_before_loading(verb, damage, expected, dense, tmp_path, capsys, no_loading):
+    """A download cut short or a file of another format under model.safetensors: refused by name, before any load
+    (the safetensors library would raise a traceback naming no file, once the model is being built)."""
+    model, data = dense
+    damage(model / "model.safetensors")
+    argv = _compress(str(model), data, tmp_path / "out") if verb == "compress" else ["evaluate", str(model)]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert "model.safetensors" in line and expected in line and "restore it" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_intact_checkpoint_passes_the_weights_check(dense):
+    from optimum_flatten.utils.loading import safetensors_problem
+
+    assert safetensors_problem(dense[0] / "model.safetensors") is None
+
+
+def test_a_malformed_calibration_record_names_the_file_and_line_before_loading(dense, tmp_path, capsys, no_loading):
+    model, _ = dense
+    data = tmp_path / "calib.jsonl"
+    data.write_text('{"text": "a good record"}\n\n{"text": "bad\x01 record"}\n', encoding="utf-8")
+    assert main(_compress(str(model), data, tmp_path / "out")) == 2
+    line = _error_line(capsys)
+    assert "line 3 of" in line and "calib.jsonl" in line and "bad" in line and "Invalid control character" in line
+
+
+def test_no_dataset_is_refused_first_and_alone(dense, tmp_path, capsys, no_loading):
+    """The refusal comes before the model loads, so no warning about the calibration settings precedes it."""
+    model, _ = dense
+    argv = ["compress", str(model), "--num-layers-to-remove", "2", "--output", str(tmp_path / "out")]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith("error: no calibration text given: pass --dataset")

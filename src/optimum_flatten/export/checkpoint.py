@@ -8,6 +8,7 @@ from) are refused with the reason before anything is written.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import logging
@@ -236,6 +237,7 @@ def save_compressed(
     from .plots import plot_layer_matrix  # matplotlib: imported only when a checkpoint is written
 
     path = check_output_dir(output_dir, overwrite, sources=_model_sources(model)).resolve()
+    existed = (path / "config.json").is_file()
     report = dict(report or {})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -272,8 +274,10 @@ def save_compressed(
         (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
         _follow_umask(staging)
         _move_into_place(staging, path)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if is_disk_full(error):
+            raise OutputDirectoryError(disk_full_message(path, exported_bytes(model), existed)) from error
         raise
     # From now on the saved directory is this model's base (what PEFT records in adapter_config.json).
     from .provenance import set_name_or_path
@@ -282,6 +286,42 @@ def save_compressed(
     model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
     return path
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` says the disk filled up: an OSError with ENOSPC (or EDQUOT, a full quota), or the
+    safetensors library's own error, which carries the OS message as text rather than an errno."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return type(error).__name__ == "SafetensorError" and (
+        "No space left on device" in str(error) or "os error 28" in str(error)
+    )
+
+
+def exported_bytes(model: nn.Module) -> int:
+    """Bytes of the tensors a checkpoint of `model` holds (tied weights once), the space a save needs at least."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def disk_full_message(path: Path, needed: int, existed: bool) -> str:
+    """One line for a save that ran out of space: what happened, what is on disk now, and how much to free.
+
+    The save writes into a hidden sibling first and removed it on the error, so the folder is exactly as it was:
+    the checkpoint that was there is intact, or nothing was written.
+    """
+    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
+    state = f"the checkpoint already in {str(path)!r} is intact" if existed else f"nothing was written to {str(path)!r}"
+    return (
+        f"the disk filled up while the checkpoint was written (No space left on device); {state}. The new "
+        f"checkpoint needs about {needed / 2**30:.2f} GiB of free space beside it ({free / 2**30:.2f} GiB free "
+        "now): free that much, or pass an --output on another disk, and save again."
+    )
 
 
 def method_checkpoint_writer(model: nn.Module) -> CheckpointWriter | None:

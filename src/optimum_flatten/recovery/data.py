@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..calibration.data import load_texts
+from ..calibration.data import load_texts, read_json, read_jsonl
 from ..utils.errors import CalibrationDataError
 
 ALPACA_WITH_INPUT = (
@@ -33,10 +32,9 @@ def format_alpaca(record: dict[str, Any]) -> str:
 
 def _records(path: Path) -> list[dict[str, Any]] | None:
     if path.suffix.lower() == ".jsonl":
-        with path.open(encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
+        return read_jsonl(path)
     if path.suffix.lower() == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = read_json(path)
         return data if isinstance(data, list) else None
     return None
 

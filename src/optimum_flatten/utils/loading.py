@@ -113,7 +113,50 @@ def check_checkpoint_folder(folder: str | Path) -> Path:
             f"{str(config)!r} holds a JSON {type(data).__name__}, not an object of settings; restore it from the "
             "original checkpoint."
         )
+    for weights in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise ModelSourceError(
+                f"{str(weights)!r} is not a readable safetensors file ({problem}); restore it from the original "
+                "checkpoint, or save the model again."
+            )
     return folder
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a complete safetensors file, from its header alone (None when it is one).
+
+    The format is an 8-byte little-endian header length, a JSON header whose tensors' ``data_offsets`` index the
+    data that follows, and that data, which the largest offset must end exactly at the end of the file. A download
+    cut short or a file of another format fails one of these checks; the safetensors library then raises a
+    multi-line traceback with no file name ("incomplete metadata, file not fully covered", "header too large"),
+    and only once the model is being built. Reading the header costs one small read per shard.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            length = int.from_bytes(prefix, "little")
+            if length > size - 8:
+                return f"its header claims {length} bytes but the file has {size}: truncated, or not safetensors"
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except OSError as error:
+        return f"cannot be read: {error.strerror or error}"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "its header is not JSON: not a safetensors file"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object: not a safetensors file"
+    ends = [
+        int(entry["data_offsets"][1])
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2
+    ]
+    expected = size - 8 - length
+    if max(ends, default=0) != expected:
+        return f"its tensors end at byte {max(ends, default=0)} of a {expected}-byte data section: truncated"
+    return None
 
 
 def resolve_model_source(name: str | Path) -> str:
