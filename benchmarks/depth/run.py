@@ -194,6 +194,9 @@ VARIANTS: dict[str, dict] = {
         candidates="replaceme replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down "
         "flattengpt+lstsq_down",
     ),
+    # auto exactly as a user gets it: the library's default candidates (methods/auto.py DEFAULT_CANDIDATES, with
+    # FlattenGPT's defaults since 2026-11-26), nothing pinned.
+    "auto_defaults": dict(method="auto"),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
     "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),
