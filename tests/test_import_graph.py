@@ -1,7 +1,8 @@
 """Imports point one way: each part of the package imports only the parts below it (static, over every module).
 
 Layers, lowest first (a module may import its own layer and those below):
-  utils, ops  <  registry of methods (methods/registry.py, a plugin table)  <  config, bundled  <  calibration
+  utils, ops  <  registry of methods (methods/registry.py, a plugin table)  <  options (the torch-free declarations
+  of what can be asked)  <  config, bundled  <  calibration
   <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
   (methods/layer_collapse/, which writes its own checkpoints with the generic export)  <  quantizer  <  integration
   <  estimate  <  cli, package root. Only the command line imports the estimator
@@ -27,6 +28,7 @@ LAYERS = [
     {"utils", "ops"},
     {"plan", "report"},
     {"methods.registry"},
+    {"options"},
     {"config", "bundled"},
     {"calibration"},
     {"adapters"},

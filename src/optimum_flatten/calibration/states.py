@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..options.hints import check_scoring_batches
 from ..utils.torch_utils import count_parameters, first_output, module_device
 from .capture import LayerwiseRunner, _to_device
 from .model_access import CalibrationAdapter
@@ -199,13 +200,6 @@ class CalibratedStates:
         return mean_angle(a, b, self.masks, tokens)
 
 
-def check_scoring_batches(value: Any) -> None:
-    """The one check of a method's ``scoring_batches`` option: a positive integer, or None for every batch.
-
-    A bool is refused although Python counts it as an int: ``scoring_batches=True`` would silently mean one batch.
-    """
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"scoring_batches must be a positive integer or None, got {value!r}.")
 
 
 def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:

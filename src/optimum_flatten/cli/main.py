@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
-from ..methods.registry import registered_methods
+from ..methods.registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, resolve_model_source
 from .options import (
@@ -525,10 +525,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     import dataclasses
 
     from ..estimate import estimate_checkpoint
-    from ..methods.registry import get_method_class
 
     check_method_options(args)
-    own = {f.name for f in dataclasses.fields(get_method_class(args.method).config_class)}
+    own = {f.name for f in dataclasses.fields(get_config_class(args.method))}
     result = estimate_checkpoint(
         args.model,
         args.method,
@@ -686,14 +685,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_recovery_arguments(recover_parser)
     recover_parser.set_defaults(func=cmd_recover)
 
-    from ..estimate import modelled_methods
-
     estimate = verbs.add_parser(
         "estimate",
         help="memory per phase and stack passes a compression will need, from config.json alone (no weights)",
     )
     estimate.add_argument("model", help="checkpoint directory, hub name (config.json only), or a bundled model")
-    estimate.add_argument("--method", default="flattengpt", choices=modelled_methods(), help="compression method")
+    # Every method's name and options parse here (they are known without importing a method); whether the method
+    # states a memory model is asked in cmd_estimate, which imports the methods anyway.
+    estimate.add_argument(
+        "--method",
+        default="flattengpt",
+        choices=registered_methods(),
+        help="compression method (one that states a memory model; another is refused with the list of those)",
+    )
     estimate.add_argument("--num-layers-to-remove", type=int, required=True)
     estimate.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
     estimate.add_argument("--seqlen", type=int, default=2048, help="tokens per calibration sequence (default: 2048)")
@@ -703,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
     )
-    add_method_arguments(estimate, modelled_methods(), skip=("nsamples", "seqlen", "batch_size"))
+    add_method_arguments(estimate, registered_methods(), skip=("nsamples", "seqlen", "batch_size"))
     estimate.set_defaults(func=cmd_estimate)
 
     collapse = verbs.add_parser(

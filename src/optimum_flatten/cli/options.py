@@ -13,9 +13,8 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..config import COMPENSATIONS, CalibrationConfig, option_converter
-from ..methods.registry import get_method_class, registered_methods
-from ..ops.linear_map import ESTIMATORS
+from ..methods.registry import get_config_class, registered_methods
+from ..options import COMPENSATIONS, ESTIMATORS, CalibrationConfig, option_converter
 
 #: Fields of the calibration config: flags every method takes.
 _CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationConfig))
@@ -75,7 +74,7 @@ def _shared_choices(name: str, owners: Sequence[str]) -> list[Any] | None:
     free value. The method's own config checks the value against its own choices."""
     union: list[Any] = []
     for owner in owners:
-        hint = typing.get_type_hints(get_method_class(owner).config_class)[name]
+        hint = typing.get_type_hints(get_config_class(owner))[name]
         choices = option_converter(hint)[1]
         if choices is None:
             return None
@@ -110,10 +109,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
     shared: dict[str, list[str]] = {}
     for name in registered_methods():
-        for f in dataclasses.fields(get_method_class(name).config_class):
+        for f in dataclasses.fields(get_config_class(name)):
             shared.setdefault(f.name, []).append(name)
     for name in registered_methods():
-        cls = get_method_class(name).config_class
+        cls = get_config_class(name)
         _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
 
 
@@ -126,19 +125,19 @@ def add_method_arguments(parser: argparse.ArgumentParser, methods: Sequence[str]
     seen: set[str] = set(skip)
     shared: dict[str, list[str]] = {}
     for name in methods:
-        for f in dataclasses.fields(get_method_class(name).config_class):
+        for f in dataclasses.fields(get_config_class(name)):
             shared.setdefault(f.name, []).append(name)
     for name in methods:
-        cls = get_method_class(name).config_class
+        cls = get_config_class(name)
         _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
 
 
 def method_flags(method: str) -> list[str]:
     """The command-line flags of `method`'s own options (its config fields), in declaration order."""
-    hints = typing.get_type_hints(get_method_class(method).config_class)
+    hints = typing.get_type_hints(get_config_class(method))
     return [
         f"--{f.name.replace('_', '-')}"
-        for f in dataclasses.fields(get_method_class(method).config_class)
+        for f in dataclasses.fields(get_config_class(method))
         if typing.get_origin(hints[f.name]) is not dict and f.name not in _CALIBRATION_NAMES
     ]
 
@@ -153,11 +152,11 @@ def check_method_options(args: argparse.Namespace) -> None:
         ValueError: one line, before anything is loaded.
     """
     method = args.method
-    own = {f.name for f in dataclasses.fields(get_method_class(method).config_class)}
+    own = {f.name for f in dataclasses.fields(get_config_class(method))}
     given = {k for k in vars(args) if k not in own and k not in _CALIBRATION_NAMES}
     foreign: dict[str, list[str]] = {}
     for name in registered_methods():
-        for f in dataclasses.fields(get_method_class(name).config_class):
+        for f in dataclasses.fields(get_config_class(name)):
             if f.name in given:
                 foreign.setdefault(f.name, []).append(name)
     if not foreign:
@@ -178,7 +177,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {"method", "num_layers_to_remove", "target_sparsity", "linear_replacement", "compensation"}
     names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
     for method in registered_methods():
-        names |= {f.name for f in dataclasses.fields(get_method_class(method).config_class)}
+        names |= {f.name for f in dataclasses.fields(get_config_class(method))}
     return {k: v for k, v in vars(args).items() if k in names}
 
 
@@ -211,7 +210,7 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per scalar field of `LinearisationSchedule` (the AdamLC pull-then-land schedule)."""
-    from ..methods.layer_collapse import LinearisationSchedule
+    from ..options.methods.layer_collapse import LinearisationSchedule
 
     group = parser.add_argument_group("linearisation schedule (AdamLC)")
     _add_dataclass_fields(group, LinearisationSchedule, set(), helps={})

@@ -20,104 +20,17 @@ from __future__ import annotations
 import copy
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
-from ..config import COMPENSATIONS, MethodConfig, parse_method_options
-from ..ops.linear_map import ESTIMATORS
+from ..options.methods.auto import DEFAULT_CANDIDATES, AutoConfig, Candidate  # noqa: F401
 from ..plan import LayerPlan
-from ..utils.errors import UnsupportedArchitectureError, did_you_mean
+from ..utils.errors import UnsupportedArchitectureError
 from .base import CompressionMethod, MethodContext
 from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
-from .registry import get_method_class, register_method, require_capabilities
-
-#: The bridges refit the down projection (``+lstsq_down``): on SmolLM2 it beat ReplaceMe's map as a bridge after
-#: ShortGPT, SLEB and FlattenGPT on both evaluation texts, and as ReplaceMe's own estimator on SmolLM2 and
-#: Qwen2.5 (benchmarks/RESULTS.md); the paper's ReplaceMe stays a candidate beside it.
-DEFAULT_CANDIDATES = (
-    "shortgpt shortgpt+scale shortgpt+lstsq_down uidl uidl+scale replaceme replaceme:estimator=lstsq_down "
-    "flattengpt flattengpt+lstsq_down come"
-)
-
-
-@dataclass
-class AutoConfig(MethodConfig):
-    """Options of the automatic choice.
-
-    Attributes:
-        candidates: Space-separated candidate specs, ``method[:option=value,...][+correction]`` with a correction
-            among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``.
-        validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
-        max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
-        max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
-            limit. The first candidate is always scored.
-        refit: After the choice, run the winner on every calibration batch (the held-out part only served to
-            choose, as in any model selection); False applies exactly the model that was scored, fitted on the
-            fitting part only.
-    """
-
-    candidates: str = DEFAULT_CANDIDATES
-    validation_fraction: float = 0.25
-    max_candidates: int | None = None
-    max_seconds: float | None = None
-    refit: bool = True
-
-    def __post_init__(self) -> None:
-        specs = self.candidate_specs()
-        if not specs:
-            raise ValueError("auto needs at least one candidate, e.g. candidates='shortgpt uidl+scale'.")
-        if not 0.0 < float(self.validation_fraction) < 1.0:
-            raise ValueError(f"validation_fraction must be strictly between 0 and 1, got {self.validation_fraction!r}.")
-        if self.max_candidates is not None and (not isinstance(self.max_candidates, int) or self.max_candidates < 1):
-            raise ValueError(f"max_candidates must be a positive integer or None, got {self.max_candidates!r}.")
-        if self.max_seconds is not None and not float(self.max_seconds) > 0:
-            raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds!r}.")
-
-    def candidate_specs(self) -> list[Candidate]:
-        """The parsed candidates; every name and option is checked here, before any model is touched."""
-        specs = []
-        for text in str(self.candidates).split():
-            head, _, correction = text.partition("+")
-            name, _, option_text = head.partition(":")
-            method_class = get_method_class(name)  # raises UnknownMethodError with a did-you-mean
-            if name == "auto":
-                raise ValueError("auto cannot be its own candidate.")
-            if correction and correction not in ESTIMATORS + COMPENSATIONS:
-                raise ValueError(
-                    f"unknown correction {correction!r} in candidate {text!r}."
-                    f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} "
-                    "Use +lstsq, +lstsq_gain, +cosine or +scale."
-                )
-            corrections = Corrections(
-                linear_replacement=correction if correction in ESTIMATORS else None,
-                compensation=correction if correction in COMPENSATIONS else None,
-            )
-            options = parse_method_options(method_class.config_class, option_text, where=f"candidate {text!r}")
-            method_class.config_class(**options)  # the method's own checks, now rather than mid-search
-            specs.append(Candidate(name, options, corrections))
-        return specs
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One parsed candidate: a method, the options that differ from its defaults, and its correction."""
-
-    name: str
-    options: dict[str, Any]
-    corrections: Corrections
-
-    @property
-    def label(self) -> str:
-        options = ",".join(f"{k}={v}" for k, v in self.options.items())
-        suffix = self.corrections.linear_replacement or self.corrections.compensation
-        return self.name + (f":{options}" if options else "") + (f"+{suffix}" if suffix else "")
-
-    def build(self) -> CompressionMethod:
-        method_class = get_method_class(self.name)
-        return method_class(method_class.config_class(**self.options))
+from .registry import register_method, require_capabilities
 
 
 def split_batches(batches: list[Any], fraction: float) -> tuple[list[Any], list[Any]]:

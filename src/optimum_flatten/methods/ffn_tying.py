@@ -16,8 +16,7 @@ from torch import nn
 
 from ..adapters.base import ArchitectureAdapter
 from ..ops.ffn_alignment import MlpWeights
-
-Window = tuple[int, ...]
+from ..options.methods.ffn_merge import Window
 
 
 # ---------------------------------------------------------------------------------------------- adapter I/O

@@ -17,7 +17,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,9 +25,7 @@ from torch import nn
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.partial import run_to_input
-from ..calibration.states import check_scoring_batches
 from ..calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
-from ..config import MethodConfig
 from ..ops import (
     accumulate_head_importance,
     balanced_top_k,
@@ -51,6 +49,7 @@ from ..ops.ridge import (
     ridge_refit_to_target,
     ridge_target_error,
 )
+from ..options.methods.flattengpt import FlattenGPTConfig
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import module_device
@@ -64,162 +63,6 @@ from .workspace import WorkspaceModel, WorkspaceSizes
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class FlattenGPTConfig(MethodConfig):
-    """Options of FlattenGPT.
-
-    Attributes:
-        selection: How the merged groups are chosen. ``"similarity"`` (the paper): greedily merge the adjacent
-            groups whose inputs are most alike. ``"loss"`` (not in the paper): compress every candidate group (each
-            run of 2..`max_group_size` layers) once on the original model's states, as the application would, then
-            greedily merge the adjacent groups whose compressed block leaves the lowest next-token NLL on the first
-            `scoring_batches` calibration batches, as SLEB scores a removal; the chosen blocks are installed as
-            built. ``"wide_loss"`` (not in the paper): the same greedy search scoring each candidate's wide block
-            before pruning (cheaper: no candidate is pruned), which then prunes only the chosen groups
-            (`flattengpt_loss_selection`). The similarity's pairs cost most out of domain on Qwen2.5-0.5B even
-            unpruned (benchmarks/RESULTS.md); these ask the calibration loss instead. The search costs about G²/2
-            group runs and G LM heads per merge on the scored batches (G groups); ``"loss"`` adds FlattenGPT's
-            per-group work for each of the L − 1 candidate pairs and holds their blocks (one layer each) until
-            the plan is made.
-        scoring_batches: With a loss selection, score on the first this-many calibration batches (None: all); the
-            pruning always uses every batch.
-        calibration_mode: ``"one_pass"`` measures every group on the original model's states (the paper);
-            ``"sequential"`` measures each group on the states produced by the already-compressed layers before it.
-        max_group_size: Largest number of layers merged into one (None: unlimited, as in the paper).
-        ridge_ratio: λ for the leverage scores and the Nyström correction, as a multiple of the mean eigenvalue of
-            C (trace / dim).
-        similarity_band: How many preceding layers each layer is compared with (memory: that many float32 copies
-            of the calibration states). None chooses: the full matrix when those copies fit in
-            `similarity_memory_gb`, else the smallest band the selection needs (max_group_size - 1), or as many
-            as fit when groups are unlimited. Must be at least max_group_size - 1.
-        similarity_memory_gb: Budget for the automatic band.
-        attention_correction: Not in the paper (``False``, with the paper's head selection and targets, reproduces
-            it). Also refit the kept heads' o_proj columns with the same ridge (Nyström) formula used for W_down, on
-            the second moment of the o_proj input, so the kept heads absorb what the pruned heads wrote to the
-            residual stream. On by default because it
-            measured better on SmolLM2-135M (benchmarks/RESULTS.md). Costs one (2·H·head_dim)² second moment per
-            group.
-        head_selection: ``"importance"`` keeps the heads (KV groups) with the largest f_i (the paper);
-            ``"reconstruction"`` (not in the paper; the default) keeps the KV groups whose o_proj output, after the
-            ridge refit, best reproduces the attention target (below) — exhaustive when there are at most
-            `MAX_EXHAUSTIVE_SUBSETS` candidate subsets, greedy backward elimination otherwise (one factorisation
-            a step, `select_kv_groups_by_reconstruction`). Implies the second moment of the o_proj input; use it
-            with `attention_correction=True`. The default because, with the sequential target, it measured better
-            than ``"importance"`` on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B
-            (benchmarks/RESULTS.md). ``"balanced"`` (not in the paper) keeps each member's best KV groups by f_i in
-            equal shares (the remainder to the members with the best next group), so no member loses its attention
-            altogether: an ablation of where the out-of-domain loss of the pruning comes from (benchmarks/RESULTS.md).
-        mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
-            channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
-            calibration text, adds in and out of domain (benchmarks/RESULTS.md).
-        attention_target: What the kept heads are refitted towards (and, with ``head_selection="reconstruction"``,
-            chosen by). ``"parallel"`` (the paper's wide block): every member's attention on the group's input.
-            ``"sequential"`` (not in the paper): the sum of what the members' attentions wrote in the original
-            stack, each on its own input (`flattengpt_attention_target`), the function the merged block replaces;
-            the wide block's heads all read the group's input, so this is a regression of one on the other, with
-            the ridge pulling towards the kept heads' own o_proj. The default since it measured better than the
-            paper's target on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B, with either head
-            selection (benchmarks/RESULTS.md); ``attention_correction=False, head_selection="importance",
-            attention_target="parallel", mlp_target="parallel"`` reproduces the paper. Needs `attention_correction`
-            or reconstruction (otherwise nothing is refitted). Costs one run of the group's original layers (the
-            last up to its MLP norm) and a float32 copy of the calibration states per group.
-        mlp_target: What the kept channels' down projection is refitted towards. ``"parallel"`` (the paper): the
-            wide MLP's own output on the pruned attention's state (Nyström). ``"sequential"`` (not in the paper):
-            what the whole block must still write after its pruned attention, the original group's output less the
-            MLP's input residual (`flattengpt_attention_target.sequential_group_outputs`), so the MLP also absorbs
-            what the merge and the attention pruning changed. The channels are chosen by leverage either way. The
-            default since it measured better than the paper's refit on both evaluation texts of both SmolLM2-135M
-            and Qwen2.5-0.5B, with the sequential attention target (benchmarks/RESULTS.md). Costs one run of the
-            group's original layers and a copy of the calibration states per group, and a float64 (g·i) × d cross
-            moment; with the sequential attention target the same run serves both targets.
-        attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
-            1.0 measured better than 10 on SmolLM2-135M.
-        covariance_dtype: Precision of the MLP statistics, the largest tensors FlattenGPT holds (the merged pair's
-            MLP is 2·d_int wide: 57,344 channels at LLaMA-2-70B, where a float64 C is 24.5 GiB and its factor as
-            much again). ``"float32"``: C kept as a float32 scatter about a fixed centre with the mean part exact in
-            float64 (`CentredSecondMoment`), leverage scores from a float32 Cholesky factor stored as a triangle
-            only, and the Nyström solve on the kept × kept block in float64 (the only block the correction
-            solves): about a third of the memory, so 70B fits one 80 GB GPU. ``"float64"``: C and its full
-            factor in float64, the reference the float32 path is tested against (tests/ops/test_ridge_blocked.py)
-            — kept to check a result, or where memory is plentiful. ``"tf32"``: the float32 path with the
-            products of both statistics (the MLP scatter and the o_proj input's moment, the largest products
-            FlattenGPT computes) on CUDA's TF32 tensor cores (inputs rounded to 10 mantissa bits, sums in float32,
-            bound tested on CUDA); the same as ``"float32"`` on the CPU.
-    """
-
-    selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
-    scoring_batches: int | None = 1
-    calibration_mode: Literal["one_pass", "sequential"] = "one_pass"
-    max_group_size: int | None = 2
-    ridge_ratio: float = 10.0
-    similarity_band: int | None = None
-    similarity_memory_gb: float = 4.0
-    attention_correction: bool = True
-    head_selection: Literal["importance", "reconstruction", "balanced"] = "reconstruction"
-    attention_target: Literal["parallel", "sequential"] = "sequential"
-    attention_ridge_ratio: float | None = 1.0
-    covariance_dtype: Literal["float32", "float64", "tf32"] = "float32"
-    mlp_correction: bool = True
-    mlp_target: Literal["parallel", "sequential"] = "sequential"
-
-    def __post_init__(self) -> None:
-        if self.selection not in ("similarity", "loss", "wide_loss"):
-            raise ValueError(f"selection must be 'similarity', 'loss' or 'wide_loss', got {self.selection!r}.")
-        if self.selection == "loss" and self.calibration_mode != "one_pass":
-            raise ValueError(
-                "selection='loss' compresses every candidate group once, on the original model's states "
-                "(calibration_mode='one_pass'); with 'sequential' each group's block would depend on the groups "
-                "chosen before it. Use calibration_mode='one_pass' or selection='wide_loss'."
-            )
-        if self.selection == "loss" and self.max_group_size is None:
-            raise ValueError(
-                "selection='loss' compresses every candidate group (every run of 2..max_group_size layers) before "
-                "choosing; give max_group_size (2 is the default) or use selection='wide_loss'."
-            )
-        check_scoring_batches(self.scoring_batches)
-        if not isinstance(self.mlp_correction, bool):
-            raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
-        if self.covariance_dtype not in ("float32", "float64", "tf32"):
-            raise ValueError(f"covariance_dtype must be 'float32', 'float64' or 'tf32', got {self.covariance_dtype!r}.")
-        if self.head_selection not in ("importance", "reconstruction", "balanced"):
-            raise ValueError(
-                f"head_selection must be 'importance', 'reconstruction' or 'balanced', got {self.head_selection!r}."
-            )
-        if self.attention_target not in ("parallel", "sequential"):
-            raise ValueError(f"attention_target must be 'parallel' or 'sequential', got {self.attention_target!r}.")
-        if (
-            self.attention_target == "sequential"
-            and not self.attention_correction
-            and self.head_selection != "reconstruction"
-        ):
-            raise ValueError(
-                "attention_target='sequential' (the default) changes what the kept heads are refitted towards or "
-                "chosen by; with attention_correction=False and head_selection other than 'reconstruction' nothing "
-                "uses it. To reproduce the paper, also pass attention_target='parallel'."
-            )
-        if self.mlp_target not in ("parallel", "sequential"):
-            raise ValueError(f"mlp_target must be 'parallel' or 'sequential', got {self.mlp_target!r}.")
-        if self.mlp_target == "sequential" and not self.mlp_correction:
-            raise ValueError(
-                "mlp_target='sequential' (the default) changes what the kept channels' down projection is refitted "
-                "towards; with mlp_correction=False nothing is refitted. Also pass mlp_target='parallel'."
-            )
-        if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
-            raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
-        if self.calibration_mode not in ("one_pass", "sequential"):
-            raise ValueError(f"calibration_mode must be 'one_pass' or 'sequential', got {self.calibration_mode!r}.")
-        if self.max_group_size is not None and (not isinstance(self.max_group_size, int) or self.max_group_size < 2):
-            raise ValueError(f"max_group_size must be an integer >= 2 or None, got {self.max_group_size!r}.")
-        if not self.ridge_ratio > 0:
-            raise ValueError(f"ridge_ratio must be > 0, got {self.ridge_ratio!r}.")
-        if self.similarity_band is not None:
-            if not isinstance(self.similarity_band, int) or self.similarity_band < 1:
-                raise ValueError(f"similarity_band must be a positive integer or None, got {self.similarity_band!r}.")
-            if self.max_group_size is None or self.similarity_band < self.max_group_size - 1:
-                raise ValueError(
-                    f"similarity_band={self.similarity_band} cannot judge groups of max_group_size="
-                    f"{self.max_group_size}; use a band of at least max_group_size - 1, or None."
-                )
 
 
 @dataclass(frozen=True)

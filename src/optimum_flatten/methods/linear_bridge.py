@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -26,7 +25,6 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..ops.linear_map import (
-    ESTIMATORS,
     RIDGE_GRID,
     LinearMapStatistics,
     fit_cosine,
@@ -36,67 +34,12 @@ from ..ops.linear_map import (
     solve_least_squares,
     solve_least_squares_with_gain,
 )
+from ..options.corrections import BridgeOptions, check_estimator  # noqa: F401
 from ..plan import LayerPlan
-from ..utils.errors import UnsupportedArchitectureError, did_you_mean
+from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import edit_block_
 from ..utils.torch_utils import first_output
 from .compensation import fold_stream_scales_
-
-
-@dataclass
-class BridgeOptions:
-    """How the map is estimated.
-
-    Attributes:
-        estimator: ``"lstsq"`` (closed form on float64 statistics), ``"lstsq_gain"`` (the same with one scalar
-            gain α on the residual stream at the cut, fitted jointly with T in closed form, ``α Y + M T ≈ L``, and
-            folded into every writer of the stream upstream as Prune&Comp folds its compensation; not in either
-            paper: T alone carries the stream through the removed layers unscaled, the gain lets the whole stream
-            shrink or grow by what those layers did to its magnitude; see docs/methods/replaceme.md),
-            ``"lstsq_down"`` (the bridged layer's down projection refitted by least squares on its own inputs, the
-            MLP's intermediate activations: T's fit is a special case of it; not in the paper) or ``"cosine"``
-            (Adam on the cosine distance).
-        cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
-        correct_after: Also refit the down projections of this many kept layers after every bridged span, each
-            towards the dense state after its own layer, so that they absorb what the bridge left (not in the paper;
-            0: the bridges alone).
-        down_ridge: With ``"lstsq_down"``, the ridge towards ReplaceMe's folded map, relative to the mean diagonal of
-            AᵀA (0: the plain refit; ``inf``: ReplaceMe). None: chosen per bridge from `RIDGE_GRID` on the last
-            calibration batch (see `refit_down_`).
-    """
-
-    estimator: str = "lstsq"
-    cosine_epochs: int = 10
-    cosine_lr: float = 1e-4
-    cosine_minibatch: int = 1024
-    correct_after: int = 0
-    down_ridge: float | None = None
-
-    @property
-    def stream_gain(self) -> bool:
-        """Whether each bridge also fits (and folds upstream) a scalar gain on the stream."""
-        return self.estimator == "lstsq_gain"
-
-    def __post_init__(self) -> None:
-        check_estimator(self.estimator)
-        if not isinstance(self.correct_after, int) or isinstance(self.correct_after, bool) or self.correct_after < 0:
-            raise ValueError(f"correct_after must be a non-negative integer, got {self.correct_after!r}.")
-        for name in ("cosine_epochs", "cosine_minibatch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        if not self.cosine_lr > 0:
-            raise ValueError(f"cosine_lr must be positive, got {self.cosine_lr!r}.")
-        if self.down_ridge is not None and not self.down_ridge >= 0:
-            raise ValueError(f"down_ridge must be None (chosen on held-out tokens) or >= 0, got {self.down_ridge!r}.")
-
-
-def check_estimator(name: Any) -> None:
-    if name not in ESTIMATORS:
-        raise ValueError(
-            f"unknown linear-replacement estimator {name!r}.{did_you_mean(str(name), ESTIMATORS)} "
-            f"Choose one of {list(ESTIMATORS)}."
-        )
 
 
 def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> None:

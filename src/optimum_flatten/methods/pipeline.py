@@ -7,9 +7,9 @@ sequence in one place means a candidate is compressed exactly as the user's mode
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 from ..adapters.base import ArchitectureAdapter
+from ..options.corrections import Corrections
 from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext
 from .compensation import compensated_apply_, require_compensable
@@ -18,20 +18,6 @@ from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Corrections:
-    """What is folded at each cut after the plan is applied (at most one of the two)."""
-
-    linear_replacement: str | None = None
-    compensation: str | None = None
-    seed: int = 0
-
-    def describe(self) -> str:
-        if self.linear_replacement:
-            return f"linear_replacement={self.linear_replacement}"
-        if self.compensation:
-            return f"compensation={self.compensation}"
-        return "none"
 
 
 def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections) -> None:

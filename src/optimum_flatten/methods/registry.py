@@ -8,6 +8,25 @@ from ..utils.errors import UnknownMethodError, UnsupportedArchitectureError, did
 
 _METHODS: dict[str, type] = {}
 
+#: The built-in methods: name -> the class of their options (``module:Class`` under optimum_flatten.options.methods).
+#: Their names and options are known from these torch-free declarations alone, so the command line lists the methods
+#: and builds their flags without importing any method (`registered_methods`, `get_config_class`); the methods
+#: themselves load on first use (`get_method_class`), and each checks that it declares the class named here.
+BUILTIN_OPTIONS = {
+    "auto": "auto:AutoConfig",
+    "come": "come:CoMeConfig",
+    "ffn_merge": "ffn_merge:FfnMergeConfig",
+    "flattengpt": "flattengpt:FlattenGPTConfig",
+    "greedy_replace": "greedy_replace:GreedyReplaceConfig",
+    "laco": "laco:LaCoConfig",
+    "layer_collapse": "layer_collapse:LayerCollapseConfig",
+    "replaceme": "replaceme:ReplaceMeConfig",
+    "shortgpt": "shortgpt:ShortGPTConfig",
+    "sleb": "sleb:SLEBConfig",
+    "sliding_window": "sliding_window:SlidingWindowConfig",
+    "uidl": "uidl:BlockSelectionConfig",
+}
+
 
 def register_method(name: str):
     """Class decorator registering a CompressionMethod under `name`; a name can be registered only once."""
@@ -25,10 +44,22 @@ def register_method(name: str):
 
 
 def registered_methods() -> list[str]:
-    from . import _load_builtin_methods
+    """Every method name: the built-in ones (without importing them) and those registered by plugins."""
+    return sorted(set(BUILTIN_OPTIONS) | set(_METHODS))
 
-    _load_builtin_methods()
-    return sorted(_METHODS)
+
+def get_config_class(name: str) -> type:
+    """The options dataclass of method `name`, without importing the method when it is a built-in one.
+
+    Raises:
+        UnknownMethodError: listing the registered names, with a did-you-mean hint.
+    """
+    if name in BUILTIN_OPTIONS and name not in _METHODS:
+        import importlib
+
+        module, _, attribute = BUILTIN_OPTIONS[name].partition(":")
+        return getattr(importlib.import_module(f"optimum_flatten.options.methods.{module}"), attribute)
+    return get_method_class(name).config_class
 
 
 def get_method_class(name: str) -> type:
@@ -37,6 +68,10 @@ def get_method_class(name: str) -> type:
     Raises:
         UnknownMethodError: listing the registered names, with a did-you-mean hint.
     """
+    if name in BUILTIN_OPTIONS and name not in _METHODS:
+        from . import _load_builtin_methods
+
+        _load_builtin_methods()
     names = registered_methods()
     if name not in _METHODS:
         raise UnknownMethodError(
@@ -50,7 +85,11 @@ def methods_for(capabilities: frozenset[str] | set[str]) -> list[str]:
 
     Refusals use it to name the alternatives; adapters never look methods up themselves (they sit below them).
     """
-    return [name for name in registered_methods() if set(_METHODS[name].required_capabilities) <= set(capabilities)]
+    return [
+        name
+        for name in registered_methods()
+        if set(get_method_class(name).required_capabilities) <= set(capabilities)
+    ]
 
 
 def require_capabilities(adapter: Any, method: str) -> None:

@@ -15,76 +15,23 @@ block a linear map replaces best.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import check_scoring_batches, next_token_nll
+from ..calibration.states import next_token_nll
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
+from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import require_compensable
-from .linear_bridge import BridgeOptions, bridged_apply_, fit_with_outputs, require_pre_norm
+from .linear_bridge import bridged_apply_, fit_with_outputs, require_pre_norm
 from .registry import register_method
-from .uidl import BlockSelectionConfig, UIDLMethod, block_size, select_blocks
+from .uidl import UIDLMethod, block_size, select_blocks
 from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
-
-
-@dataclass
-class ReplaceMeConfig(BlockSelectionConfig):
-    """Options of ReplaceMe (besides the block selection's `tokens` and `num_blocks`).
-
-    Attributes:
-        estimator: ``"lstsq"`` (closed form, float64 statistics), ``"lstsq_gain"`` (the same plus one scalar gain
-            on the residual stream at the cut, fitted jointly with T and folded into the embeddings and the upstream
-            o/down projections as Prune&Comp folds its α; not in either paper, see docs/methods/replaceme.md),
-            ``"lstsq_down"`` (the layer's down projection itself refitted on its inputs, shrunk towards T's fold;
-            not in the paper, see docs/methods/replaceme.md) or ``"cosine"`` (the paper's cosine objective).
-        cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded Adam run (epochs over all tokens).
-        seed: Seeds the cosine fit's token order.
-        selection: ``"distance"`` (the paper: smallest angular distance across the block) or ``"loss"`` (every
-            start's least-squares replacement scored by next-token NLL; one block, a model with an LM head). The
-            final map is fitted with `estimator` either way.
-        correct_after: Also refit the down projections of this many kept layers after the block, each towards the
-            dense state after it (not in the paper; see docs/methods/replaceme.md). 0: the paper's single map.
-        scoring_batches: With ``selection="loss"``, score on the first this-many calibration batches (None: all);
-            T is always fitted on every batch. Cost: about (layers - n) suffix runs over the scored batches.
-        down_ridge: With ``estimator="lstsq_down"``: the ridge towards T's fold, relative to the mean diagonal of
-            AᵀA (0: the plain refit, ``inf``: the paper's map); None chooses it on the last calibration batch.
-    """
-
-    estimator: str = "lstsq"
-    cosine_epochs: int = 10
-    cosine_lr: float = 1e-4
-    cosine_minibatch: int = 1024
-    seed: int = 0
-    selection: Literal["distance", "loss"] = "distance"
-    scoring_batches: int | None = 1
-    correct_after: int = 0
-    down_ridge: float | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.bridge_options()  # BridgeOptions checks the estimator and the cosine fit's bounds
-        if self.selection not in ("distance", "loss"):
-            raise ValueError(f"selection must be 'distance' or 'loss', got {self.selection!r}.")
-        if self.selection == "loss" and self.num_blocks != 1:
-            raise ValueError("selection='loss' chooses one block; use num_blocks=1 or selection='distance'.")
-        check_scoring_batches(self.scoring_batches)
-
-    def bridge_options(self) -> BridgeOptions:
-        return BridgeOptions(
-            self.estimator,
-            self.cosine_epochs,
-            self.cosine_lr,
-            self.cosine_minibatch,
-            self.correct_after,
-            self.down_ridge,
-        )
 
 
 @register_method("replaceme")

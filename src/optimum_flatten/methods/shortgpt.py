@@ -13,36 +13,18 @@ nothing is folded until the end; each round costs one pass over the kept layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..config import MethodConfig
 from ..ops import top_k_indices
+from ..options.methods.shortgpt import ShortGPTConfig
 from ..plan import LayerPlan
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import magnitude_ratio
 from .registry import register_method
 from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
-
-
-@dataclass
-class ShortGPTConfig(MethodConfig):
-    """Options of ShortGPT.
-
-    Attributes:
-        iterative: Drop one layer per round and re-score the shortened model (with ``compensation="scale"``, after
-            compensating each drop), as Prune&Comp's loop does; costs one pass per removed layer. False: the paper's
-            single scoring pass.
-    """
-
-    iterative: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.iterative, bool):
-            raise ValueError(f"iterative must be True or False, got {self.iterative!r}.")
 
 
 def block_influence(adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:

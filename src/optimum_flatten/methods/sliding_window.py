@@ -14,34 +14,15 @@ only with ``merge_rule="reference_code"``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
+from ..options.methods.sliding_window import SlidingWindowConfig
 from .registry import register_method
 from .stack_search import (
     Group,
-    MergeSearchConfig,
     ParameterMergeMethod,
     StackEvaluator,
     identity_stack,
     merge_positions,
 )
-
-
-@dataclass
-class SlidingWindowConfig(MergeSearchConfig):
-    """Options of Sliding-Window Merging (the shared ones are documented on MergeSearchConfig).
-
-    Attributes:
-        similarity: ``"cosine"`` (mean token cosine) or ``"cka"`` (linear CKA over tokens) of the final states.
-    """
-
-    similarity: Literal["cosine", "cka"] = "cosine"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.similarity not in ("cosine", "cka"):
-            raise ValueError(f"similarity must be 'cosine' or 'cka', got {self.similarity!r}.")
 
 
 @register_method("sliding_window")

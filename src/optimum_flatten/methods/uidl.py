@@ -10,36 +10,16 @@ token). Several blocks (``num_blocks``) are taken greedily, smallest distance fi
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
-from ..config import MethodConfig
+from ..options.methods.uidl import BlockSelectionConfig
 from ..plan import LayerPlan
 from ..utils.errors import InvalidTargetError
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .registry import register_method
 from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
-
-
-@dataclass
-class BlockSelectionConfig(MethodConfig):
-    """Options of the contiguous-block selection.
-
-    Attributes:
-        tokens: ``"last"`` (each sequence's last real token, the paper's choice) or ``"all"`` real tokens.
-        num_blocks: How many separate blocks share the removed layers (each ``num_layers_to_remove / num_blocks``).
-    """
-
-    tokens: Literal["last", "all"] = "last"
-    num_blocks: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tokens not in ("last", "all"):
-            raise ValueError(f"tokens must be 'last' or 'all', got {self.tokens!r}.")
-        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {self.num_blocks!r}.")
 
 
 def block_size(num_to_remove: int, num_blocks: int, num_layers: int, first_start: int) -> int:

@@ -25,11 +25,6 @@ import torch
 
 from .ridge import cholesky_shifted_in_place
 
-#: Names of the ways a map can be estimated (see `solve_least_squares`, `solve_least_squares_with_gain` and
-#: `fit_cosine`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual stream, fitted jointly;
-#: ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs.
-ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "cosine")
-
 #: Token rows converted to float64 at a time by `LinearMapStatistics.update`: bounds the float64 copies of a batch
 #: (at LLaMA-2-7B's MLP width a whole 8 x 2048 batch would be 1.4 GB) without changing the sums' order of magnitude.
 UPDATE_CHUNK_ROWS = 4096

@@ -16,7 +16,6 @@ resolves them lazily): registering the method for `FlattenQuantizer` does not im
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import tempfile
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
+from ...options.methods.layer_collapse import LinearisationSchedule
 from .activation import CollapseAlpha, ParametricActivation, parametric_activations
 
 logger = logging.getLogger(__name__)
@@ -215,37 +215,6 @@ def build_layer_collapse_trainer(
     return trainer
 
 
-@dataclasses.dataclass
-class LinearisationSchedule:
-    """Two AdamLC phases that take every prepared α to 1 while the task loss trains every weight.
-
-    - Pull: `pull_steps` steps at `learning_rate` with ``2·lr·lc = pull_per_step``, so each step moves α that
-      fraction of its remaining distance to 1 (5% by default: 0.95¹⁵⁰ leaves 5e-4) while the weights adapt to the
-      ever more linear activation.
-    - Land: `snap_steps` steps with ``2·lr·lc = 1`` (α lands on 1 every step) at `snap_learning_rate`, chosen below
-      the collapse threshold so that Adam's own step on α cannot move it 1e-4 away before the collapse.
-
-    The defaults are what the BERT rows of benchmarks/families and examples/layer_collapse use.
-    """
-
-    pull_steps: int = 150
-    learning_rate: float = 1e-4
-    pull_per_step: float = 0.05
-    snap_steps: int = 10
-    snap_learning_rate: float = 5e-5
-    batch_size: int = 16
-    seed: int = 0
-    logging_steps: int | None = None
-    extra_training_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.pull_steps < 0 or self.snap_steps < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"need pull_steps >= 0, snap_steps >= 1 and batch_size >= 1, got {self.pull_steps}, "
-                f"{self.snap_steps} and {self.batch_size}."
-            )
-        if not 0 < self.pull_per_step <= 1:
-            raise ValueError(f"pull_per_step is a fraction of the distance to 1 in (0, 1], got {self.pull_per_step}.")
 
 
 class KeepEmbeddings(nn.Module):

@@ -1,0 +1,39 @@
+"""Calibration options: how much text, cut how (torch-free, read by the config, the command line and the methods)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class CalibrationConfig:
+    """How much calibration text to use and how to cut it.
+
+    Attributes:
+        dataset: A list of strings, a path to a .txt/.jsonl/.json/.parquet file or a folder of .txt files, a
+            `datasets.Dataset`, or a dataset name loaded through `datasets` (``"wikitext2"`` is WikiText-2 raw train,
+            the paper's default; needs the network).
+        nsamples: Number of calibration sequences (paper: 128).
+        seqlen: Tokens per sequence (paper: 2048). The calibration size is ``nsamples * seqlen`` tokens.
+        seed: Seed for choosing which windows of the text are used.
+        batch_size: Sequences per forward call while calibrating; bounds activation memory, not the result.
+        packing: True concatenates the texts and cuts non-overlapping ``seqlen`` windows (no padding, the
+            paper's protocol). False keeps one text per row, truncated to ``seqlen`` and right-padded; padding
+            is masked out of every statistic.
+        text_column: Column holding the text in tabular inputs (jsonl, parquet, `datasets`).
+    """
+
+    dataset: Any = None
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    batch_size: int = 8
+    packing: bool = True
+    text_column: str = "text"
+
+    def __post_init__(self) -> None:
+        for name in ("nsamples", "seqlen", "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=8.")
