@@ -9,7 +9,7 @@ import random
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class RecoveryConfig:
         logging_steps, seed: As in TrainingArguments.
     """
 
-    mode: str = "lora"
+    mode: Literal["lora", "changed", "last_k", "full"] = "lora"
     last_k: int = 3
     temperature: float = 1.0
     kd_alpha: float = 1.0
