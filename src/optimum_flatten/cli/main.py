@@ -496,7 +496,8 @@ def _per_byte_comparison(baseline: str, model: str, args: argparse.Namespace) ->
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    """LoRA recovery fine-tuning of a compressed checkpoint, merged into a plain one."""
+    """Heals a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, behind the
+    held-out gate) and saves a plain one; every refusal comes before anything is written."""
     import dataclasses
     import json
 
@@ -509,14 +510,19 @@ def cmd_recover(args: argparse.Namespace) -> int:
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
     source = _checkpoint_path(args.model)
     check_output_dir(args.output, args.overwrite, sources=[source])
-    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    model, log = recover(model, tokenizer, args.dataset, config)
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
+    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)
     report["recovery"] = {**log, "dataset": str(args.dataset)}
     path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
-    print(f"recovered for {log['steps']} steps (final mean loss {log['train_loss']:.4f}); saved to {path}")
+    before, after = log.get("heldout_before"), log.get("heldout_after")
+    heldout = f"; held-out objective {before['objective']:.4f} -> {after['objective']:.4f}" if before else ""
+    print(
+        f"recovered ({log['mode']}, {log['loss']} loss, teacher {log['teacher'] or 'none'}) for {log['steps']} steps, "
+        f"{log['tokens_trained']} tokens{heldout}; gate: {log['gate']}; saved to {path}"
+    )
     return 0
 
 
@@ -668,8 +674,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", default=None, help="write the measurements here")
     evaluate.set_defaults(func=cmd_evaluate)
 
-    recover_parser = verbs.add_parser("recover", help="LoRA recovery fine-tuning, merged into a plain checkpoint")
+    recover_parser = verbs.add_parser(
+        "recover",
+        help="heal a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, behind "
+        "a held-out gate) into a plain checkpoint",
+    )
     recover_parser.add_argument("model", help="compressed checkpoint directory")
+    recover_parser.add_argument(
+        "--teacher",
+        default=None,
+        help="the dense model to distil from: a checkpoint folder, a bundled name (smollm2) or a Hub id; default: the "
+        "base model flatten_report.json names, when it is bundled or on the Hub; 'none' trains on the LM loss alone",
+    )
     recover_parser.add_argument("--dataset", required=True, help="Alpaca-format .json/.jsonl, or any text source")
     recover_parser.add_argument("--output", required=True)
     recover_parser.add_argument(

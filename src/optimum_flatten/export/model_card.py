@@ -54,6 +54,7 @@ def render_model_card(report: dict[str, Any]) -> str:
         )
     if report.get("total_seconds") is not None:
         lines.append(f"- Compression wall time: {report['total_seconds']} s")
+    lines += _recovery_lines(report)
     lines.append("")
     for figure in (figure for section in method_sections(report) for figure in section.figures):
         lines += [f"![{figure.caption}]({figure.file_name})", ""]
@@ -147,6 +148,26 @@ def _correction_lines(report: dict[str, Any]) -> list[str]:
     if compensation:
         alphas = ", ".join(f"layer {k}: {v:.4f}" for k, v in compensation.get("alpha", {}).items())
         lines.append(f"- Magnitude compensation (Prune&Comp) folded upstream of each removed layer: {alphas}")
+    return lines
+
+
+def _recovery_lines(report: dict[str, Any]) -> list[str]:
+    """What healing after the compression trained, on what, and what the held-out gate decided."""
+    recovery = report.get("recovery")
+    if not isinstance(recovery, dict):
+        return []
+    teacher = recovery.get("teacher")
+    loss = f"distilled from `{teacher}`" if teacher else "LM loss"
+    lines = [
+        f"- Healing: mode `{recovery.get('mode', 'lora')}`, {loss}, on {recovery.get('dataset', 'user text')} "
+        f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps)"
+    ]
+    before, after = recovery.get("heldout_before"), recovery.get("heldout_after")
+    if before and after:
+        lines.append(
+            f"- Held-out loss of the training text: objective {before['objective']:.4f} -> {after['objective']:.4f}, "
+            f"LM {before['lm']:.4f} -> {after['lm']:.4f}; gate: {recovery.get('gate')}"
+        )
     return lines
 
 

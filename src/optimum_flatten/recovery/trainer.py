@@ -1,27 +1,56 @@
-"""LoRA recovery with transformers' Trainer and peft, merged back into a plain checkpoint."""
+"""Healing a compressed model with transformers' Trainer: LoRA or full-parameter training of a chosen part, on the
+LM loss or distilled from the dense model, behind a held-out gate, returned as a plain model."""
 
 from __future__ import annotations
 
 import logging
+import math
+import random
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ..adapters import get_adapter
+from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
+from .distill import DistillationLoss
+from .selection import (
+    changed_parameter_names,
+    check_mode,
+    freeze_all_but_,
+    last_k_parameter_names,
+    layer_map,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class RecoveryConfig:
-    """The FlattenGPT paper's recipe by default: LoRA r=8, alpha=16, lr 1e-4, 2 epochs on Alpaca-format data.
+    """What to train, on which loss, for how long, and the gate. LoRA defaults follow the FlattenGPT paper
+    (r=8, alpha=16, lr 1e-4, 2 epochs).
 
     Attributes:
-        r, lora_alpha, lora_dropout: LoRA shape.
+        mode: What is trained: ``lora`` (PEFT adapters on the projections, merged back), ``changed`` (all
+            parameters of merged blocks and the projections carrying a bridge or compensation, per the compression
+            report; everything else stays bit-identical), ``last_k`` (the last `last_k` blocks, the final norm and
+            the LM head), ``full`` (every parameter).
+        last_k: Blocks trained by ``mode='last_k'``.
+        temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
+        kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
+        hidden_weight: Weight of the hidden-state terms (each student block against the teacher's state at the end
+            of the span it stands for, per the report's plan); 0 turns them off.
+        max_tokens: Training token budget; sets max_steps to ceil(max_tokens / (batch × accumulation × seqlen)),
+            and the text must hold that many training tokens (no second epoch). None uses max_steps / epochs.
+        eval_every: Steps between held-out evaluations of the gate.
+        patience: Evaluations without improvement before stopping early (0: never).
+        heldout_rows: Rows of the training text held out for the gate (0 turns the gate off).
+        chunk_size: Positions pushed through the LM heads at a time in the loss.
+        r, lora_alpha, lora_dropout: LoRA shape (mode='lora').
         learning_rate, num_train_epochs, max_steps: Optimisation (max_steps > 0 overrides the epochs).
         per_device_train_batch_size, gradient_accumulation_steps: Batch shape.
         seqlen: Tokens per training row.
@@ -32,6 +61,16 @@ class RecoveryConfig:
         logging_steps, seed: As in TrainingArguments.
     """
 
+    mode: Literal["lora", "changed", "last_k", "full"] = "lora"
+    last_k: int = 3
+    temperature: float = 1.0
+    kd_alpha: float = 1.0
+    hidden_weight: float = 0.0
+    max_tokens: int | None = None
+    eval_every: int = 20
+    patience: int = 3
+    heldout_rows: int = 8
+    chunk_size: int = 128
     r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
@@ -47,6 +86,10 @@ class RecoveryConfig:
     logging_steps: int = 10
     seed: int = 0
     extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    def tokens_per_step(self) -> int:
+        """Training tokens one optimiser step reads (one device)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
@@ -72,38 +115,178 @@ class _Rows(torch.utils.data.Dataset):
         return self.rows[index]
 
 
+def _distillation_trainer_class() -> type:
+    """A Trainer whose `compute_loss` is the healing loss (built lazily: importing this module imports no Trainer)."""
+    from transformers import Trainer
+
+    class DistillationTrainer(Trainer):
+        """transformers' Trainer with the healing loss; everything else (optimiser, schedule, devices) is the
+        library's."""
+
+        def __init__(self, *args: Any, healing_loss: DistillationLoss, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.healing_loss = healing_loss
+            # Our loss is a mean over the batch's scored tokens, not a sum the Trainer normalises by the items in
+            # the accumulated batch; so the Trainer divides it by the accumulation steps itself.
+            self.model_accepts_loss_kwargs = False
+
+        def compute_loss(
+            self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False, **_: Any
+        ) -> Any:
+            parts = self.healing_loss(model, inputs)
+            return (parts.total, None) if return_outputs else parts.total
+
+    return DistillationTrainer
+
+
+def _split_rows(
+    rows: list[dict[str, torch.Tensor]], heldout: int, seed: int
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(training rows, held-out rows): `heldout` rows drawn with the seed, disjoint from the rest."""
+    if heldout < 0:
+        raise ValueError(f"heldout_rows must be at least 0, got {heldout}.")
+    if heldout and heldout >= len(rows):
+        raise CalibrationDataError(
+            f"the recovery text gives {len(rows)} rows, not enough to hold out {heldout} and train on the rest; "
+            "give more text or lower heldout_rows."
+        )
+    chosen = set(random.Random(seed + 1).sample(range(len(rows)), heldout))
+    return [r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen]
+
+
+def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]]) -> int:
+    """max_steps for the token budget; refuses a budget the training rows cannot fill."""
+    if config.max_tokens is None:
+        return config.max_steps
+    if config.max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive token budget, got {config.max_tokens}.")
+    steps = math.ceil(config.max_tokens / config.tokens_per_step())
+    available = len(rows) * config.seqlen
+    if steps * config.tokens_per_step() > available:
+        raise CalibrationDataError(
+            f"max_tokens={config.max_tokens} needs {steps} steps of {config.tokens_per_step()} tokens, but the "
+            f"training text holds {len(rows)} rows of {config.seqlen} ({available} tokens) after holding out the "
+            "gate's rows; give more text or lower max_tokens."
+        )
+    return steps
+
+
+def _resolve_teacher(
+    teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
+) -> tuple[nn.Module | None, Any | None, str | None]:
+    """(teacher model, its tokenizer, its public name), or Nones for the LM loss alone."""
+    from .teacher import default_teacher, load_teacher
+
+    if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+        return None, None, None
+    if teacher is None:
+        teacher = default_teacher(report)
+        if teacher is None:
+            return None, None, None
+        logger.info("teacher: %s (the report's base model)", teacher)
+    return load_teacher(teacher, dtype)
+
+
 def recover(
-    model: nn.Module, tokenizer: Any, dataset: Any, config: RecoveryConfig | None = None, text_column: str = "text"
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    config: RecoveryConfig | None = None,
+    text_column: str = "text",
+    teacher: Any = None,
+    report: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Trains LoRA adapters on `dataset`, merges them, and returns (plain model, training log).
+    """Heals `model` on `dataset` and returns (plain model, training log).
+
+    Every check (mode, teacher vocabulary and tokenizer, layer map, text for the budget) runs before any weight
+    changes. With a teacher the loss is the distillation loss of `recovery.distill`; without one, the LM loss.
+
+    Args:
+        model: The compressed causal LM (changed in place, except that LoRA is merged into a returned model).
+        tokenizer: Its tokenizer.
+        dataset: Training text (see `load_recovery_texts`); the gate's held-out rows are drawn from it.
+        config: What to train and how (`RecoveryConfig`).
+        text_column: Column of a `datasets` dataset holding the text.
+        teacher: The dense model: a loaded model, a checkpoint folder, a bundled name (``"smollm2"``) or a Hub id.
+            None takes the report's base model when it is a bundled model or a Hub id (else no teacher); False or
+            ``"none"`` trains on the LM loss alone.
+        report: The compression report (``FlattenQuantizer.report`` or flatten_report.json); defaults to
+            ``model.flatten_report`` when set. Needed by mode='changed', hidden-state terms and the default teacher.
+
+    Returns:
+        The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, the held-out objective and
+        LM loss before and after, and the gate's decision.
 
     Raises:
-        ImportError: when peft is missing (``pip install optimum-flatten[recovery]``).
+        ValueError: an unknown mode, a teacher with another vocabulary or tokenizer, hidden-state terms without a
+            layer map, too little text for the budget, or 'changed' with nothing changed.
+        ImportError: when peft is missing for mode='lora' (``pip install optimum-flatten[recovery]``).
     """
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError("recovery fine-tuning needs peft: pip install optimum-flatten[recovery]") from error
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
     config = config or RecoveryConfig()
+    check_mode(config.mode)
+    if report is None:
+        report = getattr(model, "flatten_report", None)
+    dtype = next(model.parameters()).dtype
     texts, kind = load_recovery_texts(dataset, text_column)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
-    lora = LoraConfig(
-        r=config.r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or default_target_modules(model),
-        layers_to_transform=config.layers_to_transform,
-        task_type="CAUSAL_LM",
+    train_rows, heldout = _split_rows(rows, config.heldout_rows, config.seed)
+    max_steps = _steps_for_budget(config, train_rows)
+    if config.hidden_weight > 0:
+        ends = layer_map(report, len(get_adapter(model).blocks()))  # refuses without a plan, before the teacher loads
+    teacher_model, teacher_tokenizer, teacher_name = _resolve_teacher(teacher, report, dtype)
+    if config.hidden_weight > 0 and teacher_model is None:
+        raise ValueError(
+            "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
+        )
+    if teacher_model is not None:
+        from .teacher import check_compatible
+
+        check_compatible(model, teacher_model, tokenizer, teacher_tokenizer, texts)
+    student_blocks: list[nn.Module] = []
+    teacher_blocks: list[nn.Module] = []
+    if config.hidden_weight > 0:
+        student_blocks = [b.module for b in get_adapter(model).blocks()]
+        originals = get_adapter(teacher_model).blocks()
+        if max(ends) >= len(originals):
+            raise ValueError(
+                f"the report's plan reaches original layer {max(ends)} but the teacher has {len(originals)} blocks; "
+                "give the dense model the checkpoint was compressed from."
+            )
+        teacher_blocks = [originals[e].module for e in ends]
+    healing_loss = DistillationLoss(
+        teacher=teacher_model,
+        temperature=config.temperature,
+        kd_alpha=config.kd_alpha,
+        hidden_weight=config.hidden_weight,
+        student_blocks=student_blocks,
+        teacher_blocks=teacher_blocks,
+        chunk_size=config.chunk_size,
     )
-    peft_model = get_peft_model(model, lora)
+    notes: list[str] = []
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    if config.mode == "lora":
+        trained_model, lora = _wrap_lora(model, config)
+    else:
+        if config.mode == "changed":
+            names = changed_parameter_names(model, report)
+        elif config.mode == "last_k":
+            names, note = last_k_parameter_names(model, config.last_k)
+            notes += [note] if note else []
+        else:
+            names = [name for name, _ in model.named_parameters()]
+        trainable = freeze_all_but_(model, names)
+        trained_model, lora = model, None
+        logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
+    for note in notes:
+        logger.info(note)
     with tempfile.TemporaryDirectory() as scratch:
         arguments = TrainingArguments(
             output_dir=scratch,
             learning_rate=config.learning_rate,
             num_train_epochs=config.num_train_epochs,
-            max_steps=config.max_steps,
+            max_steps=max_steps,
             per_device_train_batch_size=config.per_device_train_batch_size,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             logging_steps=config.logging_steps,
@@ -115,20 +298,73 @@ def recover(
             dataloader_pin_memory=torch.cuda.is_available(),
             **config.extra_training_args,
         )
-        trainer = Trainer(model=peft_model, args=arguments, train_dataset=_Rows(rows))
+        trainer = _distillation_trainer_class()(
+            model=trained_model, args=arguments, train_dataset=_Rows(train_rows), healing_loss=healing_loss
+        )
+        if teacher_model is not None:
+            teacher_model.to(arguments.device)
+        gate = None
+        if heldout:
+            from .gate import HeldOutGate
+
+            gate = HeldOutGate(
+                trained_model,
+                healing_loss,
+                heldout,
+                config.eval_every,
+                config.patience,
+                config.per_device_train_batch_size,
+            )
+            trainer.add_callback(gate)
         result = trainer.train()
         history = [entry for entry in trainer.state.log_history if "loss" in entry]
-    merged = peft_model.merge_and_unload()
-    merged.eval()
+        decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
+    if lora is not None:
+        trained_model = trained_model.merge_and_unload()
+    else:
+        for name, parameter in trained_model.named_parameters():
+            parameter.requires_grad_(flags[name])
+    trained_model.eval()
     log = {
+        "mode": config.mode,
+        "teacher": teacher_name,
+        "loss": "lm" if teacher_model is None else "distillation",
+        "temperature": config.temperature if teacher_model is not None else None,
+        "kd_alpha": config.kd_alpha if teacher_model is not None else None,
+        "hidden_weight": config.hidden_weight,
         "data_kind": kind,
-        "rows": len(rows),
+        "rows": len(train_rows),
         "seqlen": config.seqlen,
         "steps": result.global_step,
+        "tokens_trained": result.global_step * config.tokens_per_step(),
         "train_loss": result.training_loss,
         "loss_history": history,
-        "lora": {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(lora.target_modules)},
         "learning_rate": config.learning_rate,
         "train_seconds": result.metrics.get("train_runtime"),
+        "gate": decision,
+        **(gate.summary() if gate is not None else {}),
+        **({"notes": notes} if notes else {}),
     }
-    return merged, log
+    if lora is not None:
+        log["lora"] = {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(lora.target_modules)}
+    if gate is not None:
+        before, after = gate.start["objective"], gate.best["objective"]
+        logger.info("gate: %s (held-out objective %.4f -> %.4f)", decision, before, after)
+    return trained_model, log
+
+
+def _wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:
+    """The peft-wrapped model and its LoraConfig."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError("recovery fine-tuning with LoRA needs peft: pip install optimum-flatten[recovery]") from error
+    lora = LoraConfig(
+        r=config.r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules or default_target_modules(model),
+        layers_to_transform=config.layers_to_transform,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora), lora

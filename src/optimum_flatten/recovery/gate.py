@@ -1,0 +1,132 @@
+"""The gate that never makes a model worse: held-out scoring during training, the best state kept, early stopping.
+
+Held-out rows of the training text (never trained on) are scored with the training objective before the first
+step and every `eval_every` steps. The best trainable state seen so far is kept in memory (only the trainable
+parameters, on the CPU, so the copy costs what they cost, not the model); after `patience` evaluations without
+improvement training stops. At the end the best state is loaded back; if no evaluation beat the starting score the
+best state *is* the input weights, and the log says ``"gate": "kept input weights"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .distill import LossParts
+
+logger = logging.getLogger(__name__)
+
+KEPT_INPUT = "kept input weights"
+IMPROVED = "kept the best trained state"
+
+
+@torch.no_grad()
+def score_rows(
+    model: nn.Module,
+    loss: Callable[[nn.Module, dict[str, torch.Tensor]], LossParts],
+    rows: Sequence[dict[str, torch.Tensor]],
+    batch_size: int,
+) -> dict[str, float]:
+    """Token-weighted means of the objective, the LM loss and the KL over `rows`, in eval mode."""
+    was_training = model.training
+    model.eval()
+    device = next(p.device for p in model.parameters())
+    totals = {"objective": 0.0, "lm": 0.0, "kl": 0.0}
+    count = 0
+    try:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            batch = {key: torch.stack([row[key] for row in chunk]).to(device) for key in chunk[0]}
+            parts = loss(model, batch)
+            totals["objective"] += float(parts.total) * parts.tokens
+            totals["lm"] += parts.lm * parts.tokens
+            totals["kl"] += parts.kl * parts.tokens
+            count += parts.tokens
+    finally:
+        model.train(was_training)
+    return {key: value / max(count, 1) for key, value in totals.items()}
+
+
+class HeldOutGate(TrainerCallback):
+    """Scores the held-out rows every `eval_every` steps, keeps the best trainable state, stops after `patience`.
+
+    Args:
+        model: The model being trained (the same object the Trainer holds).
+        loss: The training objective (a `DistillationLoss`).
+        rows: Held-out rows, disjoint from the training rows.
+        eval_every: Steps between evaluations.
+        patience: Evaluations without improvement before stopping (0 never stops early).
+        batch_size: Rows per held-out batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: Callable[[nn.Module, dict[str, torch.Tensor]], LossParts],
+        rows: Sequence[dict[str, torch.Tensor]],
+        eval_every: int,
+        patience: int,
+        batch_size: int,
+    ) -> None:
+        if eval_every < 1:
+            raise ValueError(f"eval_every must be at least 1 step, got {eval_every}.")
+        if patience < 0:
+            raise ValueError(f"patience must be at least 0, got {patience}.")
+        if not rows:
+            raise ValueError("the gate needs at least one held-out row; raise heldout_rows or give more text.")
+        self.model, self.loss, self.rows = model, loss, list(rows)
+        self.eval_every, self.patience, self.batch_size = eval_every, patience, batch_size
+        self.start = score_rows(model, loss, self.rows, batch_size)
+        self.best = dict(self.start)
+        self.best_step = 0
+        self.best_state = self._snapshot()
+        self.history: list[dict[str, float]] = [{"step": 0, **self.start}]
+        self.misses = 0
+
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self._trainable()}
+
+    def evaluate(self, step: int) -> bool:
+        """Scores the held-out rows at `step`; returns True when training should stop."""
+        scores = score_rows(self.model, self.loss, self.rows, self.batch_size)
+        self.history.append({"step": step, **scores})
+        logger.info(
+            "held-out at step %d: objective %.4f (best %.4f)", step, scores["objective"], self.best["objective"]
+        )
+        if math.isfinite(scores["objective"]) and scores["objective"] < self.best["objective"]:
+            self.best, self.best_step, self.best_state, self.misses = scores, step, self._snapshot(), 0
+            return False
+        self.misses += 1
+        return self.patience > 0 and self.misses >= self.patience
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step % self.eval_every == 0 or state.global_step >= state.max_steps:
+            if self.evaluate(state.global_step):
+                control.should_training_stop = True
+        return control
+
+    @torch.no_grad()
+    def restore_best_(self) -> str:
+        """Loads the best state into the model; returns the decision (`KEPT_INPUT` or `IMPROVED`)."""
+        for name, parameter in self._trainable():
+            parameter.copy_(self.best_state[name].to(parameter.device))
+        return KEPT_INPUT if self.best_step == 0 else IMPROVED
+
+    def summary(self) -> dict[str, Any]:
+        """The gate's part of the recovery log."""
+        return {
+            "heldout_rows": len(self.rows),
+            "heldout_before": self.start,
+            "heldout_after": self.best,
+            "best_step": self.best_step,
+            "heldout_history": self.history,
+        }

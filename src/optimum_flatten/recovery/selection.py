@@ -1,0 +1,155 @@
+"""What healing trains (the `mode`), and the layer map from the compression report's plan.
+
+The plan (``report["plan"]``) lists, for each block of the compressed stack, the original layers it came from
+(``groups``: ``[[0, 1], [2], [4]]``); a layer not listed was dropped. Student block k then stands for the original
+layers from its first member up to the layer before the next block's first member (a dropped run belongs to the
+block before it, since the next block reads what that block writes), the last block up to the original last layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from ..adapters import get_adapter
+
+logger = logging.getLogger(__name__)
+
+MODES = ("lora", "changed", "last_k", "full")
+
+
+def check_mode(mode: str) -> None:
+    """Raises ValueError naming the modes when `mode` is not one of them."""
+    if mode not in MODES:
+        raise ValueError(f"unknown recovery mode {mode!r}; choose one of {list(MODES)}.")
+
+
+def plan_groups(report: Mapping[str, Any] | None) -> tuple[list[list[int]], int] | None:
+    """(groups, original layer count) of the report's plan, or None without one."""
+    plan = (report or {}).get("plan") or {}
+    groups = plan.get("groups")
+    if not groups or not plan.get("num_layers"):
+        return None
+    return [list(g) for g in groups], int(plan["num_layers"])
+
+
+def span_ends(groups: list[list[int]], num_layers: int) -> list[int]:
+    """For each student block, the original layer that ends the span it stands for (see the module docstring)."""
+    firsts = [group[0] for group in groups]
+    return [nxt - 1 for nxt in firsts[1:]] + [num_layers - 1]
+
+
+def layer_map(report: Mapping[str, Any] | None, num_blocks: int) -> list[int]:
+    """`span_ends` of the report's plan, checked against the student's block count.
+
+    Raises:
+        ValueError: without a plan in the report, or when the plan does not describe this model.
+    """
+    parsed = plan_groups(report)
+    if parsed is None:
+        raise ValueError(
+            "hidden-state terms need the layer map of the compression report (flatten_report.json's 'plan'), and "
+            "none was given; pass report=... (or recover a checkpoint folder that holds flatten_report.json), or set "
+            "hidden_weight to 0."
+        )
+    groups, num_layers = parsed
+    if len(groups) != num_blocks:
+        raise ValueError(
+            f"the report's plan has {len(groups)} blocks but the model has {num_blocks}; give the report of this "
+            "checkpoint's compression."
+        )
+    return span_ends(groups, num_layers)
+
+
+def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) -> list[str]:
+    """Names of the parameters the compression touched: every parameter of a merged block, and the output
+    projection (o / down) of each block carrying a linear bridge or a magnitude compensation.
+
+    A compensation also scales the input embedding; it is left out here, since the embedding is most of a small
+    model's parameters and training it is `full`'s job.
+
+    Raises:
+        ValueError: without a plan, or when the plan keeps only plain layers and nothing carries a correction.
+    """
+    parsed = plan_groups(report)
+    if parsed is None:
+        raise ValueError(
+            "mode='changed' trains what the compression changed, which the compression report's plan says, and no "
+            "report was given; pass report=... (flatten_report.json), or pick mode 'last_k', 'full' or 'lora'."
+        )
+    groups, _ = parsed
+    adapter = get_adapter(model)
+    blocks = adapter.blocks()
+    if len(groups) != len(blocks):
+        raise ValueError(
+            f"the report's plan has {len(groups)} blocks but the model has {len(blocks)}; give the report of this "
+            "checkpoint's compression."
+        )
+    modules: dict[int, nn.Module] = {}
+    for k, group in enumerate(groups):
+        if len(group) > 1:
+            modules[id(blocks[k].module)] = blocks[k].module
+    bridged = {int(m["output_layer"]) for key in ("linear_replacement", "replaceme") for m in _maps(report, key)}
+    compensated = _compensated_blocks(report, groups)
+    for k in sorted(bridged | compensated):
+        for view in (blocks[k].attention.o, blocks[k].mlp.down) if k in compensated else (blocks[k].mlp.down,):
+            modules[id(view.module)] = view.module
+    if not modules:
+        raise ValueError(
+            "mode='changed' found nothing the compression changed: the plan only keeps or drops whole layers and no "
+            "bridge or compensation was folded in; pick mode 'last_k', 'full' or 'lora'."
+        )
+    wanted = {id(p) for module in modules.values() for p in module.parameters()}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def _maps(report: Mapping[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    entry = (report or {}).get(key)
+    return list(entry.get("maps", [])) if isinstance(entry, Mapping) else []
+
+
+def _compensated_blocks(report: Mapping[str, Any] | None, groups: list[list[int]]) -> set[int]:
+    """Student blocks whose output projections a 'scale' compensation multiplied (those before a dropped layer)."""
+    entry = (report or {}).get("compensation")
+    if not isinstance(entry, Mapping) or not entry.get("alpha"):
+        return set()
+    dropped = [int(k) for k in entry["alpha"]]
+    return {k for k, group in enumerate(groups) if any(d > group[0] for d in dropped)}
+
+
+def last_k_parameter_names(model: nn.Module, k: int) -> tuple[list[str], str | None]:
+    """(names of the last `k` blocks', the final norm's and the LM head's parameters, a note on tying or None).
+
+    With tied embeddings the LM head *is* the input embedding: training it changes both, and nothing is untied.
+    """
+    adapter = get_adapter(model)
+    blocks = adapter.blocks()
+    if not 1 <= k <= len(blocks):
+        raise ValueError(f"last_k must be between 1 and the model's {len(blocks)} blocks, got {k}.")
+    modules = [b.module for b in blocks[-k:]]
+    for extra in (adapter.final_norm(), adapter.lm_head()):
+        if extra is not None:
+            modules.append(extra)
+    wanted = {id(p) for module in modules for p in module.parameters()}
+    note = None
+    head, embeddings = adapter.lm_head(), adapter.embeddings()
+    if (
+        head is not None
+        and embeddings is not None
+        and getattr(head, "weight", None) is getattr(embeddings, "weight", 0)
+    ):
+        note = "the LM head is tied to the input embedding: training it changes the embedding too (nothing is untied)"
+    return [name for name, p in model.named_parameters() if id(p) in wanted], note
+
+
+def freeze_all_but_(model: nn.Module, names: list[str]) -> int:
+    """Sets requires_grad to True on `names` only; returns the number of trainable parameters."""
+    wanted = set(names)
+    count = 0
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name in wanted)
+        count += parameter.numel() if name in wanted else 0
+    return count

@@ -1,0 +1,110 @@
+"""The teacher of a distillation: which dense model, loaded how, and whether it speaks the student's vocabulary.
+
+A teacher is a loaded model, a checkpoint folder, a bundled name (``smollm2``) or a Hub id. By default it is the
+model the checkpoint was compressed from, when the compression report names it publicly (a bundled model's Hub
+name loads the bundled copy, never the Hub); a local source must be given, since reports keep no local paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _bundled_key(name: str) -> str | None:
+    """The bundled-model key `name` refers to (the key itself or its Hub name), else None."""
+    from ..bundled import BUNDLED_MODELS
+
+    if name in BUNDLED_MODELS:
+        return name
+    return next((key for key, spec in BUNDLED_MODELS.items() if spec.hub_name == name), None)
+
+
+def default_teacher(report: Mapping[str, Any] | None) -> str | None:
+    """The teacher the report names: its base model when that is a bundled model or a Hub id, else None."""
+    base = str((report or {}).get("base_model") or "")
+    if not base or base == "unknown":
+        return None
+    if _bundled_key(base) is not None or (report or {}).get("base_model_on_hub"):
+        return base
+    return None
+
+
+def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | None, str]:
+    """(model, its tokenizer or None, a public description) of `teacher`, frozen, in eval, in `dtype`.
+
+    Raises:
+        TypeError: for a teacher that is neither a model nor a name.
+        ModelSourceError: for a name that is neither a folder, a bundled name nor a Hub id.
+    """
+    tokenizer = None
+    if isinstance(teacher, nn.Module):
+        model, name = teacher, str(getattr(getattr(teacher, "config", None), "_name_or_path", "") or "<model>")
+    elif isinstance(teacher, (str, Path)):
+        key = _bundled_key(str(teacher))
+        if key is not None:
+            from ..bundled import load_bundled
+
+            model, tokenizer = load_bundled(key, dtype=dtype)
+            name = str(teacher)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from ..utils.loading import public_base_name, resolve_model_source
+
+            source = resolve_model_source(teacher)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            name = public_base_name(str(teacher))[0]
+    else:
+        raise TypeError(
+            f"teacher must be a model, a checkpoint folder, a bundled name or a Hub id, got {type(teacher).__name__}."
+        )
+    model.eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    if next(model.parameters()).dtype != dtype:
+        model.to(dtype=dtype)
+    return model, tokenizer, name
+
+
+def check_compatible(
+    student: nn.Module, teacher: nn.Module, tokenizer: Any, teacher_tokenizer: Any | None, texts: list[str]
+) -> None:
+    """Refuses a teacher whose logits do not index the student's tokens.
+
+    The vocabulary sizes (the output embeddings' rows) must be equal, and when the teacher's tokenizer is known it
+    must encode the first training texts to the same ids.
+
+    Raises:
+        ValueError: one line naming what differs.
+    """
+    sizes = [m.get_output_embeddings().weight.shape[0] for m in (student, teacher)]
+    if sizes[0] != sizes[1]:
+        raise ValueError(
+            f"the teacher's vocabulary has {sizes[1]} entries and the student's {sizes[0]}: a KL between their "
+            "next-token distributions would compare different tokens; give the dense model the checkpoint was "
+            "compressed from as the teacher."
+        )
+    if teacher_tokenizer is None:
+        return
+    for text in texts[:8]:
+        sample = text[:2000]
+        ours = list(tokenizer(sample, add_special_tokens=False)["input_ids"])
+        theirs = list(teacher_tokenizer(sample, add_special_tokens=False)["input_ids"])
+        if ours != theirs:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+            )
+            raise ValueError(
+                f"the teacher's tokenizer encodes the training text differently from the student's (first difference "
+                f"at token {at}); distillation needs the same tokens: give the dense model the checkpoint was "
+                "compressed from as the teacher."
+            )

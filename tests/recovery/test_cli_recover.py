@@ -1,0 +1,91 @@
+"""`optimum-flatten recover --teacher ... --mode ... --max-tokens ...`: the report and card, and one-line refusals
+that write nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+from common import compress
+from optimum_flatten.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(dense folder, compressed folder with its report, training text file), all with the tiny HF tokenizer."""
+    root = tmp_path_factory.mktemp("heal")
+    tokenizer = tiny_models.tiny_hf_tokenizer()
+    dense = root / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense)
+    tokenizer.save_pretrained(dense)
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2)
+    compressed = quantizer.save(model, root / "compressed", tokenizer)
+    data = root / "text.txt"
+    data.write_text("\n".join(tiny_models.sample_texts(60)))
+    return dense, compressed, data
+
+
+def _arguments(folders, output, *extra: str) -> list[str]:
+    dense, compressed, data = folders
+    return [
+        "recover", str(compressed), "--teacher", str(dense), "--dataset", str(data), "--output", str(output),
+        "--seqlen", "32", "--per-device-train-batch-size", "2", "--heldout-rows", "4", "--eval-every", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_recover_distils_the_changed_blocks_and_says_so_in_report_and_card(folders, tmp_path, capsys):
+    out = tmp_path / "healed"
+    assert main(_arguments(folders, out, "--max-tokens", "256", "--mode", "changed", "--learning-rate", "1e-3")) == 0
+    recovery = json.loads((out / "flatten_report.json").read_text())["recovery"]
+    assert recovery["mode"] == "changed" and recovery["loss"] == "distillation" and recovery["teacher"] == "dense"
+    assert (
+        recovery["tokens_trained"] == 64 * recovery["steps"]
+        and recovery["steps"] <= 4
+        and recovery["dataset"].endswith("text.txt")
+    )
+    assert recovery["gate"] in ("kept input weights", "kept the best trained state")
+    assert set(recovery["heldout_before"]) == {"objective", "lm", "kl"}
+    card = (out / "README.md").read_text()
+    assert "Healing: mode `changed`, distilled from `dense`" in card and "gate:" in card
+    assert "gate:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--mode", "everything"], "invalid choice: 'everything'"),
+        (["--max-tokens", "1000000"], "max_tokens=1000000 needs"),
+        (["--hidden-weight", "1", "--max-tokens", "64", "--teacher", "none"], "need a teacher"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(folders, tmp_path, capsys, extra, message):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) if extra[0] == "--mode" else _no_raise():
+        code = main(_arguments(folders, out, *extra))
+        assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading bars: the one-line refusal
+    assert message in error and error.startswith(("optimum-flatten", "error", "usage"))
+    assert not out.exists()
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(folders, tmp_path, capsys):
+    other = tmp_path / "other"
+    model = tiny_models._build(tiny_models.LlamaConfig(**tiny_models._common(vocab_size=128)), seed=0)
+    model.save_pretrained(other)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(other)
+    out = tmp_path / "never"
+    assert main([*_arguments(folders, out, "--max-tokens", "64"), "--teacher", str(other)]) == 2
+    assert "vocabulary has 128 entries" in capsys.readouterr().err
+    assert not out.exists()
+
+
+class _no_raise:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> bool:
+        return False

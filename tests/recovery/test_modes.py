@@ -1,0 +1,149 @@
+"""What each mode trains, the gate, plain reloads, and the refusals of bad input (before any weight changes)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny_models
+from common import assert_close, compress, logits, sample_ids
+from optimum_flatten.recovery import RecoveryConfig, recover
+from optimum_flatten.recovery.distill import LossParts
+from optimum_flatten.recovery.gate import KEPT_INPUT, HeldOutGate
+from optimum_flatten.recovery.selection import changed_parameter_names
+
+QUIET = {"disable_tqdm": True}
+
+
+def _config(**overrides) -> RecoveryConfig:
+    base = dict(
+        max_tokens=256,
+        seqlen=32,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        heldout_rows=0,
+        extra_training_args=QUIET,
+    )
+    return RecoveryConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def compressed():
+    """(dense teacher, FlattenGPT 6 -> 4 with a linear bridge, its report)."""
+    dense = tiny_models.tiny_llama_gqa()
+    model = copy.deepcopy(dense)
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, linear_replacement="lstsq")
+    return dense, model, dict(quantizer.report)
+
+
+def test_changed_trains_merged_blocks_and_bridged_projections_and_nothing_else(compressed):
+    dense, model, report = compressed
+    model = copy.deepcopy(model)
+    names = changed_parameter_names(model, report)
+    merged = [k for k, g in enumerate(report["plan"]["groups"]) if len(g) > 1]
+    bridged = [m["output_layer"] for m in report["linear_replacement"]["maps"]]
+    assert merged == [0, 2] and bridged
+    assert all(n.startswith(tuple(f"model.layers.{k}." for k in merged + bridged)) for n in names)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    healed, log = recover(
+        model,
+        tiny_models.CharTokenizer(),
+        tiny_models.sample_texts(),
+        _config(mode="changed"),
+        teacher=dense,
+        report=report,
+    )
+    assert log["mode"] == "changed" and log["steps"] == 4 and log["tokens_trained"] == 256
+    for name, tensor in healed.state_dict().items():
+        assert torch.equal(tensor, before[name]) == (name not in names), name
+    assert all(p.requires_grad for p in healed.parameters())  # the flags are given back as they were
+
+
+def test_gate_reverts_to_the_input_weights_when_training_only_makes_it_worse(compressed):
+    dense, model, report = compressed
+    model = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = _config(mode="full", learning_rate=50.0, heldout_rows=4, eval_every=1, patience=2)
+    healed, log = recover(
+        model, tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense, report=report
+    )
+    assert log["gate"] == KEPT_INPUT and log["best_step"] == 0
+    assert log["steps"] == 2  # stopped early after `patience` evaluations without improvement
+    assert log["heldout_after"] == log["heldout_before"]
+    assert all(torch.equal(v, before[k]) for k, v in healed.state_dict().items())
+
+
+def test_gate_keeps_the_best_state_and_loads_it_back():
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+
+    def loss(m, _batch):
+        value = (m.weight[0, 0] - 1.0) ** 2
+        return LossParts(value, 0.0, float(value), 0.0, 1)
+
+    rows = [{"input_ids": torch.zeros(2, dtype=torch.long)}]
+    gate = HeldOutGate(model, loss, rows, eval_every=1, patience=2, batch_size=1)
+    stops = []
+    for step, weight in enumerate([3.0, 1.5, 4.0, 0.0], start=1):
+        with torch.no_grad():
+            model.weight.fill_(weight)
+        stops.append(gate.evaluate(step))
+    assert stops == [False, False, False, True]
+    assert gate.restore_best_() == "kept the best trained state" and gate.best_step == 2
+    assert float(model.weight.detach()) == 1.5
+
+
+@pytest.mark.parametrize("mode", ["lora", "changed", "last_k", "full"])
+def test_every_mode_saves_a_checkpoint_plain_transformers_reloads(compressed, tmp_path, mode):
+    dense, model, report = compressed
+    config = _config(mode=mode, max_tokens=128, last_k=1, hidden_weight=0.5, heldout_rows=2)
+    healed, log = recover(
+        copy.deepcopy(model),
+        tiny_models.CharTokenizer(),
+        tiny_models.sample_texts(),
+        config,
+        teacher=dense,
+        report=report,
+    )
+    assert type(healed).__name__ == "LlamaForCausalLM" and log["mode"] == mode
+    assert not any("lora" in k for k in healed.state_dict())
+    healed.save_pretrained(tmp_path / mode)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / mode)
+    assert reloaded.config.num_hidden_layers == 4
+    assert_close(logits(reloaded, sample_ids()), logits(healed, sample_ids()))
+
+
+def _refused(model, message, **kwargs) -> None:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = sorted(n for n, _ in model.named_modules())
+    with pytest.raises(ValueError, match=message):
+        recover(model, tiny_models.CharTokenizer(), tiny_models.sample_texts(), **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert sorted(n for n, _ in model.named_modules()) == names  # no adapter was injected
+
+
+def test_bad_input_is_refused_before_any_change(compressed, tmp_path):
+    dense, model, _report = compressed
+    model = copy.deepcopy(model)
+    _refused(model, "unknown recovery mode 'everything'", config=_config(mode="everything"), teacher=dense)
+    other = tiny_models._build(
+        tiny_models.LlamaConfig(**tiny_models._common(vocab_size=tiny_models.VOCAB + 32)), seed=0
+    )
+    _refused(model, "vocabulary has 128 entries and the student's 96", config=_config(), teacher=other)
+    _refused(model, "need the layer map", config=_config(hidden_weight=1.0), teacher=dense, report=None)
+    _refused(model, "max_tokens=1000000 needs", config=_config(max_tokens=1_000_000), teacher=dense)
+    _refused(
+        model,
+        "nothing the compression changed",
+        config=_config(mode="changed"),
+        teacher=dense,
+        report={"plan": {"groups": [[0], [1], [4], [5]], "num_layers": 6}},
+    )
+    folder = tmp_path / "teacher"
+    dense.save_pretrained(folder)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(folder)
+    _refused(model, "tokenizer encodes the training text differently", config=_config(), teacher=str(folder))
