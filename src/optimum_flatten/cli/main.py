@@ -20,6 +20,7 @@ from .options import (
     add_method_arguments,
     add_recovery_arguments,
     add_schedule_arguments,
+    check_declared_options,
     check_method_options,
     config_kwargs,
 )
@@ -145,11 +146,15 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
+    # The options are checked against their declarations first, before torch and transformers are imported: a
+    # mistake is refused in a fraction of a second (FlattenConfig then checks them again, with the same code).
+    check_method_options(args)
+    check_declared_options(args)
+
     from ..config import FlattenConfig
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
-    check_method_options(args)
     config = FlattenConfig(**config_kwargs(args))
     _check_dataset(config.calibration.dataset, config.calibration.text_column)
     _check_source(args.model)

@@ -172,6 +172,23 @@ def check_method_options(args: argparse.Namespace) -> None:
     )
 
 
+def check_declared_options(args: argparse.Namespace) -> None:
+    """Checks the calibration options and `--method`'s own options with their dataclasses' own validation.
+
+    These are the checks `FlattenConfig` runs (the same classes, the same code), run from the torch-free
+    declarations so that a value out of range is refused before the command imports torch and transformers. What
+    needs the model (the depth target against its layer count) is left to `FlattenConfig` and the method.
+
+    Raises:
+        ValueError: one line, naming the option.
+    """
+    given = vars(args)
+    CalibrationConfig(**{name: given[name] for name in _CALIBRATION_NAMES if name in given})
+    config_class = get_config_class(args.method)
+    own = {f.name for f in dataclasses.fields(config_class)}
+    config_class.from_dict({name: value for name, value in given.items() if name in own})
+
+
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The FlattenConfig keyword arguments given on the command line."""
     names = {"method", "num_layers_to_remove", "target_sparsity", "linear_replacement", "compensation"}
@@ -183,7 +200,7 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds one flag per `RecoveryConfig` field (lists take several values; dict fields stay API-only)."""
-    from ..recovery.trainer import RecoveryConfig
+    from ..options.recovery import RecoveryConfig
 
     group = parser.add_argument_group("recovery")
     hints = typing.get_type_hints(RecoveryConfig)

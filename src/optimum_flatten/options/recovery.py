@@ -1,0 +1,70 @@
+"""Healing's options: a torch-free declaration, read by `recover`, the command line's ``recover`` flags and the
+report (recovery/trainer.py trains)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class RecoveryConfig:
+    """What to train, on which loss, for how long, and the gate. LoRA defaults follow the FlattenGPT paper
+    (r=8, alpha=16, lr 1e-4, 2 epochs).
+
+    Attributes:
+        mode: What is trained: ``lora`` (PEFT adapters on the projections, merged back), ``changed`` (all
+            parameters of merged blocks and the projections carrying a bridge or compensation, per the compression
+            report; everything else stays bit-identical), ``last_k`` (the last `last_k` blocks, the final norm and
+            the LM head), ``full`` (every parameter).
+        last_k: Blocks trained by ``mode='last_k'``.
+        temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
+        kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
+        hidden_weight: Weight of the hidden-state terms (each student block against the teacher's state at the end
+            of the span it stands for, per the report's plan); 0 turns them off.
+        max_tokens: Training token budget; sets max_steps to ceil(max_tokens / (batch × accumulation × seqlen)),
+            and the text must hold that many training tokens (no second epoch). None uses max_steps / epochs.
+        eval_every: Steps between held-out evaluations of the gate.
+        patience: Evaluations without improvement before stopping early (0: never).
+        heldout_rows: Rows of the training text held out for the gate (0 turns the gate off).
+        chunk_size: Positions pushed through the LM heads at a time in the loss.
+        r, lora_alpha, lora_dropout: LoRA shape (mode='lora').
+        learning_rate, num_train_epochs, max_steps: Optimisation (max_steps > 0 overrides the epochs).
+        per_device_train_batch_size, gradient_accumulation_steps: Batch shape.
+        seqlen: Tokens per training row.
+        max_samples: Train on at most this many rows (seeded choice); None uses all.
+        target_modules: Module names LoRA wraps; None takes every projection the architecture adapter exposes
+            (q, k, v, o, gate, up, down; W_pack for Baichuan).
+        layers_to_transform: Restrict LoRA to these layer indices of the compressed model (renumbered, 0-based).
+        logging_steps, seed: As in TrainingArguments.
+    """
+
+    mode: Literal["lora", "changed", "last_k", "full"] = "lora"
+    last_k: int = 3
+    temperature: float = 1.0
+    kd_alpha: float = 1.0
+    hidden_weight: float = 0.0
+    max_tokens: int | None = None
+    eval_every: int = 20
+    patience: int = 3
+    heldout_rows: int = 8
+    chunk_size: int = 128
+    r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    learning_rate: float = 1e-4
+    num_train_epochs: float = 2.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    seqlen: int = 256
+    max_samples: int | None = None
+    target_modules: list[str] | None = None
+    layers_to_transform: list[int] | None = None
+    logging_steps: int = 10
+    seed: int = 0
+    extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    def tokens_per_step(self) -> int:
+        """Training tokens one optimiser step reads (one device)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
