@@ -303,7 +303,7 @@ def _exit_code(argv: list[str]) -> int:
         (["estimate", "{missing}", "--num-layers-to-remove", "2"], "no such folder"),
         (["estimate", "{folder}", "--num-layers-to-remove", "32"], "num_layers_to_remove must be between 1 and 31"),
         (["estimate", "{folder}", "--num-layers-to-remove", "2", "--resume-candidates", "false"], "another method"),
-        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--method", "laco"], "no memory model for method 'laco'"),
+        (["estimate", "{folder}", "--num-layers-to-remove", "2", "--method", "laco"], "no memory model for method"),
     ],
 )
 def test_cli_estimate_refusals_are_one_line(tmp_path, capsys, argv, message):

@@ -20,6 +20,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .options.calibration import CalibrationConfig
 from .options.corrections import COMPENSATIONS, ESTIMATORS
 from .options.hints import MethodConfig, check_option_types, option_converter, parse_method_options
+from .options.recovery import parse_heal
 from .plan import LayerGroup, LayerPlan
 from .utils.errors import InvalidTargetError, did_you_mean, reject_unknown_keys
 
@@ -48,6 +49,12 @@ class FlattenConfig(QuantizationConfigMixin):
         layer_plan: Filled in after compression with the applied plan (provenance); not an input.
         tokenizer: Only for compress-on-load; never serialised.
         version: Config format version; a mismatch warns.
+        linear_replacement, compensation: A correction folded at every cut (docs/methods/replaceme.md,
+            docs/methods/compensation.md).
+        heal: After compressing, heal the model by distillation from the dense one (`recovery.recover`): a
+            training-token budget, or a mapping of `RecoveryConfig` fields plus ``dataset`` (default: the
+            calibration text). The dense weights are the teacher, so a copy of them is held while compressing and
+            healing (one more model's worth of memory). None (the default) heals nothing.
         **kwargs: Calibration options and method options, flat.
     """
 
@@ -64,6 +71,7 @@ class FlattenConfig(QuantizationConfigMixin):
         quant_method: str = "flatten",
         linear_replacement: str | None = None,
         compensation: str | None = None,
+        heal: int | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         from .methods.registry import get_method_class
@@ -93,6 +101,7 @@ class FlattenConfig(QuantizationConfigMixin):
             )
         self.linear_replacement = linear_replacement
         self.compensation = compensation
+        self.heal = parse_heal(heal)
 
         calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
         calibration = kwargs.pop("calibration", None)
@@ -188,6 +197,7 @@ class FlattenConfig(QuantizationConfigMixin):
             "layer_plan": copy.deepcopy(self.layer_plan),
             "linear_replacement": self.linear_replacement,
             "compensation": self.compensation,
+            "heal": _describe_heal(self.heal),
             "version": self.version,
         }
 
@@ -224,7 +234,15 @@ _TOP_LEVEL_FIELDS = (
     "calibration",
     "linear_replacement",
     "compensation",
+    "heal",
 )
+
+
+def _describe_heal(heal: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The heal settings as JSON (a dataset object is described, never serialised)."""
+    if heal is None or "dataset" not in heal:
+        return heal
+    return {**heal, "dataset": describe_dataset(heal["dataset"])}
 
 
 def _check_correction(option: str, value: Any, names: tuple[str, ...], method: str, method_class: Any) -> None:

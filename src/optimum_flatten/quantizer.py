@@ -168,11 +168,52 @@ class FlattenQuantizer(OptimumQuantizer):
         """
         start = time.perf_counter()
         checked = self.preflight(model, tokenizer)
+        # With heal=..., the dense weights are the teacher: a copy is taken before the first weight changes.
+        teacher = self._dense_copy(model) if self.config.heal else None
         run = self._run(model, checked)
         self.plan = run.plan
         self.config.layer_plan = run.plan.to_dict()
         self.report = self._report(model, checked, run, start)
+        if teacher is not None:
+            model = self._heal(model, tokenizer if tokenizer is not None else self.config.tokenizer, teacher)
         return model
+
+    def _heal_inputs(self) -> tuple[Any, str, Any]:
+        """(training text, its column, RecoveryConfig) of `FlattenConfig.heal` (default text: the calibration's)."""
+        from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig
+
+        heal = dict(self.config.heal or {})
+        dataset = heal.get("dataset") if heal.get("dataset") is not None else self.config.calibration.dataset
+        column = heal.get("text_column", self.config.calibration.text_column)
+        settings = {k: v for k, v in heal.items() if k not in HEAL_EXTRA_KEYS}
+        return dataset, column, RecoveryConfig(**settings)
+
+    @staticmethod
+    def _dense_copy(model: nn.Module) -> nn.Module:
+        """A frozen copy of the dense model, the healing's teacher (one more model's worth of memory while the
+        compression and the healing run; freed when they end)."""
+        import copy
+
+        teacher = copy.deepcopy(model).eval()
+        teacher.requires_grad_(False)
+        return teacher
+
+    def _heal(self, model: nn.Module, tokenizer: Any, teacher: nn.Module) -> nn.Module:
+        """Distils the compressed `model` from `teacher` (`recovery.recover`) and records it in the report."""
+        import dataclasses
+
+        from .recovery import recover
+
+        dataset, column, config = self._heal_inputs()
+        start = time.perf_counter()
+        healed, log = recover(
+            model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
+        )
+        synchronize()
+        log = {**log, "dataset": describe_dataset(dataset), "seconds": round(time.perf_counter() - start, 3)}
+        # Not a method entry, but the report's flat view is where the card and `recover` write "recovery" too.
+        self.report = dataclasses.replace(self.report, method_entries={**self.report.method_entries, "recovery": log})
+        return healed
 
     def preflight(self, model: nn.Module, tokenizer: Any = None) -> Preflight:
         """Every check `compress` makes before it touches a weight, and what they resolved (nothing is changed).
@@ -201,6 +242,11 @@ class FlattenQuantizer(OptimumQuantizer):
             # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
             check_sequence_length(model, self.config.calibration.seqlen)
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
+        if self.config.heal:
+            from .recovery import check_recovery_inputs
+
+            dataset, column, recovery = self._heal_inputs()
+            check_recovery_inputs(tokenizer, dataset, recovery, column)
         return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches)
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:

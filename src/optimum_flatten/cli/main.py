@@ -17,6 +17,7 @@ from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, resolve_model_source
 from .options import (
     add_config_arguments,
+    add_heal_arguments,
     add_method_arguments,
     add_recovery_arguments,
     add_schedule_arguments,
@@ -204,6 +205,16 @@ def _summary(report: dict[str, Any]) -> str:
         ("calibration tokens", report["calibration"]["tokens"]),
         ("compression seconds", report["total_seconds"]),
     ]
+    healing = report.get("recovery")
+    if healing:
+        held_out = ""
+        before, after = healing.get("heldout_before") or {}, healing.get("heldout_after") or {}
+        if "objective" in before and "objective" in after:
+            held_out = f", held-out objective {before['objective']:.4f} -> {after['objective']:.4f}"
+        rows.append(
+            ("healing", f"{healing['mode']} on {healing['tokens_trained']} tokens ({healing['loss']}){held_out}, "
+             f"{healing['gate']}")
+        )
     return _table(rows, ("", "value"))
 
 
@@ -630,6 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
     add_config_arguments(compress)
+    add_heal_arguments(compress)
     compress.set_defaults(func=cmd_compress)
 
     evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")

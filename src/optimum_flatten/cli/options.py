@@ -15,6 +15,7 @@ from typing import Any
 
 from ..methods.registry import get_config_class, registered_methods
 from ..options import COMPENSATIONS, ESTIMATORS, CalibrationConfig, option_converter
+from ..options.recovery import parse_heal
 
 #: Fields of the calibration config: flags every method takes.
 _CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationConfig))
@@ -187,15 +188,60 @@ def check_declared_options(args: argparse.Namespace) -> None:
     config_class = get_config_class(args.method)
     own = {f.name for f in dataclasses.fields(config_class)}
     config_class.from_dict({name: value for name, value in given.items() if name in own})
+    parse_heal(heal_options(args))
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The FlattenConfig keyword arguments given on the command line."""
+    """The FlattenConfig keyword arguments given on the command line (``--heal-*`` gathered into ``heal``)."""
     names = {"method", "num_layers_to_remove", "target_sparsity", "linear_replacement", "compensation"}
     names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
     for method in registered_methods():
         names |= {f.name for f in dataclasses.fields(get_config_class(method))}
-    return {k: v for k, v in vars(args).items() if k in names}
+    kwargs = {k: v for k, v in vars(args).items() if k in names}
+    heal = heal_options(args)
+    if heal is not None:
+        kwargs["heal"] = heal
+    return kwargs
+
+
+#: ``--heal-<x>`` flag -> key of ``FlattenConfig(heal=...)``.
+HEAL_FLAGS = {"heal_tokens": "max_tokens", "heal_mode": "mode", "heal_dataset": "dataset"}
+
+
+def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--heal-tokens N`` (and its companions) on compress: distil the compressed model from the dense one."""
+    from ..options.recovery import RecoveryConfig
+
+    group = parser.add_argument_group("healing (distillation from the dense model after compressing)")
+    group.add_argument(
+        "--heal-tokens",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="heal on this many training tokens, distilled from the dense model (holds a copy of the dense weights "
+        "meanwhile); default: no healing",
+    )
+    modes = option_converter(typing.get_type_hints(RecoveryConfig)["mode"])[1]
+    group.add_argument(
+        "--heal-mode",
+        choices=modes,
+        default=argparse.SUPPRESS,
+        help=f"what is trained (default: {RecoveryConfig.mode!r}; see docs/workflows.md)",
+    )
+    group.add_argument(
+        "--heal-dataset",
+        default=argparse.SUPPRESS,
+        help="training text for the healing (default: --dataset, the calibration text)",
+    )
+
+
+def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``heal`` mapping the ``--heal-*`` flags give, or None; the companions need ``--heal-tokens``."""
+    given = {key: getattr(args, flag) for flag, key in HEAL_FLAGS.items() if hasattr(args, flag)}
+    if not given:
+        return None
+    if "max_tokens" not in given:
+        raise ValueError("--heal-mode and --heal-dataset need --heal-tokens N, the training-token budget.")
+    return given
 
 
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:

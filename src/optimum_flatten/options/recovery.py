@@ -3,8 +3,13 @@ report (recovery/trainer.py trains)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from ..utils.errors import reject_unknown_keys
+from .hints import check_option_types
 
 
 @dataclass
@@ -68,3 +73,40 @@ class RecoveryConfig:
     def tokens_per_step(self) -> int:
         """Training tokens one optimiser step reads (one device)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
+
+
+#: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.
+HEAL_EXTRA_KEYS = ("dataset", "text_column")
+
+
+def parse_heal(heal: Any) -> dict[str, Any] | None:
+    """``FlattenConfig(heal=...)`` read and checked when the config is made (before any weight changes).
+
+    ``None`` heals nothing; an integer is a training-token budget with `RecoveryConfig`'s other defaults; a mapping
+    holds `RecoveryConfig` fields plus ``dataset`` (the training text; default: the calibration dataset) and
+    ``text_column``. The teacher is always the dense model being compressed, so there is no ``teacher`` key.
+
+    Returns:
+        None, or a plain dict (JSON-serialisable apart from a dataset object) with ``max_tokens`` set.
+
+    Raises:
+        TypeError: an unknown key (with a did-you-mean).
+        ValueError: a budget that is not a positive integer, or a field value its type hint does not admit.
+    """
+    if heal is None:
+        return None
+    if isinstance(heal, bool) or not isinstance(heal, (int, Mapping)):
+        raise ValueError(
+            f"heal must be a number of training tokens (e.g. heal=262144) or a mapping of RecoveryConfig fields, "
+            f"got {heal!r}."
+        )
+    options = {"max_tokens": heal} if isinstance(heal, int) else dict(heal)
+    fields = [f.name for f in dataclasses.fields(RecoveryConfig)]
+    reject_unknown_keys(options, [*fields, *HEAL_EXTRA_KEYS], "heal")
+    settings = {k: v for k, v in options.items() if k in fields}
+    check_option_types(RecoveryConfig, settings)
+    budget = options.get("max_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"heal needs a positive training-token budget (max_tokens), got {budget!r}.")
+    RecoveryConfig(**settings)
+    return options

@@ -6,6 +6,6 @@ Importing this package does not import peft or datasets; `recover` does.
 
 from .data import load_recovery_texts
 from .selection import MODES
-from .trainer import RecoveryConfig, recover
+from .trainer import RecoveryConfig, check_recovery_inputs, recover
 
-__all__ = ["MODES", "RecoveryConfig", "load_recovery_texts", "recover"]
+__all__ = ["MODES", "RecoveryConfig", "check_recovery_inputs", "load_recovery_texts", "recover"]

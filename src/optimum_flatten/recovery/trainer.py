@@ -110,6 +110,24 @@ def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]
     return steps
 
 
+def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
+    """The checks of `recover` that need no model: the mode, peft for LoRA, the text and the token budget.
+
+    `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
+    is refused while the model is still the dense one.
+    """
+    check_mode(config.mode)
+    if config.mode == "lora":
+        try:
+            import peft  # noqa: F401
+        except ImportError as error:
+            raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
+    texts, kind = load_recovery_texts(dataset, text_column)
+    rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
+    train_rows, _ = _split_rows(rows, config.heldout_rows, config.seed)
+    _steps_for_budget(config, train_rows)
+
+
 def _resolve_teacher(
     teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
 ) -> tuple[nn.Module | None, Any | None, str | None]:

@@ -1,0 +1,90 @@
+"""``FlattenConfig(heal=...)``: one call compresses and heals (distilled from the dense weights), refusals first."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from common import compress, sample_ids
+from optimum_flatten.cli.main import main
+from optimum_flatten.recovery import RecoveryConfig, recover
+
+HEAL = dict(
+    max_tokens=128,
+    mode="changed",
+    seqlen=32,
+    per_device_train_batch_size=2,
+    learning_rate=1e-3,
+    heldout_rows=2,
+    eval_every=1,
+    extra_training_args={"disable_tqdm": True},
+)
+
+
+def test_compress_with_heal_equals_compress_then_recover_from_the_dense_model():
+    """The one-line form is the two-step form: compress, then `recover` with the dense weights as the teacher."""
+    dense = tiny_models.tiny_llama_gqa()
+    one_line = copy.deepcopy(dense)
+    torch.manual_seed(0)
+    quantizer = compress(one_line, "flattengpt", num_layers_to_remove=2, heal=HEAL)
+    log = quantizer.report["recovery"]
+    assert log["mode"] == "changed" and log["loss"] == "distillation" and log["tokens_trained"] == 128
+    assert quantizer.report["num_layers_after"] == 4 and len(one_line.model.layers) == 4
+
+    two_step = copy.deepcopy(dense)
+    reference = compress(two_step, "flattengpt", num_layers_to_remove=2)
+    torch.manual_seed(0)
+    healed, _ = recover(
+        two_step,
+        tiny_models.CharTokenizer(),
+        tiny_models.sample_texts(),
+        RecoveryConfig(**HEAL),
+        teacher=dense,
+        report=reference.report,
+    )
+    ids = sample_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(one_line(ids).logits, healed(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("heal", "message"),
+    [
+        ({**HEAL, "max_tokens": 10**9}, "max_tokens=1000000000 needs"),
+        ({**HEAL, "mode": "everything"}, "everything"),
+        ({**HEAL, "modes": "changed"}, "Did you mean 'mode'"),
+        (0, "positive training-token budget"),
+    ],
+)
+def test_a_heal_that_cannot_run_is_refused_before_any_weight_changes(heal, message):
+    model = tiny_models.tiny_llama_gqa()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises((ValueError, TypeError), match=message):
+        compress(model, "flattengpt", num_layers_to_remove=2, heal=heal)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_compress_heal_tokens(tmp_path, capsys):
+    dense = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(dense)
+    data = tmp_path / "text.txt"
+    data.write_text("\n".join(tiny_models.sample_texts(200)))
+    argv = [
+        *("compress", str(dense), "--num-layers-to-remove", "2", "--dataset", str(data), "--nsamples", "4"),
+        *("--seqlen", "32", "--no-progress", "--output", str(tmp_path / "out")),
+        *("--heal-tokens", "256", "--heal-mode", "full"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "healing" in out and "full" in out
+    report = json.loads((tmp_path / "out" / "flatten_report.json").read_text())
+    assert report["recovery"]["mode"] == "full" and report["recovery"]["tokens_trained"] >= 256
+    assert "- Healing: mode `full`" in (tmp_path / "out" / "README.md").read_text()
+    assert main([*argv[:-4], "--heal-mode", "full", "--overwrite"]) == 2
+    assert "need --heal-tokens" in capsys.readouterr().err
