@@ -13,6 +13,8 @@ Protocol (one run = one method x mode x loss x budget):
 - measure, before and after healing, against the dense model on the speeches from 2000 on and on the King James
   Bible (first `--eval-tokens` tokens each, windows of 512, no overlap, no BOS): perplexity ratio to dense,
   KL(dense ‖ model) and top-1 agreement (`evaluation.fidelity`, which gives both models' perplexity on the same
+  tokens), and greedy-continuation agreement (`evaluation.generation`: 16 prompts of 64 tokens from those tokens,
+  32 generated each, share equal to the dense model's and the mean agreeing prefix; wording continues: the same
   tokens); healing wall time and the process's peak RSS.
 
 Usage:
@@ -71,13 +73,23 @@ def training_texts(tokenizer: object) -> tuple[list[str], dict]:
     return texts, excluded
 
 
+#: Dense greedy continuations per evaluation text, generated once per run (the dense model does not change).
+_DENSE_CONTINUATIONS: dict[str, torch.Tensor] = {}
+
+
 def measure(dense: torch.nn.Module, model: torch.nn.Module, streams: dict, eval_tokens: int) -> dict:
-    """Perplexity ratio, KL and top-1 of `model` against `dense` on each evaluation text."""
-    from optimum_flatten.evaluation import fidelity
+    """Perplexity ratio, KL, top-1 and greedy-continuation agreement of `model` against `dense` on each text."""
+    from optimum_flatten.evaluation import fidelity, generation_agreement
+    from optimum_flatten.evaluation.generation import greedy_continuations, held_out_prompts
 
     result = {}
     for name, tokens in streams.items():
         f = fidelity(dense, model, tokens, seqlen=512, max_tokens=eval_tokens)
+        # Prompts from the scored part of the stream only, so generation reads no other text than the metrics.
+        scored = tokens.reshape(-1)[:eval_tokens]
+        if name not in _DENSE_CONTINUATIONS:
+            _DENSE_CONTINUATIONS[name] = greedy_continuations(dense, held_out_prompts(scored, 16, 64), 32)
+        g = generation_agreement(None, model, scored, 16, 64, 32, reference=_DENSE_CONTINUATIONS[name])
         result[name] = {
             "ppl_ratio": math.exp(f.compressed_nll - f.dense_nll),
             "perplexity": math.exp(f.compressed_nll),
@@ -85,6 +97,9 @@ def measure(dense: torch.nn.Module, model: torch.nn.Module, streams: dict, eval_
             "kl": f.kl,
             "top1_agreement": f.top1_agreement,
             "scored_tokens": f.scored_tokens,
+            "greedy_token_agreement": g.token_agreement,
+            "greedy_agreeing_prefix": g.mean_agreeing_prefix,
+            "greedy_protocol": g.protocol(),
         }
     return result
 

@@ -326,7 +326,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..evaluation.compare import evaluate_checkpoint, fidelity_to_baseline, plot_comparison, speed_against_baseline
+    from ..evaluation.compare import (
+        evaluate_checkpoint,
+        fidelity_to_baseline,
+        generation_against_baseline,
+        plot_comparison,
+        speed_against_baseline,
+    )
     from ..evaluation.speed import describe_environment
     from ..evaluation.tokenization import bits_per_byte
     from ..utils.torch_utils import resolve_device
@@ -396,6 +402,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             trust_remote_code=args.trust_remote_code,
             device=device,
         )
+    generative = bool(args.baseline) and not args.no_generation and per_byte is None
+    if generative:
+        entries[-1]["generation"] = generation_against_baseline(
+            paths[0],
+            paths[-1],
+            args.dataset,
+            dtype=getattr(torch, args.dtype),
+            trust_remote_code=args.trust_remote_code,
+            device=device,
+        )
     rows = []
     for entry in entries:
         row = [entry["path"], entry["layers"], f"{entry['perplexity']:.3f}"]
@@ -406,6 +422,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if compare:
             measured = entry.get("fidelity")
             row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
+        if generative:
+            measured = entry.get("generation")
+            row += [f"{measured['token_agreement']:.3f}"] if measured else ["-"]
         if not args.no_speed:
             row += [f"{entry[k]['tokens_per_second']:.1f} ({entry[k]['spread']:.1%})" for k in ("prefill", "decode")]
         if speed:
@@ -416,6 +435,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         ["ppl ratio"] if per_byte is None else ["bits/byte", "bits/byte ratio"]
     )
     header += ["KL vs baseline", "top-1 agreement"] if compare else []
+    header += ["greedy agreement"] if generative else []
     header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
     header += ["prefill ratio", "decode ratio"] if speed else []
     print(_table(rows, header))
@@ -434,6 +454,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(
             "fidelity: mean per-token KL(baseline ‖ model) in nats and share of tokens whose most likely next token "
             "is the baseline's, on the same windows and tokens as the perplexity"
+        )
+    if generative:
+        measured = entries[-1]["generation"]
+        print(
+            f"greedy agreement: share of generated tokens equal to the baseline's ({measured['protocol']}); "
+            f"agreeing prefix {measured['mean_agreeing_prefix']:.1f} of {measured['new_tokens']} tokens on average, "
+            f"{measured['exact']:.0%} of continuations identical"
         )
     for entry in entries:
         for task, metrics in (entry.get("lm_eval") or {}).items():
@@ -674,6 +701,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-fidelity",
         action="store_true",
         help="with --baseline, skip KL and top-1 agreement (they load both models at once)",
+    )
+    evaluate.add_argument(
+        "--no-generation",
+        action="store_true",
+        help="with --baseline, skip the greedy-continuation agreement (16 prompts of 64 tokens, 32 generated each)",
     )
     evaluate.add_argument(
         "--trust-remote-code",

@@ -1,6 +1,7 @@
 """Evaluation: perplexity with an explicit protocol, fidelity to the dense model, and inference speed."""
 
 from .fidelity import FidelityResult, fidelity
+from .generation import GenerationAgreement, generation_agreement
 from .perplexity import PerplexityResult, perplexity, tokenize_corpus
 from .speed import (
     SpeedComparison,
@@ -14,6 +15,7 @@ from .speed import (
 
 __all__ = [
     "FidelityResult",
+    "GenerationAgreement",
     "PerplexityResult",
     "SpeedComparison",
     "SpeedVerdict",
@@ -21,6 +23,7 @@ __all__ = [
     "compare_prefill",
     "decode_tokens_per_second",
     "fidelity",
+    "generation_agreement",
     "perplexity",
     "prefill_tokens_per_second",
     "speed_verdict",

@@ -97,6 +97,31 @@ def fidelity_to_baseline(
     return fidelity(dense, model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens).to_dict()
 
 
+def generation_against_baseline(
+    baseline: str | Path,
+    path: str | Path,
+    dataset: Any,
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+    prompts: int = 16,
+    prompt_length: int = 64,
+    new_tokens: int = 32,
+) -> dict[str, Any]:
+    """`generation_agreement` of the checkpoint at `path` with `baseline`, on prompts cut from `dataset` (tokenised
+    with the baseline's tokenizer); the protocol is in the result."""
+    from transformers import AutoTokenizer
+
+    from .generation import generation_agreement
+
+    dense = _load_model(baseline, dtype, device, trust_remote_code)
+    model = _load_model(path, dtype, device, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=trust_remote_code)
+    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    result = generation_agreement(dense, model, stream, prompts, prompt_length, new_tokens)
+    return {**result.to_dict(), "protocol": result.protocol()}
+
+
 def speed_against_baseline(
     baseline: str | Path,
     path: str | Path,
