@@ -67,10 +67,12 @@ def tiny_mistral(seed: int = 0):
     return _build(MistralConfig(**_common(num_key_value_heads=2, sliding_window=None)), seed)
 
 
-def tiny_qwen2(seed: int = 0):
+def tiny_qwen2(seed: int = 0, max_window_layers: int = 3):
     # Sliding window on the upper layers, so layer_types and max_window_layers are really per layer.
     config = Qwen2Config(
-        **_common(num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=3)
+        **_common(
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers
+        )
     )
     return _build(config, seed)
 
