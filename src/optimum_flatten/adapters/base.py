@@ -592,6 +592,25 @@ class ArchitectureAdapter(ABC):
         return {m: self.missing_capability_reasons.get(m, m) for m in sorted(set(capabilities) - self.capabilities)}
 
     # ---------------------------------------------------------------- mutating
+    def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
+        """Multiplies everything block `module` adds to the residual stream by `factor` (compensation's fold).
+
+        The default scales the attention and MLP output projections, biases included: in a pre-norm block they are
+        the last maps before the residual add. A family with a norm after each sublayer scales that norm's gain,
+        a mixture of experts every expert's down projection (`scale_norm_`, the MoE adapter).
+        """
+        block = self.block_view(module, index)
+        for view in (block.attention.o, block.mlp.down):
+            bias = view.bias
+            view.set_(view.weight * factor, None if bias is None else bias * factor)
+
+    def scale_norm_(self, module: nn.Module, factor: float) -> None:
+        """Multiplies a norm's output by `factor` through its gain and bias (Gemma's ``1 + weight`` gains
+        override it)."""
+        module.weight.data.mul_(factor)
+        if getattr(module, "bias", None) is not None:
+            module.bias.data.mul_(factor)
+
     def keep_layers_(self, stack: str, indices: Sequence[int]) -> None:
         """Keeps exactly the layers at `indices` (current positions, ascending) and drops the others."""
         layers = self.layers(stack)

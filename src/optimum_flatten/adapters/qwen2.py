@@ -33,7 +33,18 @@ class Qwen3Adapter(LlamaAdapter):
     """
 
     model_types = ("qwen3",)
-    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "gated_mlp",
+            "pre_norm",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "concat_heads": "Qwen3's per-head q_norm/k_norm share one gain per layer, so two layers' heads cannot "
         "be concatenated into one attention module exactly",
