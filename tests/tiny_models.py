@@ -67,10 +67,12 @@ def tiny_mistral(seed: int = 0):
     return _build(MistralConfig(**_common(num_key_value_heads=2, sliding_window=None)), seed)
 
 
-def tiny_qwen2(seed: int = 0):
+def tiny_qwen2(seed: int = 0, max_window_layers: int = 3):
     # Sliding window on the upper layers, so layer_types and max_window_layers are really per layer.
     config = Qwen2Config(
-        **_common(num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=3)
+        **_common(
+            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=max_window_layers
+        )
     )
     return _build(config, seed)
 
@@ -307,3 +309,102 @@ def tiny_starcoder2(seed: int = 0):
 
 
 FACTORIES["starcoder2"] = tiny_starcoder2
+
+
+# --------------------------------------------------------------- families of issue 30 (transformers 5.24 configs)
+_SW, _FULL = "sliding_attention", "full_attention"
+
+
+def tiny_gemma2(seed: int = 0):
+    """Gemma 2: sliding/full layers alternating (a 4-token window, so the types differ on 12-token inputs)."""
+    from transformers import Gemma2Config
+
+    return _build(Gemma2Config(**_common(num_key_value_heads=2, sliding_window=4, query_pre_attn_scalar=8)), seed)
+
+
+def tiny_gemma3_text(seed: int = 0):
+    """Gemma 3 text stack: 2 sliding layers per full one, per-head q/k norms, tied embeddings as released."""
+    from transformers import Gemma3TextConfig
+
+    layer_types = [_SW, _SW, _FULL, _SW, _SW, _FULL]
+    config = Gemma3TextConfig(
+        **_common(num_key_value_heads=2, sliding_window=4, layer_types=layer_types, tie_word_embeddings=True)
+    )
+    return _build(config, seed)
+
+
+def tiny_mixtral(seed: int = 0):
+    from transformers import MixtralConfig
+
+    return _build(MixtralConfig(**_common(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)), seed)
+
+
+def tiny_qwen2_moe(seed: int = 0):
+    """Qwen2-MoE with sparse layers 1, 3, 5 (decoder_sparse_step=2): dense and sparse layers alternate."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        **_common(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            decoder_sparse_step=2,
+        )
+    )
+    return _build(config, seed)
+
+
+def tiny_qwen3_moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        **_common(
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0]
+        )
+    )
+    return _build(config, seed)
+
+
+def tiny_olmo2(seed: int = 0):
+    from transformers import Olmo2Config
+
+    return _build(Olmo2Config(**_common(num_key_value_heads=2)), seed)
+
+
+def tiny_smollm3(seed: int = 0):
+    """SmolLM3 with NoPE on layers 2 and 5."""
+    from transformers import SmolLM3Config
+
+    return _build(SmolLM3Config(**_common(num_key_value_heads=2, no_rope_layers=[1, 1, 0, 1, 1, 0])), seed)
+
+
+def tiny_granite(seed: int = 0):
+    """Granite with every multiplier away from 1, so a fold that forgets one shows."""
+    from transformers import GraniteConfig
+
+    config = GraniteConfig(
+        **_common(
+            num_key_value_heads=2,
+            residual_multiplier=0.5,
+            embedding_multiplier=4.0,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        )
+    )
+    return _build(config, seed)
+
+
+NEW_FAMILIES = {
+    "gemma2": tiny_gemma2,
+    "gemma3_text": tiny_gemma3_text,
+    "mixtral": tiny_mixtral,
+    "qwen2_moe": tiny_qwen2_moe,
+    "qwen3_moe": tiny_qwen3_moe,
+    "olmo2": tiny_olmo2,
+    "smollm3": tiny_smollm3,
+    "granite": tiny_granite,
+}
+FACTORIES.update(NEW_FAMILIES)
+MODEL_TYPES.update({name: name for name in NEW_FAMILIES})

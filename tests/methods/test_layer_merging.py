@@ -50,7 +50,9 @@ def _naive_merged_model(model, groups, rule="differences"):
 @pytest.mark.parametrize("factory", FACTORIES)
 @pytest.mark.parametrize("rule", ["differences", "reference_code"])
 def test_merge_equals_naive_reference_from_copies(factory, rule):
-    model = tiny_models.FACTORIES[factory]()
+    # The tiny Qwen2's sliding layers start at 3, and a merge across attention types is refused (see the next
+    # test): here they start at 4, so the merged layers 1-3 are all full attention.
+    model = tiny_models.tiny_qwen2(max_window_layers=4) if factory == "qwen2" else tiny_models.FACTORIES[factory]()
     groups = [(0,), (1, 2, 3), (4,), (5,)]
     reference = _naive_merged_model(model, groups, rule)
     config = tiny_config(
@@ -68,6 +70,18 @@ def test_merge_equals_naive_reference_from_copies(factory, rule):
     assert_close(logits(model, ids), logits(reference, ids))
     with_cache, without_cache = greedy_generate_both_ways(model, ids[:1, :5])
     assert torch.equal(with_cache, without_cache)
+
+
+def test_a_merge_across_attention_types_is_refused_before_any_change():
+    from optimum_flatten.adapters.per_layer import LayerKindMergeError
+
+    model = tiny_models.tiny_qwen2()  # layers 0-2 full attention, 3-5 sliding
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = tiny_config("laco", num_layers_to_remove=2, window_size=3, threshold=0.01, min_layer=1, max_layer=3)
+    with pytest.raises(LayerKindMergeError, match=r"cannot merge layers \[1, 2, 3\].*'layer_types'.*sliding"):
+        compress(model, config)
+    assert model.config.num_hidden_layers == 6 and len(model.model.layers) == 6
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_merging_a_window_of_one_is_identity():

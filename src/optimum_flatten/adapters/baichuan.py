@@ -74,7 +74,19 @@ class BaichuanAdapter(LlamaAdapter):
     """
 
     model_types = ("baichuan",)
-    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "gated_mlp",
+            "pre_norm",
+            "concat_heads",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     # The remote model loop indexes ``layer_outputs[0]``: calibration stand-ins must answer with a tuple too.
     layer_output_is_tuple = True
     layouts = (BAICHUAN_LAYOUT,)

@@ -20,6 +20,12 @@ from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, onloaded
 from .checks import check_cached_forward
 from .layout import AttentionLayout, BlockLayout, NormPosition, PositionScheme
+from .per_layer import (
+    check_groups_share_layer_kind,
+    per_layer_problems,
+    rewrite_per_layer_config_,
+    stack_config,
+)
 
 T = TypeVar("T")
 
@@ -586,6 +592,25 @@ class ArchitectureAdapter(ABC):
         return {m: self.missing_capability_reasons.get(m, m) for m in sorted(set(capabilities) - self.capabilities)}
 
     # ---------------------------------------------------------------- mutating
+    def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
+        """Multiplies everything block `module` adds to the residual stream by `factor` (compensation's fold).
+
+        The default scales the attention and MLP output projections, biases included: in a pre-norm block they are
+        the last maps before the residual add. A family with a norm after each sublayer scales that norm's gain,
+        a mixture of experts every expert's down projection (`scale_norm_`, the MoE adapter).
+        """
+        block = self.block_view(module, index)
+        for view in (block.attention.o, block.mlp.down):
+            bias = view.bias
+            view.set_(view.weight * factor, None if bias is None else bias * factor)
+
+    def scale_norm_(self, module: nn.Module, factor: float) -> None:
+        """Multiplies a norm's output by `factor` through its gain and bias (Gemma's ``1 + weight`` gains
+        override it)."""
+        module.weight.data.mul_(factor)
+        if getattr(module, "bias", None) is not None:
+            module.bias.data.mul_(factor)
+
     def keep_layers_(self, stack: str, indices: Sequence[int]) -> None:
         """Keeps exactly the layers at `indices` (current positions, ascending) and drops the others."""
         layers = self.layers(stack)
@@ -783,37 +808,47 @@ class ArchitectureAdapter(ABC):
                 if att.layer_idx is not None:
                     _set_attribute(_attribute(layer, att.path), att.layer_idx, i)
 
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        """Updates the layer count and per-layer config lists after the stack became `first_indices`.
+    def stack_config(self, stack: str | None = None) -> Any:
+        """The config object describing `stack`: the model's config, or the nested text config of a composite model
+        (Gemma 3's ``text_config``) when only that one holds the stack's layer count."""
+        return stack_config(self.config, self.layout(stack).layer_count_key)
 
-        Sets the layout's ``layer_count_key`` (transformers' ``attribute_map`` turns ``num_hidden_layers`` into
-        GPT-2's ``n_layer``) and, when the config has one, the per-layer ``layer_types`` list (Qwen2's sliding
-        windows). A family with other per-layer settings extends it (Qwen2's ``max_window_layers``).
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Updates the layer count and every per-layer config field after the stack became `first_indices`.
+
+        One mechanism serves every family (`adapters.per_layer`): lists with one entry per layer are sliced, index
+        lists and ``per_layer_config`` keys renumbered, boundaries such as Qwen2's ``max_window_layers`` moved and
+        periodic rules such as ``decoder_sparse_step`` made explicit, on the config that holds the stack (a nested
+        ``text_config`` included). The layout's ``layer_count_key`` goes through transformers' ``attribute_map``
+        (GPT-2's ``n_layer``).
 
         Args:
             stack: The stack that changed.
             first_indices: For every output layer, the original index whose per-layer config it inherits.
         """
-        first_indices = list(first_indices)
-        setattr(self.config, self.layout(stack).layer_count_key, len(first_indices))
-        layer_types = getattr(self.config, "layer_types", None)
-        if isinstance(layer_types, list):
-            self.config.layer_types = [layer_types[i] for i in first_indices]
+        rewrite_per_layer_config_(self.stack_config(stack), self.layout(stack).layer_count_key, first_indices)
+
+    def check_plan_config(self, stack: str, groups: Sequence[Sequence[int]]) -> None:
+        """Refuses, before any weight changes, merge groups whose layers the config describes differently
+        (sliding and full attention, dense and sparse MLPs, RoPE and NoPE layers, different per-layer overrides).
+
+        Raises:
+            LayerKindMergeError: naming the group and the field that differs.
+        """
+        config = self.stack_config(stack)
+        num_layers = getattr(config, self.layout(stack).layer_count_key)
+        check_groups_share_layer_kind(config, num_layers, groups)
 
     def layer_count_problems(self, stack: str | None = None) -> list[str]:
-        """What `validate` reports when the config's layer count (or its ``layer_types`` list) disagrees with the
-        stack."""
+        """What `validate` reports when the config's layer count (or a per-layer field) disagrees with the stack."""
         layout = self.layout(stack)
-        count, config = len(self.layers(layout.stack)), self.config
+        count, config = len(self.layers(layout.stack)), self.stack_config(stack)
         what = f"{layout.stack} layers" if len(self.layouts) > 1 else "layers"
         problems = []
         declared = getattr(config, layout.layer_count_key)
         if declared != count:
             problems.append(f"config.{self._key_name(layout.layer_count_key)}={declared} but {count} {what}")
-        layer_types = getattr(config, "layer_types", None)
-        if isinstance(layer_types, list) and len(layer_types) != count:
-            problems.append(f"config.layer_types has {len(layer_types)} entries for {count} layers")
-        return problems
+        return problems + per_layer_problems(config, count)
 
     def expected_mlp_width(self, stack: str | None = None) -> int:
         """The MLP width the config describes for `stack` (`MlpLayout.width_key`)."""

@@ -83,7 +83,7 @@ class BertAdapter(ArchitectureAdapter):
 
     model_types = ("bert",)
     layouts = (BERT_LAYOUT,)
-    capabilities = frozenset({"head_geometry", "layer_drop"})
+    capabilities = frozenset({"head_geometry", "layer_drop", "parameter_merge", "dense_mlp"})
     #: ``BertForMaskedLM``/``BertForPreTraining``'s ``cls.predictions.transform`` reads ``hidden_act`` (5.23).
     activation_config_readers = ("transform_act_fn",)
     missing_capability_reasons: ClassVar[dict[str, str]] = {

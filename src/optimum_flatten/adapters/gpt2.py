@@ -180,7 +180,18 @@ class GPT2Adapter(ArchitectureAdapter):
 
     model_types = ("gpt2",)
     layouts = (GPT2_LAYOUT,)
-    capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "pre_norm",
+            "concat_heads",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "GPT-2's MLP is c_fc -> GELU -> c_proj without a gate projection",
     }

@@ -26,5 +26,17 @@ class LlamaAdapter(ArchitectureAdapter):
     """Pre-norm decoder with RoPE, RMSNorm and a SwiGLU MLP; q/k/v biases optional (Qwen2 has them)."""
 
     model_types = ("llama", "mistral")
-    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "concat_heads", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "gated_mlp",
+            "pre_norm",
+            "concat_heads",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     layouts = (LLAMA_LAYOUT,)

@@ -156,7 +156,7 @@ class MarianAdapter(ArchitectureAdapter):
 
     model_types = ("marian",)
     layouts = (MARIAN_ENCODER_LAYOUT, MARIAN_DECODER_LAYOUT)
-    capabilities = frozenset({"head_geometry", "layer_drop"})
+    capabilities = frozenset({"head_geometry", "layer_drop", "parameter_merge", "dense_mlp"})
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "pre_norm": "Marian blocks are post-LN: each LayerNorm follows a residual add, so its gain and bias act on "
         "the residual stream itself and cannot be folded into the projections that read it",

@@ -8,7 +8,6 @@ over the head dimension with one gain shared by all heads of a layer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 from .llama import LlamaAdapter
@@ -17,16 +16,10 @@ from .registry import register_adapter
 
 @register_adapter
 class Qwen2Adapter(LlamaAdapter):
-    model_types = ("qwen2",)
+    """The LLaMA block with q/k/v biases; ``layer_types`` and ``max_window_layers`` are rewritten by the shared
+    per-layer mechanism (`adapters.per_layer`): the boundary stays on the same original layers."""
 
-    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
-        first_indices = list(first_indices)
-        old_max_window = getattr(self.config, "max_window_layers", None)
-        super().update_config_(stack, first_indices)
-        if isinstance(old_max_window, int):
-            # Layers at original index >= max_window_layers use the sliding window; keep that boundary on the
-            # same original layers.
-            self.config.max_window_layers = sum(1 for i in first_indices if i < old_max_window)
+    model_types = ("qwen2",)
 
 
 @register_adapter
@@ -40,7 +33,18 @@ class Qwen3Adapter(LlamaAdapter):
     """
 
     model_types = ("qwen3",)
-    capabilities = frozenset({"head_geometry", "gated_mlp", "pre_norm", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "gated_mlp",
+            "pre_norm",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "concat_heads": "Qwen3's per-head q_norm/k_norm share one gain per layer, so two layers' heads cannot "
         "be concatenated into one attention module exactly",

@@ -72,7 +72,18 @@ class ViTAdapter(ArchitectureAdapter):
 
     model_types = ("vit",)
     layouts = (VIT_LAYOUT,)
-    capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads", "layer_drop"})
+    capabilities = frozenset(
+        {
+            "head_geometry",
+            "pre_norm",
+            "concat_heads",
+            "layer_drop",
+            "parameter_merge",
+            "dense_mlp",
+            "stream_scale",
+            "down_fold",
+        }
+    )
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "ViT's MLP is fc1 -> GELU -> fc2 without a gate projection",
     }

@@ -49,6 +49,11 @@ def require_compensable(adapter: ArchitectureAdapter, stack: str) -> None:
             f"unchanged only when each layer reads the stream through a norm (pre-norm); this "
             f"{type(adapter.model).__name__} stack {stack!r} is {block.norm_position}-norm. Drop compensation."
         )
+    if missing := adapter.missing_capabilities({"stream_scale"}):
+        raise UnsupportedArchitectureError(
+            f"compensation='scale' cannot be folded into model_type {adapter.config.model_type!r}: "
+            f"{missing['stream_scale']}. Drop compensation."
+        )
     for source in _stream_sources(adapter):
         if not isinstance(source, torch.nn.Embedding):
             raise UnsupportedArchitectureError(
@@ -115,10 +120,7 @@ def fold_stream_scales_(
     for k in range(adapter.num_layers(stack)):
 
         def edit(module: torch.nn.Module, k: int = k) -> None:
-            block = adapter.block_view(module, k)
-            for view in (block.attention.o, block.mlp.down):
-                bias = view.bias
-                view.set_(view.weight * layer_scales[k], None if bias is None else bias * layer_scales[k])
+            adapter.scale_stream_writes_(module, k, layer_scales[k])
 
         edit_block_(adapter.layers(stack), k, edit, memo={id(adapter.config): adapter.config})
     if tied:
@@ -128,9 +130,7 @@ def fold_stream_scales_(
                 "compensation='scale' with tied embeddings needs a final norm to absorb the factor; this model has "
                 "none. Drop compensation."
             )
-        norm.weight.data.div_(embedding_scale)
-        if getattr(norm, "bias", None) is not None:
-            norm.bias.data.div_(embedding_scale)
+        adapter.scale_norm_(norm, 1.0 / embedding_scale)
 
 
 def compensated_apply_(

@@ -363,7 +363,8 @@ class FfnMergeMethod(CompressionMethod):
 
     config_class = FfnMergeConfig
     requires_calibration = True
-    required_capabilities = frozenset()
+    #: Aligning and averaging feed-forward channels needs one dense MLP per layer (a mixture of experts has none).
+    required_capabilities = frozenset({"dense_mlp"})
     #: Read by FlattenConfig and FlattenQuantizer: no layer count target, and the plan must be the identity.
     keeps_depth: ClassVar[bool] = True
     multi_stack_option: ClassVar[str | None] = "sync_stacks=True to merge the same windows in every stack"

@@ -52,6 +52,12 @@ def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> Non
             f"{type(adapter.model).__name__} stack {stack!r} is {position}-norm. Use a method without a linear "
             "replacement (shortgpt, sleb, laco, sliding_window) on it."
         )
+    if missing := adapter.missing_capabilities({"down_fold"}):
+        raise UnsupportedArchitectureError(
+            f"{what} folds a linear map into the down projection of the layer before the removed ones, which "
+            f"model_type {adapter.config.model_type!r} does not allow: {missing['down_fold']}. Use a method without "
+            "a linear replacement (shortgpt, sleb, uidl) on it."
+        )
 
 
 def bridged_spans(plan: LayerPlan, correct_after: int = 0) -> list[tuple[int, int, int]]:

@@ -54,6 +54,9 @@ def plan_and_apply_(
             f"{num_to_remove} must be removed; this is a bug in the method, the model was not changed."
         )
     logger.info("%s plan: %s", method.name, plan.describe())
+    # A merge of layers the config describes differently (sliding/full attention, dense/sparse MLP) is refused here,
+    # after planning and before any weight changes.
+    adapter.check_plan_config(stack, plan.group_lists())
 
     with context.timer("apply"):
         apply_with_corrections_(adapter, method, plan, context, corrections)

@@ -249,7 +249,9 @@ class ParameterMergeMethod(CompressionMethod):
 
     merges_layers = True
 
-    required_capabilities = frozenset({"layer_drop"})
+    #: Parameter differences θ_l + Σ_k (θ_{l+k} − θ_l) stand for the summed updates only where each block adds its
+    #: sublayers' outputs to the stream unnormalised and their parameters correspond one to one across layers.
+    required_capabilities = frozenset({"layer_drop", "parameter_merge"})
 
     @abstractmethod
     def search(self, evaluator: StackEvaluator, threshold: float, target: int, top: int) -> list[Group]:
