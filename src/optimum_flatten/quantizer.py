@@ -23,6 +23,7 @@ from .methods.pipeline import Corrections
 from .methods.registry import get_method_class, require_capabilities
 from .plan import LayerPlan
 from .report import CompressionReport
+from .utils.fingerprint import weights_fingerprint
 from .utils.loading import public_base_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize
@@ -56,6 +57,8 @@ class _Run:
     source_name: str
     #: Real-token masks of the calibration batches.
     masks: list[torch.Tensor]
+    #: `weights_fingerprint` of the model before the run changed it.
+    source_fingerprint: str
 
 
 class FlattenQuantizer(OptimumQuantizer):
@@ -253,6 +256,7 @@ class FlattenQuantizer(OptimumQuantizer):
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
         adapter, stack = checked.adapter, checked.stack
         params_before = count_parameters(model)
+        fingerprint = weights_fingerprint(model)  # of the dense weights: what a healing teacher is checked against
         stack_weights = count_parameters(adapter.layers(stack))
         # Real positions per batch, as the adapter defines them on the original stack (read before it changes).
         masks = [adapter.token_mask(stack, b) for b in checked.batches]
@@ -269,7 +273,7 @@ class FlattenQuantizer(OptimumQuantizer):
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
         set_name_or_path(model, "")
-        return _Run(plan, context, params_before, stack_weights, source_name, masks)
+        return _Run(plan, context, params_before, stack_weights, source_name, masks, fingerprint)
 
     def _report(self, model: nn.Module, checked: Preflight, run: _Run, start: float) -> CompressionReport:
         """The record of what was done and measured (the method's entries beside the core fields)."""
@@ -303,6 +307,7 @@ class FlattenQuantizer(OptimumQuantizer):
             timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
             cost=compute_cost(run.context, run.stack_weights, sum(int(m.numel()) for m in masks)),
             total_seconds=round(time.perf_counter() - start, 3),
+            source_fingerprint=run.source_fingerprint,
             method_entries=dict(run.context.report),
         )
 

@@ -43,6 +43,8 @@ class CompressionReport(Mapping[str, Any]):
         timings_seconds: Wall seconds per phase (synchronised on accelerators).
         cost: Stack passes (`compute_cost`) and their unit.
         total_seconds: Wall seconds of the whole `compress` call.
+        source_fingerprint: `utils.fingerprint.weights_fingerprint` of the dense model (config fields and a sample
+            of every weight, never its path): `recover` warns when a teacher does not match it.
         method_entries: The method's own entries (``MethodContext.report``); none may reuse a core field's name,
             which a method could otherwise overwrite (a defect of that method, refused here).
     """
@@ -64,6 +66,7 @@ class CompressionReport(Mapping[str, Any]):
     timings_seconds: dict[str, float]
     cost: dict[str, Any]
     total_seconds: float
+    source_fingerprint: str = ""
     method_entries: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -88,3 +88,25 @@ def test_cli_compress_heal_tokens(tmp_path, capsys):
     assert "- Healing: mode `full`" in (tmp_path / "out" / "README.md").read_text()
     assert main([*argv[:-4], "--heal-mode", "full", "--overwrite"]) == 2
     assert "need --heal-tokens" in capsys.readouterr().err
+
+
+def test_a_teacher_that_is_not_the_source_is_named_in_a_warning():
+    """The report keeps a fingerprint of the dense weights (no path); another model as teacher is warned about and
+    noted in the log, the right one (in another dtype too) is not."""
+    from optimum_flatten.utils.fingerprint import weights_fingerprint
+
+    dense = tiny_models.tiny_llama_gqa()
+    model = copy.deepcopy(dense)
+    report = compress(model, "flattengpt", num_layers_to_remove=2).report
+    assert report["source_fingerprint"] == weights_fingerprint(dense)
+    assert weights_fingerprint(copy.deepcopy(dense).to(torch.bfloat16)) == weights_fingerprint(dense)
+    config = RecoveryConfig(**{**HEAL, "max_tokens": 64})
+    texts = tiny_models.sample_texts()
+    _, log = recover(copy.deepcopy(model), tiny_models.CharTokenizer(), texts, config, teacher=dense, report=report)
+    assert "notes" not in log
+    other = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    with pytest.warns(UserWarning, match="not the model this checkpoint was compressed from"):
+        _, log = recover(copy.deepcopy(model), tiny_models.CharTokenizer(), texts, config, teacher=other, report=report)
+    assert any("fingerprint differs" in note for note in log["notes"])

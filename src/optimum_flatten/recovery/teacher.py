@@ -8,6 +8,7 @@ name loads the bundled copy, never the Hub); a local source must be given, since
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,25 @@ def check_compatible(
                 f"at token {at}); distillation needs the same tokens: give the dense model the checkpoint was "
                 "compressed from as the teacher."
             )
+
+
+def check_source(teacher: nn.Module, report: Mapping[str, Any] | None) -> str | None:
+    """A warning (also returned for the log) when `teacher` is not the model the checkpoint was compressed from.
+
+    The report keeps a fingerprint of the dense weights (`utils.fingerprint`), not their path; a teacher whose
+    fingerprint differs is another model (another fine-tune, another size, the same name on another revision).
+    Distilling from it is allowed, since it may be what the user wants, but it is said. None when the teacher
+    matches, or when the report has no fingerprint (a report written before it existed).
+    """
+    from ..utils.fingerprint import weights_fingerprint
+
+    expected = (report or {}).get("source_fingerprint")
+    if not expected or weights_fingerprint(teacher) == expected:
+        return None
+    message = (
+        "the teacher is not the model this checkpoint was compressed from (its weights' fingerprint differs from "
+        "the report's source_fingerprint); distilling from it anyway"
+    )
+    warnings.warn(message, stacklevel=3)
+    logger.warning(message)
+    return message

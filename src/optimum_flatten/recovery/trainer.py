@@ -197,10 +197,13 @@ def recover(
         raise ValueError(
             "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
         )
+    notes: list[str] = []
     if teacher_model is not None:
-        from .teacher import check_compatible
+        from .teacher import check_compatible, check_source
 
         check_compatible(model, teacher_model, tokenizer, teacher_tokenizer, texts)
+        mismatch = check_source(teacher_model, report)
+        notes += [mismatch] if mismatch else []
     student_blocks: list[nn.Module] = []
     teacher_blocks: list[nn.Module] = []
     if config.hidden_weight > 0:
@@ -221,7 +224,6 @@ def recover(
         teacher_blocks=teacher_blocks,
         chunk_size=config.chunk_size,
     )
-    notes: list[str] = []
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.mode == "lora":
         trained_model, lora = _wrap_lora(model, config)
