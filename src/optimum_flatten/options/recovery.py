@@ -29,6 +29,7 @@ class RecoveryConfig:
             of the span it stands for, per the report's plan); 0 turns them off.
         max_tokens: Training token budget; sets max_steps to ceil(max_tokens / (batch × accumulation × seqlen)),
             and the text must hold that many training tokens (no second epoch). None uses max_steps / epochs.
+            Global under a data-parallel launch: the batch is per process, so a step reads N times as many.
         eval_every: Steps between held-out evaluations of the gate.
         patience: Evaluations without improvement before stopping early (0: never).
         heldout_rows: Rows of the training text held out for the gate (0 turns the gate off).

@@ -5,6 +5,13 @@ step and every `eval_every` steps. The best trainable state seen so far is kept 
 parameters, on the CPU, so the copy costs what they cost, not the model); after `patience` evaluations without
 improvement training stops. At the end the best state is loaded back; if no evaluation beat the starting score the
 best state *is* the input weights, and the log says ``"gate": "kept input weights"``.
+
+Under a data-parallel launch (``torchrun`` / ``accelerate launch``, DDP) every process runs `recover` and holds its
+own gate. Each scores *all* the held-out rows (the same rows on every process: the split is seeded) with the same
+weights (DDP keeps the replicas equal), so each finds the same score; rank 0's scores are still broadcast to the
+others, so that the decisions (stop now, keep this state) cannot part ways on a round-off: a process that stopped
+alone would leave the others waiting in the next gradient all-reduce for ever. Every process then restores the same
+best state, and only rank 0 logs.
 """
 
 from __future__ import annotations
@@ -24,6 +31,27 @@ logger = logging.getLogger(__name__)
 
 KEPT_INPUT = "kept input weights"
 IMPROVED = "kept the best trained state"
+
+
+def is_main_process() -> bool:
+    """True outside a distributed launch, and on rank 0 inside one (the process that logs)."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
+        torch.distributed.get_rank() == 0
+    )
+
+
+def agree(scores: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Rank 0's `scores` on every process of a distributed launch (unchanged outside one); see the module
+    docstring for why the gate's decisions must not rest on each process's own round-off."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return scores
+    if torch.distributed.get_world_size() < 2:
+        return scores
+    keys = sorted(scores)
+    # On the model's device, since NCCL moves CUDA tensors only; gloo takes CPU ones.
+    values = torch.tensor([scores[k] for k in keys], dtype=torch.float64, device=device)
+    torch.distributed.broadcast(values, src=0)
+    return dict(zip(keys, values.tolist(), strict=True))
 
 
 @torch.no_grad()
@@ -82,7 +110,7 @@ class HeldOutGate(TrainerCallback):
             raise ValueError("the gate needs at least one held-out row; raise heldout_rows or give more text.")
         self.model, self.loss, self.rows = model, loss, list(rows)
         self.eval_every, self.patience, self.batch_size = eval_every, patience, batch_size
-        self.start = score_rows(model, loss, self.rows, batch_size)
+        self.start = self._score()
         self.best = dict(self.start)
         self.best_step = 0
         self.best_state = self._snapshot()
@@ -95,13 +123,18 @@ class HeldOutGate(TrainerCallback):
     def _snapshot(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self._trainable()}
 
+    def _score(self) -> dict[str, float]:
+        scores = score_rows(self.model, self.loss, self.rows, self.batch_size)
+        return agree(scores, next(p.device for p in self.model.parameters()))
+
     def evaluate(self, step: int) -> bool:
         """Scores the held-out rows at `step`; returns True when training should stop."""
-        scores = score_rows(self.model, self.loss, self.rows, self.batch_size)
+        scores = self._score()
         self.history.append({"step": step, **scores})
-        logger.info(
-            "held-out at step %d: objective %.4f (best %.4f)", step, scores["objective"], self.best["objective"]
-        )
+        if is_main_process():
+            logger.info(
+                "held-out at step %d: objective %.4f (best %.4f)", step, scores["objective"], self.best["objective"]
+            )
         if math.isfinite(scores["objective"]) and scores["objective"] < self.best["objective"]:
             self.best, self.best_step, self.best_state, self.misses = scores, step, self._snapshot(), 0
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import tempfile
 from collections.abc import Mapping
@@ -27,8 +28,6 @@ from .selection import (
 )
 
 logger = logging.getLogger(__name__)
-
-
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
@@ -93,17 +92,41 @@ def _split_rows(
     return [r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen]
 
 
-def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]]) -> int:
-    """max_steps for the token budget; refuses a budget the training rows cannot fill."""
+def _split_batches(config: RecoveryConfig) -> bool:
+    """Whether `extra_training_args` asks accelerate to split each batch across the processes (``accelerator_config=
+    {"split_batches": True}``): then the batch size is the global one, else it is per process."""
+    accelerator = config.extra_training_args.get("accelerator_config")
+    if isinstance(accelerator, Mapping):
+        return bool(accelerator.get("split_batches", False))
+    return bool(getattr(accelerator, "split_batches", False))
+
+
+def _replicas(config: RecoveryConfig, world_size: int | None = None) -> int:
+    """How many per-process batches one optimiser step reads: the processes of a data-parallel launch
+    (``torchrun`` / ``accelerate launch``), or 1 when accelerate splits one batch across them.
+
+    The token budget is global (what the model trains on, all processes together), so that the same `max_tokens`
+    trains the same rows under any launch. `world_size` is the Trainer's when known; before it exists (the checks
+    `FlattenConfig(heal=...)` runs before compressing) the launchers' ``WORLD_SIZE`` stands for it.
+    """
+    if _split_batches(config):
+        return 1
+    return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]], replicas: int = 1) -> int:
+    """max_steps for the (global) token budget, one step reading `replicas` per-process batches; refuses a budget
+    the training rows cannot fill."""
     if config.max_tokens is None:
         return config.max_steps
     if config.max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive token budget, got {config.max_tokens}.")
-    steps = math.ceil(config.max_tokens / config.tokens_per_step())
+    per_step = config.tokens_per_step() * replicas
+    steps = math.ceil(config.max_tokens / per_step)
     available = len(rows) * config.seqlen
-    if steps * config.tokens_per_step() > available:
+    if steps * per_step > available:
         raise CalibrationDataError(
-            f"max_tokens={config.max_tokens} needs {steps} steps of {config.tokens_per_step()} tokens, but the "
+            f"max_tokens={config.max_tokens} needs {steps} steps of {per_step} tokens, but the "
             f"training text holds {len(rows)} rows of {config.seqlen} ({available} tokens) after holding out the "
             "gate's rows; give more text or lower max_tokens."
         )
@@ -125,13 +148,14 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     texts, kind = load_recovery_texts(dataset, text_column)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
     train_rows, _ = _split_rows(rows, config.heldout_rows, config.seed)
-    _steps_for_budget(config, train_rows)
+    _steps_for_budget(config, train_rows, _replicas(config))
 
 
 def _resolve_teacher(
     teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
 ) -> tuple[nn.Module | None, Any | None, str | None]:
     """(teacher model, its tokenizer, its public name), or Nones for the LM loss alone."""
+    from .gate import is_main_process
     from .teacher import default_teacher, load_teacher
 
     if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
@@ -140,7 +164,8 @@ def _resolve_teacher(
         teacher = default_teacher(report)
         if teacher is None:
             return None, None, None
-        logger.info("teacher: %s (the report's base model)", teacher)
+        if is_main_process():
+            logger.info("teacher: %s (the report's base model)", teacher)
     return load_teacher(teacher, dtype)
 
 
@@ -181,6 +206,8 @@ def recover(
     """
     from transformers import TrainingArguments
 
+    from .gate import is_main_process
+
     config = config or RecoveryConfig()
     check_mode(config.mode)
     if report is None:
@@ -189,7 +216,28 @@ def recover(
     texts, kind = load_recovery_texts(dataset, text_column)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
     train_rows, heldout = _split_rows(rows, config.heldout_rows, config.seed)
-    max_steps = _steps_for_budget(config, train_rows)
+    # The arguments come first: building them joins the processes of a distributed launch, and the budget's steps
+    # depend on how many there are (`_replicas`); so a budget the text cannot fill is refused before any change.
+    # The scratch folder is removed after training, or by its finalizer when a check below refuses.
+    scratch_dir = tempfile.TemporaryDirectory()
+    arguments = TrainingArguments(
+        output_dir=scratch_dir.name,
+        learning_rate=config.learning_rate,
+        num_train_epochs=config.num_train_epochs,
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        logging_steps=config.logging_steps,
+        save_strategy="no",
+        report_to=[],
+        seed=config.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        **config.extra_training_args,
+    )
+    replicas = _replicas(config, arguments.world_size)
+    arguments.max_steps = _steps_for_budget(config, train_rows, replicas)
     if config.hidden_weight > 0:
         ends = layer_map(report, len(get_adapter(model).blocks()))  # refuses without a plan, before the teacher loads
     teacher_model, teacher_tokenizer, teacher_name = _resolve_teacher(teacher, report, dtype)
@@ -237,26 +285,11 @@ def recover(
             names = [name for name, _ in model.named_parameters()]
         trainable = freeze_all_but_(model, names)
         trained_model, lora = model, None
-        logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
-    for note in notes:
+        if is_main_process():
+            logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
+    for note in notes if is_main_process() else ():
         logger.info(note)
-    with tempfile.TemporaryDirectory() as scratch:
-        arguments = TrainingArguments(
-            output_dir=scratch,
-            learning_rate=config.learning_rate,
-            num_train_epochs=config.num_train_epochs,
-            max_steps=max_steps,
-            per_device_train_batch_size=config.per_device_train_batch_size,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            logging_steps=config.logging_steps,
-            save_strategy="no",
-            report_to=[],
-            seed=config.seed,
-            remove_unused_columns=False,
-            dataloader_num_workers=0,
-            dataloader_pin_memory=torch.cuda.is_available(),
-            **config.extra_training_args,
-        )
+    with scratch_dir:
         trainer = _distillation_trainer_class()(
             model=trained_model, args=arguments, train_dataset=_Rows(train_rows), healing_loss=healing_loss
         )
@@ -295,7 +328,8 @@ def recover(
         "rows": len(train_rows),
         "seqlen": config.seqlen,
         "steps": result.global_step,
-        "tokens_trained": result.global_step * config.tokens_per_step(),
+        "processes": arguments.world_size,
+        "tokens_trained": result.global_step * config.tokens_per_step() * replicas,
         "train_loss": result.training_loss,
         "loss_history": history,
         "learning_rate": config.learning_rate,
@@ -306,7 +340,7 @@ def recover(
     }
     if lora is not None:
         log["lora"] = {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(lora.target_modules)}
-    if gate is not None:
+    if gate is not None and is_main_process():
         before, after = gate.start["objective"], gate.best["objective"]
         logger.info("gate: %s (held-out objective %.4f -> %.4f)", decision, before, after)
     return trained_model, log

@@ -1,0 +1,89 @@
+"""One healing run of the tiny model, the same on every process: run as a script under torchrun for the DDP side of
+tests/recovery/test_ddp.py, imported by the test for its one-process reference.
+
+Every process builds the same tiny Llama from the same seed, compresses it with FlattenGPT 6 -> 4 (deterministic
+given the weights and the text) and heals it from a copy of the dense weights. Rank 0 writes the healed state_dict
+and the log of each mode to ``OUT/<mode>.pt``.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/recovery/ddp_heal.py OUT
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).resolve().parents[1]
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import torch  # noqa: E402
+
+import tiny_models  # noqa: E402
+from common import compress  # noqa: E402
+from optimum_flatten.recovery import RecoveryConfig, recover  # noqa: E402
+
+#: Global rows per optimiser step, the same in every run; a DDP run of N processes reads GLOBAL_BATCH / N rows each.
+GLOBAL_BATCH = 4
+SEQLEN = 32
+STEPS = 4
+
+#: mode -> how a run of N processes shapes its batch. `full` keeps accelerate's default (the batch size is per
+#: process, the N per-process batches of one step are N consecutive batches of the one seeded order); `changed`
+#: sets split_batches (the batch size is global, each step's batch is cut in N).
+MODES: dict[str, bool] = {"full": False, "changed": True}
+
+
+def heal(mode: str, processes: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """(compressed state before healing, healed state, log) of `mode` for a run of `processes` processes."""
+    torch.manual_seed(0)
+    dense = tiny_models.tiny_llama_gqa()
+    model = copy.deepcopy(dense)
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, linear_replacement="lstsq")
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    split = MODES[mode]
+    per_device = GLOBAL_BATCH if split else GLOBAL_BATCH // processes
+    config = RecoveryConfig(
+        mode=mode,
+        max_tokens=STEPS * GLOBAL_BATCH * SEQLEN,  # the budget is global: the same steps whatever `processes`
+        seqlen=SEQLEN,
+        per_device_train_batch_size=per_device,
+        kd_alpha=0.5,  # half KL to the dense copy, half LM loss: on random tiny weights the KL alone barely moves
+        learning_rate=5e-3,
+        heldout_rows=4,
+        eval_every=1,
+        patience=0,
+        extra_training_args={
+            "disable_tqdm": True,
+            "use_cpu": True,
+            "accelerator_config": {"split_batches": split},
+        },
+    )
+    healed, log = recover(
+        model,
+        tiny_models.CharTokenizer(),
+        tiny_models.sample_texts(),
+        config,
+        teacher=dense,
+        report=dict(quantizer.report),
+    )
+    return before, {k: v.detach().clone() for k, v in healed.state_dict().items()}, log
+
+
+def main(out: str) -> None:
+    import torch.distributed as dist
+
+    for mode in MODES:
+        before, after, log = heal(mode, int(os.environ.get("WORLD_SIZE", "1")))
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save({"before": before, "after": after, "log": log}, Path(out) / f"{mode}.pt")
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,89 @@
+"""Healing under 2 processes (torch.distributed, DDP on gloo, CPU) gives the weights of one process.
+
+The same tiny model, compressed the same way, is healed by `ddp_heal.py` once under ``torch.distributed.run
+--nproc_per_node 2`` and once here in one process, with the same global batch per step (4 rows) and the same seeded
+row order: `full` with accelerate's default per-process batches (2 processes x 2 rows against 1 x 4: the sampler's
+one order, dealt out batch by batch), `changed` with ``split_batches`` (each step's 4 rows cut in two). The loss is a
+mean over the scored tokens of a process's rows and every packed row scores the same count, so DDP's average of the
+per-process means is the one-process mean; what is left is float round-off (the gradient sums in another order).
+The gate (held-out scoring every step) must take the same decisions, and the token budget must give the same steps.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import ddp_heal
+
+SCRIPT = Path(__file__).with_name("ddp_heal.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """The folder where rank 0 of a 2-process launch left `<mode>.pt` for every mode of `ddp_heal.MODES`."""
+    out = tmp_path_factory.mktemp("ddp")
+    environment = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",  # CPU, so gloo
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        environment["MASTER_ADDR"],
+        "--master_port",
+        environment["MASTER_PORT"],
+        str(SCRIPT),
+        str(out),
+    ]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return out
+
+
+@pytest.mark.parametrize("mode", list(ddp_heal.MODES))
+def test_two_processes_heal_to_the_weights_of_one(two_processes, mode):
+    distributed = torch.load(two_processes / f"{mode}.pt")
+    before, after, log = ddp_heal.heal(mode, processes=1)
+    # The same starting point on every process and here: the comparison is of the healing alone.
+    assert all(torch.equal(before[k], distributed["before"][k]) for k in before)
+    theirs = distributed["log"]
+    assert theirs["processes"] == 2 and log["processes"] == 1
+    # The budget is global: the same steps and tokens, whatever the launch.
+    assert theirs["steps"] == log["steps"] == ddp_heal.STEPS
+    assert theirs["tokens_trained"] == log["tokens_trained"] == ddp_heal.STEPS * ddp_heal.GLOBAL_BATCH * ddp_heal.SEQLEN
+    # The gate saw the same held-out scores and kept the same step.
+    assert theirs["gate"] == log["gate"] and theirs["best_step"] == log["best_step"]
+    ours = torch.tensor([h["objective"] for h in log["heldout_history"]])
+    torch.testing.assert_close(torch.tensor([h["objective"] for h in theirs["heldout_history"]]), ours)
+    assert bool((ours[1:] < ours[0]).all())  # healing helped, so the gate kept a trained state
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed, "healing changed nothing: the comparison would prove nothing"
+    assert max(float((after[k] - before[k]).abs().max()) for k in changed) > 1e-3
+    # The same tensors trained (for `changed`: everything else bit-identical on both sides).
+    assert {k for k in after if not torch.equal(distributed["after"][k], before[k])} == set(changed)
+    for name, tensor in after.items():
+        torch.testing.assert_close(
+            distributed["after"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
