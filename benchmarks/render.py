@@ -382,6 +382,35 @@ def _outcome(row: dict) -> str:
     return "passed" if row["status"] == "ok" and row["passed"] else "not passed"
 
 
+def healing_table(paths: list[Path]) -> str:
+    """benchmarks/recovery/run.py: each method × mode × loss × budget, before and after healing, on both texts."""
+    header = (
+        "| compressed by | trained | loss | tokens | PPL ratio SOTU ≥ 2000 | PPL ratio KJV | KL SOTU / KJV | "
+        "top-1 SOTU / KJV | greedy agreement SOTU / KJV | gate | heal min | peak RSS MB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    sotu, kjv = "sotu_from_2000", "bible_kjv"
+
+    def pair(block: dict, key: str, digits: int) -> str:
+        values = [block[text].get(key) for text in (sotu, kjv)]
+        return " / ".join("–" if v is None else f"{v:.{digits}f}" for v in values)
+
+    rows = []
+    for path in paths:
+        r = json.loads(path.read_text())
+        before, after = r["untrained"], r["healed"]
+
+        rows.append(
+            f"| {r['method']} | {r['mode']} | {r['loss']} | {r['recovery']['tokens_trained']:,} "
+            f"| {before[sotu]['ppl_ratio']:.3f} → **{after[sotu]['ppl_ratio']:.3f}** "
+            f"| {before[kjv]['ppl_ratio']:.3f} → **{after[kjv]['ppl_ratio']:.3f}** "
+            f"| {pair(after, 'kl', 4)} | {pair(after, 'top1_agreement', 3)} "
+            f"| {pair(before, 'greedy_token_agreement', 3)} → {pair(after, 'greedy_token_agreement', 3)} "
+            f"| {r['recovery']['gate']} | {r['heal_seconds'] / 60:.1f} | {r['peak_rss_mb']:.0f} |"
+        )
+    return header + "\n" + "\n".join(rows)
+
+
 def tables() -> dict[str, str]:
     """Every table, by the marker name that `RESULTS.template.md` uses (``<!-- table:NAME -->``)."""
     renderers = {"depth": depth_table, "quality": depth_table, "speed": speed_table, "scale": scale_table}
@@ -405,6 +434,9 @@ def tables() -> dict[str, str]:
         out[f"cost:{model}"] = cost_table(runs)
     for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("curve_*_*.json")}):
         out[f"curve:{model}"] = curve_table(model)
+    healing = sorted(RESULTS.glob("recovery_smollm2_*.json"))
+    if healing:
+        out["healing:smollm2"] = healing_table(healing)
     if (RESULTS / "clients.json").exists():
         out["clients"] = clients_table(RESULTS / "clients.json")
     if (RESULTS / "kv_search.json").exists():
