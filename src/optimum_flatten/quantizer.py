@@ -250,6 +250,15 @@ class FlattenQuantizer(OptimumQuantizer):
 
             dataset, column, recovery = self._heal_inputs()
             check_recovery_inputs(tokenizer, dataset, recovery, column)
+            drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
+            if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:
+                # A method that only drops whole layers, uncorrected, leaves nothing that 'changed' could train;
+                # said now rather than after the compression. (auto and ReplaceMe fit maps: they pass.)
+                raise ValueError(
+                    f"heal mode 'changed' trains what the compression changed, and {self.config.method} without a "
+                    "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
+                    "trained), or heal with mode 'full', 'last_k' or 'lora'."
+                )
         return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches)
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:

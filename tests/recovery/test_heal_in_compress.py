@@ -69,6 +69,14 @@ def test_a_heal_that_cannot_run_is_refused_before_any_weight_changes(heal, messa
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_heal_changed_after_a_plain_layer_drop_is_refused_before_compressing():
+    model = tiny_models.tiny_llama_gqa()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="only drops whole layers"):
+        compress(model, "shortgpt", num_layers_to_remove=2, heal=HEAL)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_cli_compress_heal_tokens(tmp_path, capsys):
     dense = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(dense)
