@@ -382,6 +382,44 @@ def _outcome(row: dict) -> str:
     return "passed" if row["status"] == "ok" and row["passed"] else "not passed"
 
 
+#: The rows of the summary: what a user choosing a method compares (variant name in the depth tables -> label).
+GLANCE_ROWS = {
+    "auto_defaults": "`auto` (defaults)",
+    "auto_down": "`auto` with the down-refit candidates",
+    "replaceme_lstsq_down": "`replaceme`, `estimator=\"lstsq_down\"`",
+    "replaceme": "`replaceme` (the paper's)",
+    "flattengpt_defaults_lstsq_down": "`flattengpt` + `linear_replacement=\"lstsq_down\"`",
+    "flattengpt": "`flattengpt` (defaults)",
+    "sleb_first_2_sequences": "`sleb`",
+    "come": "`come`",
+    "shortgpt": "`shortgpt`",
+}
+
+
+def glance_table(paths: dict[str, Path]) -> str:
+    """One row per method a user would pick from, per model: quality on both texts, fidelity and cost."""
+    header = (
+        "| model (layers removed) | method | PPL ratio SOTU ≥ 2000 | PPL ratio KJV | KL SOTU / KJV | "
+        "top-1 SOTU / KJV | stack passes |\n|---|---|---|---|---|---|---|"
+    )
+    rows = []
+    for label, path in paths.items():
+        data = json.loads(path.read_text())
+        results = {r["variant"]: r for r in data["results"] if "error" not in r}
+        dense = results["dense"]
+        removed = data.get("protocol", {}).get("num_layers_to_remove", "")
+        for variant, name in GLANCE_ROWS.items():
+            r = results.get(variant)
+            if r is None:
+                continue
+            rows.append(
+                f"| {label} ({removed} of {dense['layers']}) | {name} | {_ratio(r, dense, 'perplexity')} | "
+                f"{_ratio(r, dense, 'perplexity_kjv')} | {_fidelity(r, 'kl', 3)} | {_fidelity(r, 'top1_agreement', 3)} "
+                f"| {r.get('cost_stack_passes') or ''} |"
+            )
+    return header + "\n" + "\n".join(rows)
+
+
 def healing_table(paths: list[Path]) -> str:
     """benchmarks/recovery/run.py: each method × mode × loss × budget, before and after healing, on both texts."""
     header = (
@@ -434,6 +472,9 @@ def tables() -> dict[str, str]:
         out[f"cost:{model}"] = cost_table(runs)
     for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("curve_*_*.json")}):
         out[f"curve:{model}"] = curve_table(model)
+    quality = {"SmolLM2-135M": RESULTS / "quality_smollm2.json", "Qwen2.5-0.5B": RESULTS / "quality_qwen2.5-0.5b.json"}
+    if all(path.exists() for path in quality.values()):
+        out["glance"] = glance_table(quality)
     healing = sorted(RESULTS.glob("recovery_smollm2_*.json"))
     if healing:
         out["healing:smollm2"] = healing_table(healing)
