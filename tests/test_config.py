@@ -167,3 +167,29 @@ def test_type_check_admits_what_the_hints_allow():
         check_option_types(FlattenGPTConfig, {"max_group_size": True})
     with pytest.raises(ValueError, match="Did you mean 'sequential'"):
         check_option_types(FlattenGPTConfig, {"calibration_mode": "sequentail"})
+
+
+def test_the_registry_declares_each_built_in_methods_own_options():
+    """The registry lists the built-in methods' options without importing them (the command line's fast path);
+    each method must declare exactly the class the registry names, or the flags would describe other options."""
+    import importlib
+
+    from optimum_flatten.methods.registry import BUILTIN_OPTIONS, get_method_class
+
+    for name, where in BUILTIN_OPTIONS.items():
+        module, _, attribute = where.partition(":")
+        declared = getattr(importlib.import_module(f"optimum_flatten.options.methods.{module}"), attribute)
+        assert get_method_class(name).config_class is declared, name
+
+
+def test_the_options_import_neither_torch_nor_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom optimum_flatten.methods.registry import BUILTIN_OPTIONS, get_config_class\n"
+        "[get_config_class(name) for name in BUILTIN_OPTIONS]\nimport optimum_flatten.options.recovery\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "False"]

@@ -233,6 +233,7 @@ def _core(**overrides: Any) -> dict[str, Any]:
         "timings_seconds": {},
         "cost": {},
         "total_seconds": 0.0,
+        "source_fingerprint": "0123abcd",
     }
     return {**core, **overrides}
 

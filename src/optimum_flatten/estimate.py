@@ -32,7 +32,7 @@ Terms every method shares:
   product (3·T_b·i·b) beside the residual and the normed input (2·T_b·d·b); attention holds q, k, v and the rotary
   temporaries (T_b·d_h·b·(2·H + 5·KV) + T_b·d·b). Fused attention (SDPA) is assumed: no T_b·seqlen score matrix.
 
-The per-method terms are documented on each method's `workspace` (FlattenGPT's in `methods/flattengpt_workspace.py`;
+The per-method terms are documented on each method's `workspace` (FlattenGPT's in `methods/flattengpt/workspace.py`;
 the shared terms and sizes in `methods/workspace.py`). Limits: a uniform stack (every layer the shape of
 layer 0), packing (no padding), the whole model in one memory (with offloaded layers the weights resident drop to
 what the device_map keeps, the workspace does not), and the LLaMA layout of a block (other families are estimated

@@ -22,7 +22,7 @@ from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.stats import CrossMoment
 from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
-from optimum_flatten.methods.flattengpt_attention_target import sequential_attention_writes, sequential_group_outputs
+from optimum_flatten.methods.flattengpt.attention_target import sequential_attention_writes, sequential_group_outputs
 from optimum_flatten.ops import nystrom_down_correction
 from optimum_flatten.ops.ridge import ridge_refit_to_target, ridge_target_error
 

@@ -108,7 +108,7 @@ def test_wide_loss_selection_matches_naive_parallel_groups(factory, limit):
     ("sizes", "limit", "expected"), [([1] * 6, 2, 3), ([1, 2, 2, 1], 2, 0), ([1, 2, 1, 1, 1], 3, 3), ([1] * 7, 3, 4)]
 )
 def test_max_merges_against_exhaustive_search(sizes, limit, expected):
-    from optimum_flatten.methods.flattengpt_loss_selection import max_merges
+    from optimum_flatten.methods.flattengpt.loss_selection import max_merges
 
     start, groups = 0, []
     for size in sizes:

@@ -1,5 +1,5 @@
 """FlattenGPT's options: a torch-free declaration, read by `FlattenConfig`, the command line and the method
-(methods/flattengpt.py).
+(methods/flattengpt/method.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class FlattenGPTConfig(MethodConfig):
             `scoring_batches` calibration batches, as SLEB scores a removal; the chosen blocks are installed as
             built. ``"wide_loss"`` (not in the paper): the same greedy search scoring each candidate's wide block
             before pruning (cheaper: no candidate is pruned), which then prunes only the chosen groups
-            (`flattengpt_loss_selection`). The similarity's pairs cost most out of domain on Qwen2.5-0.5B even
+            (`flattengpt.loss_selection`). The similarity's pairs cost most out of domain on Qwen2.5-0.5B even
             unpruned (benchmarks/RESULTS.md); these ask the calibration loss instead. The search costs about G²/2
             group runs and G LM heads per merge on the scored batches (G groups); ``"loss"`` adds FlattenGPT's
             per-group work for each of the L − 1 candidate pairs and holds their blocks (one layer each) until
@@ -61,7 +61,7 @@ class FlattenGPTConfig(MethodConfig):
         attention_target: What the kept heads are refitted towards (and, with ``head_selection="reconstruction"``,
             chosen by). ``"parallel"`` (the paper's wide block): every member's attention on the group's input.
             ``"sequential"`` (not in the paper): the sum of what the members' attentions wrote in the original
-            stack, each on its own input (`flattengpt_attention_target`), the function the merged block replaces;
+            stack, each on its own input (`flattengpt.attention_target`), the function the merged block replaces;
             the wide block's heads all read the group's input, so this is a regression of one on the other, with
             the ridge pulling towards the kept heads' own o_proj. The default since it measured better than the
             paper's target on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B, with either head
@@ -72,7 +72,7 @@ class FlattenGPTConfig(MethodConfig):
         mlp_target: What the kept channels' down projection is refitted towards. ``"parallel"`` (the paper): the
             wide MLP's own output on the pruned attention's state (Nyström). ``"sequential"`` (not in the paper):
             what the whole block must still write after its pruned attention, the original group's output less the
-            MLP's input residual (`flattengpt_attention_target.sequential_group_outputs`), so the MLP also absorbs
+            MLP's input residual (`flattengpt.attention_target.sequential_group_outputs`), so the MLP also absorbs
             what the merge and the attention pruning changed. The channels are chosen by leverage either way. The
             default since it measured better than the paper's refit on both evaluation texts of both SmolLM2-135M
             and Qwen2.5-0.5B, with the sequential attention target (benchmarks/RESULTS.md). Costs one run of the

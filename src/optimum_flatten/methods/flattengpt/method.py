@@ -2,7 +2,7 @@
 
 1. Select: S[i, j] = mean token cosine similarity of the inputs of layers i and j; greedily merge the adjacent
    pair of groups with the highest similarity (a group is judged by its first and last members). Or, not in the
-   paper, by calibration loss (``selection="loss"`` or ``"wide_loss"``, `flattengpt_loss_selection`).
+   paper, by calibration loss (``selection="loss"`` or ``"wide_loss"``, `flattengpt.loss_selection`).
 2. Flatten: fold every member's norm gains into the projections reading the norm, set the gains to 1, and
    concatenate heads and MLP channels; the wide block computes the members in parallel on one input.
 3. Prune back: keep the H heads (whole KV groups under GQA) with the largest importance f_i, and the d_int MLP
@@ -22,11 +22,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..adapters.base import ArchitectureAdapter
-from ..calibration.capture import LayerwiseRunner
-from ..calibration.partial import run_to_input
-from ..calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
-from ..ops import (
+from ...adapters.base import ArchitectureAdapter
+from ...calibration.capture import LayerwiseRunner
+from ...calibration.partial import run_to_input
+from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
+from ...ops import (
     accumulate_head_importance,
     balanced_top_k,
     default_ridge_lambda,
@@ -39,7 +39,7 @@ from ..ops import (
     ridge_reconstruction_error,
     top_k_indices,
 )
-from ..ops.ridge import (
+from ...ops.ridge import (
     kept_block,
     kept_blocks,
     nystrom_from_factor,
@@ -49,16 +49,16 @@ from ..ops.ridge import (
     ridge_refit_to_target,
     ridge_target_error,
 )
-from ..options.methods.flattengpt import FlattenGPTConfig
-from ..plan import LayerPlan
-from ..utils.offload import dispatch_like
-from ..utils.torch_utils import module_device
-from .base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
-from .flattengpt_attention_target import sequential_attention_writes, sequential_group_outputs
-from .flattengpt_loss_selection import groups_by_calibration_loss
-from .flattengpt_workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_workspace
-from .registry import register_method
-from .workspace import WorkspaceModel, WorkspaceSizes
+from ...options.methods.flattengpt import FlattenGPTConfig
+from ...plan import LayerPlan
+from ...utils.offload import dispatch_like
+from ...utils.torch_utils import module_device
+from ..base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from ..registry import register_method
+from ..workspace import WorkspaceModel, WorkspaceSizes
+from .attention_target import sequential_attention_writes, sequential_group_outputs
+from .loss_selection import groups_by_calibration_loss
+from .workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_workspace
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import CalibratedStates
-from ..utils.torch_utils import count_parameters
-from .base import MethodContext
+from ...adapters.base import ArchitectureAdapter
+from ...calibration.states import CalibratedStates
+from ...utils.torch_utils import count_parameters
+from ..base import MethodContext
 
 Group = tuple[int, ...]
 

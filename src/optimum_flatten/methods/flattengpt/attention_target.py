@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..adapters.base import ArchitectureAdapter
-from ..calibration.capture import LayerwiseRunner
-from ..calibration.partial import run_to_input
+from ...adapters.base import ArchitectureAdapter
+from ...calibration.capture import LayerwiseRunner
+from ...calibration.partial import run_to_input
 
 
 @torch.no_grad()
