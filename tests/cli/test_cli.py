@@ -360,11 +360,12 @@ def test_evaluate_against_itself_has_zero_kl_and_full_agreement(tiny_dir_with_to
     common = ["evaluate", str(dense), "--baseline", str(dense), "--dataset", str(data), "--seqlen", "32"]
     assert main([*common, "--max-tokens", "256", "--no-speed"]) == 0
     header, _, dense_row, row = capsys.readouterr().out.splitlines()[:4]
-    assert header.split(" | ")[4:] == ["KL vs baseline", "top-1 agreement"]
-    assert [c.strip() for c in dense_row.split(" | ")[4:]] == ["-", "-"]  # the baseline is the reference
-    assert [c.strip() for c in row.split(" | ")[4:]] == ["0.0000", "1.0000"]
-    assert main([*common, "--max-tokens", "64", "--no-speed", "--no-fidelity"]) == 0
-    assert "KL" not in capsys.readouterr().out
+    assert [c.strip() for c in header.split(" | ")[4:]] == ["KL vs baseline", "top-1 agreement", "greedy agreement"]
+    assert [c.strip() for c in dense_row.split(" | ")[4:]] == ["-", "-", "-"]  # the baseline is the reference
+    assert [c.strip() for c in row.split(" | ")[4:]] == ["0.0000", "1.0000", "1.000"]
+    assert main([*common, "--max-tokens", "64", "--no-speed", "--no-fidelity", "--no-generation"]) == 0
+    out = capsys.readouterr().out
+    assert "KL" not in out and "greedy" not in out
 
 
 def test_optimum_cli_registration_is_light_and_forwards_to_our_parser():
