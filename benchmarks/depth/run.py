@@ -194,7 +194,7 @@ VARIANTS: dict[str, dict] = {
         candidates="replaceme replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down "
         "flattengpt+lstsq_down",
     ),
-    # auto exactly as a user gets it: the library's default candidates (methods/auto.py DEFAULT_CANDIDATES, with
+    # auto exactly as a user gets it: the library's default candidates (options/methods/auto.py DEFAULT_CANDIDATES, with
     # FlattenGPT's defaults since 2026-11-26), nothing pinned.
     "auto_defaults": dict(method="auto"),
     "greedy_replace": dict(method="greedy_replace"),

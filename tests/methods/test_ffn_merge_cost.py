@@ -17,8 +17,7 @@ from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.cli.main import _summary
 from optimum_flatten.export.model_card import describe_parameters
 from optimum_flatten.methods.base import MethodContext
-from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, WindowScorer
-from optimum_flatten.methods.ffn_tying import read_mlp, retie_ffn_
+from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, WindowScorer, read_mlp, retie_ffn_
 from optimum_flatten.ops.ffn_alignment import (
     alignment_signals,
     correlation_from_sums,

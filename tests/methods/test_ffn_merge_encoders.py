@@ -14,7 +14,7 @@ import tiny_models
 from common import assert_close, compress, sample_ids
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.export.checkpoint import REPORT_NAME
-from optimum_flatten.methods.ffn_tying import retie_ffn_
+from optimum_flatten.methods.ffn_merge import retie_ffn_
 from optimum_flatten.utils.torch_utils import count_parameters
 
 FAMILIES = {

@@ -25,7 +25,7 @@ from typing import Any
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
-from ..options.methods.auto import DEFAULT_CANDIDATES, AutoConfig, Candidate  # noqa: F401
+from ..options.methods.auto import AutoConfig, Candidate
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from .base import CompressionMethod, MethodContext

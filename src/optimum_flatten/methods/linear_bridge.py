@@ -34,7 +34,7 @@ from ..ops.linear_map import (
     solve_least_squares,
     solve_least_squares_with_gain,
 )
-from ..options.corrections import BridgeOptions, check_estimator  # noqa: F401
+from ..options.corrections import BridgeOptions
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import edit_block_

@@ -20,7 +20,6 @@ from torch import nn
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..ops import MERGE_RULES
-from ..options.methods.merge_search import MergeSearchConfig, check_merge_options  # noqa: F401
 from ..plan import LayerPlan
 from ..utils.offload import dispatch_like
 from ..utils.torch_utils import count_parameters

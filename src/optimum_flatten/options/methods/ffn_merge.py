@@ -1,5 +1,5 @@
 """ffn_merge's options: a torch-free declaration, read by `FlattenConfig`, the command line and the method
-(methods/ffn_merge.py).
+(methods/ffn_merge/method.py).
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..adapters.base import ArchitectureAdapter
-from ..calibration.capture import capture_module_inputs
-from ..calibration.states import (
+from ...adapters.base import ArchitectureAdapter
+from ...calibration.capture import capture_module_inputs
+from ...calibration.states import (
     COSINE_TOKEN_CEILING,
     NLL_PAIR_FLOOR,
     CalibratedStates,
@@ -41,7 +41,7 @@ from ..calibration.states import (
     next_token_nll_terms,
     next_token_pairs,
 )
-from ..ops.ffn_alignment import (
+from ...ops.ffn_alignment import (
     alignment_permutation,
     alignment_signals,
     average_mlps,
@@ -50,13 +50,13 @@ from ..ops.ffn_alignment import (
     num_alignment_signals,
     permute_mlp_units,
 )
-from ..options.methods.ffn_merge import FfnMergeConfig, _check_choice, _check_positive_int, _check_window_starts  # noqa: F401
-from ..plan import LayerPlan
-from ..utils.offload import is_offloaded
-from ..utils.torch_utils import count_parameters
-from .base import CardSection, CompressionMethod, MethodContext
-from .ffn_tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
-from .registry import register_method
+from ...options.methods.ffn_merge import FfnMergeConfig
+from ...plan import LayerPlan
+from ...utils.offload import is_offloaded
+from ...utils.torch_utils import count_parameters
+from ..base import CardSection, CompressionMethod, MethodContext
+from ..registry import register_method
+from .tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
 
 logger = logging.getLogger(__name__)
 

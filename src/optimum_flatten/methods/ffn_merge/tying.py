@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.base import ArchitectureAdapter
-from ..ops.ffn_alignment import MlpWeights
-from ..options.methods.ffn_merge import Window
+from ...adapters.base import ArchitectureAdapter
+from ...ops.ffn_alignment import MlpWeights
+from ...options.methods.ffn_merge import Window
 
 
 # ---------------------------------------------------------------------------------------------- adapter I/O
@@ -130,7 +130,7 @@ def retie_ffn_(model: nn.Module, report_or_groups: Any) -> int:
         ValueError: when a group is out of range, its MLPs differ in layout, or their values are not identical
             (e.g. fine-tuned apart after reloading): tying them would silently change the model.
     """
-    from ..adapters import get_adapter
+    from ...adapters import get_adapter
 
     adapter = get_adapter(model)
     groups = _groups_from(report_or_groups)
