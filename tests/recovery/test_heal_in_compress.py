@@ -118,3 +118,21 @@ def test_a_teacher_that_is_not_the_source_is_named_in_a_warning():
     with pytest.warns(UserWarning, match="not the model this checkpoint was compressed from"):
         _, log = recover(copy.deepcopy(model), tiny_models.CharTokenizer(), texts, config, teacher=other, report=report)
     assert any("fingerprint differs" in note for note in log["notes"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["changed", "lora"])
+def test_healing_in_bfloat16_on_cuda_keeps_placement_and_dtype_and_lowers_the_held_out_objective(mode):
+    """On a CUDA device in bfloat16: the teacher and the student stay on the device and in bfloat16, the healed model
+    reloads as it is, and the gate's held-out objective does not rise (the gate keeps the input otherwise)."""
+    dense = tiny_models.tiny_llama_gqa().to("cuda", torch.bfloat16)
+    model = copy.deepcopy(dense)
+    report = compress(model, "flattengpt", num_layers_to_remove=2).report
+    config = RecoveryConfig(**{**HEAL, "mode": mode, "max_tokens": 256})
+    healed, log = recover(model, tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense,
+                          report=report)
+    parameters = list(healed.parameters())
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in parameters)
+    assert log["heldout_after"]["objective"] <= log["heldout_before"]["objective"]
+    with torch.no_grad():
+        assert torch.isfinite(healed(sample_ids().to("cuda")).logits.float()).all()
