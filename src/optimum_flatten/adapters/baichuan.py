@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import PackedLinearView
+from .base import PRE_NORM_CAPABILITIES, PackedLinearView
 from .layout import AttentionLayout
 from .llama import LLAMA_LAYOUT, LlamaAdapter
 from .registry import register_adapter
@@ -74,19 +74,7 @@ class BaichuanAdapter(LlamaAdapter):
     """
 
     model_types = ("baichuan",)
-    capabilities = frozenset(
-        {
-            "head_geometry",
-            "gated_mlp",
-            "pre_norm",
-            "concat_heads",
-            "layer_drop",
-            "parameter_merge",
-            "dense_mlp",
-            "stream_scale",
-            "down_fold",
-        }
-    )
+    capabilities = PRE_NORM_CAPABILITIES | {"gated_mlp"}
     # The remote model loop indexes ``layer_outputs[0]``: calibration stand-ins must answer with a tuple too.
     layer_output_is_tuple = True
     layouts = (BAICHUAN_LAYOUT,)

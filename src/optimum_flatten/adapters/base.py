@@ -373,6 +373,24 @@ def _sum_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None
     return torch.stack(present).sum(dim=0) if present else None
 
 
+#: What a pre-norm transformer stack with standard residual blocks offers every method: per-head geometry, norms that
+#: fold into the next projections (so blocks can be concatenated and bridged), whole-layer drops, parameter
+#: differences, one dense MLP per layer, a stream that can be rescaled, and a down projection that takes a fold.
+#: A family adds ``gated_mlp`` when its MLP has a gate, and declares less (with reasons) where it differs.
+PRE_NORM_CAPABILITIES = frozenset(
+    {
+        "head_geometry",
+        "pre_norm",
+        "concat_heads",
+        "layer_drop",
+        "parameter_merge",
+        "dense_mlp",
+        "stream_scale",
+        "down_fold",
+    }
+)
+
+
 class ArchitectureAdapter(ABC):
     """Base class of the per-family adapters, bound to one model instance.
 

@@ -37,7 +37,15 @@ from transformers.pytorch_utils import Conv1D
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import onloaded
-from .base import PENDING_PART_SIZES, ArchitectureAdapter, BlockView, LinearView, PackedPartView, register_storage
+from .base import (
+    PENDING_PART_SIZES,
+    PRE_NORM_CAPABILITIES,
+    ArchitectureAdapter,
+    BlockView,
+    LinearView,
+    PackedPartView,
+    register_storage,
+)
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
 
@@ -180,18 +188,7 @@ class GPT2Adapter(ArchitectureAdapter):
 
     model_types = ("gpt2",)
     layouts = (GPT2_LAYOUT,)
-    capabilities = frozenset(
-        {
-            "head_geometry",
-            "pre_norm",
-            "concat_heads",
-            "layer_drop",
-            "parameter_merge",
-            "dense_mlp",
-            "stream_scale",
-            "down_fold",
-        }
-    )
+    capabilities = PRE_NORM_CAPABILITIES
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "GPT-2's MLP is c_fc -> GELU -> c_proj without a gate projection",
     }

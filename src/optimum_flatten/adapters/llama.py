@@ -9,7 +9,7 @@ from `LLAMA_LAYOUT`.
 
 from __future__ import annotations
 
-from .base import ArchitectureAdapter
+from .base import PRE_NORM_CAPABILITIES, ArchitectureAdapter
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
 
@@ -26,17 +26,5 @@ class LlamaAdapter(ArchitectureAdapter):
     """Pre-norm decoder with RoPE, RMSNorm and a SwiGLU MLP; q/k/v biases optional (Qwen2 has them)."""
 
     model_types = ("llama", "mistral")
-    capabilities = frozenset(
-        {
-            "head_geometry",
-            "gated_mlp",
-            "pre_norm",
-            "concat_heads",
-            "layer_drop",
-            "parameter_merge",
-            "dense_mlp",
-            "stream_scale",
-            "down_fold",
-        }
-    )
+    capabilities = PRE_NORM_CAPABILITIES | {"gated_mlp"}
     layouts = (LLAMA_LAYOUT,)

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..utils.errors import CalibrationDataError
 from ..utils.torch_utils import input_device, model_dtype
-from .base import ArchitectureAdapter
+from .base import PRE_NORM_CAPABILITIES, ArchitectureAdapter
 from .checks import check_encoder_forward
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
@@ -72,18 +72,7 @@ class ViTAdapter(ArchitectureAdapter):
 
     model_types = ("vit",)
     layouts = (VIT_LAYOUT,)
-    capabilities = frozenset(
-        {
-            "head_geometry",
-            "pre_norm",
-            "concat_heads",
-            "layer_drop",
-            "parameter_merge",
-            "dense_mlp",
-            "stream_scale",
-            "down_fold",
-        }
-    )
+    capabilities = PRE_NORM_CAPABILITIES
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "ViT's MLP is fc1 -> GELU -> fc2 without a gate projection",
     }
