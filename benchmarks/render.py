@@ -384,8 +384,8 @@ def _outcome(row: dict) -> str:
 
 #: The rows of the summary: what a user choosing a method compares (variant name in the depth tables -> label).
 GLANCE_ROWS = {
-    "auto_defaults": "`auto` (defaults)",
-    "auto_down": "`auto` with the down-refit candidates",
+    "auto_down_todays_flattengpt": "`auto` (its default candidates since 2026-11-26)",
+    "auto_ten_candidates": "`auto` with the ten candidates before",
     "replaceme_lstsq_down": "`replaceme`, `estimator=\"lstsq_down\"`",
     "replaceme": "`replaceme` (the paper's)",
     "flattengpt_defaults_lstsq_down": "`flattengpt` + `linear_replacement=\"lstsq_down\"`",

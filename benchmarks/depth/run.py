@@ -194,9 +194,13 @@ VARIANTS: dict[str, dict] = {
         candidates="replaceme replaceme:estimator=lstsq_down shortgpt+scale uidl+scale shortgpt+lstsq_down "
         "flattengpt+lstsq_down",
     ),
-    # auto exactly as a user gets it: the library's default candidates (options/methods/auto.py DEFAULT_CANDIDATES, with
-    # FlattenGPT's defaults since 2026-11-26), nothing pinned.
-    "auto_defaults": dict(method="auto"),
+    # auto's default candidates until 2026-11-26 (ten: the six of auto_down_todays_flattengpt, which are the defaults
+    # since, with plain shortgpt, uidl, flattengpt and come); measured first as "auto_defaults", the same options.
+    "auto_ten_candidates": dict(
+        method="auto",
+        candidates="shortgpt shortgpt+scale shortgpt+lstsq_down uidl uidl+scale replaceme "
+        "replaceme:estimator=lstsq_down flattengpt flattengpt+lstsq_down come",
+    ),
     "greedy_replace": dict(method="greedy_replace"),
     # The exhaustive search (above) scores ~2L actions per step by suffix runs; this scores the 6 closest.
     "greedy_replace_shortlist_6": dict(method="greedy_replace", shortlist=6),
