@@ -1,7 +1,8 @@
 """Every depth-compression method at the same number of removed layers, side by side in one run.
 
 Protocol (every number printed is measured here, in this run):
-- model: a bundled model (`--model`: smollm2 = SmolLM2-135M-Instruct, 30 layers; qwen2.5-0.5b =
+- model: a bundled model (`--model`: smollm2 = SmolLM2-135M-Instruct, 30 layers; gemma3-270m = Gemma-3-270M, 18
+  layers, 5 sliding-window layers to 1 full; qwen2.5-0.5b =
   Qwen2.5-Coder-0.5B-Instruct, 24 layers), GGUF dequantised to float32;
 - calibration: State of the Union speeches before 2000, packed, `--nsamples` x `--seqlen` tokens, seed 0 —
   the same tokens for every method (`--calibration sotu+pydoc`: those speeches mixed in equal shares with Python's
@@ -384,7 +385,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b", "gemma3-270m"])
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--num-layers-to-remove", type=int, default=6)
     parser.add_argument("--nsamples", type=int, default=32)
