@@ -648,7 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
 
     compress = verbs.add_parser("compress", help="compress a checkpoint and save a plain one")
-    compress.add_argument("model", help="checkpoint directory or hub name, or a bundled model: smollm2, qwen2.5-0.5b")
+    compress.add_argument(
+        "model", help="checkpoint directory or hub name, or a bundled model: smollm2, qwen2.5-0.5b, gemma3-270m"
+    )
     compress.add_argument(
         "--output",
         required=True,
@@ -672,7 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     compress.set_defaults(func=cmd_compress)
 
     evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")
-    evaluate.add_argument("model", help="checkpoint directory, hub name, or a bundled model: smollm2, qwen2.5-0.5b")
+    evaluate.add_argument(
+        "model", help="checkpoint directory, hub name, or a bundled model: smollm2, qwen2.5-0.5b, gemma3-270m"
+    )
     evaluate.add_argument(
         "--baseline", default=None, help="checkpoint to compare with (e.g. the dense model; a bundled name works too)"
     )
