@@ -193,3 +193,35 @@ def test_the_options_import_neither_torch_nor_transformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_the_request_options_are_declared_once_for_the_config_and_the_command_line():
+    """`RequestOptions` is the one declaration: FlattenConfig accepts each field, the compress parser has one flag
+    each with the field's help, and the parsed flags reach FlattenConfig under the field's name."""
+    import argparse
+    import dataclasses
+
+    from optimum_flatten.cli.main import build_parser
+    from optimum_flatten.cli.options import config_kwargs
+    from optimum_flatten.config import _TOP_LEVEL_FIELDS
+    from optimum_flatten.options.request import RequestOptions
+
+    names = [f.name for f in dataclasses.fields(RequestOptions)]
+    assert set(names) <= set(_TOP_LEVEL_FIELDS)
+    compress = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices["compress"]
+    flags = {a.dest: a for a in compress._actions}
+    for f in dataclasses.fields(RequestOptions):
+        assert flags[f.name].help == f.metadata["help"]
+    args = compress.parse_args(
+        ["m", "--output", "o", "--method", "shortgpt", "--target-sparsity", "0.2", "--compensation", "scale"]
+    )
+    kwargs = config_kwargs(args)
+    assert {k: kwargs[k] for k in ("method", "target_sparsity", "compensation")} == {
+        "method": "shortgpt",
+        "target_sparsity": 0.2,
+        "compensation": "scale",
+    }
+    config = FlattenConfig(**kwargs, dataset=["text"])
+    assert (config.method, config.target_sparsity, config.compensation) == ("shortgpt", 0.2, "scale")

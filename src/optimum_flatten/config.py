@@ -21,6 +21,7 @@ from .options.calibration import CalibrationConfig
 from .options.corrections import COMPENSATIONS, ESTIMATORS
 from .options.hints import MethodConfig, check_option_types, option_converter, parse_method_options
 from .options.recovery import parse_heal
+from .options.request import RequestOptions
 from .plan import LayerGroup, LayerPlan
 from .utils.errors import InvalidTargetError, did_you_mean, reject_unknown_keys
 
@@ -221,10 +222,11 @@ class FlattenConfig(QuantizationConfigMixin):
         return f"FlattenConfig({self.to_dict()})"
 
 
+#: Every keyword `FlattenConfig` takes besides the calibration's and the method's: the request's own options
+#: (declared once in `options.request.RequestOptions`, which the command line reads too) and the config's plumbing.
 _TOP_LEVEL_FIELDS = (
-    "method",
-    "num_layers_to_remove",
-    "target_sparsity",
+    *(f.name for f in dataclasses.fields(RequestOptions)),
+    "heal",
     "method_args",
     "stacks",
     "layer_plan",
@@ -232,9 +234,6 @@ _TOP_LEVEL_FIELDS = (
     "version",
     "quant_method",
     "calibration",
-    "linear_replacement",
-    "compensation",
-    "heal",
 )
 
 

@@ -14,8 +14,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..methods.registry import get_config_class, registered_methods
-from ..options import COMPENSATIONS, ESTIMATORS, CalibrationConfig, option_converter
+from ..options import CalibrationConfig, option_converter
 from ..options.recovery import parse_heal
+from ..options.request import RequestOptions
 
 #: Fields of the calibration config: flags every method takes.
 _CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationConfig))
@@ -84,28 +85,8 @@ def _shared_choices(name: str, owners: Sequence[str]) -> list[Any] | None:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds --method, the target flags, every calibration field and every method option."""
-    parser.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
-    # Not required here: FlattenConfig says which target a method needs (ffn_merge takes none).
-    target = parser.add_mutually_exclusive_group(required=False)
-    target.add_argument("--num-layers-to-remove", dest="num_layers_to_remove", type=int, default=argparse.SUPPRESS)
-    target.add_argument("--target-sparsity", dest="target_sparsity", type=float, default=argparse.SUPPRESS)
-    parser.add_argument(
-        "--linear-replacement",
-        dest="linear_replacement",
-        choices=list(ESTIMATORS),
-        default=argparse.SUPPRESS,
-        help="bridge every span of removed or merged layers with a fitted linear map folded into the down projection "
-        "before it (docs/methods/replaceme.md); default: none",
-    )
-    parser.add_argument(
-        "--compensation",
-        dest="compensation",
-        choices=list(COMPENSATIONS),
-        default=argparse.SUPPRESS,
-        help="after each dropped layer, rescale the stream upstream of the cut by Prune&Comp's factor, folded into "
-        "the embeddings and the output projections below it (shortgpt, sleb, uidl); default: none",
-    )
+    """Adds the request's options (`RequestOptions`), every calibration field and every method option."""
+    add_request_arguments(parser)
     seen: set[str] = set()
     _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
     shared: dict[str, list[str]] = {}
@@ -115,6 +96,37 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name in registered_methods():
         cls = get_config_class(name)
         _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
+
+
+def add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `RequestOptions` field, with the help of its metadata (see `optimum_flatten.options.request`).
+
+    Only flags given reach `FlattenConfig` (its defaults apply otherwise), except ``--method``, whose default the
+    command line needs to know which method's options apply. The depth target is not required here: `FlattenConfig`
+    says which target a method needs (ffn_merge takes none).
+    """
+    hints = typing.get_type_hints(RequestOptions)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(RequestOptions):
+        meta = f.metadata
+        where = parser
+        if "exclusive" in meta:
+            if meta["exclusive"] not in groups:
+                groups[meta["exclusive"]] = parser.add_mutually_exclusive_group(required=False)
+            where = groups[meta["exclusive"]]
+        convert, choices = option_converter(hints[f.name])
+        if meta.get("choices") == "methods":
+            convert, choices = str, registered_methods()
+        elif choices:  # a name among the choices; not giving the flag is how one asks for none
+            convert, choices = str, [c for c in choices if c != "none"]
+        where.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=convert,
+            choices=choices,
+            default=f.default if f.name == "method" else argparse.SUPPRESS,
+            help=meta["help"],
+        )
 
 
 def add_method_arguments(parser: argparse.ArgumentParser, methods: Sequence[str], skip: Iterable[str] = ()) -> None:
@@ -193,7 +205,7 @@ def check_declared_options(args: argparse.Namespace) -> None:
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The FlattenConfig keyword arguments given on the command line (``--heal-*`` gathered into ``heal``)."""
-    names = {"method", "num_layers_to_remove", "target_sparsity", "linear_replacement", "compensation"}
+    names = {f.name for f in dataclasses.fields(RequestOptions)}
     names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
     for method in registered_methods():
         names |= {f.name for f in dataclasses.fields(get_config_class(method))}
