@@ -102,3 +102,17 @@ def test_load_pretrained_refuses_a_missing_folder_without_the_hub(tmp_path, monk
     monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda *a, **k: pytest.fail("asked the Hub"))
     with pytest.raises(ModelSourceError, match="no such folder"):
         load_pretrained(str(tmp_path / "missing"))
+
+
+def test_public_dataset_name_never_gives_a_local_path(tmp_path):
+    from optimum_flatten.utils.loading import public_dataset_name
+
+    local = tmp_path / "data" / "calib.jsonl"
+    local.parent.mkdir()
+    local.write_text("{}")
+    assert public_dataset_name(str(local)) == "calib.jsonl"
+    assert public_dataset_name(local.parent) == "data"
+    assert public_dataset_name("./gone/corpus.txt") == "corpus.txt"
+    assert public_dataset_name("sotu:before-2000") == "sotu:before-2000"
+    assert public_dataset_name("wikitext2") == "wikitext2"
+    assert public_dataset_name(["a", "b"]) == "<2 texts>"

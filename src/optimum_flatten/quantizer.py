@@ -15,7 +15,7 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
-from .config import FlattenConfig, describe_dataset
+from .config import FlattenConfig
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .methods import pipeline
 from .methods.base import CompressionMethod, MethodContext
@@ -24,7 +24,7 @@ from .methods.registry import get_method_class, require_capabilities
 from .plan import LayerPlan
 from .report import CompressionReport
 from .utils.fingerprint import weights_fingerprint
-from .utils.loading import public_base_name
+from .utils.loading import public_base_name, public_dataset_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize
 
@@ -213,7 +213,7 @@ class FlattenQuantizer(OptimumQuantizer):
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
         )
         synchronize()
-        log = {**log, "dataset": describe_dataset(dataset), "seconds": round(time.perf_counter() - start, 3)}
+        log = {**log, "dataset": public_dataset_name(dataset), "seconds": round(time.perf_counter() - start, 3)}
         # Not a method entry, but the report's flat view is where the card and `recover` write "recovery" too.
         self.report = dataclasses.replace(self.report, method_entries={**self.report.method_entries, "recovery": log})
         return healed
@@ -305,7 +305,7 @@ class FlattenQuantizer(OptimumQuantizer):
             parameters_before=run.params_before,
             parameters_after=count_parameters(model),
             calibration={
-                "dataset": describe_dataset(calibration.dataset),
+                "dataset": public_dataset_name(calibration.dataset),
                 "nsamples": calibration.nsamples,
                 "seqlen": calibration.seqlen,
                 "seed": calibration.seed,

@@ -394,3 +394,19 @@ def test_argument_errors_take_a_fraction_of_a_second_of_cpu(tmp_path):
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert cpu < 2.0, f"{argv}: {cpu:.2f} s of CPU before the refusal"
+
+
+def test_a_local_source_is_never_named_by_its_path_in_the_saved_checkpoint(dense, tmp_path, capsys):
+    """The card, the report and every other text file of the output name a local source by its folder's name only:
+    `--push-to-hub` must not publish the user's directory layout."""
+    model, data = dense
+    out = tmp_path / "out"
+    argv = ["compress", str(model), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset", str(data),
+            "--nsamples", "4", "--seqlen", "32", "--no-progress", "--output", str(out)]
+    assert main(argv) == 0
+    texts = {p.name: p.read_text(errors="replace") for p in out.iterdir() if p.suffix in (".json", ".md", ".txt")}
+    assert "README.md" in texts and "flatten_report.json" in texts
+    leaks = [name for name, text in texts.items() if str(model.parent) in text or str(model) in text]
+    assert leaks == []
+    report = json.loads(texts["flatten_report.json"])
+    assert report["base_model"] == "dense" and report["base_model_on_hub"] is False

