@@ -384,7 +384,7 @@ def _outcome(row: dict) -> str:
 
 #: The rows of the summary: what a user choosing a method compares (variant name in the depth tables -> label).
 GLANCE_ROWS = {
-    "auto_down_todays_flattengpt": "`auto` (its default candidates since 2026-11-26)",
+    "auto_down_todays_flattengpt": "`auto` (six of its eight default candidates)",
     "auto_ten_candidates": "`auto` with the ten candidates before",
     "replaceme_lstsq_down": "`replaceme`, `estimator=\"lstsq_down\"`",
     "replaceme": "`replaceme` (the paper's)",
