@@ -466,3 +466,19 @@ def test_flattengpt_estimate_without_the_selection_cache(max_group_size, monkeyp
     measured = _measure(model, "flattengpt", monkeypatch, **calibration, **options)
     _check(estimate, measured)
     assert "propagate" in measured["phases"]
+
+
+def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
+    """`estimate --heal`: every phase holds one more copy of the dense weights (the teacher of `heal=`), exactly
+    the weights' bytes, and the note says what the healing itself adds beyond it."""
+    _write_config(tmp_path)
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json",
+                 "--heal"]) == 0
+    healed = json.loads(capsys.readouterr().out)
+    weights = plain["weights_bytes"]
+    for before, after in zip(plain["phases"], healed["phases"], strict=True):
+        assert after["workspace_bytes"] - before["workspace_bytes"] == weights
+    assert healed["peak_bytes"] == plain["peak_bytes"] + weights
+    assert any("teacher copy" in note for note in healed["notes"])

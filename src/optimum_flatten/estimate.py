@@ -41,6 +41,7 @@ with the same formulas; their per-batch temporaries may differ).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from .adapters.base import ArchitectureAdapter
 from .methods.base import CompressionMethod
 from .methods.pipeline import Corrections, preflight
 from .methods.registry import get_method_class, registered_methods, require_capabilities
-from .methods.workspace import Phase, WorkspaceSizes
+from .methods.workspace import Phase, Term, WorkspaceSizes
 from .utils.loading import model_class_for, one_line, resolve_model_source
 
 GIB = 2**30
@@ -226,6 +227,24 @@ class MemoryEstimate:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    def with_heal_teacher(self) -> MemoryEstimate:
+        """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
+        before the first weight changes and held until the healing ends, so every phase holds one more model's
+        weights. The healing's own training state (gradients, optimiser state, activations of the trained part) is
+        not modelled here; the note says so."""
+        copy = Term(
+            "dense weights kept as the healing's teacher (heal=)",
+            self.weights_bytes,
+            "a copy taken before the compression's first weight change, held until the healing ends",
+        )
+        phases = [Phase(p.name, (*p.terms, copy)) for p in self.phases]
+        note = (
+            f"heal=: the teacher copy adds {_gib(self.weights_bytes)} GiB to every phase; the healing itself adds "
+            "the trained part's gradients and optimiser state (Adam in float32: 12 bytes a trained parameter beyond "
+            "its weight) and its activations, which this estimate does not model"
+        )
+        return dataclasses.replace(self, phases=phases, notes=[*self.notes, note])
 
     def describe(self) -> str:
         """A table of the phases, the peak with its largest terms, and the stack passes (what the CLI prints)."""

@@ -588,6 +588,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         method_args={k: v for k, v in vars(args).items() if k in own},
         trust_remote_code=args.trust_remote_code,
     )
+    if args.heal:
+        result = result.with_heal_teacher()
     print(result.to_json() if args.json else result.describe())
     return 0
 
@@ -773,6 +775,11 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default: 8)")
     estimate.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the model is loaded in")
     estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
+    estimate.add_argument(
+        "--heal",
+        action="store_true",
+        help="with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher",
+    )
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
     )
