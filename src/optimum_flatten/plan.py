@@ -94,6 +94,16 @@ class LayerPlan:
         """Original index of the first member of every output layer (whose config entries the output inherits)."""
         return [g.indices[0] for g in self.groups]
 
+    def span_ends(self) -> list[int]:
+        """For every output layer, the original index where the span it stands for ends (exclusive).
+
+        An output layer stands for the original layers from its first member up to the next output layer's first
+        member: a run of dropped layers belongs to the output layer before it, since the next one reads what that
+        one writes. The last output layer's span ends at `num_layers`.
+        """
+        firsts = self.first_indices
+        return [*firsts[1:], self.num_layers]
+
     def group_lists(self) -> list[list[int]]:
         return [list(g.indices) for g in self.groups]
 

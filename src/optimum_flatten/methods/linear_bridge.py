@@ -63,9 +63,7 @@ def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> Non
 def bridged_spans(plan: LayerPlan, correct_after: int = 0) -> list[tuple[int, int, int]]:
     """``(output index, first original layer, end)`` of every output layer whose span holds more than one layer,
     and of the `correct_after` output layers after each of them (spans of their own layer only)."""
-    ends = [
-        plan.groups[k + 1].indices[0] if k + 1 < len(plan.groups) else plan.num_layers for k in range(len(plan.groups))
-    ]
+    ends = plan.span_ends()
     bridged = [k for k, group in enumerate(plan.groups) if ends[k] - group.indices[0] > 1]
     chosen = sorted({j for k in bridged for j in range(k, min(k + 1 + correct_after, len(plan.groups)))})
     return [(k, plan.groups[k].indices[0], ends[k]) for k in chosen]

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from ..adapters import get_adapter
+from ..plan import LayerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +28,28 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"unknown recovery mode {mode!r}; choose one of {list(MODES)}.")
 
 
-def plan_groups(report: Mapping[str, Any] | None) -> tuple[list[list[int]], int] | None:
-    """(groups, original layer count) of the report's plan, or None without one."""
-    plan = (report or {}).get("plan") or {}
-    groups = plan.get("groups")
-    if not groups or not plan.get("num_layers"):
-        return None
-    return [list(g) for g in groups], int(plan["num_layers"])
+def report_plan(report: Mapping[str, Any] | None, num_blocks: int, missing: str) -> LayerPlan:
+    """The compression's plan (`LayerPlan`) from the report, checked against the student's block count.
+
+    Raises:
+        ValueError: `missing` when the report holds no plan, or a plan that does not describe this model.
+    """
+    data = (report or {}).get("plan") or {}
+    if not data.get("groups") or not data.get("num_layers"):
+        raise ValueError(missing)
+    plan = LayerPlan.from_dict(data)
+    if plan.num_output_layers != num_blocks:
+        raise ValueError(
+            f"the report's plan has {plan.num_output_layers} blocks but the model has {num_blocks}; give the report "
+            "of this checkpoint's compression."
+        )
+    return plan
 
 
 def span_ends(groups: list[list[int]], num_layers: int) -> list[int]:
-    """For each student block, the original layer that ends the span it stands for (see the module docstring)."""
-    firsts = [group[0] for group in groups]
-    return [nxt - 1 for nxt in firsts[1:]] + [num_layers - 1]
+    """For each student block, the original layer that ends the span it stands for, inclusive (see the module
+    docstring and `LayerPlan.span_ends`)."""
+    return [end - 1 for end in LayerPlan(num_layers=num_layers, groups=groups).span_ends()]
 
 
 def layer_map(report: Mapping[str, Any] | None, num_blocks: int) -> list[int]:
@@ -48,20 +58,14 @@ def layer_map(report: Mapping[str, Any] | None, num_blocks: int) -> list[int]:
     Raises:
         ValueError: without a plan in the report, or when the plan does not describe this model.
     """
-    parsed = plan_groups(report)
-    if parsed is None:
-        raise ValueError(
-            "hidden-state terms need the layer map of the compression report (flatten_report.json's 'plan'), and "
-            "none was given; pass report=... (or recover a checkpoint folder that holds flatten_report.json), or set "
-            "hidden_weight to 0."
-        )
-    groups, num_layers = parsed
-    if len(groups) != num_blocks:
-        raise ValueError(
-            f"the report's plan has {len(groups)} blocks but the model has {num_blocks}; give the report of this "
-            "checkpoint's compression."
-        )
-    return span_ends(groups, num_layers)
+    plan = report_plan(
+        report,
+        num_blocks,
+        "hidden-state terms need the layer map of the compression report (flatten_report.json's 'plan'), and "
+        "none was given; pass report=... (or recover a checkpoint folder that holds flatten_report.json), or set "
+        "hidden_weight to 0.",
+    )
+    return span_ends(plan.group_lists(), plan.num_layers)
 
 
 def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) -> list[str]:
@@ -74,26 +78,19 @@ def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) 
     Raises:
         ValueError: without a plan, or when the plan keeps only plain layers and nothing carries a correction.
     """
-    parsed = plan_groups(report)
-    if parsed is None:
-        raise ValueError(
-            "mode='changed' trains what the compression changed, which the compression report's plan says, and no "
-            "report was given; pass report=... (flatten_report.json), or pick mode 'last_k', 'full' or 'lora'."
-        )
-    groups, _ = parsed
-    adapter = get_adapter(model)
-    blocks = adapter.blocks()
-    if len(groups) != len(blocks):
-        raise ValueError(
-            f"the report's plan has {len(groups)} blocks but the model has {len(blocks)}; give the report of this "
-            "checkpoint's compression."
-        )
+    blocks = get_adapter(model).blocks()
+    plan = report_plan(
+        report,
+        len(blocks),
+        "mode='changed' trains what the compression changed, which the compression report's plan says, and no "
+        "report was given; pass report=... (flatten_report.json), or pick mode 'last_k', 'full' or 'lora'.",
+    )
     modules: dict[int, nn.Module] = {}
-    for k, group in enumerate(groups):
-        if len(group) > 1:
+    for k, group in enumerate(plan.groups):
+        if not group.is_keep:
             modules[id(blocks[k].module)] = blocks[k].module
     bridged = {int(m["output_layer"]) for key in ("linear_replacement", "replaceme") for m in _maps(report, key)}
-    compensated = _compensated_blocks(report, groups)
+    compensated = _compensated_blocks(report, plan)
     for k in sorted(bridged | compensated):
         for view in (blocks[k].attention.o, blocks[k].mlp.down) if k in compensated else (blocks[k].mlp.down,):
             modules[id(view.module)] = view.module
@@ -111,13 +108,13 @@ def _maps(report: Mapping[str, Any] | None, key: str) -> list[dict[str, Any]]:
     return list(entry.get("maps", [])) if isinstance(entry, Mapping) else []
 
 
-def _compensated_blocks(report: Mapping[str, Any] | None, groups: list[list[int]]) -> set[int]:
+def _compensated_blocks(report: Mapping[str, Any] | None, plan: LayerPlan) -> set[int]:
     """Student blocks whose output projections a 'scale' compensation multiplied (those before a dropped layer)."""
     entry = (report or {}).get("compensation")
     if not isinstance(entry, Mapping) or not entry.get("alpha"):
         return set()
     dropped = [int(k) for k in entry["alpha"]]
-    return {k for k, group in enumerate(groups) if any(d > group[0] for d in dropped)}
+    return {k for k, first in enumerate(plan.first_indices) if any(d > first for d in dropped)}
 
 
 def last_k_parameter_names(model: nn.Module, k: int) -> tuple[list[str], str | None]:
