@@ -6,31 +6,26 @@ compressed model can even beat the dense perplexity on a text while drifting awa
 on exactly the windows and scored positions of `perplexity` (same `evaluation_windows`, same masking), so they sit
 beside a perplexity ratio without any protocol difference.
 
-Memory. The full logits of one batch are (batch × seq × vocab): 4 × 512 × 151,936 float32 is 1.2 GB for Qwen2.5,
-and a KL needs the distributions of two models. So neither model's full logits are kept: a forward pre-hook on
-the output embedding (the LM head) records its input, the final hidden states (batch × seq × hidden), and lets the
-head run on the last position only. The scored positions are then pushed through each head `chunk_size` at a time,
-and log_softmax, KL and argmax are taken in float32 on that chunk. Peak beyond the two forwards and the two hidden
-states: about 6 × chunk_size × vocab × 4 bytes (both log-probabilities, the dense probabilities, the difference and
-the product that the KL sums, a boolean mask), 0.47 GB for chunk_size=128 and a 151,936-word vocabulary; the float32
-logits of a chunk are freed as soon as their log_softmax exists.
-
-A model whose logits are not simply head(hidden) (a logit soft-cap or scale applied after the head, as in Gemma-2/3,
-Cohere, Granite) is detected on every batch by comparing the model's own last-position logits with the head applied
-to the recorded hidden state; such a model falls back to its full logits, which are then materialised once per
-model and batch (never a float32 copy of them), and still reduced chunk by chunk.
+Memory. Neither model's full logits are kept (`utils.lm_head.states_and_head`: the LM head's input is recorded and
+the head runs on the last position only). The scored positions are then pushed through each head `chunk_size` at a
+time, and log_softmax, KL and argmax are taken in float32 on that chunk. Peak beyond the two forwards and the two
+hidden states: about 6 × chunk_size × vocab × 4 bytes (both log-probabilities, the dense probabilities, the
+difference and the product that the KL sums, a boolean mask), 0.47 GB for chunk_size=128 and a 151,936-word
+vocabulary; the float32 logits of a chunk are freed as soon as their log_softmax exists. A model whose logits are not
+simply head(hidden) falls back to its full logits, materialised once per model and batch (never a float32 copy of
+them), and still reduced chunk by chunk.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..utils.lm_head import states_and_head
 from ..utils.torch_utils import input_device
 from .perplexity import evaluation_windows, window_batches
 
@@ -83,47 +78,6 @@ class FidelityResult:
         }
 
 
-Head = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _hidden_and_head(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, full: set[int]) -> tuple[Any, Head]:
-    """(per-position states, map from a chunk of them to logits) for one batch.
-
-    Normally the states are the LM head's input (batch × seq × hidden) and the map is the head, so no
-    (batch × seq × vocab) tensor is built. If the model has no output embedding module, or its last-position logits
-    differ from head(hidden) (a post-head soft-cap or scale), the model is marked in `full` and its full logits are
-    returned with the identity map instead.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, nn.Module) and id(model) not in full:
-        captured: dict[str, torch.Tensor] = {}
-
-        def keep_last_position(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-                return None
-            captured["hidden"] = args[0]
-            return (args[0][:, -1:], *args[1:])
-
-        handle = head.register_forward_pre_hook(keep_last_position)
-        try:
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        finally:
-            handle.remove()
-        hidden = captured.get("hidden")
-        if hidden is not None and tuple(hidden.shape[:2]) == tuple(ids.shape) and logits.shape[1] == 1:
-            direct = head(hidden[:, -1:])
-            if direct.shape == logits.shape and torch.allclose(
-                direct.float(), logits.float(), rtol=1e-5, atol=1e-6, equal_nan=True
-            ):
-                return hidden, head
-        full.add(id(model))
-    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits, _identity
-
-
 @torch.no_grad()
 def fidelity(
     dense: nn.Module,
@@ -167,8 +121,8 @@ def fidelity(
     agree = count = 0
     try:
         for ids, mask, score in window_batches(stream, windows, batch_size, bos_token_id):
-            states_d, head_d = _hidden_and_head(dense, ids.to(devices[0]), mask.to(devices[0]), full)
-            states_c, head_c = _hidden_and_head(compressed, ids.to(devices[1]), mask.to(devices[1]), full)
+            states_d, head_d = states_and_head(dense, ids.to(devices[0]), mask.to(devices[0]), full)
+            states_c, head_c = states_and_head(compressed, ids.to(devices[1]), mask.to(devices[1]), full)
             rows, cols = score[:, 1:].nonzero(as_tuple=True)  # position t predicts token t + 1
             targets = ids[rows, cols + 1]
             for start in range(0, rows.numel(), chunk_size):

@@ -1,14 +1,11 @@
 """The healing loss: KL(teacher ‖ student) on next-token distributions, the LM loss, and hidden-state terms.
 
-Memory. A full-vocabulary logit tensor is (batch × seq × vocab): 4 × 256 × 151,936 float32 is 0.6 GB for Qwen2.5,
-and a KL needs two of them plus their log-softmaxes. So neither model's full logits are built: a forward pre-hook
-on each model's output embedding (the LM head) records its input, the final hidden states, and lets the head run on
-the last position only (the same device as `evaluation.fidelity`). The scored positions are then pushed through
-both heads `chunk_size` at a time. Each student chunk runs under activation checkpointing, so what autograd keeps
-between the forward and the backward is the chunk's hidden states, not its logits: at any time at most one chunk of
-logits per model exists, in the forward and again in the backward's recomputation. A model whose logits are not
-simply head(hidden) (a post-head soft-cap or scale: Gemma-2/3, Cohere, Granite) is recognised by its config and
-uses its full logits instead, still reduced chunk by chunk.
+Memory. Neither model's full logits are built (`utils.lm_head.states_and_head` records the LM head's input and
+runs the head on the last position only); the scored positions are pushed through both heads `chunk_size` at a
+time. Each student chunk runs under activation checkpointing, so what autograd keeps between the forward and the
+backward is the chunk's hidden states, not its logits: at any time at most one chunk of logits per model exists, in
+the forward and again in the backward's recomputation. A model whose logits are not simply head(hidden) (a post-head
+soft-cap or scale) is recognised there and uses its full logits instead, still reduced chunk by chunk.
 
 Scaling. The KL is taken at temperature T on both distributions and multiplied by T², the usual convention
 (Hinton et al., 2015): the gradients of a softened KL shrink as 1/T², and the factor keeps the KL term's weight
@@ -21,18 +18,15 @@ the label of t + 1 is not -100, for the KL as for the LM loss. Hidden-state term
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-Head = Callable[[torch.Tensor], torch.Tensor]
-
-#: Config attributes that put a transform after the LM head (then logits != head(hidden)).
-_POST_HEAD_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+from ..utils.lm_head import Head, states_and_head
 
 
 @dataclass
@@ -146,36 +140,18 @@ def normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Ten
     return diff.mean() / ref.mean().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def output_head(model: nn.Module) -> nn.Module | None:
-    """The LM head to apply per chunk, or None when the model's logits are more than head(hidden)."""
-    config = getattr(model, "config", None)
-    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _POST_HEAD_ATTRIBUTES):
-        return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head if isinstance(head, nn.Module) else None
-
-
 def _first_tensor(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
 @contextlib.contextmanager
-def _record(head: nn.Module | None, blocks: Sequence[nn.Module], store: dict[str, Any]) -> Iterator[None]:
-    """Records the head's input (and runs the head on the last position only) and the blocks' outputs."""
+def _record_blocks(blocks: Sequence[nn.Module], store: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Records the output of each of `blocks` (by its position in `blocks`) during a forward."""
     handles = []
-    if head is not None:
-
-        def keep_states(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-                return None
-            store["states"] = args[0]
-            return (args[0][:, -1:], *args[1:])
-
-        handles.append(head.register_forward_pre_hook(keep_states))
     for index, block in enumerate(blocks):
 
         def keep_output(_module: nn.Module, _args: Any, output: Any, index: int = index) -> None:
-            store.setdefault("blocks", {})[index] = _first_tensor(output)
+            store[index] = _first_tensor(output)
 
         handles.append(block.register_forward_hook(keep_output))
     try:
@@ -186,17 +162,18 @@ def _record(head: nn.Module | None, blocks: Sequence[nn.Module], store: dict[str
 
 
 def forward_states(
-    model: nn.Module, inputs: dict[str, torch.Tensor], blocks: Sequence[nn.Module] = ()
+    model: nn.Module, inputs: dict[str, torch.Tensor], blocks: Sequence[nn.Module] = (), full: set[int] | None = None
 ) -> tuple[torch.Tensor, Head, list[torch.Tensor]]:
-    """(per-position states, head mapping them to logits, outputs of `blocks`) of one forward of `model`."""
-    head = output_head(model)
-    store: dict[str, Any] = {}
-    with _record(head, blocks, store):
-        output = model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), use_cache=False)
-    recorded = [store.get("blocks", {})[i] for i in range(len(blocks))]
-    if head is None or "states" not in store:
-        return output.logits, (lambda x: x), recorded
-    return store["states"], head, recorded
+    """(per-position states, head mapping them to logits, outputs of `blocks`) of one forward of `model`.
+
+    `full` remembers the models whose logits are more than head(hidden) (see `utils.lm_head`), across batches.
+    """
+    store: dict[int, torch.Tensor] = {}
+    with _record_blocks(blocks, store):
+        states, head = states_and_head(
+            model, inputs["input_ids"], inputs.get("attention_mask"), full if full is not None else set()
+        )
+    return states, head, [store[i] for i in range(len(blocks))]
 
 
 @dataclass
@@ -220,6 +197,8 @@ class DistillationLoss:
     student_blocks: Sequence[nn.Module] = ()
     teacher_blocks: Sequence[nn.Module] = ()
     chunk_size: int = 128
+    #: Models found to have logits that are more than head(hidden), so that the check runs once per model.
+    full_logits: set[int] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -244,13 +223,15 @@ class DistillationLoss:
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
         rows, cols, targets = scored_positions(mask, inputs.get("labels"), ids)
         hidden_on = self.hidden_weight > 0
-        states, head, student_outputs = forward_states(model, inputs, self.student_blocks if hidden_on else ())
+        states, head, student_outputs = forward_states(
+            model, inputs, self.student_blocks if hidden_on else (), self.full_logits
+        )
         teacher_states = teacher_head = None
         teacher_outputs: list[torch.Tensor] = []
         if self.teacher is not None:
             with torch.no_grad():
                 teacher_states, teacher_head, teacher_outputs = forward_states(
-                    self.teacher, inputs, self.teacher_blocks if hidden_on else ()
+                    self.teacher, inputs, self.teacher_blocks if hidden_on else (), self.full_logits
                 )
         kl_sum, nll_sum = chunked_next_token_terms(
             states, head, rows, cols, targets, teacher_states, teacher_head, self.temperature, self.chunk_size
