@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from .base import PRE_NORM_CAPABILITIES
 from .llama import LlamaAdapter
 from .registry import register_adapter
 
@@ -33,18 +34,7 @@ class Qwen3Adapter(LlamaAdapter):
     """
 
     model_types = ("qwen3",)
-    capabilities = frozenset(
-        {
-            "head_geometry",
-            "gated_mlp",
-            "pre_norm",
-            "layer_drop",
-            "parameter_merge",
-            "dense_mlp",
-            "stream_scale",
-            "down_fold",
-        }
-    )
+    capabilities = (PRE_NORM_CAPABILITIES - {"concat_heads"}) | {"gated_mlp"}
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "concat_heads": "Qwen3's per-head q_norm/k_norm share one gain per layer, so two layers' heads cannot "
         "be concatenated into one attention module exactly",

@@ -51,8 +51,6 @@ from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 logger = logging.getLogger(__name__)
 
 
-
-
 @dataclass
 class _Entry:
     """One layer of the stack being merged: original layers `indices`, computed by `module`.

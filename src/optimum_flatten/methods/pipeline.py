@@ -18,8 +18,6 @@ from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 logger = logging.getLogger(__name__)
 
 
-
-
 def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
     """Every refusal that depends on the model, before calibration and before any weight changes."""
     method.preflight(adapter, stack)

@@ -228,10 +228,6 @@ def stack_for_threshold(
     return threshold, stack
 
 
-
-
-
-
 class ParameterMergeMethod(CompressionMethod):
     """Template of the methods that search merged stacks above a threshold (LaCo, Sliding-Window Merging).
 

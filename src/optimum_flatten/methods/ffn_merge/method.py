@@ -61,14 +61,6 @@ from .tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, w
 logger = logging.getLogger(__name__)
 
 
-
-
-
-
-
-
-
-
 def check_windows_fit(num_layers: int, config: FfnMergeConfig) -> None:
     """Raises when the requested windows cannot fit a stack of `num_layers` layers (before any work is done)."""
     k, n = config.window_size, config.resolved_num_windows

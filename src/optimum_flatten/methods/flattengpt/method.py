@@ -63,8 +63,6 @@ from .workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_works
 logger = logging.getLogger(__name__)
 
 
-
-
 @dataclass(frozen=True)
 class _WideBlock:
     """What the pruning steps of one merged group share: the wide block, the position it takes, the calibration

@@ -17,8 +17,6 @@ from ...options.methods.layer_collapse import LayerCollapseConfig
 METHOD_NAME = "layer_collapse"
 
 
-
-
 def resolve_config(
     config: LayerCollapseConfig | FlattenConfig | None, options: Mapping[str, Any]
 ) -> LayerCollapseConfig:

@@ -215,8 +215,6 @@ def build_layer_collapse_trainer(
     return trainer
 
 
-
-
 class KeepEmbeddings(nn.Module):
     """A sentence encoder plus the loss that keeps its embeddings: 1 − cos(mean-pooled states, target embedding).
 
