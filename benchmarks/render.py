@@ -1,6 +1,8 @@
 """Prints the markdown tables of benchmarks/RESULTS.md from the JSON files in benchmarks/results/.
 
-Usage: python benchmarks/render.py [--write]   (--write fills RESULTS.template.md's markers into RESULTS.md)
+Usage: python benchmarks/render.py [--write]   (--write fills the markers of RESULTS.template.md into RESULTS.md, the
+product page, and of NOTEBOOK.template.md into NOTEBOOK.md, the lab notebook; README.md quotes the product page's
+first table between its ``<!-- results:NAME -->`` and ``<!-- /results -->`` lines, refreshed too)
 """
 
 from __future__ import annotations
@@ -245,6 +247,10 @@ def cost_table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+#: The GPU runs the product page shows: the latest code state at each shape (the notebook has every run).
+GPU_SUMMARY_RUNS = ("cost_gpu_llama-2-7b_defaults", "cost_gpu_llama-2-7b_tf32", "cost_gpu_llama-2-70b_4_layers")
+
+
 def gpu_cost_table(paths: list[Path]) -> str:
     """`benchmarks/cost/gpu_shape.py`: cost in dense forwards and accelerator memory at a real model shape, measured
     against the estimate of the same model, method and calibration; one row per JSON, with its code state."""
@@ -386,9 +392,9 @@ def _outcome(row: dict) -> str:
 GLANCE_ROWS = {
     "auto_down_todays_flattengpt": "`auto` (six of its eight default candidates)",
     "auto_ten_candidates": "`auto` with the ten candidates before",
-    "replaceme_lstsq_down": "`replaceme`, `estimator=\"lstsq_down\"`",
+    "replaceme_lstsq_down": '`replaceme`, `estimator="lstsq_down"`',
     "replaceme": "`replaceme` (the paper's)",
-    "flattengpt_defaults_lstsq_down": "`flattengpt` + `linear_replacement=\"lstsq_down\"`",
+    "flattengpt_defaults_lstsq_down": '`flattengpt` + `linear_replacement="lstsq_down"`',
     "flattengpt": "`flattengpt` (defaults)",
     "sleb_first_2_sequences": "`sleb`",
     "come": "`come`",
@@ -418,6 +424,101 @@ def glance_table(paths: dict[str, Path]) -> str:
                 f"| {r.get('cost_stack_passes') or ''} |"
             )
     return header + "\n" + "\n".join(rows)
+
+
+#: The product page's rows: each method at its defaults (variant name in the depth tables -> label), plus the
+#: variants a user is told to prefer. Ablations stay on the notebook page.
+PRODUCT_ROWS = {
+    "auto_down_todays_flattengpt": "`auto` (six of its eight default candidates)",
+    "replaceme_lstsq_down": '`replaceme`, `estimator="lstsq_down"`',
+    "replaceme": "`replaceme`",
+    "flattengpt_defaults_lstsq_down": '`flattengpt`, `linear_replacement="lstsq_down"`',
+    "flattengpt": "`flattengpt`",
+    "sleb_first_2_sequences": "`sleb`",
+    "uidl": "`uidl`",
+    "uidl_scale": '`uidl`, `compensation="scale"`',
+    "shortgpt": "`shortgpt`",
+    "shortgpt_scale": '`shortgpt`, `compensation="scale"`',
+    "come": "`come`",
+}
+
+#: Healing rows on the product page: (method, mode, loss) -> label; the largest budget measured is shown. The other
+#: modes (LoRA distilled, the changed weights) are in the notebook's healing table.
+PRODUCT_HEALING = {
+    ("flattengpt", "full", "distillation"): "`flattengpt`, healed: every weight distilled",
+    ("flattengpt", "local", "distillation"): "`flattengpt`, healed: changed spans distilled locally",
+    ("flattengpt", "lora", "lm"): "`flattengpt`, healed: LoRA on the LM loss",
+}
+
+
+def _geomean(a: float, b: float) -> float:
+    return (a * b) ** 0.5
+
+
+def product_table(quality: Path, healing: list[Path]) -> str:
+    """One model and depth: each method at its defaults and the healed rows, sorted by the geometric mean of the two
+    perplexity ratios (in and out of domain, so that a row cannot win by fitting the calibration's genre); the best
+    training-free row is marked as the recommendation."""
+    data = json.loads(quality.read_text())
+    results = {r["variant"]: r for r in data["results"] if "error" not in r}
+    dense = results["dense"]
+    rows = []
+    for variant, label in PRODUCT_ROWS.items():
+        r = results.get(variant)
+        if r is None or r.get("perplexity_kjv") is None:
+            continue
+        sotu, kjv = r["perplexity"] / dense["perplexity"], r["perplexity_kjv"] / dense["perplexity_kjv"]
+        rows.append(
+            dict(
+                label=label,
+                sotu=sotu,
+                kjv=kjv,
+                kl=_fidelity(r, "kl", 3),
+                top1=_fidelity(r, "top1_agreement", 3),
+                passes=str(r.get("cost_stack_passes") or ""),
+                seconds=f"{r['compress_seconds']:.0f}",
+                rss=f"{r['peak_rss_mb']:.0f}",
+                trained=False,
+            )
+        )
+    best: dict[tuple, dict] = {}
+    for path in healing:
+        h = json.loads(path.read_text())
+        key = (h["method"], h["mode"], h["loss"])
+        if key in PRODUCT_HEALING and h["max_tokens"] >= best.get(key, {}).get("max_tokens", 0):
+            best[key] = h
+    for key, h in best.items():
+        after = h["healed"]
+        sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
+        rows.append(
+            dict(
+                label=f"{PRODUCT_HEALING[key]} ({h['recovery']['tokens_trained'] // 1024}K tokens)",
+                sotu=sotu["ppl_ratio"],
+                kjv=kjv["ppl_ratio"],
+                kl=f"{sotu['kl']:.3f} / {kjv['kl']:.3f}",
+                top1=f"{sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f}",
+                passes="",
+                seconds=f"{h['compress_seconds']:.0f} + {h['heal_seconds']:.0f} healing",
+                rss=f"{h['peak_rss_mb']:.0f}",
+                trained=True,
+            )
+        )
+    # Equal quality goes to the cheaper search (auto finds ReplaceMe's model by compressing a copy with each candidate).
+    rows.sort(key=lambda row: (round(_geomean(row["sotu"], row["kjv"]), 3), float(row["passes"] or 0)))
+    untrained = [row for row in rows if not row["trained"]]
+    recommended = untrained[0]["label"] if untrained else None
+    lines = [
+        "| method | PPL ratio SOTU ≥ 2000 | PPL ratio KJV | KL SOTU / KJV | top-1 SOTU / KJV | stack passes "
+        "| compress s | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        label = f"**{row['label']}** (recommended)" if row["label"] == recommended else row["label"]
+        lines.append(
+            f"| {label} | {row['sotu']:.3f} | {row['kjv']:.3f} | {row['kl']} | {row['top1']} | {row['passes']} "
+            f"| {row['seconds']} | {row['rss']} |"
+        )
+    return "\n".join(lines)
 
 
 def healing_table(paths: list[Path]) -> str:
@@ -467,6 +568,9 @@ def tables() -> dict[str, str]:
     gpu_runs = sorted(RESULTS.glob("cost_gpu_*.json"), key=lambda p: ("70b" in p.stem, "before" not in p.stem, p.stem))
     if gpu_runs:
         out["cost:gpu"] = gpu_cost_table(gpu_runs)
+        latest = [p for p in gpu_runs if p.stem in GPU_SUMMARY_RUNS]
+        if latest:
+            out["cost:gpu-summary"] = gpu_cost_table(latest)
     for model in sorted({p.stem.split("_")[1] for p in RESULTS.glob("cost_*.json")} - {"gpu"}):
         runs = sorted(RESULTS.glob(f"cost_{model}*.json"), key=lambda p: (not p.stem.endswith("before"), p.stem))
         out[f"cost:{model}"] = cost_table(runs)
@@ -476,6 +580,11 @@ def tables() -> dict[str, str]:
     if all(path.exists() for path in quality.values()):
         out["glance"] = glance_table(quality)
     healing = sorted(RESULTS.glob("recovery_smollm2_*.json"))
+    for model in ("smollm2", "qwen2.5-0.5b", "gemma3-270m"):
+        if (RESULTS / f"quality_{model}.json").exists():
+            out[f"product:{model}"] = product_table(
+                RESULTS / f"quality_{model}.json", sorted(RESULTS.glob(f"recovery_{model}_*.json"))
+            )
     if healing:
         out["healing:smollm2"] = healing_table(healing)
     if (RESULTS / "clients.json").exists():
@@ -485,22 +594,40 @@ def tables() -> dict[str, str]:
     return out
 
 
-def write_results() -> Path:
-    """Fills the markers of RESULTS.template.md with the tables and writes RESULTS.md (commentary stays by hand)."""
-    template = (Path(__file__).parent / "RESULTS.template.md").read_text()
+#: Each page and the template it is filled from: the product page (one table per model and depth) and the notebook
+#: (every ablation, protocol detail and the dated history), both from the same JSON.
+PAGES = {"RESULTS.md": "RESULTS.template.md", "NOTEBOOK.md": "NOTEBOOK.template.md"}
+
+
+def write_results() -> list[Path]:
+    """Fills each template's markers with the tables and writes its page (commentary stays by hand)."""
     rendered = tables()
-    missing = [m for m in re.findall(r"<!-- table:([^ ]+) -->", template) if m not in rendered]
-    if missing:
-        raise SystemExit(f"no results for {missing}; run the benchmarks that produce them first")
-    text = re.sub(r"<!-- table:([^ ]+) -->", lambda m: rendered[m.group(1)], template)
-    out = Path(__file__).parent / "RESULTS.md"
-    out.write_text(text)
-    return out
+    written = []
+    for page, template_name in PAGES.items():
+        template = (Path(__file__).parent / template_name).read_text()
+        missing = [m for m in re.findall(r"<!-- table:([^ ]+) -->", template) if m not in rendered]
+        if missing:
+            raise SystemExit(f"no results for {missing} ({template_name}); run the benchmarks that produce them first")
+        out = Path(__file__).parent / page
+        out.write_text(re.sub(r"<!-- table:([^ ]+) -->", lambda m: rendered[m.group(1)], template))
+        written.append(out)
+    readme = Path(__file__).parents[1] / "README.md"
+    text = readme.read_text()
+    quoted = re.sub(
+        r"(<!-- results:([^ ]+) -->\n)(?:.*?\n)?(<!-- /results -->)",
+        lambda m: m.group(1) + rendered[m.group(2)] + "\n" + m.group(3),
+        text,
+        flags=re.S,
+    )
+    if quoted != text:
+        readme.write_text(quoted)
+        written.append(readme)
+    return written
 
 
 def main() -> None:
     if "--write" in sys.argv:
-        print(f"wrote {write_results()}")
+        print("wrote " + ", ".join(str(path) for path in write_results()))
         return
     for name, table in tables().items():
         print(f"### {name}\n\n{table}\n")

@@ -2,7 +2,7 @@
 
 The paper merges the adjacent pair whose layer inputs are most alike (cosine similarity). The quality issue's
 ablation showed where that costs on Qwen2.5-0.5B: the chosen pairs, run in parallel and not pruned at all (the best
-the pruning could do), already lose to SLEB's dropped layers on the out-of-domain text (benchmarks/RESULTS.md). So
+the pruning could do), already lose to SLEB's dropped layers on the out-of-domain text (benchmarks/NOTEBOOK.md). So
 these selections score each candidate merge by the next-token NLL of the whole stack with the candidate's block in
 place of its members, on the first calibration batches: greedy like the paper's Algorithm 1 (one merge per step,
 groups up to `max_group_size`), with SLEB's criterion in place of the similarity. The block is the method's choice

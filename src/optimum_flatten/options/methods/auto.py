@@ -11,7 +11,7 @@ from ...utils.errors import did_you_mean
 from ..corrections import COMPENSATIONS, ESTIMATORS, Corrections
 from ..hints import MethodConfig, parse_method_options
 
-#: Chosen by measurement (benchmarks/RESULTS.md, "At a glance" and the depth tables), on SmolLM2-135M at 6 of 30 and
+#: Chosen by measurement (benchmarks/NOTEBOOK.md, "At a glance" and the depth tables), on SmolLM2-135M at 6 of 30 and
 #: Qwen2.5-0.5B at 5 of 24, both evaluation texts. Six of these are the set measured as
 #: `auto_down_todays_flattengpt` on both models (1.345 / 2.006 and 1.122 / 1.144, the best training-free rows of both
 #: tables, choosing ReplaceMe with the down refit). The bridges refit the down projection (``+lstsq_down``), which

@@ -23,7 +23,7 @@ class FlattenGPTConfig(MethodConfig):
             built. ``"wide_loss"`` (not in the paper): the same greedy search scoring each candidate's wide block
             before pruning (cheaper: no candidate is pruned), which then prunes only the chosen groups
             (`flattengpt.loss_selection`). The similarity's pairs cost most out of domain on Qwen2.5-0.5B even
-            unpruned (benchmarks/RESULTS.md); these ask the calibration loss instead. The search costs about G²/2
+            unpruned (benchmarks/NOTEBOOK.md); these ask the calibration loss instead. The search costs about G²/2
             group runs and G LM heads per merge on the scored batches (G groups); ``"loss"`` adds FlattenGPT's
             per-group work for each of the L − 1 candidate pairs and holds their blocks (one layer each) until
             the plan is made.
@@ -43,7 +43,7 @@ class FlattenGPTConfig(MethodConfig):
             it). Also refit the kept heads' o_proj columns with the same ridge (Nyström) formula used for W_down, on
             the second moment of the o_proj input, so the kept heads absorb what the pruned heads wrote to the
             residual stream. On by default because it
-            measured better on SmolLM2-135M (benchmarks/RESULTS.md). Costs one (2·H·head_dim)² second moment per
+            measured better on SmolLM2-135M (benchmarks/NOTEBOOK.md). Costs one (2·H·head_dim)² second moment per
             group.
         head_selection: ``"importance"`` keeps the heads (KV groups) with the largest f_i (the paper);
             ``"reconstruction"`` (not in the paper; the default) keeps the KV groups whose o_proj output, after the
@@ -52,12 +52,12 @@ class FlattenGPTConfig(MethodConfig):
             a step, `select_kv_groups_by_reconstruction`). Implies the second moment of the o_proj input; use it
             with `attention_correction=True`. The default because, with the sequential target, it measured better
             than ``"importance"`` on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B
-            (benchmarks/RESULTS.md). ``"balanced"`` (not in the paper) keeps each member's best KV groups by f_i in
+            (benchmarks/NOTEBOOK.md). ``"balanced"`` (not in the paper) keeps each member's best KV groups by f_i in
             equal shares (the remainder to the members with the best next group), so no member loses its attention
-            altogether: an ablation of where the out-of-domain loss of the pruning comes from (benchmarks/RESULTS.md).
+            altogether: an ablation of where the out-of-domain loss of the pruning comes from (benchmarks/NOTEBOOK.md).
         mlp_correction: The paper's Nyström refit of W_down on the kept channels (True). False keeps the same
             channels (ridge leverage) and only slices W_down: the ablation that tells what the refit, fitted on the
-            calibration text, adds in and out of domain (benchmarks/RESULTS.md).
+            calibration text, adds in and out of domain (benchmarks/NOTEBOOK.md).
         attention_target: What the kept heads are refitted towards (and, with ``head_selection="reconstruction"``,
             chosen by). ``"parallel"`` (the paper's wide block): every member's attention on the group's input.
             ``"sequential"`` (not in the paper): the sum of what the members' attentions wrote in the original
@@ -65,7 +65,7 @@ class FlattenGPTConfig(MethodConfig):
             the wide block's heads all read the group's input, so this is a regression of one on the other, with
             the ridge pulling towards the kept heads' own o_proj. The default since it measured better than the
             paper's target on both evaluation texts of both SmolLM2-135M and Qwen2.5-0.5B, with either head
-            selection (benchmarks/RESULTS.md); ``attention_correction=False, head_selection="importance",
+            selection (benchmarks/NOTEBOOK.md); ``attention_correction=False, head_selection="importance",
             attention_target="parallel", mlp_target="parallel"`` reproduces the paper. Needs `attention_correction`
             or reconstruction (otherwise nothing is refitted). Costs one run of the group's original layers (the
             last up to its MLP norm) and a float32 copy of the calibration states per group.
@@ -75,7 +75,7 @@ class FlattenGPTConfig(MethodConfig):
             MLP's input residual (`flattengpt.attention_target.sequential_group_outputs`), so the MLP also absorbs
             what the merge and the attention pruning changed. The channels are chosen by leverage either way. The
             default since it measured better than the paper's refit on both evaluation texts of both SmolLM2-135M
-            and Qwen2.5-0.5B, with the sequential attention target (benchmarks/RESULTS.md). Costs one run of the
+            and Qwen2.5-0.5B, with the sequential attention target (benchmarks/NOTEBOOK.md). Costs one run of the
             group's original layers and a copy of the calibration states per group, and a float64 (g·i) × d cross
             moment; with the sequential attention target the same run serves both targets.
         attention_ridge_ratio: λ multiple for the attention refit and reconstruction; None uses `ridge_ratio`.
