@@ -22,7 +22,8 @@ import torch
 import tiny_models
 from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.cli.main import main
-from optimum_flatten.export.checkpoint import CHECKPOINT_PATTERNS, remove_leftovers
+from optimum_flatten.export.atomic import remove_leftovers
+from optimum_flatten.export.checkpoint import CHECKPOINT_PATTERNS
 from optimum_flatten.utils.errors import OutputDirectoryError
 
 TESTS = Path(__file__).parent

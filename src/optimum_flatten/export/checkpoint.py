@@ -1,4 +1,4 @@
-"""Atomic save of a compressed model as an ordinary transformers checkpoint.
+"""Saving a compressed model as an ordinary transformers checkpoint, atomically (`export.atomic` does the writing).
 
 Writing into an existing folder (``overwrite=True``) behaves like ``save_pretrained``: the files a checkpoint
 consists of are replaced and every other file in the folder is kept. Folders where that would still lose data
@@ -8,23 +8,31 @@ from) are refused with the reason before anything is written.
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from safetensors import SafetensorError
 from torch import nn
 
 from ..utils.errors import OutputDirectoryError
 from ..utils.offload import is_offloaded
+from .atomic import (
+    BACKUP,
+    STAGING,
+    check_writable,
+    disk_full_message,
+    follow_umask,
+    is_disk_full,
+    leftovers,
+    make_sibling,
+    move_into_place,
+    remove_leftovers,
+)
 from .model_card import method_sections, render_model_card
 
 if TYPE_CHECKING:
@@ -73,11 +81,6 @@ CHECKPOINT_PATTERNS = (
     CARD_NAME,
 )
 
-#: Hidden siblings of an output folder: ``.NAME.partial-PID-HEX`` (a save being written) and ``.NAME.old-PID-HEX``
-#: (the replaced files while they are swapped). A save killed mid-way leaves them; the next save removes those
-#: whose process is gone.
-_STAGING, _BACKUP = "partial", "old"
-
 
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file or folder name in a checkpoint folder is part of the checkpoint (see CHECKPOINT_PATTERNS)."""
@@ -113,7 +116,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
-    _check_writable(path)
+    check_writable(path)
     if not path.is_dir() or not any(path.iterdir()):
         return path
     reason = _refusal(path.resolve(), sources)
@@ -127,36 +130,6 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
             "overwrite=True (--overwrite on the command line) to replace its checkpoint files (other files are kept)."
         )
     return path
-
-
-def _check_writable(path: Path) -> None:
-    """Refuses an output path the save could not write, so that it is found before the compression runs.
-
-    The save writes a hidden sibling of `path` (in its parent, created if missing) and, over an existing folder,
-    renames files inside `path`. Both are tried with a probe folder made and removed at once: permission bits alone
-    do not tell (root ignores them; a read-only mount or an ACL refuses anyway).
-
-    Raises:
-        OutputDirectoryError: naming the folder that cannot be written and what to do.
-    """
-    import tempfile
-
-    ancestor = path.parent if str(path.parent) else Path(".")
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise OutputDirectoryError(
-            f"cannot create the output folder {str(path)!r}: {str(ancestor)!r} is a file; choose another path."
-        )
-    for folder in (ancestor, path) if path.is_dir() else (ancestor,):
-        try:
-            probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.probe-", dir=folder)
-        except OSError as error:
-            raise OutputDirectoryError(
-                f"cannot write the output folder {str(path)!r}: {str(folder)!r} is not writable "
-                f"({error.strerror or error}); choose an output folder where you can write, or fix the permissions."
-            ) from error
-        os.rmdir(probe)
 
 
 def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:
@@ -192,7 +165,7 @@ def _home_folders(path: Path) -> set[Path]:
 
 def _interrupted_swap(path: Path) -> bool:
     """A save killed while swapping files may have moved config.json out already: its backup still holds it."""
-    return any((leftover / "config.json").is_file() for leftover in _leftovers(path, _BACKUP))
+    return any((leftover / "config.json").is_file() for leftover in leftovers(path, BACKUP))
 
 
 def _model_sources(model: nn.Module) -> list[str]:
@@ -243,7 +216,7 @@ def save_compressed(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(path)
-        staging = _make_sibling(path, _STAGING)
+        staging = make_sibling(path, STAGING)
     except OSError as error:
         raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
     from ..adapters import get_adapter
@@ -273,8 +246,8 @@ def save_compressed(
             plot_layer_matrix(figure.matrix, figure.groups, staging / figure.file_name, figure.value_label)
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
-        _follow_umask(staging)
-        _move_into_place(staging, path)
+        follow_umask(staging)
+        move_into_place(staging, path, is_checkpoint_file)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         if is_disk_full(error):
@@ -289,16 +262,6 @@ def save_compressed(
     return path
 
 
-def is_disk_full(error: BaseException) -> bool:
-    """Whether `error` says the disk filled up: an OSError with ENOSPC (or EDQUOT, a full quota), or the
-    safetensors library's own error, which carries the OS message as text rather than an errno."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return isinstance(error, SafetensorError) and (
-        "No space left on device" in str(error) or "os error 28" in str(error)
-    )
-
-
 def exported_bytes(model: nn.Module) -> int:
     """Bytes of the tensors a checkpoint of `model` holds (tied weights once), the space a save needs at least."""
     seen: set[int] = set()
@@ -308,21 +271,6 @@ def exported_bytes(model: nn.Module) -> int:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
-
-
-def disk_full_message(path: Path, needed: int, existed: bool) -> str:
-    """One line for a save that ran out of space: what happened, what is on disk now, and how much to free.
-
-    The save writes into a hidden sibling first and removed it on the error, so the folder is exactly as it was:
-    the checkpoint that was there is intact, or nothing was written.
-    """
-    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
-    state = f"the checkpoint already in {str(path)!r} is intact" if existed else f"nothing was written to {str(path)!r}"
-    return (
-        f"the disk filled up while the checkpoint was written (No space left on device); {state}. The new "
-        f"checkpoint needs about {needed / 2**30:.2f} GiB of free space beside it ({free / 2**30:.2f} GiB free "
-        "now): free that much, or pass an --output on another disk, and save again."
-    )
 
 
 def method_checkpoint_writer(model: nn.Module) -> CheckpointWriter | None:
@@ -399,122 +347,3 @@ def add_v4_compat(directory: str | Path) -> list[str]:
             tokenizer_path.write_text(text, encoding="utf-8")
             added.append(f"tokenizer_config.json: tokenizer_class {known}")
     return added
-
-
-def remove_leftovers(path: str | Path) -> list[Path]:
-    """Removes the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` siblings that saves to `path` killed mid-way left.
-
-    Those of a save still running (its process is alive) are kept. Returns what was removed (also logged: a killed
-    save of a large model leaves gigabytes).
-    """
-    path = Path(path)
-    removed = []
-    for leftover in _leftovers(path, _STAGING) + _leftovers(path, _BACKUP):
-        if _owner_alive(leftover.name):
-            continue
-        shutil.rmtree(leftover, ignore_errors=True)
-        if not leftover.exists():
-            removed.append(leftover)
-    if removed:
-        logger.warning("removed leftovers of an interrupted save to %s: %s", path, ", ".join(p.name for p in removed))
-    return removed
-
-
-def _leftovers(path: Path, kind: str) -> list[Path]:
-    if not path.parent.is_dir():
-        return []
-    return sorted(p for p in path.parent.glob(f".{glob_escape(path.name)}.{kind}-*") if p.is_dir())
-
-
-def glob_escape(name: str) -> str:
-    """`name` with the glob metacharacters made literal (an output folder may be called ``run[1]``)."""
-    return re.sub(r"([*?[])", r"[\1]", name)
-
-
-def _owner_alive(name: str) -> bool:
-    """Whether the process that made the hidden sibling `name` (``.NAME.KIND-PID-HEX``) still runs."""
-    match = re.search(r"\.(?:partial|old)-(\d+)-[0-9a-f]+$", name)
-    if match is None or os.name != "posix":  # an older layout, or no signal 0 to ask with
-        return False
-    pid = int(match.group(1))
-    if pid == os.getpid():
-        return False  # this process runs one save at a time per path: a sibling of ours is an old failure
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
-
-
-def _make_sibling(path: Path, kind: str) -> Path:
-    """Creates the hidden folder ``.NAME.KIND-PID-HEX`` next to `path`, with the umask's mode (0755 under 022):
-    it becomes the output folder itself when `path` is new, and a save_pretrained folder has that mode."""
-    while True:
-        sibling = path.parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            sibling.mkdir(mode=0o777)
-            return sibling
-        except FileExistsError:
-            continue
-
-
-def _follow_umask(staging: Path) -> None:
-    """Gives every file and folder of the save the mode the umask gives a new one (0644 / 0755 under 022).
-
-    safetensors 0.8 writes its files 0600 (through a private temporary file), which would make the weights the one
-    unreadable part of a shared checkpoint. `staging` was made with mkdir(0777), so its mode is the umask's answer.
-    """
-    allowed = staging.stat().st_mode & 0o777
-    for item in staging.rglob("*"):
-        if item.is_symlink():
-            continue
-        mode = item.stat().st_mode & 0o777
-        wanted = allowed if item.is_dir() else (0o666 | (mode & 0o111)) & allowed
-        if mode != wanted:
-            item.chmod(wanted)
-
-
-def _move_into_place(staging: Path, path: Path) -> None:
-    """Makes the written checkpoint in `staging` the content of `path`, keeping `path`'s other files.
-
-    A new `path` is `staging` renamed: it appears complete or not at all. In an existing one each checkpoint file is
-    moved to a hidden backup and the new one renamed in, config.json last so that the folder keeps a config while
-    files are swapped; an error puts the old files back.
-    """
-    if not path.exists():
-        staging.rename(path)
-        return
-    new = sorted(p.name for p in staging.iterdir())
-    new.sort(key=lambda name: name == "config.json")  # a reader (or the next save) keeps finding a config.json
-    stale = sorted(p.name for p in path.iterdir() if p.name not in new and is_checkpoint_file(p.name))
-    try:
-        backup = _make_sibling(path, _BACKUP)
-    except OSError as error:
-        raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
-    moved_out: list[str] = []
-    moved_in: list[str] = []
-    try:
-        for name in stale:
-            (path / name).rename(backup / name)
-            moved_out.append(name)
-        for name in new:
-            if (path / name).exists() or (path / name).is_symlink():
-                (path / name).rename(backup / name)
-                moved_out.append(name)
-            (staging / name).rename(path / name)
-            moved_in.append(name)
-    except BaseException as error:
-        for name in reversed(moved_in):
-            (path / name).rename(staging / name)
-        for name in reversed(moved_out):
-            (backup / name).rename(path / name)
-        backup.rmdir()
-        if isinstance(error, OSError):
-            raise OutputDirectoryError(
-                f"cannot replace the checkpoint files in {str(path)!r} ({error.strerror or error}); it is unchanged."
-            ) from error
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
-    staging.rmdir()
