@@ -23,40 +23,25 @@ sharing after a plain reload.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from ...adapters.base import ArchitectureAdapter
-from ...calibration.capture import capture_module_inputs
 from ...calibration.states import (
-    COSINE_TOKEN_CEILING,
-    NLL_PAIR_FLOOR,
-    CalibratedStates,
     cosine_rows,
-    next_token_nll_terms,
-    next_token_pairs,
-)
-from ...ops.ffn_alignment import (
-    alignment_permutation,
-    alignment_signals,
-    average_mlps,
-    correlation_from_sums,
-    correlation_sums,
-    num_alignment_signals,
-    permute_mlp_units,
 )
 from ...options.methods.ffn_merge import FfnMergeConfig
 from ...plan import LayerPlan
 from ...utils.offload import is_offloaded
-from ...utils.torch_utils import count_parameters
 from ..base import CardSection, CompressionMethod, MethodContext
 from ..registry import register_method
-from .tying import Window, check_same_layout, read_mlp, retie_ffn_, tie_mlps_, write_mlp_
+from .footprint import parameter_footprint, parameters_text
+from .scoring import Resume, WindowScorer, merged_mlp
+from .tying import Window, check_same_layout, retie_ffn_, tie_mlps_, write_mlp_
 
 logger = logging.getLogger(__name__)
 
@@ -82,236 +67,6 @@ def check_windows_fit(num_layers: int, config: FfnMergeConfig) -> None:
             )
 
 
-# ------------------------------------------------------------------------------------------- calibration
-class WindowScorer:
-    """Cached calibration states of the original model, and the scoring of merged candidates on them.
-
-    One pass stores the input of every layer (``states``) and of every MLP (``mlp_inputs``), so alignment needs
-    no forward at all and a candidate window starting at s is run from the cached state at s: the prefix is never
-    recomputed. Memory: about 2 (L + 1) copies of the calibration hidden states.
-
-    The states, the suffix runs, the cosine and the next-token loss are the states engine's (`engine`); the scorer
-    adds the MLP inputs and the alignments.
-    """
-
-    def __init__(self, adapter: ArchitectureAdapter, context: MethodContext, config: FfnMergeConfig) -> None:
-        self.adapter = adapter
-        self.context = context
-        self.config = config
-        self.stack = context.stack
-        # Alignment and scoring on the first `scoring_batches` batches only.
-        self.engine = CalibratedStates.on_first_batches(
-            context.new_runner(adapter), adapter.layers(self.stack), context.batches, config.scoring_batches
-        )
-        self.runner = self.engine.runner
-        self.masks = self.engine.masks
-        self.batches = self.engine.batches
-        head = adapter.lm_head(self.stack) if config.selection == "nll" else None
-        self._head_weights = 0 if head is None else count_parameters(head)
-        self.layers = self.engine.layers
-        self.states, self.mlp_inputs = self._capture()
-        #: Final hidden states (after the final norm) of the original model, the reference for "cosine".
-        self.reference = self.finish(self.states[-1])
-        self._permutations: dict[tuple[int, int], torch.Tensor] = {}
-
-    def _capture(self) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        states, mlp_inputs = [self.engine.boundary(0)], []
-        num_layers = len(self.layers)
-        with self.context.timer("selection"), self.context.progress_bar(num_layers, "ffn capture") as bar:
-            for i in range(num_layers):
-                captured: list[torch.Tensor] = []
-                # The engine caches every boundary, so boundary i + 1 runs layer i once, here, under the capture.
-                with capture_module_inputs(self.adapter.block(self.stack, i).mlp.up.module, captured.append):
-                    states.append(self.engine.boundary(i + 1))
-                if len(captured) != self.runner.num_batches:
-                    raise RuntimeError(
-                        f"layer {i}'s MLP was called {len(captured)} times for {self.runner.num_batches} batches; "
-                        "ffn_merge expects one MLP call per layer call."
-                    )
-                mlp_inputs.append(captured)
-                bar.set_description(f"block {i + 1}/{num_layers}: ffn capture")
-                bar.update()
-        return states, mlp_inputs
-
-    # ---------------------------------------------------------------- alignment
-    def _tokens(self, layer: int, batch: int) -> torch.Tensor:
-        x = self.mlp_inputs[layer][batch]
-        mask = self.masks[batch].reshape(-1).to(x.device).bool()
-        return x.reshape(-1, x.shape[-1])[mask]
-
-    def correlation(self, anchor: int, member: int) -> torch.Tensor:
-        """(units, units) correlation between the anchor's and the member's units, averaged over the signals."""
-        return self.correlations(anchor, [member])[member]
-
-    def correlations(self, anchor: int, members: Sequence[int]) -> dict[int, torch.Tensor]:
-        """The correlation of every member's units with the anchor's, from one pass over the calibration batches.
-
-        Per batch, each layer's signals (gate and up pre-activations of a gated MLP) are computed once, and the
-        anchor's are shared by all members: a window of k layers costs k signal computations a batch, not
-        4 (k - 1) as pair by pair, one signal at a time. The sums are accumulated per signal in batch order and
-        averaged over the signals in signal order, exactly as the pairwise computation does, so the result is the
-        same to the last bit. Memory: per member, one (units x units) float64 sum per signal.
-        """
-        views = {i: self.adapter.block(self.stack, i).mlp for i in (anchor, *members)}
-        weights = {i: read_mlp(v) for i, v in views.items()}
-        signal = self.config.alignment_signal
-        num_signals = num_alignment_signals(weights[anchor], signal)
-        sums: dict[int, list[Any]] = {m: [None] * num_signals for m in members}
-        for b in range(len(self.masks)):
-            reference = alignment_signals(self._tokens(anchor, b), weights[anchor], signal, views[anchor].activation)
-            for member in members:
-                signals = alignment_signals(self._tokens(member, b), weights[member], signal, views[member].activation)
-                for s in range(num_signals):
-                    batch = correlation_sums(reference[s], signals[s])
-                    sums[member][s] = batch if sums[member][s] is None else sums[member][s] + batch
-                del signals
-            del reference
-        result = {}
-        for member in members:
-            total = None
-            for s in range(num_signals):
-                corr = correlation_from_sums(sums[member][s])
-                total = corr if total is None else total + corr
-            sums[member] = []  # frees the float64 sums before the next member's correlation is built
-            result[member] = total / num_signals
-        return result
-
-    def prepare_permutations(self, anchor: int, members: Sequence[int]) -> None:
-        """Computes the alignments of `members` to `anchor` that are not memoised yet, in one pass (see
-        `correlations`)."""
-        missing = [m for m in members if m != anchor and (anchor, m) not in self._permutations]
-        if not missing:
-            return
-        with self.context.timer("alignment"):
-            for member, corr in self.correlations(anchor, missing).items():
-                self._permutations[(anchor, member)] = alignment_permutation(corr)
-
-    def permutation(self, anchor: int, member: int) -> torch.Tensor:
-        """The alignment of `member`'s units to `anchor`'s (memoised: greedy rounds revisit the same pairs)."""
-        self.prepare_permutations(anchor, [member])
-        return self._permutations[(anchor, member)]
-
-    # ------------------------------------------------------------------ scoring
-    def finish(self, states: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        norm = self.adapter.final_norm(self.stack)
-        return [norm(h) if norm is not None else h for h in states]
-
-    def score(self, final: Sequence[torch.Tensor]) -> float:
-        """The selection criterion of a candidate's final hidden states (before the final norm)."""
-        if self.config.selection == "cosine":
-            return self.engine.mean_cosine(self.finish(final), self.reference, tokens="all")
-        # One row at a time (the logits of a whole batch, (batch, seq, vocab) in float64, were gigabytes and the
-        # log-softmax over a transposed batch half as fast); float64 as before, so close candidates stay apart.
-        self.context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in final)
-        return self.engine.next_token_nll(self.adapter, final, self.stack, dtype=torch.float64)
-
-    def better(self, a: float, b: float) -> bool:
-        """Whether score `a` beats score `b` (ties keep the earlier candidate)."""
-        return a > b if self.config.selection == "cosine" else a < b
-
-    def run_from(self, start: int, blocks: Mapping[int, nn.Module], states: Sequence[Sequence[torch.Tensor]]):
-        """Final states (before the final norm) when layers in `blocks` are replaced, from cached `states[start]`."""
-        with self.context.timer("selection"):
-            return self.engine.run_layers(range(start, len(self.layers)), states[start], dict(blocks))
-
-    # -------------------------------------------------------------- batch by batch (the search's own path)
-    @functools.cached_property
-    def score_count(self) -> int:
-        """What `score` averages over: real tokens ("cosine") or pairs of real tokens ("nll"), on every batch."""
-        if self.config.selection == "nll":
-            return next_token_pairs(self.batches)
-        return sum(
-            int(h.shape[0] * h.shape[1]) if m is None else int(m.bool().sum())
-            for h, m in zip(self.reference, self.masks, strict=True)
-        )
-
-    def score_terms(self, hidden: torch.Tensor, batch: int) -> Iterator[tuple[float, int]]:
-        """The terms `score` adds for one batch's final states, in its order: ``(sum, count)`` of the batch's token
-        cosines, or of each row's next-token losses (lazily, so a search that stops skips the later rows' LM head).
-
-        Summed from 0.0 in batch order and divided by the summed count, they give `score` to the last bit.
-        """
-        if self.config.selection == "cosine":
-            cos = cosine_rows(self.finish([hidden])[0], self.reference[batch], self.masks[batch], "all")
-            yield float(cos.sum()), cos.numel()
-            return
-        for term in next_token_nll_terms(self.adapter, hidden, self.batches[batch], self.stack, torch.float64):
-            self.context.extra_work += self._head_weights * hidden.shape[1]
-            yield term
-
-    def score_value(self, total: float, count: int) -> float:
-        """`score` from the summed terms (the same division, and the same refusal when nothing was scored)."""
-        if count == 0:
-            if self.config.selection == "cosine":
-                raise ValueError("no calibration token is unmasked: cannot compare states.")
-            raise ValueError("no pair of real tokens in the calibration batches: cannot score a next-token loss.")
-        return total / count
-
-    def score_bound(self, total: float, count: int) -> float:
-        """The best score a candidate can still reach after terms summing to `total` over `count` of the
-        `score_count` tokens or pairs: the rest counted at cosine 1 ("cosine", to `COSINE_TOKEN_CEILING`) or at
-        loss 0 ("nll", to `NLL_PAIR_FLOOR`). Rounding is monotone, so the score it ends with is never better."""
-        remaining = self.score_count - count
-        per_item = COSINE_TOKEN_CEILING if self.config.selection == "cosine" else NLL_PAIR_FLOOR
-        return (total + per_item * remaining) / self.score_count
-
-    def run_batch(
-        self, first: int, stop: int, blocks: Mapping[int, nn.Module], hidden: torch.Tensor, batch: int
-    ) -> torch.Tensor:
-        """Layers ``first .. stop - 1`` (those in `blocks` replaced) on one batch's states: bit for bit that batch's
-        entry of the same `run_from` over every batch."""
-        return self.engine.run_layers_on_batch(range(first, stop), hidden, batch, dict(blocks))
-
-
-class _Resume:
-    """Candidates' states entering one layer (``position``), per stack, window start and batch: left by a round for
-    the candidates below its winner, taken by the next round, which has that window merged from there on."""
-
-    def __init__(self, position: int = 0) -> None:
-        self.position = position
-        self._states: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def put(self, stack: str, start: int, batch: int, state: torch.Tensor) -> None:
-        self._states[(stack, start, batch)] = state
-
-    def take(self, stack: str, start: int, batch: int) -> torch.Tensor | None:
-        """The stored state (handed over once: the holder lets go of it), or None."""
-        return self._states.pop((stack, start, batch), None)
-
-
-def merged_mlp(
-    adapter: ArchitectureAdapter, stack: str, window: Window, config: FfnMergeConfig, scorer: WindowScorer | None
-):
-    """The averaged MLP of `window` (non-anchor members aligned first for the "permute" variant)."""
-    anchor = config.anchor_of(window)
-    if config.variant == "permute":
-        scorer.prepare_permutations(anchor, window)
-    members = []
-    for i in window:
-        weights = read_mlp(adapter.block(stack, i).mlp)
-        if config.variant == "permute" and i != anchor:
-            weights = permute_mlp_units(weights, scorer.permutation(anchor, i))
-        members.append(weights)
-    return average_mlps(members)
-
-
-def parameter_footprint(model: nn.Module) -> tuple[int, int]:
-    """(elements, bytes) of a model's unique parameters: tensors tied to one another count once.
-
-    Before `tie_mlps_` this is what ``model.safetensors`` holds and a plain `from_pretrained` loads (the stock format
-    has no way to say that two layers share one MLP, so each layer is written in full); after it, what the model
-    occupies in memory. ffn_merge reports both, so no number claims a saving the file does not have.
-    """
-    seen: set[int] = set()
-    elements = size = 0
-    for parameter in model.parameters():
-        if id(parameter) not in seen:
-            seen.add(id(parameter))
-            elements += parameter.numel()
-            size += parameter.numel() * parameter.element_size()
-    return elements, size
-
-
 def _room(num_layers: int, used: set[int], k: int) -> int:
     """How many windows of k adjacent layers still fit between the used layers (a simple upper bound for the
     later rounds: it ignores layout mismatches, which the later round reports)."""
@@ -322,30 +77,6 @@ def _room(num_layers: int, used: set[int], k: int) -> int:
         else:
             room, run = room + run // k, 0
     return room
-
-
-def _parameters_text(report: Mapping[str, Any]) -> str | None:
-    """The parameter counts as a plain reload has them: the file stores each shared MLP in full, so what it holds
-    (and a plain `from_pretrained` loads) comes first, then what `retie_ffn_` leaves in memory, so no reader takes
-    the smaller number for the checkpoint's size. Reports written before the method recorded its file count fall
-    back to the count before compression (this method changes no tensor shape). None without both counts."""
-    before, after = report.get("parameters_before"), report.get("parameters_after")
-    if not isinstance(before, int) or not isinstance(after, int):
-        return None
-    in_file = report.get("ffn_parameters_in_file", before)
-    in_memory = report.get("ffn_parameters_in_memory", after)
-    text = f"{before:,} -> {in_file:,} in the checkpoint (model.safetensors, and a plain from_pretrained)"
-    if in_memory != in_file:
-        text += f"; {in_memory:,} in memory after retie_ffn_"
-    file_bytes, memory_bytes = report.get("ffn_bytes_in_file"), report.get("ffn_bytes_in_memory")
-    if isinstance(file_bytes, int) and isinstance(memory_bytes, int):
-        text += f" (weights {_megabytes(file_bytes)} in the file"
-        text += f", {_megabytes(memory_bytes)} in memory after retie_ffn_)" if memory_bytes != file_bytes else ")"
-    return text
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:,.1f} MB"
 
 
 # ---------------------------------------------------------------------------------------------- the method
@@ -407,7 +138,7 @@ class FfnMergeMethod(CompressionMethod):
             f"- Feed-forward sublayers shared by layers {group['layers']} ({group.get('stack', 'decoder')})"
             for group in report["ffn_groups"]
         )
-        return CardSection(summary=summary, lines=lines, parameters=_parameters_text(report))
+        return CardSection(summary=summary, lines=lines, parameters=parameters_text(report))
 
     @property
     def _scorer(self) -> WindowScorer | None:
@@ -535,7 +266,7 @@ class FfnMergeMethod(CompressionMethod):
         states = {s: scorer.states for s, scorer in scorers.items()}
         rounds = []
         final_scores: dict[str, float] = {}
-        resume = _Resume()
+        resume = Resume()
         num_rounds = self.config.resolved_num_windows
         for round_index in range(num_rounds):
             still_to_place = num_rounds - round_index - 1
@@ -567,10 +298,10 @@ class FfnMergeMethod(CompressionMethod):
         committed: Mapping[str, Mapping[int, nn.Module]],
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         candidates: Sequence[Window],
-        resume: _Resume,
+        resume: Resume,
         keep: bool,
         round_index: int,
-    ) -> tuple[Window, dict[str, dict[int, nn.Module]], dict[str, float], list[dict], _Resume]:
+    ) -> tuple[Window, dict[str, dict[int, nn.Module]], dict[str, float], list[dict], Resume]:
         """Scores one round's candidates; returns the winner, its blocks and per-stack scores, every candidate's
         entry (in start order) and what the next round resumes from.
 
@@ -587,7 +318,7 @@ class FfnMergeMethod(CompressionMethod):
         values: dict[Window, tuple[float, dict[str, float]]] = {}
         best: Window | None = None
         best_blocks: dict[str, dict[int, nn.Module]] = {}
-        stored = _Resume()
+        stored = Resume()
         desc = f"window {round_index + 1}: scoring candidates"
         with first.context.progress_bar(len(candidates), desc) as bar:
             for window in sorted(candidates, reverse=True):
@@ -604,7 +335,7 @@ class FfnMergeMethod(CompressionMethod):
                     continue
                 values[window] = (value, by_stack)
                 if best is None or first.better(value, values[best][0]) or value == values[best][0]:
-                    best, best_blocks, stored = window, blocks, _Resume(window[0])
+                    best, best_blocks, stored = window, blocks, Resume(window[0])
                 del blocks  # only the best candidate's blocks stay alive
                 bar.update()
         winner = None
@@ -614,7 +345,7 @@ class FfnMergeMethod(CompressionMethod):
         assert winner is not None  # the first candidate scored is never stopped: nothing to stop it against
         if winner != best:  # only with scores that compare unequal to themselves (NaN): rebuild, resume nothing
             best_blocks = {s: self._candidate_blocks(adapter, s, [winner], scorer) for s, scorer in scorers.items()}
-            stored = _Resume()
+            stored = Resume()
         by_stack = values[winner][1]
         if self.config.shortlist is not None:
             winner, best_blocks, by_stack = self._rescore_shortlist(
@@ -660,9 +391,9 @@ class FfnMergeMethod(CompressionMethod):
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         window: Window,
         blocks: Mapping[str, Mapping[int, nn.Module]],
-        resume: _Resume,
+        resume: Resume,
         store_at: int | None,
-        stored: _Resume,
+        stored: Resume,
         against: tuple[Window, float] | None,
     ) -> tuple[float | None, dict[str, float] | None, float | None]:
         """The score with `window` merged on top of the committed windows (mean over the stacks) and each stack's
@@ -705,9 +436,9 @@ class FfnMergeMethod(CompressionMethod):
         modules: Mapping[int, nn.Module],
         states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
         window: Window,
-        resume: _Resume,
+        resume: Resume,
         store_at: int | None,
-        stored: _Resume,
+        stored: Resume,
         batch: int,
     ) -> torch.Tensor:
         """One batch's final states (before the final norm) with `modules` in place, from the window's start or
