@@ -169,7 +169,7 @@ def test_compress_warns_once_when_a_merge_raises_the_calibration_loss_past_the_b
     """LaCo with a searched threshold (what an older refusal advised) reaches any target; the CLI then says, after
     the summary and once, that the merged model's calibration loss rose past ln 2 (here the bound is lowered so that
     the tiny model's rise passes it)."""
-    from optimum_flatten.methods import stack_search
+    from optimum_flatten.methods.laco import search as stack_search
 
     model_path, data = tiny_checkpoint
     arguments = ["compress", str(model_path), "--method", "laco", "--threshold", "none", "--window-size", "2"]

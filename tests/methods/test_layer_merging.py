@@ -307,7 +307,7 @@ def _calibration_nll(model, batches):
 @pytest.mark.parametrize("method", ["laco", "sliding_window"])
 def test_searched_threshold_records_the_calibration_loss_of_the_merged_model(method, monkeypatch):
     from optimum_flatten.calibration import build_calibration_batches
-    from optimum_flatten.methods import stack_search
+    from optimum_flatten.methods.laco import search as stack_search
 
     model = tiny_models.tiny_llama_gqa()
     original = copy.deepcopy(model)

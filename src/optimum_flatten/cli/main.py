@@ -847,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # The merge methods' loss check logs its warning for API users; the commands print it from the report, once,
     # after their summary, instead of in the middle of the progress output.
-    merge_logger = logging.getLogger("optimum_flatten.methods.stack_search")
+    merge_logger = logging.getLogger("optimum_flatten.methods.laco.search")
     level = merge_logger.level
     merge_logger.setLevel(logging.ERROR)
     try:

@@ -1,5 +1,5 @@
-"""How: one module per compression method (a package for a method of several steps: LayerCollapse), each
-registered by name."""
+"""How: one module per compression method, or one package for a method of several parts (FlattenGPT, ffn_merge,
+LaCo and the merge search Sliding-Window Merging reuses, LayerCollapse), each registered by name."""
 
 from __future__ import annotations
 

@@ -86,9 +86,7 @@ def methods_for(capabilities: frozenset[str] | set[str]) -> list[str]:
     Refusals use it to name the alternatives; adapters never look methods up themselves (they sit below them).
     """
     return [
-        name
-        for name in registered_methods()
-        if set(get_method_class(name).required_capabilities) <= set(capabilities)
+        name for name in registered_methods() if set(get_method_class(name).required_capabilities) <= set(capabilities)
     ]
 
 

@@ -15,14 +15,14 @@ only with ``merge_rule="reference_code"``.
 from __future__ import annotations
 
 from ..options.methods.sliding_window import SlidingWindowConfig
-from .registry import register_method
-from .stack_search import (
+from .laco import (
     Group,
     ParameterMergeMethod,
     StackEvaluator,
     identity_stack,
     merge_positions,
 )
+from .registry import register_method
 
 
 @register_method("sliding_window")

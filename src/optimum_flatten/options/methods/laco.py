@@ -1,5 +1,5 @@
 """LaCo's options: a torch-free declaration, read by `FlattenConfig`, the command line and the method
-(methods/laco.py).
+(methods/laco/).
 """
 
 from __future__ import annotations

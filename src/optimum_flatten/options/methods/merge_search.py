@@ -1,4 +1,4 @@
-"""The options LaCo and sliding-window merging share: a torch-free declaration (methods/stack_search.py searches)."""
+"""The options LaCo and sliding-window merging share: a torch-free declaration (methods/laco/search.py searches)."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ down by `interval`, otherwise by one layer. It stops when the requested number o
 
 from __future__ import annotations
 
-from ..options.methods.laco import LaCoConfig
-from .registry import register_method
-from .stack_search import (
+from ...options.methods.laco import LaCoConfig
+from ..registry import register_method
+from .search import (
     Group,
     ParameterMergeMethod,
     StackEvaluator,

@@ -1,4 +1,4 @@
-"""Shared machinery of the methods that search over candidate stacks (LaCo, Sliding-Window Merging, SLEB).
+"""The search over candidate merged stacks that LaCo introduced and Sliding-Window Merging shares.
 
 A candidate stack is an ordered list of groups of original layer indices: a group of one is the original layer,
 a larger group is those layers merged by parameters. The evaluator caches the original model's input to every
@@ -17,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import CalibratedStates
-from ..ops import MERGE_RULES
-from ..plan import LayerPlan
-from ..utils.offload import dispatch_like
-from ..utils.torch_utils import count_parameters
-from .base import CardSection, CompressionMethod, MethodContext
+from ...adapters.base import ArchitectureAdapter
+from ...calibration.states import CalibratedStates
+from ...ops import MERGE_RULES
+from ...plan import LayerPlan
+from ...utils.offload import dispatch_like
+from ...utils.torch_utils import count_parameters
+from ..base import CardSection, CompressionMethod, MethodContext
 
 logger = logging.getLogger(__name__)
 
