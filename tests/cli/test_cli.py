@@ -172,7 +172,7 @@ def test_compress_warns_once_when_a_merge_raises_the_calibration_loss_past_the_b
     from optimum_flatten.methods.laco import search as stack_search
 
     model_path, data = tiny_checkpoint
-    arguments = ["compress", str(model_path), "--method", "laco", "--threshold", "none", "--window-size", "2"]
+    arguments = ["compress", str(model_path), "--method", "laco", "--laco-threshold", "none", "--window-size", "2"]
     arguments += ["--num-layers-to-remove", "2", "--dataset", str(data), "--nsamples", "8", "--seqlen", "24"]
     assert main([*arguments, "--output", str(tmp_path / "a"), "--no-progress"]) == 0
     report = json.loads((tmp_path / "a" / "flatten_report.json").read_text())
@@ -441,13 +441,13 @@ def test_linear_replacement_and_replaceme_options_reach_the_config():
     [("replaceme", "loss"), ("flattengpt", "loss"), ("flattengpt", "wide_loss"), ("ffn_merge", "nll")],
 )
 def test_an_option_several_methods_share_takes_each_methods_own_values(method, value):
-    """`--selection` is an option of ffn_merge, ReplaceMe and FlattenGPT with other values each: every method's
-    values parse, and the method's config is what checks them."""
+    """`selection` means something else in ffn_merge, ReplaceMe and FlattenGPT: each has its own flag
+    (``--<method>-selection``), which reaches that method's config, and the config is what checks the value."""
     from optimum_flatten import FlattenConfig
     from optimum_flatten.cli.main import build_parser
     from optimum_flatten.cli.options import config_kwargs
 
-    argv = ["compress", "m", "--output", "o", "--method", method, "--selection", value]
+    argv = ["compress", "m", "--output", "o", "--method", method, f"--{method.replace('_', '-')}-selection", value]
     if method != "ffn_merge":
         argv += ["--num-layers-to-remove", "2"]
     kwargs = config_kwargs(build_parser().parse_args(argv))
@@ -455,9 +455,40 @@ def test_an_option_several_methods_share_takes_each_methods_own_values(method, v
     assert FlattenConfig(**kwargs).method_config.selection == value
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--method", "replaceme", "--selection", "loss"], "for --method replaceme say --replaceme-selection loss"),
+        (["--method", "shortgpt", "--selection", "loss"], "--method shortgpt has no such option"),
+        (["--method", "laco", "--threshold", "0.5"], "for --method laco say --laco-threshold 0.5"),
+        (
+            ["--method", "replaceme", "--flattengpt-selection", "loss"],
+            "--flattengpt-selection is an option of flattengpt",
+        ),
+    ],
+)
+def test_options_that_mean_different_things_per_method_are_refused_unqualified(argv, expected, tmp_path, capsys):
+    """The plain spelling of a namespaced option, and another method's namespaced flag, are refused in one line that
+    names the flag meant, before anything loads."""
+    out = tmp_path / "o"
+    assert main(["compress", "m", "--output", str(out), "--num-layers-to-remove", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_only_options_declared_differently_are_namespaced():
+    from optimum_flatten.cli.options import namespaced_options
+    from optimum_flatten.methods.registry import registered_methods
+
+    assert namespaced_options(registered_methods()) == {"selection", "threshold"}
+
+
 def test_a_shared_options_value_of_another_method_is_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):
     argv = ["compress", str(tiny_checkpoint), "--output", str(tmp_path / "o"), "--num-layers-to-remove", "2"]
-    assert main([*argv, "--selection", "nll"]) == 2  # ffn_merge's value, FlattenGPT's option
+    with pytest.raises(SystemExit) as exit_info:  # ffn_merge's value for FlattenGPT's option: argparse's choices
+        main([*argv, "--flattengpt-selection", "nll"])
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "selection must be one of 'similarity', 'loss', 'wide_loss'" in err and len(err.splitlines()) == 1
+    assert "--flattengpt-selection: invalid choice: 'nll'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()

@@ -351,12 +351,44 @@ def test_no_dataset_is_refused_first_and_alone(dense, tmp_path, capsys, no_loadi
 ARGUMENT_ERRORS = [
     ["compress", "{model}", "--num-layers-to-remove", "2", "--dataset", "{data}", "--output", "{out}", "--thresh", "1"],
     ["compress", "{model}", "--num-layers-to-remove", "2", "--dataset", "{data}", "--outptu", "{out}"],
-    ["compress", "{model}", "--num-layers-to-remove", "2", "--dataset", "{data}", "--output", "{out}", "--nsamples",
-     "0"],
-    ["compress", "{model}", "--num-layers-to-remove", "2", "--dataset", "{data}", "--output", "{out}", "--method",
-     "shortgpt", "--max-group-size", "3"],
-    ["compress", "{model}", "--num-layers-to-remove", "2", "--dataset", "{data}", "--output", "{out}",
-     "--max-group-size", "0"],
+    [
+        "compress",
+        "{model}",
+        "--num-layers-to-remove",
+        "2",
+        "--dataset",
+        "{data}",
+        "--output",
+        "{out}",
+        "--nsamples",
+        "0",
+    ],
+    [
+        "compress",
+        "{model}",
+        "--num-layers-to-remove",
+        "2",
+        "--dataset",
+        "{data}",
+        "--output",
+        "{out}",
+        "--method",
+        "shortgpt",
+        "--max-group-size",
+        "3",
+    ],
+    [
+        "compress",
+        "{model}",
+        "--num-layers-to-remove",
+        "2",
+        "--dataset",
+        "{data}",
+        "--output",
+        "{out}",
+        "--max-group-size",
+        "0",
+    ],
     ["evaluate", "{model}", "--seqlen", "many"],
     ["recover", "{model}", "--dataset", "{data}", "--output", "{out}", "--mode", "everything"],
     ["estimate", "{model}", "--num-layers-to-remove", "2", "--method", "nonesuch"],
@@ -401,8 +433,23 @@ def test_a_local_source_is_never_named_by_its_path_in_the_saved_checkpoint(dense
     `--push-to-hub` must not publish the user's directory layout."""
     model, data = dense
     out = tmp_path / "out"
-    argv = ["compress", str(model), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset", str(data),
-            "--nsamples", "4", "--seqlen", "32", "--no-progress", "--output", str(out)]
+    argv = [
+        "compress",
+        str(model),
+        "--method",
+        "shortgpt",
+        "--num-layers-to-remove",
+        "1",
+        "--dataset",
+        str(data),
+        "--nsamples",
+        "4",
+        "--seqlen",
+        "32",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
     assert main(argv) == 0
     texts = {p.name: p.read_text(errors="replace") for p in out.iterdir() if p.suffix in (".json", ".md", ".txt")}
     assert "README.md" in texts and "flatten_report.json" in texts

@@ -212,8 +212,11 @@ def _summary(report: dict[str, Any]) -> str:
         if "objective" in before and "objective" in after:
             held_out = f", held-out objective {before['objective']:.4f} -> {after['objective']:.4f}"
         rows.append(
-            ("healing", f"{healing['mode']} on {healing['tokens_trained']} tokens ({healing['loss']}){held_out}, "
-             f"{healing['gate']}")
+            (
+                "healing",
+                f"{healing['mode']} on {healing['tokens_trained']} tokens ({healing['loss']}){held_out}, "
+                f"{healing['gate']}",
+            )
         )
     return _table(rows, ("", "value"))
 

@@ -40,21 +40,37 @@ def _add_dataclass_fields(
     seen: set[str],
     shared: dict[str, list[str]] | None = None,
     helps: dict[str, str] | None = None,
+    method: str | None = None,
+    namespaced: frozenset[str] = frozenset(),
 ) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in seen or typing.get_origin(hints[f.name]) is dict:  # dict fields stay API-only
+        if typing.get_origin(hints[f.name]) is dict:  # dict fields stay API-only
+            continue
+        convert, choices = option_converter(hints[f.name])
+        if f.name in namespaced and method is not None:
+            help_text = (_HELP if helps is None else helps).get(f.name, f"{cls.__name__}.{f.name}")
+            group.add_argument(
+                _namespaced_flag(method, f.name),
+                dest=_namespaced_dest(method, f.name),
+                metavar=None if choices else f.name.upper(),
+                type=convert,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                help=f"{help_text} (default: {f.default!r}; other methods' --{f.name.replace('_', '-')} means "
+                "something else)",
+            )
+            continue
+        if f.name in seen:
             continue
         seen.add(f.name)
-        convert, choices = option_converter(hints[f.name])
         owners = (shared or {}).get(f.name, [])
         if len(owners) > 1:
-            choices = _shared_choices(f.name, owners)
             group.add_argument(
                 f"--{f.name.replace('_', '-')}",
                 dest=f.name,
                 type=convert,
-                choices=choices,
+                choices=choices,  # declared alike by every owner (see namespaced_options)
                 default=argparse.SUPPRESS,
                 help=f"option of the methods {', '.join(owners)} (its default depends on --method)",
             )
@@ -70,18 +86,89 @@ def _add_dataclass_fields(
         )
 
 
-def _shared_choices(name: str, owners: Sequence[str]) -> list[Any] | None:
-    """The choices of an option several methods have: every owner's, in order (``--selection`` is ffn_merge's
-    cosine/nll, ReplaceMe's distance/loss and FlattenGPT's similarity/loss/wide_loss); None when any owner takes a
-    free value. The method's own config checks the value against its own choices."""
-    union: list[Any] = []
-    for owner in owners:
-        hint = typing.get_type_hints(get_config_class(owner))[name]
-        choices = option_converter(hint)[1]
-        if choices is None:
-            return None
-        union += [c for c in choices if c not in union]
-    return union
+#: Prefix of the attribute a namespaced flag stores its value under (``--flattengpt-selection`` ->
+#: ``method_option:flattengpt:selection``), until `resolve_namespaced_options` hands it to the chosen method.
+_NAMESPACED = "method_option"
+#: Attribute the refused plain spelling of a namespaced option (``--selection``) stores under.
+_BARE = "bare_option"
+
+
+def _namespaced_flag(method: str, name: str) -> str:
+    return f"--{method.replace('_', '-')}-{name.replace('_', '-')}"
+
+
+def _namespaced_dest(method: str, name: str) -> str:
+    return f"{_NAMESPACED}:{method}:{name}"
+
+
+def _owners(methods: Sequence[str]) -> dict[str, list[str]]:
+    """Option name -> the methods (of `methods`) whose config declares it."""
+    owners: dict[str, list[str]] = {}
+    for name in methods:
+        for f in dataclasses.fields(get_config_class(name)):
+            owners.setdefault(f.name, []).append(name)
+    return owners
+
+
+def namespaced_options(methods: Sequence[str]) -> frozenset[str]:
+    """Options several methods declare with different types: their values mean different things per method
+    (``selection`` is ffn_merge's cosine/nll, ReplaceMe's distance/loss and FlattenGPT's similarity/loss/wide_loss;
+    ``threshold`` is LaCo's similarity and LayerCollapse's linearity bound), so each method's has its own flag,
+    ``--<method>-<option>``. Options declared alike (``--window-size``, ``--scoring-batches``) stay one flag."""
+    namespaced = set()
+    for name, owners in _owners(methods).items():
+        kinds = {str(typing.get_type_hints(get_config_class(owner))[name]) for owner in owners}
+        if len(owners) > 1 and len(kinds) > 1:
+            namespaced.add(name)
+    return frozenset(namespaced)
+
+
+def _add_method_groups(parser: argparse.ArgumentParser, methods: Sequence[str], seen: set[str]) -> None:
+    """One group per method; namespaced options get ``--<method>-<option>`` and their plain spelling is kept only
+    to be refused with the right flag named (`resolve_namespaced_options`)."""
+    shared = _owners(methods)
+    namespaced = namespaced_options(methods)
+    for name in methods:
+        cls = get_config_class(name)
+        _add_dataclass_fields(
+            parser.add_argument_group(f"{name} options"), cls, seen, shared, method=name, namespaced=namespaced
+        )
+    for option in sorted(namespaced - seen):
+        parser.add_argument(
+            f"--{option.replace('_', '-')}", dest=f"{_BARE}:{option}", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
+
+
+def resolve_namespaced_options(args: argparse.Namespace) -> None:
+    """Hands ``--<method>-<option>`` to the option of `args.method`; refuses the plain spelling of a namespaced
+    option and another method's namespaced flag, naming the flag meant (one line, before anything loads).
+
+    Raises:
+        ValueError: one line with the flag to use.
+    """
+    given = dict(vars(args))
+    for key, value in given.items():
+        if key.startswith(f"{_BARE}:"):
+            option = key.split(":", 1)[1]
+            flag = option.replace("_", "-")
+            owners = _owners(registered_methods()).get(option, [])
+            if args.method in owners:
+                hint = f"for --method {args.method} say {_namespaced_flag(args.method, option)} {value}"
+            else:
+                hint = f"--method {args.method} has no such option"
+            spelled = ", ".join(_namespaced_flag(owner, option) for owner in owners)
+            raise ValueError(f"--{flag} means something else in each method ({spelled}); {hint}.")
+    for key, value in given.items():
+        if not key.startswith(f"{_NAMESPACED}:"):
+            continue
+        _, method, option = key.split(":", 2)
+        if method != args.method:
+            raise ValueError(
+                f"{_namespaced_flag(method, option)} is an option of {method}, not of --method {args.method}; "
+                f"pick --method {method}, or drop it."
+            )
+        delattr(args, key)
+        setattr(args, option, value)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,13 +176,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     add_request_arguments(parser)
     seen: set[str] = set()
     _add_dataclass_fields(parser.add_argument_group("calibration"), CalibrationConfig, seen)
-    shared: dict[str, list[str]] = {}
-    for name in registered_methods():
-        for f in dataclasses.fields(get_config_class(name)):
-            shared.setdefault(f.name, []).append(name)
-    for name in registered_methods():
-        cls = get_config_class(name)
-        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
+    _add_method_groups(parser, registered_methods(), seen)
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,21 +216,15 @@ def add_method_arguments(parser: argparse.ArgumentParser, methods: Sequence[str]
     For a command that serves some of the methods (``estimate``): the flags keep their names and conversions, and
     `check_method_options` still names the method an option belongs to. Fields named in `skip` are left to the caller.
     """
-    seen: set[str] = set(skip)
-    shared: dict[str, list[str]] = {}
-    for name in methods:
-        for f in dataclasses.fields(get_config_class(name)):
-            shared.setdefault(f.name, []).append(name)
-    for name in methods:
-        cls = get_config_class(name)
-        _add_dataclass_fields(parser.add_argument_group(f"{name} options"), cls, seen, shared)
+    _add_method_groups(parser, methods, set(skip))
 
 
 def method_flags(method: str) -> list[str]:
     """The command-line flags of `method`'s own options (its config fields), in declaration order."""
     hints = typing.get_type_hints(get_config_class(method))
+    namespaced = namespaced_options(registered_methods())
     return [
-        f"--{f.name.replace('_', '-')}"
+        _namespaced_flag(method, f.name) if f.name in namespaced else f"--{f.name.replace('_', '-')}"
         for f in dataclasses.fields(get_config_class(method))
         if typing.get_origin(hints[f.name]) is not dict and f.name not in _CALIBRATION_NAMES
     ]
@@ -164,6 +239,7 @@ def check_method_options(args: argparse.Namespace) -> None:
     Raises:
         ValueError: one line, before anything is loaded.
     """
+    resolve_namespaced_options(args)
     method = args.method
     own = {f.name for f in dataclasses.fields(get_config_class(method))}
     given = {k for k in vars(args) if k not in own and k not in _CALIBRATION_NAMES}
@@ -205,6 +281,7 @@ def check_declared_options(args: argparse.Namespace) -> None:
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The FlattenConfig keyword arguments given on the command line (``--heal-*`` gathered into ``heal``)."""
+    resolve_namespaced_options(args)
     names = {f.name for f in dataclasses.fields(RequestOptions)}
     names |= {f.name for f in dataclasses.fields(CalibrationConfig)}
     for method in registered_methods():
