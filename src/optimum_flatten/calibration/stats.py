@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..utils import flops
+
 
 @contextmanager
 def tf32_matmul(enabled: bool) -> Iterator[None]:
@@ -63,7 +65,9 @@ class SecondMoment:
         n = flat.shape[0]
         if n == 0:
             return
+        dim = flat.shape[1]
         if flat.dtype == torch.float64:
+            flops.record(flops.gram(n, dim), "float64")
             self.sum.addmm_(flat.T, flat)
         else:
             total = float64_column_sum(flat)
@@ -71,6 +75,7 @@ class SecondMoment:
             centred = flat.float() - centre
             m = centre.double()
             # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
+            flops.record(flops.gram(n, dim), flops.precision_of("float32", self.tf32))
             with tf32_matmul(self.tf32 and self.sum.device.type == "cuda"):
                 product = centred.T @ centred
             self.sum.add_(product)
@@ -137,6 +142,7 @@ class CentredSecondMoment:
         if self.centre is None:
             self.centre = (total / n).float()
         self.total.add_(total)
+        flops.record(flops.gram(n, flat.shape[1]), flops.precision_of("float32", self.tf32))
         with tf32_matmul(self.tf32 and self.scatter.device.type == "cuda"):
             for chunk in flat.split(self.chunk_tokens):
                 centred = chunk.float() - self.centre
@@ -209,6 +215,7 @@ class CrossMoment:
         if mask is not None:
             keep = mask.reshape(-1).bool()
             xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
+        flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
         for start in range(0, xs.shape[0], self.chunk_tokens):
             a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
             b = ys[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)

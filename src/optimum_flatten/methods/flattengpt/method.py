@@ -51,6 +51,7 @@ from ...ops.ridge import (
 )
 from ...options.methods.flattengpt import FlattenGPTConfig
 from ...plan import LayerPlan
+from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
 from ..base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
@@ -578,6 +579,7 @@ class FlattenGPTMethod(CompressionMethod):
         else:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`): C[K, R] is not read
             kept = kept_block(stats.block, keep, down_rows.device)
             stats.release()
+            flops.record(flops.product(keep.numel(), keep.numel(), down_rows.shape[1]), "float64")
             cross = target[keep.to(target.device)].to(kept.device) - kept @ down_rows[keep].double()
         factor = ridge_factor(kept, lam)
         del kept  # the solve copies the factor once more (column-major): the block would be a third k x k
@@ -612,6 +614,7 @@ def select_kv_groups_by_reconstruction(
     if math.comb(len(groups), num_keep) <= MAX_EXHAUSTIVE_SUBSETS:
         return list(min(itertools.combinations(groups, num_keep), key=error))
     if target is None:  # the wide block's own output t = a W: S = C W, E‖t‖² = tr(Wᵀ C W)
+        flops.record(flops.product(o_rows.shape[0], o_rows.shape[0], o_rows.shape[1]), "float64")
         cross = second_moment.double() @ o_rows.double()
         target = (cross, float((o_rows.double() * cross).sum()))
     blocks = {g: torch.tensor(geometry.head_channels(geometry.query_heads_of([g]))) for g in groups}
