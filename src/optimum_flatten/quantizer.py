@@ -390,6 +390,7 @@ def compute_cost(
             "dense_forwards": round(total / dense_forward_flops, 4),
             "flops": total,
             "host_reads": sum(count.host_reads(p) for p in ("plan", "apply", "export_prep")),
+            "launches": sum(count.launches(p) for p in ("plan", "apply", "export_prep")),
             "dense_forward_flops": dense_forward_flops,
             "unit": "one dense forward of the original stack over the calibration tokens (2 x weights x tokens + "
             "attention's token-pair products)",

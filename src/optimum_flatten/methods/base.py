@@ -18,6 +18,7 @@ from ..config import MethodConfig
 from ..plan import LayerPlan
 from ..utils.flops import ArithmeticCount
 from ..utils.torch_utils import synchronize
+from .compute import ComputeModel
 from .workspace import WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,14 @@ class CompressionMethod(ABC):
         the terms each holds at its peak, the stack passes, whether those are a bound, and notes (see
         `methods.workspace` and `optimum_flatten.estimate`). None (the default): the method has none, and the
         estimate refuses it, naming the methods that have one.
+        """
+        return None
+
+    @classmethod
+    def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
+        """The method's compute model for `optimum-flatten estimate` removing `n` layers: per timed phase, the stack
+        passes it runs and the arithmetic its ops record (`methods.compute`). None (the default): only the total
+        stack passes of `workspace` are known, and `estimate --device` predicts the total time alone.
         """
         return None
 

@@ -178,6 +178,7 @@ def _jittered_factor(
     growth; `shift` is a ridge). The diagonal is shifted in place and restored (`cholesky_shifted_in_place`): the
     factor is the only (dim x dim) matrix it allocates."""
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
+    flops.record_host_reads(1)
     if relative_jitter is None:
         relative_jitter = gram.shape[0] * torch.finfo(torch.float64).eps
     jitters, jitter = [], relative_jitter * scale

@@ -148,6 +148,7 @@ def ridge_reconstruction_error(
     products = flops.product(k, r, hidden) + flops.product(hidden, r, r) + flops.product(hidden, r, hidden)
     flops.record(products + flops.product(k, k, hidden), "float64")
     flops.record(flops.cholesky_solve(k, hidden), "float64", "factorisation")
+    flops.record_host_reads(1)
     return float(full - 2 * (delta * cross).sum() + (delta * (c_kk @ delta)).sum())
 
 
@@ -204,6 +205,10 @@ def ridge_target_error(
     return float(target_energy - 2 * (refit * cross.double()[keep]).sum() + (refit * (c_kk @ refit)).sum())
 
 
+#: Kernels `ridge_block_removal_errors` launches for each block it scores (counted from its code).
+REMOVAL_LAUNCHES = 34
+
+
 def ridge_block_removal_errors(
     second_moment: torch.Tensor,
     cross: torch.Tensor,
@@ -249,7 +254,10 @@ def ridge_block_removal_errors(
         products = flops.product(j, j, hidden) + flops.product(j, k, j) + flops.product(j, j, j)
         flops.record(products + 2 * flops.product(j, j, hidden), "float64")
         flops.record(flops.cholesky_solve(j, hidden), "float64", "factorisation")
+        # Each removal is about 34 small ops (the J × J factor with its jitter bookkeeping, the products, the sums),
+        # and five scalars read back, so launches and reads, not flops, set its time at a few hundred channels.
         flops.record_host_reads(5)
+        flops.record_launches(REMOVAL_LAUNCHES)
         p_jj = inverse[span, span]
         z = torch.cholesky_solve(refit[span], _shifted_cholesky(p_jj.clone(), 0.0)[0])  # P_JJ⁻¹ W*_J
         # tr(B_K'ᵀ W') = tr(Bᵀ W*) − tr(B_Jᵀ W*_J) − ⟨W*_J − P_JJ B_J, Z⟩  (P_K'Jᵀ B_K' = W*_J − P_JJ B_J)

@@ -19,7 +19,8 @@ Conventions (the usual LAPACK operation counts, multiply and add each one flop):
   `cholesky_inverse` solves against the identity; LAPACK's potri would do 2n³/3, so this counts what the GPU does);
 - elementwise work (centring, casts, norms, masks) is not counted: it moves memory and is a small part of the
   products it feeds; each scalar read of a device tensor into Python (`float(t[i])` in a loop) is counted apart,
-  as ``host_reads``: each one waits for the device, which the flops cannot show.
+  as ``host_reads``: each one waits for the device, which the flops cannot show; so are the kernels of a Python
+  loop over small blocks (``launches``), where each op's launch costs more than its arithmetic.
 
 The precision is the one the arithmetic runs in as the options ask for it (``"tf32"`` when TF32 products are
 requested, even on a CPU that has none): what a GPU would run, which is what the count is for.
@@ -41,8 +42,11 @@ from typing import Any
 #: The precisions the arithmetic is counted in (the device presets give a peak for each).
 PRECISIONS = ("bfloat16", "float16", "tf32", "float32", "float64")
 #: What the arithmetic is: a matrix product (GEMM), a factorisation or triangular solve (less parallel, slower per
-#: flop on every device), or scalar reads into Python (counted in reads, not flops).
-KINDS = ("product", "factorisation", "host_reads")
+#: flop on every device); and, counted in events rather than flops, scalar reads into Python and the launches of
+#: small kernels in a Python loop (where the launch, not the work, sets the time).
+KINDS = ("product", "factorisation", "host_reads", "launches")
+#: The kinds counted in events, not flops.
+EVENT_KINDS = ("host_reads", "launches")
 
 
 def product(m: int, k: int, n: int) -> int:
@@ -101,6 +105,8 @@ class ArithmeticCount:
     open: list[str] = field(default_factory=list)
 
     def add(self, flops: float, precision: str, kind: str = "product") -> None:
+        if not flops:
+            return
         for name in dict.fromkeys(self.open):  # a phase opened twice (re-entered) counts once
             kinds = self.phases.setdefault(name, {})
             by_precision = kinds.setdefault(kind, {})
@@ -126,6 +132,9 @@ class ArithmeticCount:
     def host_reads(self, phase: str) -> float:
         return sum(self.phases.get(phase, {}).get("host_reads", {}).values())
 
+    def launches(self, phase: str) -> float:
+        return sum(self.phases.get(phase, {}).get("launches", {}).values())
+
     def to_dict(self, unit_flops: float | None = None) -> dict[str, Any]:
         """Per phase: flops by kind and precision, and, given `unit_flops`, the flops in that unit."""
         result: dict[str, Any] = {}
@@ -138,7 +147,7 @@ class ArithmeticCount:
 
 
 def _flops_of(kinds: dict[str, dict[str, float]]) -> float:
-    return sum(v for kind, values in kinds.items() if kind != "host_reads" for v in values.values())
+    return sum(v for kind, values in kinds.items() if kind not in EVENT_KINDS for v in values.values())
 
 
 #: The counts open in this thread or task (a context may run inside another's phase: `auto` scores candidates on
@@ -156,3 +165,8 @@ def record(flops: float, precision: str, kind: str = "product") -> None:
 def record_host_reads(reads: int) -> None:
     """`reads` scalar reads of device values into Python: each waits for the device (a sync on a GPU)."""
     record(reads, "count", "host_reads")
+
+
+def record_launches(kernels: int) -> None:
+    """`kernels` launches of small kernels in a Python loop: each costs its launch more than its arithmetic."""
+    record(kernels, "count", "launches")

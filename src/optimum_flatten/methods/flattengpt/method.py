@@ -55,9 +55,11 @@ from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
 from ..base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from ..compute import ComputeModel
 from ..registry import register_method
 from ..workspace import WorkspaceModel, WorkspaceSizes
 from .attention_target import sequential_attention_writes, sequential_group_outputs
+from .compute import flattengpt_compute
 from .loss_selection import groups_by_calibration_loss
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_workspace
 
@@ -99,6 +101,11 @@ class FlattenGPTMethod(CompressionMethod):
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
         """FlattenGPT's memory model (`flattengpt_workspace`)."""
         return flattengpt_workspace(z, n, config)
+
+    @classmethod
+    def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel:
+        """FlattenGPT's compute model (`flattengpt_compute`)."""
+        return flattengpt_compute(z, n, config)
 
     @classmethod
     def card_section(cls, report: dict[str, Any]) -> CardSection | None:
