@@ -110,6 +110,10 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     float64_model = s.dtype == "float64"
     tf32 = config.covariance_dtype == "tf32"
     statistic = "float64" if float64_model else flops.precision_of("float32", tf32)
+    # The split bfloat16 products: one GEMM of twice the tokens (`split_gram`), so twice the flops of the moment.
+    per_moment = 1
+    if config.covariance_dtype == "bfloat16" and not float64_model:
+        statistic, per_moment = "bfloat16", 2
     needs_o = config.attention_correction or config.head_selection == "reconstruction"
     sequential = getattr(config, "attention_target", "parallel") == "sequential"
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"
@@ -117,7 +121,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
 
     head_scoring = Tally()
     if needs_o:
-        head_scoring.add(flops.gram(N, hw), statistic)
+        head_scoring.add(per_moment * flops.gram(N, hw), statistic)
     if sequential:
         head_scoring.add(flops.gram(N, hw, d), "float64")
 
@@ -130,7 +134,10 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
 
     w, keep = g * s.intermediate_size, s.intermediate_size
     covariance = Tally()
-    covariance.add(flops.gram(N, w), "float64" if float64_model else statistic)
+    if config.covariance_dtype == "float64" or float64_model:  # `SecondMoment`: a float32 product of float32 inputs
+        covariance.add(flops.gram(N, w), "float64" if float64_model else "float32")
+    else:
+        covariance.add(per_moment * flops.gram(N, w), statistic)
     if mlp_target:
         covariance.add(flops.gram(N, w, d), "float64")
 

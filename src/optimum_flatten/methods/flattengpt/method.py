@@ -417,8 +417,9 @@ class FlattenGPTMethod(CompressionMethod):
         head_count = 0
         needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
         device = module_device(wide)  # statistics and solves stay on the device the layer lives on
-        tf32 = self.config.covariance_dtype == "tf32"
-        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim, device, tf32) if needs_o_moment else None
+        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
+        heads_width = geometry.num_heads * geometry.head_dim
+        o_moment = SecondMoment(heads_width, device, tf32, split_bfloat16=split) if needs_o_moment else None
         sequential = self.config.attention_target == "sequential"
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
@@ -495,8 +496,12 @@ class FlattenGPTMethod(CompressionMethod):
         float64 = self.config.covariance_dtype == "float64"
         width = view.mlp.intermediate_size
         device = module_device(wide)
-        tf32 = self.config.covariance_dtype == "tf32"
-        moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device, tf32=tf32)
+        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
+        moment = (
+            SecondMoment(width, device)
+            if float64
+            else CentredSecondMoment(width, device, tf32=tf32, split_bfloat16=split)
+        )
         sequential = self.config.mlp_target == "sequential"  # the config refuses it without mlp_correction
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
