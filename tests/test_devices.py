@@ -80,14 +80,15 @@ def test_every_method_keeps_the_model_on_its_device_and_dtype(method, dtype, dev
     assert quantizer.report["cost"]["stack_passes"] >= 0
 
 
-#: FlattenGPT's options that take paths of their own (candidate blocks built and held, TF32 products, the float64
-#: reference, a reconstruction search, down-refit bridges, the members' sequential attention writes): each must
-#: leave the model where it was, as the defaults do.
+#: FlattenGPT's options that take paths of their own (candidate blocks built and held, TF32 or split bfloat16
+#: products, the float64 reference, a reconstruction search, down-refit bridges, the members' sequential attention
+#: writes): each must leave the model where it was, as the defaults do.
 FLATTENGPT_VARIANTS = {
     "loss_selection": {"selection": "loss"},
     "wide_loss_selection": {"selection": "wide_loss"},
     "tf32_statistics": {"covariance_dtype": "tf32"},
     "float64_statistics": {"covariance_dtype": "float64"},
+    "split_bfloat16_statistics": {"covariance_dtype": "bfloat16"},
     "paper_targets": {"attention_target": "parallel", "head_selection": "importance", "mlp_target": "parallel"},
     "importance_heads": {"head_selection": "importance"},
     "down_bridges": {"linear_replacement": "lstsq_down"},

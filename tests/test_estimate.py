@@ -215,6 +215,21 @@ def test_flattengpt_estimate_of_the_float32_statistics(monkeypatch):
     assert solve.bytes < 0.6 * reference.phase("solve").bytes
 
 
+def test_flattengpt_estimate_of_the_split_bfloat16_statistics(monkeypatch):
+    """`covariance_dtype="bfloat16"` at the same wide shape: the MLP statistic is a float64 scatter (8·w², twice the
+    float32 one) that each chunk's split product (a float32 w² matrix) is added to, and the solve reads it as the
+    float32 path does. The check can fail: the float32 scatter's 4·w² in its place, without the chunk's float32
+    product (4·w² more), is more than 25% under the covariance phase."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 8}
+    model = _llama(hidden=128, intermediate=1536, layers=2, heads=2, kv_heads=1)
+    estimate = estimate_memory(model, "flattengpt", 1, method_args={"covariance_dtype": "bfloat16"}, **calibration)
+    measured = _measure(model, "flattengpt", monkeypatch, covariance_dtype="bfloat16", **calibration)
+    _check(estimate, measured)
+    covariance = estimate.phase("covariance")
+    assert {t.name: t.bytes for t in covariance.terms}["MLP second moment C (bfloat16)"] == 8 * 3072**2
+    assert _off(covariance.bytes - 2 * 4 * 3072**2, measured["phases"]["covariance"]) > TOLERANCE
+
+
 @pytest.mark.parametrize("batch_size", [4, 8])  # 4: a held-out batch, two sets of statistics; 8: one batch
 def test_replaceme_down_refit_estimate_where_its_float64_statistics_dominate(monkeypatch, batch_size):
     """estimator="lstsq_down" at a wide MLP (1536 channels): AᵀA over the intermediate width and its solve are the

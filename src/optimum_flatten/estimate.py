@@ -53,9 +53,12 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .methods.base import CompressionMethod
+from .methods.compute import ComputeModel
 from .methods.pipeline import Corrections, preflight
 from .methods.registry import get_method_class, registered_methods, require_capabilities
 from .methods.workspace import Phase, Term, WorkspaceSizes
+from .roofline import DeviceSpec, TimePrediction, predict
+from .utils import flops
 from .utils.loading import model_class_for, one_line, resolve_model_source
 
 GIB = 2**30
@@ -177,6 +180,12 @@ class MemoryEstimate:
     stack_passes_is_bound: bool = False
     notes: list[str] = field(default_factory=list)
     source: str | None = None
+    #: The compute model (stack passes and arithmetic per phase), when the method states one (`compute_estimate`).
+    compute: ComputeModel | None = None
+    #: One forward of the original stack over the calibration tokens, the arithmetic's unit.
+    dense_forward_flops: float = 0.0
+    #: Predicted seconds on a device (`with_device`).
+    prediction: TimePrediction | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -223,6 +232,7 @@ class MemoryEstimate:
             "stack_passes_is_bound": self.stack_passes_is_bound,
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
+            **self._compute_dict(),
         }
 
     def to_json(self) -> str:
@@ -277,7 +287,75 @@ class MemoryEstimate:
             f"{cal.tokens:,} tokens through the {shape.num_layers}-layer stack)",
         ]
         lines += [f"note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        return "\n".join(lines + self._describe_compute())
+
+    # ------------------------------------------------------------------------------------------- compute and time
+    def with_device(self, device: DeviceSpec) -> MemoryEstimate:
+        """The same estimate with predicted seconds on `device` (`roofline.predict`)."""
+        compute = self.compute
+        stack_weights = self.model.layer_weights * self.model.num_layers
+        prediction = predict(
+            device,
+            self.dense_forward_flops,
+            _precision(self.model.dtype),
+            stack_weights * self.model.dtype_bytes,
+            self.calibration.batches,
+            None if compute is None else compute.phase_passes,
+            None if compute is None else compute.arithmetic,
+            self.stack_passes,
+        )
+        return dataclasses.replace(self, prediction=prediction)
+
+    def _compute_dict(self) -> dict[str, Any]:
+        result: dict[str, Any] = {"dense_forward_flops": self.dense_forward_flops}
+        if self.compute is not None:
+            result["compute"] = self.compute.to_dict()
+            result["compute"]["arithmetic_dense_forwards"] = {
+                name: round(arithmetic_flops(kinds) / self.dense_forward_flops, 4)
+                for name, kinds in self.compute.arithmetic.items()
+            }
+        if self.prediction is not None:
+            result["prediction"] = self.prediction.to_dict()
+        return result
+
+    def _describe_compute(self) -> list[str]:
+        """The arithmetic per phase in dense forwards and, with a device, the predicted seconds per phase."""
+        lines: list[str] = []
+        unit = self.dense_forward_flops
+        if self.compute is not None and unit:
+            lines += ["", f"compute per phase (one dense forward of the stack: {unit:.3g} FLOPs)"]
+            rows = [
+                ("phase", "stack passes", "arithmetic (dense forwards)", *(("predicted s",) if self.prediction else ()))
+            ]
+            names = dict.fromkeys([*self.compute.phase_passes, *self.compute.arithmetic])
+            for name in names:
+                row = (
+                    name,
+                    f"{self.compute.phase_passes.get(name, 0.0):.3f}",
+                    f"{arithmetic_flops(self.compute.arithmetic.get(name, {})) / unit:.3f}",
+                )
+                if self.prediction is not None:
+                    row += (f"{self.prediction.phases.get(name, {}).get('seconds', 0.0):.1f}",)
+                rows.append(row)
+            widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+            for k, row in enumerate(rows):
+                lines.append(
+                    "  ".join(
+                        c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
+                    )
+                )
+                if k == 0:
+                    lines.append("  ".join("-" * w for w in widths))
+            lines += [f"note: {note}" for note in self.compute.notes]
+        if self.prediction is not None:
+            p = self.prediction
+            lines += [
+                "",
+                f"predicted on {p.device.name}: {p.total_seconds:.1f} s in all; one dense forward of the stack "
+                f"{p.forward_seconds:.2f} s ({p.total_seconds / p.forward_seconds:.2f} dense forwards)",
+            ]
+            lines += [f"note: {note}" for note in p.notes]
+        return lines
 
 
 def _count(module: nn.Module) -> int:
@@ -360,6 +438,7 @@ def estimate_memory(
         stack_passes=round(passes, 3),
         stack_passes_is_bound=bound,
         notes=notes,
+        **compute_estimate(method_class, WorkspaceSizes(shape, calibration), num_layers_to_remove, config),
     )
 
 
@@ -373,12 +452,33 @@ def estimate_checkpoint(
     dtype: str = "float32",
     method_args: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    device: DeviceSpec | None = None,
 ) -> MemoryEstimate:
-    """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights."""
+    """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
+    with `device`, the predicted seconds on it too."""
     model = meta_model(source, dtype, trust_remote_code)
     result = estimate_memory(model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args)
     result.source = source
-    return result
+    return result if device is None else result.with_device(device)
+
+
+def compute_estimate(method_class: type[CompressionMethod], z: WorkspaceSizes, n: int, config: Any) -> dict[str, Any]:
+    """The compute fields of an estimate: the method's compute model (None when it states none) and the dense
+    forward's flops over the calibration tokens (`utils.flops.dense_forward_flops`), its unit."""
+    s, cal = z.shape, z.cal
+    dense = flops.dense_forward_flops(
+        s.layer_weights * s.num_layers, cal.tokens, cal.seqlen, s.num_layers, s.num_heads * s.head_dim
+    )
+    return {"compute": method_class.compute(z, n, config), "dense_forward_flops": dense}
+
+
+def arithmetic_flops(kinds: dict[str, dict[str, float]]) -> float:
+    """Flops of one phase's arithmetic (host reads and launches are counted apart)."""
+    return sum(v for kind, values in kinds.items() if kind not in flops.EVENT_KINDS for v in values.values())
+
+
+def _precision(dtype: str) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}.get(dtype, dtype)
 
 
 def meta_model(source: str, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:

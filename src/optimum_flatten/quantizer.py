@@ -23,6 +23,7 @@ from .methods.pipeline import Corrections
 from .methods.registry import get_method_class, require_capabilities
 from .plan import LayerPlan
 from .report import CompressionReport
+from .utils import flops
 from .utils.fingerprint import weights_fingerprint
 from .utils.loading import public_base_name, public_dataset_name
 from .utils.positions import check_sequence_length
@@ -59,6 +60,8 @@ class _Run:
     masks: list[torch.Tensor]
     #: `weights_fingerprint` of the model before the run changed it.
     source_fingerprint: str
+    #: FLOPs of one forward of the original stack over the calibration batches (`utils.flops.dense_forward_flops`).
+    dense_forward_flops: float = 0.0
 
 
 class FlattenQuantizer(OptimumQuantizer):
@@ -269,6 +272,7 @@ class FlattenQuantizer(OptimumQuantizer):
         stack_weights = count_parameters(adapter.layers(stack))
         # Real positions per batch, as the adapter defines them on the original stack (read before it changes).
         masks = [adapter.token_mask(stack, b) for b in checked.batches]
+        dense_flops = _dense_forward_flops(adapter, stack, stack_weights, masks)
         context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress)
         was_training = model.training
         model.eval()
@@ -282,7 +286,7 @@ class FlattenQuantizer(OptimumQuantizer):
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
         set_name_or_path(model, "")
-        return _Run(plan, context, params_before, stack_weights, source_name, masks, fingerprint)
+        return _Run(plan, context, params_before, stack_weights, source_name, masks, fingerprint, dense_flops)
 
     def _report(self, model: nn.Module, checked: Preflight, run: _Run, start: float) -> CompressionReport:
         """The record of what was done and measured (the method's entries beside the core fields)."""
@@ -314,7 +318,9 @@ class FlattenQuantizer(OptimumQuantizer):
                 "tokens": sum(int(m.sum()) for m in masks),
             },
             timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
-            cost=compute_cost(run.context, run.stack_weights, sum(int(m.numel()) for m in masks)),
+            cost=compute_cost(
+                run.context, run.stack_weights, sum(int(m.numel()) for m in masks), run.dense_forward_flops
+            ),
             total_seconds=round(time.perf_counter() - start, 3),
             source_fingerprint=run.source_fingerprint,
             method_entries=dict(run.context.report),
@@ -358,16 +364,50 @@ class FlattenQuantizer(OptimumQuantizer):
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
 
 
-def compute_cost(context: MethodContext, stack_weights: int, tokens: int) -> dict[str, Any]:
-    """The compute a method spent, as a multiple of one pass of the calibration tokens through the original stack.
+def compute_cost(
+    context: MethodContext, stack_weights: int, tokens: int, dense_forward_flops: float = 0.0
+) -> dict[str, Any]:
+    """The compute a method spent, in two machine-free parts.
 
-    Counted as weight x token products of every block run (and LM-head evaluations), so the number does not depend
-    on the machine or on what else ran; attention's token-pair products and the method's own statistics and solves
-    are not in it (their wall time is in `timings_seconds`).
+    ``stack_passes``: weight x token products of every block run (and LM-head evaluations), as a multiple of one pass
+    of the calibration tokens through the original stack. ``arithmetic``: the method's own floating-point work
+    between those runs (second and cross moments, solves, factorisations; `utils.flops`), per timed phase, by kind
+    and precision, and in units of one dense forward of the original stack over the same tokens
+    (``dense_forward_flops``, attention's token-pair products included), with its total under ``total``: the phases
+    nest as the timings do, so the total is the sum over the outermost phases, ``plan`` and ``apply``.
+    Neither depends on the machine or on what else ran; `optimum-flatten estimate --device` turns them into seconds.
     """
     if not tokens or not stack_weights:
         return {"stack_passes": 0.0, "unit": "no calibration"}
-    return {
+    cost: dict[str, Any] = {
         "stack_passes": round(context.work / (stack_weights * tokens), 3),
         "unit": f"one pass of {tokens} calibration tokens through the original stack ({stack_weights} weights)",
     }
+    if dense_forward_flops:
+        count = context.arithmetic
+        total = sum(count.flops(p) for p in ("plan", "apply", "export_prep"))
+        cost["arithmetic"] = {
+            "dense_forwards": round(total / dense_forward_flops, 4),
+            "flops": total,
+            "host_reads": sum(count.host_reads(p) for p in ("plan", "apply", "export_prep")),
+            "launches": sum(count.launches(p) for p in ("plan", "apply", "export_prep")),
+            "dense_forward_flops": dense_forward_flops,
+            "unit": "one dense forward of the original stack over the calibration tokens (2 x weights x tokens + "
+            "attention's token-pair products)",
+            "phases": count.to_dict(dense_forward_flops),
+        }
+    return cost
+
+
+def _dense_forward_flops(adapter: Any, stack: str, stack_weights: int, masks: list[torch.Tensor]) -> float:
+    """One forward of the original stack over the calibration batches (`utils.flops.dense_forward_flops`); without
+    a head geometry (no attention the adapter can describe) only the weight products count."""
+    try:
+        geometry = adapter.block(stack, 0).attention.geometry
+        width = geometry.num_heads * geometry.head_dim
+    except (AttributeError, NotImplementedError, ValueError):
+        width = 0
+    num_layers = adapter.num_layers(stack)
+    return sum(
+        flops.dense_forward_flops(stack_weights, int(m.numel()), int(m.shape[-1]), num_layers, width) for m in masks
+    )

@@ -231,6 +231,24 @@ def test_similarity_band_bounds_memory_and_keeps_the_needed_diagonal():
     assert [g.indices for g in plan.groups] == greedy_adjacent_groups(full, 2, 2)
 
 
+def test_split_bfloat16_statistics_choose_what_float64_chooses():
+    """`covariance_dtype="bfloat16"` (both moments from split bfloat16 products, `calibration.stats.split_gram`) keeps
+    the float64 reference's groups, KV groups and channels, and its refit down projection agrees to 1e-4 of the
+    largest weight (the float32 path's agrees to about the same; the split's bound is 3·2⁻¹⁶ per product)."""
+    original = tiny_models.tiny_llama_gqa()
+    split, reference = copy.deepcopy(original), copy.deepcopy(original)
+    ours = compress(split, "flattengpt", num_layers_to_remove=2, covariance_dtype="bfloat16")
+    theirs = compress(reference, "flattengpt", num_layers_to_remove=2, covariance_dtype="float64")
+    assert ours.plan.group_lists() == theirs.plan.group_lists()
+    for a, b in zip(ours.report["groups"], theirs.report["groups"], strict=True):
+        assert a["kept_kv_groups"] == b["kept_kv_groups"]
+        assert a["kept_channels_per_member"] == b["kept_channels_per_member"]
+    for position in range(len(ours.plan.groups)):
+        down = get_adapter(split).block("decoder", position).mlp.down.weight
+        expected = get_adapter(reference).block("decoder", position).mlp.down.weight
+        assert float((down - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+
+
 @pytest.mark.parametrize("covariance_dtype", ["float32", "float64"])
 def test_without_the_mlp_refit_the_same_channels_are_kept_and_down_is_only_sliced(covariance_dtype):
     """`mlp_correction=False`: the selection (heads, channels) is the default's, the up/gate rows are the same, and

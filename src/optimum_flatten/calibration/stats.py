@@ -3,10 +3,15 @@ its mean part exact in float64."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from ..utils import flops
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -23,6 +28,82 @@ def tf32_matmul(enabled: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@contextmanager
+def exact_bfloat16_reduction() -> Iterator[None]:
+    """Within the block, cuBLAS may not reduce a bfloat16 GEMM's split-K partial sums in reduced precision (torch's
+    default allows it): every partial sum stays float32, so a bfloat16 product accumulates as a float32 one does.
+    The caller's setting is restored after."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def split_bfloat16(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) bfloat16 with hi + lo = y to 2⁻¹⁶ |y| (hi = y rounded, lo = the float32 remainder rounded; the
+    remainder is exact in float32). Exact when y has at most 16 significant bits, as the difference of two bfloat16
+    numbers within a factor 2⁷ of each other has (8 bits each, at most 7 apart, one more for a carry)."""
+    hi = y.bfloat16()
+    return hi, (y - hi.float()).bfloat16()
+
+
+def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of bfloat16 `a` and `b` with float32 output and accumulation: on CUDA the tensor cores' bfloat16 GEMM
+    (``out_dtype=float32``, partial sums kept in float32); elsewhere the same arithmetic in a float32 GEMM (a product
+    of two bfloat16 numbers is exact in float32, so the two differ only in the order of the sums)."""
+    global _FLOAT32_OUTPUT_MISSING
+    if a.device.type == "cuda" and not _FLOAT32_OUTPUT_MISSING:
+        try:
+            with exact_bfloat16_reduction():
+                return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as error:  # a torch before `mm(..., out_dtype)` (2.8)
+            _FLOAT32_OUTPUT_MISSING = True
+            logger.warning(
+                "this torch has no bfloat16 GEMM with float32 output (%s); the split second moments run as float32 "
+                "GEMMs (the same sums, without the tensor cores' speed)",
+                error,
+            )
+    return a.float() @ b.float()
+
+
+#: Set once a CUDA `torch.mm(..., out_dtype=float32)` has failed: the split products then run in float32 GEMMs.
+_FLOAT32_OUTPUT_MISSING = False
+
+
+def split_gram(y: torch.Tensor, symmetric: bool = True) -> torch.Tensor:
+    """yᵀ y of a float32 (tokens × dim) `y` from two bfloat16 GEMMs with exact products and float32 sums.
+
+    With (hi, lo) = `split_bfloat16(y)`, yᵀy = hiᵀhi + hiᵀlo + loᵀhi + (loᵀlo and the split's remainder, below
+    3·2⁻¹⁶ |y_i||y_j| per token together), and hiᵀhi + hiᵀlo + loᵀhi is the symmetric part of S = hiᵀ(hi + 2·lo),
+    which is one GEMM of [hi; hi]ᵀ by [hi; 2·lo] (2·lo is exact: a power-of-two scale). So the returned matrix,
+    (S + Sᵀ)/2, has every entry within (3·2⁻¹⁶ + γ₂ₙ₊₁) Σ_tokens |y_i||y_j| of the exact one (γ: the float32
+    sums of the 2n-term dot products, and the symmetrising add), about 4.6e-5 in all where TF32 allows 2e-3.
+    With ``symmetric=False`` S itself is returned, for a caller that sums several and symmetrises once
+    (`symmetrise_`): no second dim² temporary.
+    """
+    hi, lo = split_bfloat16(y)
+    left, right = torch.cat([hi, hi]), torch.cat([hi, lo * 2])
+    flops.record(flops.product(y.shape[1], left.shape[0], y.shape[1]), "bfloat16")
+    product = _float32_product(left.T, right)
+    del left, right, hi, lo
+    return product.add_(product.T.clone()).mul_(0.5) if symmetric else product
+
+
+def symmetrise_(matrix: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """(M + Mᵀ)/2 in place, a pair of blocks at a time (one block's temporary, no second n² matrix)."""
+    n = matrix.shape[0]
+    for i in range(0, n, block):
+        for j in range(i, n, block):
+            upper, lower = matrix[i : i + block, j : j + block], matrix[j : j + block, i : i + block]
+            mean = (upper + lower.T).mul_(0.5)
+            upper.copy_(mean)
+            lower.copy_(mean.T)
+    return matrix
 
 
 def float64_column_sum(flat: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
@@ -47,12 +128,20 @@ class SecondMoment:
     Centring removes the large common component that makes an uncentred float32 product lose the small directions;
     it costs half of a float64 product on CPUs. float64 inputs take the float64 path. ``tf32=True`` runs the per-batch
     centred product on CUDA's TF32 tensor cores, as `CentredSecondMoment` does (same bound; nothing changes on the CPU).
+    ``split_bfloat16=True`` runs it as two bfloat16 GEMMs with exact products (`split_gram`: within 3·2⁻¹⁶ of
+    Σ|y_i||y_j| beside the float32 sums' γ), on the tensor cores on CUDA; the batch's centre is then rounded to
+    bfloat16, so that a bfloat16 activation less it is exact in the split for values within 2⁸ of it.
     """
 
-    def __init__(self, dim: int, device: torch.device | str = "cpu", tf32: bool = False) -> None:
+    def __init__(
+        self, dim: int, device: torch.device | str = "cpu", tf32: bool = False, split_bfloat16: bool = False
+    ) -> None:
+        if tf32 and split_bfloat16:
+            raise ValueError("SecondMoment takes tf32=True or split_bfloat16=True, not both.")
         self.sum = torch.zeros(dim, dim, dtype=torch.float64, device=device)
         self.count = 0
         self.tf32 = tf32
+        self.split = split_bfloat16
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
@@ -63,16 +152,24 @@ class SecondMoment:
         n = flat.shape[0]
         if n == 0:
             return
+        dim = flat.shape[1]
         if flat.dtype == torch.float64:
+            flops.record(flops.gram(n, dim), "float64")
             self.sum.addmm_(flat.T, flat)
         else:
             total = float64_column_sum(flat)
             centre = (total / n).float()
+            if self.split:
+                centre = centre.bfloat16().float()
             centred = flat.float() - centre
             m = centre.double()
             # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
-            with tf32_matmul(self.tf32 and self.sum.device.type == "cuda"):
-                product = centred.T @ centred
+            if self.split:
+                product = split_gram(centred)
+            else:
+                flops.record(flops.gram(n, dim), flops.precision_of("float32", self.tf32))
+                with tf32_matmul(self.tf32 and self.sum.device.type == "cuda"):
+                    product = centred.T @ centred
             self.sum.add_(product)
             del product
             self.sum.addr_(m, total).addr_(total, m).addr_(m, m, alpha=-n)
@@ -112,13 +209,28 @@ class CentredSecondMoment:
     Σ |y_i||y_j| (y = x − c; tested on CUDA against float64, tests/ops/test_ridge_blocked.py), and FlattenGPT's
     covariance phase at LLaMA-2-7B shape on an H100 went from 36 to 11 s. It changes nothing on the CPU, which has
     no TF32.
+
+    ``split_bfloat16=True`` runs each chunk's product as two bfloat16 GEMMs with exact products (`split_gram`) and
+    sums the chunks in a float64 scatter (twice the memory of the float32 one): each entry within
+    (3·2⁻¹⁶ + 2⁻²³ + γ₂ₖ₊₁) Σ |y_i||y_j| of the float64 scatter (k = `chunk_tokens`; the float32 sums run over one
+    chunk only, where the float32 scatter's run over every token), at the bfloat16 tensor cores' rate on CUDA. The
+    centre is rounded to bfloat16, so that a bfloat16 activation within a factor 2⁷ of it splits exactly.
     """
 
     def __init__(
-        self, dim: int, device: torch.device | str = "cpu", chunk_tokens: int = 4096, tf32: bool = False
+        self,
+        dim: int,
+        device: torch.device | str = "cpu",
+        chunk_tokens: int = 4096,
+        tf32: bool = False,
+        split_bfloat16: bool = False,
     ) -> None:
+        if tf32 and split_bfloat16:
+            raise ValueError("CentredSecondMoment takes tf32=True or split_bfloat16=True, not both.")
         self.tf32 = tf32
-        self.scatter = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+        self.split = split_bfloat16
+        dtype = torch.float64 if split_bfloat16 else torch.float32
+        self.scatter = torch.zeros(dim, dim, dtype=dtype, device=device)
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
         self.centre: torch.Tensor | None = None
         self.count = 0
@@ -136,7 +248,15 @@ class CentredSecondMoment:
         total = float64_column_sum(flat, self.chunk_tokens)
         if self.centre is None:
             self.centre = (total / n).float()
+            if self.split:
+                self.centre = self.centre.bfloat16().float()
         self.total.add_(total)
+        if self.split:
+            for chunk in flat.split(self.chunk_tokens):
+                self.scatter.add_(split_gram(chunk.float() - self.centre, symmetric=False))
+            self.count += n
+            return
+        flops.record(flops.gram(n, flat.shape[1]), flops.precision_of("float32", self.tf32))
         with tf32_matmul(self.tf32 and self.scatter.device.type == "cuda"):
             for chunk in flat.split(self.chunk_tokens):
                 centred = chunk.float() - self.centre
@@ -148,13 +268,16 @@ class CentredSecondMoment:
         if self.count == 0 or self.centre is None:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         mean = self.total / self.count
+        if self.split:
+            symmetrise_(self.scatter)
         result = CentredMoment(self.scatter.div_(self.count), mean, mean - self.centre.double())
         self.scatter = None
         return result
 
 
 class CentredMoment:
-    """C = S + μ μᵀ − δ δᵀ with S a float32 (dim × dim) matrix and μ, δ float64 vectors; read in float64 blocks.
+    """C = S + μ μᵀ − δ δᵀ with S a float32 (float64 from the split path) (dim × dim) matrix and μ, δ float64
+    vectors; read in float64 blocks.
 
     Whoever needs C in float64 asks for the block it needs (`block`, `columns`), so only that block ever exists in
     float64. `release()` drops S once the last block has been read.
@@ -181,7 +304,9 @@ class CentredMoment:
         # Columns first: the callers ask for few columns (a panel, a chunk) and possibly many rows.
         part = self.scatter[:, cols] if isinstance(cols, slice) else self.scatter.index_select(1, cols)
         part = part[rows] if isinstance(rows, slice) else part.index_select(0, rows)
-        result = part.double()
+        # Two slices leave a view of the scatter, which a float64 scatter (the split path's) would not copy in the
+        # cast: the mean part added below would then change the statistic itself.
+        result = part.to(torch.float64, copy=isinstance(rows, slice) and isinstance(cols, slice))
         result.addr_(self.mean[rows], self.mean[cols]).addr_(self.offset[rows], self.offset[cols], alpha=-1.0)
         return result
 
@@ -209,6 +334,7 @@ class CrossMoment:
         if mask is not None:
             keep = mask.reshape(-1).bool()
             xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
+        flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
         for start in range(0, xs.shape[0], self.chunk_tokens):
             a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
             b = ys[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)

@@ -29,6 +29,8 @@ from .options import (
 logger = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: `optimum_flatten.roofline.DEVICES`, named here so that the parser does not import it.
+DEVICE_PRESETS = ("a100", "h100", "h200")
 
 
 class FlattenArgumentParser(argparse.ArgumentParser):
@@ -573,12 +575,17 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    """Memory per phase and stack passes of a compression, from config.json alone (the model is built on meta)."""
+    """Memory per phase and stack passes of a compression, from config.json alone (the model is built on meta); with
+    a device, the predicted seconds per phase."""
     import dataclasses
+
+    from ..roofline import device_from_options
+
+    check_method_options(args)
+    device = device_from_options(args.device, args.peak_tflops, args.bandwidth_gbs)  # refused before torch loads
 
     from ..estimate import estimate_checkpoint
 
-    check_method_options(args)
     own = {f.name for f in dataclasses.fields(get_config_class(args.method))}
     result = estimate_checkpoint(
         args.model,
@@ -590,6 +597,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         method_args={k: v for k, v in vars(args).items() if k in own},
         trust_remote_code=args.trust_remote_code,
+        device=device,
     )
     if args.heal:
         result = result.with_heal_teacher()
@@ -785,6 +793,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
+    )
+    estimate.add_argument(
+        "--device",
+        choices=DEVICE_PRESETS,
+        default=None,
+        help="predict the seconds of each phase on this device (dense peaks and memory bandwidth of its datasheet; "
+        "see optimum_flatten.roofline)",
+    )
+    estimate.add_argument(
+        "--peak-tflops",
+        default=None,
+        help="the device's dense peak in TFLOPS: one number for every precision, or pairs such as "
+        "bfloat16=989,tf32=495,float32=67,float64=67 (with --device: replaces those figures)",
+    )
+    estimate.add_argument(
+        "--bandwidth-gbs", type=float, default=None, help="the device's memory bandwidth in GB/s (with --peak-tflops)"
     )
     add_method_arguments(estimate, registered_methods(), skip=("nsamples", "seqlen", "batch_size"))
     estimate.set_defaults(func=cmd_estimate)

@@ -16,7 +16,9 @@ from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
 from ..config import MethodConfig
 from ..plan import LayerPlan
+from ..utils.flops import ArithmeticCount
 from ..utils.torch_utils import synchronize
+from .compute import ComputeModel
 from .workspace import WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,9 @@ class MethodContext:
     #: Compensation factors a method measured in its own loop (dropped layer -> α), used by the fold instead of a
     #: fresh bottom-up measurement (Prune&Comp measures each α right after its drop, in drop order).
     measured_scales: dict[int, float] | None = None
+    #: The method's own arithmetic (moments, solves, factorisations) per timed phase, counted by the ops that do it
+    #: (`utils.flops`): the compute the stack passes do not show.
+    arithmetic: ArithmeticCount = field(default_factory=ArithmeticCount)
     _runners: list[LayerwiseRunner] = field(default_factory=list)
 
     def new_runner(self, adapter: ArchitectureAdapter) -> LayerwiseRunner:
@@ -62,11 +67,13 @@ class MethodContext:
         """Adds the wall time of the block to `timings[phase]` (phases nest; each is timed on its own).
 
         The accelerator is synchronised at both ends: without it a GPU phase would be timed by its kernel launches.
+        The arithmetic the ops record meanwhile is counted under the same phase (`arithmetic`).
         """
         synchronize()
         start = time.perf_counter()
         try:
-            yield
+            with self.arithmetic.phase(phase):
+                yield
         finally:
             synchronize()
             self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
@@ -227,6 +234,14 @@ class CompressionMethod(ABC):
         the terms each holds at its peak, the stack passes, whether those are a bound, and notes (see
         `methods.workspace` and `optimum_flatten.estimate`). None (the default): the method has none, and the
         estimate refuses it, naming the methods that have one.
+        """
+        return None
+
+    @classmethod
+    def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
+        """The method's compute model for `optimum-flatten estimate` removing `n` layers: per timed phase, the stack
+        passes it runs and the arithmetic its ops record (`methods.compute`). None (the default): only the total
+        stack passes of `workspace` are known, and `estimate --device` predicts the total time alone.
         """
         return None
 

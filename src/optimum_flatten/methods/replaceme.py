@@ -24,10 +24,12 @@ from ..calibration.states import next_token_nll
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
+from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 from .base import CompressionMethod, MethodContext, apply_layer_drop_
 from .compensation import require_compensable
+from .compute import ComputeModel, Tally
 from .linear_bridge import bridged_apply_, fit_with_outputs, require_pre_norm
 from .registry import register_method
 from .uidl import UIDLMethod, block_size, select_blocks
@@ -98,6 +100,39 @@ class ReplaceMeMethod(CompressionMethod):
         )
         passes = 2.0 + (L - n + blocks) / L
         return phases, passes, True, ["stack passes are a bound: they depend on where the removed block lies"]
+
+    @classmethod
+    def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
+        """ReplaceMe's compute model: the selection walk (one stack pass, no arithmetic), then per bridged block its
+        normal equations, counted as the fit does: MᵀM and Mᵀ(L − Y) in float64 over the N calibration tokens
+        (2·N·d² each; a third, MᵀY, with the stream gain), the Cholesky factor of MᵀM (d³/3), its solve (2·d³) and
+        the fold into the down projection (2·d²·i). ``"lstsq_down"`` fits over the MLP's width i instead (2·N·i²
+        and 2·N·i·d, one i³/3 factor and its solve; the ridge search's extra solves are not counted). None for the
+        cosine fit and the loss selection, which are not modelled.
+        """
+        if config.estimator == "cosine" or config.selection == "loss":
+            return None
+        L, d, i, N = z.shape.num_layers, z.d, z.i, z.N
+        blocks = max(config.num_blocks, 1) * (1 + config.correct_after)
+        fit = Tally()
+        width = i if config.estimator == "lstsq_down" else d
+        fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
+        if config.estimator == "lstsq_gain":
+            fit.add(flops.gram(N, d, d), "float64")
+        fit.cholesky(width)
+        fit.add(
+            flops.cholesky_solve(width, 2 * d if config.estimator == "lstsq_gain" else d), "float64", "factorisation"
+        )
+        if config.estimator != "lstsq_down":
+            fit.add(flops.product(d, d, i), "float64")
+        notes = ["the linear replacement's stack passes are a bound: they depend on where the removed block lies"]
+        if config.estimator == "lstsq_down":
+            notes.append("the down refit's ridge search solves are not counted")
+        return ComputeModel(
+            {"selection": 1.0, "linear_replacement": 1.0 + (L - n + blocks) / L},
+            {"linear_replacement": fit.scaled(blocks)},
+            notes,
+        )
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         require_pre_norm(adapter, stack, "method 'replaceme'")

@@ -88,9 +88,13 @@ class WorkspaceSizes:
             "LayerwiseRunner.run collects every batch's output; the block's largest temporaries on one batch",
         )
 
-    def moment_update(self, dim: int) -> int:
-        """`SecondMoment.update` on one batch: the masked token copy, its float32 centred copy, the dim² product."""
+    def moment_update(self, dim: int, split_bfloat16: bool = False) -> int:
+        """`SecondMoment.update` on one batch: the masked token copy, its float32 centred copy, the dim² product
+        (with `split_bfloat16`, beside the centred copy its two bfloat16 parts stacked twice, and the product with
+        the transposed copy it is symmetrised with)."""
         upcast = 4 if self.b != 4 else 0
+        if split_bfloat16:
+            return self.Tb * dim * (self.b + 4 + 2 * 2 + 4 * 2 + 4) + 2 * 4 * dim * dim
         return max(self.Tb * dim * (self.b + upcast + 4), self.Tb * dim * (self.b + 4) + 4 * dim * dim)
 
 

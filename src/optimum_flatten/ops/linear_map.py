@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..utils import flops
 from .ridge import cholesky_shifted_in_place
 
 #: Token rows converted to float64 at a time by `LinearMapStatistics.update`: bounds the float64 copies of a batch
@@ -85,6 +86,9 @@ class LinearMapStatistics:
             keep = mask.reshape(-1).to(m.device).bool()
             m, r = m[keep], r[keep.to(r.device)]
             y = None if y is None else y[keep.to(y.device)]
+        rows, width = m.shape[0], self.gram.shape[0]
+        stream = 0 if y is None else flops.gram(rows, width, y.shape[1])
+        flops.record(flops.gram(rows, width) + flops.gram(rows, width, self.cross.shape[1]) + stream, "float64")
         for start in range(0, m.shape[0], UPDATE_CHUNK_ROWS):
             rows = slice(start, start + UPDATE_CHUNK_ROWS)
             m_rows = m[rows].to(self.gram.device, torch.float64)
@@ -124,6 +128,7 @@ def solve_least_squares(
         ValueError: when no token was accumulated.
     """
     factor, info = _jittered_cholesky(stats, relative_jitter, max_attempts)
+    flops.record(flops.cholesky_solve(*stats.cross.shape), "float64", "factorisation")
     return torch.cholesky_solve(stats.cross, factor), info
 
 
@@ -145,6 +150,7 @@ def solve_least_squares_with_gain(
     if not stats.with_gain or stats.stream_cross is None:
         raise ValueError("solve_least_squares_with_gain needs statistics built with with_gain=True.")
     factor, info = _jittered_cholesky(stats, relative_jitter, max_attempts)
+    flops.record(flops.cholesky_solve(stats.cross.shape[0], 2 * stats.cross.shape[1]), "float64", "factorisation")
     solved = torch.cholesky_solve(torch.cat([stats.cross, stats.stream_cross], dim=1), factor)
     base, along = solved[:, : stats.cross.shape[1]], solved[:, stats.cross.shape[1] :]
     numerator = stats.stream_target - float((stats.stream_cross * base).sum())
@@ -172,6 +178,7 @@ def _jittered_factor(
     growth; `shift` is a ridge). The diagonal is shifted in place and restored (`cholesky_shifted_in_place`): the
     factor is the only (dim x dim) matrix it allocates."""
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
+    flops.record_host_reads(1)
     if relative_jitter is None:
         relative_jitter = gram.shape[0] * torch.finfo(torch.float64).eps
     jitters, jitter = [], relative_jitter * scale
@@ -214,6 +221,7 @@ def ridge_towards(
     if ridge == float("inf"):
         return prior.clone(), SolveInfo(jitter=float("inf"), attempts=0)
     scale = float(gram.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny))
+    flops.record(flops.cholesky_solve(*cross.shape), "float64", "factorisation")
     if ridge == 0.0:
         factor, info = _jittered_factor(gram)
         return torch.cholesky_solve(cross, factor), info
@@ -347,6 +355,7 @@ def fold_map_into_linear(
     Computed in float64; the caller casts to the layer's dtype.
     """
     t = transform.double()
+    flops.record(flops.product(t.shape[1], t.shape[0], weight.shape[1]), "float64")
     new_weight = t.T @ weight.double()
     new_bias = None if bias is None else bias.double() @ t
     return new_weight, new_bias

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from ..utils import flops
+
 
 def default_ridge_lambda(second_moment: torch.Tensor, ratio: float) -> float:
     """λ = ratio × mean eigenvalue of C (trace / dim); scale-free, so one ratio fits every layer."""
@@ -38,7 +40,9 @@ def cholesky_shifted_in_place(
     try:
         for attempt, jitter in enumerate(jitters, start=1):
             diagonal.copy_(saved).add_(shift + jitter)
+            flops.record(flops.cholesky(matrix.shape[0]), flops.precision_of(matrix.dtype), "factorisation")
             factor, info = torch.linalg.cholesky_ex(matrix)
+            flops.record_host_reads(1)
             if int(info) == 0:
                 return factor, jitter, attempt
             del factor
@@ -54,6 +58,7 @@ def _shifted_cholesky(matrix: torch.Tensor, shift: float) -> tuple[torch.Tensor,
     callers that need the exact shift (the leverage formula) read it back. In place, see `cholesky_shifted_in_place`.
     """
     scale = float(matrix.diagonal().abs().mean().clamp_min(1e-30))
+    flops.record_host_reads(1)
     found = cholesky_shifted_in_place(matrix, shift, [0.0] + [scale * 10.0**exponent for exponent in range(-12, 0)])
     if found is None:
         raise torch.linalg.LinAlgError(
@@ -79,6 +84,7 @@ def ridge_leverage_scores(second_moment: torch.Tensor, lam: float, block_size: i
         stop = min(n, start + block_size)
         panel = torch.zeros(n - start, stop - start, dtype=c.dtype, device=c.device)
         panel.diagonal().fill_(1.0)
+        flops.record(flops.triangular_solve(n - start, stop - start), flops.precision_of(c.dtype), "factorisation")
         columns = torch.linalg.solve_triangular(factor[start:, start:], panel, upper=False)
         inverse_diagonal[start:stop] = columns.square().sum(dim=0)
     return (1.0 - shift * inverse_diagonal).clamp_(min=0.0)
@@ -109,6 +115,9 @@ def nystrom_down_correction(
     if dropped.numel() == 0:
         return kept_rows.clone()
     factor = _shifted_cholesky(c[keep[:, None], keep], lam)[0]
+    k, hidden = keep.numel(), w.shape[1]
+    flops.record(flops.product(k, dropped.numel(), hidden), "float64")
+    flops.record(flops.cholesky_solve(k, hidden), "float64", "factorisation")
     return kept_rows + torch.cholesky_solve(c[keep[:, None], dropped] @ w[dropped], factor)
 
 
@@ -134,6 +143,12 @@ def ridge_reconstruction_error(
     cross = c[keep[:, None], dropped] @ w_r  # C_KR W_R
     delta = torch.cholesky_solve(cross, _shifted_cholesky(c_kk, lam)[0])
     full = torch.trace(w_r.T @ c[dropped[:, None], dropped] @ w_r)
+    k, r, hidden = keep.numel(), dropped.numel(), w.shape[1]
+    # C_KR W_R, the solve, Wᵣᵀ C_RR and its product with W_R, C_KK Δ.
+    products = flops.product(k, r, hidden) + flops.product(hidden, r, r) + flops.product(hidden, r, hidden)
+    flops.record(products + flops.product(k, k, hidden), "float64")
+    flops.record(flops.cholesky_solve(k, hidden), "float64", "factorisation")
+    flops.record_host_reads(1)
     return float(full - 2 * (delta * cross).sum() + (delta * (c_kk @ delta)).sum())
 
 
@@ -162,6 +177,9 @@ def ridge_refit_to_target(
     kept_rows = rows.double()[keep]
     c_kk = c[keep[:, None], keep]
     rhs = cross.double()[keep] - c_kk @ kept_rows
+    k, hidden = keep.numel(), kept_rows.shape[1]
+    flops.record(flops.product(k, k, hidden), "float64")
+    flops.record(flops.cholesky_solve(k, hidden), "float64", "factorisation")
     return kept_rows + torch.cholesky_solve(rhs, _shifted_cholesky(c_kk, lam)[0])
 
 
@@ -182,7 +200,13 @@ def ridge_target_error(
     keep = torch.as_tensor(keep, dtype=torch.long, device=c.device)
     refit = ridge_refit_to_target(c, cross, rows, keep, lam)
     c_kk = c[keep[:, None], keep]
+    flops.record(flops.product(keep.numel(), keep.numel(), refit.shape[1]), "float64")
+    flops.record_host_reads(1)
     return float(target_energy - 2 * (refit * cross.double()[keep]).sum() + (refit * (c_kk @ refit)).sum())
+
+
+#: Kernels `ridge_block_removal_errors` launches for each block it scores (counted from its code).
+REMOVAL_LAUNCHES = 34
 
 
 def ridge_block_removal_errors(
@@ -214,12 +238,26 @@ def ridge_block_removal_errors(
     refit = inverse @ b_rhs  # W*
     delta = refit - w0  # D
     inverse_delta = inverse @ delta  # P D
+    k, hidden = keep.numel(), w0.shape[1]
+    flops.record(flops.cholesky_inverse(k), "float64", "factorisation")
+    flops.record(2 * flops.product(k, k, hidden), "float64")
+    flops.record_host_reads(3)
     total_bw, total_dd, total_w0 = float((b_rhs * refit).sum()), float((delta * delta).sum()), float((w0 * w0).sum())
     errors = torch.empty(len(blocks), dtype=torch.float64)
     start = 0
     for position, block in enumerate(blocks):
         span = slice(start, start + len(block))
         start = span.stop
+        j = len(block)
+        # P_JJ B_J, P_K'Jᵀ P_K'J (as Pᵀ_J P_J − P_JJ²), P_JJ D_J, the Gram's product with Z; the solve for Z; the
+        # five scalars each removal reads back.
+        products = flops.product(j, j, hidden) + flops.product(j, k, j) + flops.product(j, j, j)
+        flops.record(products + 2 * flops.product(j, j, hidden), "float64")
+        flops.record(flops.cholesky_solve(j, hidden), "float64", "factorisation")
+        # Each removal is about 34 small ops (the J × J factor with its jitter bookkeeping, the products, the sums),
+        # and five scalars read back, so launches and reads, not flops, set its time at a few hundred channels.
+        flops.record_host_reads(5)
+        flops.record_launches(REMOVAL_LAUNCHES)
         p_jj = inverse[span, span]
         z = torch.cholesky_solve(refit[span], _shifted_cholesky(p_jj.clone(), 0.0)[0])  # P_JJ⁻¹ W*_J
         # tr(B_K'ᵀ W') = tr(Bᵀ W*) − tr(B_Jᵀ W*_J) − ⟨W*_J − P_JJ B_J, Z⟩  (P_K'Jᵀ B_K' = W*_J − P_JJ B_J)
@@ -306,8 +344,12 @@ def _packed_solve(panels: list[torch.Tensor], rhs: torch.Tensor, block_size: int
     """x with L Lᵀ x = rhs, L given as its column panels (forward then backward substitution, in L's dtype)."""
     dim = rhs.shape[0]
     x = rhs.to(panels[0].dtype).clone()
+    precision, columns = flops.precision_of(x.dtype), x.shape[1] if x.dim() > 1 else 1
     for index, panel in enumerate(panels):
         start, width = index * block_size, panel.shape[1]
+        # This panel's triangle and the rows below it, forward here and backward below: twice each.
+        flops.record(2 * flops.triangular_solve(width, columns), precision, "factorisation")
+        flops.record(2 * flops.product(dim - start - width, width, columns), precision)
         x[start : start + width] = torch.linalg.solve_triangular(panel[:width], x[start : start + width], upper=False)
         if start + width < dim:
             x[start + width :].addmm_(panel[width:], x[start : start + width], alpha=-1.0)
@@ -325,6 +367,7 @@ def _shifted_product(
 ) -> torch.Tensor:
     """(C + shift·I) x in float64 from the lower column panels of the symmetric C."""
     result = shift * x
+    flops.record(flops.product(dim, dim, x.shape[1] if x.dim() > 1 else 1), "float64")  # both halves of C, by panels
     for start in range(0, dim, block_size):
         stop = min(dim, start + block_size)
         panel = columns(start, stop).double()  # C[start:, start:stop]
@@ -378,10 +421,16 @@ def _packed_cholesky(
         width = stop - start
         panel = columns(start, stop).to(dtype)
         panel[:width].diagonal().add_(shift)
+        precision = flops.precision_of(dtype)
+        # Left-looking: every earlier panel's rows from here on times its rows of this panel, then the panel's own
+        # triangle factorised and the rows below it solved against it.
+        flops.record(sum(flops.product(dim - start, p.shape[1], width) for p in panels), precision)
+        flops.record(flops.cholesky(width) + flops.triangular_solve(width, dim - stop), precision, "factorisation")
         for index, previous in enumerate(panels):
             offset = start - index * block_size  # row of `previous` that is global row `start`
             panel.addmm_(previous[offset:], previous[offset : offset + width].T, alpha=-1.0)
         diagonal, info = torch.linalg.cholesky_ex(panel[:width])
+        flops.record_host_reads(1)
         if int(info) != 0:
             return None
         panel[:width] = diagonal
@@ -401,6 +450,8 @@ def _packed_inverse_diagonal(panels: list[torch.Tensor], dim: int, block_size: i
         for index in range(first, len(panels)):
             panel = panels[index]
             row, size = (index - first) * block_size, panel.shape[1]
+            flops.record(flops.triangular_solve(size, width), flops.precision_of(head.dtype), "factorisation")
+            flops.record(flops.product(rhs.shape[0] - row - size, size, width), flops.precision_of(head.dtype))
             rhs[row : row + size] = torch.linalg.solve_triangular(panel[:size], rhs[row : row + size], upper=False)
             if row + size < rhs.shape[0]:
                 rhs[row + size :].addmm_(panel[size:], rhs[row : row + size], alpha=-1.0)
@@ -419,6 +470,7 @@ def ridge_factor(kept_block: torch.Tensor, lam: float) -> torch.Tensor:
 
 def nystrom_from_factor(factor: torch.Tensor, cross: torch.Tensor, kept_rows: torch.Tensor) -> torch.Tensor:
     """W_D[K] + (C[K,K] + λI)⁻¹ C[K,R] W_D[R] given the factor of C[K,K] + λI (`ridge_factor`)."""
+    flops.record(flops.cholesky_solve(factor.shape[0], cross.shape[1]), "float64", "factorisation")
     return kept_rows.double() + torch.cholesky_solve(cross.double(), factor)
 
 
@@ -436,6 +488,7 @@ def kept_blocks(
     dropped_mask[keep] = False
     dropped = torch.nonzero(dropped_mask).flatten()
     cross = torch.zeros(keep.numel(), down_rows.shape[1], dtype=torch.float64, device=down_rows.device)
+    flops.record(flops.product(keep.numel(), dropped.numel(), down_rows.shape[1]), "float64")
     for part in dropped.split(chunk):
         cross.addmm_(block(keep, part).to(cross.device), down_rows[part].double())
     return kept_block(block, keep, down_rows.device, chunk), cross

@@ -6,9 +6,12 @@ import math
 
 import torch
 
+from ..utils import flops
+
 
 def top_k_indices(scores: torch.Tensor, k: int) -> list[int]:
     """Indices of the k largest scores, ascending (ties broken by the lower index, so results are deterministic)."""
+    flops.record_host_reads(scores.numel())  # one scalar read per score: a device sync each on a GPU
     order = sorted(range(scores.numel()), key=lambda i: (-float(scores[i]), i))
     return sorted(order[:k])
 

@@ -51,12 +51,15 @@ from ...ops.ridge import (
 )
 from ...options.methods.flattengpt import FlattenGPTConfig
 from ...plan import LayerPlan
+from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
 from ..base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from ..compute import ComputeModel
 from ..registry import register_method
 from ..workspace import WorkspaceModel, WorkspaceSizes
 from .attention_target import sequential_attention_writes, sequential_group_outputs
+from .compute import flattengpt_compute
 from .loss_selection import groups_by_calibration_loss
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, MLP_CROSS_CHUNK, flattengpt_workspace
 
@@ -98,6 +101,11 @@ class FlattenGPTMethod(CompressionMethod):
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
         """FlattenGPT's memory model (`flattengpt_workspace`)."""
         return flattengpt_workspace(z, n, config)
+
+    @classmethod
+    def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel:
+        """FlattenGPT's compute model (`flattengpt_compute`)."""
+        return flattengpt_compute(z, n, config)
 
     @classmethod
     def card_section(cls, report: dict[str, Any]) -> CardSection | None:
@@ -409,8 +417,9 @@ class FlattenGPTMethod(CompressionMethod):
         head_count = 0
         needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
         device = module_device(wide)  # statistics and solves stay on the device the layer lives on
-        tf32 = self.config.covariance_dtype == "tf32"
-        o_moment = SecondMoment(geometry.num_heads * geometry.head_dim, device, tf32) if needs_o_moment else None
+        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
+        heads_width = geometry.num_heads * geometry.head_dim
+        o_moment = SecondMoment(heads_width, device, tf32, split_bfloat16=split) if needs_o_moment else None
         sequential = self.config.attention_target == "sequential"
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
@@ -487,8 +496,12 @@ class FlattenGPTMethod(CompressionMethod):
         float64 = self.config.covariance_dtype == "float64"
         width = view.mlp.intermediate_size
         device = module_device(wide)
-        tf32 = self.config.covariance_dtype == "tf32"
-        moment = SecondMoment(width, device) if float64 else CentredSecondMoment(width, device, tf32=tf32)
+        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
+        moment = (
+            SecondMoment(width, device)
+            if float64
+            else CentredSecondMoment(width, device, tf32=tf32, split_bfloat16=split)
+        )
         sequential = self.config.mlp_target == "sequential"  # the config refuses it without mlp_correction
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
@@ -578,6 +591,7 @@ class FlattenGPTMethod(CompressionMethod):
         else:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`): C[K, R] is not read
             kept = kept_block(stats.block, keep, down_rows.device)
             stats.release()
+            flops.record(flops.product(keep.numel(), keep.numel(), down_rows.shape[1]), "float64")
             cross = target[keep.to(target.device)].to(kept.device) - kept @ down_rows[keep].double()
         factor = ridge_factor(kept, lam)
         del kept  # the solve copies the factor once more (column-major): the block would be a third k x k
@@ -612,6 +626,7 @@ def select_kv_groups_by_reconstruction(
     if math.comb(len(groups), num_keep) <= MAX_EXHAUSTIVE_SUBSETS:
         return list(min(itertools.combinations(groups, num_keep), key=error))
     if target is None:  # the wide block's own output t = a W: S = C W, E‖t‖² = tr(Wᵀ C W)
+        flops.record(flops.product(o_rows.shape[0], o_rows.shape[0], o_rows.shape[1]), "float64")
         cross = second_moment.double() @ o_rows.double()
         target = (cross, float((o_rows.double() * cross).sum()))
     blocks = {g: torch.tensor(geometry.head_channels(geometry.query_heads_of([g]))) for g in groups}

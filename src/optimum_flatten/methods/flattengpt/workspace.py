@@ -124,6 +124,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     heads_width = g * s.num_heads * s.head_dim
     keep, rest = i, width - i
     float64 = config.covariance_dtype == "float64"
+    # covariance_dtype="bfloat16": the float32 path's solve on a float64 scatter of split bfloat16 products.
+    split = config.covariance_dtype == "bfloat16"
     needs_o = config.attention_correction or config.head_selection == "reconstruction"
     norm_bytes = s.norm_weights * b
     wide = Term(
@@ -139,7 +141,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         8 * heads_width * heads_width if needs_o else 0,
         "(g·H·d_h)², for the attention refit; freed before the MLP statistics",
     )
-    c_bytes = (8 if float64 else 4) * width * width
+    c_bytes = (8 if float64 or split else 4) * width * width
     c_moment = Term(
         f"MLP second moment C ({config.covariance_dtype})",
         c_bytes,
@@ -200,7 +202,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         # The selection builds every candidate's wide block under the same phase name, beside its own states.
         flatten = Phase("flatten", selection.terms)
     at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
-    head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width) if needs_o else 0)
+    head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width, split) if needs_o else 0)
     sequential = getattr(config, "attention_target", "parallel") == "sequential"
     # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
@@ -245,6 +247,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     upcast = 4 if b != 4 else 0
     # The masked token copy, then per chunk its float64 column sum or its float32 centred copy (and the cast to it).
     update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * max(8, 4 + upcast)
+    if split:  # the masked copy; per chunk its centred float32 copy, hi and lo, the two stacked pairs, the product
+        update = z.Tb * width * b + chunk * width * (4 + 4 + 2 * 2 + 4 * 2) + 4 * width * width
     # The MLP peaks at act(gate), up and their product; at the hook only the product (the down input) is left.
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)

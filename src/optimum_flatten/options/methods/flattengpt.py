@@ -90,7 +90,14 @@ class FlattenGPTConfig(MethodConfig):
             — kept to check a result, or where memory is plentiful. ``"tf32"``: the float32 path with the
             products of both statistics (the MLP scatter and the o_proj input's moment, the largest products
             FlattenGPT computes) on CUDA's TF32 tensor cores (inputs rounded to 10 mantissa bits, sums in float32,
-            bound tested on CUDA); the same as ``"float32"`` on the CPU.
+            bound tested on CUDA); the same as ``"float32"`` on the CPU. ``"bfloat16"``: the same two products on
+            bfloat16 tensor cores with exact products: each centred activation is split into two bfloat16 parts
+            (exact for a bfloat16 activation within a factor 2⁷ of the bfloat16 centre, 2⁻¹⁶ relative otherwise),
+            two GEMMs give every cross term with float32 sums over one chunk of tokens, and the chunks add up in a
+            float64 scatter: within (3·2⁻¹⁶ + γ) of the float32 path's own bound where TF32 allows 2·2⁻¹⁰
+            (`calibration.stats.split_gram`, tested against float64), at twice the flops of one bfloat16 GEMM and
+            twice the float32 scatter's memory (8·(2·d_int)² bytes: 3.6 GiB at LLaMA-2-7B, 24.5 GiB at 70B, where
+            ``"float32"`` is the one that fits). On the CPU the same arithmetic runs in float32 GEMMs.
     """
 
     selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
@@ -104,7 +111,7 @@ class FlattenGPTConfig(MethodConfig):
     head_selection: Literal["importance", "reconstruction", "balanced"] = "reconstruction"
     attention_target: Literal["parallel", "sequential"] = "sequential"
     attention_ridge_ratio: float | None = 1.0
-    covariance_dtype: Literal["float32", "float64", "tf32"] = "float32"
+    covariance_dtype: Literal["float32", "float64", "tf32", "bfloat16"] = "float32"
     mlp_correction: bool = True
     mlp_target: Literal["parallel", "sequential"] = "sequential"
 
@@ -125,8 +132,10 @@ class FlattenGPTConfig(MethodConfig):
         check_scoring_batches(self.scoring_batches)
         if not isinstance(self.mlp_correction, bool):
             raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
-        if self.covariance_dtype not in ("float32", "float64", "tf32"):
-            raise ValueError(f"covariance_dtype must be 'float32', 'float64' or 'tf32', got {self.covariance_dtype!r}.")
+        if self.covariance_dtype not in ("float32", "float64", "tf32", "bfloat16"):
+            raise ValueError(
+                f"covariance_dtype must be 'float32', 'float64', 'tf32' or 'bfloat16', got {self.covariance_dtype!r}."
+            )
         if self.head_selection not in ("importance", "reconstruction", "balanced"):
             raise ValueError(
                 f"head_selection must be 'importance', 'reconstruction' or 'balanced', got {self.head_selection!r}."
