@@ -1,0 +1,74 @@
+"""Draws healing's ratio to dense against training tokens, one line per mode and loss, from the JSON files of
+benchmarks/recovery/run.py (benchmarks/results/recovery_<model>_<method>_<mode>_<kd|lm>_<tokens>.json).
+
+Each run is one point at its budget; every line starts at 0 tokens from the untrained model its runs share (the
+same compression, calibration and evaluation tokens). Two panels: the speeches from 2000 on (in domain) and the King
+James Bible (out of domain). Nothing is run here.
+
+Usage: python benchmarks/recovery/curve.py [--model smollm2] [--method flattengpt]
+Writes benchmarks/results/recovery_<model>_<method>.png and prints the points it drew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
+
+
+def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
+    """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
+    model. Runs of another method, or named like the run script's files but of another shape, are skipped."""
+    points: dict[str, dict[int, tuple[float, float]]] = {}
+    for path in sorted(RESULTS.glob(f"recovery_{model}_{method}_*_*.json")):
+        run = json.loads(path.read_text())
+        if run.get("method") != method or "healed" not in run:
+            continue
+        line = points.setdefault(f"{run['mode']}, {run['loss']}", {})
+        line[0] = tuple(run["untrained"][text]["ppl_ratio"] for text, _ in TEXTS)
+        line[int(run["recovery"]["tokens_trained"])] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)
+    return points
+
+
+def plot(model: str, method: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = healing_points(model, method)
+    if not points:
+        raise SystemExit(f"no healing runs of {method} on {model} in {RESULTS}")
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for panel, (axis, (_, title)) in enumerate(zip(axes, TEXTS, strict=True)):
+        for label, line in sorted(points.items()):
+            xs = sorted(line)
+            axis.plot([x / 1024 for x in xs], [line[x][panel] for x in xs], marker="o", label=label)
+        axis.set_title(title)
+        axis.set_xlabel("training tokens (K)")
+        axis.grid(True, alpha=0.3)
+    axes[0].set_ylabel("perplexity / dense perplexity")
+    axes[1].legend(fontsize=8, title="what is trained, loss")
+    figure.suptitle(f"{model}, {method} (6 of 30 removed), healed on pre-2000 speeches outside calibration")
+    figure.tight_layout()
+    out = RESULTS / f"recovery_{model}_{method}.png"
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--method", default="flattengpt")
+    args = parser.parse_args()
+    print(plot(args.model, args.method))
+    for label, line in sorted(healing_points(args.model, args.method).items()):
+        print(label, {tokens: tuple(round(v, 3) for v in ratios) for tokens, ratios in sorted(line.items())})
+
+
+if __name__ == "__main__":
+    main()
