@@ -38,8 +38,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import tiny_models
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.estimate import MemoryEstimate, estimate_memory, modelled_methods
-from optimum_flatten.methods.base import MethodContext
 
 TOLERANCE = 0.25
 
@@ -356,7 +356,7 @@ def test_cli_estimate_takes_a_bundled_name(capsys):
 def test_the_estimate_asks_the_method_for_its_memory_model(monkeypatch):
     """The driver names no method: the methods with a `workspace` are the ones it covers, and a method without one
     is refused with that list before any work."""
-    from optimum_flatten.methods.base import CompressionMethod
+    from optimum_flatten.compression.method import CompressionMethod
     from optimum_flatten.methods.laco import LaCoMethod
     from optimum_flatten.methods.shortgpt import ShortGPTMethod
 
@@ -489,8 +489,10 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     _write_config(tmp_path)
     assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json",
-                 "--heal"]) == 0
+    assert (
+        main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json", "--heal"])
+        == 0
+    )
     healed = json.loads(capsys.readouterr().out)
     weights = plain["weights_bytes"]
     for before, after in zip(plain["phases"], healed["phases"], strict=True):

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import tiny_models
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.ops.ridge import nystrom_down_correction, ridge_factor, ridge_leverage_scores
 from optimum_flatten.ops.selection import top_k_indices
 from optimum_flatten.utils import flops

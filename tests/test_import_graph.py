@@ -1,7 +1,7 @@
 """Imports point one way: each part of the package imports only the parts below it (static, over every module).
 
 Layers, lowest first (a module may import its own layer and those below):
-  utils, ops  <  registry of methods (methods/registry.py, a plugin table)  <  options (the torch-free declarations
+  utils, ops  <  registry of methods (compression/registry.py, a plugin table)  <  options (the torch-free declarations
   of what can be asked)  <  config, bundled  <  calibration
   <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
   (methods/layer_collapse/, which writes its own checkpoints with the generic export)  <  quantizer  <  integration
@@ -26,12 +26,14 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 
 LAYERS = [
     {"utils", "ops"},
-    {"plan", "report"},
-    {"methods.registry"},
+    {"plan", "report", "roofline"},
+    {"compression.registry"},
     {"options"},
     {"config", "bundled"},
     {"calibration"},
     {"adapters"},
+    {"corrections"},
+    {"compression"},
     {"methods"},
     {"recovery"},
     {"evaluation"},
@@ -44,14 +46,16 @@ LAYERS = [
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: (importing module, imported part): lazy imports that go up on purpose.
-ALLOWED_UPWARD = {("methods/registry.py", "methods"), ("methods/__init__.py", "methods.layer_collapse")}
+ALLOWED_UPWARD = {("compression/registry.py", "methods"), ("methods/__init__.py", "methods.layer_collapse")}
 #: The packages of methods that sit in their own layer (above the generic export they write checkpoints with).
 METHOD_PACKAGES = {"layer_collapse"}
 
 
 def _part(parts: list[str]) -> str:
-    """The layer a module path belongs to (``methods/registry`` and each method package are their own layer)."""
-    if parts[:1] == ["methods"] and len(parts) > 1 and (parts[1] == "registry" or parts[1] in METHOD_PACKAGES):
+    """The layer a module path belongs to (``compression/registry`` and each method package are their own layer)."""
+    if parts[:2] == ["compression", "registry"]:
+        return "compression.registry"
+    if parts[:1] == ["methods"] and len(parts) > 1 and parts[1] in METHOD_PACKAGES:
         return f"methods.{parts[1]}"
     return parts[0] if parts else "__init__"
 
@@ -166,6 +170,8 @@ def test_only_the_cli_imports_the_estimator():
         "config",
         "calibration",
         "adapters",
+        "corrections",
+        "compression",
         "methods",
         "methods.layer_collapse",
         "evaluation",

@@ -22,6 +22,8 @@ from common import compress, tiny_config
 from optimum_flatten import FlattenConfig
 from optimum_flatten.adapters import get_adapter
 from optimum_flatten.cli.main import report_warnings
+from optimum_flatten.compression.method import CardSection, CheckpointWriter, CompressionMethod, LayerMatrixFigure
+from optimum_flatten.compression.registry import get_method_class, registered_methods
 from optimum_flatten.export.checkpoint import (
     REPORT_NAME,
     is_checkpoint_file,
@@ -30,14 +32,12 @@ from optimum_flatten.export.checkpoint import (
 )
 from optimum_flatten.export.model_card import describe_parameters, method_sections, render_model_card
 from optimum_flatten.integration import FlattenHfQuantizer
-from optimum_flatten.methods.base import CardSection, CheckpointWriter, CompressionMethod, LayerMatrixFigure
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod
 from optimum_flatten.methods.layer_collapse import (
     LayerCollapseMethod,
     prepare_layer_collapse_,
     write_layer_collapse_model,
 )
-from optimum_flatten.methods.registry import get_method_class, registered_methods
 from optimum_flatten.methods.shortgpt import ShortGPTMethod
 from optimum_flatten.methods.sleb import SLEBMethod
 from optimum_flatten.quantizer import FlattenQuantizer
@@ -273,7 +273,7 @@ def test_preflight_refuses_before_any_weight_changes_and_resolves_the_run():
 
 
 def test_compress_refuses_a_method_report_that_would_overwrite_the_plan(monkeypatch):
-    import optimum_flatten.methods.pipeline as pipeline_module
+    import optimum_flatten.compression.pipeline as pipeline_module
 
     original = pipeline_module.plan_and_apply_
 

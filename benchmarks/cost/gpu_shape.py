@@ -74,7 +74,7 @@ def record_phase_peaks(device) -> dict[str, int]:
 
     import torch
 
-    from optimum_flatten.methods.base import MethodContext
+    from optimum_flatten.compression.method import MethodContext
 
     peaks: dict[str, int] = {}
     stack: list[int] = []

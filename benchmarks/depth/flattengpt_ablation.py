@@ -21,8 +21,8 @@ def flattengpt_parallel_unpruned_(model: Any, tokenizer: Any, args: Any, **optio
 
     from optimum_flatten import get_adapter
     from optimum_flatten.calibration.data import build_calibration_batches
+    from optimum_flatten.compression.method import MethodContext
     from optimum_flatten.config import CalibrationConfig
-    from optimum_flatten.methods.base import MethodContext
     from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod, fold_block_norms_
 
     batch_size = options.pop("batch_size", args.batch_size)

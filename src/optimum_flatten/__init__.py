@@ -27,8 +27,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .adapters.registry import get_adapter, register_adapter
+    from .compression.registry import register_method
     from .config import CalibrationConfig, FlattenConfig
-    from .methods.registry import register_method
     from .plan import LayerPlan
     from .quantizer import FlattenQuantizer
 
@@ -38,9 +38,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'optimum_flatten' has no attribute {name!r}")
     from . import adapters as _adapters  # noqa: F401  (registers the built-in adapters)
     from .adapters.registry import get_adapter, register_adapter
+    from .compression.registry import register_method
     from .config import CalibrationConfig, FlattenConfig
     from .integration import register as _register_with_transformers
-    from .methods.registry import register_method
     from .plan import LayerPlan
     from .quantizer import FlattenQuantizer
 

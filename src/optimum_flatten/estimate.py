@@ -33,7 +33,7 @@ Terms every method shares:
   temporaries (T_b·d_h·b·(2·H + 5·KV) + T_b·d·b). Fused attention (SDPA) is assumed: no T_b·seqlen score matrix.
 
 The per-method terms are documented on each method's `workspace` (FlattenGPT's in `methods/flattengpt/workspace.py`;
-the shared terms and sizes in `methods/workspace.py`). Limits: a uniform stack (every layer the shape of
+the shared terms and sizes in `compression/workspace.py`). Limits: a uniform stack (every layer the shape of
 layer 0), packing (no padding), the whole model in one memory (with offloaded layers the weights resident drop to
 what the device_map keeps, the workspace does not), and the LLaMA layout of a block (other families are estimated
 with the same formulas; their per-batch temporaries may differ).
@@ -52,11 +52,11 @@ from torch import nn
 
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
-from .methods.base import CompressionMethod
-from .methods.compute import ComputeModel
-from .methods.pipeline import Corrections, preflight
-from .methods.registry import get_method_class, registered_methods, require_capabilities
-from .methods.workspace import Phase, Term, WorkspaceSizes
+from .compression.compute import ComputeModel
+from .compression.method import CompressionMethod
+from .compression.pipeline import Corrections, preflight
+from .compression.registry import get_method_class, registered_methods, require_capabilities
+from .compression.workspace import Phase, Term, WorkspaceSizes
 from .roofline import DeviceSpec, TimePrediction, predict
 from .utils import flops
 from .utils.loading import model_class_for, one_line, resolve_model_source

@@ -21,8 +21,8 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 
 from .adapters import get_adapter
+from .compression.registry import get_method_class
 from .config import FlattenConfig
-from .methods.registry import get_method_class
 from .plan import LayerPlan
 
 logger = logging.getLogger(__name__)

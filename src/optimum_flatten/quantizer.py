@@ -15,12 +15,12 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
+from .compression.method import CompressionMethod, MethodContext
+from .compression.pipeline import Corrections
+from .compression.registry import get_method_class, require_capabilities
 from .config import FlattenConfig
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
-from .methods import pipeline
-from .methods.base import CompressionMethod, MethodContext
-from .methods.pipeline import Corrections
-from .methods.registry import get_method_class, require_capabilities
+from .compression import pipeline
 from .plan import LayerPlan
 from .report import CompressionReport
 from .utils import flops

@@ -19,7 +19,7 @@ from common import (
     sample_ids,
 )
 from optimum_flatten import get_adapter
-from optimum_flatten.methods.compensation import fold_stream_scales_
+from optimum_flatten.corrections.compensation import fold_stream_scales_
 
 FAMILIES = sorted(tiny_models.NEW_FAMILIES)
 POST_SUBLAYER_NORM = {"gemma2", "gemma3_text", "olmo2"}

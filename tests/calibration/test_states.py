@@ -12,7 +12,7 @@ from common import sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.states import cosine_rows, next_token_nll
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 
 
 def _context(ids, mask):

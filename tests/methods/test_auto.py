@@ -49,9 +49,9 @@ def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_ev
     extra |= {"compensation": correction} if correction == "scale" else {}
     alone = copy.deepcopy(original)
     # The same fitting tokens: the fitting batches' texts are not recoverable, so run the pipeline on them directly.
-    from optimum_flatten.methods.base import MethodContext
-    from optimum_flatten.methods.pipeline import Corrections, plan_and_apply_
-    from optimum_flatten.methods.registry import get_method_class
+    from optimum_flatten.compression.method import MethodContext
+    from optimum_flatten.compression.pipeline import Corrections, plan_and_apply_
+    from optimum_flatten.compression.registry import get_method_class
 
     method_class = get_method_class(name)
     plan_and_apply_(

@@ -16,7 +16,7 @@ import tiny_models
 from common import compress, greedy_generate_both_ways, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.come import CoMeConfig, CoMeMethod, concat_merge
 from optimum_flatten.ops.channel_sensitivity import (
     accumulate_abs_sum,

@@ -11,7 +11,7 @@ import tiny_models
 from common import compress, logits, sample_ids, shallower_reference, tiny_config
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration.data import build_calibration_batches
-from optimum_flatten.methods.compensation import fold_stream_scales_
+from optimum_flatten.corrections.compensation import fold_stream_scales_
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 
 

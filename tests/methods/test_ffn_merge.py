@@ -14,7 +14,7 @@ import tiny_models
 from common import assert_close, compress, logits, sample_ids
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, read_mlp, retie_ffn_, write_mlp_
 from optimum_flatten.ops.ffn_alignment import permute_mlp_units
 from optimum_flatten.utils.errors import InvalidTargetError

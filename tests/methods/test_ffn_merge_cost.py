@@ -15,8 +15,8 @@ from common import compress, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.cli.main import _summary
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.export.model_card import describe_parameters
-from optimum_flatten.methods.base import MethodContext
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, WindowScorer, read_mlp, retie_ffn_
 from optimum_flatten.ops.ffn_alignment import (
     alignment_signals,

@@ -13,7 +13,7 @@ import tiny_models
 from common import compress, padded_batches
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, WindowScorer
 
 

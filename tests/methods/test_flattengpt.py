@@ -9,7 +9,7 @@ import tiny_models
 from common import compress, greedy_generate_both_ways, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
 from optimum_flatten.ops import greedy_adjacent_groups
 from optimum_flatten.utils.errors import (

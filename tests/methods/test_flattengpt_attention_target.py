@@ -20,7 +20,7 @@ from common import (
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.stats import CrossMoment
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
 from optimum_flatten.methods.flattengpt.attention_target import sequential_attention_writes, sequential_group_outputs
 from optimum_flatten.ops import nystrom_down_correction

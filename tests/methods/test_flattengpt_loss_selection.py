@@ -15,7 +15,7 @@ import tiny_models
 from common import compress, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
 from optimum_flatten.plan import LayerPlan
 

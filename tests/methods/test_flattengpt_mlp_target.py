@@ -18,7 +18,7 @@ from common import (
 )
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
 
 

@@ -91,7 +91,7 @@ def _naive_flatten(model, config: FlattenConfig, first: int):
     """The model with the pair (first, first + 1) merged by FlattenGPT itself (its own plan and application on a
     copy: full forwards, none of the search's cached states)."""
     from optimum_flatten import get_adapter
-    from optimum_flatten.methods.base import MethodContext
+    from optimum_flatten.compression.method import MethodContext
     from optimum_flatten.methods.flattengpt import FlattenGPTMethod
     from optimum_flatten.plan import LayerPlan
 

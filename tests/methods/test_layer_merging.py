@@ -12,7 +12,7 @@ import tiny_models
 from common import assert_close, compress, greedy_generate_both_ways, logits, sample_ids, tiny_config
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.laco import LaCoConfig, LaCoMethod
 from optimum_flatten.methods.sliding_window import SlidingWindowConfig, SlidingWindowMethod
 

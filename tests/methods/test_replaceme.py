@@ -22,7 +22,7 @@ from common import (
 from optimum_flatten import FlattenConfig, get_adapter
 from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.calibration.data import build_calibration_batches
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.uidl import block_distances
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 

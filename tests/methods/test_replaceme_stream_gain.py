@@ -10,7 +10,7 @@ import torch
 import tiny_models
 from common import compress, logits, naive_fit_rows, sample_ids, shallower_reference, tiny_config
 from optimum_flatten.calibration.data import build_calibration_batches
-from optimum_flatten.methods.linear_bridge import BridgeOptions
+from optimum_flatten.corrections.linear_bridge import BridgeOptions
 from optimum_flatten.ops.linear_map import (
     LinearMapStatistics,
     solve_least_squares,

@@ -9,7 +9,7 @@ import tiny_models
 from common import compress, logits, sample_ids, shallower_reference
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.sleb import SLEBConfig, SLEBMethod
 
 

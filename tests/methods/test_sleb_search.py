@@ -20,7 +20,7 @@ from optimum_flatten.calibration.states import (
     next_token_nll_terms,
     next_token_pairs,
 )
-from optimum_flatten.methods.base import MethodContext
+from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.sleb import SLEBConfig, SLEBMethod, _Search
 
 

@@ -129,8 +129,9 @@ def test_healing_in_bfloat16_on_cuda_keeps_placement_and_dtype_and_lowers_the_he
     model = copy.deepcopy(dense)
     report = compress(model, "flattengpt", num_layers_to_remove=2).report
     config = RecoveryConfig(**{**HEAL, "mode": mode, "max_tokens": 256})
-    healed, log = recover(model, tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense,
-                          report=report)
+    healed, log = recover(
+        model, tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense, report=report
+    )
     parameters = list(healed.parameters())
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in parameters)
     assert log["heldout_after"]["objective"] <= log["heldout_before"]["objective"]

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
-from ..methods.registry import get_config_class, registered_methods
+from ..compression.registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name, resolve_model_source
 from .options import (

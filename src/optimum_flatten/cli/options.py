@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..methods.registry import get_config_class, registered_methods
+from ..compression.registry import get_config_class, registered_methods
 from ..options import CalibrationConfig, option_converter
 from ..options.recovery import parse_heal
 from ..options.request import RequestOptions

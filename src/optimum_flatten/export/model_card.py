@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..methods.base import CardSection
+    from ..compression.method import CardSection
 
 
 def render_model_card(report: dict[str, Any]) -> str:
@@ -178,7 +178,7 @@ def method_sections(report: dict[str, Any]) -> list[CardSection]:
     method's writer after another method compressed it); each answers only from the entries it writes, so the card
     names no method. A report of a method this version does not know gets the others' sections only.
     """
-    from ..methods.registry import get_method_class, registered_methods
+    from ..compression.registry import get_method_class, registered_methods
 
     own = str(report.get("method"))
     names = sorted(registered_methods(), key=lambda name: name != own)

@@ -22,7 +22,7 @@ def _load_builtin_methods() -> None:
     )
 
 
-from .registry import get_method_class, register_method, registered_methods  # noqa: E402
+from ..compression.registry import get_method_class, register_method, registered_methods  # noqa: E402
 
 __all__ = ["CompressionMethod", "MethodContext", "get_method_class", "register_method", "registered_methods"]
 
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> object:
     """`CompressionMethod` and `MethodContext` load on first use: the registry alone (names and options) must not
     import torch, so that the command line can list the methods and their flags before any heavy import."""
     if name in ("CompressionMethod", "MethodContext"):
-        from . import base
+        from ..compression import method
 
-        return getattr(base, name)
+        return getattr(method, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

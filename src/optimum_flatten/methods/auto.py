@@ -25,12 +25,12 @@ from typing import Any
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
+from ..compression.method import CompressionMethod, MethodContext
+from ..compression.pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
+from ..compression.registry import register_method, require_capabilities
 from ..options.methods.auto import AutoConfig, Candidate
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
-from .base import CompressionMethod, MethodContext
-from .pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
-from .registry import register_method, require_capabilities
 
 
 def split_batches(batches: list[Any], fraction: float) -> tuple[list[Any], list[Any]]:

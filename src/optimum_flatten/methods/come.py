@@ -33,6 +33,9 @@ from torch import nn
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import capture_module_inputs
 from ..calibration.states import CalibratedStates
+from ..compression.method import CompressionMethod, MethodContext
+from ..compression.registry import register_method
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..ops import kv_group_scores, top_k_indices
 from ..ops.channel_sensitivity import (
     accumulate_abs_sum,
@@ -43,10 +46,7 @@ from ..ops.channel_sensitivity import (
 from ..options.methods.come import CoMeConfig
 from ..plan import LayerPlan
 from ..utils.offload import detached_copy, dispatch_like
-from .base import CompressionMethod, MethodContext
 from .flattengpt import fold_block_norms_
-from .registry import register_method
-from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
 

@@ -21,19 +21,19 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import next_token_nll
+from ..compression.compute import ComputeModel, Tally
+from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
+from ..compression.registry import register_method
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
+from ..corrections.compensation import require_compensable
+from ..corrections.linear_bridge import bridged_apply_, fit_with_outputs, require_pre_norm
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .compensation import require_compensable
-from .compute import ComputeModel, Tally
-from .linear_bridge import bridged_apply_, fit_with_outputs, require_pre_norm
-from .registry import register_method
 from .uidl import UIDLMethod, block_size, select_blocks
-from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 
 @register_method("replaceme")

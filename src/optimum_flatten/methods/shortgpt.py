@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from ..adapters.base import ArchitectureAdapter
+from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
+from ..compression.registry import register_method
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
+from ..corrections.compensation import magnitude_ratio
 from ..ops import top_k_indices
 from ..options.methods.shortgpt import ShortGPTConfig
 from ..plan import LayerPlan
-from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .compensation import magnitude_ratio
-from .registry import register_method
-from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 
 
 def block_influence(adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:

@@ -32,13 +32,13 @@ from ..calibration.states import (
     next_token_nll_terms,
     next_token_pairs,
 )
+from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
+from ..compression.registry import register_method
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..options.methods.sleb import SLEBConfig
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
-from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .registry import register_method
-from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 
 #: Kept under its old name: the row-bounded next-token loss now lives in the states engine.
 calibration_nll = next_token_nll

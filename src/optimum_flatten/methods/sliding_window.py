@@ -14,6 +14,7 @@ only with ``merge_rule="reference_code"``.
 
 from __future__ import annotations
 
+from ..compression.registry import register_method
 from ..options.methods.sliding_window import SlidingWindowConfig
 from .laco import (
     Group,
@@ -22,7 +23,6 @@ from .laco import (
     identity_stack,
     merge_positions,
 )
-from .registry import register_method
 
 
 @register_method("sliding_window")

@@ -14,12 +14,12 @@ from typing import Any
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
+from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
+from ..compression.registry import register_method
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 from ..options.methods.uidl import BlockSelectionConfig
 from ..plan import LayerPlan
 from ..utils.errors import InvalidTargetError
-from .base import CompressionMethod, MethodContext, apply_layer_drop_
-from .registry import register_method
-from .workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 
 
 def block_size(num_to_remove: int, num_blocks: int, num_layers: int, first_start: int) -> int:

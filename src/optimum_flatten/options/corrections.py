@@ -1,7 +1,7 @@
 """Names of the corrections folded on top of a method that removes layers (torch-free declarations).
 
 The estimators are the ways a linear bridge can be fitted (`ops.linear_map`); the compensations are Prune&Comp's
-rescalings (`methods/compensation.py`). Declared here, below the code that implements them, so that the options
+rescalings (`corrections/compensation.py`). Declared here, below the code that implements them, so that the options
 (and the command line's choices) are known without importing torch.
 """
 
@@ -17,7 +17,7 @@ from ..utils.errors import did_you_mean
 #: stream, fitted jointly; ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs.
 ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "cosine")
 
-#: Names of the corrections folded after a layer drop (see methods/compensation.py).
+#: Names of the corrections folded after a layer drop (see corrections/compensation.py).
 COMPENSATIONS = ("scale",)
 
 

@@ -34,11 +34,11 @@ from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import (
     cosine_rows,
 )
+from ...compression.method import CardSection, CompressionMethod, MethodContext
+from ...compression.registry import register_method
 from ...options.methods.ffn_merge import FfnMergeConfig
 from ...plan import LayerPlan
 from ...utils.offload import is_offloaded
-from ..base import CardSection, CompressionMethod, MethodContext
-from ..registry import register_method
 from .footprint import parameter_footprint, parameters_text
 from .scoring import Resume, WindowScorer, merged_mlp
 from .tying import Window, check_same_layout, retie_ffn_, tie_mlps_, write_mlp_

@@ -26,6 +26,7 @@ from ...calibration.states import (
     next_token_nll_terms,
     next_token_pairs,
 )
+from ...compression.method import MethodContext
 from ...ops.ffn_alignment import (
     alignment_permutation,
     alignment_signals,
@@ -37,7 +38,6 @@ from ...ops.ffn_alignment import (
 )
 from ...options.methods.ffn_merge import FfnMergeConfig
 from ...utils.torch_utils import count_parameters
-from ..base import MethodContext
 from .tying import Window, read_mlp
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...compression.compute import Arithmetic, ComputeModel, Tally
+from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
 from ...ops.ridge import REMOVAL_LAUNCHES, max_refined
 from ...utils import flops
-from ..compute import Arithmetic, ComputeModel, Tally
-from ..workspace import LEVERAGE_PANEL, WorkspaceSizes
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band
 
 

@@ -25,8 +25,8 @@ from torch import nn
 
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import CalibratedStates
+from ...compression.method import MethodContext
 from ...utils.torch_utils import count_parameters
-from ..base import MethodContext
 
 Group = tuple[int, ...]
 

@@ -26,6 +26,10 @@ from ...adapters.base import ArchitectureAdapter
 from ...calibration.capture import LayerwiseRunner
 from ...calibration.partial import run_to_input
 from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
+from ...compression.compute import ComputeModel
+from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from ...compression.registry import register_method
+from ...compression.workspace import WorkspaceModel, WorkspaceSizes
 from ...ops import (
     accumulate_head_importance,
     balanced_top_k,
@@ -54,10 +58,6 @@ from ...plan import LayerPlan
 from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
-from ..base import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
-from ..compute import ComputeModel
-from ..registry import register_method
-from ..workspace import WorkspaceModel, WorkspaceSizes
 from .attention_target import sequential_attention_writes, sequential_group_outputs
 from .compute import flattengpt_compute
 from .loss_selection import groups_by_calibration_loss

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 from ...ops.ridge import max_refined
-from ..workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096

@@ -19,11 +19,11 @@ from torch import nn
 
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import CalibratedStates
+from ...compression.method import CardSection, CompressionMethod, MethodContext
 from ...ops import MERGE_RULES
 from ...plan import LayerPlan
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import count_parameters
-from ..base import CardSection, CompressionMethod, MethodContext
 
 logger = logging.getLogger(__name__)
 

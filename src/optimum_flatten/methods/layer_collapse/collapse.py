@@ -25,12 +25,12 @@ from ...adapters import get_adapter
 from ...adapters.base import ArchitectureAdapter, BlockView
 from ...calibration.capture import LayerwiseRunner, capture_module_inputs
 from ...calibration.data import CalibrationBatch
+from ...compression.method import CardSection, CheckpointWriter, CompressionMethod, MethodContext
+from ...compression.registry import register_method
 from ...ops.linear_collapse import BatchNormStats, collapse_error, collapse_error_bound, collapse_linear_pair
 from ...plan import LayerPlan
 from ...utils.errors import NotCollapsibleError
 from ...utils.torch_utils import count_parameters
-from ..base import CardSection, CheckpointWriter, CompressionMethod, MethodContext
-from ..registry import register_method
 from .activation import ParametricActivation
 from .config import METHOD_NAME, LayerCollapseConfig
 from .export import write_layer_collapse_model

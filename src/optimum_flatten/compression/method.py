@@ -232,7 +232,7 @@ class CompressionMethod(ABC):
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel | None:
         """The method's memory model for `optimum-flatten estimate` removing `n` layers: the phases it times with
         the terms each holds at its peak, the stack passes, whether those are a bound, and notes (see
-        `methods.workspace` and `optimum_flatten.estimate`). None (the default): the method has none, and the
+        `compression.workspace` and `optimum_flatten.estimate`). None (the default): the method has none, and the
         estimate refuses it, naming the methods that have one.
         """
         return None
@@ -240,7 +240,7 @@ class CompressionMethod(ABC):
     @classmethod
     def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
         """The method's compute model for `optimum-flatten estimate` removing `n` layers: per timed phase, the stack
-        passes it runs and the arithmetic its ops record (`methods.compute`). None (the default): only the total
+        passes it runs and the arithmetic its ops record (`compression.compute`). None (the default): only the total
         stack passes of `workspace` are known, and `estimate --device` predicts the total time alone.
         """
         return None

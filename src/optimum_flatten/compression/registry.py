@@ -69,7 +69,7 @@ def get_method_class(name: str) -> type:
         UnknownMethodError: listing the registered names, with a did-you-mean hint.
     """
     if name in BUILTIN_OPTIONS and name not in _METHODS:
-        from . import _load_builtin_methods
+        from ..methods import _load_builtin_methods
 
         _load_builtin_methods()
     names = registered_methods()

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 
 from ..adapters.base import ArchitectureAdapter
+from ..corrections.compensation import compensated_apply_, require_compensable
+from ..corrections.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
 from ..options.corrections import Corrections
 from ..plan import LayerPlan
-from .base import CompressionMethod, MethodContext
-from .compensation import compensated_apply_, require_compensable
-from .linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
+from .method import CompressionMethod, MethodContext
 
 logger = logging.getLogger(__name__)
 
