@@ -511,10 +511,11 @@ def bridged_apply_(
     in order on the compressed model (`fit_and_fold_`), holding the states. `stream` False forces the held path
     (the reference the streamed one is tested against); True refuses a plan that cannot stream.
 
-    The runner is recorded on the original model before `apply()`; its per-position call arguments stay valid
-    afterwards because layers are looked up by their original index.
+    The runner is the plan's own when it can stand for a fresh one (`MethodContext.states_of_unchanged_model`),
+    recorded on the original model before `apply()`; its per-position call arguments stay valid afterwards because
+    layers are looked up by their original index.
     """
-    states = context.new_states(adapter, keep=())
+    states = context.states_of_unchanged_model(adapter, keep=())  # nothing is changed before `apply()`
     runner = states.runner
     span = streamed_span(adapter, plan, options) if stream is not False else None
     if stream and span is None:

@@ -47,23 +47,24 @@ class ReplaceMeMethod(CompressionMethod):
         """ReplaceMe: UIDL's selection, then the least-squares map of the removed block, streamed or held.
 
         Streamed (one block, a least-squares estimator, no `correct_after`: `linear_bridge.streamed_span`): before
-        the layers are dropped, one walk of the dense stack a batch at a time up to the block's end; a second runner
-        (the first stays alive). At its largest a batch holds, beside the float64 statistics (MᵀM and Mᵀ(L − Y),
-        2·8·d²; with ``"lstsq_gain"`` MᵀY too, 8·d²), either a layer's run (its input, the captured M and Y and the
-        block's temporaries: 3·T_b·d·b + block) or the update (M, Y and the target with their masked copies,
-        6·T_b·d·b, and the float64 rows of one chunk, C·d·8·(4 + 2 with a gain), C = min(T_b, 4096)); then the solve
-        (the factor, 8·d²) and the fold (T, 8·d², and a float64 W_down with its product, 2·8·d·i). With
-        ``"lstsq_down"`` the statistics are AᵀA and Aᵀ(L − Y) over the MLP's intermediate width i (8·i² + 8·i·d,
-        twice while the ridge is chosen on a held-out batch), the captured A is T_b·i·b, and the solve holds the
-        i × i factor, the prior, the right-hand side, the solution and the held-out product (i × d each).
+        the layers are dropped, one walk of the dense stack a batch at a time up to the block's end, on the
+        selection's runner (`MethodContext.states_of_unchanged_model`: no second copy of the layer-0 states). At its
+        largest a batch holds, beside the float64 statistics (MᵀM and Mᵀ(L − Y), 2·8·d²; with ``"lstsq_gain"`` MᵀY
+        too, 8·d²), either a layer's run (its input, the captured M and Y and the block's temporaries: 3·T_b·d·b +
+        block) or the update (M, Y and the target with their masked copies, 6·T_b·d·b, and the float64 rows of one
+        chunk, C·d·8·(4 + 2 with a gain), C = min(T_b, 4096)); then the solve (the factor, 8·d²) and the fold (T,
+        8·d², and a float64 W_down with its product, 2·8·d·i). With ``"lstsq_down"`` the statistics are AᵀA and
+        Aᵀ(L − Y) over the MLP's intermediate width i (8·i² + 8·i·d, twice while the ridge is chosen on a held-out
+        batch), the captured A is T_b·i·b, and the solve holds the i × i factor, the prior, the right-hand side, the
+        solution and the held-out product (i × d each).
         Cost: the selection walk (1) and the dense walk up to the block's end (≤ 1).
 
-        Held (otherwise): a second runner, the dense state at the end of every block (S each), the states propagated
-        on the compressed model (S) and a run's outputs; the statistics with one batch's update; the solve and the
-        fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32 (3·N·d·4, on the
-        CPU) and their concatenation (the same again). Cost (a bound: it depends on where the block is): the
-        selection walk (1), the dense walk up to the block's end (≤ 1), and the compressed model up to the last
-        bridged layer, that layer twice (≤ (L − n + blocks)/L).
+        Held (otherwise): the selection's runner, the dense state at the end of every block (S each), the states
+        propagated on the compressed model (S) and a run's outputs; the statistics with one batch's update; the
+        solve and the fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32
+        (3·N·d·4, on the CPU) and their concatenation (the same again). Cost (a bound: it depends on where the block
+        is): the selection walk (1), the dense walk up to the block's end (≤ 1), and the compressed model up to the
+        last bridged layer, that layer twice (≤ (L − n + blocks)/L).
         """
         L, d, i, b, tb = z.shape.num_layers, z.d, z.i, z.b, z.Tb
         phases, _, _, _ = UIDLMethod.workspace(z, n, config)
@@ -91,7 +92,7 @@ class ReplaceMeMethod(CompressionMethod):
                     "linear_replacement",
                     (
                         z.tokens(),
-                        *z.runners(2),
+                        *z.runners(1),
                         Term(
                             "largest of: a batch's walk or update beside the statistics, the solve, the fold",
                             max(statistics + max(walk, update), statistics + solve, statistics + fold),
@@ -109,7 +110,7 @@ class ReplaceMeMethod(CompressionMethod):
                 "linear_replacement",
                 (
                     z.tokens(),
-                    *z.runners(2),
+                    *z.runners(1),
                     Term(
                         "dense target states at the blocks' ends", blocks * z.S, "taken before the layers are dropped"
                     ),
