@@ -184,9 +184,18 @@ class CompressionMethod(ABC):
     #: File patterns this method's `checkpoint_writer` adds to a checkpoint folder (beside transformers' files), so
     #: that a save over an existing checkpoint replaces or removes them like the rest of the checkpoint.
     checkpoint_files: ClassVar[tuple[str, ...]] = ()
+    #: Whether the method calibrates across ranks (calibration/distributed.py): under torchrun or accelerate launch
+    #: each rank takes its share of the batches and every statistic the method uses is summed over the ranks where
+    #: it is complete. A method that says no is refused under a process group of more than one rank.
+    shards_calibration: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
+
+    def sharding_refusal(self) -> str | None:
+        """Why this configuration of a method that `shards_calibration` cannot (an option whose statistics are not
+        summed over the ranks), or None when it can."""
+        return None
 
     def stacks_to_compress(self, adapter: ArchitectureAdapter, requested: Sequence[str]) -> list[str]:
         """The stacks this compression changes, from the `requested` ones (``FlattenConfig.stacks``, else every

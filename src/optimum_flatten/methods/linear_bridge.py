@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from ..adapters.base import ArchitectureAdapter
+from ..calibration.distributed import all_reduce_, all_reduce_sums, global_batches, is_sharded
 from ..calibration.states import CalibratedStates
 from ..ops.linear_map import (
     RIDGE_GRID,
@@ -187,8 +188,11 @@ class BridgeFit:
         self.held_out_batch: int | None = None
         self.held_out: LinearMapStatistics | None = None
         if self.refits_down:
-            if options.down_ridge is None and num_batches > 1:
-                self.held_out_batch = num_batches - 1
+            # The held-out batch is the last of all the calibration batches; under a sharded calibration it is on
+            # the last rank, and every rank keeps held-out sums (zero where it has none) for the all-reduce.
+            indices, total = global_batches(num_batches)
+            if options.down_ridge is None and total > 1:
+                self.held_out_batch = total - 1 - indices.start if total - 1 in indices else -1
             intercept = down.bias is not None
             self.fit = LinearMapStatistics(
                 down.in_features, device=device, out_dim=down.out_features, intercept=intercept
@@ -207,7 +211,13 @@ class BridgeFit:
         into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
 
     def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
-        """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry."""
+        """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry.
+
+        Under a sharded calibration the statistics are summed over the ranks first: complete only then, they give
+        every rank the same map."""
+        for stats in (self.fit, self.held_out):
+            if stats is not None:
+                _all_reduce_statistics_(stats)
         block = adapter.block_view(adapter.layers(stack)[k], k)
         if self.refits_down:
             return _refit_down_from_(adapter, stack, k, block.mlp.down, self.fit, self.held_out, self.options)
@@ -225,6 +235,20 @@ class BridgeFit:
             detail = {"tokens": self.fit.count, "jitter": info.jitter}
         fold_into_down_(adapter, stack, k, transform)
         return detail
+
+
+def _all_reduce_statistics_(stats: LinearMapStatistics) -> None:
+    """Sums `stats` over the ranks of a sharded calibration (calibration/distributed.py); nothing otherwise."""
+    if not is_sharded():
+        return
+    for tensor in (stats.gram, stats.cross, stats.stream_cross):
+        if tensor is not None:
+            all_reduce_(tensor)
+    count, target_norm, stream_target, stream_norm = all_reduce_sums(
+        stats.count, stats.target_norm, stats.stream_target, stats.stream_norm
+    )
+    stats.count, stats.target_norm = int(count), target_norm
+    stats.stream_target, stats.stream_norm = stream_target, stream_norm
 
 
 #: The estimators whose fit reduces to float64 statistics (`BridgeFit`), so their states can be streamed.

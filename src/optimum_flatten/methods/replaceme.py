@@ -40,7 +40,16 @@ class ReplaceMeMethod(CompressionMethod):
     required_capabilities = frozenset({"layer_drop"})
     #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
     accepts_linear_replacement = False
+    #: The angular distances' sums and counts, and the bridge's normal equations, are summed over the ranks.
+    shards_calibration = True
     config: ReplaceMeConfig
+
+    def sharding_refusal(self) -> str | None:
+        if self.config.selection == "loss":
+            return "selection='loss' scores blocks on the first scoring_batches batches (use selection='distance')"
+        if self.config.estimator == "cosine":
+            return "estimator='cosine' runs Adam over the tokens themselves (use a least-squares estimator)"
+        return None
 
     @classmethod
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
