@@ -15,12 +15,13 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
+from .calibration.distributed import all_reduce_sums, is_writer, process_group, shard_range, sharded_calibration
+from .compression import pipeline
 from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
-from .compression.registry import get_method_class, require_capabilities
+from .compression.registry import get_method_class, registered_methods, require_capabilities
 from .config import FlattenConfig
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
-from .compression import pipeline
 from .plan import LayerPlan
 from .report import CompressionReport
 from .utils import flops
@@ -44,8 +45,11 @@ class Preflight:
     #: Layers of that stack before.
     num_layers: int
     num_to_remove: int
-    #: The calibration batches (none for a method that needs no calibration).
+    #: The calibration batches (none for a method that needs no calibration): this rank's share under a process
+    #: group of several ranks (calibration/distributed.py).
     batches: list[Any]
+    #: The ranks the calibration is sharded over (1: one process, every batch here).
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,21 @@ class FlattenQuantizer(OptimumQuantizer):
             # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
             check_sequence_length(model, self.config.calibration.seqlen)
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
+        rank, world_size = process_group()
+        if world_size > 1 and method.requires_calibration:
+            check_shardable(method, corrections, rank, world_size)
+        if world_size > 1 and len(batches) >= world_size:
+            share = shard_range(len(batches), rank, world_size)
+            batches = batches[share.start : share.stop]
+        else:
+            if world_size > 1 and batches:
+                # Nothing to share out: every rank calibrates on every batch, as one process would (no collective).
+                logger.info(
+                    "%d calibration batches for %d processes: every rank calibrates on all of them",
+                    len(batches),
+                    world_size,
+                )
+            world_size = 1
         if self.config.heal:
             from .recovery import check_recovery_inputs
 
@@ -262,7 +281,7 @@ class FlattenQuantizer(OptimumQuantizer):
                     "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
                     "trained), or heal with mode 'full', 'last_k' or 'lora'."
                 )
-        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches)
+        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size)
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
@@ -276,7 +295,7 @@ class FlattenQuantizer(OptimumQuantizer):
         context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress)
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), sharded_calibration(checked.world_size):
             plan = pipeline.plan_and_apply_(
                 adapter, checked.method, context, checked.num_to_remove, checked.corrections
             )
@@ -294,6 +313,8 @@ class FlattenQuantizer(OptimumQuantizer):
         masks = run.masks
         synchronize()  # so that total_seconds counts the GPU work, not its launch
         calibration = self.config.calibration
+        with sharded_calibration(checked.world_size):  # the tokens of every rank's share
+            (tokens,) = all_reduce_sums(sum(int(m.sum()) for m in masks))
         return CompressionReport(
             method=self.config.method,
             method_args=self.config.method_args,
@@ -315,7 +336,8 @@ class FlattenQuantizer(OptimumQuantizer):
                 "seed": calibration.seed,
                 "packing": calibration.packing,
                 # Real positions of the stack (text tokens, or image patches and CLS), as the adapter defines them.
-                "tokens": sum(int(m.sum()) for m in masks),
+                "tokens": int(tokens),
+                **({"processes": checked.world_size} if checked.world_size > 1 else {}),
             },
             timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
             cost=compute_cost(
@@ -338,8 +360,14 @@ class FlattenQuantizer(OptimumQuantizer):
 
         The directory is written next to its destination and renamed into place, so an interrupted save leaves
         no half-written directory. Refuses a non-empty `output_dir` unless `overwrite`.
+
+        Under a process group only rank 0 writes (every rank holds the same model after a sharded calibration); the
+        others return the path at once, without waiting (a caller that saves on rank 0 alone must not hang).
         """
         from .export.checkpoint import save_compressed
+
+        if not is_writer():
+            return Path(output_dir)
 
         report = {**self.report, **(extra_report or {})}
         return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
@@ -362,6 +390,32 @@ class FlattenQuantizer(OptimumQuantizer):
 
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
+
+def check_shardable(method: CompressionMethod, corrections: Corrections, rank: int, world_size: int) -> None:
+    """Refuses, before any work, a compression that cannot calibrate across `world_size` ranks.
+
+    Raises:
+        ValueError: a method (or an option, or a correction) whose statistics are not summed over the ranks.
+    """
+    where = f"this process is rank {rank} of {world_size} (torchrun / accelerate launch)"
+    one_process = "run the compression in one process (python, not torchrun or accelerate launch)"
+    if not method.shards_calibration:
+        covered = [name for name in registered_methods() if get_method_class(name).shards_calibration]
+        raise ValueError(
+            f"method {method.name!r} cannot calibrate across processes: {where}, and only {covered} sum their "
+            f"calibration statistics over the ranks. Use one of those, or {one_process}."
+        )
+    refusal = method.sharding_refusal()
+    if refusal is None and corrections.compensation is not None:
+        refusal = f"compensation={corrections.compensation!r} measures its scales on one process's states"
+    if refusal is None and corrections.linear_replacement == "cosine":
+        refusal = "linear_replacement='cosine' runs Adam over the tokens themselves (use 'lstsq')"
+    if refusal is not None:
+        raise ValueError(
+            f"{method.name!r} cannot calibrate across processes as configured: {where}, and {refusal}; "
+            f"or {one_process}."
+        )
 
 
 def compute_cost(

@@ -30,6 +30,26 @@ def test_masked_statistics_solve_matches_lstsq_on_the_real_tokens():
     torch.testing.assert_close(transform, expected, atol=1e-8, rtol=1e-8)
 
 
+def test_an_offset_target_is_the_whole_batch_difference_bit_for_bit():
+    """``update(m, l, mask, offset=y)`` (L − Y formed a chunk at a time, the streamed fit's form) against the caller
+    forming ``l − y`` in float64 for the whole batch: the same sums exactly, with the stream's terms and padding."""
+    g = torch.Generator().manual_seed(3)
+    m, y, target = (torch.randn(2, 9, 6, generator=g) for _ in range(3))  # float32, as a model's states
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    chunked, whole = LinearMapStatistics(6, with_gain=True), LinearMapStatistics(6, with_gain=True)
+    chunked.update(m, target, mask, stream=y, offset=y)
+    whole.update(m, target.double() - y.double(), mask, stream=y)
+    for name in ("gram", "cross", "stream_cross"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert (chunked.count, chunked.target_norm, chunked.stream_target, chunked.stream_norm) == (
+        whole.count,
+        whole.target_norm,
+        whole.stream_target,
+        whole.stream_norm,
+    )
+
+
 def test_a_dead_channel_gets_jitter_instead_of_an_error():
     g = torch.Generator().manual_seed(1)
     m = torch.randn(50, 6, generator=g, dtype=torch.float64)

@@ -22,6 +22,7 @@ import torch
 from ..options.hints import check_scoring_batches
 from ..utils.torch_utils import count_parameters, first_output, module_device
 from .capture import LayerwiseRunner, _to_device
+from .distributed import all_reduce_sums
 from .model_access import CalibrationAdapter
 
 TokenChoice = Literal["last", "all"]
@@ -174,6 +175,7 @@ class CalibratedStates:
         for x, y, mask in zip(a, b, self.masks, strict=True):
             cos = cosine_rows(x, y, mask, tokens)
             total, count = total + float(cos.sum()), count + cos.numel()
+        total, count = all_reduce_sums(total, count)  # over the ranks' shares (calibration/distributed.py)
         if count == 0:
             raise ValueError("no calibration token is unmasked: cannot compare states.")
         return total / count
@@ -297,6 +299,7 @@ def mean_angle(
     for x, y, mask in zip(a, b, masks, strict=True):
         cos = cosine_rows(x, y, mask, tokens).clamp(-1.0, 1.0)
         total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
+    total, count = all_reduce_sums(total, count)  # over the ranks' shares (calibration/distributed.py)
     if count == 0:
         raise ValueError("no calibration token is unmasked: cannot compare states.")
     return total / count

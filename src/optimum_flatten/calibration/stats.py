@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import torch
 
 from ..utils import flops
+from .distributed import all_reduce_, all_reduce_sums, is_sharded, process_group
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,14 @@ class SecondMoment:
         return self.sum / self.count
 
     def finish(self) -> torch.Tensor:
-        """The mean, computed in place in the running sum (which is consumed): one dim² matrix instead of two."""
+        """The mean, computed in place in the running sum (which is consumed): one dim² matrix instead of two.
+
+        Under a sharded calibration the sum and the count are first summed over the ranks (the statistic is complete
+        only then)."""
+        if is_sharded():
+            all_reduce_(self.sum)
+            (count,) = all_reduce_sums(self.count)
+            self.count = int(count)
         if self.count == 0:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         result, self.sum = self.sum.div_(self.count), None
@@ -264,7 +272,10 @@ class CentredSecondMoment:
         self.count += n
 
     def finish(self) -> CentredMoment:
-        """The statistic as a `CentredMoment` (the running scatter is divided in place and handed over)."""
+        """The statistic as a `CentredMoment` (the running scatter is divided in place and handed over); under a
+        sharded calibration, summed over the ranks first (`_all_reduce_`)."""
+        if is_sharded():
+            self._all_reduce_()
         if self.count == 0 or self.centre is None:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         mean = self.total / self.count
@@ -273,6 +284,38 @@ class CentredSecondMoment:
         result = CentredMoment(self.scatter.div_(self.count), mean, mean - self.centre.double())
         self.scatter = None
         return result
+
+    def _all_reduce_(self) -> None:
+        """Sums the statistic over the ranks about one common centre c: the centre of the lowest rank that has one
+        (rank 0's first batch's mean, the centre one process takes on the same batches). A rank's scatter about its
+        own centre c_r moves to c by the exact identity
+
+            Σ (x − c)(x − c)ᵀ = Σ (x − c_r)(x − c_r)ᵀ + u dᵀ + d uᵀ + n d dᵀ,   u = s − n c_r,  d = c_r − c,
+
+        with u and d in float64 and the rank-two update added into the float32 scatter (a few float32 roundings of
+        its entries, the statistic's own error; no dim² float64 matrix). Then the scatters, sums and counts add up.
+        """
+        dim = self.total.shape[0]
+        rank, world = process_group()
+        centres = torch.zeros(world, dim + 1, dtype=torch.float64, device=self.total.device)
+        if self.centre is not None:
+            centres[rank, 0] = 1.0
+            centres[rank, 1:] = self.centre.double()
+        all_reduce_(centres)
+        having = torch.nonzero(centres[:, 0]).flatten()
+        if having.numel() == 0:
+            return  # no rank saw a token: `finish` says so
+        common = centres[int(having[0]), 1:].float()
+        if self.centre is not None and not torch.equal(self.centre, common):
+            d = self.centre.double() - common.double()
+            u = self.total - self.count * self.centre.double()
+            d32, u32 = d.float(), u.float()
+            self.scatter.addr_(u32, d32).addr_(d32, u32).addr_(d32, d32, alpha=float(self.count))
+        self.centre = common.to(self.scatter.device)
+        all_reduce_(self.scatter)
+        all_reduce_(self.total)
+        (count,) = all_reduce_sums(self.count)
+        self.count = int(count)
 
 
 class CentredMoment:
@@ -343,7 +386,11 @@ class CrossMoment:
         self.count += xs.shape[0]
 
     def finish(self) -> tuple[torch.Tensor, float]:
-        """(E[x yᵀ], E‖y‖²); the running sum is consumed."""
+        """(E[x yᵀ], E‖y‖²); the running sum is consumed. Under a sharded calibration, summed over the ranks first."""
+        if is_sharded():
+            all_reduce_(self.sum)
+            energy, count = all_reduce_sums(self.energy, self.count)
+            self.energy, self.count = energy, int(count)
         if self.count == 0:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         return self.sum.div_(self.count), self.energy / self.count

@@ -57,6 +57,29 @@ class MethodContext:
         """The states engine over a fresh runner: layer-boundary states of the stack, cached as `keep` allows."""
         return CalibratedStates(self.new_runner(adapter), adapter.layers(self.stack), keep)
 
+    def states_of_unchanged_model(
+        self, adapter: ArchitectureAdapter, keep: Iterable[int] | None = None
+    ) -> CalibratedStates:
+        """The states engine over this context's latest runner when it can stand for a fresh one, else a fresh one.
+
+        A runner holds the layer-0 states and every layer's call arguments of the model as it was when recorded, so
+        it stands for a fresh one only while the model is unchanged: the caller vouches for that (a method's
+        `apply_`, or the correction around it, before its first change; `plan` is a pure decision). Checked here:
+        the runner was recorded through this adapter, on this stack as long as it is now, over every calibration
+        batch (a search may have cut its runner down to its scoring batches). Reusing it saves a copy of the
+        calibration states (S) and an embedding pass.
+        """
+        latest = self._runners[-1] if self._runners else None
+        if (
+            latest is not None
+            and latest.adapter is adapter
+            and latest.stack == self.stack
+            and latest.num_batches == len(self.batches)
+            and len(latest.layer_kwargs) == adapter.num_layers(self.stack)
+        ):
+            return CalibratedStates(latest, adapter.layers(self.stack), keep)
+        return self.new_states(adapter, keep)
+
     @property
     def work(self) -> int:
         """Weight x token products of every block run and counted extra: compute in a machine-free unit."""
@@ -168,9 +191,18 @@ class CompressionMethod(ABC):
     #: File patterns this method's `checkpoint_writer` adds to a checkpoint folder (beside transformers' files), so
     #: that a save over an existing checkpoint replaces or removes them like the rest of the checkpoint.
     checkpoint_files: ClassVar[tuple[str, ...]] = ()
+    #: Whether the method calibrates across ranks (calibration/distributed.py): under torchrun or accelerate launch
+    #: each rank takes its share of the batches and every statistic the method uses is summed over the ranks where
+    #: it is complete. A method that says no is refused under a process group of more than one rank.
+    shards_calibration: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
+
+    def sharding_refusal(self) -> str | None:
+        """Why this configuration of a method that `shards_calibration` cannot (an option whose statistics are not
+        summed over the ranks), or None when it can."""
+        return None
 
     def stacks_to_compress(self, adapter: ArchitectureAdapter, requested: Sequence[str]) -> list[str]:
         """The stacks this compression changes, from the `requested` ones (``FlattenConfig.stacks``, else every

@@ -17,12 +17,13 @@ stacks are refused before any weight changes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
+from ..calibration.distributed import all_reduce_, all_reduce_sums, global_batches, is_sharded
 from ..calibration.states import CalibratedStates
 from ..ops.linear_map import (
     RIDGE_GRID,
@@ -37,7 +38,7 @@ from ..ops.linear_map import (
 from ..options.corrections import BridgeOptions
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
-from ..utils.offload import edit_block_
+from ..utils.offload import edit_block_, is_offloaded
 from ..utils.torch_utils import first_output
 from .compensation import fold_stream_scales_
 
@@ -153,9 +154,105 @@ def fit_and_fold_(
     leading = plan.groups[0].indices[0] if plan.groups else 0
     return {
         "estimator": options.estimator,
+        "states": "held",
         "maps": entries,
         "unbridged_leading_layers": list(range(leading)),
     }
+
+
+class BridgeFit:
+    """The float64 statistics of one least-squares bridge, filled a batch at a time, then solved and folded once.
+
+    Where the batches come from is the caller's: a run of the bridged layer over held states (`fit_and_fold_`) or a
+    walk of the dense stack one batch at a time (`stream_bridge_statistics_`). Both add the same batches in the same
+    order through `add`, so the two give the same sums, and the same map. ``"lstsq"`` and ``"lstsq_gain"`` read the
+    MLP's output (MᵀM, Mᵀ(L − Y), and the stream's terms for the gain); ``"lstsq_down"`` reads the down projection's
+    input, with the last batch's statistics apart when its ridge is to be chosen on it (see `refit_down_`).
+
+    Args:
+        down: The bridged layer's down projection (its sizes; its weights are read again when folding).
+        options: The estimator (a least-squares one: the cosine fit needs the tokens themselves).
+        num_batches: The calibration batches that will be added (the last is held out for a ridge choice).
+        device: Where the statistics live.
+    """
+
+    def __init__(self, down: Any, options: BridgeOptions, num_batches: int, device: torch.device | str) -> None:
+        if options.estimator not in LEAST_SQUARES_ESTIMATORS:
+            raise ValueError(
+                f"BridgeFit accumulates least-squares statistics ({list(LEAST_SQUARES_ESTIMATORS)}); the estimator "
+                f"{options.estimator!r} needs the tokens themselves."
+            )
+        self.options = options
+        self.refits_down = options.estimator == "lstsq_down"
+        self.read: Literal["output", "down_input"] = "down_input" if self.refits_down else "output"
+        self.held_out_batch: int | None = None
+        self.held_out: LinearMapStatistics | None = None
+        if self.refits_down:
+            # The held-out batch is the last of all the calibration batches; under a sharded calibration it is on
+            # the last rank, and every rank keeps held-out sums (zero where it has none) for the all-reduce.
+            indices, total = global_batches(num_batches)
+            if options.down_ridge is None and total > 1:
+                self.held_out_batch = total - 1 - indices.start if total - 1 in indices else -1
+            intercept = down.bias is not None
+            self.fit = LinearMapStatistics(
+                down.in_features, device=device, out_dim=down.out_features, intercept=intercept
+            )
+            if self.held_out_batch is not None:
+                self.held_out = LinearMapStatistics(
+                    down.in_features, device=device, out_dim=down.out_features, intercept=intercept
+                )
+        else:
+            self.fit = LinearMapStatistics(down.out_features, device=device, with_gain=options.stream_gain)
+
+    def add(self, batch: int, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
+        """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
+        (the stream Y), `target` the dense state L at the span's end, `mask` the batch's real tokens."""
+        into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
+        into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
+
+    def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
+        """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry.
+
+        Under a sharded calibration the statistics are summed over the ranks first: complete only then, they give
+        every rank the same map."""
+        for stats in (self.fit, self.held_out):
+            if stats is not None:
+                _all_reduce_statistics_(stats)
+        block = adapter.block_view(adapter.layers(stack)[k], k)
+        if self.refits_down:
+            return _refit_down_from_(adapter, stack, k, block.mlp.down, self.fit, self.held_out, self.options)
+        detail: dict[str, Any]
+        if self.options.stream_gain:
+            transform, gain, info = solve_least_squares_with_gain(self.fit)
+            detail = {"tokens": self.fit.count, "jitter": info.jitter, "gain": gain}
+            # α on the embeddings and on the o/down projections of layers 0..k scales the stream entering k's MLP
+            # norm (which does not see it) and k's own MLP output; T / α on the down projection undoes the latter.
+            scales = [gain if j <= k else 1.0 for j in range(adapter.num_layers(stack))]
+            fold_stream_scales_(adapter, stack, scales, gain)
+            transform = transform / gain
+        else:
+            transform, info = solve_least_squares(self.fit)
+            detail = {"tokens": self.fit.count, "jitter": info.jitter}
+        fold_into_down_(adapter, stack, k, transform)
+        return detail
+
+
+def _all_reduce_statistics_(stats: LinearMapStatistics) -> None:
+    """Sums `stats` over the ranks of a sharded calibration (calibration/distributed.py); nothing otherwise."""
+    if not is_sharded():
+        return
+    for tensor in (stats.gram, stats.cross, stats.stream_cross):
+        if tensor is not None:
+            all_reduce_(tensor)
+    count, target_norm, stream_target, stream_norm = all_reduce_sums(
+        stats.count, stats.target_norm, stats.stream_target, stats.stream_norm
+    )
+    stats.count, stats.target_norm = int(count), target_norm
+    stats.stream_target, stats.stream_norm = stream_target, stream_norm
+
+
+#: The estimators whose fit reduces to float64 statistics (`BridgeFit`), so their states can be streamed.
+LEAST_SQUARES_ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down")
 
 
 def _fit_one(
@@ -171,54 +268,47 @@ def _fit_one(
 ) -> dict[str, Any]:
     module = adapter.layers(stack)[k]
     block = adapter.block_view(module, k)
-    dim = block.mlp.down.out_features
     state = {"batch": 0}
-    if options.estimator == "lstsq_down":
-        return refit_down_(adapter, stack, k, block, runner, module, position, inputs, target, options.down_ridge)
-    if options.estimator in ("lstsq", "lstsq_gain"):
-        transform, gain, info, count = fit_least_squares(
-            block, runner, module, position, inputs, target, with_gain=options.stream_gain
-        )
-        detail: dict[str, Any] = {"tokens": count, "jitter": info.jitter}
-        if options.stream_gain:
-            detail["gain"] = gain
-            # α on the embeddings and on the o/down projections of layers 0..k scales the stream entering k's MLP
-            # norm (which does not see it) and k's own MLP output; T / α on the down projection undoes the latter.
-            scales = [gain if j <= k else 1.0 for j in range(adapter.num_layers(stack))]
-            fold_stream_scales_(adapter, stack, scales, gain)
-            transform = transform / gain
-    else:
-        ms: list[torch.Tensor] = []
-        ys: list[torch.Tensor] = []
-        ls: list[torch.Tensor] = []
+    if options.estimator in LEAST_SQUARES_ESTIMATORS:
+        fit = BridgeFit(block.mlp.down, options, runner.num_batches, inputs[0].device)
 
-        def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+        def add(x: torch.Tensor, y: torch.Tensor) -> None:
             b = state["batch"]
-            keep = runner.masks[b].reshape(-1).to(m.device).bool()
-            ms.append(m.reshape(-1, dim)[keep].float().cpu())
-            ys.append(y.reshape(-1, dim)[keep].float().cpu())
-            ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
+            fit.add(b, x, y, target[b], runner.masks[b])
 
-        with capture_mlp(block, on_batch):
+        with capture_mlp(block, add, read=fit.read):
             runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
-        fit = fit_cosine(
-            ms,
-            ys,
-            ls,
-            epochs=options.cosine_epochs,
-            lr=options.cosine_lr,
-            minibatch=options.cosine_minibatch,
-            seed=seed,
-        )
-        transform = fit.transform
-        detail = {
-            "tokens": sum(x.shape[0] for x in ms),
-            "optimizer_steps": fit.steps,
-            "cosine_distance_before": round(fit.loss_before, 6),
-            "cosine_distance_after": round(fit.loss_after, 6),
-        }
-    fold_into_down_(adapter, stack, k, transform)
-    return detail
+        return fit.fold_(adapter, stack, k)
+    dim = block.mlp.down.out_features
+    ms: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
+    ls: list[torch.Tensor] = []
+
+    def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
+        b = state["batch"]
+        keep = runner.masks[b].reshape(-1).to(m.device).bool()
+        ms.append(m.reshape(-1, dim)[keep].float().cpu())
+        ys.append(y.reshape(-1, dim)[keep].float().cpu())
+        ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
+
+    with capture_mlp(block, on_batch):
+        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    fit_result = fit_cosine(
+        ms,
+        ys,
+        ls,
+        epochs=options.cosine_epochs,
+        lr=options.cosine_lr,
+        minibatch=options.cosine_minibatch,
+        seed=seed,
+    )
+    fold_into_down_(adapter, stack, k, fit_result.transform)
+    return {
+        "tokens": sum(x.shape[0] for x in ms),
+        "optimizer_steps": fit_result.steps,
+        "cosine_distance_before": round(fit_result.loss_before, 6),
+        "cosine_distance_after": round(fit_result.loss_after, 6),
+    }
 
 
 def fit_least_squares(
@@ -242,7 +332,7 @@ def fit_least_squares(
 
     def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
         b = state["batch"]
-        stats.update(m, target[b].to(m.device, torch.float64) - y.to(torch.float64), runner.masks[b], stream=y)
+        stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
         if on_capture is not None:
             on_capture(b, m, y)
 
@@ -279,24 +369,30 @@ def refit_down_(
     the layer; ``AᵀA`` (intermediate², one more row and column for a bias) and ``Aᵀ(L − Y)`` in float64, for the
     fitting and the held-out batches apart.
     """
-    down = block.mlp.down
-    held_out_batch = runner.num_batches - 1 if ridge is None and runner.num_batches > 1 else None
-
-    def statistics() -> LinearMapStatistics:
-        return LinearMapStatistics(
-            down.in_features, device=inputs[0].device, out_dim=down.out_features, intercept=down.bias is not None
-        )
-
-    fit, held_out = statistics(), statistics() if held_out_batch is not None else None
+    fit = BridgeFit(block.mlp.down, BridgeOptions("lstsq_down", down_ridge=ridge), runner.num_batches, inputs[0].device)
     state = {"batch": 0}
 
-    def on_batch(a: torch.Tensor, y: torch.Tensor) -> None:
+    def add(a: torch.Tensor, y: torch.Tensor) -> None:
         b = state["batch"]
-        into = held_out if b == held_out_batch else fit
-        into.update(a, target[b].to(a.device, torch.float64) - y.to(torch.float64), runner.masks[b])
+        fit.add(b, a, y, target[b], runner.masks[b])
 
-    with capture_mlp(block, on_batch, read="down_input"):
+    with capture_mlp(block, add, read="down_input"):
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    return fit.fold_(adapter, stack, k)
+
+
+def _refit_down_from_(
+    adapter: ArchitectureAdapter,
+    stack: str,
+    k: int,
+    down: Any,
+    fit: LinearMapStatistics,
+    held_out: LinearMapStatistics | None,
+    options: BridgeOptions,
+) -> dict[str, Any]:
+    """The down refit of `refit_down_` from its accumulated statistics: the ridge chosen (or given), the solve, the
+    edit of layer k; returns the report entry."""
+    ridge = options.down_ridge
     lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
     ridges = RIDGE_GRID if ridge is None else (ridge,)
     solution, choice = fit_towards_prior(fit, held_out, folded_map_prior(lifted), ridges=ridges)
@@ -368,17 +464,110 @@ def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transf
     edit_block_(adapter.layers(stack), index, edit, memo={id(adapter.config): adapter.config})
 
 
-def bridged_apply_(
-    adapter: ArchitectureAdapter, plan: LayerPlan, context: Any, options: BridgeOptions, apply: Any, seed: int = 0
-) -> dict[str, Any]:
-    """Takes the dense targets, runs `apply()` (which applies `plan`), then fits and folds every bridge.
+def streamed_span(adapter: ArchitectureAdapter, plan: LayerPlan, options: BridgeOptions) -> tuple[int, int, int] | None:
+    """``(output index, first original layer, end)`` of the one bridge whose fit can stream, or None.
 
-    The runner is recorded on the original model before `apply()`; its per-position call arguments stay valid
-    afterwards because layers are looked up by their original index.
+    Streaming (`stream_bridge_statistics_`) walks the *dense* stack a batch at a time and reads the bridged layer's
+    MLP on the way, so it needs: a least-squares estimator (the cosine fit is Adam over the tokens themselves), one
+    fitted span (a later span's inputs depend on the earlier spans' maps, which exist only once every batch was
+    seen), every output layer up to the bridged one the original layer at its own index (so the compressed model
+    feeds that layer what the dense one does: no merge, no drop before it), and none of the walked layers offloaded
+    (a walk per batch would bring each one in once per batch instead of once).
     """
-    states = context.new_states(adapter, keep=())
+    if options.estimator not in LEAST_SQUARES_ESTIMATORS:
+        return None
+    spans = bridged_spans(plan, options.correct_after)
+    if len(spans) != 1:
+        return None
+    k, first, end = spans[0]
+    if any(tuple(plan.groups[j].indices) != (j,) for j in range(k + 1)):
+        return None
+    layers = adapter.layers(plan.stack)
+    if any(is_offloaded(layers[i]) for i in range(end)):
+        return None
+    return k, first, end
+
+
+@torch.no_grad()
+def stream_bridge_statistics_(
+    adapter: ArchitectureAdapter,
+    states: CalibratedStates,
+    k: int,
+    end: int,
+    fit: BridgeFit,
+    on_batch: Callable[[int], None] | None = None,
+) -> None:
+    """Fills `fit` for the bridge of layer k across ``[k + 1, end)`` in one walk of the dense stack, batch by batch.
+
+    Batch b runs through layers 0..end−1 alone; on the way the bridged layer k's MLP is read (M or A, and Y), and
+    the state after layer end − 1 is the target L; the batch is added to the statistics and dropped before the next
+    one starts. So at most one batch's states are alive (the held path keeps the targets of every batch, the
+    propagated states and a run's outputs: three copies of the calibration states), and layers 0..k run once (the
+    held path runs them on the dense and on the compressed model). Each batch goes through the layers op for op as
+    `LayerwiseRunner.run` takes it (`CalibratedStates.run_layers_on_batch`), and the batches are added in order, so
+    the statistics, and the map, are the held path's.
+    """
+    runner = states.runner
+    block = adapter.block_view(states.layers[k], k)
+    captured: dict[str, torch.Tensor] = {}
+    with capture_mlp(block, lambda x, y: captured.update(x=x, y=y), read=fit.read):
+        for b, hidden in enumerate(runner.inputs):
+            target = states.run_layers_on_batch(range(end), hidden, b)
+            fit.add(b, captured.pop("x"), captured.pop("y"), target, runner.masks[b])
+            if on_batch is not None:
+                on_batch(b)
+
+
+def bridged_apply_(
+    adapter: ArchitectureAdapter,
+    plan: LayerPlan,
+    context: Any,
+    options: BridgeOptions,
+    apply: Any,
+    seed: int = 0,
+    stream: bool | None = None,
+) -> dict[str, Any]:
+    """Fits the bridges of `plan`, runs `apply()` (which applies `plan`), then folds them.
+
+    When the fit can stream (`streamed_span`: one least-squares bridge after an unchanged prefix, ReplaceMe's own
+    case), its statistics are accumulated before `apply()` by one walk of the dense stack a batch at a time, and
+    solved and folded after it. Otherwise the dense targets are taken before `apply()` and every bridge is fitted
+    in order on the compressed model (`fit_and_fold_`), holding the states. `stream` False forces the held path
+    (the reference the streamed one is tested against); True refuses a plan that cannot stream.
+
+    The runner is the plan's own when it can stand for a fresh one (`MethodContext.states_of_unchanged_model`),
+    recorded on the original model before `apply()`; its per-position call arguments stay valid afterwards because
+    layers are looked up by their original index.
+    """
+    states = context.states_of_unchanged_model(adapter, keep=())  # nothing is changed before `apply()`
+    runner = states.runner
+    span = streamed_span(adapter, plan, options) if stream is not False else None
+    if stream and span is None:
+        raise ValueError(
+            f"the fit of this plan cannot stream (estimator {options.estimator!r}, spans "
+            f"{[[first, end] for _, first, end in bridged_spans(plan, options.correct_after)]}): streaming needs a "
+            "least-squares estimator, one bridge, no merged or dropped layer before it and no offloaded layer. "
+            "Pass stream=None to choose automatically."
+        )
+    if span is not None:
+        k, first, end = span
+        fit = BridgeFit(
+            adapter.block_view(states.layers[k], k).mlp.down, options, runner.num_batches, runner.inputs[0].device
+        )
+        with (
+            context.timer("linear_replacement"),
+            context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar,
+        ):
+            stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())
+        del states  # the dropped layers go with the plan, not with the engine
+        apply()
+        with context.timer("linear_replacement"):
+            entry = fit.fold_(adapter, plan.stack, k)
+        entry.update(output_layer=k, span=[first, end])
+        return {"estimator": options.estimator, "states": "streamed", "maps": [entry], "unbridged_leading_layers": []}
     with context.timer("linear_replacement"):
         targets = dense_targets(states, plan, options.correct_after)
+    del states
     apply()
     with context.timer("linear_replacement"):
-        return fit_and_fold_(adapter, plan, states.runner, targets, options, seed)
+        return fit_and_fold_(adapter, plan, runner, targets, options, seed)

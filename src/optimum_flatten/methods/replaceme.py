@@ -26,7 +26,7 @@ from ..compression.method import CompressionMethod, MethodContext, apply_layer_d
 from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..corrections.compensation import require_compensable
-from ..corrections.linear_bridge import bridged_apply_, fit_with_outputs, require_pre_norm
+from ..corrections.linear_bridge import LEAST_SQUARES_ESTIMATORS, bridged_apply_, fit_with_outputs, require_pre_norm
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
@@ -42,56 +42,92 @@ class ReplaceMeMethod(CompressionMethod):
     required_capabilities = frozenset({"layer_drop"})
     #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
     accepts_linear_replacement = False
+    #: The angular distances' sums and counts, and the bridge's normal equations, are summed over the ranks.
+    shards_calibration = True
     config: ReplaceMeConfig
+
+    def sharding_refusal(self) -> str | None:
+        if self.config.selection == "loss":
+            return "selection='loss' scores blocks on the first scoring_batches batches (use selection='distance')"
+        if self.config.estimator == "cosine":
+            return "estimator='cosine' runs Adam over the tokens themselves (use a least-squares estimator)"
+        return None
 
     @classmethod
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
-        """ReplaceMe: UIDL's selection, then the dense target states, then one least-squares map per removed block.
+        """ReplaceMe: UIDL's selection, then the least-squares map of the removed block, streamed or held.
 
-        - linear_replacement: a second runner (the first stays alive), the dense state at the end of the block (S), the
-          states propagated on the compressed model (S) and the boundary being computed; the float64 statistics MᵀM and
-          Mᵀ(L − Y) (2·8·d²) with, while the fitted layer runs, each batch's float64 copies at the MLP hook (T_b·d·(24 +
-          b)); the solve adds the factor (8·d²; the jitter goes on the Gram matrix's diagonal in place); the fold, with
-          the statistics and the map T (8·d²) still held, a float64 W_down and its product (2·8·d·i). With
-          estimator="cosine" the fit keeps M, Y and L of every token in float32 (3·N·d·4, on the CPU) and their
-          concatenation (the same again). With estimator="lstsq_down" the statistics are AᵀA and Aᵀ(L − Y) over the
-          MLP's intermediate width i (8·i² + 8·i·d, twice while the ridge is chosen on a held-out batch) and the solve's
-          factor is i × i.
-        Cost (a bound: it depends on where the block is): the selection walk (1), the dense walk up to the block's end
-        (≤ 1), and the compressed model up to the last bridged layer, that layer twice (≤ (L − n + blocks)/L).
+        Streamed (one block, a least-squares estimator, no `correct_after`: `linear_bridge.streamed_span`): before
+        the layers are dropped, one walk of the dense stack a batch at a time up to the block's end, on the
+        selection's runner (`MethodContext.states_of_unchanged_model`: no second copy of the layer-0 states). At its
+        largest a batch holds, beside the float64 statistics (MᵀM and Mᵀ(L − Y), 2·8·d²; with ``"lstsq_gain"`` MᵀY
+        too, 8·d²), either a layer's run (its input, the captured M and Y and the block's temporaries: 3·T_b·d·b +
+        block) or the update (M, Y and the target with their masked copies, 6·T_b·d·b, and the float64 rows of one
+        chunk, C·d·8·(4 + 2 with a gain), C = min(T_b, 4096)); then the solve (the factor, 8·d²) and the fold (T,
+        8·d², and a float64 W_down with its product, 2·8·d·i). With ``"lstsq_down"`` the statistics are AᵀA and
+        Aᵀ(L − Y) over the MLP's intermediate width i (8·i² + 8·i·d, twice while the ridge is chosen on a held-out
+        batch), the captured A is T_b·i·b, and the solve holds the i × i factor, the prior, the right-hand side, the
+        solution and the held-out product (i × d each).
+        Cost: the selection walk (1) and the dense walk up to the block's end (≤ 1).
+
+        Held (otherwise): the selection's runner, the dense state at the end of every block (S each), the states
+        propagated on the compressed model (S) and a run's outputs; the statistics with one batch's update; the
+        solve and the fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32
+        (3·N·d·4, on the CPU) and their concatenation (the same again). Cost (a bound: it depends on where the block
+        is): the selection walk (1), the dense walk up to the block's end (≤ 1), and the compressed model up to the
+        last bridged layer, that layer twice (≤ (L − n + blocks)/L).
         """
-        L, d, i = z.shape.num_layers, z.d, z.i
+        L, d, i, b, tb = z.shape.num_layers, z.d, z.i, z.b, z.Tb
         phases, _, _, _ = UIDLMethod.workspace(z, n, config)
         blocks = max(config.num_blocks, 1)
-        statistics = 2 * 8 * d * d
-        fit = max(
-            z.run_outputs() + statistics + z.Tb * d * (24 + z.b) + 3 * d * z.Tb * z.b,
-            statistics + 8 * d * d,
-            statistics + 8 * d * d + 2 * 8 * d * i,
-        )
-        if config.estimator == "cosine":
-            fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
+        chunk = min(tb, UPDATE_CHUNK_ROWS)
+        gain = config.estimator == "lstsq_gain"
+        statistics = (2 + int(gain)) * 8 * d * d
+        update = 6 * tb * d * b + chunk * d * 8 * (4 + 2 * int(gain))
+        solve = 8 * d * d * (3 if gain else 1)
+        fold = 8 * d * d + 2 * 8 * d * i
+        captured = 2 * tb * d * b
         if config.estimator == "lstsq_down":
             # AᵀA and Aᵀ(L − Y) over the intermediate width, twice while a ridge is chosen on a held-out batch;
-            # float64 rows converted a chunk at a time; a solve holds the factor (the ridge and jitter go on the
+            # the update's float64 rows a chunk at a time; a solve holds the factor (the ridge and jitter go on the
             # diagonal in place), the prior, the right-hand side, the solution and the held-out product (i × d each).
             sets = 2 if config.down_ridge is None and z.cal.batches > 1 else 1
             statistics = sets * (8 * i * i + 8 * i * d)
-            chunk = min(z.Tb, UPDATE_CHUNK_ROWS)
-            fit = max(
-                z.run_outputs() + statistics + z.Tb * d * 24 + chunk * (i + d) * 8 + 3 * d * z.Tb * z.b,
-                statistics + 8 * i * i + 4 * 8 * i * d,
+            update = 2 * tb * i * b + 4 * tb * d * b + chunk * (i + 3 * d) * 8
+            solve, fold = 8 * i * i + 4 * 8 * i * d, 0
+            captured = tb * (i + d) * b
+        if config.estimator in LEAST_SQUARES_ESTIMATORS and blocks == 1 and config.correct_after == 0:
+            walk = captured + tb * d * b + z.block_forward()
+            phases.append(
+                Phase(
+                    "linear_replacement",
+                    (
+                        z.tokens(),
+                        *z.runners(1),
+                        Term(
+                            "largest of: a batch's walk or update beside the statistics, the solve, the fold",
+                            max(statistics + max(walk, update), statistics + solve, statistics + fold),
+                            "the float64 statistics stream batch by batch: no calibration state is held",
+                        ),
+                    ),
+                )
             )
+            return phases, 2.0, True, ["stack passes are a bound: they depend on where the removed block lies"]
+        fit = max(z.run_outputs() + statistics + update + 3 * d * tb * b, statistics + solve, statistics + fold)
+        if config.estimator == "cosine":
+            fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
         phases.append(
             Phase(
                 "linear_replacement",
                 (
                     z.tokens(),
-                    *z.runners(2),
-                    Term("dense target states at the block's end", blocks * z.S, "taken before the layers are dropped"),
+                    *z.runners(1),
+                    Term(
+                        "dense target states at the blocks' ends", blocks * z.S, "taken before the layers are dropped"
+                    ),
                     Term("states propagated on the compressed model", z.S, ""),
                     Term(
-                        "largest of: a layer run, the statistics with one batch's float64 copies, the solve, the fold",
+                        "largest of: a layer run, the statistics with one batch's update, the solve, the fold",
                         max(z.run_outputs() + z.block_forward(), fit),
                         "MᵀM and Mᵀ(L − Y) in float64 (2·8·d²); Cholesky with jitter (8·d² more)",
                     ),

@@ -81,6 +81,8 @@ class ShortGPTMethod(CompressionMethod):
     config_class = ShortGPTConfig
     requires_calibration = True
     required_capabilities = frozenset({"layer_drop"})
+    #: Block Influence is a mean cosine over tokens: its sum and count are summed over the ranks.
+    shards_calibration = True
 
     @classmethod
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:

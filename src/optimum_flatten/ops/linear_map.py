@@ -74,18 +74,28 @@ class LinearMapStatistics:
         targets: torch.Tensor,
         mask: torch.Tensor | None = None,
         stream: torch.Tensor | None = None,
+        offset: torch.Tensor | None = None,
     ) -> None:
         """Adds the tokens of (batch, seq, dim) `inputs` M and `targets` R whose mask is 1 (and of the residual
-        stream Y, which the statistics need when they were built `with_gain`)."""
+        stream Y, which the statistics need when they were built `with_gain`).
+
+        With `offset`, the targets are ``targets − offset`` (ReplaceMe's L − Y), formed here a chunk of rows at a
+        time in float64: the caller then makes no float64 copy of a whole batch (at LLaMA-2-7B's shape two of them,
+        the difference and Y's upcast, would be 1 GiB). The values are those of the whole-batch difference, bit for
+        bit: each element is the same float64 subtraction.
+        """
         if self.with_gain and stream is None:
             raise ValueError("statistics built with_gain need the residual stream of every batch (stream=...).")
         m = inputs.reshape(-1, inputs.shape[-1])
         r = targets.reshape(-1, targets.shape[-1])
         y = None if stream is None or not self.with_gain else stream.reshape(-1, stream.shape[-1])
+        o = None if offset is None else offset.reshape(-1, offset.shape[-1])
         if mask is not None:
             keep = mask.reshape(-1).to(m.device).bool()
             m, r = m[keep], r[keep.to(r.device)]
+            shared = o is not None and y is not None and offset is stream  # one masked copy serves both
             y = None if y is None else y[keep.to(y.device)]
+            o = y if shared else None if o is None else o[keep.to(o.device)]
         rows, width = m.shape[0], self.gram.shape[0]
         stream = 0 if y is None else flops.gram(rows, width, y.shape[1])
         flops.record(flops.gram(rows, width) + flops.gram(rows, width, self.cross.shape[1]) + stream, "float64")
@@ -95,6 +105,8 @@ class LinearMapStatistics:
             if self.intercept:
                 m_rows = torch.cat([m_rows, m_rows.new_ones(m_rows.shape[0], 1)], dim=1)
             r_rows = r[rows].to(self.gram.device, torch.float64)
+            if o is not None:
+                r_rows = r_rows - o[rows].to(self.gram.device, torch.float64)  # not in place: r may be float64 already
             self.gram.addmm_(m_rows.T, m_rows)
             self.cross.addmm_(m_rows.T, r_rows)
             self.target_norm += float((r_rows * r_rows).sum())

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.capture import LayerwiseRunner
+from ...calibration.distributed import all_reduce_, all_reduce_sums, is_sharded
 from ...calibration.partial import run_to_input
 from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ...compression.compute import ComputeModel
@@ -94,8 +95,18 @@ class FlattenGPTMethod(CompressionMethod):
     requires_calibration = True
     required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
     config: FlattenGPTConfig
+    #: The similarity sums, the head-importance sums and the second and cross moments are summed over the ranks.
+    shards_calibration = True
     #: The layer-input similarity heatmap (`card_section`).
     checkpoint_files: ClassVar[tuple[str, ...]] = (SIMILARITY_FIGURE,)
+
+    def sharding_refusal(self) -> str | None:
+        if self.config.selection != "similarity":
+            return (
+                f"selection={self.config.selection!r} scores candidates by next-token loss on the first "
+                "scoring_batches batches (use selection='similarity')"
+            )
+        return None
 
     @classmethod
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
@@ -155,7 +166,7 @@ class FlattenGPTMethod(CompressionMethod):
         norms: dict[int, list[torch.Tensor]] = {}
         keep_norms = band >= num_layers
         masks = [m.to(torch.float64) for m in runner.masks]
-        num_tokens = float(sum(m.sum() for m in masks))
+        (num_tokens,) = all_reduce_sums(float(sum(m.sum() for m in masks)))  # all ranks' tokens when sharded
         current = runner.inputs
         dtype = current[0].dtype
         layers = adapter.layers(context.stack)
@@ -172,7 +183,8 @@ class FlattenGPTMethod(CompressionMethod):
                         float(((a * b).sum(dim=-1).double() * m.to(a.device)).sum())
                         for a, b, m in zip(states, normalised, masks, strict=True)
                     )
-                    similarity[j, i] = similarity[i, j] = total / num_tokens
+                    # The sum of this rank's share: divided once the ranks' sums are added (after the walk).
+                    similarity[j, i] = similarity[i, j] = total
                 # The loop variable would keep the oldest copy alive past the append that drops it (one more
                 # float32 copy of every state during the layer run below: 4 GiB at LLaMA-2-7B, measured on an H100).
                 states = None
@@ -181,13 +193,17 @@ class FlattenGPTMethod(CompressionMethod):
                     current = runner.run(layers[i], i, current)
                 bar.set_description(f"block {i + 1}/{num_layers}: similarity")
                 bar.update()
+        # One collective for the whole matrix under a sharded calibration (the NaN outside the band is every rank's).
+        similarity = all_reduce_(similarity) / num_tokens
+        similarity.fill_diagonal_(1.0)
         units = dict(window) if keep_norms else None
         self._cache = _SelectionCache(context, runner, units, norms if keep_norms else None, dtype)
         return similarity
 
     def _auto_band(self, runner: LayerwiseRunner, num_layers: int) -> int:
         """Full matrix if it fits the memory budget, else the narrowest band the greedy selection needs."""
-        copy_bytes = sum(h.numel() * 4 for h in runner.inputs)
+        # Every rank's share under a sharded calibration: the ranks must choose one band, the one of one process.
+        (copy_bytes,) = all_reduce_sums(sum(h.numel() * 4 for h in runner.inputs))
         fits = max(1, int(self.config.similarity_memory_gb * 2**30 // max(copy_bytes, 1)))
         if fits >= num_layers:
             return num_layers
@@ -447,6 +463,10 @@ class FlattenGPTMethod(CompressionMethod):
                     adapter, runner, context.stack, group.indices, inputs, group_outputs
                 )
             run_to_input(runner, wide, group.first, inputs, o_module, on_heads, after_o)
+        if is_sharded():  # the head sums of every rank's share, before they are used
+            all_reduce_(head_sum)
+            (count,) = all_reduce_sums(head_count)
+            head_count = int(count)
         head_scores = head_sum / max(head_count, 1)
         group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
         o_weight = None
@@ -536,7 +556,6 @@ class FlattenGPTMethod(CompressionMethod):
                     handle.remove()
             if group_outputs is not None:
                 group_outputs.extend(outputs)
-        tokens = moment.count
         with context.timer("solve"):
             down_rows = view.mlp.down.weight.T
             target = cross.finish()[0] if cross is not None else None
@@ -545,7 +564,8 @@ class FlattenGPTMethod(CompressionMethod):
             else:
                 kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels, target)
             adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
-        return {"kept_channels": kept_channels, "ridge_lambda": lam, "calibration_tokens": tokens}
+        # Read after `finish`, which sums a sharded calibration's counts over the ranks.
+        return {"kept_channels": kept_channels, "ridge_lambda": lam, "calibration_tokens": moment.count}
 
     def _mlp_float64(
         self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None
