@@ -22,7 +22,7 @@ from optimum_flatten import get_adapter
 from optimum_flatten.methods.compensation import fold_stream_scales_
 
 FAMILIES = sorted(tiny_models.NEW_FAMILIES)
-POST_SUBLAYER_NORM = {"gemma2", "gemma3_text", "olmo2"}
+POST_SUBLAYER_NORM = {"gemma2", "gemma3_text", "gemma3", "glm4", "olmo2"}
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
 
 #: (method, options) of every layer-drop run; `auto` scores candidates on held-out batches.
@@ -61,7 +61,8 @@ def test_layer_drops_compress_reload_plain_and_generate_with_cache(family, run, 
         return
     before = logits(model, sample_ids())
     compress(model, method, **options)
-    assert model.config.num_hidden_layers == 4 == len(get_adapter(model).layers())
+    text_config = model.config.get_text_config(decoder=True)  # Gemma 3's stack is described in its text_config
+    assert text_config.num_hidden_layers == 4 == len(get_adapter(model).layers())
     assert not torch.equal(logits(model, sample_ids()), before)  # a real change, not a no-op
     assert_reloads_with_plain_transformers(model, tmp_path)
     with_cache, without_cache = greedy_generate_both_ways(model, sample_ids()[:1, :5])
