@@ -384,6 +384,12 @@ def _view(cls: type[LinearView], root: nn.Module, path: str) -> LinearView:
     return cls(_attribute(root, parent), name)
 
 
+def _kv_rows(attn: nn.Module, layout: AttentionLayout) -> int:
+    """Rows of each of k and v in a fused q/k/v map whose key/value head count the attention keeps
+    (`AttentionLayout.fused_kv_heads`), read when asked, so that it follows `_sync_sizes`."""
+    return int(_attribute(attn, layout.fused_kv_heads)) * int(_attribute(attn, layout.head_dim))
+
+
 def _cat_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """Concatenated biases of concatenated maps; None when no member has one."""
     if all(t is None for t in tensors):
@@ -576,13 +582,7 @@ class ArchitectureAdapter(ABC):
         attn = _attribute(block, layout.path)
         if layout.fused_qkv is not None:
             parent, _, name = layout.fused_qkv.rpartition(".")
-            kv_rows = None
-            if layout.fused_kv_heads is not None:
-                kv_heads, head_dim = layout.fused_kv_heads, layout.head_dim
-
-                def kv_rows() -> int:
-                    return int(_attribute(attn, kv_heads)) * int(_attribute(attn, head_dim))
-
+            kv_rows = None if layout.fused_kv_heads is None else functools.partial(_kv_rows, attn, layout)
             q, k, v = (packed(_attribute(attn, parent), name, part, kv_rows=kv_rows) for part in range(3))
         else:
             q, k, v = (_view(linear, attn, path) for path in (layout.q, layout.k, layout.v))
