@@ -222,7 +222,8 @@ class PackedPartView(LinearView):
 
     def parts_in_step(self) -> bool:
         """Whether the parts have sizes the module's forward can split: equal, or (with `kv_rows`) k and v equal and
-        q a whole number of key/value groups. False in the middle of a resize."""
+        q a whole number of key/value groups. False after most half-done resizes (with `kv_rows`, q resized alone
+        to whole groups still passes; the head counts checked against the config catch it)."""
         sizes = self.part_sizes()
         if self._kv_rows is not None:
             return sizes[1] == sizes[2] > 0 and sizes[0] % sizes[1] == 0
@@ -349,7 +350,8 @@ class BlockView:
 
 
 class PackedLinearView(PackedPartView):
-    """One part (q, k or v) of a fused ``nn.Linear`` whose rows are [q; k; v] (Baichuan's ``W_pack``)."""
+    """One part of a fused ``nn.Linear``: q, k or v of [q; k; v] (Baichuan's ``W_pack``, Phi-3's ``qkv_proj``), or
+    gate or up of [gate; up] (Phi-3's and GLM-4's ``gate_up_proj``)."""
 
 
 #: Storage kind (`BlockLayout.storage`) -> (view of one linear map, view of one part of a fused q/k/v map).
