@@ -429,6 +429,7 @@ def glance_table(paths: dict[str, Path]) -> str:
 #: The product page's rows: each method at its defaults (variant name in the depth tables -> label), plus the
 #: variants a user is told to prefer. Ablations stay on the notebook page.
 PRODUCT_ROWS = {
+    "auto_default_candidates": "`auto`",
     "auto_down_todays_flattengpt": "`auto` (six of its eight default candidates)",
     "replaceme_lstsq_down": '`replaceme`, `estimator="lstsq_down"`',
     "replaceme": "`replaceme`",

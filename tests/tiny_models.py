@@ -396,6 +396,49 @@ def tiny_granite(seed: int = 0):
     return _build(config, seed)
 
 
+def tiny_phi3(seed: int = 0):
+    """Phi-3 with GQA (fused qkv_proj of unequal parts [16 | 8 | 8] per head_dim) and partial RoPE."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(
+        **_common(num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+        partial_rotary_factor=0.5,
+    )
+    return _build(config, seed)
+
+
+def tiny_glm4(seed: int = 0):
+    """GLM-4: post-sublayer norms, fused gate_up_proj, q/k/v biases, partial RoPE (its default 0.5)."""
+    from transformers import Glm4Config
+
+    return _build(Glm4Config(**_common(num_key_value_heads=2, attention_bias=True)), seed)
+
+
+def tiny_gemma3(seed: int = 0):
+    """Gemma3ForConditionalGeneration: the tiny Gemma 3 text stack (as `tiny_gemma3_text`) under a one-layer vision
+    tower on 16x16 images; the stack's keys live in the nested text_config."""
+    from transformers import Gemma3Config
+
+    text = _common(
+        num_key_value_heads=2,
+        sliding_window=4,
+        layer_types=[_SW, _SW, _FULL, _SW, _SW, _FULL],
+        tie_word_embeddings=True,
+    )
+    text.pop("attn_implementation")
+    vision = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "image_size": 16, "patch_size": 4},
+        mm_tokens_per_image=4,
+        boi_token_index=VOCAB - 3,
+        eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+        attn_implementation="eager",
+    )
+    return _build(config, seed)
+
+
 NEW_FAMILIES = {
     "gemma2": tiny_gemma2,
     "gemma3_text": tiny_gemma3_text,
@@ -405,6 +448,9 @@ NEW_FAMILIES = {
     "olmo2": tiny_olmo2,
     "smollm3": tiny_smollm3,
     "granite": tiny_granite,
+    "phi3": tiny_phi3,
+    "glm4": tiny_glm4,
+    "gemma3": tiny_gemma3,
 }
 FACTORIES.update(NEW_FAMILIES)
 MODEL_TYPES.update({name: name for name in NEW_FAMILIES})

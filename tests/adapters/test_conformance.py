@@ -281,6 +281,39 @@ class TestQwen3(AdapterConformance):
     concat_supported = False
 
 
+class TestPhi3(AdapterConformance):
+    """Every view of Phi-3 reads a part of a fused map: q, k, v of qkv_proj ([16 | 8 | 8] rows per head_dim under
+    GQA), gate and up of gate_up_proj; the concatenation check also runs a wide block whose query width differs
+    from the config's (the attention gets its own count while it is wide)."""
+
+    factory = "phi3"
+    half_resize_refusal = "unequal q/k/v parts"
+
+    def test_concat_then_prune_back_to_one_member_restores_it_and_the_shared_config(self, model):
+        adapter = get_adapter(model)
+        ids = self.sample_inputs()
+        before = self.outputs(model, ids)
+        members = [adapter.detached_block(self.stack, i) for i in (1, 3)]
+        for member in members:
+            fold_block_norms_(member)
+        wide = adapter.build_concat_block(members)
+        assert wide.self_attn.config is not model.config and wide.self_attn.config.num_attention_heads == 8
+        view = adapter.block_view(wide, 1)
+        adapter.keep_heads_(view, [0, 1])  # the first member's key/value heads and their queries
+        adapter.keep_mlp_channels_(adapter.block_view(wide, 1), list(range(model.config.intermediate_size)))
+        assert wide.self_attn.config is model.config
+        adapter.replace_block_(self.stack, 1, wide)
+        adapter.validate()
+        assert_close(self.outputs(model, ids), before)
+
+    def test_a_half_done_gate_up_resize_is_caught(self, model):
+        adapter = get_adapter(model)
+        up = adapter.block(self.stack, 0).mlp.up
+        up.set_(up.weight[:8])
+        with pytest.raises(ValueError, match="unequal gate/up parts"):
+            adapter.validate()
+
+
 def test_unknown_architecture_lists_supported_types():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 

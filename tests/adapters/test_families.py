@@ -1,10 +1,16 @@
 """The families of issue 30 on tiny random models: every layer-drop method compresses them, the saved checkpoint
-reloads with plain transformers to the same logits, cached generation equals uncached, and the methods whose algebra
-the family breaks are refused with the reason before any weight changes."""
+reloads with plain transformers to the same logits (in this process, and for the second part's families also in a
+fresh interpreter that never imports optimum_flatten), cached generation equals uncached, the merges a family's
+algebra allows do the same, and the methods whose algebra the family breaks are refused with the reason before any
+weight changes; a hybrid linear-attention stack is refused by the registry in one line."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +28,7 @@ from optimum_flatten import get_adapter
 from optimum_flatten.corrections.compensation import fold_stream_scales_
 
 FAMILIES = sorted(tiny_models.NEW_FAMILIES)
-POST_SUBLAYER_NORM = {"gemma2", "gemma3_text", "olmo2"}
+POST_SUBLAYER_NORM = {"gemma2", "gemma3_text", "gemma3", "glm4", "olmo2"}
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
 
 #: (method, options) of every layer-drop run; `auto` scores candidates on held-out batches.
@@ -61,7 +67,8 @@ def test_layer_drops_compress_reload_plain_and_generate_with_cache(family, run, 
         return
     before = logits(model, sample_ids())
     compress(model, method, **options)
-    assert model.config.num_hidden_layers == 4 == len(get_adapter(model).layers())
+    text_config = model.config.get_text_config(decoder=True)  # Gemma 3's stack is described in its text_config
+    assert text_config.num_hidden_layers == 4 == len(get_adapter(model).layers())
     assert not torch.equal(logits(model, sample_ids()), before)  # a real change, not a no-op
     assert_reloads_with_plain_transformers(model, tmp_path)
     with_cache, without_cache = greedy_generate_both_ways(model, sample_ids()[:1, :5])
@@ -142,3 +149,141 @@ def test_qwen2_moe_drop_keeps_each_layers_sparsity_on_reload(tmp_path):
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert [type(layer.mlp).__name__ for layer in reloaded.model.layers] == [kinds[i] for i in kept]
+
+
+#: The merges, with the options the refusal test above uses; which of them each family of the second part allows.
+MERGES = {
+    "flattengpt": {"num_layers_to_remove": 2},
+    "come": {"num_layers_to_remove": 2},
+    "laco": {"num_layers_to_remove": 2, "threshold": 0.01},
+    "sliding_window": {"num_layers_to_remove": 2, "threshold": 0.01},
+    "ffn_merge": {"window_size": 2, "num_windows": 1},
+}
+#: Phi-3 is a LLaMA block behind fused maps: every merge. GLM-4 and Gemma 3's image-text model normalise each
+#: sublayer's output: only ffn_merge, which averages aligned MLPs and never sums or folds sublayer outputs.
+MERGE_RUNS = [("phi3", m) for m in sorted(MERGES)] + [("glm4", "ffn_merge"), ("gemma3", "ffn_merge")]
+
+
+@pytest.mark.parametrize(("family", "method"), MERGE_RUNS)
+def test_merges_compress_reload_plain_and_generate_with_cache(family, method, tmp_path):
+    model = tiny_models.FACTORIES[family]()
+    before = logits(model, sample_ids())
+    compress(model, method, **MERGES[method])
+    assert model.config.get_text_config(decoder=True).num_hidden_layers == len(get_adapter(model).layers())
+    assert not torch.equal(logits(model, sample_ids()), before)
+    assert_reloads_with_plain_transformers(model, tmp_path)
+    with_cache, without_cache = greedy_generate_both_ways(model, sample_ids()[:1, :5])
+    assert torch.equal(with_cache, without_cache)
+
+
+_FRESH_RELOAD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+spec = json.loads(sys.argv[1])
+ids = torch.load(spec["ids"])
+out = {}
+for name, path in spec["checkpoints"].items():
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        torch.save(model(input_ids=ids, use_cache=False).logits, f"{path}/fresh_logits.pt")
+        cached = model.generate(ids[:1, :5], use_cache=True, **kwargs)
+        uncached = model.generate(ids[:1, :5], use_cache=False, **kwargs)
+    out[name] = {"type": type(model).__name__, "cached": cached.tolist(), "uncached": uncached.tolist()}
+out["imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "optimum_flatten")
+print(json.dumps(out))
+"""
+
+
+def _applicable_runs(family: str) -> dict[str, tuple[str, dict]]:
+    """run name -> (method, options) of every layer drop and merge `family` allows."""
+    runs = {}
+    for run, options in LAYER_DROPS.items():
+        if _refusal(family, run) is None:
+            options = {"num_layers_to_remove": 2, **options}
+            runs[run] = (options.pop("method", run), options)
+    runs.update({m: (m, dict(MERGES[m])) for f, m in MERGE_RUNS if f == family})
+    return runs
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4", "gemma3"])
+def test_every_applicable_method_reloads_plain_in_a_fresh_process(family, tmp_path):
+    """Each compressed checkpoint loads in an interpreter that never imported optimum_flatten, with the logits of
+    the model that was saved and the same greedy tokens with and without the KV cache."""
+    ids = sample_ids()
+    expected, checkpoints = {}, {}
+    for run, (method, options) in _applicable_runs(family).items():
+        model = tiny_models.FACTORIES[family]()
+        compress(model, method, **options)
+        checkpoints[run] = str(tmp_path / run)
+        model.save_pretrained(checkpoints[run])
+        with torch.no_grad():
+            expected[run] = (logits(model, ids), greedy_generate_both_ways(model, ids[:1, :5])[0].tolist())
+    torch.save(ids, tmp_path / "ids.pt")
+    spec = json.dumps({"ids": str(tmp_path / "ids.pt"), "checkpoints": checkpoints})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH_RELOAD, spec], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out.pop("imported") == []
+    stock = type(tiny_models.FACTORIES[family]()).__name__
+    for run, (expected_logits, expected_tokens) in expected.items():
+        assert out[run]["type"] == stock, run
+        torch.testing.assert_close(torch.load(f"{checkpoints[run]}/fresh_logits.pt"), expected_logits)
+        assert out[run]["cached"] == out[run]["uncached"] == expected_tokens, run
+
+
+def _tiny_hybrid(model_type: str):
+    """Qwen3-Next or the Qwen3.5 text stack: three Gated DeltaNet layers ('linear_attention') per full attention."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        **tiny_models._common(num_key_value_heads=2, num_hidden_layers=4),
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text"])
+def test_a_hybrid_linear_attention_stack_is_refused_in_one_line_naming_supported_types(model_type):
+    model = _tiny_hybrid(model_type)
+    assert "linear_attention" in model.config.layer_types
+    message = (  # one line (no newline anywhere): what was received, why, and what is supported
+        rf"^no adapter for model_type '{model_type}'.*layer_types include \['linear_attention'\]"
+        r".*Supported model types: \[.*'phi3'.*\][^\n]*$"
+    )
+    assert_refused_before_any_change(model, "shortgpt", message, num_layers_to_remove=1)
+
+
+def test_gemma3_image_text_drop_rewrites_text_config_and_leaves_the_vision_tower(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models.FACTORIES["gemma3"]()
+    untouched = {
+        k: v.clone() for k, v in model.state_dict().items() if not k.startswith("model.language_model.layers.")
+    }
+    types = list(model.config.text_config.layer_types)
+    kept = compress(model, "shortgpt", num_layers_to_remove=2).plan.first_indices
+    text = model.config.text_config
+    assert (text.num_hidden_layers, text.layer_types) == (4, [types[i] for i in kept])
+    assert model.config.vision_config.num_hidden_layers == 1
+    assert all(torch.equal(untouched[k], v) for k, v in model.state_dict().items() if k in untouched)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.config.text_config.layer_types == text.layer_types
+    windows = [layer.self_attn.sliding_window for layer in reloaded.model.language_model.layers]
+    assert windows == [4 if types[i] == "sliding_attention" else None for i in kept]

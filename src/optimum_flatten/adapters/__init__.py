@@ -1,6 +1,6 @@
 """Where in a model: one adapter per architecture family. Importing this package registers them all."""
 
-from ..adapters import baichuan, bert, gemma, gpt2, llama, marian, moe, olmo2, qwen2, smollm3, vit  # noqa: F401  (registration by import)
+from . import baichuan, bert, gemma, glm4, gpt2, llama, marian, moe, olmo2, phi3, qwen2, smollm3, vit  # noqa: F401  (registration by import)
 from .base import (
     ArchitectureAdapter,
     AttentionView,

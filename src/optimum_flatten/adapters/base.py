@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -176,17 +176,32 @@ class PackedPartView(LinearView):
     q, k and v are resized one after the other, the fused module records the unequal sizes, so that every view of it
     keeps finding its rows; the record goes away with the module once the parts are equal again. `module` is the
     fused module, since no module holds the part alone.
+
+    The same view serves a fused [gate; up] (``num_parts=2``, Phi-3's ``gate_up_proj``) and a fused [q; k; v] whose
+    k and v are narrower than q (`kv_rows`, Phi-3 under GQA). The rows alone do not tell the latter's split, and the
+    attribute `kv_rows` reads follows only once a resize is over (`_sync_sizes`), so such a view records the sizes
+    after every write.
     """
 
-    def __init__(self, parent: nn.Module, name: str, part: int, num_parts: int = 3) -> None:
+    def __init__(
+        self,
+        parent: nn.Module,
+        name: str,
+        part: int,
+        num_parts: int = 3,
+        kv_rows: Callable[[], int] | None = None,
+    ) -> None:
         super().__init__(parent, name)
         if not 0 <= part < num_parts:
             raise ValueError(f"part must be in 0..{num_parts - 1}, got {part}.")
+        if kv_rows is not None and num_parts != 3:
+            raise ValueError(f"kv_rows splits a fused [q; k; v] (3 parts), got num_parts={num_parts}.")
         self._part = part
         self._num_parts = num_parts
+        self._kv_rows = kv_rows
 
     def part_sizes(self) -> tuple[int, ...]:
-        """Rows of each part: equal, unless a resize of one part is under way.
+        """Rows of each part: equal (or q, then k and v of `kv_rows` each), unless a resize recorded others.
 
         Raises:
             ValueError: when the fused rows cannot be split into equal parts and no resize is recorded.
@@ -195,12 +210,24 @@ class PackedPartView(LinearView):
         if pending is not None:
             return tuple(pending)
         rows = super().weight.shape[0]
+        if self._kv_rows is not None:
+            kv = int(self._kv_rows())
+            return (rows - 2 * kv, kv, kv)
         if rows % self._num_parts:
             raise ValueError(
-                f"{self._name} has {rows} output rows, which cannot hold {self._num_parts} equal parts [q | k | v]; "
-                f"expected a multiple of {self._num_parts}. Resize q, k and v together (keep_heads_)."
+                f"{self._name} has {rows} output rows, which cannot hold {self._num_parts} equal parts; expected a "
+                f"multiple of {self._num_parts}. Resize its parts together (keep_heads_, keep_mlp_channels_)."
             )
         return (rows // self._num_parts,) * self._num_parts
+
+    def parts_in_step(self) -> bool:
+        """Whether the parts have sizes the module's forward can split: equal, or (with `kv_rows`) k and v equal and
+        q a whole number of key/value groups. False after most half-done resizes (with `kv_rows`, q resized alone
+        to whole groups still passes; the head counts checked against the config catch it)."""
+        sizes = self.part_sizes()
+        if self._kv_rows is not None:
+            return sizes[1] == sizes[2] > 0 and sizes[0] % sizes[1] == 0
+        return len(set(sizes)) == 1
 
     def _starts(self, sizes: Sequence[int]) -> list[int]:
         return [sum(sizes[:i]) for i in range(self._num_parts)]
@@ -248,7 +275,7 @@ class PackedPartView(LinearView):
             new_bias = torch.cat(biases)
         sizes[self._part] = weight.shape[0]
         super().set_(torch.cat(weights), new_bias)
-        if len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 or self._kv_rows is not None:
             setattr(self.module, PENDING_PART_SIZES, tuple(sizes))
 
 
@@ -323,7 +350,8 @@ class BlockView:
 
 
 class PackedLinearView(PackedPartView):
-    """One part (q, k or v) of a fused ``nn.Linear`` whose rows are [q; k; v] (Baichuan's ``W_pack``)."""
+    """One part of a fused ``nn.Linear``: q, k or v of [q; k; v] (Baichuan's ``W_pack``, Phi-3's ``qkv_proj``), or
+    gate or up of [gate; up] (Phi-3's and GLM-4's ``gate_up_proj``)."""
 
 
 #: Storage kind (`BlockLayout.storage`) -> (view of one linear map, view of one part of a fused q/k/v map).
@@ -356,6 +384,12 @@ def _set_attribute(root: Any, path: str, value: Any) -> None:
 def _view(cls: type[LinearView], root: nn.Module, path: str) -> LinearView:
     parent, _, name = path.rpartition(".")
     return cls(_attribute(root, parent), name)
+
+
+def _kv_rows(attn: nn.Module, layout: AttentionLayout) -> int:
+    """Rows of each of k and v in a fused q/k/v map whose key/value head count the attention keeps
+    (`AttentionLayout.fused_kv_heads`), read when asked, so that it follows `_sync_sizes`."""
+    return int(_attribute(attn, layout.fused_kv_heads)) * int(_attribute(attn, layout.head_dim))
 
 
 def _cat_optional(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
@@ -517,10 +551,16 @@ class ArchitectureAdapter(ABC):
     def block_view(self, module: nn.Module, index: int) -> BlockView:
         """A view over a block module, in the model or standalone (e.g. a flattened block under construction)."""
         layout = self._block_layout(module)
-        linear = _STORAGE[layout.storage][0]
+        linear, packed = _STORAGE[layout.storage]
         mlp = layout.mlp
         mlp_module = _attribute(module, mlp.path)
         cross = layout.cross_attention
+        if mlp.fused_gate_up is not None:
+            parent, _, name = mlp.fused_gate_up.rpartition(".")
+            gate, up = (packed(_attribute(mlp_module, parent), name, part, num_parts=2) for part in range(2))
+        else:
+            up = _view(linear, mlp_module, mlp.up)
+            gate = None if mlp.gate is None else _view(linear, mlp_module, mlp.gate)
         return BlockView(
             index=index,
             module=module,
@@ -530,8 +570,8 @@ class ArchitectureAdapter(ABC):
             attention=self._attention_view(module, layout.attention, layout.storage),
             cross_attention=None if cross is None else self._attention_view(module, cross, layout.storage),
             mlp=MlpView(
-                up=_view(linear, mlp_module, mlp.up),
-                gate=None if mlp.gate is None else _view(linear, mlp_module, mlp.gate),
+                up=up,
+                gate=gate,
                 down=_view(linear, mlp_module, mlp.down),
                 activation=_attribute(mlp_module, mlp.activation),
                 module=mlp_module,
@@ -544,7 +584,8 @@ class ArchitectureAdapter(ABC):
         attn = _attribute(block, layout.path)
         if layout.fused_qkv is not None:
             parent, _, name = layout.fused_qkv.rpartition(".")
-            q, k, v = (packed(_attribute(attn, parent), name, part) for part in range(3))
+            kv_rows = None if layout.fused_kv_heads is None else functools.partial(_kv_rows, attn, layout)
+            q, k, v = (packed(_attribute(attn, parent), name, part, kv_rows=kv_rows) for part in range(3))
         else:
             q, k, v = (_view(linear, attn, path) for path in (layout.q, layout.k, layout.v))
         return AttentionView(
@@ -781,13 +822,13 @@ class ArchitectureAdapter(ABC):
         Raises:
             ValueError: a fused q/k/v map holds parts of different sizes (a resize is under way).
         """
-        if layout.fused_qkv is not None:
-            sizes = view.q.part_sizes()  # type: ignore[attr-defined]
-            if len(set(sizes)) != 1:
-                raise ValueError(
-                    f"{layout.fused_qkv} holds q/k/v parts of {list(sizes)} rows; {type(self).__name__}'s attention "
-                    "needs equal parts (full multi-head attention). Resize q, k and v together (keep_heads_)."
-                )
+        if isinstance(view.q, PackedPartView) and not view.q.parts_in_step():
+            sizes = view.q.part_sizes()
+            wanted = "k and v equal and q whole groups" if layout.fused_kv_heads else "equal parts"
+            raise ValueError(
+                f"{layout.fused_qkv} holds q/k/v parts of {list(sizes)} rows; {type(self).__name__}'s attention "
+                f"needs {wanted}. Resize q, k and v together (keep_heads_)."
+            )
         head_dim = view.geometry.head_dim
         return {
             "heads": view.q.out_features // head_dim,
@@ -870,7 +911,7 @@ class ArchitectureAdapter(ABC):
 
     def expected_mlp_width(self, stack: str | None = None) -> int:
         """The MLP width the config describes for `stack` (`MlpLayout.width_key`)."""
-        return getattr(self.config, self.layout(stack).mlp.width_key)
+        return getattr(self.stack_config(stack), self.layout(stack).mlp.width_key)
 
     def block_problems(self, stack: str, index: int, module: nn.Module) -> list[str]:
         """What `validate` reports about one block: layer index, head counts, size attributes and MLP width against
@@ -882,20 +923,23 @@ class ArchitectureAdapter(ABC):
         problems = []
         for att, att_view in zip(layout.attentions(), (view.attention, view.cross_attention), strict=False):
             label = f"{where} {att.path}" if several else where
-            if att.fused_qkv is not None:
-                pending = getattr(_attribute(att_view.module, att.fused_qkv), PENDING_PART_SIZES, None)
-                if pending is not None:
-                    return [f"{label} {att.fused_qkv} holds unequal q/k/v parts {list(pending)}"]
+            q = att_view.q
+            if isinstance(q, PackedPartView) and not q.parts_in_step():
+                return [f"{label} {att.fused_qkv} holds unequal q/k/v parts {list(q.part_sizes())}"]
             if att.layer_idx is not None and (value := _attribute(att_view.module, att.layer_idx)) != index:
                 problems.append(f"{label} has layer_idx {value}")
             g = att_view.geometry
-            heads = getattr(self.config, att.heads_key)
-            kv_heads = (getattr(self.config, att.kv_heads_key, None) if att.kv_heads_key else None) or heads
+            config = self.stack_config(stack)  # a composite model's text_config holds the stack's keys
+            heads = getattr(config, att.heads_key)
+            kv_heads = (getattr(config, att.kv_heads_key, None) if att.kv_heads_key else None) or heads
             if (g.num_heads, g.num_kv_heads) != (heads, kv_heads):
                 problems.append(
                     f"{label} has {g.num_heads} heads of {g.head_dim} / {g.num_kv_heads} KV heads "
                     f"({self._key_name(att.heads_key)}={heads})"
                 )
+        up = view.mlp.up
+        if isinstance(up, PackedPartView) and not up.parts_in_step():
+            return [f"{where} {layout.mlp.fused_gate_up} holds unequal gate/up parts {list(up.part_sizes())}"]
         for owner, attr, expected in self._size_attributes(module):
             if (value := _attribute(owner, attr)) != expected:
                 problems.append(f"{where} {type(owner).__name__}.{attr}={value} but its weights give {expected}")

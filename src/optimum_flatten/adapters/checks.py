@@ -23,7 +23,9 @@ def check_cached_forward(model: nn.Module, atol: float | None = None) -> None:
     """One tiny forward with the KV cache (prefill + 2 decode steps) must match the uncached forward."""
     device = input_device(model)
     atol = CACHE_CHECK_TOLERANCE.get(model_dtype(model), 1e-3) if atol is None else atol
-    vocab = model.config.vocab_size
+    config = model.config
+    # A composite model (Gemma 3 with its vision tower) keeps the vocabulary in its text config.
+    vocab = getattr(config, "vocab_size", None) or config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (1, 6), generator=generator).to(device)
     was_training = model.training

@@ -12,10 +12,16 @@ reaches the stream, so the output of two layers' heads concatenated is not the s
 map folded into ``down_proj`` is undone by the norm that follows it (ReplaceMe, ``linear_replacement``). Compensation
 stays exact: every sublayer reads the stream through a scale-invariant norm, and its writes are scaled through the
 post-norm gains (`scale_stream_writes_`).
+
+``Gemma3ForConditionalGeneration`` (model_type ``gemma3``) holds the same text stack under
+``model.language_model`` beside a vision tower and projector, which no method touches; its config keeps the stack's
+keys (layer count, ``layer_types``, head counts, widths) in the nested ``text_config``, which `stack_config` finds,
+so every per-layer field is rewritten there and the top-level config is left as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from torch import nn
@@ -58,3 +64,22 @@ class GemmaAdapter(ArchitectureAdapter):
     def scale_norm_(self, module: nn.Module, factor: float) -> None:
         """Gemma's RMSNorm multiplies by ``1 + weight`` (transformers 5.x ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``)."""
         module.weight.data.copy_((1.0 + module.weight.data.float()) * factor - 1.0)
+
+
+#: The Gemma 3 text stack inside the image-text model: paths from ``Gemma3Model`` (the ``model`` base-model prefix).
+GEMMA3_MULTIMODAL_LAYOUT = dataclasses.replace(
+    GEMMA_LAYOUT, layers="language_model.layers", final_norm="language_model.norm"
+)
+
+
+@register_adapter
+class Gemma3MultimodalAdapter(GemmaAdapter):
+    """The text stack of ``Gemma3ForConditionalGeneration``: what applies to ``gemma3_text`` applies here; the
+    vision tower and the projector stay untouched."""
+
+    model_types = ("gemma3",)
+    layouts = (GEMMA3_MULTIMODAL_LAYOUT,)
+
+    def base_model(self, stack: str | None = None) -> nn.Module:
+        """The text model: calibration runs text only, so the vision path and its image masks stay out of it."""
+        return self._root(stack).language_model

@@ -24,8 +24,10 @@ class AttentionLayout:
     Attributes:
         path: The module, relative to the block (``"self_attn"``, GPT-2's ``"attn"``, BERT's ``"attention"``).
         q, k, v, o: The projections, relative to the attention module (BERT: ``"self.query"``, ``"output.dense"``).
-        fused_qkv: One module whose outputs are [q; k; v] (GPT-2's ``c_attn``, Baichuan's ``W_pack``); q, k and v
-            are then parts of it and their own names are not read.
+        fused_qkv: One module whose outputs are [q; k; v] (GPT-2's ``c_attn``, Baichuan's ``W_pack``, Phi-3's
+            ``qkv_proj``); q, k and v are then parts of it and their own names are not read.
+        fused_kv_heads: For a `fused_qkv` whose k and v hold fewer heads than q (Phi-3 under GQA), the attention
+            module's attribute with the key/value head count that splits its rows; None: three equal parts.
         head_dim: Attribute holding the head size (BERT: ``"self.attention_head_size"``).
         layer_idx: Attribute holding the cache index that `reindex_` renumbers, None when the layer keeps none.
         position_scheme: How positions enter the attention.
@@ -41,6 +43,7 @@ class AttentionLayout:
     v: str = "v_proj"
     o: str = "o_proj"
     fused_qkv: str | None = None
+    fused_kv_heads: str | None = None
     head_dim: str = "head_dim"
     layer_idx: str | None = "layer_idx"
     position_scheme: PositionScheme = "rope"
@@ -56,6 +59,8 @@ class MlpLayout:
     Attributes:
         path: The MLP module, relative to the block; ``""`` when its linears sit on the block itself (BERT, Marian).
         up, gate, down, activation: Relative to the MLP module; ``gate`` is None for a non-gated MLP.
+        fused_gate_up: One module whose outputs are [gate; up] (Phi-3's and GLM-4's ``gate_up_proj``, split by
+            ``chunk(2)``); gate and up are then its halves and their own names are not read.
         size_attributes: As for attention (e.g. LLaMA's ``intermediate_size``).
         width_key: Config key of the MLP width.
         activation_key: Config key naming the activation (what a stock config of a family says it is).
@@ -66,6 +71,7 @@ class MlpLayout:
     gate: str | None = "gate_proj"
     down: str = "down_proj"
     activation: str = "act_fn"
+    fused_gate_up: str | None = None
     size_attributes: tuple[tuple[str, SizeSource], ...] = ()
     width_key: str = "intermediate_size"
     activation_key: str = "hidden_act"

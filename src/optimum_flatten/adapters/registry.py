@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
@@ -36,6 +38,24 @@ def registered_adapters() -> dict[str, type]:
     return dict(_ADAPTERS)
 
 
+#: Per-layer kinds (``config.layer_types`` entries) that are attention layers with heads and a KV cache.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
+
+def _non_attention_layers(config: Any) -> str:
+    """Why a hybrid stack is refused, for the error: its layer kinds that are not attention (Qwen3-Next's and
+    Qwen3.5's ``linear_attention``, Falcon-H1's ``hybrid``), or "" for any other config."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if callable(get_text) else config
+    kinds = sorted({str(t) for t in getattr(text, "layer_types", None) or ()} - ATTENTION_LAYER_TYPES)
+    if not kinds:
+        return ""
+    return (
+        f": a hybrid stack whose layer_types include {kinds}, layers that carry a recurrent state instead of "
+        "attention heads and a KV cache, which no adapter describes"
+    )
+
+
 def get_adapter(model: nn.Module):
     """The adapter for `model`, bound to that instance.
 
@@ -54,8 +74,9 @@ def get_adapter(model: nn.Module):
     cls = _ADAPTERS.get(model_type)
     if cls is None:
         raise UnsupportedArchitectureError(
-            f"no adapter for model_type {model_type!r} ({type(model).__name__}). Supported model types: "
-            f"{supported_model_types()}. To add one, see docs/contributing/adding_an_architecture.md."
+            f"no adapter for model_type {model_type!r} ({type(model).__name__}){_non_attention_layers(config)}. "
+            f"Supported model types: {supported_model_types()}. To add one, see "
+            "docs/contributing/adding_an_architecture.md."
         )
     if model_type != getattr(config, "model_type", None):  # a remote-code variant of the stock family
         adopt_remote_code_(model)
