@@ -260,7 +260,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print("measuring the dense model ...", flush=True)
     dense_ppl, protocol = measure(model)
-    dense_layers = model.config.num_hidden_layers
+    dense_layers = model.config.get_text_config().num_hidden_layers  # text_config's in an image-text model
     # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
     dense = copy.deepcopy(model)
     from ..utils.torch_utils import count_parameters
@@ -284,8 +284,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         (
             "layers",
             dense_layers,
-            model.config.num_hidden_layers,
-            f"{model.config.num_hidden_layers / dense_layers:.3f}",
+            model.config.get_text_config().num_hidden_layers,
+            f"{model.config.get_text_config().num_hidden_layers / dense_layers:.3f}",
         ),
         (
             "parameters",

@@ -45,7 +45,8 @@ def evaluate_checkpoint(
     result = perplexity(model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens)
     entry: dict[str, Any] = {
         "path": str(path),
-        "layers": model.config.num_hidden_layers,
+        # An image-text model (Gemma 3) keeps its decoder's depth in text_config; a text model is its own.
+        "layers": model.config.get_text_config().num_hidden_layers,
         "parameters": sum(p.numel() for p in model.parameters()),
         "perplexity": result.perplexity,
         "protocol": result.protocol(),
