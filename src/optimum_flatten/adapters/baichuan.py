@@ -34,10 +34,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..utils.errors import UnsupportedArchitectureError
-from .base import PRE_NORM_CAPABILITIES, PackedLinearView
+from .base import PRE_NORM_CAPABILITIES
 from .layout import AttentionLayout
 from .llama import LLAMA_LAYOUT, LlamaAdapter
 from .registry import register_adapter
+from .views import PackedLinearView
 
 logger = logging.getLogger(__name__)
 

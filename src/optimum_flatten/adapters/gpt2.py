@@ -37,17 +37,10 @@ from transformers.pytorch_utils import Conv1D
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import onloaded
-from .base import (
-    PENDING_PART_SIZES,
-    PRE_NORM_CAPABILITIES,
-    ArchitectureAdapter,
-    BlockView,
-    LinearView,
-    PackedPartView,
-    register_storage,
-)
+from .base import PRE_NORM_CAPABILITIES, ArchitectureAdapter
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
+from .views import PENDING_PART_SIZES, BlockView, LinearView, PackedPartView, register_storage
 
 #: State-dict names of a block's fused q/k/v projection (the only parameters the layer-index scaling touches).
 _QKV_WEIGHT, _QKV_BIAS = "attn.c_attn.weight", "attn.c_attn.bias"

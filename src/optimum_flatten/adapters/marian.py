@@ -40,10 +40,11 @@ from torch import nn
 from ..utils.cache import cache_keyword, returned_cache
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import first_output, input_device, model_dtype
-from .base import ArchitectureAdapter, BlockView, NormView
+from .base import ArchitectureAdapter
 from .checks import CACHE_CHECK_TOLERANCE, compare_cached_steps
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
+from .views import BlockView, NormView
 
 #: An encoder block: MarianAttention reshapes with ``head_dim`` only (5.23), ``num_heads`` is informational; encoder
 #: layers are built without a cache index. A parameter merge combines the attentions and fc1/fc2 (the derived

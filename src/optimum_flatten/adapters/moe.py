@@ -17,9 +17,10 @@ from typing import ClassVar
 
 from torch import nn
 
-from .base import ArchitectureAdapter, BlockView
+from .base import ArchitectureAdapter
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
+from .views import BlockView
 
 MOE_LAYOUT = BlockLayout(
     attention=AttentionLayout(kv_heads_key="num_key_value_heads"),

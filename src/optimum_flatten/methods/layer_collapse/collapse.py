@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ...adapters import get_adapter
-from ...adapters.base import ArchitectureAdapter, BlockView
+from ...adapters.base import ArchitectureAdapter
+from ...adapters.views import BlockView
 from ...calibration.capture import LayerwiseRunner, capture_module_inputs
 from ...calibration.data import CalibrationBatch
 from ...compression.method import CardSection, CheckpointWriter, CompressionMethod, MethodContext

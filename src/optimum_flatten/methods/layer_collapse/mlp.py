@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...adapters.base import ArchitectureAdapter, BlockView
+from ...adapters.base import ArchitectureAdapter
+from ...adapters.views import BlockView
 from ...utils.errors import UnsupportedArchitectureError
 
 
