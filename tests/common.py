@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -295,3 +300,40 @@ def assert_reloads_with_plain_transformers(model, folder) -> None:
         torch.testing.assert_close(
             reloaded(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits
         )
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_two_gloo_processes(script: Path, out: Path, timeout: int) -> None:
+    """Runs `script OUT` as 2 processes under torch.distributed.run on the CPU (gloo), this checkout's src first on
+    the path; fails the test with both streams' tails when the launch does."""
+    environment = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",  # CPU, so gloo
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        environment["MASTER_ADDR"],
+        "--master_port",
+        environment["MASTER_PORT"],
+        str(script),
+        str(out),
+    ]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"

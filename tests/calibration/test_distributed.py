@@ -9,16 +9,12 @@ equal up to the order of the float sums.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from common import TOLERANCES, logits, sample_ids
+from common import TOLERANCES, launch_two_gloo_processes, logits, sample_ids
 from optimum_flatten.calibration.distributed import (
     all_reduce_,
     all_reduce_sums,
@@ -31,42 +27,13 @@ from optimum_flatten.calibration.distributed import (
 from . import ddp_calibrate
 
 SCRIPT = Path(__file__).with_name("ddp_calibrate.py")
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     """The folder where a 2-process launch of `ddp_calibrate.py` left its results."""
     out = tmp_path_factory.mktemp("ddp_calibration")
-    environment = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",  # CPU, so gloo
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        environment["MASTER_ADDR"],
-        "--master_port",
-        environment["MASTER_PORT"],
-        str(SCRIPT),
-        str(out),
-    ]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    launch_two_gloo_processes(SCRIPT, out, timeout=600)
     return out
 
 

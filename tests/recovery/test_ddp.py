@@ -11,54 +11,23 @@ The gate (held-out scoring every step) must take the same decisions, and the tok
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from common import launch_two_gloo_processes
+
 from . import ddp_heal
 
 SCRIPT = Path(__file__).with_name("ddp_heal.py")
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory) -> Path:
     """The folder where rank 0 of a 2-process launch left `<mode>.pt` for every mode of `ddp_heal.MODES`."""
     out = tmp_path_factory.mktemp("ddp")
-    environment = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",  # CPU, so gloo
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        environment["MASTER_ADDR"],
-        "--master_port",
-        environment["MASTER_PORT"],
-        str(SCRIPT),
-        str(out),
-    ]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    launch_two_gloo_processes(SCRIPT, out, timeout=300)
     return out
 
 
