@@ -219,7 +219,8 @@ def recover(
     """Heals `model` on `dataset` and returns (plain model, training log).
 
     Every check (mode, teacher vocabulary and tokenizer, layer map, text for the budget) runs before any weight
-    changes. With a teacher the loss is the distillation loss of `recovery.distill`; without one, the LM loss.
+    changes. With a teacher the loss is the distillation loss of `recovery.distill`; without one, the LM loss. Mode
+    'local' trains on `recovery.local`'s per-span loss instead, behind a gate scoring the distillation loss.
 
     Args:
         model: The compressed causal LM (changed in place, except that LoRA is merged into a returned model).
@@ -231,7 +232,8 @@ def recover(
             None takes the report's base model when it is a bundled model or a Hub id (else no teacher); False or
             ``"none"`` trains on the LM loss alone.
         report: The compression report (``FlattenQuantizer.report`` or flatten_report.json); defaults to
-            ``model.flatten_report`` when set. Needed by mode='changed', hidden-state terms and the default teacher.
+            ``model.flatten_report`` when set. Needed by modes 'changed' and 'local', hidden-state terms and the
+            default teacher.
 
     Returns:
         The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, the held-out objective and
@@ -239,7 +241,8 @@ def recover(
 
     Raises:
         ValueError: an unknown mode, a teacher with another vocabulary or tokenizer, hidden-state terms without a
-            layer map, too little text for the budget, or 'changed' with nothing changed.
+            layer map, too little text for the budget, 'changed' or 'local' with nothing changed, 'local' without a
+            teacher or under a data-parallel launch.
         ImportError: when peft is missing for mode='lora' (``pip install optimum-flatten[recovery]``).
     """
     from transformers import TrainingArguments
