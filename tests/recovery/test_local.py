@@ -106,6 +106,28 @@ def test_local_loss_equals_the_layers_run_by_hand(which, request):
     assert expected > 1e-3  # the spans really differ from the teacher: not a comparison of zeros
 
 
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2", "gemma2", "gemma3_text", "gpt2", "gpt2_layer_scaled"])
+def test_a_span_of_one_unchanged_layer_has_zero_loss_on_every_family(family):
+    """Each block of a copy of the teacher, marked changed (as if bridged), reproduces the teacher's layer exactly:
+    it gets the call arguments of its own position (sliding or full mask, rotary or learned positions, GPT-2's
+    per-layer scale), so a block called with another layer's arguments would show here."""
+    factory = tiny_models.FACTORIES.get(family) or getattr(tiny_models, f"tiny_{family}")
+    teacher = factory()
+    student = copy.deepcopy(teacher)
+    report = {
+        "plan": {"groups": [[i] for i in range(6)], "num_layers": 6},
+        "linear_replacement": {"maps": [{"output_layer": k} for k in range(6)]},
+    }
+    spans = changed_spans(student, report)
+    assert [(s.start, s.end) for s in spans] == [(k, k + 1) for k in range(6)]
+    ids = sample_ids(batch=2, length=24, seed=1)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    with torch.no_grad():
+        terms, _ = LocalSpanLoss(student, teacher, spans).span_terms({"input_ids": ids, "attention_mask": mask})
+    assert [float(t) for t in terms] == [0.0] * 6
+
+
 def test_a_student_equal_to_its_teacher_is_refused_before_any_change(compressed):
     dense = copy.deepcopy(compressed[0])
     plain = {"plan": {"groups": [[i] for i in range(6)], "num_layers": 6}}
