@@ -57,7 +57,7 @@ VARIANTS = _depth_variants()
 
 #: Learning rate of mode 'local' unless --learning-rate says otherwise: the best of the sweep at 16K tokens on the
 #: gate's held-out objective of the training text (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json).
-LOCAL_LR = 1e-4
+LOCAL_LR = 1e-3
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
