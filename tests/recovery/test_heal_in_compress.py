@@ -121,7 +121,7 @@ def test_a_teacher_that_is_not_the_source_is_named_in_a_warning():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["changed", "lora"])
+@pytest.mark.parametrize("mode", ["changed", "lora", "local"])
 def test_healing_in_bfloat16_on_cuda_keeps_placement_and_dtype_and_lowers_the_held_out_objective(mode):
     """On a CUDA device in bfloat16: the teacher and the student stay on the device and in bfloat16, the healed model
     reloads as it is, and the gate's held-out objective does not rise (the gate keeps the input otherwise)."""

@@ -356,8 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     recover_parser = verbs.add_parser(
         "recover",
-        help="heal a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, behind "
-        "a held-out gate) into a plain checkpoint",
+        help="heal a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, or "
+        "--mode local: each changed block alone towards the dense model's states; behind a held-out gate) into a "
+        "plain checkpoint",
     )
     recover_parser.add_argument("model", help="compressed checkpoint directory")
     recover_parser.add_argument(

@@ -162,12 +162,34 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
         f"- Healing: mode `{recovery.get('mode', 'lora')}`, {loss}, on {recovery.get('dataset', 'user text')} "
         f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps)"
     ]
+    lines += _local_lines(recovery)
     before, after = recovery.get("heldout_before"), recovery.get("heldout_after")
     if before and after:
         lines.append(
             f"- Held-out loss of the training text: objective {before['objective']:.4f} -> {after['objective']:.4f}, "
             f"LM {before['lm']:.4f} -> {after['lm']:.4f}; gate: {recovery.get('gate')}"
         )
+    return lines
+
+
+def _local_lines(recovery: dict[str, Any]) -> list[str]:
+    """Mode 'local': which blocks were trained, towards which of the teacher's layers, and the global phase."""
+    local = recovery.get("local")
+    if not isinstance(local, dict):
+        return []
+    spans = ", ".join(
+        f"block {s['block']} (original layers {s['original_layers'][0]}-{s['original_layers'][1]})"
+        for s in local.get("spans", [])
+    )
+    lines = [
+        f"- Trained locally, each alone on the teacher's state at its span's start towards the teacher's state at its "
+        f"end (normalised MSE): {spans}; every other parameter is unchanged"
+    ]
+    if "heldout_local_before" in local:
+        lines[0] += f"; held-out local loss {local['heldout_local_before']:.4f} -> {local['heldout_local_after']:.4f}"
+    phase = recovery.get("global_phase")
+    if isinstance(phase, dict):
+        lines.append(f"- Then the same blocks on the global distillation loss for {phase.get('tokens_trained')} tokens")
     return lines
 
 

@@ -20,8 +20,13 @@ class RecoveryConfig:
     Attributes:
         mode: What is trained: ``lora`` (PEFT adapters on the projections, merged back), ``changed`` (all
             parameters of merged blocks and the projections carrying a bridge or compensation, per the compression
-            report; everything else stays bit-identical), ``last_k`` (the last `last_k` blocks, the final norm and
-            the LM head), ``full`` (every parameter).
+            report; everything else stays bit-identical), ``local`` (every parameter of each changed span's block
+            (merged, covering dropped layers, or carrying a correction), each trained alone towards the teacher's
+            state at the end of the span it replaced, on the teacher's state at its start: no backward through the
+            model, no LM head; needs a teacher; see `recovery.local`), ``last_k`` (the last `last_k` blocks, the
+            final norm and the LM head), ``full`` (every parameter).
+        local_then_global_tokens: With ``mode='local'``, a second phase of this many tokens training the same
+            blocks on the global distillation loss (the text must hold that many training tokens too); None: none.
         last_k: Blocks trained by ``mode='last_k'``.
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
@@ -45,7 +50,8 @@ class RecoveryConfig:
         logging_steps, seed: As in TrainingArguments.
     """
 
-    mode: Literal["lora", "changed", "last_k", "full"] = "lora"
+    mode: Literal["lora", "changed", "local", "last_k", "full"] = "lora"
+    local_then_global_tokens: int | None = None
     last_k: int = 3
     temperature: float = 1.0
     kd_alpha: float = 1.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -19,7 +20,7 @@ from ..plan import LayerPlan
 
 logger = logging.getLogger(__name__)
 
-MODES = ("lora", "changed", "last_k", "full")
+MODES = ("lora", "changed", "local", "last_k", "full")
 
 
 def check_mode(mode: str) -> None:
@@ -89,8 +90,7 @@ def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) 
     for k, group in enumerate(plan.groups):
         if not group.is_keep:
             modules[id(blocks[k].module)] = blocks[k].module
-    bridged = {int(m["output_layer"]) for key in ("linear_replacement", "replaceme") for m in _maps(report, key)}
-    compensated = _compensated_blocks(report, plan)
+    bridged, compensated = _corrected_blocks(report, plan)
     for k in sorted(bridged | compensated):
         for view in (blocks[k].attention.o, blocks[k].mlp.down) if k in compensated else (blocks[k].mlp.down,):
             modules[id(view.module)] = view.module
@@ -101,6 +101,68 @@ def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) 
         )
     wanted = {id(p) for module in modules.values() for p in module.parameters()}
     return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+@dataclass(frozen=True)
+class Span:
+    """One student block and the original layers it stands for (`LayerPlan.span_ends`), for mode 'local'.
+
+    Attributes:
+        block: The student block's index.
+        start: The first original layer of the span: the layer after the previous block's span, so that the spans
+            tile the original stack and a run of dropped layers *before* the first kept one belongs to block 0.
+        end: The original layer after the span (exclusive); the teacher's state entering it is the target.
+    """
+
+    block: int
+    start: int
+    end: int
+
+
+def changed_spans(model: nn.Module, report: Mapping[str, Any] | None) -> list[Span]:
+    """The spans mode 'local' trains: every block that is not exactly one kept original layer with nothing folded in.
+
+    That is a merged block, a kept block whose span covers dropped layers (so a plan that only drops layers, as
+    ShortGPT's, has spans to train), and a block carrying a linear bridge or a magnitude compensation.
+
+    Raises:
+        ValueError: without a plan, or when every block is one plain original layer (nothing to train).
+    """
+    blocks = get_adapter(model).blocks()
+    plan = report_plan(
+        report,
+        len(blocks),
+        "mode='local' trains each changed span towards the teacher's states at its ends, which the compression "
+        "report's plan says, and no report was given; pass report=... (flatten_report.json), or pick mode 'last_k', "
+        "'full' or 'lora'.",
+    )
+    ends = plan.span_ends()
+    starts = [0, *ends[:-1]]
+    bridged, compensated = _corrected_blocks(report, plan)
+    spans = [
+        Span(k, start, end)
+        for k, (group, start, end) in enumerate(zip(plan.groups, starts, ends, strict=True))
+        if not group.is_keep or end - start != 1 or k in bridged or k in compensated
+    ]
+    if not spans:
+        raise ValueError(
+            "mode='local' found no changed span: every block of the plan is one kept original layer with nothing "
+            "folded in (the student is the teacher); there is nothing to heal."
+        )
+    return spans
+
+
+def span_parameter_names(model: nn.Module, spans: list[Span]) -> list[str]:
+    """Names of every parameter of the spans' student blocks (mode 'local' trains whole blocks)."""
+    blocks = get_adapter(model).blocks()
+    wanted = {id(p) for span in spans for p in blocks[span.block].module.parameters()}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def _corrected_blocks(report: Mapping[str, Any] | None, plan: LayerPlan) -> tuple[set[int], set[int]]:
+    """(student blocks carrying a linear bridge, student blocks a magnitude compensation scaled)."""
+    bridged = {int(m["output_layer"]) for key in ("linear_replacement", "replaceme") for m in _maps(report, key)}
+    return bridged, _compensated_blocks(report, plan)
 
 
 def _maps(report: Mapping[str, Any] | None, key: str) -> list[dict[str, Any]]:

@@ -1,14 +1,16 @@
 """Healing a compressed model with transformers' Trainer: LoRA or full-parameter training of a chosen part, on the
-LM loss or distilled from the dense model, behind a held-out gate, returned as a plain model."""
+LM loss or distilled from the dense model (or, mode 'local', each changed span alone against the teacher's states:
+`recovery.local`), behind a held-out gate, returned as a plain model."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import random
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,14 +20,20 @@ from ..adapters import get_adapter
 from ..options.recovery import RecoveryConfig
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
-from .distill import DistillationLoss
+from .distill import DistillationLoss, LossParts
 from .selection import (
+    Span,
     changed_parameter_names,
+    changed_spans,
     check_mode,
     freeze_all_but_,
     last_k_parameter_names,
     layer_map,
+    span_parameter_names,
 )
+
+#: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
+Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +69,7 @@ def _distillation_trainer_class() -> type:
         """transformers' Trainer with the healing loss; everything else (optimiser, schedule, devices) is the
         library's."""
 
-        def __init__(self, *args: Any, healing_loss: DistillationLoss, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, healing_loss: Objective, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.healing_loss = healing_loss
             # Our loss is a mean over the batch's scored tokens, not a sum the Trainer normalises by the items in
@@ -136,9 +144,10 @@ def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]
 def _training_text(
     tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str
 ) -> tuple[list[str], str, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
-    """(texts, their kind, training rows, held-out rows), after the checks that need no model: the mode and, for
-    LoRA, that peft is installed."""
+    """(texts, their kind, training rows, held-out rows), after the checks that need no model: the mode (and the
+    local mode's global phase), and, for LoRA, that peft is installed."""
     check_mode(config.mode)
+    check_local_options(config)
     if config.mode == "lora":
         try:
             import peft  # noqa: F401
@@ -157,6 +166,27 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     """
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     _steps_for_budget(config, train_rows, _replicas(config))
+    if config.local_then_global_tokens:
+        _steps_for_budget(_global_phase(config), train_rows, _replicas(config))
+
+
+def check_local_options(config: RecoveryConfig) -> None:
+    """Refuses a global phase (`local_then_global_tokens`) outside mode 'local', and a budget that is not positive."""
+    tokens = config.local_then_global_tokens
+    if tokens is None:
+        return
+    if config.mode != "local":
+        raise ValueError(
+            f"local_then_global_tokens continues mode 'local' with the global loss, but the mode is {config.mode!r}; "
+            "set mode='local', or leave local_then_global_tokens unset."
+        )
+    if tokens < 1:
+        raise ValueError(f"local_then_global_tokens must be a positive token budget, got {tokens}.")
+
+
+def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
+    """The options of mode 'local''s global phase: its own token budget, the rest unchanged."""
+    return dataclasses.replace(config, max_tokens=config.local_then_global_tokens, local_then_global_tokens=None)
 
 
 def _resolve_teacher(
@@ -189,7 +219,8 @@ def recover(
     """Heals `model` on `dataset` and returns (plain model, training log).
 
     Every check (mode, teacher vocabulary and tokenizer, layer map, text for the budget) runs before any weight
-    changes. With a teacher the loss is the distillation loss of `recovery.distill`; without one, the LM loss.
+    changes. With a teacher the loss is the distillation loss of `recovery.distill`; without one, the LM loss. Mode
+    'local' trains on `recovery.local`'s per-span loss instead, behind a gate scoring the distillation loss.
 
     Args:
         model: The compressed causal LM (changed in place, except that LoRA is merged into a returned model).
@@ -201,7 +232,8 @@ def recover(
             None takes the report's base model when it is a bundled model or a Hub id (else no teacher); False or
             ``"none"`` trains on the LM loss alone.
         report: The compression report (``FlattenQuantizer.report`` or flatten_report.json); defaults to
-            ``model.flatten_report`` when set. Needed by mode='changed', hidden-state terms and the default teacher.
+            ``model.flatten_report`` when set. Needed by modes 'changed' and 'local', hidden-state terms and the
+            default teacher.
 
     Returns:
         The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, the held-out objective and
@@ -209,7 +241,8 @@ def recover(
 
     Raises:
         ValueError: an unknown mode, a teacher with another vocabulary or tokenizer, hidden-state terms without a
-            layer map, too little text for the budget, or 'changed' with nothing changed.
+            layer map, too little text for the budget, 'changed' or 'local' with nothing changed, 'local' without a
+            teacher or under a data-parallel launch.
         ImportError: when peft is missing for mode='lora' (``pip install optimum-flatten[recovery]``).
     """
     from transformers import TrainingArguments
@@ -243,9 +276,25 @@ def recover(
     )
     replicas = _replicas(config, arguments.world_size)
     arguments.max_steps = _steps_for_budget(config, train_rows, replicas)
+    spans: list[Span] = []
+    global_steps = 0
+    if config.mode == "local":
+        if replicas > 1 or arguments.world_size > 1:
+            raise ValueError(
+                f"mode='local' trains on one process (its blocks run outside the model's forward, so a data-parallel "
+                f"wrapper would not synchronise them), got {arguments.world_size} processes; launch it without "
+                "torchrun / accelerate, or pick mode 'changed'."
+            )
+        if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+            raise ValueError(_LOCAL_NEEDS_TEACHER)
+        spans = changed_spans(model, report)  # refuses without a plan or with nothing changed, before the teacher
+        if config.local_then_global_tokens:
+            global_steps = _steps_for_budget(_global_phase(config), train_rows, replicas)
     if config.hidden_weight > 0:
         ends = layer_map(report, len(get_adapter(model).blocks()))  # refuses without a plan, before the teacher loads
     teacher_model, teacher_tokenizer, teacher_name = _resolve_teacher(teacher, report, dtype)
+    if config.mode == "local" and teacher_model is None:
+        raise ValueError(_LOCAL_NEEDS_TEACHER)
     if config.hidden_weight > 0 and teacher_model is None:
         raise ValueError(
             "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
@@ -277,12 +326,19 @@ def recover(
         teacher_blocks=teacher_blocks,
         chunk_size=config.chunk_size,
     )
+    local_loss = None
+    if config.mode == "local":
+        from .local import LocalSpanLoss
+
+        local_loss = LocalSpanLoss(model, teacher_model, spans)  # refuses a teacher shallower than the plan
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.mode == "lora":
         trained_model, lora = _wrap_lora(model, config)
     else:
         if config.mode == "changed":
             names = changed_parameter_names(model, report)
+        elif config.mode == "local":
+            names = span_parameter_names(model, spans)
         elif config.mode == "last_k":
             names, note = last_k_parameter_names(model, config.last_k)
             notes += [note] if note else []
@@ -295,60 +351,141 @@ def recover(
     for note in notes if is_main_process() else ():
         logger.info(note)
     with scratch_dir:
-        trainer = _distillation_trainer_class()(
-            model=trained_model, args=arguments, train_dataset=_Rows(train_rows), healing_loss=healing_loss
-        )
         if teacher_model is not None:
             teacher_model.to(arguments.device)
-        gate = None
-        if heldout:
-            from .gate import HeldOutGate
-
-            gate = HeldOutGate(
-                trained_model,
-                healing_loss,
-                heldout,
-                config.eval_every,
-                config.patience,
-                config.per_device_train_batch_size,
-            )
-            trainer.add_callback(gate)
-        result = trainer.train()
-        history = [entry for entry in trainer.state.log_history if "loss" in entry]
-        decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
+        if local_loss is None:
+            phase = _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
+            phases = [phase]
+        else:
+            # The gate scores the global distillation objective, not the local one: the local loss is a proxy
+            # (each span on the teacher's input), and what must never get worse is the model's own output.
+            trained_model.to(arguments.device)
+            local_before = _score(trained_model, local_loss, heldout, config)
+            phases = [_train_phase(trained_model, arguments, train_rows, heldout, local_loss, healing_loss, config)]
+            local_after = _score(trained_model, local_loss, heldout, config)
+            if global_steps:
+                arguments.max_steps = global_steps
+                phases.append(
+                    _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
+                )
     if lora is not None:
         trained_model = trained_model.merge_and_unload()
     else:
         for name, parameter in trained_model.named_parameters():
             parameter.requires_grad_(flags[name])
     trained_model.eval()
+    first, last = phases[0], phases[-1]
+    steps = sum(p.steps for p in phases)
     log = {
         "mode": config.mode,
         "teacher": teacher_name,
-        "loss": "lm" if teacher_model is None else "distillation",
+        "loss": "lm" if teacher_model is None else ("local" if local_loss is not None else "distillation"),
         "temperature": config.temperature if teacher_model is not None else None,
         "kd_alpha": config.kd_alpha if teacher_model is not None else None,
         "hidden_weight": config.hidden_weight,
         "data_kind": kind,
         "rows": len(train_rows),
         "seqlen": config.seqlen,
-        "steps": result.global_step,
+        "steps": steps,
         "processes": arguments.world_size,
-        "tokens_trained": result.global_step * config.tokens_per_step() * replicas,
-        "train_loss": result.training_loss,
-        "loss_history": history,
+        "tokens_trained": steps * config.tokens_per_step() * replicas,
+        "train_loss": first.result.training_loss,
+        "loss_history": first.history,
         "learning_rate": config.learning_rate,
-        "train_seconds": result.metrics.get("train_runtime"),
-        "gate": decision,
-        **(gate.summary() if gate is not None else {}),
+        "train_seconds": sum(p.result.metrics.get("train_runtime") or 0.0 for p in phases),
+        "gate": _combined_decision([p.decision for p in phases]),
+        **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
     }
+    if local_loss is not None:
+        log["local"] = {
+            "spans": [{"block": s.block, "original_layers": [s.start, s.end - 1]} for s in spans],
+            "trained": "every parameter of each span's student block",
+            "gate_objective": "distillation (global)",
+            **({"heldout_local_before": local_before, "heldout_local_after": local_after} if heldout else {}),
+        }
+        if len(phases) > 1:
+            log["global_phase"] = {
+                "loss": "distillation",
+                "steps": last.steps,
+                "tokens_trained": last.steps * config.tokens_per_step() * replicas,
+                "train_loss": last.result.training_loss,
+                "loss_history": last.history,
+                "train_seconds": last.result.metrics.get("train_runtime"),
+                "gate": last.decision,
+                **(last.gate.summary() if last.gate is not None else {}),
+            }
+            if last.gate is not None:
+                log["heldout_after"] = last.gate.best
     if lora is not None:
         log["lora"] = {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(lora.target_modules)}
-    if gate is not None and is_main_process():
-        before, after = gate.start["objective"], gate.best["objective"]
-        logger.info("gate: %s (held-out objective %.4f -> %.4f)", decision, before, after)
+    if first.gate is not None and is_main_process():
+        before, after = first.gate.start["objective"], log["heldout_after"]["objective"]
+        logger.info("gate: %s (held-out objective %.4f -> %.4f)", log["gate"], before, after)
     return trained_model, log
+
+
+_LOCAL_NEEDS_TEACHER = (
+    "mode='local' trains each changed span towards the teacher's states, and no teacher was given (or the report "
+    "names none); give teacher=... (the dense model), or pick mode 'changed', 'last_k', 'full' or 'lora'."
+)
+
+
+@dataclasses.dataclass
+class _Phase:
+    """One Trainer run of `recover`: its result, loss log, gate and the gate's decision."""
+
+    result: Any
+    history: list[dict[str, Any]]
+    gate: Any
+    decision: str
+
+    @property
+    def steps(self) -> int:
+        return int(self.result.global_step)
+
+
+def _train_phase(
+    model: nn.Module,
+    arguments: Any,
+    rows: list[dict[str, torch.Tensor]],
+    heldout: list[dict[str, torch.Tensor]],
+    loss: Objective,
+    gate_loss: Objective,
+    config: RecoveryConfig,
+) -> _Phase:
+    """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored."""
+    trainer = _distillation_trainer_class()(model=model, args=arguments, train_dataset=_Rows(rows), healing_loss=loss)
+    gate = None
+    if heldout:
+        from .gate import HeldOutGate
+
+        gate = HeldOutGate(
+            model, gate_loss, heldout, config.eval_every, config.patience, config.per_device_train_batch_size
+        )
+        trainer.add_callback(gate)
+    result = trainer.train()
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
+    return _Phase(result, history, gate, decision)
+
+
+def _combined_decision(decisions: list[str]) -> str:
+    """The gate's decision over the phases: the input weights are kept only when every phase kept its input."""
+    from .gate import IMPROVED, KEPT_INPUT
+
+    if all(d == KEPT_INPUT for d in decisions):
+        return KEPT_INPUT
+    return IMPROVED if any(d == IMPROVED for d in decisions) else decisions[-1]
+
+
+def _score(model: nn.Module, loss: Objective, rows: list[dict[str, torch.Tensor]], config: RecoveryConfig) -> float:
+    """The held-out value of `loss` (0 rows: nan), for the log."""
+    from .gate import score_rows
+
+    if not rows:
+        return float("nan")
+    return score_rows(model, loss, rows, config.per_device_train_batch_size)["objective"]
 
 
 def _wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:
