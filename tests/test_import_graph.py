@@ -46,7 +46,7 @@ LAYERS = [
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: (importing module, imported part): lazy imports that go up on purpose.
-ALLOWED_UPWARD = {("compression/registry.py", "methods"), ("methods/__init__.py", "methods.layer_collapse")}
+ALLOWED_UPWARD = {("methods/__init__.py", "methods.layer_collapse")}
 #: The packages of methods that sit in their own layer (above the generic export they write checkpoints with).
 METHOD_PACKAGES = {"layer_collapse"}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ..utils.errors import UnknownMethodError, UnsupportedArchitectureError, did_you_mean
@@ -62,6 +63,14 @@ def get_config_class(name: str) -> type:
     return get_method_class(name).config_class
 
 
+def load_builtin_methods() -> None:
+    """Imports every built-in method's module by name (``optimum_flatten.methods.<name>``, the module each one
+    registers from), as transformers' auto classes load a model family on first use: the registry names no code of
+    the methods package, which sits above it."""
+    for module in BUILTIN_OPTIONS:
+        importlib.import_module(f"optimum_flatten.methods.{module}")
+
+
 def get_method_class(name: str) -> type:
     """The method class registered under `name`.
 
@@ -69,9 +78,7 @@ def get_method_class(name: str) -> type:
         UnknownMethodError: listing the registered names, with a did-you-mean hint.
     """
     if name in BUILTIN_OPTIONS and name not in _METHODS:
-        from ..methods import _load_builtin_methods
-
-        _load_builtin_methods()
+        load_builtin_methods()
     names = registered_methods()
     if name not in _METHODS:
         raise UnknownMethodError(

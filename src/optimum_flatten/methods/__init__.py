@@ -3,26 +3,7 @@ LaCo and the merge search Sliding-Window Merging reuses, LayerCollapse), each re
 
 from __future__ import annotations
 
-
-def _load_builtin_methods() -> None:
-    """Imports the built-in method modules once (explicit list, no package scanning)."""
-    from . import (  # noqa: F401
-        auto,
-        come,
-        ffn_merge,
-        flattengpt,
-        greedy_replace,
-        laco,
-        layer_collapse,
-        replaceme,
-        shortgpt,
-        sleb,
-        sliding_window,
-        uidl,
-    )
-
-
-from ..compression.registry import get_method_class, register_method, registered_methods  # noqa: E402
+from ..compression.registry import get_method_class, register_method, registered_methods
 
 __all__ = ["CompressionMethod", "MethodContext", "get_method_class", "register_method", "registered_methods"]
 
