@@ -195,7 +195,7 @@ def test_reconstruction_selection_finds_redundant_groups(monkeypatch, exhaustive
     """KV groups 2 and 3 duplicate groups 0 and 1: keeping one copy of each loses nothing, and the selection
     must find such a subset whether it searches exhaustively or by backward elimination."""
     from optimum_flatten.adapters import HeadGeometry
-    from optimum_flatten.methods.flattengpt import method as flattengpt
+    from optimum_flatten.methods.flattengpt import kv_groups as flattengpt
 
     if not exhaustive:
         monkeypatch.setattr(flattengpt, "MAX_EXHAUSTIVE_SUBSETS", 0)
@@ -312,7 +312,7 @@ def test_greedy_reconstruction_drops_what_one_refit_per_candidate_would(monkeypa
     """The greedy elimination scores each step's removals from one factorisation; it keeps the groups the plain
     elimination keeps, which refits every candidate subset on its own (`ridge_target_error`)."""
     from optimum_flatten.adapters import HeadGeometry
-    from optimum_flatten.methods.flattengpt import method as flattengpt
+    from optimum_flatten.methods.flattengpt import kv_groups as flattengpt
     from optimum_flatten.ops.ridge import ridge_reconstruction_error, ridge_target_error
 
     monkeypatch.setattr(flattengpt, "MAX_EXHAUSTIVE_SUBSETS", 0)
