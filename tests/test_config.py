@@ -54,7 +54,7 @@ def test_unknown_key_gets_did_you_mean():
 
 
 def test_unknown_method_lists_registered():
-    from optimum_flatten.compression.registry import registered_methods
+    from optimum_flatten.registry import registered_methods
 
     names = registered_methods()
     assert {"flattengpt", "shortgpt", "sleb", "laco", "sliding_window", "ffn_merge"} <= set(names)
@@ -141,7 +141,7 @@ def test_every_method_option_is_type_checked_from_its_hint_with_its_name():
     import dataclasses
     import typing
 
-    from optimum_flatten.compression.registry import get_method_class, registered_methods
+    from optimum_flatten.registry import get_method_class, registered_methods
 
     checked = 0
     for method in registered_methods():
@@ -174,7 +174,7 @@ def test_the_registry_declares_each_built_in_methods_own_options():
     each method must declare exactly the class the registry names, or the flags would describe other options."""
     import importlib
 
-    from optimum_flatten.compression.registry import BUILTIN_OPTIONS, get_method_class
+    from optimum_flatten.registry import BUILTIN_OPTIONS, get_method_class
 
     for name, where in BUILTIN_OPTIONS.items():
         module, _, attribute = where.partition(":")
@@ -187,7 +187,7 @@ def test_the_options_import_neither_torch_nor_transformers():
     import sys
 
     code = (
-        "import sys\nfrom optimum_flatten.compression.registry import BUILTIN_OPTIONS, get_config_class\n"
+        "import sys\nfrom optimum_flatten.registry import BUILTIN_OPTIONS, get_config_class\n"
         "[get_config_class(name) for name in BUILTIN_OPTIONS]\nimport optimum_flatten.options.recovery\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )

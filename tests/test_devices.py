@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 import tiny_models
 from common import compress, sample_ids, tiny_config
 from optimum_flatten.adapters import get_adapter
-from optimum_flatten.compression.registry import get_method_class, registered_methods
 from optimum_flatten.methods.layer_collapse import prepare_layer_collapse_, prepared_mlps
+from optimum_flatten.registry import get_method_class, registered_methods
 
 #: Options a method needs on the tiny calibration (8 samples of 24 tokens) beyond `num_layers_to_remove`.
 OPTIONS: dict[str, dict[str, Any]] = {

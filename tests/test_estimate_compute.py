@@ -24,10 +24,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import tiny_models
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
-from optimum_flatten.compression.registry import get_method_class
 from optimum_flatten.compression.workspace import WorkspaceSizes
 from optimum_flatten.estimate import estimate_checkpoint, estimate_memory
 from optimum_flatten.methods.flattengpt.compute import flattengpt_arithmetic
+from optimum_flatten.registry import get_method_class
 from optimum_flatten.roofline import DEVICES, device_from_options
 
 CALIBRATION = {"nsamples": 4, "seqlen": 32, "batch_size": 2}

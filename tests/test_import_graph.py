@@ -1,16 +1,18 @@
 """Imports point one way: each part of the package imports only the parts below it (static, over every module).
 
 Layers, lowest first (a module may import its own layer and those below):
-  utils, ops  <  registry of methods (compression/registry.py, a plugin table)  <  options (the torch-free declarations
-  of what can be asked)  <  config, bundled  <  calibration
-  <  adapters  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
+  utils, ops  <  plan, report, roofline  <  the registry of methods (registry.py at the package root, a plugin table)
+  <  options (the torch-free declarations of what can be asked)  <  config, bundled  <  calibration  <  adapters
+  <  corrections (linear bridges and compensation, applied at a cut on top of any method)  <  compression (what every
+  method builds on: the method protocol and its context, the memory and arithmetic vocabulary, the pipeline that runs
+  a method with its corrections)  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
   (methods/layer_collapse/, which writes its own checkpoints with the generic export)  <  quantizer  <  integration
   <  estimate  <  cli, package root. Only the command line imports the estimator
 (`test_only_the_cli_imports_the_estimator`), and nothing but the plugin list and the command line imports the
 LayerCollapse package (`test_nothing_outside_it_imports_the_layer_collapse_package`): export, recovery, adapters and
 the quantizer reach it through the method registry and the method hooks only.
-The method registry loads the built-in methods lazily (plugin discovery, like transformers' auto mappings); those
-upward imports, inside a function, are the only exceptions and are listed here by name.
+The method registry loads the built-in methods lazily by module name (plugin discovery, like transformers' auto
+mappings), so it imports nothing above it; the upward imports listed by name below are the only exceptions.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 LAYERS = [
     {"utils", "ops"},
     {"plan", "report", "roofline"},
-    {"compression.registry"},
+    {"registry"},
     {"options"},
     {"config", "bundled"},
     {"calibration"},
@@ -46,15 +48,13 @@ LAYERS = [
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: (importing module, imported part): lazy imports that go up on purpose.
-ALLOWED_UPWARD = {("methods/__init__.py", "methods.layer_collapse")}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 #: The packages of methods that sit in their own layer (above the generic export they write checkpoints with).
 METHOD_PACKAGES = {"layer_collapse"}
 
 
 def _part(parts: list[str]) -> str:
-    """The layer a module path belongs to (``compression/registry`` and each method package are their own layer)."""
-    if parts[:2] == ["compression", "registry"]:
-        return "compression.registry"
+    """The layer a module path belongs to (each method package is its own layer)."""
     if parts[:1] == ["methods"] and len(parts) > 1 and parts[1] in METHOD_PACKAGES:
         return f"methods.{parts[1]}"
     return parts[0] if parts else "__init__"

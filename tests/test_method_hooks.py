@@ -23,7 +23,6 @@ from optimum_flatten import FlattenConfig
 from optimum_flatten.adapters import get_adapter
 from optimum_flatten.cli.main import report_warnings
 from optimum_flatten.compression.method import CardSection, CheckpointWriter, CompressionMethod, LayerMatrixFigure
-from optimum_flatten.compression.registry import get_method_class, registered_methods
 from optimum_flatten.export.checkpoint import (
     REPORT_NAME,
     is_checkpoint_file,
@@ -41,6 +40,7 @@ from optimum_flatten.methods.layer_collapse import (
 from optimum_flatten.methods.shortgpt import ShortGPTMethod
 from optimum_flatten.methods.sleb import SLEBMethod
 from optimum_flatten.quantizer import FlattenQuantizer
+from optimum_flatten.registry import get_method_class, registered_methods
 from optimum_flatten.report import CompressionReport, core_fields
 from optimum_flatten.utils.errors import InvalidTargetError
 

@@ -27,10 +27,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .adapters.registry import get_adapter, register_adapter
-    from .compression.registry import register_method
     from .config import CalibrationConfig, FlattenConfig
     from .plan import LayerPlan
     from .quantizer import FlattenQuantizer
+    from .registry import register_method
 
 
 def __getattr__(name: str) -> Any:
@@ -38,11 +38,11 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'optimum_flatten' has no attribute {name!r}")
     from . import adapters as _adapters  # noqa: F401  (registers the built-in adapters)
     from .adapters.registry import get_adapter, register_adapter
-    from .compression.registry import register_method
     from .config import CalibrationConfig, FlattenConfig
     from .integration import register as _register_with_transformers
     from .plan import LayerPlan
     from .quantizer import FlattenQuantizer
+    from .registry import register_method
 
     _register_with_transformers()
     names = {

@@ -76,7 +76,7 @@ class FlattenConfig(QuantizationConfigMixin):
         heal: int | Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        from .compression.registry import get_method_class
+        from .registry import get_method_class
 
         self.quant_method = "flatten"
         if quant_method != "flatten":

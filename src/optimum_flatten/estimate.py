@@ -55,8 +55,8 @@ from .adapters.base import ArchitectureAdapter
 from .compression.compute import ComputeModel
 from .compression.method import CompressionMethod
 from .compression.pipeline import Corrections, preflight
-from .compression.registry import get_method_class, registered_methods, require_capabilities
 from .compression.workspace import Phase, Term, WorkspaceSizes
+from .registry import get_method_class, registered_methods, require_capabilities
 from .roofline import DeviceSpec, TimePrediction, predict
 from .utils import flops
 from .utils.loading import model_class_for, one_line, resolve_model_source

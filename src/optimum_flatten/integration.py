@@ -21,9 +21,9 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 
 from .adapters import get_adapter
-from .compression.registry import get_method_class
 from .config import FlattenConfig
 from .plan import LayerPlan
+from .registry import get_method_class
 
 logger = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from .calibration.distributed import all_reduce_sums, is_writer, process_group, 
 from .compression import pipeline
 from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
-from .compression.registry import get_method_class, registered_methods, require_capabilities
 from .config import FlattenConfig
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .plan import LayerPlan
+from .registry import get_method_class, registered_methods, require_capabilities
 from .report import CompressionReport
 from .utils import flops
 from .utils.fingerprint import weights_fingerprint

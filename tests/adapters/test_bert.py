@@ -18,9 +18,9 @@ from common import assert_close, compress, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.adapters.bert import BertAdapter
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner, build_calibration_batches
-from optimum_flatten.compression.registry import require_capabilities
 from optimum_flatten.config import CalibrationConfig
 from optimum_flatten.ops import MERGE_RULES
+from optimum_flatten.registry import require_capabilities
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 from tests.adapters.test_conformance import AdapterConformance
 

@@ -12,8 +12,8 @@ from common import assert_close, greedy_generate_both_ways, logits, sample_ids, 
 from optimum_flatten import get_adapter
 from optimum_flatten.adapters import registered_adapters
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner
-from optimum_flatten.compression.registry import require_capabilities
 from optimum_flatten.methods.flattengpt import fold_block_norms_
+from optimum_flatten.registry import require_capabilities
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 
 

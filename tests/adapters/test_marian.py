@@ -499,7 +499,7 @@ def test_capabilities_are_honest(model):
     """Concatenation itself is refused (with the reason) by the conformance base; here what the refusal offers."""
     adapter = get_adapter(model)
     assert "pre_norm" not in adapter.capabilities and "concat_heads" not in adapter.capabilities
-    from optimum_flatten.compression.registry import methods_for
+    from optimum_flatten.registry import methods_for
 
     assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(methods_for(adapter.capabilities))
     assert "flattengpt" not in methods_for(adapter.capabilities)

@@ -479,7 +479,7 @@ def test_options_that_mean_different_things_per_method_are_refused_unqualified(a
 
 def test_only_options_declared_differently_are_namespaced():
     from optimum_flatten.cli.options import namespaced_options
-    from optimum_flatten.compression.registry import registered_methods
+    from optimum_flatten.registry import registered_methods
 
     assert namespaced_options(registered_methods()) == {"selection", "threshold"}
 

@@ -51,7 +51,7 @@ def test_auto_applies_the_candidate_with_the_lowest_held_out_loss_and_reports_ev
     # The same fitting tokens: the fitting batches' texts are not recoverable, so run the pipeline on them directly.
     from optimum_flatten.compression.method import MethodContext
     from optimum_flatten.compression.pipeline import Corrections, plan_and_apply_
-    from optimum_flatten.compression.registry import get_method_class
+    from optimum_flatten.registry import get_method_class
 
     method_class = get_method_class(name)
     plan_and_apply_(

@@ -29,7 +29,7 @@ def stock_model_type(config: Any) -> str | None:
 def adopt_remote_code_(model: nn.Module) -> None:
     """Lets every registered method put back what its remote-code checkpoint stored in the file's own modules
     (`CompressionMethod.adopt_reloaded_`); each method ignores a model that is not its own."""
-    from ..compression.registry import get_method_class, registered_methods
+    from ..registry import get_method_class, registered_methods
 
     for name in registered_methods():
         get_method_class(name).adopt_reloaded_(model)

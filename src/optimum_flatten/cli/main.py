@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
-from ..compression.registry import get_config_class, registered_methods
+from ..registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
 from .demo import cmd_demo

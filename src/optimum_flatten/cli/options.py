@@ -13,10 +13,10 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..compression.registry import get_config_class, registered_methods
 from ..options import CalibrationConfig, option_converter
 from ..options.recovery import parse_heal
 from ..options.request import RequestOptions
+from ..registry import get_config_class, registered_methods
 
 #: Fields of the calibration config: flags every method takes.
 _CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationConfig))

@@ -295,7 +295,7 @@ class CompressionMethod(ABC):
 
 def _multi_stack_hint() -> str:
     """`` (NAME also takes OPTION)`` for every registered method that can change several stacks, else ``""``."""
-    from .registry import get_method_class, registered_methods
+    from ..registry import get_method_class, registered_methods
 
     hints = [
         f"{name} also takes {option}"

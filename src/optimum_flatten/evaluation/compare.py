@@ -152,7 +152,7 @@ def _load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device
 def _layer_figures(report: dict[str, Any]) -> list[Any]:
     """The layer x layer figures the report's method draws from it (`CardSection.figures`); none for a report of a
     method this version does not know."""
-    from ..compression.registry import get_method_class
+    from ..registry import get_method_class
     from ..utils.errors import UnknownMethodError
 
     try:

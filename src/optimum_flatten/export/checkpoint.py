@@ -89,7 +89,7 @@ def is_checkpoint_file(name: str) -> bool:
 
 def method_checkpoint_files() -> tuple[str, ...]:
     """The file patterns registered methods' writers add to a checkpoint (e.g. remote modelling code)."""
-    from ..compression.registry import get_method_class, registered_methods
+    from ..registry import get_method_class, registered_methods
 
     return tuple(pattern for name in registered_methods() for pattern in get_method_class(name).checkpoint_files)
 
@@ -281,7 +281,7 @@ def method_checkpoint_writer(model: nn.Module) -> CheckpointWriter | None:
     Raises:
         RuntimeError: more than one method claims the model.
     """
-    from ..compression.registry import get_method_class, registered_methods
+    from ..registry import get_method_class, registered_methods
 
     claims = {name: get_method_class(name).checkpoint_writer(model) for name in registered_methods()}
     claims = {name: claim for name, claim in claims.items() if claim is not None}

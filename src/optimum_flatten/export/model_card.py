@@ -200,7 +200,7 @@ def method_sections(report: dict[str, Any]) -> list[CardSection]:
     method's writer after another method compressed it); each answers only from the entries it writes, so the card
     names no method. A report of a method this version does not know gets the others' sections only.
     """
-    from ..compression.registry import get_method_class, registered_methods
+    from ..registry import get_method_class, registered_methods
 
     own = str(report.get("method"))
     names = sorted(registered_methods(), key=lambda name: name != own)

@@ -3,7 +3,7 @@ LaCo and the merge search Sliding-Window Merging reuses, LayerCollapse), each re
 
 from __future__ import annotations
 
-from ..compression.registry import get_method_class, register_method, registered_methods
+from ..registry import get_method_class, register_method, registered_methods
 
 __all__ = ["CompressionMethod", "MethodContext", "get_method_class", "register_method", "registered_methods"]
 

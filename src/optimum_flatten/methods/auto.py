@@ -27,9 +27,9 @@ from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
 from ..compression.method import CompressionMethod, MethodContext
 from ..compression.pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
-from ..compression.registry import register_method, require_capabilities
 from ..options.methods.auto import AutoConfig, Candidate
 from ..plan import LayerPlan
+from ..registry import register_method, require_capabilities
 from ..utils.errors import UnsupportedArchitectureError
 
 

@@ -34,7 +34,6 @@ from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import capture_module_inputs
 from ..calibration.states import CalibratedStates
 from ..compression.method import CompressionMethod, MethodContext
-from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..ops import kv_group_scores, top_k_indices
 from ..ops.channel_sensitivity import (
@@ -45,6 +44,7 @@ from ..ops.channel_sensitivity import (
 )
 from ..options.methods.come import CoMeConfig
 from ..plan import LayerPlan
+from ..registry import register_method
 from ..utils.offload import detached_copy, dispatch_like
 from .flattengpt import fold_block_norms_
 

@@ -33,11 +33,11 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import mean_angle, next_token_nll
 from ..compression.method import CompressionMethod, MethodContext
-from ..compression.registry import register_method, require_capabilities
 from ..corrections.linear_bridge import fit_with_outputs, fold_into_down_, require_pre_norm
 from ..ops.linear_map import fold_map_into_linear
 from ..options.methods.greedy_replace import GreedyReplaceConfig
 from ..plan import LayerPlan
+from ..registry import register_method, require_capabilities
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, dispatch_like
 from ..utils.torch_utils import count_parameters

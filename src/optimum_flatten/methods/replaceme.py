@@ -23,13 +23,13 @@ from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import next_token_nll
 from ..compression.compute import ComputeModel, Tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
-from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..corrections.compensation import require_compensable
 from ..corrections.linear_bridge import LEAST_SQUARES_ESTIMATORS, bridged_apply_, fit_with_outputs, require_pre_norm
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
+from ..registry import register_method
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters

@@ -19,12 +19,12 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
-from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 from ..corrections.compensation import magnitude_ratio
 from ..ops import top_k_indices
 from ..options.methods.shortgpt import ShortGPTConfig
 from ..plan import LayerPlan
+from ..registry import register_method
 
 
 def block_influence(adapter: ArchitectureAdapter, context: MethodContext) -> torch.Tensor:

@@ -33,10 +33,10 @@ from ..calibration.states import (
     next_token_pairs,
 )
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
-from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..options.methods.sleb import SLEBConfig
 from ..plan import LayerPlan
+from ..registry import register_method
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
 

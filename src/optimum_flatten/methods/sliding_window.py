@@ -14,8 +14,8 @@ only with ``merge_rule="reference_code"``.
 
 from __future__ import annotations
 
-from ..compression.registry import register_method
 from ..options.methods.sliding_window import SlidingWindowConfig
+from ..registry import register_method
 from .laco import (
     Group,
     ParameterMergeMethod,

@@ -15,10 +15,10 @@ from typing import Any
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
-from ..compression.registry import register_method
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 from ..options.methods.uidl import BlockSelectionConfig
 from ..plan import LayerPlan
+from ..registry import register_method
 from ..utils.errors import InvalidTargetError
 
 

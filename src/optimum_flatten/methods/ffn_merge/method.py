@@ -35,9 +35,9 @@ from ...calibration.states import (
     cosine_rows,
 )
 from ...compression.method import CardSection, CompressionMethod, MethodContext
-from ...compression.registry import register_method
 from ...options.methods.ffn_merge import FfnMergeConfig
 from ...plan import LayerPlan
+from ...registry import register_method
 from ...utils.offload import is_offloaded
 from .footprint import parameter_footprint, parameters_text
 from .scoring import Resume, WindowScorer, merged_mlp

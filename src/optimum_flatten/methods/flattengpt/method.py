@@ -25,7 +25,6 @@ from ...calibration.partial import run_to_input
 from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ...compression.compute import ComputeModel
 from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
-from ...compression.registry import register_method
 from ...compression.workspace import WorkspaceModel, WorkspaceSizes
 from ...ops import (
     accumulate_head_importance,
@@ -49,6 +48,7 @@ from ...ops.ridge import (
 )
 from ...options.methods.flattengpt import FlattenGPTConfig
 from ...plan import LayerPlan
+from ...registry import register_method
 from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device

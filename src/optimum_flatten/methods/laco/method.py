@@ -9,8 +9,8 @@ down by `interval`, otherwise by one layer. It stops when the requested number o
 
 from __future__ import annotations
 
-from ...compression.registry import register_method
 from ...options.methods.laco import LaCoConfig
+from ...registry import register_method
 from .search import (
     Group,
     ParameterMergeMethod,

@@ -27,9 +27,9 @@ from ...adapters.views import BlockView
 from ...calibration.capture import LayerwiseRunner, capture_module_inputs
 from ...calibration.data import CalibrationBatch
 from ...compression.method import CardSection, CheckpointWriter, CompressionMethod, MethodContext
-from ...compression.registry import register_method
 from ...ops.linear_collapse import BatchNormStats, collapse_error, collapse_error_bound, collapse_linear_pair
 from ...plan import LayerPlan
+from ...registry import register_method
 from ...utils.errors import NotCollapsibleError
 from ...utils.torch_utils import count_parameters
 from .activation import ParametricActivation

@@ -66,7 +66,7 @@ class AutoConfig(MethodConfig):
         for text in str(self.candidates).split():
             head, _, correction = text.partition("+")
             name, _, option_text = head.partition(":")
-            from ...compression.registry import get_method_class
+            from ...registry import get_method_class
 
             method_class = get_method_class(name)  # raises UnknownMethodError with a did-you-mean
             if name == "auto":
@@ -103,7 +103,7 @@ class Candidate:
 
     def build(self) -> Any:
         """The candidate's `CompressionMethod` (the options layer names no method class: it sits below them)."""
-        from ...compression.registry import get_method_class
+        from ...registry import get_method_class
 
         method_class = get_method_class(self.name)
         return method_class(method_class.config_class(**self.options))

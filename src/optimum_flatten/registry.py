@@ -1,11 +1,11 @@
-"""Method registry: ``@register_method("name")`` in the method's file plus one import in methods/__init__.py."""
+"""The method registry: ``@register_method("name")`` in the method's file plus one import in methods/__init__.py."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-from ..utils.errors import UnknownMethodError, UnsupportedArchitectureError, did_you_mean
+from .utils.errors import UnknownMethodError, UnsupportedArchitectureError, did_you_mean
 
 _METHODS: dict[str, type] = {}
 
