@@ -14,6 +14,7 @@ from ...calibration.capture import LayerwiseRunner
 from ...calibration.distributed import all_reduce_, all_reduce_sums
 from ...compression.method import MethodContext
 from ...options.methods.flattengpt import FlattenGPTConfig
+from .workspace import band_size
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +74,18 @@ def similarity_matrix(
 
 
 def similarity_band(runner: LayerwiseRunner, num_layers: int, config: FlattenGPTConfig) -> int:
-    """Full matrix if it fits the memory budget, else the narrowest band the greedy selection needs."""
-    # Every rank's share under a sharded calibration: the ranks must choose one band, the one of one process.
+    """`workspace.band_size` at this calibration's states (every rank's share under a sharded calibration: the ranks
+    must choose one band, the one of one process)."""
     (copy_bytes,) = all_reduce_sums(sum(h.numel() * 4 for h in runner.inputs))
-    fits = max(1, int(config.similarity_memory_gb * 2**30 // max(copy_bytes, 1)))
-    if fits >= num_layers:
-        return num_layers
-    # Bounded groups need exactly max_group_size - 1 predecessors; unlimited ones get as many as fit (longer
-    # chains then cannot be judged and are not formed).
-    band = fits if config.max_group_size is None else config.max_group_size - 1
-    logger.info(
-        "similarity: %d copies of the calibration states exceed %.1f GB; comparing each layer with its %d "
-        "predecessor(s) only",
-        num_layers,
-        config.similarity_memory_gb,
-        band,
-    )
+    band = band_size(int(copy_bytes), num_layers, config)
+    if band < num_layers:
+        logger.info(
+            "similarity: %d copies of the calibration states exceed %.1f GB; comparing each layer with its %d "
+            "predecessor(s) only",
+            num_layers,
+            config.similarity_memory_gb,
+            band,
+        )
     return band
 
 

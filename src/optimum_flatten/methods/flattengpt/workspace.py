@@ -462,9 +462,18 @@ def _loss_selection_phase(
     )
 
 
-def _auto_band(z: WorkspaceSizes, config: Any, num_layers: int) -> int:
-    """`FlattenGPTMethod._auto_band`: every layer when L float32 copies fit the budget, else the narrowest band."""
-    fits = max(1, int(config.similarity_memory_gb * 2**30 // max(z.S32, 1)))
+def band_size(copy_bytes: int, num_layers: int, config: Any) -> int:
+    """How many layers back the similarity pass compares each layer with: every layer when `num_layers` float32
+    copies of the calibration states (`copy_bytes` each) fit `similarity_memory_gb`, else the narrowest band the
+    greedy selection needs (bounded groups need exactly max_group_size - 1 predecessors; unlimited ones get as many
+    as fit, and longer chains are then not formed). One rule for the pass (`similarity.similarity_band`) and for its
+    memory and arithmetic models."""
+    fits = max(1, int(config.similarity_memory_gb * 2**30 // max(copy_bytes, 1)))
     if fits >= num_layers:
         return num_layers
     return fits if config.max_group_size is None else config.max_group_size - 1
+
+
+def _auto_band(z: WorkspaceSizes, config: Any, num_layers: int) -> int:
+    """`band_size` at the estimate's sizes (one float32 copy of the calibration states is ``z.S32`` bytes)."""
+    return band_size(z.S32, num_layers, config)
