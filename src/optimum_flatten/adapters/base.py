@@ -17,14 +17,13 @@ from torch import nn
 
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, onloaded
-from .checks import check_cached_forward
 from .layout import AttentionLayout, BlockLayout
 from .per_layer import (
     check_groups_share_layer_kind,
-    per_layer_problems,
     rewrite_per_layer_config_,
     stack_config,
 )
+from .validation import AdapterValidation
 from .views import (
     _STORAGE,
     AttentionView,
@@ -61,7 +60,7 @@ PRE_NORM_CAPABILITIES = frozenset(
 )
 
 
-class ArchitectureAdapter(ABC):
+class ArchitectureAdapter(AdapterValidation, ABC):
     """Base class of the per-family adapters, bound to one model instance.
 
     A family declares its `model_types`, the `capabilities` methods may require (e.g. ``{"head_geometry",
@@ -330,18 +329,6 @@ class ArchitectureAdapter(ABC):
     def _set_layers(self, stack: str, layers: nn.ModuleList) -> None:
         _set_attribute(self._root(stack), self.layout(stack).layers, layers)
 
-    def _mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
-        """What `validate` reports about the block's MLP, or None: an MLP stored as one map (`MlpView.is_single_map`)
-        must be hidden -> hidden, any other must have the config's width (`width`, named `width_name`)."""
-        up = block.mlp.up
-        if block.mlp.is_single_map:
-            if up.out_features != up.in_features:
-                return f"layer {block.index} has a single-map MLP of shape ({up.out_features}, {up.in_features})"
-            return None
-        if block.mlp.intermediate_size != width:
-            return f"layer {block.index} has MLP width {block.mlp.intermediate_size} ({width_name}={width})"
-        return None
-
     def detached_block(self, stack: str, index: int) -> BlockView:
         """A view of an in-memory, hook-free copy of layer `index` (its weights onloaded once if offloaded).
 
@@ -533,71 +520,6 @@ class ArchitectureAdapter(ABC):
         config = self.stack_config(stack)
         num_layers = getattr(config, self.layout(stack).layer_count_key)
         check_groups_share_layer_kind(config, num_layers, groups)
-
-    def layer_count_problems(self, stack: str | None = None) -> list[str]:
-        """What `validate` reports when the config's layer count (or a per-layer field) disagrees with the stack."""
-        layout = self.layout(stack)
-        count, config = len(self.layers(layout.stack)), self.stack_config(stack)
-        what = f"{layout.stack} layers" if len(self.layouts) > 1 else "layers"
-        problems = []
-        declared = getattr(config, layout.layer_count_key)
-        if declared != count:
-            problems.append(f"config.{self._key_name(layout.layer_count_key)}={declared} but {count} {what}")
-        return problems + per_layer_problems(config, count)
-
-    def expected_mlp_width(self, stack: str | None = None) -> int:
-        """The MLP width the config describes for `stack` (`MlpLayout.width_key`)."""
-        return getattr(self.stack_config(stack), self.layout(stack).mlp.width_key)
-
-    def block_problems(self, stack: str, index: int, module: nn.Module) -> list[str]:
-        """What `validate` reports about one block: layer index, head counts, size attributes and MLP width against
-        the config (a fused q/k/v map in the middle of a resize is reported alone)."""
-        layout = self.layout(stack)
-        several = len(self.layouts) > 1
-        where = f"{stack} layer {index}" if several else f"layer {index}"
-        view = self.block_view(module, index)
-        problems = []
-        for att, att_view in zip(layout.attentions(), (view.attention, view.cross_attention), strict=False):
-            label = f"{where} {att.path}" if several else where
-            q = att_view.q
-            if isinstance(q, PackedPartView) and not q.parts_in_step():
-                return [f"{label} {att.fused_qkv} holds unequal q/k/v parts {list(q.part_sizes())}"]
-            if att.layer_idx is not None and (value := _attribute(att_view.module, att.layer_idx)) != index:
-                problems.append(f"{label} has layer_idx {value}")
-            g = att_view.geometry
-            config = self.stack_config(stack)  # a composite model's text_config holds the stack's keys
-            heads = getattr(config, att.heads_key)
-            kv_heads = (getattr(config, att.kv_heads_key, None) if att.kv_heads_key else None) or heads
-            if (g.num_heads, g.num_kv_heads) != (heads, kv_heads):
-                problems.append(
-                    f"{label} has {g.num_heads} heads of {g.head_dim} / {g.num_kv_heads} KV heads "
-                    f"({self._key_name(att.heads_key)}={heads})"
-                )
-        up = view.mlp.up
-        if isinstance(up, PackedPartView) and not up.parts_in_step():
-            return [f"{where} {layout.mlp.fused_gate_up} holds unequal gate/up parts {list(up.part_sizes())}"]
-        for owner, attr, expected in self._size_attributes(module):
-            if (value := _attribute(owner, attr)) != expected:
-                problems.append(f"{where} {type(owner).__name__}.{attr}={value} but its weights give {expected}")
-        if problem := self._mlp_width_problem(view, self.expected_mlp_width(stack), layout.mlp.width_key):
-            problems.append(f"{stack} {problem}" if several else problem)
-        return problems
-
-    def validate(self) -> None:
-        """Checks that the config agrees with the modules of every stack, then runs `check_forward`."""
-        problems = []
-        for stack in self.stacks():
-            problems += self.layer_count_problems(stack)
-            for i, layer in enumerate(self.layers(stack)):
-                problems += self.block_problems(stack, i, layer)
-        if problems:
-            raise ValueError("compressed model is inconsistent with its config: " + "; ".join(problems))
-        self.check_forward()
-
-    def check_forward(self) -> None:
-        """A tiny forward that would fail on what the config checks cannot see (the default: cached decoding must
-        match uncached decoding, which catches a wrong cache index); encoders check shapes instead."""
-        check_cached_forward(self.model)
 
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The block parameters a parameter merge combines (attention and MLP), by state-dict name.
