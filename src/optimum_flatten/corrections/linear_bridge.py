@@ -114,6 +114,26 @@ def capture_mlp(block: Any, on_batch: Any, read: Literal["output", "down_input"]
             handle.remove()
 
 
+def run_capturing_mlp(
+    block: Any,
+    runner: Any,
+    module: torch.nn.Module,
+    position: int,
+    inputs: Sequence[torch.Tensor],
+    on_batch: Any,
+    read: Literal["output", "down_input"] = "output",
+) -> None:
+    """Runs `module` at `position` over every calibration batch with `capture_mlp` open, calling
+    ``on_batch(b, x, y)`` with the batch index: the one walk every least-squares fit makes."""
+    state = {"batch": 0}
+
+    def add(x: torch.Tensor, y: torch.Tensor) -> None:
+        on_batch(state["batch"], x, y)
+
+    with capture_mlp(block, add, read=read):
+        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+
+
 @torch.no_grad()
 def fit_and_fold_(
     adapter: ArchitectureAdapter,
@@ -268,31 +288,30 @@ def _fit_one(
 ) -> dict[str, Any]:
     module = adapter.layers(stack)[k]
     block = adapter.block_view(module, k)
-    state = {"batch": 0}
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
         fit = BridgeFit(block.mlp.down, options, runner.num_batches, inputs[0].device)
-
-        def add(x: torch.Tensor, y: torch.Tensor) -> None:
-            b = state["batch"]
-            fit.add(b, x, y, target[b], runner.masks[b])
-
-        with capture_mlp(block, add, read=fit.read):
-            runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+        run_capturing_mlp(
+            block,
+            runner,
+            module,
+            position,
+            inputs,
+            lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
+            read=fit.read,
+        )
         return fit.fold_(adapter, stack, k)
     dim = block.mlp.down.out_features
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
     ls: list[torch.Tensor] = []
 
-    def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
-        b = state["batch"]
+    def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
         keep = runner.masks[b].reshape(-1).to(m.device).bool()
         ms.append(m.reshape(-1, dim)[keep].float().cpu())
         ys.append(y.reshape(-1, dim)[keep].float().cpu())
         ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
 
-    with capture_mlp(block, on_batch):
-        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    run_capturing_mlp(block, runner, module, position, inputs, on_batch)
     fit_result = fit_cosine(
         ms,
         ys,
@@ -328,16 +347,13 @@ def fit_least_squares(
     T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1.
     """
     stats = LinearMapStatistics(block.mlp.down.out_features, device=inputs[0].device, with_gain=with_gain)
-    state = {"batch": 0}
 
-    def on_batch(m: torch.Tensor, y: torch.Tensor) -> None:
-        b = state["batch"]
+    def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
         stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
         if on_capture is not None:
             on_capture(b, m, y)
 
-    with capture_mlp(block, on_batch):
-        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    run_capturing_mlp(block, runner, module, position, inputs, on_batch)
     if with_gain:
         transform, gain, info = solve_least_squares_with_gain(stats)
         return transform, gain, info, stats.count
@@ -370,14 +386,15 @@ def refit_down_(
     fitting and the held-out batches apart.
     """
     fit = BridgeFit(block.mlp.down, BridgeOptions("lstsq_down", down_ridge=ridge), runner.num_batches, inputs[0].device)
-    state = {"batch": 0}
-
-    def add(a: torch.Tensor, y: torch.Tensor) -> None:
-        b = state["batch"]
-        fit.add(b, a, y, target[b], runner.masks[b])
-
-    with capture_mlp(block, add, read="down_input"):
-        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
+    run_capturing_mlp(
+        block,
+        runner,
+        module,
+        position,
+        inputs,
+        lambda b, a, y: fit.add(b, a, y, target[b], runner.masks[b]),
+        read="down_input",
+    )
     return fit.fold_(adapter, stack, k)
 
 
