@@ -134,6 +134,33 @@ def run_capturing_mlp(
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
 
 
+def least_squares_fold_(
+    adapter: ArchitectureAdapter,
+    stack: str,
+    k: int,
+    block: Any,
+    runner: Any,
+    module: torch.nn.Module,
+    position: int,
+    inputs: Sequence[torch.Tensor],
+    target: Sequence[torch.Tensor],
+    options: BridgeOptions,
+) -> dict[str, Any]:
+    """One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
+    into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike); returns the report entry."""
+    fit = BridgeFit(block.mlp.down, options, runner.num_batches, inputs[0].device)
+    run_capturing_mlp(
+        block,
+        runner,
+        module,
+        position,
+        inputs,
+        lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
+        read=fit.read,
+    )
+    return fit.fold_(adapter, stack, k)
+
+
 @torch.no_grad()
 def fit_and_fold_(
     adapter: ArchitectureAdapter,
@@ -289,17 +316,7 @@ def _fit_one(
     module = adapter.layers(stack)[k]
     block = adapter.block_view(module, k)
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
-        fit = BridgeFit(block.mlp.down, options, runner.num_batches, inputs[0].device)
-        run_capturing_mlp(
-            block,
-            runner,
-            module,
-            position,
-            inputs,
-            lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
-            read=fit.read,
-        )
-        return fit.fold_(adapter, stack, k)
+        return least_squares_fold_(adapter, stack, k, block, runner, module, position, inputs, target, options)
     dim = block.mlp.down.out_features
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
@@ -385,17 +402,8 @@ def refit_down_(
     the layer; ``AᵀA`` (intermediate², one more row and column for a bias) and ``Aᵀ(L − Y)`` in float64, for the
     fitting and the held-out batches apart.
     """
-    fit = BridgeFit(block.mlp.down, BridgeOptions("lstsq_down", down_ridge=ridge), runner.num_batches, inputs[0].device)
-    run_capturing_mlp(
-        block,
-        runner,
-        module,
-        position,
-        inputs,
-        lambda b, a, y: fit.add(b, a, y, target[b], runner.masks[b]),
-        read="down_input",
-    )
-    return fit.fold_(adapter, stack, k)
+    options = BridgeOptions("lstsq_down", down_ridge=ridge)
+    return least_squares_fold_(adapter, stack, k, block, runner, module, position, inputs, target, options)
 
 
 def _refit_down_from_(
