@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, compress, logits, sample_ids
+from common import assert_close, logits, sample_ids
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.distill import LossParts
 from optimum_flatten.recovery.gate import KEPT_INPUT, HeldOutGate
@@ -28,15 +28,6 @@ def _config(**overrides) -> RecoveryConfig:
         extra_training_args=QUIET,
     )
     return RecoveryConfig(**{**base, **overrides})
-
-
-@pytest.fixture(scope="module")
-def compressed():
-    """(dense teacher, FlattenGPT 6 -> 4 with a linear bridge, its report)."""
-    dense = tiny_models.tiny_llama_gqa()
-    model = copy.deepcopy(dense)
-    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, linear_replacement="lstsq")
-    return dense, model, dict(quantizer.report)
 
 
 def test_changed_trains_merged_blocks_and_bridged_projections_and_nothing_else(compressed):
