@@ -14,7 +14,7 @@ import tiny_models
 from common import compress, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch
-from optimum_flatten.cli.main import _summary
+from optimum_flatten.cli.main import compression_summary
 from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.export.model_card import describe_parameters
 from optimum_flatten.methods.ffn_merge import FfnMergeConfig, FfnMergeMethod, WindowScorer, read_mlp, retie_ffn_
@@ -61,7 +61,7 @@ def test_report_card_and_summary_give_the_file_count_and_the_in_memory_count_apa
     assert f"{in_memory:,} in memory after retie_ffn_" in line
     assert f"-> {in_memory:,}" not in card  # never presented as what the compression produced on disk
     assert "stored in full" in card and "as large as the base model" in card
-    summary = _summary(report)
+    summary = compression_summary(report)
     assert f"{in_file:,} in the checkpoint" in summary and f"{in_memory:,} in memory after retie_ffn_" in summary
 
 

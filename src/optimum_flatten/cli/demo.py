@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from .summary import _bundled_license, _table, report_warnings
+from .summary import bundled_license, report_warnings, text_table
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ]
     print()
     print(f"plan: {quantizer.report['plan_summary']}")
-    print(_table(rows, ("", "dense", "compressed", "ratio")))
+    print(text_table(rows, ("", "dense", "compressed", "ratio")))
     print(f"perplexity protocol: State of the Union speeches from 2000 on, {protocol}")
     print(speed.describe())
     for warning in report_warnings(quantizer.report):
@@ -106,7 +106,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.output,
             tokenizer,
             overwrite=args.overwrite,
-            extra_report={"evaluation": evaluation, "license": _bundled_license("smollm2")},
+            extra_report={"evaluation": evaluation, "license": bundled_license("smollm2")},
         )
         print(f"saved to {path}")
     return 0

@@ -6,8 +6,8 @@ import argparse
 import logging
 from typing import Any
 
-from .sources import _checkpoint_path
-from .summary import _table
+from .sources import checkpoint_path
+from .summary import text_table
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     names = ([args.baseline] if args.baseline else []) + [args.model]
     # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
     # line, before either model loads.
-    paths = [_checkpoint_path(name) for name in names]
+    paths = [checkpoint_path(name) for name in names]
     for path in paths:
         _check_positions(path, args.seqlen, args.trust_remote_code)
     dataset, max_tokens, per_byte = args.dataset, args.max_tokens, None
@@ -131,7 +131,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     header += ["greedy agreement"] if generative else []
     header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
     header += ["prefill ratio", "decode ratio"] if speed else []
-    print(_table(rows, header))
+    print(text_table(rows, header))
     if per_byte is None:
         print(f"perplexity: {args.dataset}, {base['protocol']}")
     else:

@@ -26,8 +26,8 @@ from .options import (
     check_method_options,
     config_kwargs,
 )
-from .sources import _check_source, _checkpoint_path
-from .summary import _bundled_license, _summary, _table, report_warnings
+from .sources import check_source, checkpoint_path
+from .summary import bundled_license, compression_summary, report_warnings, text_table
 
 logger = logging.getLogger(__name__)
 
@@ -136,16 +136,16 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     config = FlattenConfig(**config_kwargs(args))
     _check_dataset(config.calibration.dataset, config.calibration.text_column)
-    _check_source(args.model)
+    check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     report = quantizer.report
-    print(_summary(report))
+    print(compression_summary(report))
     for warning in report_warnings(report):
         print(f"warning: {warning}", file=sys.stderr)
-    extra = {"license": _bundled_license(args.model)} if _bundled_license(args.model) else {}
+    extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
     if args.push_to_hub:
         url = quantizer.push_to_hub(
             model, args.push_to_hub, tokenizer, local_dir=args.output, overwrite=args.overwrite, extra_report=extra
@@ -170,7 +170,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
-    source = _checkpoint_path(args.model)
+    source = checkpoint_path(args.model)
     check_output_dir(args.output, args.overwrite, sources=[source])
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
@@ -231,7 +231,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     from ..quantizer import FlattenQuantizer
     from ..recovery.data import build_training_rows, load_recovery_texts
 
-    _check_source(args.model)
+    check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])
     selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
     if len(selection) != 1:
@@ -262,7 +262,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
         ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
         ("format", report["export_format"]),
     ]
-    print(_table(rows_shown, ("", "value")))
+    print(text_table(rows_shown, ("", "value")))
     load = report.get("load_with")
     how = f"{load['class']}.from_pretrained(path, trust_remote_code=True)" if load else "its stock class"
     print(f"saved to {path}; load with {how}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..utils.loading import resolve_model_source
 
 
-def _check_source(name: str) -> None:
+def check_source(name: str) -> None:
     """Refuses a model that cannot be loaded (no such folder, no or a corrupt config.json, offline and not cached)
     before anything else runs; bundled names pass (their packages are checked when they load)."""
     from ..bundled import BUNDLED_MODELS
@@ -14,7 +14,7 @@ def _check_source(name: str) -> None:
         resolve_model_source(name)
 
 
-def _checkpoint_path(name: str) -> str:
+def checkpoint_path(name: str) -> str:
     """A loadable checkpoint for `name`: a bundled model's converted folder (converted on first use), else the
     checked folder or Hub id, so that commands reading a path take bundled names like the others."""
     from .. import bundled

@@ -9,7 +9,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+def text_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
@@ -17,7 +17,7 @@ def _table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def _bundled_license(model_name: str) -> str | None:
+def bundled_license(model_name: str) -> str | None:
     from ..bundled import BUNDLED_MODELS
 
     spec = BUNDLED_MODELS.get(model_name)
@@ -32,7 +32,7 @@ def report_warnings(report: dict[str, Any]) -> list[str]:
     return [warning for section in method_sections(dict(report)) for warning in section.warnings]
 
 
-def _summary(report: dict[str, Any]) -> str:
+def compression_summary(report: dict[str, Any]) -> str:
     from ..export.model_card import describe_parameters  # as the card says it (ffn_merge: file and memory apart)
 
     rows = [
@@ -56,4 +56,4 @@ def _summary(report: dict[str, Any]) -> str:
                 f"{healing['gate']}",
             )
         )
-    return _table(rows, ("", "value"))
+    return text_table(rows, ("", "value"))
