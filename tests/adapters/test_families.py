@@ -47,8 +47,6 @@ def _refusal(family: str, run: str) -> str | None:
     if run == "replaceme":
         if family in POST_SUBLAYER_NORM:
             return "norm|down_proj"
-        if family in MOE:
-            return "every expert"
         if family == "granite":
             return "residual_multiplier"
     if run == "compensation" and family == "olmo2":

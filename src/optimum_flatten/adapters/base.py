@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from ..ops.linear_map import fold_map_into_linear
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, onloaded
 from .layout import AttentionLayout, BlockLayout
@@ -297,6 +298,25 @@ class ArchitectureAdapter(AdapterValidation, ABC):
         for view in (block.attention.o, block.mlp.down):
             bias = view.bias
             view.set_(view.weight * factor, None if bias is None else bias * factor)
+
+    def mlp_output_width(self, module: nn.Module, index: int) -> int:
+        """The width of what block `module`'s MLP adds to the stream: the size a map after it (a bridge) acts on."""
+        return self.block_view(module, index).mlp.down.out_features
+
+    def fold_after_mlp_(self, module: nn.Module, index: int, transform: torch.Tensor) -> None:
+        """Folds the row-vector map `transform` after block `module`'s MLP output into what writes that output.
+
+        The default folds it into the one down projection (``W' = Tᵀ W``, ``b' = b T``, in float64); a mixture of
+        experts folds it into every expert's and the shared expert's (the MoE adapter): the MLP output is a sum of
+        their outputs, so T distributes over it exactly.
+        """
+        down = self.block_view(module, index).mlp.down
+        weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
+        down.set_(weight, bias)
+
+    def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
+        """The parameters that write block `module`'s MLP output (what a bridge folded after the MLP changed)."""
+        return list(self.block_view(module, index).mlp.down.module.parameters())
 
     def scale_norm_(self, module: nn.Module, factor: float) -> None:
         """Multiplies a norm's output by `factor` through its gain and bias (Gemma's ``1 + weight`` gains

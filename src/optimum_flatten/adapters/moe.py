@@ -6,17 +6,23 @@ block with a router ``gate`` and ``experts`` holding every expert's maps as 3-d 
 MLP) scaled by ``sigmoid(shared_expert_gate(x))``. Which layers are sparse is per-layer config
 (``mlp_only_layers``, ``decoder_sparse_step``), rewritten by `adapters.per_layer`.
 
-There is no single MLP to view, so only what works on whole blocks applies: layer drops, and compensation (the
-router reads the normalised stream, and every expert's and the shared expert's down projection scales exactly).
-Merges are refused (`missing_capability_reasons`).
+There is no single MLP to view, so what applies is what acts on a block's whole MLP output: layer drops,
+compensation (the router reads the normalised stream, and every expert's and the shared expert's down projection
+scales exactly) and a map folded after the MLP (ReplaceMe's bridge, `linear_replacement`): the MLP output is
+``Σ_e g_e(x) W_e a_e(x) + σ(s(x)) W_s a_s(x)`` with the routing weights g_e and the shared gate σ(s(x)) read from the
+normalised stream before the map, so ``(…) T`` equals the same sum with every ``W_e`` and ``W_s`` replaced by
+``Tᵀ W``: exact, whichever experts a token is routed to. Merges and the down refit (``"lstsq_down"``: there is no
+one down projection whose inputs could be fitted) are refused (`missing_capability_reasons`).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import nn
 
+from ..ops.linear_map import fold_map_into_linear
 from .base import ArchitectureAdapter
 from .layout import AttentionLayout, BlockLayout, MlpLayout
 from .registry import register_adapter
@@ -34,14 +40,13 @@ MOE_REASONS: dict[str, str] = {
     "dense_mlp": "the MLP is a router over experts, not one dense MLP",
     "parameter_merge": "expert e of one layer has no relation to expert e of another (experts are interchangeable "
     "within a layer), so parameter differences between layers are not defined",
-    "down_fold": "a map folded into the down projection would have to go into every expert, which is not implemented",
 }
 
 
 class MoeAdapter(ArchitectureAdapter):
-    """Pre-norm decoders whose MLP is a sparse mixture of experts: layer drops and compensation."""
+    """Pre-norm decoders whose MLP is a sparse mixture of experts: layer drops, compensation and bridges."""
 
-    capabilities = frozenset({"head_geometry", "pre_norm", "layer_drop", "stream_scale"})
+    capabilities = frozenset({"head_geometry", "pre_norm", "layer_drop", "stream_scale", "down_fold"})
     missing_capability_reasons: ClassVar[dict[str, str]] = MOE_REASONS
     layouts = (MOE_LAYOUT,)
 
@@ -51,22 +56,48 @@ class MoeAdapter(ArchitectureAdapter):
     def _mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
         return None  # the experts are never resized, and dense layers (mlp_only_layers) have another width
 
+    def mlp_output_width(self, module: nn.Module, index: int) -> int:
+        return self.block_view(module, index).attention.o.out_features  # the stream's width; no one down projection
+
+    def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
+        """Every expert's down projection (one 3-d parameter, experts × hidden × width), the shared expert's
+        (Qwen2-MoE) and, in a dense layer among sparse ones (``mlp_only_layers``), the layer's own."""
+        experts, linears = _mlp_writers(module.mlp)
+        return experts + [p for linear in linears for p in linear.parameters()]
+
+    def fold_after_mlp_(self, module: nn.Module, index: int, transform: torch.Tensor) -> None:
+        """``W' = Tᵀ W`` for every expert and down projection of `mlp_writers` (``b' = b T``), in float64."""
+        experts, linears = _mlp_writers(module.mlp)
+        for parameter in experts:
+            t = transform.to(parameter.device)
+            folded = torch.stack([fold_map_into_linear(w, None, t)[0] for w in parameter.data])
+            parameter.data = folded.to(parameter.dtype)
+        for linear in linears:
+            weight, bias = fold_map_into_linear(linear.weight, linear.bias, transform.to(linear.weight.device))
+            linear.weight.data = weight.to(linear.weight.dtype)
+            if bias is not None:
+                linear.bias.data = bias.to(linear.bias.dtype)
+
     def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
-        """o_proj, every expert's down projection and the shared expert's (the gate of the shared expert reads the
-        normalised stream, so it is unchanged)."""
+        """o_proj and every writer of the MLP output (`mlp_writers`); the gate of the shared expert reads the
+        normalised stream, so it is unchanged."""
         o = self.block_view(module, index).attention.o
         o.set_(o.weight * factor, None if o.bias is None else o.bias * factor)
-        mlp = module.mlp
-        experts = getattr(mlp, "experts", None)
-        targets = [experts.down_proj] if experts is not None else []
-        for name in ("shared_expert", "down_proj"):  # shared expert (Qwen2-MoE); a dense layer's own down_proj
-            part = getattr(mlp, name, None)
-            if isinstance(part, nn.Module) and hasattr(part, "down_proj"):
-                part = part.down_proj
-            if isinstance(part, nn.Linear):
-                targets += [part.weight] + ([part.bias] if part.bias is not None else [])
-        for parameter in targets:
+        for parameter in self.mlp_writers(module, index):
             parameter.data.mul_(factor)
+
+
+def _mlp_writers(mlp: nn.Module) -> tuple[list[nn.Parameter], list[nn.Linear]]:
+    """The experts' 3-d down projections and the plain down projections (shared expert, a dense layer's own)."""
+    experts = getattr(mlp, "experts", None)
+    linears = []
+    for name in ("shared_expert", "down_proj"):
+        part = getattr(mlp, name, None)
+        if isinstance(part, nn.Module) and hasattr(part, "down_proj"):
+            part = part.down_proj
+        if isinstance(part, nn.Linear):
+            linears.append(part)
+    return ([experts.down_proj] if experts is not None else []), linears
 
 
 @register_adapter

@@ -10,7 +10,7 @@ import logging
 
 from ..adapters.base import ArchitectureAdapter
 from ..corrections.compensation import compensated_apply_, require_compensable
-from ..corrections.linear_bridge import BridgeOptions, bridged_apply_, require_pre_norm
+from ..corrections.linear_bridge import BridgeOptions, bridged_apply_, require_bridgeable
 from ..options.corrections import Corrections
 from ..plan import LayerPlan
 from .method import CompressionMethod, MethodContext
@@ -22,7 +22,8 @@ def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: st
     """Every refusal that depends on the model, before calibration and before any weight changes."""
     method.preflight(adapter, stack)
     if corrections.linear_replacement is not None:
-        require_pre_norm(adapter, stack, f"linear_replacement={corrections.linear_replacement!r}")
+        replacement = corrections.linear_replacement
+        require_bridgeable(adapter, stack, f"linear_replacement={replacement!r}", replacement)
         if BridgeOptions(corrections.linear_replacement).stream_gain:
             require_compensable(adapter, stack)  # the gain is folded into the embeddings like a compensation
     if corrections.compensation is not None:

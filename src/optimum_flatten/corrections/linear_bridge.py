@@ -30,7 +30,6 @@ from ..ops.linear_map import (
     LinearMapStatistics,
     fit_cosine,
     fit_towards_prior,
-    fold_map_into_linear,
     folded_map_prior,
     solve_least_squares,
     solve_least_squares_with_gain,
@@ -43,8 +42,10 @@ from ..utils.torch_utils import first_output
 from .compensation import fold_stream_scales_
 
 
-def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> None:
-    """Refuses (before any change) a stack whose blocks normalise after the residual add."""
+def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, estimator: str | None = None) -> None:
+    """Refuses (before any change) a stack a bridge cannot be folded into: blocks that normalise after the residual
+    add, a family whose MLP output does not take a fold (`down_fold`), and with ``estimator="lstsq_down"`` one
+    without a single dense MLP whose down projection could be refitted (`dense_mlp`: a mixture of experts)."""
     position = adapter.block(stack, 0).norm_position
     if position != "pre":
         raise UnsupportedArchitectureError(
@@ -58,6 +59,12 @@ def require_pre_norm(adapter: ArchitectureAdapter, stack: str, what: str) -> Non
             f"{what} folds a linear map into the down projection of the layer before the removed ones, which "
             f"model_type {adapter.config.model_type!r} does not allow: {missing['down_fold']}. Use a method without "
             "a linear replacement (shortgpt, sleb, uidl) on it."
+        )
+    if estimator == "lstsq_down" and (missing := adapter.missing_capabilities({"dense_mlp"})):
+        raise UnsupportedArchitectureError(
+            f"{what} with estimator 'lstsq_down' refits the down projection of the layer before the removed ones, "
+            f"and model_type {adapter.config.model_type!r} has none to refit: {missing['dense_mlp']}. Use estimator "
+            "'lstsq' (the map folded after the MLP output) on it."
         )
 
 
@@ -148,7 +155,7 @@ def least_squares_fold_(
 ) -> dict[str, Any]:
     """One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
     into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike); returns the report entry."""
-    fit = BridgeFit(block.mlp.down, options, runner.num_batches, inputs[0].device)
+    fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
     run_capturing_mlp(
         block,
         runner,
@@ -217,13 +224,22 @@ class BridgeFit:
     input, with the last batch's statistics apart when its ridge is to be chosen on it (see `refit_down_`).
 
     Args:
-        down: The bridged layer's down projection (its sizes; its weights are read again when folding).
+        adapter, module, index: The bridged layer (its down projection's sizes, or its MLP's output width; its
+            weights are read again when folding).
         options: The estimator (a least-squares one: the cosine fit needs the tokens themselves).
         num_batches: The calibration batches that will be added (the last is held out for a ridge choice).
         device: Where the statistics live.
     """
 
-    def __init__(self, down: Any, options: BridgeOptions, num_batches: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        adapter: ArchitectureAdapter,
+        module: torch.nn.Module,
+        index: int,
+        options: BridgeOptions,
+        num_batches: int,
+        device: torch.device | str,
+    ) -> None:
         if options.estimator not in LEAST_SQUARES_ESTIMATORS:
             raise ValueError(
                 f"BridgeFit accumulates least-squares statistics ({list(LEAST_SQUARES_ESTIMATORS)}); the estimator "
@@ -240,6 +256,7 @@ class BridgeFit:
             indices, total = global_batches(num_batches)
             if options.down_ridge is None and total > 1:
                 self.held_out_batch = total - 1 - indices.start if total - 1 in indices else -1
+            down = adapter.block_view(module, index).mlp.down
             intercept = down.bias is not None
             self.fit = LinearMapStatistics(
                 down.in_features, device=device, out_dim=down.out_features, intercept=intercept
@@ -249,7 +266,8 @@ class BridgeFit:
                     down.in_features, device=device, out_dim=down.out_features, intercept=intercept
                 )
         else:
-            self.fit = LinearMapStatistics(down.out_features, device=device, with_gain=options.stream_gain)
+            width = adapter.mlp_output_width(module, index)
+            self.fit = LinearMapStatistics(width, device=device, with_gain=options.stream_gain)
 
     def add(self, batch: int, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
         """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
@@ -317,7 +335,7 @@ def _fit_one(
     block = adapter.block_view(module, k)
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
         return least_squares_fold_(adapter, stack, k, block, runner, module, position, inputs, target, options)
-    dim = block.mlp.down.out_features
+    dim = adapter.mlp_output_width(module, k)
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
     ls: list[torch.Tensor] = []
@@ -348,7 +366,7 @@ def _fit_one(
 
 
 def fit_least_squares(
-    block: Any,
+    adapter: ArchitectureAdapter,
     runner: Any,
     module: torch.nn.Module,
     position: int,
@@ -363,7 +381,9 @@ def fit_least_squares(
     matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With `with_gain`,
     T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1.
     """
-    stats = LinearMapStatistics(block.mlp.down.out_features, device=inputs[0].device, with_gain=with_gain)
+    block = adapter.block_view(module, position)
+    width = adapter.mlp_output_width(module, position)
+    stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
         stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
@@ -468,9 +488,8 @@ def fit_with_outputs(
         if b < limit:
             captured.append((m, y))
 
-    block = adapter.block_view(module, position)
     transform, gain, _, _ = fit_least_squares(
-        block, runner, module, position, inputs, targets, on_capture=keep_scored, with_gain=with_gain
+        adapter, runner, module, position, inputs, targets, on_capture=keep_scored, with_gain=with_gain
     )
     outputs = [
         (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
@@ -479,14 +498,14 @@ def fit_with_outputs(
 
 
 def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transform: torch.Tensor) -> None:
-    """Folds the row-vector map `transform` after layer `index`'s down projection (offloaded layers too)."""
-
-    def edit(module: torch.nn.Module) -> None:
-        down = adapter.block_view(module, index).mlp.down
-        weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
-        down.set_(weight, bias)
-
-    edit_block_(adapter.layers(stack), index, edit, memo={id(adapter.config): adapter.config})
+    """Folds the row-vector map `transform` after layer `index`'s MLP output (`fold_after_mlp_`; offloaded layers
+    too)."""
+    edit_block_(
+        adapter.layers(stack),
+        index,
+        lambda module: adapter.fold_after_mlp_(module, index, transform),
+        memo={id(adapter.config): adapter.config},
+    )
 
 
 def streamed_span(adapter: ArchitectureAdapter, plan: LayerPlan, options: BridgeOptions) -> tuple[int, int, int] | None:
@@ -576,9 +595,7 @@ def bridged_apply_(
         )
     if span is not None:
         k, first, end = span
-        fit = BridgeFit(
-            adapter.block_view(states.layers[k], k).mlp.down, options, runner.num_batches, runner.inputs[0].device
-        )
+        fit = BridgeFit(adapter, states.layers[k], k, options, runner.num_batches, runner.inputs[0].device)
         with (
             context.timer("linear_replacement"),
             context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar,

@@ -33,8 +33,7 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import mean_angle, next_token_nll
 from ..compression.method import CompressionMethod, MethodContext
-from ..corrections.linear_bridge import fit_with_outputs, fold_into_down_, require_pre_norm
-from ..ops.linear_map import fold_map_into_linear
+from ..corrections.linear_bridge import fit_with_outputs, fold_into_down_, require_bridgeable
 from ..options.methods.greedy_replace import GreedyReplaceConfig
 from ..plan import LayerPlan
 from ..registry import register_method, require_capabilities
@@ -59,7 +58,7 @@ class GreedyReplaceMethod(CompressionMethod):
         self._head_weights = 0
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
-        require_pre_norm(adapter, stack, "method 'greedy_replace'")
+        require_bridgeable(adapter, stack, "method 'greedy_replace'")
         if adapter.lm_head(stack) is None:
             raise UnsupportedArchitectureError(
                 f"method 'greedy_replace' scores actions by next-token loss, and this {type(adapter.model).__name__} "
@@ -124,7 +123,7 @@ class GreedyReplaceMethod(CompressionMethod):
                     module = detached_copy(
                         modules.get(previous, layers[previous]), memo={id(adapter.config): adapter.config}
                     )
-                    _fold_(adapter, module, previous, transform)
+                    adapter.fold_after_mlp_(module, previous, transform)
                     modules[previous] = module
                     self._maps.append((previous, transform))
                     changed = previous
@@ -216,8 +215,3 @@ class GreedyReplaceMethod(CompressionMethod):
         self._merges = {}
         adapter.keep_layers_(plan.stack, plan.first_indices)
 
-
-def _fold_(adapter: ArchitectureAdapter, module: torch.nn.Module, position: int, transform: torch.Tensor) -> None:
-    down = adapter.block_view(module, position).mlp.down
-    weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
-    down.set_(weight, bias)

@@ -25,7 +25,7 @@ from ..compression.compute import ComputeModel, Tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..corrections.compensation import require_compensable
-from ..corrections.linear_bridge import LEAST_SQUARES_ESTIMATORS, bridged_apply_, fit_with_outputs, require_pre_norm
+from ..corrections.linear_bridge import LEAST_SQUARES_ESTIMATORS, bridged_apply_, fit_with_outputs, require_bridgeable
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
@@ -39,7 +39,9 @@ from .uidl import UIDLMethod, block_size, select_blocks
 @register_method("replaceme")
 class ReplaceMeMethod(CompressionMethod):
     config_class = ReplaceMeConfig
-    required_capabilities = frozenset({"layer_drop"})
+    #: The map is folded after a layer's MLP output (`down_fold`); a family that cannot take it is refused with its
+    #: reason by the registry, and the down refit's extra need (one dense MLP) by `preflight`.
+    required_capabilities = frozenset({"layer_drop", "down_fold"})
     #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
     accepts_linear_replacement = False
     #: The angular distances' sums and counts, and the bridge's normal equations, are summed over the ranks.
@@ -171,7 +173,7 @@ class ReplaceMeMethod(CompressionMethod):
         )
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
-        require_pre_norm(adapter, stack, "method 'replaceme'")
+        require_bridgeable(adapter, stack, "method 'replaceme'", self.config.estimator)
         if self.config.bridge_options().stream_gain:
             require_compensable(adapter, stack)
         if self.config.selection == "loss" and adapter.lm_head(stack) is None:

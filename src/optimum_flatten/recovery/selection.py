@@ -79,27 +79,29 @@ def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) 
     Raises:
         ValueError: without a plan, or when the plan keeps only plain layers and nothing carries a correction.
     """
-    blocks = get_adapter(model).blocks()
+    adapter = get_adapter(model)
+    blocks = adapter.blocks()
     plan = report_plan(
         report,
         len(blocks),
         "mode='changed' trains what the compression changed, which the compression report's plan says, and no "
         "report was given; pass report=... (flatten_report.json), or pick mode 'last_k', 'full' or 'lora'.",
     )
-    modules: dict[int, nn.Module] = {}
+    wanted: set[int] = set()
     for k, group in enumerate(plan.groups):
         if not group.is_keep:
-            modules[id(blocks[k].module)] = blocks[k].module
+            wanted |= {id(p) for p in blocks[k].module.parameters()}
     bridged, compensated = _corrected_blocks(report, plan)
     for k in sorted(bridged | compensated):
-        for view in (blocks[k].attention.o, blocks[k].mlp.down) if k in compensated else (blocks[k].mlp.down,):
-            modules[id(view.module)] = view.module
-    if not modules:
+        # What writes the MLP output (every expert's down projection in a mixture), and o for a compensation.
+        wanted |= {id(p) for p in adapter.mlp_writers(blocks[k].module, k)}
+        if k in compensated:
+            wanted |= {id(p) for p in blocks[k].attention.o.module.parameters()}
+    if not wanted:
         raise ValueError(
             "mode='changed' found nothing the compression changed: the plan only keeps or drops whole layers and no "
             "bridge or compensation was folded in; pick mode 'last_k', 'full' or 'lora'."
         )
-    wanted = {id(p) for module in modules.values() for p in module.parameters()}
     return [name for name, p in model.named_parameters() if id(p) in wanted]
 
 
