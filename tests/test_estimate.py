@@ -499,3 +499,26 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
         assert after["workspace_bytes"] - before["workspace_bytes"] == weights
     assert healed["peak_bytes"] == plain["peak_bytes"] + weights
     assert any("teacher copy" in note for note in healed["notes"])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_is_estimated_with_every_expert_held(family, tmp_path, capsys):
+    """The shape of a mixture: all experts' weights (memory holds them whether a token is routed or not), the
+    width one token activates (its routed experts' and the shared expert's), and ReplaceMe's fold into each."""
+    from optimum_flatten.estimate import ModelShape
+
+    model = tiny_models.FACTORIES[family]()
+    layer = 1  # sparse in both (Qwen2-MoE's tiny model alternates dense and sparse layers)
+    mlp = model.model.layers[layer].mlp
+    model.model.layers = torch.nn.ModuleList([model.model.layers[layer]] * 2)  # block 0 is the shape's sample
+    shape = ModelShape.of(model)
+    assert shape.mlp_weights == sum(p.numel() for p in mlp.parameters())
+    shared = mlp.shared_expert.down_proj.in_features if hasattr(mlp, "shared_expert") else 0
+    assert shape.intermediate_size == mlp.gate.top_k * mlp.experts.down_proj.shape[2] + shared
+    assert shape.down_weights == mlp.experts.down_proj.numel() + (
+        mlp.shared_expert.down_proj.weight.numel() if shared else 0
+    )
+    config = tmp_path / "config"
+    tiny_models.FACTORIES[family]().config.save_pretrained(config)
+    assert main(["estimate", str(config), "--method", "replaceme", "--num-layers-to-remove", "2"]) == 0
+    assert "linear_replacement" in capsys.readouterr().out

@@ -113,27 +113,33 @@ class ModelShape:
         stack = stack or _single_stack(adapter)
         block = adapter.block(stack, 0)
         attention, mlp = block.attention, block.mlp
+        if "dense_mlp" in adapter.capabilities:
+            mlp_weights = sum(_count_view(v) for v in (mlp.up, mlp.gate, mlp.down) if v is not None)
+            gated, down_weights = mlp.gate is not None, _count_view(mlp.down)
+        else:  # a mixture: the router, every expert and the shared expert, held whether a token is routed or not
+            mlp_weights, gated = _count(mlp.module), True
+            down_weights = sum(p.numel() for p in adapter.mlp_writers(block.module, 0))
         head = adapter.lm_head(stack)
         floating = [p for p in model.parameters() if p.is_floating_point()]
         return cls(
             architecture=type(model).__name__,
             num_layers=adapter.num_layers(stack),
             hidden_size=attention.geometry.hidden_size,
-            intermediate_size=mlp.intermediate_size,
+            intermediate_size=adapter.mlp_active_width(block.module, 0),
             num_heads=attention.geometry.num_heads,
             num_kv_heads=attention.geometry.num_kv_heads,
             head_dim=attention.geometry.head_dim,
             vocab_size=0 if head is None else int(next(head.parameters()).shape[0]),
-            gated_mlp=mlp.gate is not None,
+            gated_mlp=gated,
             dtype=str(floating[0].dtype).removeprefix("torch.") if floating else "float32",
             dtype_bytes=floating[0].element_size() if floating else 4,
             weights_bytes=_unique_bytes(model),
             layer_weights=_count(block.module),
             attention_weights=sum(_count_view(v) for v in (attention.q, attention.k, attention.v, attention.o)),
-            mlp_weights=sum(_count_view(v) for v in (mlp.up, mlp.gate, mlp.down) if v is not None),
+            mlp_weights=mlp_weights,
             head_weights=0 if head is None else _count(head),
             o_weights=_count_view(attention.o),
-            down_weights=_count_view(mlp.down),
+            down_weights=down_weights,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -279,44 +279,39 @@ class ArchitectureAdapter(AdapterValidation, ABC):
         """(batch, positions) mask, 1 where the hidden states entering `stack`'s layers are real tokens."""
         return batch.attention_mask
 
-    def missing_capabilities(self, capabilities: set[str] | frozenset[str]) -> dict[str, str]:
-        """The capabilities among `capabilities` this family lacks, each with the reason (empty when none).
+    def mlp_output_width(self, module: nn.Module, index: int) -> int:
+        """The width of what the MLP adds to the stream (the stream's, as o's output): what a bridge maps."""
+        return self.block_view(module, index).attention.o.out_features
 
-        Only the facts: which method needs what, and the refusal, belong to the method registry above.
-        """
+    def mlp_active_width(self, module: nn.Module, index: int) -> int:
+        """The intermediate width one token activates: the MLP's (a mixture: its routed experts' and shared one's)."""
+        return self.block_view(module, index).mlp.intermediate_size
+
+    def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
+        """The parameters that write the MLP output (what a bridge folded after the MLP changed)."""
+        return list(self.block_view(module, index).mlp.down.module.parameters())
+
+    def missing_capabilities(self, capabilities: set[str] | frozenset[str]) -> dict[str, str]:
+        """The capabilities among `capabilities` this family lacks, with reasons (the refusal is the registry's)."""
         return {m: self.missing_capability_reasons.get(m, m) for m in sorted(set(capabilities) - self.capabilities)}
 
     # ---------------------------------------------------------------- mutating
     def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
         """Multiplies everything block `module` adds to the residual stream by `factor` (compensation's fold).
 
-        The default scales the attention and MLP output projections, biases included: in a pre-norm block they are
-        the last maps before the residual add. A family with a norm after each sublayer scales that norm's gain,
-        a mixture of experts every expert's down projection (`scale_norm_`, the MoE adapter).
+        The default scales o and down, biases included: in a pre-norm block the last maps before the residual add. A
+        family with a norm after each sublayer scales its gain (`scale_norm_`), a mixture every expert (MoE adapter).
         """
         block = self.block_view(module, index)
         for view in (block.attention.o, block.mlp.down):
             bias = view.bias
             view.set_(view.weight * factor, None if bias is None else bias * factor)
 
-    def mlp_output_width(self, module: nn.Module, index: int) -> int:
-        """The width of what block `module`'s MLP adds to the stream: the size a map after it (a bridge) acts on."""
-        return self.block_view(module, index).mlp.down.out_features
-
     def fold_after_mlp_(self, module: nn.Module, index: int, transform: torch.Tensor) -> None:
-        """Folds the row-vector map `transform` after block `module`'s MLP output into what writes that output.
-
-        The default folds it into the one down projection (``W' = Tᵀ W``, ``b' = b T``, in float64); a mixture of
-        experts folds it into every expert's and the shared expert's (the MoE adapter): the MLP output is a sum of
-        their outputs, so T distributes over it exactly.
-        """
+        """Folds the row-vector map `transform` after the MLP output into what writes it: by default the down
+        projection (``W' = Tᵀ W``, ``b' = b T``, float64); a mixture every expert's (the MoE adapter)."""
         down = self.block_view(module, index).mlp.down
-        weight, bias = fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device))
-        down.set_(weight, bias)
-
-    def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
-        """The parameters that write block `module`'s MLP output (what a bridge folded after the MLP changed)."""
-        return list(self.block_view(module, index).mlp.down.module.parameters())
+        down.set_(*fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device)))
 
     def scale_norm_(self, module: nn.Module, factor: float) -> None:
         """Multiplies a norm's output by `factor` through its gain and bias (Gemma's ``1 + weight`` gains

@@ -56,8 +56,10 @@ class MoeAdapter(ArchitectureAdapter):
     def _mlp_width_problem(self, block: BlockView, width: int, width_name: str) -> str | None:
         return None  # the experts are never resized, and dense layers (mlp_only_layers) have another width
 
-    def mlp_output_width(self, module: nn.Module, index: int) -> int:
-        return self.block_view(module, index).attention.o.out_features  # the stream's width; no one down projection
+    def mlp_active_width(self, module: nn.Module, index: int) -> int:
+        experts, linears = _mlp_writers(module.mlp)
+        routed = experts[0].shape[2] * module.mlp.gate.top_k if experts else 0
+        return routed + sum(linear.in_features for linear in linears)
 
     def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
         """Every expert's down projection (one 3-d parameter, experts × hidden × width), the shared expert's
