@@ -37,6 +37,8 @@ LAYER_DROPS = {
     "sleb": {},
     "uidl": {},
     "replaceme": {},
+    # The per-channel map: the bridge every family holds (into the norm after the MLP where one follows it).
+    "replaceme_diagonal": {"method": "replaceme", "estimator": "diagonal"},
     "compensation": {"method": "shortgpt", "compensation": "scale"},
     "auto": {"batch_size": 2},
 }
@@ -47,8 +49,6 @@ def _refusal(family: str, run: str) -> str | None:
     if run == "replaceme":
         if family in POST_SUBLAYER_NORM:
             return "norm|down_proj"
-        if family == "granite":
-            return "residual_multiplier"
     if run == "compensation" and family == "olmo2":
         return "norm"
     return None

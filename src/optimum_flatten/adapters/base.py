@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..ops.linear_map import fold_map_into_linear
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, onloaded
 from .layout import AttentionLayout, BlockLayout
+from .mlp_output import MlpOutput
 from .per_layer import (
     check_groups_share_layer_kind,
     rewrite_per_layer_config_,
@@ -61,7 +61,7 @@ PRE_NORM_CAPABILITIES = frozenset(
 )
 
 
-class ArchitectureAdapter(AdapterValidation, ABC):
+class ArchitectureAdapter(AdapterValidation, MlpOutput, ABC):
     """Base class of the per-family adapters, bound to one model instance.
 
     A family declares its `model_types`, the `capabilities` methods may require (e.g. ``{"head_geometry",
@@ -279,18 +279,6 @@ class ArchitectureAdapter(AdapterValidation, ABC):
         """(batch, positions) mask, 1 where the hidden states entering `stack`'s layers are real tokens."""
         return batch.attention_mask
 
-    def mlp_output_width(self, module: nn.Module, index: int) -> int:
-        """The width of what the MLP adds to the stream (the stream's, as o's output): what a bridge maps."""
-        return self.block_view(module, index).attention.o.out_features
-
-    def mlp_active_width(self, module: nn.Module, index: int) -> int:
-        """The intermediate width one token activates: the MLP's (a mixture: its routed experts' and shared one's)."""
-        return self.block_view(module, index).mlp.intermediate_size
-
-    def mlp_writers(self, module: nn.Module, index: int) -> list[nn.Parameter]:
-        """The parameters that write the MLP output (what a bridge folded after the MLP changed)."""
-        return list(self.block_view(module, index).mlp.down.module.parameters())
-
     def missing_capabilities(self, capabilities: set[str] | frozenset[str]) -> dict[str, str]:
         """The capabilities among `capabilities` this family lacks, with reasons (the refusal is the registry's)."""
         return {m: self.missing_capability_reasons.get(m, m) for m in sorted(set(capabilities) - self.capabilities)}
@@ -307,15 +295,8 @@ class ArchitectureAdapter(AdapterValidation, ABC):
             bias = view.bias
             view.set_(view.weight * factor, None if bias is None else bias * factor)
 
-    def fold_after_mlp_(self, module: nn.Module, index: int, transform: torch.Tensor) -> None:
-        """Folds the row-vector map `transform` after the MLP output into what writes it: by default the down
-        projection (``W' = Tᵀ W``, ``b' = b T``, float64); a mixture every expert's (the MoE adapter)."""
-        down = self.block_view(module, index).mlp.down
-        down.set_(*fold_map_into_linear(down.weight, down.bias, transform.to(down.weight.device)))
-
-    def scale_norm_(self, module: nn.Module, factor: float) -> None:
-        """Multiplies a norm's output by `factor` through its gain and bias (Gemma's ``1 + weight`` gains
-        override it)."""
+    def scale_norm_(self, module: nn.Module, factor: float | torch.Tensor) -> None:
+        """Multiplies a norm's output by `factor` (or per channel) through its gain and bias (Gemma overrides)."""
         module.weight.data.mul_(factor)
         if getattr(module, "bias", None) is not None:
             module.bias.data.mul_(factor)

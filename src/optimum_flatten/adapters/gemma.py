@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import torch
 from torch import nn
 
 from .base import ArchitectureAdapter
@@ -43,7 +44,8 @@ POST_SUBLAYER_NORM_REASONS: dict[str, str] = {
     "not each one",
     "parameter_merge": "parameter differences approximate summed residual updates, and a post-sublayer norm "
     "rescales each update to one layer's magnitude",
-    "down_fold": "a linear map folded into down_proj is undone by the norm applied after it",
+    "down_fold": "a linear map folded into down_proj is undone by the norm applied after it (estimator 'diagonal' "
+    "folds a per-channel map into that norm's gain instead)",
 }
 
 
@@ -53,6 +55,7 @@ class GemmaAdapter(ArchitectureAdapter):
 
     model_types = ("gemma2", "gemma3_text")
     capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp", "stream_scale"})
+    mlp_output_norm = "post_feedforward_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
     missing_capability_reasons: ClassVar[dict[str, str]] = POST_SUBLAYER_NORM_REASONS
     layouts = (GEMMA_LAYOUT,)
 
@@ -61,7 +64,7 @@ class GemmaAdapter(ArchitectureAdapter):
         for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
             self.scale_norm_(getattr(module, name), factor)
 
-    def scale_norm_(self, module: nn.Module, factor: float) -> None:
+    def scale_norm_(self, module: nn.Module, factor: float | torch.Tensor) -> None:
         """Gemma's RMSNorm multiplies by ``1 + weight`` (transformers 5.x ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``)."""
         module.weight.data.copy_((1.0 + module.weight.data.float()) * factor - 1.0)
 

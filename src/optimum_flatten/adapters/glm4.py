@@ -37,6 +37,7 @@ class Glm4Adapter(ArchitectureAdapter):
 
     model_types = ("glm4",)
     capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp", "stream_scale"})
+    mlp_output_norm = "post_mlp_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
     missing_capability_reasons: ClassVar[dict[str, str]] = POST_SUBLAYER_NORM_REASONS
     layouts = (GLM4_LAYOUT,)
 

@@ -32,6 +32,7 @@ class Olmo2Adapter(ArchitectureAdapter):
 
     model_types = ("olmo2",)
     capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp"})
+    mlp_output_norm = "post_feedforward_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         **POST_SUBLAYER_NORM_REASONS,
         "stream_scale": "the MLP reads the residual stream without a norm, so scaling the stream changes its output",

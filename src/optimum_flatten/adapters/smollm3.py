@@ -8,12 +8,13 @@ Module layout bound here (transformers 5.x, checked on 5.24): the LLaMA names.
 - **Granite** multiplies the embeddings by ``embedding_multiplier``, each sublayer's output by
   ``residual_multiplier`` before the add, the attention scores by ``attention_multiplier`` and divides the logits by
   ``logits_scaling``. Scaling o_proj/down_proj (compensation) or concatenating blocks commutes with those scalars;
-  a ReplaceMe map fitted on the MLP's output would miss the residual multiplier, so that fold is refused.
+  a ReplaceMe map is fitted on the MLP's output times the residual multiplier (what the stream receives,
+  `mlp_output_multiplier`) and folded into down_proj as everywhere (the multiplier commutes with it).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from torch import nn
 
 from .llama import LlamaAdapter
 from .registry import register_adapter
@@ -27,8 +28,6 @@ class SmolLM3Adapter(LlamaAdapter):
 @register_adapter
 class GraniteAdapter(LlamaAdapter):
     model_types = ("granite",)
-    capabilities = LlamaAdapter.capabilities - {"down_fold"}
-    missing_capability_reasons: ClassVar[dict[str, str]] = {
-        "down_fold": "Granite adds residual_multiplier times the MLP output to the stream, and the ReplaceMe fit "
-        "measures the MLP output before that multiplier",
-    }
+
+    def mlp_output_multiplier(self, module: nn.Module, index: int) -> float:
+        return float(self.config.residual_multiplier)

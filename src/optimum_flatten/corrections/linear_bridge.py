@@ -31,6 +31,7 @@ from ..ops.linear_map import (
     fit_cosine,
     fit_towards_prior,
     folded_map_prior,
+    solve_diagonal,
     solve_least_squares,
     solve_least_squares_with_gain,
 )
@@ -45,14 +46,21 @@ from .compensation import fold_stream_scales_
 def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, estimator: str | None = None) -> None:
     """Refuses (before any change) a stack a bridge cannot be folded into: blocks that normalise after the residual
     add, a family whose MLP output does not take a fold (`down_fold`), and with ``estimator="lstsq_down"`` one
-    without a single dense MLP whose down projection could be refitted (`dense_mlp`: a mixture of experts)."""
+    without a single dense MLP whose down projection could be refitted (`dense_mlp`: a mixture of experts).
+
+    Where a norm follows the MLP (`mlp_output_norm`: Gemma, OLMo-2, GLM-4), ``estimator="diagonal"`` is exact
+    whatever the norms around it: the stream receives that norm's output, and a per-channel map after it is a
+    rescaling of its gain."""
+    if estimator == "diagonal" and adapter.mlp_output_norm is not None:
+        return
     position = adapter.block(stack, 0).norm_position
     if position != "pre":
+        diagonal = " or estimator 'diagonal' (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
         raise UnsupportedArchitectureError(
             f"{what} folds a linear map into the down projection of the layer before the removed ones, which is "
             f"exact only when that layer adds its MLP output to an unnormalised residual stream (pre-norm); this "
             f"{type(adapter.model).__name__} stack {stack!r} is {position}-norm. Use a method without a linear "
-            "replacement (shortgpt, sleb, laco, sliding_window) on it."
+            f"replacement (shortgpt, sleb, laco, sliding_window){diagonal} on it."
         )
     if missing := adapter.missing_capabilities({"down_fold"}):
         raise UnsupportedArchitectureError(
@@ -92,13 +100,21 @@ def dense_targets(states: CalibratedStates, plan: LayerPlan, correct_after: int 
 
 
 @contextlib.contextmanager
-def capture_mlp(block: Any, on_batch: Any, read: Literal["output", "down_input"] = "output") -> Iterator[None]:
-    """While open, calls ``on_batch(x, y)`` on each forward, with y the MLP-norm input and x the MLP's output
-    (``read="output"``: what ReplaceMe's T maps) or the down projection's input, the intermediate activation
+def capture_mlp(
+    adapter: ArchitectureAdapter,
+    module: torch.nn.Module,
+    index: int,
+    on_batch: Any,
+    read: Literal["output", "down_input"] = "output",
+) -> Iterator[None]:
+    """While open, calls ``on_batch(x, y)`` on each forward of layer `module`, with y the stream the MLP sublayer
+    adds to and x what it adds (``read="output"``: what ReplaceMe's T maps; the MLP's output, or its output norm's
+    where one follows it, `mlp_write_points`) or the down projection's input, the intermediate activation
     (``read="down_input"``: what the down refit fits on)."""
     seen: dict[str, torch.Tensor] = {}
+    written, stream = adapter.mlp_write_points(module, index)
 
-    def norm_hook(_module: Any, args: tuple[Any, ...]) -> None:
+    def stream_hook(_module: Any, args: tuple[Any, ...]) -> None:
         seen["y"] = args[0].detach()
 
     def output_hook(_module: Any, _args: Any, output: Any) -> None:
@@ -108,12 +124,12 @@ def capture_mlp(block: Any, on_batch: Any, read: Literal["output", "down_input"]
         on_batch(args[0].detach(), seen.pop("y"))
 
     if read == "output":
-        reader = block.mlp.module.register_forward_hook(output_hook)
+        reader = written.register_forward_hook(output_hook)
     elif read == "down_input":
-        reader = block.mlp.down.module.register_forward_pre_hook(down_input_hook)
+        reader = adapter.block_view(module, index).mlp.down.module.register_forward_pre_hook(down_input_hook)
     else:
         raise ValueError(f"read must be 'output' or 'down_input', got {read!r}.")
-    handles = [block.mlp_norm.module.register_forward_pre_hook(norm_hook), reader]
+    handles = [stream.register_forward_pre_hook(stream_hook), reader]
     try:
         yield
     finally:
@@ -122,7 +138,7 @@ def capture_mlp(block: Any, on_batch: Any, read: Literal["output", "down_input"]
 
 
 def run_capturing_mlp(
-    block: Any,
+    adapter: ArchitectureAdapter,
     runner: Any,
     module: torch.nn.Module,
     position: int,
@@ -137,7 +153,7 @@ def run_capturing_mlp(
     def add(x: torch.Tensor, y: torch.Tensor) -> None:
         on_batch(state["batch"], x, y)
 
-    with capture_mlp(block, add, read=read):
+    with capture_mlp(adapter, module, position, add, read=read):
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
 
 
@@ -145,7 +161,6 @@ def least_squares_fold_(
     adapter: ArchitectureAdapter,
     stack: str,
     k: int,
-    block: Any,
     runner: Any,
     module: torch.nn.Module,
     position: int,
@@ -157,7 +172,7 @@ def least_squares_fold_(
     into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike); returns the report entry."""
     fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
     run_capturing_mlp(
-        block,
+        adapter,
         runner,
         module,
         position,
@@ -221,7 +236,7 @@ class BridgeFit:
     walk of the dense stack one batch at a time (`stream_bridge_statistics_`). Both add the same batches in the same
     order through `add`, so the two give the same sums, and the same map. ``"lstsq"`` and ``"lstsq_gain"`` read the
     MLP's output (MᵀM, Mᵀ(L − Y), and the stream's terms for the gain); ``"lstsq_down"`` reads the down projection's
-    input, with the last batch's statistics apart when its ridge is to be chosen on it (see `refit_down_`).
+    input, with the last batch's statistics apart when its ridge is to be chosen on it (see `_refit_down_from_`).
 
     Args:
         adapter, module, index: The bridged layer (its down projection's sizes, or its MLP's output width; its
@@ -246,6 +261,9 @@ class BridgeFit:
                 f"{options.estimator!r} needs the tokens themselves."
             )
         self.options = options
+        # What the stream receives is the captured output (or, for the down refit, the down projection's input)
+        # times the block's multiplier (Granite's residual_multiplier; 1 elsewhere), and the fit is of that.
+        self.scale = adapter.mlp_output_multiplier(module, index)
         self.refits_down = options.estimator == "lstsq_down"
         self.read: Literal["output", "down_input"] = "down_input" if self.refits_down else "output"
         self.held_out_batch: int | None = None
@@ -273,6 +291,8 @@ class BridgeFit:
         """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
         (the stream Y), `target` the dense state L at the span's end, `mask` the batch's real tokens."""
         into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
+        if self.scale != 1.0:
+            x = x * self.scale
         into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
 
     def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
@@ -296,7 +316,8 @@ class BridgeFit:
             fold_stream_scales_(adapter, stack, scales, gain)
             transform = transform / gain
         else:
-            transform, info = solve_least_squares(self.fit)
+            solve = solve_diagonal if self.options.estimator == "diagonal" else solve_least_squares
+            transform, info = solve(self.fit)
             detail = {"tokens": self.fit.count, "jitter": info.jitter}
         fold_into_down_(adapter, stack, k, transform)
         return detail
@@ -317,7 +338,7 @@ def _all_reduce_statistics_(stats: LinearMapStatistics) -> None:
 
 
 #: The estimators whose fit reduces to float64 statistics (`BridgeFit`), so their states can be streamed.
-LEAST_SQUARES_ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down")
+LEAST_SQUARES_ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "diagonal")
 
 
 def _fit_one(
@@ -332,21 +353,20 @@ def _fit_one(
     seed: int,
 ) -> dict[str, Any]:
     module = adapter.layers(stack)[k]
-    block = adapter.block_view(module, k)
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
-        return least_squares_fold_(adapter, stack, k, block, runner, module, position, inputs, target, options)
-    dim = adapter.mlp_output_width(module, k)
+        return least_squares_fold_(adapter, stack, k, runner, module, position, inputs, target, options)
+    dim, scale = adapter.mlp_output_width(module, k), adapter.mlp_output_multiplier(module, k)
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
     ls: list[torch.Tensor] = []
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
         keep = runner.masks[b].reshape(-1).to(m.device).bool()
-        ms.append(m.reshape(-1, dim)[keep].float().cpu())
+        ms.append(m.reshape(-1, dim)[keep].float().cpu() * scale)
         ys.append(y.reshape(-1, dim)[keep].float().cpu())
         ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
 
-    run_capturing_mlp(block, runner, module, position, inputs, on_batch)
+    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
     fit_result = fit_cosine(
         ms,
         ys,
@@ -373,57 +393,34 @@ def fit_least_squares(
     inputs: Sequence[torch.Tensor],
     target: Sequence[torch.Tensor],
     on_capture: Any = None,
-    with_gain: bool = False,
+    estimator: str = "lstsq",
 ) -> tuple[torch.Tensor, float, Any, int]:
     """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, gain, solve info, tokens).
 
     One run of the layer over every batch; M and Y are reduced to float64 statistics batch by batch, so no token
-    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With `with_gain`,
-    T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1.
+    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With ``"lstsq_gain"``
+    T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1. ``"diagonal"``
+    restricts T to a gain per channel (`solve_diagonal`).
     """
-    block = adapter.block_view(module, position)
+    if estimator not in ("lstsq", "lstsq_gain", "diagonal"):
+        raise ValueError(f"a search fits T by 'lstsq', 'lstsq_gain' or 'diagonal', not {estimator!r}.")
+    with_gain = estimator == "lstsq_gain"
     width = adapter.mlp_output_width(module, position)
     stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
+    scale = adapter.mlp_output_multiplier(module, position)
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
+        m = m * scale if scale != 1.0 else m
         stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
         if on_capture is not None:
             on_capture(b, m, y)
 
-    run_capturing_mlp(block, runner, module, position, inputs, on_batch)
+    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
     if with_gain:
         transform, gain, info = solve_least_squares_with_gain(stats)
         return transform, gain, info, stats.count
-    transform, info = solve_least_squares(stats)
+    transform, info = (solve_diagonal if estimator == "diagonal" else solve_least_squares)(stats)
     return transform, 1.0, info, stats.count
-
-
-def refit_down_(
-    adapter: ArchitectureAdapter,
-    stack: str,
-    k: int,
-    block: Any,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    target: Sequence[torch.Tensor],
-    ridge: float | None = None,
-) -> dict[str, Any]:
-    """Replaces layer k's down projection by ``W'`` (and ``b'`` where it has a bias) minimising
-    ``Σ‖a W'ᵀ + b' − (l − y)‖² + λ s ‖W' − W_T‖²`` over the real calibration tokens: estimator ``"lstsq_down"``.
-
-    ReplaceMe's T acts on the down projection's output, so its fold ``W_T = Tᵀ W_down`` is one candidate W' among
-    all; fitting W' directly uses every direction of the intermediate activation a instead of only the hidden-size
-    image the old W_down kept, with (intermediate × hidden) parameters where T has (hidden × hidden). The ridge
-    towards W_T is what keeps the extra freedom from fitting the calibration text alone: λ = 0 is the plain refit,
-    λ = ∞ ReplaceMe. With `ridge` None it is chosen from `RIDGE_GRID` by the squared error on the last calibration
-    batch, fitted on the others, then refitted on all (``fit_towards_prior``); with one batch it is 0. One run of
-    the layer; ``AᵀA`` (intermediate², one more row and column for a bias) and ``Aᵀ(L − Y)`` in float64, for the
-    fitting and the held-out batches apart.
-    """
-    options = BridgeOptions("lstsq_down", down_ridge=ridge)
-    return least_squares_fold_(adapter, stack, k, block, runner, module, position, inputs, target, options)
 
 
 def _refit_down_from_(
@@ -435,8 +432,19 @@ def _refit_down_from_(
     held_out: LinearMapStatistics | None,
     options: BridgeOptions,
 ) -> dict[str, Any]:
-    """The down refit of `refit_down_` from its accumulated statistics: the ridge chosen (or given), the solve, the
-    edit of layer k; returns the report entry."""
+    """Replaces layer k's down projection by ``W'`` (and ``b'`` where it has a bias) minimising
+    ``Σ‖a W'ᵀ + b' − (l − y)‖² + λ s ‖W' − W_T‖²`` over the real calibration tokens (estimator ``"lstsq_down"``),
+    from the statistics `BridgeFit` accumulated: ``AᵀA`` (intermediate², one more row and column for a bias) and
+    ``Aᵀ(L − Y)`` in float64, for the fitting and the held-out batches apart.
+
+    ReplaceMe's T acts on the down projection's output, so its fold ``W_T = Tᵀ W_down`` is one candidate W' among
+    all; fitting W' directly uses every direction of the intermediate activation a instead of only the hidden-size
+    image the old W_down kept, with (intermediate × hidden) parameters where T has (hidden × hidden). The ridge
+    towards W_T is what keeps the extra freedom from fitting the calibration text alone: λ = 0 is the plain refit,
+    λ = ∞ ReplaceMe. With ``options.down_ridge`` None it is chosen from `RIDGE_GRID` by the squared error on the
+    last calibration batch, fitted on the others, then refitted on all (``fit_towards_prior``); with one batch it
+    is 0.
+    """
     ridge = options.down_ridge
     lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
     ridges = RIDGE_GRID if ridge is None else (ridge,)
@@ -475,12 +483,13 @@ def fit_with_outputs(
     inputs: Sequence[torch.Tensor],
     targets: Sequence[torch.Tensor],
     limit: int,
-    with_gain: bool = False,
+    estimator: str = "lstsq",
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
 
     What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``
-    (``α Y + M T`` `with_gain`), computed from the captured M and Y (no second run of the layer, no folded copy).
+    (``α Y + M T`` with ``"lstsq_gain"``), computed from the captured M and Y (no second run of the layer, no folded
+    copy).
     """
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -489,7 +498,7 @@ def fit_with_outputs(
             captured.append((m, y))
 
     transform, gain, _, _ = fit_least_squares(
-        adapter, runner, module, position, inputs, targets, on_capture=keep_scored, with_gain=with_gain
+        adapter, runner, module, position, inputs, targets, on_capture=keep_scored, estimator=estimator
     )
     outputs = [
         (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
@@ -552,9 +561,8 @@ def stream_bridge_statistics_(
     the statistics, and the map, are the held path's.
     """
     runner = states.runner
-    block = adapter.block_view(states.layers[k], k)
     captured: dict[str, torch.Tensor] = {}
-    with capture_mlp(block, lambda x, y: captured.update(x=x, y=y), read=fit.read):
+    with capture_mlp(adapter, states.layers[k], k, lambda x, y: captured.update(x=x, y=y), read=fit.read):
         for b, hidden in enumerate(runner.inputs):
             target = states.run_layers_on_batch(range(end), hidden, b)
             fit.add(b, captured.pop("x"), captured.pop("y"), target, runner.masks[b])

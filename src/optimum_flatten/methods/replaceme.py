@@ -39,9 +39,9 @@ from .uidl import UIDLMethod, block_size, select_blocks
 @register_method("replaceme")
 class ReplaceMeMethod(CompressionMethod):
     config_class = ReplaceMeConfig
-    #: The map is folded after a layer's MLP output (`down_fold`); a family that cannot take it is refused with its
-    #: reason by the registry, and the down refit's extra need (one dense MLP) by `preflight`.
-    required_capabilities = frozenset({"layer_drop", "down_fold"})
+    #: The map is folded after a layer's MLP output: into what writes it (`down_fold`), or, with estimator
+    #: 'diagonal', into the gain of a norm after the MLP; `preflight` refuses a family that can hold neither.
+    required_capabilities = frozenset({"layer_drop"})
     #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
     accepts_linear_replacement = False
     #: The angular distances' sums and counts, and the bridge's normal equations, are summed over the ranks.
@@ -157,10 +157,13 @@ class ReplaceMeMethod(CompressionMethod):
         fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
         if config.estimator == "lstsq_gain":
             fit.add(flops.gram(N, d, d), "float64")
-        fit.cholesky(width)
-        fit.add(
-            flops.cholesky_solve(width, 2 * d if config.estimator == "lstsq_gain" else d), "float64", "factorisation"
-        )
+        if config.estimator != "diagonal":  # the diagonal solve is d divisions
+            fit.cholesky(width)
+            fit.add(
+                flops.cholesky_solve(width, 2 * d if config.estimator == "lstsq_gain" else d),
+                "float64",
+                "factorisation",
+            )
         if config.estimator != "lstsq_down":
             fit.add(flops.product(d, d, i), "float64")
         notes = ["the linear replacement's stack passes are a bound: they depend on where the removed block lies"]
@@ -192,7 +195,9 @@ class ReplaceMeMethod(CompressionMethod):
         block on the scored batches from ``Y + M T``, take the NLL. One walk down the stack keeps only the boundaries
         a start needs (n + 2 of them), so memory does not grow with depth."""
         num_layers = adapter.num_layers(context.stack)
-        gain = self.config.bridge_options().stream_gain
+        # The maps a start is scored with: the estimator's own where the search can fit it in closed form (the gain,
+        # the diagonal), plain least squares for the down refit and the cosine fit.
+        search = self.config.estimator if self.config.estimator in ("lstsq_gain", "diagonal") else "lstsq"
         size = block_size(num_to_remove, 1, num_layers, first_start=1)
         runner = context.new_runner(adapter)
         layers = list(adapter.layers(context.stack))
@@ -208,7 +213,7 @@ class ReplaceMeMethod(CompressionMethod):
                 if start < 1 or len(window) < size + 2:
                     continue
                 _, current = fit_with_outputs(
-                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit, gain
+                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit, search
                 )
                 for later in range(index + 1, num_layers):
                     current = runner.run(layers[later], later, current)

@@ -144,6 +144,26 @@ def solve_least_squares(
     return torch.cholesky_solve(stats.cross, factor), info
 
 
+def solve_diagonal(stats: LinearMapStatistics, relative_jitter: float | None = None) -> tuple[torch.Tensor, SolveInfo]:
+    """The diagonal T (dim × dim, float64) minimising Σ‖m T − r‖²: channel j alone, ``t_j = (mᵀr)_jj / (mᵀm)_jj``.
+
+    The map a family can hold where only a per-channel gain follows the MLP (a norm after it: Gemma, OLMo-2,
+    GLM-4). Each channel is shrunk towards 1 by λ = `relative_jitter` (default dim · eps(float64), the Gram
+    matrix's rounding level) times the mean diagonal: ``t_j = ((mᵀr)_jj + λ) / ((mᵀm)_jj + λ)``, so a channel the
+    calibration never excited keeps its gain instead of losing it, and a well-excited one gets the exact answer.
+
+    Raises:
+        ValueError: when no token was accumulated.
+    """
+    if stats.count == 0:
+        raise ValueError("no calibration token reached the linear-map statistics (are all tokens masked?).")
+    if relative_jitter is None:
+        relative_jitter = stats.gram.shape[0] * torch.finfo(torch.float64).eps
+    gram, cross = stats.gram.diagonal(), stats.cross.diagonal()
+    ridge = relative_jitter * float(gram.mean().clamp_min(torch.finfo(torch.float64).tiny))
+    return torch.diag((cross + ridge) / (gram + ridge)), SolveInfo(jitter=ridge, attempts=1)
+
+
 def solve_least_squares_with_gain(
     stats: LinearMapStatistics, relative_jitter: float | None = None, max_attempts: int = 12
 ) -> tuple[torch.Tensor, float, SolveInfo]:

@@ -14,8 +14,9 @@ from ..utils.errors import did_you_mean
 
 #: Names of the ways a map can be estimated (see `solve_least_squares`, `solve_least_squares_with_gain` and
 #: `fit_cosine` in `ops.linear_map`). ``"lstsq_gain"`` is least squares with one scalar gain on the residual
-#: stream, fitted jointly; ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs.
-ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "cosine")
+#: stream, fitted jointly; ``"lstsq_down"`` refits the whole down projection by least squares on its own inputs;
+#: ``"diagonal"`` restricts T to a per-channel gain (`solve_diagonal`), what a norm after the MLP can hold.
+ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "cosine", "diagonal")
 
 #: Names of the corrections folded after a layer drop (see corrections/compensation.py).
 COMPENSATIONS = ("scale",)
@@ -32,15 +33,17 @@ class BridgeOptions:
             paper: T alone carries the stream through the removed layers unscaled, the gain lets the whole stream
             shrink or grow by what those layers did to its magnitude; see docs/methods/replaceme.md),
             ``"lstsq_down"`` (the bridged layer's down projection refitted by least squares on its own inputs, the
-            MLP's intermediate activations: T's fit is a special case of it; not in the paper) or ``"cosine"``
-            (Adam on the cosine distance).
+            MLP's intermediate activations: T's fit is a special case of it; not in the paper), ``"cosine"``
+            (Adam on the cosine distance) or ``"diagonal"`` (T restricted to a gain per channel, least squares
+            channel by channel; not in the paper: the one map that folds exactly into the gain of a norm applied
+            after the MLP, as Gemma, OLMo-2 and GLM-4 have, and available on every family that takes ``"lstsq"``).
         cosine_epochs, cosine_lr, cosine_minibatch: The cosine fit's bounded optimisation (see `fit_cosine`).
         correct_after: Also refit the down projections of this many kept layers after every bridged span, each
             towards the dense state after its own layer, so that they absorb what the bridge left (not in the paper;
             0: the bridges alone).
         down_ridge: With ``"lstsq_down"``, the ridge towards ReplaceMe's folded map, relative to the mean diagonal of
             AᵀA (0: the plain refit; ``inf``: ReplaceMe). None: chosen per bridge from `RIDGE_GRID` on the last
-            calibration batch (see `refit_down_`).
+            calibration batch (see `corrections.linear_bridge._refit_down_from_`).
     """
 
     estimator: str = "lstsq"
