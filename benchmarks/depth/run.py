@@ -110,6 +110,12 @@ VARIANTS: dict[str, dict] = {
     "uidl": dict(method="uidl"),
     "uidl_all_tokens": dict(method="uidl", tokens="all"),
     "replaceme": dict(method="replaceme"),
+    # The per-channel map: the one bridge that folds exactly where a norm follows the MLP (Gemma, OLMo-2, GLM-4).
+    "replaceme_diagonal": dict(method="replaceme", estimator="diagonal"),
+    "shortgpt_diagonal": dict(method="shortgpt", linear_replacement="diagonal"),
+    "sleb_first_2_sequences_diagonal": dict(
+        method="sleb", scoring_batches=1, batch_size=2, linear_replacement="diagonal"
+    ),
     "replaceme_all_tokens": dict(method="replaceme", tokens="all"),
     "replaceme_cosine": dict(method="replaceme", estimator="cosine"),
     "replaceme_2_blocks": dict(method="replaceme", num_blocks=2),

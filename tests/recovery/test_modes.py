@@ -138,3 +138,18 @@ def test_bad_input_is_refused_before_any_change(compressed, tmp_path):
     dense.save_pretrained(folder)
     tiny_models.tiny_hf_tokenizer().save_pretrained(folder)
     _refused(model, "tokenizer encodes the training text differently", config=_config(), teacher=str(folder))
+
+
+def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
+    """A full fine-tune at LoRA's rate (1e-4) or a local block at full fine-tuning's would be a default nobody
+    measured: the rate follows the mode, and the one given wins."""
+    from optimum_flatten.options.recovery import DEFAULT_LEARNING_RATES, RecoveryConfig
+
+    assert {m: RecoveryConfig(mode=m).rate for m in DEFAULT_LEARNING_RATES} == {
+        "lora": 1e-4,
+        "local": 1e-3,
+        "changed": 2e-5,
+        "last_k": 2e-5,
+        "full": 2e-5,
+    }
+    assert RecoveryConfig(mode="full", learning_rate=3e-4).rate == 3e-4

@@ -356,7 +356,7 @@ def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
             type=convert,
             choices=choices,
             default=argparse.SUPPRESS,
-            help=f"RecoveryConfig.{f.name} (default: {f.default!r})",
+            help=f"RecoveryConfig.{f.name} (default: {f.metadata.get('default', repr(f.default))})",
         )
 
 

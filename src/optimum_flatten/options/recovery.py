@@ -11,6 +11,13 @@ from typing import Any, Literal
 from ..utils.errors import reject_unknown_keys
 from .hints import check_option_types
 
+#: The learning rate of each mode unless one is given: LoRA's is the FlattenGPT paper's (1e-4); 'local' trains one
+#: block alone towards a state, and 1e-3 was the best of 3e-5/1e-4/3e-4/1e-3 on the gate's held-out KL of the
+#: training text (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json); the modes that train whole
+#: pretrained blocks by backpropagation through the model take the usual full fine-tuning rate, 2e-5 (the rates
+#: benchmarks/recovery measured every mode with).
+DEFAULT_LEARNING_RATES: dict[str, float] = {"lora": 1e-4, "local": 1e-3, "changed": 2e-5, "last_k": 2e-5, "full": 2e-5}
+
 
 @dataclass
 class RecoveryConfig:
@@ -40,7 +47,8 @@ class RecoveryConfig:
         heldout_rows: Rows of the training text held out for the gate (0 turns the gate off).
         chunk_size: Positions pushed through the LM heads at a time in the loss.
         r, lora_alpha, lora_dropout: LoRA shape (mode='lora').
-        learning_rate, num_train_epochs, max_steps: Optimisation (max_steps > 0 overrides the epochs).
+        learning_rate: The optimiser's rate; None takes the mode's (`DEFAULT_LEARNING_RATES`).
+        num_train_epochs, max_steps: Optimisation (max_steps > 0 overrides the epochs).
         per_device_train_batch_size, gradient_accumulation_steps: Batch shape.
         seqlen: Tokens per training row.
         max_samples: Train on at most this many rows (seeded choice); None uses all.
@@ -64,7 +72,7 @@ class RecoveryConfig:
     r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
-    learning_rate: float = 1e-4
+    learning_rate: float | None = field(default=None, metadata={"default": "the mode's, DEFAULT_LEARNING_RATES"})
     num_train_epochs: float = 2.0
     max_steps: int = -1
     per_device_train_batch_size: int = 4
@@ -76,6 +84,11 @@ class RecoveryConfig:
     logging_steps: int = 10
     seed: int = 0
     extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        """The learning rate used: the one given, or the mode's default."""
+        return DEFAULT_LEARNING_RATES[self.mode] if self.learning_rate is None else self.learning_rate
 
     def tokens_per_step(self) -> int:
         """Training tokens one optimiser step reads (one device)."""

@@ -260,7 +260,7 @@ def recover(
     scratch_dir = tempfile.TemporaryDirectory()
     arguments = TrainingArguments(
         output_dir=scratch_dir.name,
-        learning_rate=config.learning_rate,
+        learning_rate=config.rate,
         num_train_epochs=config.num_train_epochs,
         max_steps=config.max_steps,
         per_device_train_batch_size=config.per_device_train_batch_size,
@@ -391,7 +391,7 @@ def recover(
         "tokens_trained": steps * config.tokens_per_step() * replicas,
         "train_loss": first.result.training_loss,
         "loss_history": first.history,
-        "learning_rate": config.learning_rate,
+        "learning_rate": config.rate,
         "train_seconds": sum(p.result.metrics.get("train_runtime") or 0.0 for p in phases),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
