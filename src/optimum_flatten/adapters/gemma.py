@@ -6,12 +6,9 @@ sublayer's output before the residual add; ``Gemma3`` adds per-head ``q_norm`` /
 keeps its own ``sliding_window`` from ``config.layer_types[layer_idx]`` at construction, and the model picks each
 layer's mask from ``config.layer_types``: both follow the kept layers (the list is sliced by `adapters.per_layer`).
 
-What the post-sublayer norms rule out (`missing_capability_reasons`): the sublayer's output is normalised before it
-reaches the stream, so the output of two layers' heads concatenated is not the sum of their normalised outputs
-(FlattenGPT, CoMe), parameter differences do not add up to the summed updates (LaCo, Sliding-Window Merging), and a
-map folded into ``down_proj`` is undone by the norm that follows it (ReplaceMe, ``linear_replacement``). Compensation
-stays exact: every sublayer reads the stream through a scale-invariant norm, and its writes are scaled through the
-post-norm gains (`scale_stream_writes_`).
+What the post-sublayer norms rule out and what stays exact (compensation, the diagonal bridge) is the same for every
+family that has them: `adapters.post_norm`. Gemma's norms multiply by ``1 + weight``, so its gains scale as
+``(1 + w)·α − 1`` (`GemmaAdapter.scale_norm_`).
 
 ``Gemma3ForConditionalGeneration`` (model_type ``gemma3``) holds the same text stack under
 ``model.language_model`` beside a vision tower and projector, which no method touches; its config keeps the stack's
@@ -22,13 +19,12 @@ so every per-layer field is rewritten there and the top-level config is left as 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import torch
 from torch import nn
 
-from .base import ArchitectureAdapter
 from .layout import AttentionLayout, BlockLayout
+from .post_norm import PostSublayerNormAdapter
 from .registry import register_adapter
 
 GEMMA_LAYOUT = BlockLayout(
@@ -36,33 +32,13 @@ GEMMA_LAYOUT = BlockLayout(
     mlp_norm="pre_feedforward_layernorm",  # post_attention_layernorm normalises the attention output instead
 )
 
-#: Why families that normalise each sublayer's output before the residual add lack the merges' capabilities.
-POST_SUBLAYER_NORM_REASONS: dict[str, str] = {
-    "pre_norm": "a norm follows each sublayer's output before the residual add, so norm folding and the sum of "
-    "concatenated layers' outputs are not exact",
-    "concat_heads": "the post-sublayer norm of a concatenated block would normalise the members' summed outputs, "
-    "not each one",
-    "parameter_merge": "parameter differences approximate summed residual updates, and a post-sublayer norm "
-    "rescales each update to one layer's magnitude",
-    "down_fold": "a linear map folded into down_proj is undone by the norm applied after it (estimator 'diagonal' "
-    "folds a per-channel map into that norm's gain instead)",
-}
-
-
 @register_adapter
-class GemmaAdapter(ArchitectureAdapter):
-    """Gemma 2 / Gemma 3 text stacks: layer drops and compensation; merges refused (post-sublayer norms)."""
+class GemmaAdapter(PostSublayerNormAdapter):
+    """Gemma 2 / Gemma 3 text stacks: layer drops, compensation and the diagonal bridge; merges refused."""
 
     model_types = ("gemma2", "gemma3_text")
-    capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp", "stream_scale"})
-    mlp_output_norm = "post_feedforward_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
-    missing_capability_reasons: ClassVar[dict[str, str]] = POST_SUBLAYER_NORM_REASONS
     layouts = (GEMMA_LAYOUT,)
-
-    def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
-        """The sublayers write through their post-norms: scaling those gains scales the writes exactly."""
-        for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
-            self.scale_norm_(getattr(module, name), factor)
+    post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
 
     def scale_norm_(self, module: nn.Module, factor: float | torch.Tensor) -> None:
         """Gemma's RMSNorm multiplies by ``1 + weight`` (transformers 5.x ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``)."""

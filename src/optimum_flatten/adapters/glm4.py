@@ -9,18 +9,13 @@ Module layout bound here (transformers 5.x, checked on 5.24): ``input_layernorm`
 The block is Gemma's with other names, so the same algebra decides (`adapters.gemma`): layer drops and ffn_merge
 apply (ffn_merge reads the fused gate/up through part views), and compensation is exact (both sublayers read the
 stream through scale-invariant norms, and their writes scale through the post-norm gains); merges that sum or fold
-sublayer outputs are refused with `POST_SUBLAYER_NORM_REASONS`.
+sublayer outputs are refused with `adapters.post_norm`'s reasons.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from torch import nn
-
-from .base import ArchitectureAdapter
-from .gemma import POST_SUBLAYER_NORM_REASONS
 from .layout import AttentionLayout, BlockLayout, MlpLayout
+from .post_norm import PostSublayerNormAdapter
 from .registry import register_adapter
 
 GLM4_LAYOUT = BlockLayout(
@@ -32,16 +27,9 @@ GLM4_LAYOUT = BlockLayout(
 
 
 @register_adapter
-class Glm4Adapter(ArchitectureAdapter):
-    """GLM-4 decoders: layer drops, compensation and ffn_merge; merges refused (post-sublayer norms)."""
+class Glm4Adapter(PostSublayerNormAdapter):
+    """GLM-4 decoders: layer drops, compensation, ffn_merge and the diagonal bridge; merges refused."""
 
     model_types = ("glm4",)
-    capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp", "stream_scale"})
-    mlp_output_norm = "post_mlp_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
-    missing_capability_reasons: ClassVar[dict[str, str]] = POST_SUBLAYER_NORM_REASONS
     layouts = (GLM4_LAYOUT,)
-
-    def scale_stream_writes_(self, module: nn.Module, index: int, factor: float) -> None:
-        """The sublayers write through their post-norms: scaling those gains scales the writes exactly."""
-        for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):
-            self.scale_norm_(getattr(module, name), factor)
+    post_norms = ("post_self_attn_layernorm", "post_mlp_layernorm")

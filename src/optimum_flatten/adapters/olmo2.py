@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from .base import ArchitectureAdapter
-from .gemma import POST_SUBLAYER_NORM_REASONS
 from .layout import AttentionLayout, BlockLayout
+from .post_norm import POST_SUBLAYER_NORM_REASONS, PostSublayerNormAdapter
 from .registry import register_adapter
 
 OLMO2_LAYOUT = BlockLayout(
@@ -27,14 +26,14 @@ OLMO2_LAYOUT = BlockLayout(
 
 
 @register_adapter
-class Olmo2Adapter(ArchitectureAdapter):
-    """OLMo-2 decoders: layer drops only."""
+class Olmo2Adapter(PostSublayerNormAdapter):
+    """OLMo-2 decoders: layer drops, ffn_merge and the diagonal bridge."""
 
     model_types = ("olmo2",)
-    capabilities = frozenset({"head_geometry", "gated_mlp", "layer_drop", "dense_mlp"})
-    mlp_output_norm = "post_feedforward_layernorm"  # a diagonal bridge folds into its gain (estimator 'diagonal')
+    capabilities = PostSublayerNormAdapter.capabilities - {"stream_scale"}
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         **POST_SUBLAYER_NORM_REASONS,
         "stream_scale": "the MLP reads the residual stream without a norm, so scaling the stream changes its output",
     }
     layouts = (OLMO2_LAYOUT,)
+    post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
