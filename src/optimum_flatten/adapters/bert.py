@@ -93,8 +93,6 @@ class BertAdapter(ArchitectureAdapter):
         "concat_heads": "post-LN BERT blocks cannot be concatenated into one wider block exactly (the LayerNorm after "
         "each residual add is not additive across blocks)",
         "gated_mlp": "BERT's MLP is intermediate.dense -> GELU -> output.dense without a gate projection",
-        "down_fold": "a map folded into output.dense is exact only in a pre-norm block; BERT is post-LN, and the "
-        "LayerNorm after the residual add acts on the map's output and the stream together",
     }
 
     def __init__(self, model: nn.Module) -> None:

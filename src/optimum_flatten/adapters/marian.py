@@ -164,8 +164,6 @@ class MarianAdapter(ArchitectureAdapter):
         "concat_heads": "two post-LN blocks cannot run in parallel on one input: each block's output is normalised "
         "as a whole, so the members' attention and MLP outputs cannot be summed into one wider block",
         "gated_mlp": "Marian's MLP is fc1 -> activation -> fc2 without a gate projection",
-        "down_fold": "a map folded into fc2 is exact only in a pre-norm block; Marian is post-LN, and the LayerNorm "
-        "after the residual add acts on the map's output and the stream together",
     }
 
     def __init__(self, model: nn.Module) -> None:
