@@ -383,11 +383,16 @@ class FlattenQuantizer(OptimumQuantizer):
     ) -> str:
         """Saves the plain checkpoint locally (see `save`), then uploads it to `repo_id` on the Hub.
 
+        Under a process group only rank 0 saves and uploads (every rank holds the same model after a sharded
+        calibration: N uploads of one checkpoint would race on one repo); the others return `repo_id` at once.
+
         Raises:
             HubUploadError: when the upload fails; the local folder stays, and the message says where it is.
         """
         from .export.hub import push_to_hub
 
+        if not is_writer():
+            return repo_id
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
 

@@ -55,6 +55,20 @@ def run(case: str) -> tuple[Any, Any, dict[str, Any]]:
     return model, quantizer, {"plan": quantizer.plan.to_dict(), "state": state, "report": dict(quantizer.report)}
 
 
+class _RecordingApi:
+    """Records an upload in a file instead of sending it (huggingface_hub.HfApi's two calls)."""
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+
+    def create_repo(self, repo_id: str, **_: Any) -> None:
+        pass
+
+    def upload_folder(self, repo_id: str, folder_path: str, **_: Any) -> str:
+        self.record.write_text(folder_path)
+        return f"https://huggingface.co/{repo_id}"
+
+
 def main(out: str) -> None:
     import torch.distributed as dist
 
@@ -66,6 +80,9 @@ def main(out: str) -> None:
             torch.save(result, Path(out) / f"{case}.pt")
         if case == "flattengpt":
             quantizer.save(model, Path(out) / "checkpoint", tiny_models.tiny_hf_tokenizer())
+            # Every rank asks to push; rank 0 alone saves and uploads (to a stand-in for the Hub's API).
+            api = _RecordingApi(Path(out) / f"uploaded_by_rank_{rank}.txt")
+            quantizer.push_to_hub(model, "nobody/flattened", local_dir=Path(out) / f"pushed_{rank}", api=api)
     try:
         compress(tiny_models.tiny_llama_gqa(), "sleb", num_layers_to_remove=2, **CALIBRATION)
     except ValueError as error:

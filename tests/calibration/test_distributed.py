@@ -97,6 +97,12 @@ def test_two_processes_calibrate_to_the_plan_and_weights_of_one(two_processes, c
         torch.testing.assert_close(logits(reloaded, ids), logits(model, ids), atol=atol, rtol=rtol)
 
 
+def test_rank_0_alone_saves_and_uploads_when_every_rank_pushes(two_processes):
+    assert (two_processes / "uploaded_by_rank_0.txt").read_text() == str((two_processes / "pushed_0").resolve())
+    assert (two_processes / "pushed_0" / "config.json").is_file()
+    assert not (two_processes / "uploaded_by_rank_1.txt").exists() and not (two_processes / "pushed_1").exists()
+
+
 def test_a_method_that_does_not_shard_is_refused_on_every_rank(two_processes):
     for rank in (0, 1):
         message = (two_processes / f"refusal_{rank}.txt").read_text()
