@@ -153,3 +153,31 @@ def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
         "full": 2e-5,
     }
     assert RecoveryConfig(mode="full", learning_rate=3e-4).rate == 3e-4
+
+
+def test_the_default_mode_is_local_with_a_teacher_and_a_plan_on_one_process_and_lora_otherwise(compressed):
+    from optimum_flatten.options.recovery import default_mode
+
+    assert default_mode(has_teacher=True, has_plan=True, processes=1) == "local"
+    for teacher, plan, processes in [(False, True, 1), (True, False, 1), (True, True, 2)]:
+        assert default_mode(has_teacher=teacher, has_plan=plan, processes=processes) == "lora"
+    dense, model, report = compressed
+    config = _config(learning_rate=None, max_tokens=64)  # the mode and its learning rate left to the defaults
+    _, log = recover(
+        copy.deepcopy(model),
+        tiny_models.tiny_hf_tokenizer(),
+        tiny_models.sample_texts(),
+        config,
+        teacher=copy.deepcopy(dense),
+        report=report,
+    )
+    assert (log["mode"], log["learning_rate"]) == ("local", 1e-3)
+    _, log = recover(
+        copy.deepcopy(model),
+        tiny_models.tiny_hf_tokenizer(),
+        tiny_models.sample_texts(),
+        config,
+        teacher=False,
+        report=report,
+    )
+    assert (log["mode"], log["loss"], log["learning_rate"]) == ("lora", "lm", 1e-4)

@@ -314,7 +314,8 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         "--heal-mode",
         choices=modes,
         default=argparse.SUPPRESS,
-        help=f"what is trained (default: {RecoveryConfig.mode!r}; see docs/workflows.md)",
+        help="what is trained (default: local, one changed block at a time against the dense model's states, on "
+        "one process; lora under a data-parallel launch; see docs/workflows.md)",
     )
     group.add_argument(
         "--heal-dataset",

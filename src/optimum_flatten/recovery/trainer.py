@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from ..options.recovery import RecoveryConfig
+from ..options.recovery import RecoveryConfig, with_mode
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
@@ -189,6 +189,15 @@ def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     return dataclasses.replace(config, max_tokens=config.local_then_global_tokens, local_then_global_tokens=None)
 
 
+def _has_teacher(teacher: Any, report: Mapping[str, Any] | None) -> bool:
+    """Whether `_resolve_teacher` will load a teacher (nothing is loaded here): what the default mode depends on."""
+    from .teacher import default_teacher
+
+    if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+        return False
+    return teacher is not None or default_teacher(report) is not None
+
+
 def _resolve_teacher(
     teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
 ) -> tuple[nn.Module | None, Any | None, str | None]:
@@ -252,6 +261,7 @@ def recover(
     config = config or RecoveryConfig()
     if report is None:
         report = getattr(model, "flatten_report", None)
+    config = with_mode(config, has_teacher=_has_teacher(teacher, report), has_plan=bool((report or {}).get("plan")))
     dtype = next(model.parameters()).dtype
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
     # The arguments come first: building them joins the processes of a distributed launch, and the budget's steps
