@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import tiny_models  # noqa: E402
 from common import compress  # noqa: E402
 from optimum_flatten.recovery import RecoveryConfig, recover  # noqa: E402
+from optimum_flatten.recovery.gate import full_tensor  # noqa: E402
 
 #: Global rows per optimiser step, the same in every run; a DDP run of N processes reads GLOBAL_BATCH / N rows each.
 GLOBAL_BATCH = 4
@@ -36,17 +37,33 @@ STEPS = 4
 #: sets split_batches (the batch size is global, each step's batch is cut in N).
 MODES: dict[str, bool] = {"full": False, "changed": True}
 
+#: FSDP2 with each decoder layer its own unit (accelerate adds the embedding, the final norm with the LM head, and
+#: the root).
+FSDP_CONFIG: dict[str, Any] = {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
 
-def heal(mode: str, processes: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
-    """(compressed state before healing, healed state, log) of `mode` for a run of `processes` processes."""
+
+def heal(
+    mode: str,
+    processes: int,
+    split: bool | None = None,
+    fsdp: bool = False,
+    **options: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """(compressed state before healing, healed state, log) of `mode` for a run of `processes` processes.
+
+    `split` overrides the mode's batch shape (`MODES`); `fsdp` asks the Trainer for FSDP2, each decoder layer a
+    unit (what `fsdp_heal.py` launches); `options` override the `RecoveryConfig` below (a rate that overshoots, so
+    that the gate keeps an earlier state or stops early). The healed state is gathered whole on every process (a
+    sharded model's parameters are DTensors), as `recover`'s docstring tells FSDP users to.
+    """
     torch.manual_seed(0)
     dense = tiny_models.tiny_llama_gqa()
     model = copy.deepcopy(dense)
     quantizer = compress(model, "flattengpt", num_layers_to_remove=2, linear_replacement="lstsq")
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    split = MODES[mode]
+    split = MODES[mode] if split is None else split
     per_device = GLOBAL_BATCH if split else GLOBAL_BATCH // processes
-    config = RecoveryConfig(
+    settings: dict[str, Any] = dict(
         mode=mode,
         max_tokens=STEPS * GLOBAL_BATCH * SEQLEN,  # the budget is global: the same steps whatever `processes`
         seqlen=SEQLEN,
@@ -60,8 +77,10 @@ def heal(mode: str, processes: int) -> tuple[dict[str, torch.Tensor], dict[str, 
             "disable_tqdm": True,
             "use_cpu": True,
             "accelerator_config": {"split_batches": split},
+            **({"fsdp": True, "fsdp_config": FSDP_CONFIG} if fsdp else {}),
         },
     )
+    config = RecoveryConfig(**{**settings, **options})
     healed, log = recover(
         model,
         tiny_models.CharTokenizer(),
@@ -70,7 +89,10 @@ def heal(mode: str, processes: int) -> tuple[dict[str, torch.Tensor], dict[str, 
         teacher=dense,
         report=dict(quantizer.report),
     )
-    return before, {k: v.detach().clone() for k, v in healed.state_dict().items()}, log
+    after = {k: full_tensor(v.detach()).clone() for k, v in healed.state_dict().items()}
+    # How many parameters came back as shards (DTensors): all of them under FSDP2, none under DDP or alone.
+    sharded = sum(type(p).__name__ == "DTensor" for p in healed.parameters())
+    return before, after, {**log, "sharded_parameters": sharded}
 
 
 def main(out: str) -> None:

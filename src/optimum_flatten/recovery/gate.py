@@ -12,6 +12,17 @@ weights (DDP keeps the replicas equal), so each finds the same score; rank 0's s
 others, so that the decisions (stop now, keep this state) cannot part ways on a round-off: a process that stopped
 alone would leave the others waiting in the next gradient all-reduce for ever. Every process then restores the same
 best state, and only rank 0 logs.
+
+Under FSDP2 (``fsdp_config={"version": 2}``; the Trainer shards the model in place, its parameters become DTensors
+holding one shard per process) the gate works on whole parameters, never on shards: scoring runs the sharded model's
+own forward (it gathers each unit's parameters as it goes), the snapshot gathers every trainable parameter whole
+(`full_tensor`, a collective that every process makes in the same order, since their decisions agree) and the
+restore cuts the whole best state back into this process's shard (`load_full_`). The snapshot before the first
+step is taken on the model before the Trainer shards it, so every snapshot holds whole tensors and any of them
+restores onto either form. After each scoring the units that the forward left gathered (accelerate keeps the
+final norm and LM head gathered after a forward, since a backward normally follows at once) are resharded
+(`reshard_`), so that the restore writes into the shards, not into a gathered copy that the next reshard would
+throw away (which would leave the LM head and the final norm at their last trained values).
 """
 
 from __future__ import annotations
@@ -38,6 +49,56 @@ def is_main_process() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
         torch.distributed.get_rank() == 0
     )
+
+
+def _dtensor() -> type | None:
+    """torch's DTensor class (FSDP2's parameters), or None where torch has no distributed package."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of `tensor`: itself, or for an FSDP2 parameter (a DTensor holding this process's shard) the
+    parameter gathered from every process; a collective then, which every process must make in the same order."""
+    dtensor = _dtensor()
+    return tensor.full_tensor() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
+@torch.no_grad()
+def load_full_(parameter: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies the whole tensor `value` into `parameter`; into an FSDP2 parameter, the shard of it this process
+    holds (every process holds the same `value`, so the shards are cut locally, without communication)."""
+    dtensor = _dtensor()
+    if dtensor is not None and isinstance(parameter, dtensor):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(
+            value.to(parameter.device, parameter.dtype),
+            parameter.device_mesh,
+            parameter.placements,
+            src_data_rank=None,  # each process has the whole value: no scatter from rank 0
+        )
+    parameter.copy_(value.to(parameter.device))
+
+
+def reshard_(model: nn.Module) -> None:
+    """Under FSDP2, puts every unit of `model` (the root that accelerate shards) back to its sharded parameters
+    after a forward outside training (see the module docstring); nothing otherwise.
+
+    `FSDPModule.reshard` is not enough: the loss calls the LM head on its own after the forward, and accelerate puts
+    the head in one unit with the final norm, so the unit's forward never completes (its other module has not run
+    again) and it stays gathered, refusing to reshard. `reset_iter_state` ends that forward; between optimiser steps,
+    where the gate runs, it drops no gradient, since none is pending.
+    """
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reset_iter_state()
 
 
 def agree(scores: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -121,10 +182,12 @@ class HeldOutGate(TrainerCallback):
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self._trainable()}
+        """The whole trainable state on the CPU (gathered from the shards under FSDP2)."""
+        return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in self._trainable()}
 
     def _score(self) -> dict[str, float]:
         scores = score_rows(self.model, self.loss, self.rows, self.batch_size)
+        reshard_(self.model)
         return agree(scores, next(p.device for p in self.model.parameters()))
 
     def evaluate(self, step: int) -> bool:
@@ -151,7 +214,7 @@ class HeldOutGate(TrainerCallback):
     def restore_best_(self) -> str:
         """Loads the best state into the model; returns the decision (`KEPT_INPUT` or `IMPROVED`)."""
         for name, parameter in self._trainable():
-            parameter.copy_(self.best_state[name].to(parameter.device))
+            load_full_(parameter, self.best_state[name])
         return KEPT_INPUT if self.best_step == 0 else IMPROVED
 
     def summary(self) -> dict[str, Any]:

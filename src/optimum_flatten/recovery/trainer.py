@@ -122,6 +122,63 @@ def _replicas(config: RecoveryConfig, world_size: int | None = None) -> int:
     return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _fsdp_version(config: RecoveryConfig, arguments: Any = None) -> int | None:
+    """The FSDP version the run asks for, None for none: from the built TrainingArguments (``fsdp=True`` with
+    ``fsdp_config={"version": ...}`` in `extra_training_args`; transformers defaults to 2), from those arguments
+    before they are built (`check_recovery_inputs`), or from ``accelerate launch --use_fsdp``'s environment (whose
+    default is 1)."""
+    if arguments is not None:
+        plugin = getattr(arguments, "fsdp_plugin_args", None)
+        if plugin:
+            return int(plugin.get("fsdp_version", 1))
+    elif config.extra_training_args.get("fsdp"):
+        fsdp_config = config.extra_training_args.get("fsdp_config") or {}
+        if isinstance(fsdp_config, Mapping):
+            return int(fsdp_config.get("version", fsdp_config.get("fsdp_version", 2)))
+        return 2  # a JSON file's path: transformers reads it when the arguments are built, and recover checks again
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return int(os.environ.get("FSDP_VERSION", "1"))
+    return None
+
+
+def check_fsdp(config: RecoveryConfig, version: int | None) -> None:
+    """Refuses, before any weight changes, what healing does not support under FSDP.
+
+    FSDP2 is supported for modes 'full', 'changed' and 'last_k' (the gate gathers whole parameters; see
+    `recovery.gate`). FSDP1 is not: the gate would score and snapshot the model inside the wrapper, whose
+    parameters are flattened shards, and torch refuses FSDP1 on a CPU, where it could be tested; transformers
+    deprecates it. Mode 'local' runs blocks outside the model's forward, so FSDP would never gather them. Mode
+    'lora' trains and merges to the right weights under FSDP2 (seen on the CPU), but accelerate shards the peft
+    wrapper as the root unit, and the merged model that comes out of it leaves the parameters the root held sharded
+    with nothing to gather them: its forward fails ("got mixed torch.Tensor and DTensor"). The gate reshards the
+    model after scoring it with `FSDPModule.reset_iter_state`, which older torch lacks.
+    """
+    if version is None:
+        return
+    if version != 2:
+        raise ValueError(
+            f"healing under FSDP needs FSDP2 (fsdp_config={{'version': 2}}, or accelerate launch --fsdp_version 2), "
+            f"got version {version}; FSDP1's flattened shards are not supported by the gate."
+        )
+    if config.mode in ("local", "lora"):
+        reason = (
+            "runs each span's block outside the model's forward, where FSDP never gathers its parameters"
+            if config.mode == "local"
+            else "merges its adapters into a model whose root parameters FSDP2 leaves sharded, and its forward fails"
+        )
+        raise ValueError(
+            f"mode={config.mode!r} is not supported under FSDP: it {reason}; pick mode 'changed' (or 'full', "
+            "'last_k'), or launch without FSDP."
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "reset_iter_state"):
+        raise ValueError(
+            f"healing under FSDP2 needs FSDPModule.reset_iter_state, which torch {torch.__version__} lacks (2.13 has "
+            "it): the gate reshards the model with it after scoring; upgrade torch or launch without FSDP."
+        )
+
+
 def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]], replicas: int = 1) -> int:
     """max_steps for the (global) token budget, one step reading `replicas` per-process batches; refuses a budget
     the training rows cannot fill."""
@@ -164,6 +221,7 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
     is refused while the model is still the dense one.
     """
+    check_fsdp(config, _fsdp_version(config))
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     _steps_for_budget(config, train_rows, _replicas(config))
     if config.local_then_global_tokens:
@@ -245,13 +303,16 @@ def recover(
             default teacher.
 
     Returns:
-        The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, the held-out objective and
-        LM loss before and after, and the gate's decision.
+        The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, processes, FSDP (2 when the
+        Trainer sharded the model, else None), the held-out objective and LM loss before and after, and the gate's
+        decision. Under FSDP2 the model comes back as the Trainer left it, sharded in place (its parameters are
+        DTensors): gather it on every process with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` and save from rank 0.
 
     Raises:
         ValueError: an unknown mode, a teacher with another vocabulary or tokenizer, hidden-state terms without a
             layer map, too little text for the budget, 'changed' or 'local' with nothing changed, 'local' without a
-            teacher or under a data-parallel launch.
+            teacher or under a data-parallel launch, FSDP1, 'local' or 'lora' under FSDP (`check_fsdp`).
         ImportError: when peft is missing for mode='lora' (``pip install optimum-flatten[recovery]``).
     """
     from transformers import TrainingArguments
@@ -284,6 +345,8 @@ def recover(
         dataloader_pin_memory=torch.cuda.is_available(),
         **config.extra_training_args,
     )
+    fsdp = _fsdp_version(config, arguments)
+    check_fsdp(config, fsdp)
     replicas = _replicas(config, arguments.world_size)
     arguments.max_steps = _steps_for_budget(config, train_rows, replicas)
     spans: list[Span] = []
@@ -378,6 +441,10 @@ def recover(
                 phases.append(
                     _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
                 )
+    if fsdp is not None and not phases[0].sharded:
+        notes.append(_NOT_SHARDED)
+        if is_main_process():
+            logger.info(_NOT_SHARDED)
     if lora is not None:
         trained_model = trained_model.merge_and_unload()
     else:
@@ -398,6 +465,7 @@ def recover(
         "seqlen": config.seqlen,
         "steps": steps,
         "processes": arguments.world_size,
+        "fsdp": 2 if first.sharded else None,
         "tokens_trained": steps * config.tokens_per_step() * replicas,
         "train_loss": first.result.training_loss,
         "loss_history": first.history,
@@ -435,6 +503,11 @@ def recover(
     return trained_model, log
 
 
+_NOT_SHARDED = (
+    "FSDP was asked for, but accelerate shards only on accelerators (CUDA, XPU, NPU...): this run was "
+    "data-parallel (DDP), every process holding the whole model"
+)
+
 _LOCAL_NEEDS_TEACHER = (
     "mode='local' trains each changed span towards the teacher's states, and no teacher was given (or the report "
     "names none); give teacher=... (the dense model), or pick mode 'changed', 'last_k', 'full' or 'lora'."
@@ -443,12 +516,14 @@ _LOCAL_NEEDS_TEACHER = (
 
 @dataclasses.dataclass
 class _Phase:
-    """One Trainer run of `recover`: its result, loss log, gate and the gate's decision."""
+    """One Trainer run of `recover`: its result, loss log, gate, the gate's decision, and whether accelerate
+    sharded the model (FSDP)."""
 
     result: Any
     history: list[dict[str, Any]]
     gate: Any
     decision: str
+    sharded: bool = False
 
     @property
     def steps(self) -> int:
@@ -477,7 +552,7 @@ def _train_phase(
     result = trainer.train()
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
-    return _Phase(result, history, gate, decision)
+    return _Phase(result, history, gate, decision, bool(getattr(trainer, "is_fsdp_enabled", False)))
 
 
 def _combined_decision(decisions: list[str]) -> str:
