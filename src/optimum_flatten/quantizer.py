@@ -191,13 +191,16 @@ class FlattenQuantizer(OptimumQuantizer):
     def _heal_inputs(self) -> tuple[Any, str, Any]:
         """(training text, its column, RecoveryConfig) of `FlattenConfig.heal` (default text: the calibration's)."""
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
+        from .recovery.trainer import fsdp_version
 
         heal = dict(self.config.heal or {})
         dataset = heal.get("dataset") if heal.get("dataset") is not None else self.config.calibration.dataset
         column = heal.get("text_column", self.config.calibration.text_column)
         settings = {k: v for k, v in heal.items() if k not in HEAL_EXTRA_KEYS}
         # The dense model teaches, and the compression about to run gives the plan.
-        return dataset, column, with_mode(RecoveryConfig(**settings), has_teacher=True, has_plan=True)
+        config = RecoveryConfig(**settings)
+        fsdp = fsdp_version(config) is not None
+        return dataset, column, with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp)
 
     @staticmethod
     def _dense_copy(model: nn.Module) -> nn.Module:

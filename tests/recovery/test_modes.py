@@ -161,6 +161,7 @@ def test_the_default_mode_is_local_with_a_teacher_and_a_plan_on_one_process_and_
     assert default_mode(has_teacher=True, has_plan=True, processes=1) == "local"
     for teacher, plan, processes in [(False, True, 1), (True, False, 1), (True, True, 2)]:
         assert default_mode(has_teacher=teacher, has_plan=plan, processes=processes) == "lora"
+    assert default_mode(has_teacher=True, has_plan=True, processes=2, fsdp=True) == "full"
     dense, model, report = compressed
     config = _config(learning_rate=None, max_tokens=64)  # the mode and its learning rate left to the defaults
     _, log = recover(

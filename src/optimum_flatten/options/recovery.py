@@ -102,9 +102,9 @@ class RecoveryConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
 
 
-def default_mode(has_teacher: bool, has_plan: bool, processes: int) -> str:
+def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False) -> str:
     """The mode `RecoveryConfig(mode=None)` trains: ``local`` with a teacher and the compression's plan on one
-    process, else ``lora``.
+    process, ``full`` under FSDP, else ``lora``.
 
     Measured (benchmarks/recovery, SmolLM2-135M, FlattenGPT 30 -> 24, 64K tokens of pre-2000 speeches; perplexity
     ratio to dense on the later speeches / the King James Bible, untrained 1.584 / 2.741): full distillation 1.363 /
@@ -115,13 +115,16 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int) -> str:
     the least memory of all modes, so it is the default where it can run. It needs a teacher, the report's plan (which
     blocks changed, and the spans they stand for) and one process (its blocks run outside the model's forward, which
     a data-parallel wrapper would not synchronise); otherwise LoRA, today's recipe, whose memory does not grow with
-    the student either.
+    the student either. Under FSDP, which shards exactly what `full` holds and under which neither `local` nor
+    `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
     """
+    if fsdp:
+        return "full"
     return "local" if has_teacher and has_plan and processes == 1 else "lora"
 
 
 def with_mode(
-    config: RecoveryConfig, has_teacher: bool, has_plan: bool, processes: int | None = None
+    config: RecoveryConfig, has_teacher: bool, has_plan: bool, processes: int | None = None, fsdp: bool = False
 ) -> RecoveryConfig:
     """`config` with its mode resolved (`default_mode` when None); `processes` None reads the launchers'
     ``WORLD_SIZE`` (torchrun, accelerate launch), as the Trainer will."""
@@ -129,7 +132,7 @@ def with_mode(
         return config
     if processes is None:
         processes = int(os.environ.get("WORLD_SIZE", "1"))
-    return dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes))
+    return dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp))
 
 
 #: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.

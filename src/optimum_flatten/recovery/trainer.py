@@ -122,7 +122,7 @@ def _replicas(config: RecoveryConfig, world_size: int | None = None) -> int:
     return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _fsdp_version(config: RecoveryConfig, arguments: Any = None) -> int | None:
+def fsdp_version(config: RecoveryConfig, arguments: Any = None) -> int | None:
     """The FSDP version the run asks for, None for none: from the built TrainingArguments (``fsdp=True`` with
     ``fsdp_config={"version": ...}`` in `extra_training_args`; transformers defaults to 2), from those arguments
     before they are built (`check_recovery_inputs`), or from ``accelerate launch --use_fsdp``'s environment (whose
@@ -221,7 +221,7 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
     is refused while the model is still the dense one.
     """
-    check_fsdp(config, _fsdp_version(config))
+    check_fsdp(config, fsdp_version(config))
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     _steps_for_budget(config, train_rows, _replicas(config))
     if config.local_then_global_tokens:
@@ -322,7 +322,12 @@ def recover(
     config = config or RecoveryConfig()
     if report is None:
         report = getattr(model, "flatten_report", None)
-    config = with_mode(config, has_teacher=_has_teacher(teacher, report), has_plan=bool((report or {}).get("plan")))
+    config = with_mode(
+        config,
+        has_teacher=_has_teacher(teacher, report),
+        has_plan=bool((report or {}).get("plan")),
+        fsdp=fsdp_version(config) is not None,
+    )
     dtype = next(model.parameters()).dtype
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
     # The arguments come first: building them joins the processes of a distributed launch, and the budget's steps
@@ -345,7 +350,7 @@ def recover(
         dataloader_pin_memory=torch.cuda.is_available(),
         **config.extra_training_args,
     )
-    fsdp = _fsdp_version(config, arguments)
+    fsdp = fsdp_version(config, arguments)
     check_fsdp(config, fsdp)
     replicas = _replicas(config, arguments.world_size)
     arguments.max_steps = _steps_for_budget(config, train_rows, replicas)
