@@ -433,6 +433,9 @@ PRODUCT_ROWS = {
     "auto_down_todays_flattengpt": "`auto` (six of its eight default candidates)",
     "replaceme_lstsq_down": '`replaceme`, `estimator="lstsq_down"`',
     "replaceme": "`replaceme`",
+    "replaceme_diagonal": '`replaceme`, `estimator="diagonal"`',
+    "shortgpt_diagonal": '`shortgpt`, `linear_replacement="diagonal"`',
+    "sleb_first_2_sequences_diagonal": '`sleb`, `linear_replacement="diagonal"`',
     "flattengpt_defaults_lstsq_down": '`flattengpt`, `linear_replacement="lstsq_down"`',
     "flattengpt": "`flattengpt`",
     "sleb_first_2_sequences": "`sleb`",
@@ -450,6 +453,10 @@ PRODUCT_HEALING = {
     ("flattengpt", "local", "distillation"): "`flattengpt`, healed: changed spans distilled locally",
     ("shortgpt", "local", "distillation"): "`shortgpt`, healed: changed spans distilled locally",
     ("flattengpt", "lora", "lm"): "`flattengpt`, healed: LoRA on the LM loss",
+    ("replaceme_lstsq_down", "local", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: its bridged '
+    "block distilled locally",
+    ("replaceme_lstsq_down", "full", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: every weight '
+    "distilled",
 }
 
 

@@ -117,6 +117,14 @@ def float64_column_sum(flat: torch.Tensor, chunk_tokens: int = 4096) -> torch.Te
     return total
 
 
+def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The rows of `x` (batch, seq, dim) whose mask is 1, as (tokens, dim) on `device`: padding never reaches a sum."""
+    flat = x.reshape(-1, x.shape[-1])
+    if mask is not None:
+        flat = flat[mask.reshape(-1).to(flat.device).bool()]
+    return flat.to(device)
+
+
 class SecondMoment:
     """C = E[x xᵀ] over valid tokens, from a float64 running sum (no token matrix is ever stored).
 
@@ -146,10 +154,7 @@ class SecondMoment:
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
-        flat = x.reshape(-1, x.shape[-1])
-        if mask is not None:
-            flat = flat[mask.reshape(-1).to(flat.device).bool()]
-        flat = flat.to(self.sum.device)
+        flat = real_rows(x, mask, self.sum.device)
         n = flat.shape[0]
         if n == 0:
             return
@@ -246,10 +251,7 @@ class CentredSecondMoment:
 
     def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
-        flat = x.reshape(-1, x.shape[-1])
-        if mask is not None:
-            flat = flat[mask.reshape(-1).to(flat.device).bool()]
-        flat = flat.to(self.scatter.device)
+        flat = real_rows(x, mask, self.scatter.device)
         n = flat.shape[0]
         if n == 0:
             return
