@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -57,6 +58,9 @@ class FlattenConfig(QuantizationConfigMixin):
             training-token budget, or a mapping of `RecoveryConfig` fields plus ``dataset`` (default: the
             calibration text). The dense weights are the teacher, so a copy of them is held while compressing and
             healing (one more model's worth of memory). None (the default) heals nothing.
+        resume_dir: A folder where the compression keeps its per-layer state, so that a run killed mid-way and
+            started again with the same folder resumes there (`compression.resume`, docs/workflows.md). A local
+            path of this machine: like `tokenizer`, never serialised.
         **kwargs: Calibration options and method options, flat.
     """
 
@@ -74,6 +78,7 @@ class FlattenConfig(QuantizationConfigMixin):
         linear_replacement: str | None = None,
         compensation: str | None = None,
         heal: int | Mapping[str, Any] | None = None,
+        resume_dir: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> None:
         from .registry import get_method_class
@@ -104,6 +109,9 @@ class FlattenConfig(QuantizationConfigMixin):
         self.linear_replacement = linear_replacement
         self.compensation = compensation
         self.heal = parse_heal(heal)
+        if resume_dir is not None and not isinstance(resume_dir, (str, os.PathLike)):
+            raise TypeError(f"resume_dir must be a folder path, got {type(resume_dir).__name__}.")
+        self.resume_dir = None if resume_dir is None else os.fspath(resume_dir)
 
         calibration_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _CALIBRATION_FIELDS}
         calibration = kwargs.pop("calibration", None)

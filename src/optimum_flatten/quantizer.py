@@ -19,6 +19,7 @@ from .calibration.distributed import all_reduce_sums, is_writer, process_group, 
 from .compression import pipeline
 from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
+from .compression.resume import ResumeState, calibration_fingerprint, job_identity
 from .config import FlattenConfig
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .plan import LayerPlan
@@ -50,6 +51,8 @@ class Preflight:
     batches: list[Any]
     #: The ranks the calibration is sharded over (1: one process, every batch here).
     world_size: int = 1
+    #: The job's per-layer state (``FlattenConfig(resume_dir=...)``), checked against this job; None without one.
+    resume: ResumeState | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,8 @@ class FlattenQuantizer(OptimumQuantizer):
             self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed
         )
         pipeline.preflight(adapter, method, stack, corrections)
+        if self.config.resume_dir is not None:
+            check_resumable(method, corrections)
         num_layers = adapter.num_layers(stack)
         # A depth-keeping method must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
@@ -285,7 +290,12 @@ class FlattenQuantizer(OptimumQuantizer):
                     "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
                     "trained), or heal with mode 'full', 'last_k' or 'lora'."
                 )
-        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size)
+        resume = None
+        if self.config.resume_dir is not None:
+            if world_size > 1:
+                raise ValueError("resume_dir keeps one process's state; run a resumable compression in one process.")
+            resume = open_resume_state(self.config, model, stack, num_layers, num_to_remove, batches)
+        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume)
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
@@ -296,7 +306,7 @@ class FlattenQuantizer(OptimumQuantizer):
         # Real positions per batch, as the adapter defines them on the original stack (read before it changes).
         masks = [adapter.token_mask(stack, b) for b in checked.batches]
         dense_flops = _dense_forward_flops(adapter, stack, stack_weights, masks)
-        context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress)
+        context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress, resume=checked.resume)
         was_training = model.training
         model.eval()
         with torch.no_grad(), sharded_calibration(checked.world_size):
@@ -399,6 +409,46 @@ class FlattenQuantizer(OptimumQuantizer):
             return repo_id
         report = {**self.report, **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
+
+def check_resumable(method: CompressionMethod, corrections: Corrections) -> None:
+    """Refuses ``resume_dir`` where a resumed run could not rebuild the uninterrupted one's checkpoint: a method
+    (or configuration) that saves no per-layer state, or a correction, which measures the dense model around the
+    whole `apply_` and would have to be saved too.
+
+    Raises:
+        ValueError: one line, before calibration and before any weight changes.
+    """
+    refusal = method.resume_refusal()
+    if refusal is not None:
+        raise ValueError(f"resume_dir cannot be used here: {refusal}; drop resume_dir or change the method.")
+    if corrections.linear_replacement is not None or corrections.compensation is not None:
+        raise ValueError(
+            "resume_dir cannot be used with linear_replacement or compensation: the correction is measured around the "
+            "whole compression and is not saved per layer; drop one of them."
+        )
+
+
+def open_resume_state(
+    config: FlattenConfig, model: nn.Module, stack: str, num_layers: int, num_to_remove: int, batches: list[Any]
+) -> ResumeState:
+    """The job's state in ``config.resume_dir``, checked against this job (`compression.resume.job_identity`): the
+    method's options, depth target, dense weights and calibration batches must be the interrupted run's.
+
+    Raises:
+        ValueError: one line, when the folder holds another job's state (nothing is changed or deleted).
+    """
+    identity = job_identity(
+        method=config.method,
+        options={"method_args": config.method_args, "stacks": config.stacks},
+        stack=stack,
+        num_layers=num_layers,
+        num_to_remove=num_to_remove,
+        weights=weights_fingerprint(model),
+        dtypes=[str(p.dtype) for p in model.parameters()],
+        calibration=calibration_fingerprint(batches),
+    )
+    return ResumeState.open(config.resume_dir, identity)
 
 
 def check_shardable(method: CompressionMethod, corrections: Corrections, rank: int, world_size: int) -> None:

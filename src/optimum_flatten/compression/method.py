@@ -19,6 +19,7 @@ from ..plan import LayerPlan
 from ..utils.flops import ArithmeticCount
 from ..utils.torch_utils import synchronize
 from .compute import ComputeModel
+from .resume import ResumeState
 from .workspace import WorkspaceModel, WorkspaceSizes
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class MethodContext:
     #: The method's own arithmetic (moments, solves, factorisations) per timed phase, counted by the ops that do it
     #: (`utils.flops`): the compute the stack passes do not show.
     arithmetic: ArithmeticCount = field(default_factory=ArithmeticCount)
+    #: The job's per-layer state (``FlattenConfig(resume_dir=...)``), for a method whose `resume_refusal` is None:
+    #: it installs the groups saved there instead of recomputing them and saves each group it finishes.
+    resume: ResumeState | None = None
     _runners: list[LayerwiseRunner] = field(default_factory=list)
 
     def new_runner(self, adapter: ArchitectureAdapter) -> LayerwiseRunner:
@@ -203,6 +207,14 @@ class CompressionMethod(ABC):
         """Why this configuration of a method that `shards_calibration` cannot (an option whose statistics are not
         summed over the ranks), or None when it can."""
         return None
+
+    def resume_refusal(self) -> str | None:
+        """Why this configuration cannot keep per-layer state (``FlattenConfig(resume_dir=...)``), or None when
+        its `apply_` installs the groups saved in `MethodContext.resume` and saves each one it finishes.
+
+        The default refuses: the pipeline resumes the plan for any method, but the groups only a method can save.
+        """
+        return f"method {self.name!r} keeps no per-layer state (resume_dir is supported by flattengpt)"
 
     def stacks_to_compress(self, adapter: ArchitectureAdapter, requested: Sequence[str]) -> list[str]:
         """The stacks this compression changes, from the `requested` ones (``FlattenConfig.stacks``, else every

@@ -39,14 +39,26 @@ def plan_and_apply_(
 ) -> LayerPlan:
     """Plans, applies (with `corrections`), renumbers, updates the config and validates; returns the plan.
 
+    With `context.resume` (a job's per-layer state, checked against this job by `ResumeState.open`), a plan saved
+    there by an interrupted run is used instead of planning again (with the report entries its selection wrote), and
+    a new plan is saved there before any weight changes; the method finds the state on the same context for its
+    groups.
+
     Raises:
         RuntimeError: when the method plans another number of removals than asked (nothing was changed then).
     """
     stack = context.stack
     num_layers = adapter.num_layers(stack)
     context.compensation = corrections.compensation
-    with context.timer("plan"):
-        plan = method.plan(adapter, context, num_to_remove)
+    resume = context.resume
+    saved = resume.plan if resume is not None else None
+    if saved is not None:
+        plan = saved
+        context.report.update(resume.plan_report)
+        logger.info("%s plan resumed from %s", method.name, resume.directory)
+    else:
+        with context.timer("plan"):
+            plan = method.plan(adapter, context, num_to_remove)
     if plan.num_layers != num_layers or plan.num_removed != num_to_remove:
         raise RuntimeError(
             f"method {method.name!r} planned {plan.describe()} for a stack of {num_layers} layers, but "
@@ -56,6 +68,8 @@ def plan_and_apply_(
     # A merge of layers the config describes differently (sliding/full attention, dense/sparse MLP) is refused here,
     # after planning and before any weight changes.
     adapter.check_plan_config(stack, plan.group_lists())
+    if resume is not None and saved is None:
+        resume.save_plan(plan, context.report)
 
     with context.timer("apply"):
         apply_with_corrections_(adapter, method, plan, context, corrections)

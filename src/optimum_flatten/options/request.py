@@ -44,3 +44,11 @@ class RequestOptions:
             "into the embeddings and the output projections below it (shortgpt, sleb, uidl); default: none"
         },
     )
+    resume_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep the compression's per-layer state in this folder (plan, then one file per finished merged "
+            "group), so that a run killed mid-way and started again with the same folder resumes there (flattengpt; "
+            "docs/workflows.md); default: none"
+        },
+    )

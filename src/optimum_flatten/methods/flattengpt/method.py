@@ -25,6 +25,7 @@ from ...calibration.partial import run_to_input
 from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ...compression.compute import ComputeModel
 from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
+from ...compression.resume import SavedGroup
 from ...compression.workspace import WorkspaceModel, WorkspaceSizes
 from ...ops import (
     accumulate_head_importance,
@@ -56,7 +57,7 @@ from .attention_target import sequential_attention_writes, sequential_group_outp
 from .compute import flattengpt_compute
 from .kv_groups import select_kv_groups_by_reconstruction
 from .loss_selection import groups_by_calibration_loss
-from .similarity import similarity_matrix
+from .similarity import as_cached, similarity_matrix
 from .workspace import MLP_CROSS_CHUNK, flattengpt_workspace
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,16 @@ class FlattenGPTMethod(CompressionMethod):
     shards_calibration = True
     #: The layer-input similarity heatmap (`card_section`).
     checkpoint_files: ClassVar[tuple[str, ...]] = (SIMILARITY_FIGURE,)
+
+    def resume_refusal(self) -> str | None:
+        """FlattenGPT saves every merged group as it finishes (`apply_`), in both calibration modes. Not with
+        ``selection="loss"``: its blocks are built while planning, before a plan could be saved."""
+        if self.config.selection == "loss":
+            return (
+                "flattengpt with selection='loss' compresses its groups while selecting, before a plan can be saved "
+                "(use selection='similarity' or 'wide_loss')"
+            )
+        return None
 
     def sharding_refusal(self) -> str | None:
         if self.config.selection != "similarity":
@@ -232,27 +243,59 @@ class FlattenGPTMethod(CompressionMethod):
         from_cache = cache is not None and cache.units is not None and not sequential
         if cache is not None and not from_cache:
             cache.keep_only(set())
+        resume = context.resume
+        # Resuming, the states are propagated only as far as the last group still to compress: past it nothing
+        # reads them (a finished job's rerun runs no layer). Without a resume_dir the run keeps its course.
+        pending = [g.indices[0] for g in plan.groups if not g.is_keep and not (resume and resume.has_group(g.indices))]
+        last_pending = max(pending, default=-1)
+        # An uninterrupted run measured the groups on the selection's cached inputs (the exact states, rounded once
+        # through their unit-norm copies); resumed, the selection did not run: the exact states are propagated and
+        # each group's input is rounded the same way, so that the groups see the same inputs bit for bit.
+        rounded = resume is not None and cache is None and self._selection_caches(context, plan.num_layers, sequential)
         with context.progress_bar(plan.num_layers, "flattengpt") as bar:
             for group in plan.groups:
                 for index in group.indices:
                     bar.set_description(f"block {index + 1}/{plan.num_layers}: flatten-and-prune")
                 first = group.indices[0]
+                propagate = not from_cache and (resume is None or first < last_pending)
                 if group.is_keep:
-                    if not from_cache:
+                    if propagate:
                         with context.timer("propagate"):
                             current = runner.run(layers[first], first, current)
                     bar.update()
                     continue
-                inputs = cache.inputs(first) if from_cache else current
+                saved = resume.load_group(group.indices) if resume is not None and first not in pending else None
+                if saved is not None:
+                    # Installed as the interrupted run built it; the states the next groups need are those the
+                    # uninterrupted run propagates: the original members' (one pass) or this block's (sequential).
+                    with context.timer("resume"):
+                        block = dispatch_like(self._rebuild_group(adapter, saved, context), layers[first])
+                    group_reports.append(saved.report)
+                    if propagate:
+                        with context.timer("propagate"):
+                            if sequential:
+                                current = runner.run(block, first, current)
+                            else:
+                                for index in group.indices:
+                                    current = runner.run(layers[index], index, current)
+                    adapter.replace_block_(context.stack, first, block)
+                    del block, saved
+                    bar.update(len(group.indices))
+                    continue
+                inputs = cache.inputs(first) if from_cache else [as_cached(h) for h in current] if rounded else current
                 # The MLP's sequential target runs the original members from these inputs: exactly the propagation
                 # the one-pass mode needs next, so their outputs are kept for it instead of running them again.
-                reuse: list[torch.Tensor] | None = [] if self._outputs_propagate(from_cache, sequential) else None
-                block, group_report = self.compress_group(adapter, runner, group.indices, inputs, context, reuse)
+                own_inputs = from_cache or rounded  # inputs that are not the states to propagate
+                reuse: list[torch.Tensor] | None = [] if self._outputs_propagate(own_inputs, sequential) else None
+                block, group_report, kept = self._compress_group(adapter, runner, group.indices, inputs, context, reuse)
                 del inputs
+                if resume is not None:  # before the block is offloaded: its weights are still in memory
+                    with context.timer("resume"):
+                        resume.save_group(group.indices, block.state_dict(), *kept, group_report)
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
                 block = dispatch_like(block, layers[first])
                 group_reports.append(group_report)
-                if not from_cache:
+                if propagate:
                     with context.timer("propagate"):
                         if sequential:
                             current = runner.run(block, first, current)
@@ -267,10 +310,17 @@ class FlattenGPTMethod(CompressionMethod):
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
 
-    def _outputs_propagate(self, from_cache: bool, sequential_calibration: bool) -> bool:
+    def _selection_caches(self, context: MethodContext, num_layers: int, sequential_calibration: bool) -> bool:
+        """Whether this plan's selection leaves the layer inputs `apply_` measures the groups on (`SelectionCache`):
+        the similarity selection in the one-pass mode, with a band that held every layer (its report says)."""
+        band = context.report.get("similarity_band") or 0
+        return self.config.selection == "similarity" and not sequential_calibration and band >= num_layers
+
+    def _outputs_propagate(self, own_inputs: bool, sequential_calibration: bool) -> bool:
         """Whether a merged group's original outputs, computed for the MLP's target, are the states to propagate:
-        in the one-pass mode without the selection's cached inputs."""
-        return self.config.mlp_target == "sequential" and not from_cache and not sequential_calibration
+        in the one-pass mode when the group's inputs are the propagated states themselves (not the selection's
+        cached inputs, nor a resumed run's rounded copy of the states, `as_cached`)."""
+        return self.config.mlp_target == "sequential" and not own_inputs and not sequential_calibration
 
     def _install_prebuilt_(
         self,
@@ -310,6 +360,21 @@ class FlattenGPTMethod(CompressionMethod):
         Public because a search that weighs merging a pair against other actions (`greedy_replace` with
         `allow_flatten`) builds the same block: the members are the model's own layers at `indices`, untouched.
         """
+        block, report, _ = self._compress_group(adapter, runner, indices, inputs, context, group_outputs)
+        return block, report
+
+    def _compress_group(
+        self,
+        adapter: ArchitectureAdapter,
+        runner: LayerwiseRunner,
+        indices: tuple[int, ...],
+        inputs: list[torch.Tensor],
+        context: MethodContext,
+        group_outputs: list[torch.Tensor] | None = None,
+    ) -> tuple[torch.nn.Module, dict[str, Any], tuple[list[int], list[int]]]:
+        """`compress_group`, with the kept KV groups and MLP channels besides: what `_rebuild_group` rebuilds the
+        block's module from when the group is resumed (the report keeps per-member counts only, the channel list
+        of a 70B group being tens of thousands of indices)."""
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
@@ -334,7 +399,20 @@ class FlattenGPTMethod(CompressionMethod):
             "ridge_lambda": channels["ridge_lambda"],
             "calibration_tokens": channels["calibration_tokens"],
         }
-        return wide, report
+        return wide, report, (list(heads["kept_kv_groups"]), list(channels["kept_channels"]))
+
+    def _rebuild_group(self, adapter: ArchitectureAdapter, saved: SavedGroup, context: MethodContext) -> nn.Module:
+        """A saved group's block: the members flattened and pruned to the saved KV groups and channels, as
+        `_compress_group` built it, then given the saved weights (every weight its solves wrote is in the
+        ``state_dict``, so the block is the interrupted run's bit for bit). Rebuilding through the adapter rather
+        than unpickling a module keeps the files to plain tensors and works for every family the method takes; the
+        cost is one flatten (a copy of the members), no calibration."""
+        indices = saved.indices
+        wide = self._flatten(adapter, indices, context)
+        adapter.keep_heads_(adapter.block_view(wide, indices[0]), saved.kept_kv_groups)
+        adapter.keep_mlp_channels_(adapter.block_view(wide, indices[0]), saved.kept_channels)
+        wide.load_state_dict(saved.state, strict=True)
+        return wide
 
     def _flatten(self, adapter: ArchitectureAdapter, indices: tuple[int, ...], context: MethodContext) -> nn.Module:
         """The members' norm gains folded into copies of them, concatenated into one wide block (exact: the wide

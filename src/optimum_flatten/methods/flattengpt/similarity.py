@@ -101,6 +101,16 @@ def unit_rows_and_norms(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (h / norms).float(), norms
 
 
+def as_cached(hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` as `SelectionCache.inputs` would give it back: unit × norm of its unit-normalised float32 copy.
+
+    A resumed run skips the selection, so it has no cache; it propagates the exact states and rounds each group's
+    input through this to measure the group on what the uninterrupted run measured it on, bit for bit.
+    """
+    unit, norm = unit_rows_and_norms(hidden)
+    return (unit.double() * norm).to(hidden.dtype)
+
+
 @dataclass
 class SelectionCache:
     """What the similarity pass leaves for `apply_` on the same context: its runner (so the layer-0 states and the

@@ -1,0 +1,239 @@
+"""Per-layer state of a long compression, so that a job killed mid-way resumes where it stopped.
+
+A 70B compression runs for hours and clusters run jobs in time-limited windows; without this a job killed in its
+last group starts again from the selection. With ``FlattenConfig(resume_dir=...)`` the pipeline keeps here:
+
+- ``manifest.json``: what identifies the job (`job_identity`: the method and its options, the depth target and
+  stack, a fingerprint of the dense weights and their dtypes, and a hash of the calibration batches) and, once the
+  selection is done, the plan with the report entries the selection wrote (the similarity matrix the card shows).
+- ``group-<first>-<last>.safetensors``: one per finished merged group, the compressed block's ``state_dict`` with,
+  in the file's metadata, what rebuilds the module before the weights are loaded (kept KV groups and MLP channels)
+  and the group's report entry.
+
+Every file is written under a temporary name in the folder and renamed over its final name (`os.replace`, atomic
+on one file system), so a kill leaves the old or the new file, never half of one: a group file exists only once its
+group is complete, and the plan only once the selection is. Nothing is ever deleted: a folder of another job is
+refused, and the state of a finished job stays (a rerun reproduces the checkpoint from it) until the user removes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..plan import LayerPlan
+
+#: The manifest's file name in `resume_dir`.
+MANIFEST = "manifest.json"
+#: Version of the folder's layout; a folder written by another version is refused (its files may mean otherwise).
+FORMAT = 1
+#: Prefix of the temporary files an atomic write renames over the final name (a kill may leave one behind).
+_TEMPORARY = ".tmp-"
+
+
+def calibration_fingerprint(batches: Sequence[Any]) -> str:
+    """A hex digest of every calibration batch's tensors, in order: the states a resumed run recomputes are only
+    the interrupted run's when the batches are the same tokens (the calibration data is small, so all of it is
+    hashed, unlike the weights)."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        for name in ("input_ids", "attention_mask", "pixel_values"):
+            tensor = getattr(batch, name, None)
+            if tensor is None:
+                continue
+            tensor = tensor.detach().to("cpu").contiguous()
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def options_fingerprint(options: Mapping[str, Any]) -> str:
+    """A hex digest of a JSON-able mapping (the method's options and the corrections), key order aside."""
+    return hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def job_identity(
+    *,
+    method: str,
+    options: Mapping[str, Any],
+    stack: str,
+    num_layers: int,
+    num_to_remove: int,
+    weights: str,
+    dtypes: Sequence[str],
+    calibration: str,
+) -> dict[str, Any]:
+    """What a resumed run must share with the interrupted one for its saved plan and blocks to be this job's.
+
+    `weights` is `utils.fingerprint.weights_fingerprint` of the dense model (a sample of every tensor: a full
+    checksum of 70B weights would read 140 GB on every start); `dtypes` are the parameters' dtypes, which that
+    fingerprint rounds away and which the saved blocks' values depend on.
+    """
+    return {
+        "format": FORMAT,
+        "method": method,
+        "options": options_fingerprint(options),
+        "stack": stack,
+        "num_layers": num_layers,
+        "num_to_remove": num_to_remove,
+        "weights": weights,
+        "dtypes": sorted(set(dtypes)),
+        "calibration": calibration,
+    }
+
+
+@dataclass(frozen=True)
+class SavedGroup:
+    """One finished merged group as saved: its block's weights and what rebuilds the module they load into."""
+
+    indices: tuple[int, ...]
+    state: dict[str, torch.Tensor]
+    kept_kv_groups: list[int]
+    kept_channels: list[int]
+    report: dict[str, Any]
+
+
+class ResumeState:
+    """The resume folder of one job: its saved plan and finished groups, and the atomic writes that add to them.
+
+    Opened (and checked against the job) by `open`, before calibration and before any weight changes.
+    """
+
+    def __init__(self, directory: Path, identity: dict[str, Any], manifest: dict[str, Any] | None) -> None:
+        self.directory = directory
+        self.identity = identity
+        self._manifest = manifest
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str], identity: dict[str, Any]) -> ResumeState:
+        """The state kept in `directory` for the job `identity` (an empty or absent folder: a new job).
+
+        Writes nothing: the manifest is first written with the plan (`save_plan`).
+
+        Raises:
+            ValueError: one line, when the folder holds another job's state or files that are no job's state.
+        """
+        path = Path(directory)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"resume_dir {str(path)!r} is a file; give a folder (it is created when absent).")
+        manifest_path = path / MANIFEST
+        if not manifest_path.exists():
+            listed = path.iterdir() if path.is_dir() else ()
+            others = sorted(p.name for p in listed if not p.name.startswith(_TEMPORARY))
+            if others:
+                raise ValueError(
+                    f"resume_dir {str(path)!r} holds {others[:3]} but no {MANIFEST}: it is no compression's state; "
+                    "give an empty or new folder."
+                )
+            return cls(path, identity, None)
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            saved = manifest["identity"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"resume_dir {str(path)!r}: unreadable {MANIFEST} ({error}); give a new folder.") from None
+        differ = [key for key in sorted(set(identity) | set(saved)) if identity.get(key) != saved.get(key)]
+        if differ:
+            raise ValueError(
+                f"resume_dir {str(path)!r} holds the state of another job (its {', '.join(differ)} differ from this "
+                "run's); rerun with that job's model, options and calibration, or give a new folder (nothing was "
+                "changed or deleted)."
+            )
+        return cls(path, identity, manifest)
+
+    # ------------------------------------------------------------------ plan
+
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The saved plan, or None when the interrupted run had not finished its selection."""
+        if self._manifest is None or self._manifest.get("plan") is None:
+            return None
+        return LayerPlan.from_dict(self._manifest["plan"])
+
+    @property
+    def plan_report(self) -> dict[str, Any]:
+        """The report entries the selection wrote (the resumed run skips the selection, the report keeps them)."""
+        return dict((self._manifest or {}).get("plan_report") or {})
+
+    def save_plan(self, plan: LayerPlan, report: Mapping[str, Any]) -> None:
+        """Writes the manifest with `plan` and the selection's report entries `report` (JSON-able)."""
+        manifest = {"identity": self.identity, "plan": plan.to_dict(), "plan_report": dict(report)}
+        self._write(MANIFEST, json.dumps(manifest, indent=1).encode())
+        self._manifest = manifest
+
+    # ---------------------------------------------------------------- groups
+
+    def group_path(self, indices: Sequence[int]) -> Path:
+        return self.directory / _group_name(indices)
+
+    def has_group(self, indices: Sequence[int]) -> bool:
+        return self.group_path(indices).exists()
+
+    def load_group(self, indices: Sequence[int]) -> SavedGroup | None:
+        """The saved group `indices`, or None when it was not finished."""
+        path = self.group_path(indices)
+        if not path.exists():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        if tuple(json.loads(metadata.get("indices", "[]"))) != tuple(indices):
+            raise ValueError(f"resume_dir file {path.name} does not hold group {list(indices)}; give a new folder.")
+        return SavedGroup(
+            indices=tuple(indices),
+            state=load_file(str(path)),
+            kept_kv_groups=json.loads(metadata["kept_kv_groups"]),
+            kept_channels=json.loads(metadata["kept_channels"]),
+            report=json.loads(metadata["report"]),
+        )
+
+    def save_group(
+        self,
+        indices: Sequence[int],
+        state: Mapping[str, torch.Tensor],
+        kept_kv_groups: Sequence[int],
+        kept_channels: Sequence[int],
+        report: Mapping[str, Any],
+    ) -> None:
+        """Writes one finished group: `state` (the block's ``state_dict``, copied to the CPU) and, as metadata, the
+        kept KV groups and channels the module is rebuilt with and the group's report entry."""
+        tensors = {name: value.detach().to("cpu").contiguous() for name, value in state.items()}
+        metadata = {
+            "format": str(FORMAT),
+            "indices": json.dumps([int(i) for i in indices]),
+            "kept_kv_groups": json.dumps([int(i) for i in kept_kv_groups]),
+            "kept_channels": json.dumps([int(i) for i in kept_channels]),
+            "report": json.dumps(dict(report)),
+        }
+        temporary = self._temporary(_group_name(indices))
+        save_file(tensors, str(temporary), metadata=metadata)
+        self._replace(temporary, _group_name(indices))
+
+    # ----------------------------------------------------------------- files
+
+    def _temporary(self, name: str) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.directory / f"{_TEMPORARY}{os.getpid()}-{name}"
+
+    def _replace(self, temporary: Path, name: str) -> None:
+        """Flushes `temporary` to disk and renames it over `name`: the file is whole under its final name or absent."""
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.directory / name)
+
+    def _write(self, name: str, data: bytes) -> None:
+        temporary = self._temporary(name)
+        temporary.write_bytes(data)
+        self._replace(temporary, name)
+
+
+def _group_name(indices: Sequence[int]) -> str:
+    return f"group-{indices[0]:03d}-{indices[-1]:03d}.safetensors"
