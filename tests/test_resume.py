@@ -60,10 +60,12 @@ def _assert_same_weights(actual: torch.nn.Module, expected: torch.nn.Module) -> 
         assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run's"
 
 
-@pytest.mark.parametrize("mode", ["one_pass", "sequential"])
-def test_a_killed_compression_resumes_and_writes_the_uninterrupted_checkpoint(tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize(
+    ("mode", "selection"), [("one_pass", "similarity"), ("sequential", "similarity"), ("one_pass", "wide_loss")]
+)
+def test_a_killed_compression_resumes_and_writes_the_uninterrupted_checkpoint(tmp_path, monkeypatch, mode, selection):
     dense = tiny_models.tiny_llama_gqa()
-    options = {**OPTIONS, "calibration_mode": mode}
+    options = {**OPTIONS, "calibration_mode": mode, "selection": selection}
     reference = copy.deepcopy(dense)
     expected = compress(reference, "flattengpt", **options)
     merged = [tuple(g) for g in expected.plan.merged_groups]
@@ -79,6 +81,8 @@ def test_a_killed_compression_resumes_and_writes_the_uninterrupted_checkpoint(tm
     assert files == sorted([MANIFEST, f"group-{merged[0][0]:03d}-{merged[0][-1]:03d}.safetensors"])
     assert json.loads((resume_dir / MANIFEST).read_text())["plan"] == expected.plan.to_dict()
 
+    # A kill during a write leaves at most a temporary file, which the resumed run neither reads nor deletes.
+    (resume_dir / ".tmp-1-group-999-999.safetensors").write_bytes(b"half a file")
     with monkeypatch.context() as patch:
         counts = _Counts(patch)
         resumed_model = copy.deepcopy(dense)
@@ -88,7 +92,8 @@ def test_a_killed_compression_resumes_and_writes_the_uninterrupted_checkpoint(tm
     assert resumed.plan.to_dict() == expected.plan.to_dict()
     _assert_same_weights(resumed_model, reference)
     assert resumed.report.method_entries["groups"] == expected.report.method_entries["groups"]
-    assert resumed.report.method_entries["similarity"] == expected.report.method_entries["similarity"]
+    for entry in ("similarity", "selection_steps"):  # the selection's report entries, kept with the plan
+        assert resumed.report.method_entries.get(entry) == expected.report.method_entries.get(entry)
 
     # The finished job's state stays; a rerun reproduces the checkpoint from it without compressing anything.
     with monkeypatch.context() as patch:
