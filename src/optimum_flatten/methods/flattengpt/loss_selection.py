@@ -26,6 +26,8 @@ from torch import nn
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import CalibratedStates
 from ...compression.method import MethodContext
+from ...plan import LayerPlan
+from ...utils.offload import dispatch_like
 from ...utils.torch_utils import count_parameters
 
 Group = tuple[int, ...]
@@ -150,3 +152,25 @@ def max_merges(groups: list[Group], limit: int) -> int:
                 break
             fewest[j] = min(fewest[j], fewest[i] + 1)
     return len(sizes) - fewest[-1]
+
+
+def install_prebuilt_(
+    adapter: ArchitectureAdapter,
+    plan: LayerPlan,
+    context: MethodContext,
+    blocks: dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]],
+) -> None:
+    """The loss selection's compressed groups, built while planning, take their first members' places."""
+    layers = adapter.layers(context.stack)
+    missing = [list(g.indices) for g in plan.groups if not g.is_keep and g.indices not in blocks]
+    if missing:  # before any layer is replaced
+        raise ValueError(f"groups {missing} were not among the groups the selection compressed.")
+    group_reports = []
+    for group in plan.groups:
+        if group.is_keep:
+            continue
+        block, group_report = blocks.pop(group.indices)
+        adapter.replace_block_(context.stack, group.indices[0], dispatch_like(block, layers[group.indices[0]]))
+        group_reports.append(group_report)
+    adapter.keep_layers_(context.stack, plan.first_indices)
+    context.report["groups"] = group_reports

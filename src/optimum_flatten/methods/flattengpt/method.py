@@ -25,7 +25,6 @@ from ...calibration.partial import run_to_input
 from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ...compression.compute import ComputeModel
 from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
-from ...compression.resume import SavedGroup
 from ...compression.workspace import WorkspaceModel, WorkspaceSizes
 from ...ops import (
     accumulate_head_importance,
@@ -56,7 +55,8 @@ from ...utils.torch_utils import module_device
 from .attention_target import sequential_attention_writes, sequential_group_outputs
 from .compute import flattengpt_compute
 from .kv_groups import select_kv_groups_by_reconstruction
-from .loss_selection import groups_by_calibration_loss
+from .loss_selection import groups_by_calibration_loss, install_prebuilt_
+from .resume import rebuild_group, selection_caches
 from .similarity import as_cached, similarity_matrix
 from .workspace import MLP_CROSS_CHUNK, flattengpt_workspace
 
@@ -97,8 +97,7 @@ class FlattenGPTMethod(CompressionMethod):
     checkpoint_files: ClassVar[tuple[str, ...]] = (SIMILARITY_FIGURE,)
 
     def resume_refusal(self) -> str | None:
-        """FlattenGPT saves every merged group as it finishes (`apply_`), in both calibration modes. Not with
-        ``selection="loss"``: its blocks are built while planning, before a plan could be saved."""
+        """Each merged group is saved as it finishes (`apply_`); not the loss selection's, built while planning."""
         if self.config.selection == "loss":
             return (
                 "flattengpt with selection='loss' compresses its groups while selecting, before a plan can be saved "
@@ -229,7 +228,7 @@ class FlattenGPTMethod(CompressionMethod):
             raise ValueError(f"FlattenGPT plans cover every layer; got dropped layers {plan.dropped_indices}.")
         prebuilt, self._prebuilt = getattr(self, "_prebuilt", None), None
         if prebuilt is not None and prebuilt[0] is context:
-            self._install_prebuilt_(adapter, plan, context, prebuilt[1])
+            install_prebuilt_(adapter, plan, context, prebuilt[1])
             return
         cache, self._cache = getattr(self, "_cache", None), None
         if cache is not None and cache.context is not context:
@@ -248,10 +247,10 @@ class FlattenGPTMethod(CompressionMethod):
         # reads them (a finished job's rerun runs no layer). Without a resume_dir the run keeps its course.
         pending = [g.indices[0] for g in plan.groups if not g.is_keep and not (resume and resume.has_group(g.indices))]
         last_pending = max(pending, default=-1)
-        # An uninterrupted run measured the groups on the selection's cached inputs (the exact states, rounded once
-        # through their unit-norm copies); resumed, the selection did not run: the exact states are propagated and
-        # each group's input is rounded the same way, so that the groups see the same inputs bit for bit.
-        rounded = resume is not None and cache is None and self._selection_caches(context, plan.num_layers, sequential)
+        # Uninterrupted, the groups are measured on the selection's cached inputs (`as_cached`); resumed, without the
+        # selection, on the exact states rounded the same way: the same inputs bit for bit.
+        rounded = resume is not None and cache is None
+        rounded = rounded and selection_caches(self.config, context, plan.num_layers, sequential)
         with context.progress_bar(plan.num_layers, "flattengpt") as bar:
             for group in plan.groups:
                 for index in group.indices:
@@ -269,7 +268,7 @@ class FlattenGPTMethod(CompressionMethod):
                     # Installed as the interrupted run built it; the states the next groups need are those the
                     # uninterrupted run propagates: the original members' (one pass) or this block's (sequential).
                     with context.timer("resume"):
-                        block = dispatch_like(self._rebuild_group(adapter, saved, context), layers[first])
+                        block = dispatch_like(rebuild_group(self._flatten, adapter, saved, context), layers[first])
                     group_reports.append(saved.report)
                     if propagate:
                         with context.timer("propagate"):
@@ -310,39 +309,11 @@ class FlattenGPTMethod(CompressionMethod):
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
 
-    def _selection_caches(self, context: MethodContext, num_layers: int, sequential_calibration: bool) -> bool:
-        """Whether this plan's selection leaves the layer inputs `apply_` measures the groups on (`SelectionCache`):
-        the similarity selection in the one-pass mode, with a band that held every layer (its report says)."""
-        band = context.report.get("similarity_band") or 0
-        return self.config.selection == "similarity" and not sequential_calibration and band >= num_layers
-
     def _outputs_propagate(self, own_inputs: bool, sequential_calibration: bool) -> bool:
         """Whether a merged group's original outputs, computed for the MLP's target, are the states to propagate:
         in the one-pass mode when the group's inputs are the propagated states themselves (not the selection's
         cached inputs, nor a resumed run's rounded copy of the states, `as_cached`)."""
         return self.config.mlp_target == "sequential" and not own_inputs and not sequential_calibration
-
-    def _install_prebuilt_(
-        self,
-        adapter: ArchitectureAdapter,
-        plan: LayerPlan,
-        context: MethodContext,
-        blocks: dict[tuple[int, ...], tuple[nn.Module, dict[str, Any]]],
-    ) -> None:
-        """The loss selection's compressed groups, built while planning, take their first members' places."""
-        layers = adapter.layers(context.stack)
-        missing = [list(g.indices) for g in plan.groups if not g.is_keep and g.indices not in blocks]
-        if missing:  # before any layer is replaced
-            raise ValueError(f"groups {missing} were not among the groups the selection compressed.")
-        group_reports = []
-        for group in plan.groups:
-            if group.is_keep:
-                continue
-            block, group_report = blocks.pop(group.indices)
-            adapter.replace_block_(context.stack, group.indices[0], dispatch_like(block, layers[group.indices[0]]))
-            group_reports.append(group_report)
-        adapter.keep_layers_(context.stack, plan.first_indices)
-        context.report["groups"] = group_reports
 
     def compress_group(
         self,
@@ -372,7 +343,7 @@ class FlattenGPTMethod(CompressionMethod):
         context: MethodContext,
         group_outputs: list[torch.Tensor] | None = None,
     ) -> tuple[torch.nn.Module, dict[str, Any], tuple[list[int], list[int]]]:
-        """`compress_group`, with the kept KV groups and MLP channels besides: what `_rebuild_group` rebuilds the
+        """`compress_group`, with the kept KV groups and MLP channels besides: what `resume.rebuild_group` rebuilds the
         block's module from when the group is resumed (the report keeps per-member counts only, the channel list
         of a 70B group being tens of thousands of indices)."""
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
@@ -400,19 +371,6 @@ class FlattenGPTMethod(CompressionMethod):
             "calibration_tokens": channels["calibration_tokens"],
         }
         return wide, report, (list(heads["kept_kv_groups"]), list(channels["kept_channels"]))
-
-    def _rebuild_group(self, adapter: ArchitectureAdapter, saved: SavedGroup, context: MethodContext) -> nn.Module:
-        """A saved group's block: the members flattened and pruned to the saved KV groups and channels, as
-        `_compress_group` built it, then given the saved weights (every weight its solves wrote is in the
-        ``state_dict``, so the block is the interrupted run's bit for bit). Rebuilding through the adapter rather
-        than unpickling a module keeps the files to plain tensors and works for every family the method takes; the
-        cost is one flatten (a copy of the members), no calibration."""
-        indices = saved.indices
-        wide = self._flatten(adapter, indices, context)
-        adapter.keep_heads_(adapter.block_view(wide, indices[0]), saved.kept_kv_groups)
-        adapter.keep_mlp_channels_(adapter.block_view(wide, indices[0]), saved.kept_channels)
-        wide.load_state_dict(saved.state, strict=True)
-        return wide
 
     def _flatten(self, adapter: ArchitectureAdapter, indices: tuple[int, ...], context: MethodContext) -> nn.Module:
         """The members' norm gains folded into copies of them, concatenated into one wide block (exact: the wide
