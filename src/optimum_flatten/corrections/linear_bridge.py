@@ -16,31 +16,25 @@ stacks are refused before any weight changes.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.distributed import all_reduce_, all_reduce_sums, global_batches, is_sharded
 from ..calibration.states import CalibratedStates
-from ..ops.linear_map import (
-    RIDGE_GRID,
-    LinearMapStatistics,
-    fit_cosine,
-    fit_towards_prior,
-    folded_map_prior,
-    solve_diagonal,
-    solve_least_squares,
-    solve_least_squares_with_gain,
-)
+from ..ops.linear_map import fit_cosine
 from ..options.corrections import BridgeOptions
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
-from ..utils.offload import edit_block_, is_offloaded
-from ..utils.torch_utils import first_output
-from .compensation import fold_stream_scales_
+from ..utils.offload import is_offloaded
+from .bridge_fit import (
+    LEAST_SQUARES_ESTIMATORS,
+    BridgeFit,
+    capture_mlp,
+    fold_into_down_,
+    run_capturing_mlp,
+)
 
 
 def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, estimator: str | None = None) -> None:
@@ -97,64 +91,6 @@ def dense_targets(states: CalibratedStates, plan: LayerPlan, correct_after: int 
             if len(found) == len(wanted):
                 break
     return found
-
-
-@contextlib.contextmanager
-def capture_mlp(
-    adapter: ArchitectureAdapter,
-    module: torch.nn.Module,
-    index: int,
-    on_batch: Any,
-    read: Literal["output", "down_input"] = "output",
-) -> Iterator[None]:
-    """While open, calls ``on_batch(x, y)`` on each forward of layer `module`, with y the stream the MLP sublayer
-    adds to and x what it adds (``read="output"``: what ReplaceMe's T maps; the MLP's output, or its output norm's
-    where one follows it, `mlp_write_points`) or the down projection's input, the intermediate activation
-    (``read="down_input"``: what the down refit fits on)."""
-    seen: dict[str, torch.Tensor] = {}
-    written, stream = adapter.mlp_write_points(module, index)
-
-    def stream_hook(_module: Any, args: tuple[Any, ...]) -> None:
-        seen["y"] = args[0].detach()
-
-    def output_hook(_module: Any, _args: Any, output: Any) -> None:
-        on_batch(first_output(output).detach(), seen.pop("y"))
-
-    def down_input_hook(_module: Any, args: tuple[Any, ...]) -> None:
-        on_batch(args[0].detach(), seen.pop("y"))
-
-    if read == "output":
-        reader = written.register_forward_hook(output_hook)
-    elif read == "down_input":
-        reader = adapter.block_view(module, index).mlp.down.module.register_forward_pre_hook(down_input_hook)
-    else:
-        raise ValueError(f"read must be 'output' or 'down_input', got {read!r}.")
-    handles = [stream.register_forward_pre_hook(stream_hook), reader]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def run_capturing_mlp(
-    adapter: ArchitectureAdapter,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    on_batch: Any,
-    read: Literal["output", "down_input"] = "output",
-) -> None:
-    """Runs `module` at `position` over every calibration batch with `capture_mlp` open, calling
-    ``on_batch(b, x, y)`` with the batch index: the one walk every least-squares fit makes."""
-    state = {"batch": 0}
-
-    def add(x: torch.Tensor, y: torch.Tensor) -> None:
-        on_batch(state["batch"], x, y)
-
-    with capture_mlp(adapter, module, position, add, read=read):
-        runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
 
 
 def least_squares_fold_(
@@ -229,118 +165,6 @@ def fit_and_fold_(
     }
 
 
-class BridgeFit:
-    """The float64 statistics of one least-squares bridge, filled a batch at a time, then solved and folded once.
-
-    Where the batches come from is the caller's: a run of the bridged layer over held states (`fit_and_fold_`) or a
-    walk of the dense stack one batch at a time (`stream_bridge_statistics_`). Both add the same batches in the same
-    order through `add`, so the two give the same sums, and the same map. ``"lstsq"`` and ``"lstsq_gain"`` read the
-    MLP's output (MᵀM, Mᵀ(L − Y), and the stream's terms for the gain); ``"lstsq_down"`` reads the down projection's
-    input, with the last batch's statistics apart when its ridge is to be chosen on it (see `_refit_down_from_`).
-
-    Args:
-        adapter, module, index: The bridged layer (its down projection's sizes, or its MLP's output width; its
-            weights are read again when folding).
-        options: The estimator (a least-squares one: the cosine fit needs the tokens themselves).
-        num_batches: The calibration batches that will be added (the last is held out for a ridge choice).
-        device: Where the statistics live.
-    """
-
-    def __init__(
-        self,
-        adapter: ArchitectureAdapter,
-        module: torch.nn.Module,
-        index: int,
-        options: BridgeOptions,
-        num_batches: int,
-        device: torch.device | str,
-    ) -> None:
-        if options.estimator not in LEAST_SQUARES_ESTIMATORS:
-            raise ValueError(
-                f"BridgeFit accumulates least-squares statistics ({list(LEAST_SQUARES_ESTIMATORS)}); the estimator "
-                f"{options.estimator!r} needs the tokens themselves."
-            )
-        self.options = options
-        # What the stream receives is the captured output (or, for the down refit, the down projection's input)
-        # times the block's multiplier (Granite's residual_multiplier; 1 elsewhere), and the fit is of that.
-        self.scale = adapter.mlp_output_multiplier(module, index)
-        self.refits_down = options.estimator == "lstsq_down"
-        self.read: Literal["output", "down_input"] = "down_input" if self.refits_down else "output"
-        self.held_out_batch: int | None = None
-        self.held_out: LinearMapStatistics | None = None
-        if self.refits_down:
-            # The held-out batch is the last of all the calibration batches; under a sharded calibration it is on
-            # the last rank, and every rank keeps held-out sums (zero where it has none) for the all-reduce.
-            indices, total = global_batches(num_batches)
-            if options.down_ridge is None and total > 1:
-                self.held_out_batch = total - 1 - indices.start if total - 1 in indices else -1
-            down = adapter.block_view(module, index).mlp.down
-            intercept = down.bias is not None
-            self.fit = LinearMapStatistics(
-                down.in_features, device=device, out_dim=down.out_features, intercept=intercept
-            )
-            if self.held_out_batch is not None:
-                self.held_out = LinearMapStatistics(
-                    down.in_features, device=device, out_dim=down.out_features, intercept=intercept
-                )
-        else:
-            width = adapter.mlp_output_width(module, index)
-            self.fit = LinearMapStatistics(width, device=device, with_gain=options.stream_gain)
-
-    def add(self, batch: int, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
-        """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
-        (the stream Y), `target` the dense state L at the span's end, `mask` the batch's real tokens."""
-        into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
-        if self.scale != 1.0:
-            x = x * self.scale
-        into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
-
-    def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
-        """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry.
-
-        Under a sharded calibration the statistics are summed over the ranks first: complete only then, they give
-        every rank the same map."""
-        for stats in (self.fit, self.held_out):
-            if stats is not None:
-                _all_reduce_statistics_(stats)
-        block = adapter.block_view(adapter.layers(stack)[k], k)
-        if self.refits_down:
-            return _refit_down_from_(adapter, stack, k, block.mlp.down, self.fit, self.held_out, self.options)
-        detail: dict[str, Any]
-        if self.options.stream_gain:
-            transform, gain, info = solve_least_squares_with_gain(self.fit)
-            detail = {"tokens": self.fit.count, "jitter": info.jitter, "gain": gain}
-            # α on the embeddings and on the o/down projections of layers 0..k scales the stream entering k's MLP
-            # norm (which does not see it) and k's own MLP output; T / α on the down projection undoes the latter.
-            scales = [gain if j <= k else 1.0 for j in range(adapter.num_layers(stack))]
-            fold_stream_scales_(adapter, stack, scales, gain)
-            transform = transform / gain
-        else:
-            solve = solve_diagonal if self.options.estimator == "diagonal" else solve_least_squares
-            transform, info = solve(self.fit)
-            detail = {"tokens": self.fit.count, "jitter": info.jitter}
-        fold_into_down_(adapter, stack, k, transform)
-        return detail
-
-
-def _all_reduce_statistics_(stats: LinearMapStatistics) -> None:
-    """Sums `stats` over the ranks of a sharded calibration (calibration/distributed.py); nothing otherwise."""
-    if not is_sharded():
-        return
-    for tensor in (stats.gram, stats.cross, stats.stream_cross):
-        if tensor is not None:
-            all_reduce_(tensor)
-    count, target_norm, stream_target, stream_norm = all_reduce_sums(
-        stats.count, stats.target_norm, stats.stream_target, stats.stream_norm
-    )
-    stats.count, stats.target_norm = int(count), target_norm
-    stats.stream_target, stats.stream_norm = stream_target, stream_norm
-
-
-#: The estimators whose fit reduces to float64 statistics (`BridgeFit`), so their states can be streamed.
-LEAST_SQUARES_ESTIMATORS = ("lstsq", "lstsq_gain", "lstsq_down", "diagonal")
-
-
 def _fit_one(
     adapter: ArchitectureAdapter,
     stack: str,
@@ -383,138 +207,6 @@ def _fit_one(
         "cosine_distance_before": round(fit_result.loss_before, 6),
         "cosine_distance_after": round(fit_result.loss_after, 6),
     }
-
-
-def fit_least_squares(
-    adapter: ArchitectureAdapter,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    target: Sequence[torch.Tensor],
-    on_capture: Any = None,
-    estimator: str = "lstsq",
-) -> tuple[torch.Tensor, float, Any, int]:
-    """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, gain, solve info, tokens).
-
-    One run of the layer over every batch; M and Y are reduced to float64 statistics batch by batch, so no token
-    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With ``"lstsq_gain"``
-    T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1. ``"diagonal"``
-    restricts T to a gain per channel (`solve_diagonal`).
-    """
-    if estimator not in ("lstsq", "lstsq_gain", "diagonal"):
-        raise ValueError(f"a search fits T by 'lstsq', 'lstsq_gain' or 'diagonal', not {estimator!r}.")
-    with_gain = estimator == "lstsq_gain"
-    width = adapter.mlp_output_width(module, position)
-    stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
-    scale = adapter.mlp_output_multiplier(module, position)
-
-    def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-        m = m * scale if scale != 1.0 else m
-        stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
-        if on_capture is not None:
-            on_capture(b, m, y)
-
-    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
-    if with_gain:
-        transform, gain, info = solve_least_squares_with_gain(stats)
-        return transform, gain, info, stats.count
-    transform, info = (solve_diagonal if estimator == "diagonal" else solve_least_squares)(stats)
-    return transform, 1.0, info, stats.count
-
-
-def _refit_down_from_(
-    adapter: ArchitectureAdapter,
-    stack: str,
-    k: int,
-    down: Any,
-    fit: LinearMapStatistics,
-    held_out: LinearMapStatistics | None,
-    options: BridgeOptions,
-) -> dict[str, Any]:
-    """Replaces layer k's down projection by ``W'`` (and ``b'`` where it has a bias) minimising
-    ``Σ‖a W'ᵀ + b' − (l − y)‖² + λ s ‖W' − W_T‖²`` over the real calibration tokens (estimator ``"lstsq_down"``),
-    from the statistics `BridgeFit` accumulated: ``AᵀA`` (intermediate², one more row and column for a bias) and
-    ``Aᵀ(L − Y)`` in float64, for the fitting and the held-out batches apart.
-
-    ReplaceMe's T acts on the down projection's output, so its fold ``W_T = Tᵀ W_down`` is one candidate W' among
-    all; fitting W' directly uses every direction of the intermediate activation a instead of only the hidden-size
-    image the old W_down kept, with (intermediate × hidden) parameters where T has (hidden × hidden). The ridge
-    towards W_T is what keeps the extra freedom from fitting the calibration text alone: λ = 0 is the plain refit,
-    λ = ∞ ReplaceMe. With ``options.down_ridge`` None it is chosen from `RIDGE_GRID` by the squared error on the
-    last calibration batch, fitted on the others, then refitted on all (``fit_towards_prior``); with one batch it
-    is 0.
-    """
-    ridge = options.down_ridge
-    lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
-    ridges = RIDGE_GRID if ridge is None else (ridge,)
-    solution, choice = fit_towards_prior(fit, held_out, folded_map_prior(lifted), ridges=ridges)
-    weight = solution[: down.in_features].T
-    bias = solution[down.in_features] if fit.intercept else None
-
-    def edit(edited: torch.nn.Module) -> None:
-        view = adapter.block_view(edited, k).mlp.down
-        view.set_(weight.to(view.weight.device), None if bias is None else bias.to(view.weight.device))
-
-    edit_block_(adapter.layers(stack), k, edit, memo={id(adapter.config): adapter.config})
-    detail: dict[str, Any] = {
-        "tokens": fit.count,
-        "jitter": choice.jitter,
-        "refitted": "down_projection",
-        "ridge": choice.ridge,
-        "ridge_chosen_on": (
-            "given"
-            if ridge is not None
-            else "the last calibration batch"
-            if choice.held_out_errors is not None
-            else "none held out (one calibration batch)"
-        ),
-    }
-    if choice.held_out_errors is not None:
-        detail["held_out_errors"] = {str(r): e for r, e in choice.held_out_errors.items()}
-    return detail
-
-
-def fit_with_outputs(
-    adapter: ArchitectureAdapter,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor],
-    limit: int,
-    estimator: str = "lstsq",
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
-
-    What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``
-    (``α Y + M T`` with ``"lstsq_gain"``), computed from the captured M and Y (no second run of the layer, no folded
-    copy).
-    """
-    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def keep_scored(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-        if b < limit:
-            captured.append((m, y))
-
-    transform, gain, _, _ = fit_least_squares(
-        adapter, runner, module, position, inputs, targets, on_capture=keep_scored, estimator=estimator
-    )
-    outputs = [
-        (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
-    ]
-    return transform, outputs
-
-
-def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transform: torch.Tensor) -> None:
-    """Folds the row-vector map `transform` after layer `index`'s MLP output (`fold_after_mlp_`; offloaded layers
-    too)."""
-    edit_block_(
-        adapter.layers(stack),
-        index,
-        lambda module: adapter.fold_after_mlp_(module, index, transform),
-        memo={id(adapter.config): adapter.config},
-    )
 
 
 def streamed_span(adapter: ArchitectureAdapter, plan: LayerPlan, options: BridgeOptions) -> tuple[int, int, int] | None:

@@ -33,7 +33,8 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import mean_angle, next_token_nll
 from ..compression.method import CompressionMethod, MethodContext
-from ..corrections.linear_bridge import fit_with_outputs, fold_into_down_, require_bridgeable
+from ..corrections.bridge_fit import fit_with_outputs, fold_into_down_
+from ..corrections.linear_bridge import require_bridgeable
 from ..options.methods.greedy_replace import GreedyReplaceConfig
 from ..plan import LayerPlan
 from ..registry import register_method, require_capabilities

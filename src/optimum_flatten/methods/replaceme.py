@@ -24,8 +24,9 @@ from ..calibration.states import next_token_nll
 from ..compression.compute import ComputeModel, Tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
+from ..corrections.bridge_fit import LEAST_SQUARES_ESTIMATORS, fit_with_outputs
 from ..corrections.compensation import require_compensable
-from ..corrections.linear_bridge import LEAST_SQUARES_ESTIMATORS, bridged_apply_, fit_with_outputs, require_bridgeable
+from ..corrections.linear_bridge import bridged_apply_, require_bridgeable
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
