@@ -32,7 +32,7 @@ class _Counts:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_on: int | None = None) -> None:
         self.plans = 0
         self.groups: list[tuple[int, ...]] = []
-        plan, compress_group = FlattenGPTMethod.plan, FlattenGPTMethod._compress_group
+        plan, compress_group = FlattenGPTMethod.plan, FlattenGPTMethod.compress_group
 
         def counted_plan(method, *args, **kwargs):
             self.plans += 1
@@ -45,7 +45,7 @@ class _Counts:
             return compress_group(method, adapter, runner, indices, *args, **kwargs)
 
         monkeypatch.setattr(FlattenGPTMethod, "plan", counted_plan)
-        monkeypatch.setattr(FlattenGPTMethod, "_compress_group", counted_group)
+        monkeypatch.setattr(FlattenGPTMethod, "compress_group", counted_group)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -164,7 +164,7 @@ class GreedyReplaceMethod(CompressionMethod):
                 yield "drop", position, index, None, states[position][:limit]
             if self._flattenable(kept, modules, position):
                 if index not in pairs:
-                    block, _ = FlattenGPTMethod(self.config.flatten_config()).compress_group(
+                    block, _, _ = FlattenGPTMethod(self.config.flatten_config()).compress_group(
                         adapter, runner, (index, index + 1), states[position], context
                     )
                     pairs[index] = (block, runner.run(block, index, states[position][:limit]))

@@ -212,7 +212,7 @@ class FlattenGPTMethod(CompressionMethod):
             for first in range(num_layers - 1):
                 for size in range(2, min(limit, num_layers - first) + 1):
                     indices = tuple(range(first, first + size))
-                    built[indices] = self.compress_group(adapter, runner, indices, current, context)
+                    built[indices] = self.compress_group(adapter, runner, indices, current, context)[:2]
                 if first < num_layers - 2:
                     with context.timer("propagate"):
                         current = runner.run(layers[first], first, current)
@@ -286,7 +286,7 @@ class FlattenGPTMethod(CompressionMethod):
                 # the one-pass mode needs next, so their outputs are kept for it instead of running them again.
                 own_inputs = from_cache or rounded  # inputs that are not the states to propagate
                 reuse: list[torch.Tensor] | None = [] if self._outputs_propagate(own_inputs, sequential) else None
-                block, group_report, kept = self._compress_group(adapter, runner, group.indices, inputs, context, reuse)
+                block, group_report, kept = self.compress_group(adapter, runner, group.indices, inputs, context, reuse)
                 del inputs
                 if resume is not None:  # before the block is offloaded: its weights are still in memory
                     with context.timer("resume"):
@@ -323,29 +323,17 @@ class FlattenGPTMethod(CompressionMethod):
         inputs: list[torch.Tensor],
         context: MethodContext,
         group_outputs: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.nn.Module, dict[str, Any]]:
+    ) -> tuple[torch.nn.Module, dict[str, Any], tuple[list[int], list[int]]]:
         """One merged group, in the paper's three steps: flatten the members into one wide block, prune its heads
         back to one layer's KV groups, then its MLP channels back to one layer's width (each step's statistics are
         taken on the block the previous step left), on `inputs`, the states entering the group's first layer.
+        Returns the block, its report entry, and the kept KV groups and MLP channels (what `resume.rebuild_group`
+        rebuilds the block's module from; the report keeps per-member counts only, a 70B group's channel list being
+        tens of thousands of indices).
 
         Public because a search that weighs merging a pair against other actions (`greedy_replace` with
         `allow_flatten`) builds the same block: the members are the model's own layers at `indices`, untouched.
         """
-        block, report, _ = self._compress_group(adapter, runner, indices, inputs, context, group_outputs)
-        return block, report
-
-    def _compress_group(
-        self,
-        adapter: ArchitectureAdapter,
-        runner: LayerwiseRunner,
-        indices: tuple[int, ...],
-        inputs: list[torch.Tensor],
-        context: MethodContext,
-        group_outputs: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.nn.Module, dict[str, Any], tuple[list[int], list[int]]]:
-        """`compress_group`, with the kept KV groups and MLP channels besides: what `resume.rebuild_group` rebuilds the
-        block's module from when the group is resumed (the report keeps per-member counts only, the channel list
-        of a 70B group being tens of thousands of indices)."""
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)

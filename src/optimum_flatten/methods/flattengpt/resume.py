@@ -29,7 +29,7 @@ def rebuild_group(
     context: MethodContext,
 ) -> nn.Module:
     """A saved group's block: the members flattened and pruned to the saved KV groups and channels, as
-    `FlattenGPTMethod._compress_group` built it, then given the saved weights (every weight its solves wrote is in the
+    `FlattenGPTMethod.compress_group` built it, then given the saved weights (every weight its solves wrote is in the
     ``state_dict``, so the block is the interrupted run's bit for bit). Rebuilding through the adapter rather
     than unpickling a module keeps the files to plain tensors and works for every family the method takes; the
     cost is one flatten (a copy of the members), no calibration."""
