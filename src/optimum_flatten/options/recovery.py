@@ -103,20 +103,22 @@ class RecoveryConfig:
 
 
 def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False) -> str:
-    """The mode `RecoveryConfig(mode=None)` trains: ``local`` with a teacher and the compression's plan on one
-    process, ``full`` under FSDP, else ``lora``.
+    """The mode `RecoveryConfig(mode=None)` trains: ``local`` with a teacher and the compression's plan on one process,
+    ``full`` under FSDP, else ``lora``.
 
-    Measured (benchmarks/recovery, SmolLM2-135M, FlattenGPT 30 -> 24, 64K tokens of pre-2000 speeches; perplexity
-    ratio to dense on the later speeches / the King James Bible, untrained 1.584 / 2.741): full distillation 1.363 /
-    2.335, local 1.425 / 2.402, changed 1.404 / 2.429, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 / 2.509.
-    Out of domain, where a default is chosen, `full` is first and `local` second; `full` holds the whole model's
-    gradients and optimiser state (about 16 bytes a parameter beside the teacher: no 7B model on one 80 GB GPU),
-    while `local` trains one changed block at a time on the teacher's states, in half `full`'s time here and with
-    the least memory of all modes, so it is the default where it can run. It needs a teacher, the report's plan (which
-    blocks changed, and the spans they stand for) and one process (its blocks run outside the model's forward, which
-    a data-parallel wrapper would not synchronise); otherwise LoRA, today's recipe, whose memory does not grow with
-    the student either. Under FSDP, which shards exactly what `full` holds and under which neither `local` nor
-    `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
+    Measured (benchmarks/recovery, SmolLM2-135M, FlattenGPT 30 -> 24, 64K tokens of pre-2000 speeches; perplexity ratio
+    to dense on the later speeches / the King James Bible, untrained 1.584 / 2.741): full distillation 1.363 / 2.335,
+    local 1.425 / 2.402, changed 1.404 / 2.429, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 / 2.509. Out of
+    domain, where a default is chosen, `full` is first and `local` second; `full` holds the whole model's gradients and
+    optimiser state (about 16 bytes a parameter beside the teacher: no 7B model on one 80 GB GPU), while `local` trains
+    one changed block at a time on the teacher's states, in half `full`'s time here and with the least memory of all
+    modes, so it is the default where it can run. It needs a teacher, the report's plan (which blocks changed, and the
+    spans they stand for) and one process (its blocks run outside the model's forward, which a data-parallel wrapper
+    would not synchronise); otherwise LoRA, today's recipe, whose memory does not grow with the student either. After
+    the ReplaceMe model (one bridged block) at 64K tokens the order held: `full` 1.258 / 1.785, `local` 1.330 / 1.930
+    (untrained 1.345 / 2.006); pass ``mode="full"`` where its memory fits. Under FSDP, which shards exactly what `full`
+    holds and under which neither `local` nor `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the
+    first of the modes measured.
     """
     if fsdp:
         return "full"
