@@ -497,10 +497,11 @@ def product_table(quality: Path, healing: list[Path]) -> str:
             best[key] = h
     for key, h in best.items():
         after = h["healed"]
+        kept = "; no step beat the input: the gate kept it" if h["recovery"].get("gate") == "kept input weights" else ""
         sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
         rows.append(
             dict(
-                label=f"{PRODUCT_HEALING[key]} ({h['recovery']['tokens_trained'] // 1024}K tokens)",
+                label=f"{PRODUCT_HEALING[key]} ({h['recovery']['tokens_trained'] // 1024}K tokens{kept})",
                 sotu=sotu["ppl_ratio"],
                 kjv=kjv["ppl_ratio"],
                 kl=f"{sotu['kl']:.3f} / {kjv['kl']:.3f}",
