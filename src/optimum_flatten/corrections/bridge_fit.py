@@ -44,18 +44,25 @@ def capture_mlp(
     """While open, calls ``on_batch(x, y)`` on each forward of layer `module`, with y the stream the MLP sublayer
     adds to and x what it adds (``read="output"``: what ReplaceMe's T maps; the MLP's output, or its output norm's
     where one follows it, `mlp_write_points`) or the down projection's input, the intermediate activation
-    (``read="down_input"``: what the down refit fits on)."""
+    (``read="down_input"``: what the down refit fits on).
+
+    x is scaled by the block's `mlp_output_multiplier` (Granite's residual multiplier; 1 elsewhere) here, the one
+    place every fit reads it, so that each fit is of what the stream receives."""
     seen: dict[str, torch.Tensor] = {}
     written, stream = adapter.mlp_write_points(module, index)
+    scale = adapter.mlp_output_multiplier(module, index)
 
     def stream_hook(_module: Any, args: tuple[Any, ...]) -> None:
         seen["y"] = args[0].detach()
 
+    def emit(x: torch.Tensor) -> None:
+        on_batch(x * scale if scale != 1.0 else x, seen.pop("y"))
+
     def output_hook(_module: Any, _args: Any, output: Any) -> None:
-        on_batch(first_output(output).detach(), seen.pop("y"))
+        emit(first_output(output).detach())
 
     def down_input_hook(_module: Any, args: tuple[Any, ...]) -> None:
-        on_batch(args[0].detach(), seen.pop("y"))
+        emit(args[0].detach())
 
     if read == "output":
         reader = written.register_forward_hook(output_hook)
@@ -123,9 +130,6 @@ class BridgeFit:
                 f"{options.estimator!r} needs the tokens themselves."
             )
         self.options = options
-        # What the stream receives is the captured output (or, for the down refit, the down projection's input)
-        # times the block's multiplier (Granite's residual_multiplier; 1 elsewhere), and the fit is of that.
-        self.scale = adapter.mlp_output_multiplier(module, index)
         self.refits_down = options.estimator == "lstsq_down"
         self.read: Literal["output", "down_input"] = "down_input" if self.refits_down else "output"
         self.held_out_batch: int | None = None
@@ -153,8 +157,6 @@ class BridgeFit:
         """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
         (the stream Y), `target` the dense state L at the span's end, `mask` the batch's real tokens."""
         into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
-        if self.scale != 1.0:
-            x = x * self.scale
         into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
 
     def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
@@ -284,10 +286,8 @@ def fit_least_squares(
     with_gain = estimator == "lstsq_gain"
     width = adapter.mlp_output_width(module, position)
     stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
-    scale = adapter.mlp_output_multiplier(module, position)
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-        m = m * scale if scale != 1.0 else m
         stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
         if on_capture is not None:
             on_capture(b, m, y)

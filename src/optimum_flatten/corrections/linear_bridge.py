@@ -179,14 +179,14 @@ def _fit_one(
     module = adapter.layers(stack)[k]
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
         return least_squares_fold_(adapter, stack, k, runner, module, position, inputs, target, options)
-    dim, scale = adapter.mlp_output_width(module, k), adapter.mlp_output_multiplier(module, k)
+    dim = adapter.mlp_output_width(module, k)
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
     ls: list[torch.Tensor] = []
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
         keep = runner.masks[b].reshape(-1).to(m.device).bool()
-        ms.append(m.reshape(-1, dim)[keep].float().cpu() * scale)
+        ms.append(m.reshape(-1, dim)[keep].float().cpu())
         ys.append(y.reshape(-1, dim)[keep].float().cpu())
         ls.append(target[b].reshape(-1, dim)[keep.to(target[b].device)].float().cpu())
 
