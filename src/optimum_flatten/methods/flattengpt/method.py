@@ -268,29 +268,24 @@ class FlattenGPTMethod(CompressionMethod):
                     # Installed as the interrupted run built it; the states the next groups need are those the
                     # uninterrupted run propagates: the original members' (one pass) or this block's (sequential).
                     with context.timer("resume"):
-                        block = dispatch_like(rebuild_group(self._flatten, adapter, saved, context), layers[first])
-                    group_reports.append(saved.report)
-                    if propagate:
-                        with context.timer("propagate"):
-                            if sequential:
-                                current = runner.run(block, first, current)
-                            else:
-                                for index in group.indices:
-                                    current = runner.run(layers[index], index, current)
-                    adapter.replace_block_(context.stack, first, block)
-                    del block, saved
-                    bar.update(len(group.indices))
-                    continue
-                inputs = cache.inputs(first) if from_cache else [as_cached(h) for h in current] if rounded else current
-                # The MLP's sequential target runs the original members from these inputs: exactly the propagation
-                # the one-pass mode needs next, so their outputs are kept for it instead of running them again.
-                own_inputs = from_cache or rounded  # inputs that are not the states to propagate
-                reuse: list[torch.Tensor] | None = [] if self._outputs_propagate(own_inputs, sequential) else None
-                block, group_report, kept = self.compress_group(adapter, runner, group.indices, inputs, context, reuse)
-                del inputs
-                if resume is not None:  # before the block is offloaded: its weights are still in memory
-                    with context.timer("resume"):
-                        resume.save_group(group.indices, block.state_dict(), *kept, group_report)
+                        block = rebuild_group(self._flatten, adapter, saved, context)
+                    group_report, reuse = saved.report, None
+                    del saved
+                else:
+                    inputs = cache.inputs(first) if from_cache else current
+                    inputs = [as_cached(h) for h in inputs] if rounded else inputs
+                    # The MLP's sequential target runs the original members from these inputs: exactly the
+                    # propagation the one-pass mode needs next, so their outputs are kept for it instead of running
+                    # them again.
+                    own_inputs = from_cache or rounded  # inputs that are not the states to propagate
+                    reuse = [] if self._outputs_propagate(own_inputs, sequential) else None
+                    block, group_report, kept = self.compress_group(
+                        adapter, runner, group.indices, inputs, context, reuse
+                    )
+                    del inputs
+                    if resume is not None:  # before the block is offloaded: its weights are still in memory
+                        with context.timer("resume"):
+                            resume.save_group(group.indices, block.state_dict(), *kept, group_report)
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
                 block = dispatch_like(block, layers[first])
                 group_reports.append(group_report)
