@@ -247,11 +247,16 @@ def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     return dataclasses.replace(config, max_tokens=config.local_then_global_tokens, local_then_global_tokens=None)
 
 
+def _declines_teacher(teacher: Any) -> bool:
+    """Whether the caller asked for no teacher (``teacher=False``, or ``"none"`` from the command line)."""
+    return teacher is False or (isinstance(teacher, str) and teacher.lower() == "none")
+
+
 def _has_teacher(teacher: Any, report: Mapping[str, Any] | None) -> bool:
     """Whether `_resolve_teacher` will load a teacher (nothing is loaded here): what the default mode depends on."""
     from .teacher import default_teacher
 
-    if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+    if _declines_teacher(teacher):
         return False
     return teacher is not None or default_teacher(report) is not None
 
@@ -263,7 +268,7 @@ def _resolve_teacher(
     from .gate import is_main_process
     from .teacher import default_teacher, load_teacher
 
-    if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+    if _declines_teacher(teacher):
         return None, None, None
     if teacher is None:
         teacher = default_teacher(report)
@@ -363,7 +368,7 @@ def recover(
                 f"wrapper would not synchronise them), got {arguments.world_size} processes; launch it without "
                 "torchrun / accelerate, or pick mode 'changed'."
             )
-        if teacher is False or (isinstance(teacher, str) and teacher.lower() == "none"):
+        if _declines_teacher(teacher):
             raise ValueError(_LOCAL_NEEDS_TEACHER)
         spans = changed_spans(model, report)  # refuses without a plan or with nothing changed, before the teacher
         if config.local_then_global_tokens:
