@@ -153,9 +153,7 @@ def main() -> None:
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
-    from optimum_flatten.options.recovery import DEFAULT_LEARNING_RATES
-
-    learning_rate = args.learning_rate or DEFAULT_LEARNING_RATES[args.mode]
+    learning_rate = recovery_config(args, args.learning_rate).rate  # the given rate, or the mode's default
 
     dense, tokenizer = bundled.load_bundled(args.model)
     for parameter in dense.parameters():
@@ -212,7 +210,7 @@ def main() -> None:
     print(f"gate: {log['gate']}; wrote {out}")
 
 
-def recovery_config(args: argparse.Namespace, learning_rate: float):
+def recovery_config(args: argparse.Namespace, learning_rate: float | None):
     """The `RecoveryConfig` of the command line's options."""
     from optimum_flatten.recovery import RecoveryConfig
 
