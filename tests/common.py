@@ -64,6 +64,21 @@ def tiny_config(method: str, **options: Any) -> FlattenConfig:
     return FlattenConfig(method=method, **{"dataset": tiny_models.sample_texts(), **TINY_CALIBRATION, **options})
 
 
+def tiny_recovery_config(**overrides: Any) -> Any:
+    """A `RecoveryConfig` sized for the tiny models (256 tokens of 2 × 32-token rows, no gate, no progress bars);
+    `overrides` replace or add fields."""
+    from optimum_flatten.recovery import RecoveryConfig
+
+    base = dict(
+        max_tokens=256,
+        seqlen=32,
+        per_device_train_batch_size=2,
+        heldout_rows=0,
+        extra_training_args={"disable_tqdm": True},
+    )
+    return RecoveryConfig(**{**base, **overrides})
+
+
 def compress(
     model: torch.nn.Module,
     method: str | FlattenConfig,

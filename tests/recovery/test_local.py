@@ -10,29 +10,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids, shallower_reference
+from common import assert_close, logits, sample_ids, shallower_reference, tiny_recovery_config
 from optimum_flatten.cli.main import main
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.data import build_training_rows
 from optimum_flatten.recovery.local import LocalSpanLoss
 from optimum_flatten.recovery.selection import Span, changed_spans, span_parameter_names
 
-QUIET = {"disable_tqdm": True}
 #: ShortGPT-like plan of the 6-layer tiny model: layers 0 and 3 dropped (0 before the first kept one).
 DROP_PLAN = {"plan": {"groups": [[1], [2], [4], [5]], "num_layers": 6}}
 
 
 def _config(**overrides) -> RecoveryConfig:
-    base = dict(
-        mode="local",
-        max_tokens=256,
-        seqlen=32,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        heldout_rows=0,
-        extra_training_args=QUIET,
-    )
-    return RecoveryConfig(**{**base, **overrides})
+    return tiny_recovery_config(**{"mode": "local", "learning_rate": 1e-3, **overrides})
 
 
 @pytest.fixture(scope="module")

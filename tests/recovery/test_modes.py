@@ -9,25 +9,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids
+from common import assert_close, logits, sample_ids, tiny_recovery_config
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.distill import LossParts
 from optimum_flatten.recovery.gate import KEPT_INPUT, HeldOutGate
 from optimum_flatten.recovery.selection import changed_parameter_names
 
-QUIET = {"disable_tqdm": True}
-
 
 def _config(**overrides) -> RecoveryConfig:
-    base = dict(
-        max_tokens=256,
-        seqlen=32,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        heldout_rows=0,
-        extra_training_args=QUIET,
-    )
-    return RecoveryConfig(**{**base, **overrides})
+    return tiny_recovery_config(**{"learning_rate": 1e-2, **overrides})
 
 
 def test_changed_trains_merged_blocks_and_bridged_projections_and_nothing_else(compressed):
