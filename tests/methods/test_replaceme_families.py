@@ -136,27 +136,28 @@ def test_granite_fits_what_the_stream_receives_times_its_residual_multiplier(est
         transform = torch.linalg.lstsq(multiplier * m, target - y).solution
         expected = transform.T @ layer.mlp.down_proj.weight.double()
     else:  # the down projection refitted on its inputs: multiplier · a W'ᵀ ≈ L − Y, without a ridge
-        a, y, target = _down_rows(original, batches, bridged, targets)
+        a, y, target = _rows(original, batches, targets, layer.mlp.down_proj, layer.post_attention_layernorm, False)
         expected = torch.linalg.lstsq(multiplier * a, target - y).solution.T
     got = model.model.layers[bridged].mlp.down_proj.weight.double()
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
 @torch.no_grad()
-def _down_rows(model, batches, layer: int, targets):
-    """(A, Y, L) of every real token: the down projection's input, the MLP-norm input, the target."""
-    block = model.model.layers[layer]
+def _rows(model, batches, targets, x_module, y_module, x_is_output: bool):
+    """(X, Y, L) in float64 over every real token of `batches`, from full forwards of `model`: X what `x_module`
+    returns (`x_is_output`) or reads, Y what `y_module` reads, L the target."""
     captured = {}
-    handles = [
-        block.mlp.down_proj.register_forward_pre_hook(lambda _m, args: captured.__setitem__("a", args[0])),
-        block.post_attention_layernorm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("y", args[0])),
-    ]
+    if x_is_output:
+        x_hook = x_module.register_forward_hook(lambda _m, _a, out: captured.__setitem__("x", out))
+    else:
+        x_hook = x_module.register_forward_pre_hook(lambda _m, args: captured.__setitem__("x", args[0]))
+    handles = [x_hook, y_module.register_forward_pre_hook(lambda _m, args: captured.__setitem__("y", args[0]))]
     rows: tuple[list, list, list] = ([], [], [])
     try:
         for batch, target in zip(batches, targets, strict=True):
             model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
             keep = batch.attention_mask.bool()
-            for out, value in zip(rows, (captured["a"], captured["y"], target), strict=True):
+            for out, value in zip(rows, (captured["x"], captured["y"], target), strict=True):
                 out.append(value[keep].double())
     finally:
         for handle in handles:
@@ -218,20 +219,7 @@ def test_replaceme_diagonal_is_the_naive_per_channel_least_squares_on_what_the_s
     norm = block.get_submodule(POST_NORM[family])
     # The stream the MLP sublayer adds to: what its pre-norm reads, or (OLMo-2, no pre-norm) the MLP itself.
     reads = block.mlp if family == "olmo2" else get_adapter(original).block_view(block, bridged).mlp_norm.module
-    captured, rows = {}, ([], [], [])
-    handles = [
-        norm.register_forward_hook(lambda _m, _a, out: captured.__setitem__("p", out)),
-        reads.register_forward_pre_hook(lambda _m, args: captured.__setitem__("y", args[0])),
-    ]
-    with torch.no_grad():
-        for batch, target in zip(batches, targets, strict=True):
-            original(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-            keep = batch.attention_mask.bool()
-            for out, value in zip(rows, (captured["p"], captured["y"], target), strict=True):
-                out.append(value[keep].double())
-    for handle in handles:
-        handle.remove()
-    p, y, target = (torch.cat(r) for r in rows)
+    p, y, target = _rows(original, batches, targets, norm, reads, x_is_output=True)
     scales = (p * (target - y)).sum(0) / (p * p).sum(0)
     got = _gain(family, model.model.layers[bridged].get_submodule(POST_NORM[family]))
     torch.testing.assert_close(got, _gain(family, norm) * scales, atol=1e-5, rtol=1e-4)
