@@ -22,7 +22,7 @@ Protocol (one run = one method x mode x loss x budget):
 Learning rate. `--sweep-learning-rates 1e-4 3e-4 ...` compresses once, then heals a copy at each rate and records
 only the gate's held-out objective *of the training text* (its held-out rows; the evaluation texts are not even
 loaded), so that a rate is picked without looking at what is reported. It writes
-benchmarks/results/lrsweep_smollm2_<method>_<mode>_<kd|lm>_<tokens>.json.
+benchmarks/results/lrsweep_<model>_<method>_<mode>_<kd|lm>_<tokens>.json.
 
 Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode changed --kd --max-tokens 262144
@@ -30,8 +30,7 @@ Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode local --kd --max-tokens 16384 \
       --sweep-learning-rates 3e-5 1e-4 3e-4 1e-3
 Writes benchmarks/results/recovery_<model>_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given (`--model`:
-smollm2, 6 of 30 removed, or qwen2.5-0.5b, 5 of 24: the depths of their tables in RESULTS.md; the sweep is
-SmolLM2's).
+smollm2, 6 of 30 removed, or qwen2.5-0.5b, 5 of 24: the depths of their tables in RESULTS.md).
 """
 
 from __future__ import annotations
@@ -283,7 +282,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
         "runs": runs,
     }
     kind = "kd" if args.kd else "lm"
-    out = args.out or f"benchmarks/results/lrsweep_smollm2_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    out = args.out or f"benchmarks/results/lrsweep_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"best lr {best['lr']}; wrote {out}")
 
