@@ -28,7 +28,7 @@ from optimum_flatten.compression.workspace import WorkspaceSizes
 from optimum_flatten.estimate import estimate_checkpoint, estimate_memory
 from optimum_flatten.methods.flattengpt.compute import flattengpt_arithmetic
 from optimum_flatten.registry import get_method_class
-from optimum_flatten.roofline import DEVICES, device_from_options
+from optimum_flatten.roofline import DEVICES, HOST_READ_SECONDS, device_from_options
 
 CALIBRATION = {"nsamples": 4, "seqlen": 32, "batch_size": 2}
 
@@ -192,6 +192,20 @@ H100_ROWS = [
 ]  # fmt: skip
 
 
+_7B_WIDTHS = {"intermediate_size": 11008}
+
+
+def _former_ranking_seconds(method: str, removed: int, widths: dict) -> float:
+    """What the rows' code spent that today's does not: they were measured when FlattenGPT's channel ranking read its
+    scores one `float()` (one device sync) at a time, one per channel of each merged pair's concatenated MLP; today
+    one copy reads them all (`ops.selection.host_scores`). Added back at the model's price of a read, so the rest of
+    the prediction is still checked against what was measured."""
+    if method != "flattengpt":
+        return 0.0
+    pairs, width = removed, 2 * widths["intermediate_size"]  # the defaults merge pairs: one per removed layer
+    return pairs * (width - 1) * HOST_READ_SECONDS
+
+
 @pytest.mark.parametrize("row", H100_ROWS, ids=[row[0] for row in H100_ROWS])
 def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, tmp_path):
     """Predicted from config.json alone with the H100 preset; the phases the issue lists and the whole compression
@@ -203,9 +217,11 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
         str(tmp_path), method, removed, dtype="bfloat16", method_args=options, device=DEVICES["h100"]
     )
     prediction = estimate.prediction
-    assert prediction.total_seconds == pytest.approx(total, rel=0.25), label
+    former = _former_ranking_seconds(method, removed, {**_7B_WIDTHS, **overrides})
+    assert prediction.total_seconds + former == pytest.approx(total, rel=0.25), label
     for name, measured in phases.items():
-        assert prediction.phases[name]["seconds"] == pytest.approx(measured, rel=0.25), (label, name)
+        predicted = prediction.phases[name]["seconds"] + (former if name == "solve" else 0.0)
+        assert predicted == pytest.approx(measured, rel=0.25), (label, name)
     passes_only = sum(p["passes_seconds"] for p in prediction.phases.values())
     if label == "flattengpt defaults":
         assert passes_only < 0.4 * total

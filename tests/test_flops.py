@@ -12,7 +12,7 @@ from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.ops.ridge import nystrom_down_correction, ridge_factor, ridge_leverage_scores
-from optimum_flatten.ops.selection import top_k_indices
+from optimum_flatten.ops.selection import balanced_top_k, top_k_indices
 from optimum_flatten.utils import flops
 from optimum_flatten.utils.flops import ArithmeticCount
 
@@ -59,8 +59,9 @@ def test_factorisations_and_solves_count_their_lapack_operation_counts():
     assert counted["factorisation"] == {"float64": pytest.approx(8**3 / 3 + 2 * 8 * 8 * 4)}
 
 
-def test_scalar_reads_of_a_ranking_are_counted():
-    assert _counted(top_k_indices, torch.randn(30), 4) == {"host_reads": {"count": 30}}
+def test_a_ranking_reads_its_scores_to_the_host_once():
+    assert _counted(top_k_indices, torch.randn(30), 4) == {"host_reads": {"count": 1}}
+    assert _counted(balanced_top_k, torch.randn(30), 7, 3) == {"host_reads": {"count": 1}}
 
 
 def test_phases_nest_as_the_timers_do_and_nothing_is_counted_outside():

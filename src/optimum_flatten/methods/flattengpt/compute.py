@@ -90,9 +90,9 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
       moment with the target, 2·N·(g·i)·d;
     - solve: float32 statistics: the packed Cholesky factor of C + λI and the diagonal of its inverse by panels
       (about w³/3 each, w = g·i), the float64 re-scoring of at most `max_refined(w)` channels near the cut (a
-      bound: the number within rounding of the cut is known only at run time), one scalar read per channel ranked,
-      the kept block's factor (i³/3) and its solve (2·i²·d, float64); float64 statistics: the full factor and the
-      leverage panels, then the kept block's.
+      bound: the number within rounding of the cut is known only at run time), one copy of the scores to the host
+      for the ranking, the kept block's factor (i³/3) and its solve (2·i²·d, float64); float64 statistics: the full
+      factor and the leverage panels, then the kept block's.
 
     N = nsamples · seqlen (every calibration position real, as packing gives). The loss selections' candidate
     groups are counted at the largest size (a bound). `refined_channels` sets how many channels the float32 path
@@ -149,7 +149,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
             "float64",
             "factorisation",
         )
-        solve.reads(w)  # the ranking
+        solve.reads(1)  # the ranking: one copy of the scores to the host
         if config.mlp_correction:
             _refit(solve, keep, w - keep, d, mlp_target)
     else:
@@ -242,7 +242,7 @@ def _packed_leverage(tally: Tally, w: int, keep: int, refined: int | None = None
             tally.add(5 * 2 * flops.triangular_solve(width, m), "float32", "factorisation")
             tally.add(5 * 2 * flops.product(w - a - width, width, m), "float32")
         tally.add(4 * flops.product(w, w, m), "float64")
-    tally.reads(w)  # the ranking
+    tally.reads(1)  # the ranking: one copy of the scores to the host
 
 
 def flattengpt_compute(z: WorkspaceSizes, n: int, config: Any) -> ComputeModel:
