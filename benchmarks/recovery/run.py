@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--kd-alpha", type=float, default=1.0)
     parser.add_argument("--hidden-weight", type=float, default=0.0)
+    parser.add_argument(
+        "--state-loss", default="pooled", choices=["pooled", "per_token"], help="local mode / hidden terms"
+    )
     parser.add_argument("--last-k", type=int, default=3)
     parser.add_argument(
         "--learning-rate", type=float, default=None, help="default: the mode's (DEFAULT_LEARNING_RATES)"
@@ -201,12 +204,17 @@ def main() -> None:
         "loss_history": [(e["step"], e["loss"]) for e in log["loss_history"]],
     }
     kind = "kd" if args.kd else "lm"
-    name = f"recovery_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    name = f"recovery_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}{_variant(args)}.json"
     out = args.out or f"benchmarks/results/{name}"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("plan", "untrained", "healed", "heal_seconds", "peak_rss_mb")}, indent=2))
     print(f"gate: {log['gate']}; wrote {out}")
+
+
+def _variant(args: argparse.Namespace) -> str:
+    """The file-name suffix of a run whose loss is not the default's (so it does not overwrite that run)."""
+    return "" if args.state_loss == "pooled" else f"_{args.state_loss}"
 
 
 def recovery_config(args: argparse.Namespace, learning_rate: float | None):
@@ -220,6 +228,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None):
         temperature=args.temperature,
         kd_alpha=args.kd_alpha,
         hidden_weight=args.hidden_weight,
+        state_loss=args.state_loss,
         max_tokens=args.max_tokens,
         eval_every=args.eval_every,
         patience=args.patience,
@@ -282,7 +291,9 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
         "runs": runs,
     }
     kind = "kd" if args.kd else "lm"
-    out = args.out or f"benchmarks/results/lrsweep_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}.json"
+    out = args.out or (
+        f"benchmarks/results/lrsweep_{args.model}_{args.method}_{args.mode}_{kind}_{args.max_tokens}{_variant(args)}.json"
+    )
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"best lr {best['lr']}; wrote {out}")
 

@@ -10,7 +10,7 @@ import torch
 import tiny_models
 from common import compress
 from optimum_flatten.recovery import RecoveryConfig, recover
-from optimum_flatten.recovery.distill import DistillationLoss, normalised_mse
+from optimum_flatten.recovery.distill import DistillationLoss, normalised_mse, token_normalised_mse
 from optimum_flatten.recovery.selection import span_ends
 
 
@@ -108,6 +108,30 @@ def test_student_equal_to_teacher_gives_zero_loss_and_unchanged_weights():
     assert log["gate"] == "kept input weights"
     for name, tensor in healed.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_the_per_token_state_loss_weighs_every_real_position_alike_whatever_its_size():
+    """A massive state (the attention sink's) carries a pooled mean square but not the per-token term: scaling one
+    position's student and teacher states by 1000 leaves the per-token loss unchanged and moves the pooled one."""
+    torch.manual_seed(0)
+    teacher = torch.randn(2, 5, 8)
+    student = teacher + 0.1 * torch.randn(2, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    real = [(b, t) for b in range(2) for t in range(5) if mask[b, t]]
+    naive = sum(float((student[b, t] - teacher[b, t]).pow(2).sum() / teacher[b, t].pow(2).sum()) for b, t in real)
+    assert float(token_normalised_mse(student, teacher, mask)) == pytest.approx(naive / len(real), rel=1e-6)
+    assert float(token_normalised_mse(teacher, teacher, mask)) == 0.0
+    padded = student.clone()
+    padded[0, 3:] = 1e6  # padding never counts
+    assert float(token_normalised_mse(padded, teacher, mask)) == pytest.approx(naive / len(real), rel=1e-6)
+    sink_student, sink_teacher = student.clone(), teacher.clone()
+    sink_student[:, 0] *= 1000
+    sink_teacher[:, 0] *= 1000
+    assert float(token_normalised_mse(sink_student, sink_teacher, mask)) == pytest.approx(naive / len(real), rel=1e-5)
+    pooled = float(normalised_mse(student, teacher, mask))
+    assert float(normalised_mse(sink_student, sink_teacher, mask)) != pytest.approx(pooled, rel=0.1)
+    with pytest.raises(ValueError, match="state_loss must be one of"):
+        DistillationLoss(state_loss="cosine")
 
 
 def test_hidden_terms_are_normalised_per_layer_and_zero_for_the_teacher_itself():

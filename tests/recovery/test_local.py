@@ -55,7 +55,7 @@ def test_spans_are_the_blocks_that_are_not_one_plain_kept_layer(compressed, drop
 
 
 @torch.no_grad()
-def _by_hand(student, teacher, spans, batch) -> float:
+def _by_hand(student, teacher, spans, batch, state_loss: str = "pooled") -> float:
     """The local loss in float64 from the teachers' and the student's layers called by hand, with a hand-made mask."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     length = ids.shape[1]
@@ -72,16 +72,21 @@ def _by_hand(student, teacher, spans, batch) -> float:
         block = student.model.layers[span.block]
         out = block(states[span.start], attention_mask=additive, position_embeddings=rotary, position_ids=positions)
         target = states[span.end].double()[real]
-        terms.append(float(((out.double()[real] - target) ** 2).sum() / (target**2).sum()))
+        error = (out.double()[real] - target) ** 2
+        if state_loss == "pooled":
+            terms.append(float(error.sum() / (target**2).sum()))
+        else:  # each real position against its own state, then the mean over positions
+            terms.append(sum(float(error[t].sum() / (target[t] ** 2).sum()) for t in range(len(target))) / len(target))
     return sum(terms) / len(terms)
 
 
+@pytest.mark.parametrize("state_loss", ["pooled", "per_token"])
 @pytest.mark.parametrize("which", ["compressed", "dropped"])
-def test_local_loss_equals_the_layers_run_by_hand(which, request):
+def test_local_loss_equals_the_layers_run_by_hand(which, state_loss, request):
     dense, model, report = request.getfixturevalue(which)
     spans = changed_spans(model, report)
-    parts = LocalSpanLoss(model, dense, spans)(model, _batch())
-    expected = _by_hand(model, dense, spans, _batch())
+    parts = LocalSpanLoss(model, dense, spans, state_loss)(model, _batch())
+    expected = _by_hand(model, dense, spans, _batch(), state_loss)
     assert parts.tokens == 20 + 13
     assert float(parts.total.detach()) == pytest.approx(expected, rel=1e-5)
     assert expected > 1e-3  # the spans really differ from the teacher: not a comparison of zeros

@@ -40,6 +40,9 @@ class RecoveryConfig:
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
         hidden_weight: Weight of the hidden-state terms (each student block against the teacher's state at the end
             of the span it stands for, per the report's plan); 0 turns them off.
+        state_loss: How the local mode and the hidden-state terms compare a student state with the teacher's:
+            ``pooled`` (the mean square error over the target's mean square) or ``per_token`` (each position's error
+            relative to its own state; the attention sink's massive states carry almost all of a pooled mean).
         max_tokens: Training token budget; sets max_steps to ceil(max_tokens / (batch × accumulation × seqlen)),
             and the text must hold that many training tokens (no second epoch). None uses max_steps / epochs.
             Global under a data-parallel launch: the batch is per process, so a step reads N times as many.
@@ -67,6 +70,7 @@ class RecoveryConfig:
     temperature: float = 1.0
     kd_alpha: float = 1.0
     hidden_weight: float = 0.0
+    state_loss: Literal["pooled", "per_token"] = "pooled"
     max_tokens: int | None = None
     eval_every: int = 20
     patience: int = 3

@@ -140,6 +140,29 @@ def normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Ten
     return diff.mean() / ref.mean().clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def token_normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean over real positions of each position's squared error divided by its own target's squared norm.
+
+    Why not `normalised_mse`: the residual streams of LLaMA-like models hold a few "massive activations" (the first
+    token of a row, the attention sink, has a state 10²–10³ times the norm of the others: SmolLM2-135M from layer 12
+    on, Qwen2.5-0.5B from layer 8), so one position carries almost all of a pooled mean square (~99% of it in a
+    256-token row) and training against it mostly reproduces that one state. Every later layer reads the stream
+    through a per-position norm, so a position's error matters relative to its own size: this term weighs every
+    real position alike and is invariant to the scale of each one.
+    """
+    student, teacher = student.float(), teacher.float().to(student.device)
+    error = (student - teacher).pow(2).sum(-1)
+    size = teacher.pow(2).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    ratio = error / size
+    if mask is not None:
+        ratio = ratio[(mask != 0).to(student.device)]
+    return ratio.mean()
+
+
+#: The hidden-state and local terms, by `RecoveryConfig.state_loss`.
+STATE_LOSSES = {"pooled": normalised_mse, "per_token": token_normalised_mse}
+
+
 def _first_tensor(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
@@ -188,6 +211,8 @@ class DistillationLoss:
         student_blocks: The student's blocks whose outputs are compared (with hidden_weight > 0).
         teacher_blocks: For each student block, the teacher block that ends the span it stands for.
         chunk_size: Positions pushed through the heads at a time.
+        state_loss: How a hidden-state term compares states (`STATE_LOSSES`): ``pooled`` (`normalised_mse`) or
+            ``per_token`` (`token_normalised_mse`).
     """
 
     teacher: nn.Module | None = None
@@ -197,6 +222,7 @@ class DistillationLoss:
     student_blocks: Sequence[nn.Module] = ()
     teacher_blocks: Sequence[nn.Module] = ()
     chunk_size: int = 128
+    state_loss: str = "pooled"
     #: Models found to have logits that are more than head(hidden), so that the check runs once per model.
     full_logits: set[int] = field(default_factory=set, init=False, repr=False)
 
@@ -209,6 +235,8 @@ class DistillationLoss:
             )
         if self.hidden_weight < 0:
             raise ValueError(f"hidden_weight must be at least 0, got {self.hidden_weight}.")
+        if self.state_loss not in STATE_LOSSES:
+            raise ValueError(f"state_loss must be one of {sorted(STATE_LOSSES)}, got {self.state_loss!r}.")
         if self.hidden_weight > 0 and (self.teacher is None or not self.student_blocks):
             raise ValueError(
                 "hidden-state terms (hidden_weight > 0) need a teacher and a layer map of the student's blocks to the "
@@ -240,7 +268,8 @@ class DistillationLoss:
         kl, lm = kl_sum / count, nll_sum / count
         hidden = lm.new_zeros(())
         if hidden_on:
-            terms = [normalised_mse(s, t, mask) for s, t in zip(student_outputs, teacher_outputs, strict=True)]
+            compare = STATE_LOSSES[self.state_loss]
+            terms = [compare(s, t, mask) for s, t in zip(student_outputs, teacher_outputs, strict=True)]
             hidden = torch.stack(terms).mean()
         if self.teacher is None:
             total = lm

@@ -17,9 +17,11 @@ layer's type, rotary embeddings, position ids), recorded by the calibration's `L
 for the batch (one embedding lookup); the teacher's states come from the same runner on the teacher, through
 `CalibratedStates` (the teacher's own layers, one at a time, each with its own arguments).
 
-Loss. Per span, `distill.normalised_mse` of the block's output against the teacher's end state over real tokens
-(padding masked): the mean square error divided by the target's mean square, so a span deep in the residual stream
-does not outweigh a shallow one. The objective is the mean over spans.
+Loss. Per span, the block's output against the teacher's end state over real tokens (padding masked), made
+scale-free so that a span deep in the residual stream does not outweigh a shallow one: `distill.normalised_mse`
+(``state_loss="pooled"``: the mean square error over the target's mean square) or `distill.token_normalised_mse`
+(``"per_token"``: each position's error relative to its own state, so that the few massive states of the attention
+sink do not carry the whole term). The objective is the mean over spans.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..calibration.capture import LayerwiseRunner, _to_device
 from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
 from ..utils.torch_utils import first_output, module_device
-from .distill import LossParts, normalised_mse
+from .distill import STATE_LOSSES, LossParts
 from .selection import Span
 
 
@@ -46,14 +48,21 @@ class LocalSpanLoss:
         student: The compressed model whose blocks are trained.
         teacher: The frozen dense model (eval, no grad, in the student's dtype, on the student's device).
         spans: The changed spans (`selection.changed_spans`).
+        state_loss: How states are compared (`distill.STATE_LOSSES`): ``pooled`` or ``per_token``.
 
     Raises:
-        ValueError: when a span reaches past the teacher's layers (a teacher of another depth).
+        ValueError: when a span reaches past the teacher's layers (a teacher of another depth), or an unknown
+            `state_loss`.
     """
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, spans: Sequence[Span]) -> None:
+    def __init__(
+        self, student: nn.Module, teacher: nn.Module, spans: Sequence[Span], state_loss: str = "pooled"
+    ) -> None:
         if not spans:
             raise ValueError("mode='local' needs at least one changed span to train.")
+        if state_loss not in STATE_LOSSES:
+            raise ValueError(f"state_loss must be one of {sorted(STATE_LOSSES)}, got {state_loss!r}.")
+        self.compare = STATE_LOSSES[state_loss]
         self.student_adapter = get_adapter(student)
         self.teacher_adapter = get_adapter(teacher)
         self.teacher_layers = list(self.teacher_adapter.layers())
@@ -68,7 +77,7 @@ class LocalSpanLoss:
         self.boundaries = sorted({span.start for span in spans} | {span.end for span in spans})
 
     def span_terms(self, inputs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-        """(normalised MSE of each span, in `spans` order, real tokens of the batch); the terms carry the graph."""
+        """(the state loss of each span, in `spans` order, real tokens of the batch); the terms carry the graph."""
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
@@ -85,11 +94,11 @@ class LocalSpanLoss:
             dtype = next(block.parameters()).dtype
             kwargs = _to_device(student_kwargs[span.block][0], device)
             output = first_output(block(states[span.start].to(device=device, dtype=dtype), **kwargs))
-            terms.append(normalised_mse(output, states[span.end], mask))
+            terms.append(self.compare(output, states[span.end], mask))
         return terms, int((mask != 0).sum())
 
     def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> LossParts:
-        """The mean over spans of the normalised MSE (`model` is the student the blocks belong to; the Trainer passes
+        """The mean over spans of the state loss (`model` is the student the blocks belong to; the Trainer passes
         it, possibly wrapped, and only its blocks run)."""
         terms, tokens = self.span_terms(inputs)
         total = torch.stack([t.to(terms[0].device) for t in terms]).mean()

@@ -408,12 +408,13 @@ def recover(
         student_blocks=student_blocks,
         teacher_blocks=teacher_blocks,
         chunk_size=config.chunk_size,
+        state_loss=config.state_loss,
     )
     local_loss = None
     if config.mode == "local":
         from .local import LocalSpanLoss
 
-        local_loss = LocalSpanLoss(model, teacher_model, spans)  # refuses a teacher shallower than the plan
+        local_loss = LocalSpanLoss(model, teacher_model, spans, config.state_loss)  # refuses a shallower teacher
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.mode == "lora":
         trained_model, lora = _wrap_lora(model, config)
@@ -470,6 +471,7 @@ def recover(
         "temperature": config.temperature if teacher_model is not None else None,
         "kd_alpha": config.kd_alpha if teacher_model is not None else None,
         "hidden_weight": config.hidden_weight,
+        "state_loss": config.state_loss if local_loss is not None or config.hidden_weight > 0 else None,
         "data_kind": kind,
         "rows": len(train_rows),
         "seqlen": config.seqlen,
