@@ -42,7 +42,7 @@ class RecoveryConfig:
             of the span it stands for, per the report's plan); 0 turns them off.
         state_loss: How the local mode and the hidden-state terms compare a student state with the teacher's:
             ``pooled`` (the mean square error over the target's mean square) or ``per_token`` (each position's error
-            relative to its own state; the attention sink's massive states carry almost all of a pooled mean).
+            relative to its own state, every position weighed alike, as the per-position norms downstream read it).
         max_tokens: Training token budget; sets max_steps to ceil(max_tokens / (batch × accumulation × seqlen)),
             and the text must hold that many training tokens (no second epoch). None uses max_steps / epochs.
             Global under a data-parallel launch: the batch is per process, so a step reads N times as many.

@@ -143,12 +143,12 @@ def normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Ten
 def token_normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Mean over real positions of each position's squared error divided by its own target's squared norm.
 
-    Why not `normalised_mse`: the residual streams of LLaMA-like models hold a few "massive activations" (the first
-    token of a row, the attention sink, has a state 10²–10³ times the norm of the others: SmolLM2-135M from layer 12
-    on, Qwen2.5-0.5B from layer 8), so one position carries almost all of a pooled mean square (~99% of it in a
-    256-token row) and training against it mostly reproduces that one state. Every later layer reads the stream
-    through a per-position norm, so a position's error matters relative to its own size: this term weighs every
-    real position alike and is invariant to the scale of each one.
+    `normalised_mse` weighs a position by the size of its error, which grows with the size of its state: on these
+    models the states differ in norm by orders of magnitude (the first position of a row, the attention sink, holds
+    93–98% of the target's pooled mean square on the bridged spans of SmolLM2-135M and Qwen2.5-0.5B; its error is
+    ~0–1% of the pooled error, but among the other positions the large ones still dominate). Every later layer reads
+    the stream through a per-position norm, so what a position's error does downstream is relative to its own size:
+    this term weighs every real position's relative error alike, invariant to the scale of each.
     """
     student, teacher = student.float(), teacher.float().to(student.device)
     error = (student - teacher).pow(2).sum(-1)

@@ -20,8 +20,8 @@ for the batch (one embedding lookup); the teacher's states come from the same ru
 Loss. Per span, the block's output against the teacher's end state over real tokens (padding masked), made
 scale-free so that a span deep in the residual stream does not outweigh a shallow one: `distill.normalised_mse`
 (``state_loss="pooled"``: the mean square error over the target's mean square) or `distill.token_normalised_mse`
-(``"per_token"``: each position's error relative to its own state, so that the few massive states of the attention
-sink do not carry the whole term). The objective is the mean over spans.
+(``"per_token"``: each position's error relative to its own state, so that positions with large states, whose
+errors are large too, do not outweigh the others). The objective is the mean over spans.
 """
 
 from __future__ import annotations
