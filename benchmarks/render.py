@@ -541,6 +541,12 @@ def _budget_then_gate(run: dict) -> tuple[int, float]:
     return run["max_tokens"], -after
 
 
+def _state_loss(run: dict) -> str:
+    """The state loss of a local run when it is not the default pooled one (runs before the option had none)."""
+    loss = run["recovery"].get("state_loss")
+    return f" ({loss} state loss)" if loss not in (None, "pooled") else ""
+
+
 def healing_table(paths: list[Path]) -> str:
     """benchmarks/recovery/run.py: each method × mode × loss × budget, before and after healing, on both texts."""
     header = (
@@ -560,7 +566,7 @@ def healing_table(paths: list[Path]) -> str:
         before, after = r["untrained"], r["healed"]
 
         rows.append(
-            f"| {r['method']} | {r['mode']} | {r['loss']} | {r['recovery']['tokens_trained']:,} "
+            f"| {r['method']} | {r['mode']}{_state_loss(r)} | {r['loss']} | {r['recovery']['tokens_trained']:,} "
             f"| {before[sotu]['ppl_ratio']:.3f} → **{after[sotu]['ppl_ratio']:.3f}** "
             f"| {before[kjv]['ppl_ratio']:.3f} → **{after[kjv]['ppl_ratio']:.3f}** "
             f"| {pair(after, 'kl', 4)} | {pair(after, 'top1_agreement', 3)} "
