@@ -180,8 +180,8 @@ VARIANTS: dict[str, dict] = {
         method="auto",
         candidates="replaceme shortgpt+scale uidl+scale shortgpt+lstsq " + FLATTENGPT_PAPER_TARGET + "+lstsq",
     ),
-    # auto with its default candidates (options/methods/auto.py): DEFAULT_CANDIDATES, or POST_NORM_CANDIDATES on a
-    # family with a norm after each sublayer (Gemma), where the others' merges and full bridges are refused.
+    # auto with its default candidates (options/methods/auto.py DEFAULT_CANDIDATES): on a family that refuses the
+    # corrections and merges (Gemma's post-sublayer norms), what remains are plain and compensated ShortGPT and UIDL.
     "auto_default_candidates": dict(method="auto"),
     # auto with this session's candidates: ReplaceMe and its corrected variants, Prune&Comp's loop, FlattenGPT+lstsq.
     "auto_wide": dict(

@@ -154,20 +154,3 @@ def test_a_candidate_with_options_is_scored_and_applied_with_them():
     # Two blocks of one layer each, as the option asked, and what was scored is what was applied.
     blocks = quantizer.report["auto"]["winner_report"]["blocks"]
     assert len(blocks) == 2 and all(end - start == 1 for start, end in blocks)
-
-
-@pytest.mark.parametrize("family", ["gemma3_text", "llama_gqa"])
-def test_the_default_candidates_are_those_of_the_family(family):
-    """Where a norm follows each sublayer (Gemma) the pre-norm defaults would all be refused but plain ShortGPT; the
-    family's own list (SLEB and ShortGPT with the diagonal bridge) is scored instead, every candidate applies."""
-    from optimum_flatten.options.methods.auto import DEFAULT_CANDIDATES, POST_NORM_CANDIDATES
-
-    model = tiny_models.FACTORIES[family]()
-    expected = POST_NORM_CANDIDATES if family == "gemma3_text" else DEFAULT_CANDIDATES
-    config = _config(max_candidates=3)
-    report = compress(model, config).report["auto"]
-    assert [c["candidate"] for c in report["candidates"]] == expected.split()[:3]
-    assert all("validation_nll" in c for c in report["candidates"]), report["candidates"]
-    assert report["candidate_list"] == ("the defaults" if family == "llama_gqa" else
-                                        "the defaults of a family with a norm after each sublayer")
-    assert report["winner"] in expected.split()

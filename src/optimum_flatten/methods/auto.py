@@ -84,8 +84,7 @@ class AutoMethod(CompressionMethod):
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
-        post_norm = adapter.mlp_output_norm is not None
-        specs = self.config.candidate_specs(post_norm)
+        specs = self.config.candidate_specs()
         if self.config.max_candidates is not None:
             specs = specs[: self.config.max_candidates]
         start = time.perf_counter()
@@ -118,13 +117,6 @@ class AutoMethod(CompressionMethod):
                 "rule": "the last batches of the calibration set validate; the others fit",
             },
             "candidates": scored,
-            "candidate_list": (
-                "given"
-                if self.config.candidates is not None
-                else "the defaults of a family with a norm after each sublayer"
-                if post_norm
-                else "the defaults"
-            ),
             "winner": winner.label,
             "why": (
                 f"lowest mean next-token NLL on the held-out calibration batches ({best[0]:.4f}) among "

@@ -26,14 +26,6 @@ DEFAULT_CANDIDATES = (
     "flattengpt+lstsq_down"
 )
 
-#: The defaults on a family with a norm after each sublayer (Gemma 2/3, OLMo-2, GLM-4: the adapter's
-#: `mlp_output_norm`), where the merges, the compensation and the full bridges above are refused and only a per-channel
-#: bridge folds (into that norm's gain). Chosen by measurement on Gemma-3-270M at 4 of 18 (RESULTS.md, both texts):
-#: SLEB with the diagonal bridge 3.02 / 3.58, ShortGPT with it 6.08 / 5.13, plain ShortGPT 12.4 / 7.7, UIDL 81 / 110;
-#: with DEFAULT_CANDIDATES auto could only reach plain ShortGPT there. ReplaceMe's diagonal map (35 / 160: UIDL's
-#: block choice, which no map repairs) is left out; plain ShortGPT stays for a family that refuses even the diagonal.
-POST_NORM_CANDIDATES = "sleb+diagonal shortgpt+diagonal shortgpt"
-
 
 @dataclass
 class AutoConfig(MethodConfig):
@@ -41,9 +33,7 @@ class AutoConfig(MethodConfig):
 
     Attributes:
         candidates: Space-separated candidate specs, ``method[:option=value,...][+correction]`` with a correction
-            among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``. None: the
-            defaults of the model's family, `DEFAULT_CANDIDATES`, or `POST_NORM_CANDIDATES` where a norm follows
-            each sublayer (the defaults differ because what folds there differs).
+            among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``.
         validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
         max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
         max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
@@ -53,14 +43,14 @@ class AutoConfig(MethodConfig):
             fitting part only.
     """
 
-    candidates: str | None = None
+    candidates: str = DEFAULT_CANDIDATES
     validation_fraction: float = 0.25
     max_candidates: int | None = None
     max_seconds: float | None = None
     refit: bool = True
 
     def __post_init__(self) -> None:
-        specs = self.candidate_specs() + self.candidate_specs(post_norm=True)
+        specs = self.candidate_specs()
         if not specs:
             raise ValueError("auto needs at least one candidate, e.g. candidates='shortgpt uidl+scale'.")
         if not 0.0 < float(self.validation_fraction) < 1.0:
@@ -70,17 +60,10 @@ class AutoConfig(MethodConfig):
         if self.max_seconds is not None and not float(self.max_seconds) > 0:
             raise ValueError(f"max_seconds must be positive or None, got {self.max_seconds!r}.")
 
-    def candidate_list(self, post_norm: bool = False) -> str:
-        """The candidates given, or the defaults of a family with (`post_norm`) or without a norm after each
-        sublayer."""
-        if self.candidates is not None:
-            return str(self.candidates)
-        return POST_NORM_CANDIDATES if post_norm else DEFAULT_CANDIDATES
-
-    def candidate_specs(self, post_norm: bool = False) -> list[Candidate]:
+    def candidate_specs(self) -> list[Candidate]:
         """The parsed candidates; every name and option is checked here, before any model is touched."""
         specs = []
-        for text in self.candidate_list(post_norm).split():
+        for text in str(self.candidates).split():
             head, _, correction = text.partition("+")
             name, _, option_text = head.partition(":")
             from ...registry import get_method_class
