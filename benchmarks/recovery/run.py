@@ -141,7 +141,7 @@ def main() -> None:
     )
     parser.add_argument("--local-then-global-tokens", type=int, default=None, help="local: then a global phase")
     parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
-    parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up")
+    parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up (< 1)")
     parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
     parser.add_argument("--eval-every", type=int, default=16)
@@ -239,7 +239,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None):
         seqlen=args.seqlen,
         per_device_train_batch_size=args.batch_size,
         logging_steps=max(1, args.eval_every),
-        extra_training_args={"warmup_ratio": args.warmup_ratio} if args.warmup_ratio else {},
+        extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
     )
 
 
