@@ -192,17 +192,14 @@ H100_ROWS = [
 ]  # fmt: skip
 
 
-_7B_WIDTHS = {"intermediate_size": 11008}
-
-
-def _former_ranking_seconds(method: str, removed: int, widths: dict) -> float:
+def _former_ranking_seconds(method: str, removed: int, config: dict) -> float:
     """What the rows' code spent that today's does not: they were measured when FlattenGPT's channel ranking read its
     scores one `float()` (one device sync) at a time, one per channel of each merged pair's concatenated MLP; today
     one copy reads them all (`ops.selection.host_scores`). Added back at the model's price of a read, so the rest of
     the prediction is still checked against what was measured."""
     if method != "flattengpt":
         return 0.0
-    pairs, width = removed, 2 * widths["intermediate_size"]  # the defaults merge pairs: one per removed layer
+    pairs, width = removed, 2 * config["intermediate_size"]  # the defaults merge pairs: one per removed layer
     return pairs * (width - 1) * HOST_READ_SECONDS
 
 
@@ -217,7 +214,7 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
         str(tmp_path), method, removed, dtype="bfloat16", method_args=options, device=DEVICES["h100"]
     )
     prediction = estimate.prediction
-    former = _former_ranking_seconds(method, removed, {**_7B_WIDTHS, **overrides})
+    former = _former_ranking_seconds(method, removed, json.loads((tmp_path / "config.json").read_text()))
     assert prediction.total_seconds + former == pytest.approx(total, rel=0.25), label
     for name, measured in phases.items():
         predicted = prediction.phases[name]["seconds"] + (former if name == "solve" else 0.0)

@@ -31,13 +31,9 @@ EPSILONS = (0.001, 0.01, 0.1)
 
 def main() -> None:
     from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
-    from optimum_flatten.calibration.capture import LayerwiseRunner
-    from optimum_flatten.calibration.data import CalibrationBatch
-    from optimum_flatten.calibration.states import CalibratedStates
     from optimum_flatten.evaluation import tokenize_corpus
     from optimum_flatten.recovery.local import LocalSpanLoss
     from optimum_flatten.recovery.selection import changed_spans
-    from optimum_flatten.utils.torch_utils import first_output
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(run.DEPTHS))
@@ -52,20 +48,13 @@ def main() -> None:
     quantizer.compress(model, tokenizer)
     texts, _ = run.training_texts(tokenizer)
     ids = tokenize_corpus(tokenizer, texts[5:7])[: 4 * 256].view(4, 256)
-    mask = torch.ones_like(ids)
     spans = changed_spans(model, quantizer.report)
     local = LocalSpanLoss(model, dense, spans)
-    batch = [CalibrationBatch(input_ids=ids, attention_mask=mask)]
     result = {"model": args.model, "method": args.method, "plan": quantizer.report["plan_summary"], "spans": []}
     with torch.no_grad():
-        teacher = CalibratedStates(
-            LayerwiseRunner(local.teacher_adapter, batch), local.teacher_layers, keep=local.boundaries
-        )
-        states = {i: teacher.boundary(i)[0] for i in local.boundaries}
-        kwargs = LayerwiseRunner(local.student_adapter, batch).layer_kwargs
-        for span, block in zip(local.spans, local.blocks, strict=True):
-            output = first_output(block(states[span.start], **kwargs[span.block][0])).double()
-            target = states[span.end].double()
+        pairs, _ = local.span_outputs({"input_ids": ids})  # what the local mode compares, on the same calls
+        for span, (output, target) in zip(local.spans, pairs, strict=True):
+            output, target = output.double(), target.double()
             error, size = (output - target).pow(2).sum(-1), target.pow(2).sum(-1)
             result["spans"].append(
                 {

@@ -123,9 +123,8 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     the ReplaceMe model (one bridged block) at 64K tokens the order held: `full` 1.258 / 1.785, `local` 1.330 / 1.930
     (untrained 1.345 / 2.006), and `full` at 256K reached 1.189 / 1.651; pass ``mode="full"`` where its memory fits.
     On Qwen2.5-0.5B `local` never beat its input (the gate kept it): a state loss is a weak proxy for the output
-    there (benchmarks/NOTEBOOK.md). Under FSDP, which shards exactly what `full`
-    holds and under which neither `local` nor `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the
-    first of the modes measured.
+    there (benchmarks/NOTEBOOK.md). Under FSDP, which shards exactly what `full` holds and under which neither
+    `local` nor `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
     """
     if fsdp:
         return "full"

@@ -18,7 +18,7 @@ the label of t + 1 is not -100, for the KL as for the LM loss. Hidden-state term
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +163,14 @@ def token_normalised_mse(student: torch.Tensor, teacher: torch.Tensor, mask: tor
 STATE_LOSSES = {"pooled": normalised_mse, "per_token": token_normalised_mse}
 
 
+def state_loss_function(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """The comparison `RecoveryConfig.state_loss` names (`STATE_LOSSES`); an unknown name is refused here, once for
+    the local mode and the hidden-state terms alike."""
+    if name not in STATE_LOSSES:
+        raise ValueError(f"state_loss must be one of {sorted(STATE_LOSSES)}, got {name!r}.")
+    return STATE_LOSSES[name]
+
+
 def _first_tensor(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
@@ -235,8 +243,7 @@ class DistillationLoss:
             )
         if self.hidden_weight < 0:
             raise ValueError(f"hidden_weight must be at least 0, got {self.hidden_weight}.")
-        if self.state_loss not in STATE_LOSSES:
-            raise ValueError(f"state_loss must be one of {sorted(STATE_LOSSES)}, got {self.state_loss!r}.")
+        state_loss_function(self.state_loss)  # refused now, before any training
         if self.hidden_weight > 0 and (self.teacher is None or not self.student_blocks):
             raise ValueError(
                 "hidden-state terms (hidden_weight > 0) need a teacher and a layer map of the student's blocks to the "
@@ -268,7 +275,7 @@ class DistillationLoss:
         kl, lm = kl_sum / count, nll_sum / count
         hidden = lm.new_zeros(())
         if hidden_on:
-            compare = STATE_LOSSES[self.state_loss]
+            compare = state_loss_function(self.state_loss)
             terms = [compare(s, t, mask) for s, t in zip(student_outputs, teacher_outputs, strict=True)]
             hidden = torch.stack(terms).mean()
         if self.teacher is None:

@@ -36,7 +36,7 @@ from ..calibration.capture import LayerwiseRunner, _to_device
 from ..calibration.data import CalibrationBatch
 from ..calibration.states import CalibratedStates
 from ..utils.torch_utils import first_output, module_device
-from .distill import STATE_LOSSES, LossParts
+from .distill import LossParts, state_loss_function
 from .selection import Span
 
 
@@ -48,7 +48,7 @@ class LocalSpanLoss:
         student: The compressed model whose blocks are trained.
         teacher: The frozen dense model (eval, no grad, in the student's dtype, on the student's device).
         spans: The changed spans (`selection.changed_spans`).
-        state_loss: How states are compared (`distill.STATE_LOSSES`): ``pooled`` or ``per_token``.
+        state_loss: How states are compared (`distill.state_loss_function`): ``pooled`` or ``per_token``.
 
     Raises:
         ValueError: when a span reaches past the teacher's layers (a teacher of another depth), or an unknown
@@ -60,9 +60,7 @@ class LocalSpanLoss:
     ) -> None:
         if not spans:
             raise ValueError("mode='local' needs at least one changed span to train.")
-        if state_loss not in STATE_LOSSES:
-            raise ValueError(f"state_loss must be one of {sorted(STATE_LOSSES)}, got {state_loss!r}.")
-        self.compare = STATE_LOSSES[state_loss]
+        self.compare = state_loss_function(state_loss)
         self.student_adapter = get_adapter(student)
         self.teacher_adapter = get_adapter(teacher)
         self.teacher_layers = list(self.teacher_adapter.layers())
@@ -76,8 +74,11 @@ class LocalSpanLoss:
         self.blocks = [self.student_adapter.layers()[span.block] for span in self.spans]
         self.boundaries = sorted({span.start for span in spans} | {span.end for span in spans})
 
-    def span_terms(self, inputs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-        """(the state loss of each span, in `spans` order, real tokens of the batch); the terms carry the graph."""
+    def span_outputs(
+        self, inputs: dict[str, torch.Tensor]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """((each span's block output on the teacher's entering state, the teacher's leaving state), in `spans`
+        order; the batch's attention mask). The outputs carry the graph; the teacher's states do not."""
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
@@ -88,14 +89,19 @@ class LocalSpanLoss:
             )
             states = {i: teacher.boundary(i)[0] for i in self.boundaries}  # one pass: each starts where the last ended
         student_kwargs = LayerwiseRunner(self.student_adapter, batch).layer_kwargs
-        terms = []
+        pairs = []
         for span, block in zip(self.spans, self.blocks, strict=True):
             device = module_device(block)
             dtype = next(block.parameters()).dtype
             kwargs = _to_device(student_kwargs[span.block][0], device)
             output = first_output(block(states[span.start].to(device=device, dtype=dtype), **kwargs))
-            terms.append(self.compare(output, states[span.end], mask))
-        return terms, int((mask != 0).sum())
+            pairs.append((output, states[span.end]))
+        return pairs, mask
+
+    def span_terms(self, inputs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """(the state loss of each span, in `spans` order, real tokens of the batch); the terms carry the graph."""
+        pairs, mask = self.span_outputs(inputs)
+        return [self.compare(output, target, mask) for output, target in pairs], int((mask != 0).sum())
 
     def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> LossParts:
         """The mean over spans of the state loss (`model` is the student the blocks belong to; the Trainer passes
