@@ -138,21 +138,8 @@ def prefill_tokens_per_second(
     Besides the median it returns the spread and the environment (device, dtype, threads) the number belongs to.
     To compare two models use `compare_prefill`, which interleaves them.
     """
-    ids = _random_ids(model, (batch_size, seqlen), seed)
-    device = input_device(model)
-    times = sample_seconds(_prefill_run(model, ids), repeats, warmup, device)
-    median = statistics.median(times)
-    return {
-        "tokens_per_second": batch_size * seqlen / median,
-        "median_seconds": median,
-        "spread": relative_spread(times),
-        "seconds": times,
-        "seqlen": seqlen,
-        "batch_size": batch_size,
-        "repeats": repeats,
-        "warmup": warmup,
-        **speed_environment(model),
-    }
+    run = _prefill_run(model, _random_ids(model, (batch_size, seqlen), seed))
+    return _throughput(model, run, batch_size * seqlen, {"seqlen": seqlen, "batch_size": batch_size}, repeats, warmup)
 
 
 @torch.no_grad()
@@ -168,20 +155,26 @@ def decode_tokens_per_second(
 
     Returns the spread and environment as `prefill_tokens_per_second` does; `compare_decode` compares two models.
     """
-    ids = _random_ids(model, (batch_size, prompt_length), seed)
-    device = input_device(model)
-    times = sample_seconds(_decode_run(model, ids, new_tokens), repeats, 1, device)
+    run = _decode_run(model, _random_ids(model, (batch_size, prompt_length), seed), new_tokens)
+    shape = {"batch_size": batch_size, "prompt_length": prompt_length, "new_tokens": new_tokens}
+    return _throughput(model, run, batch_size * new_tokens, shape, repeats, 1)
+
+
+def _throughput(
+    model: nn.Module, run: Callable[[], object], tokens: int, shape: dict[str, int], repeats: int, warmup: int
+) -> dict[str, Any]:
+    """The one measurement behind `prefill_tokens_per_second` and `decode_tokens_per_second`: they differ only in
+    what one run does and how many tokens it yields, so the timing, the median and the record are made here."""
+    times = sample_seconds(run, repeats, warmup, input_device(model))
     median = statistics.median(times)
     return {
-        "tokens_per_second": batch_size * new_tokens / median,
+        "tokens_per_second": tokens / median,
         "median_seconds": median,
         "spread": relative_spread(times),
         "seconds": times,
-        "batch_size": batch_size,
-        "prompt_length": prompt_length,
-        "new_tokens": new_tokens,
+        **shape,
         "repeats": repeats,
-        "warmup": 1,
+        "warmup": warmup,
         **speed_environment(model),
     }
 
@@ -393,22 +386,10 @@ def compare_prefill(
     seed: int = 0,
 ) -> SpeedComparison:
     """Prefill of two models on the same random tokens, interleaved round by round (see `interleaved_seconds`)."""
-    runs = [
-        _prefill_run(m, _random_ids(m, (batch_size, seqlen), seed, _vocab(baseline, candidate)))
-        for m in (baseline, candidate)
-    ]
-    devices = [input_device(baseline), input_device(candidate)]
-    base, cand = interleaved_seconds(runs, rounds, warmup, devices)
-    return SpeedComparison(
-        kind="prefill",
-        baseline_seconds=tuple(base),
-        candidate_seconds=tuple(cand),
-        tokens=batch_size * seqlen,
-        shape={"batch_size": batch_size, "seqlen": seqlen},
-        environment=_environment(baseline, candidate),
-        layers=(_layers(baseline), _layers(candidate)),
-        warmup=warmup,
-    )
+    vocab = _vocab(baseline, candidate)
+    runs = [_prefill_run(m, _random_ids(m, (batch_size, seqlen), seed, vocab)) for m in (baseline, candidate)]
+    shape = {"batch_size": batch_size, "seqlen": seqlen}
+    return _interleaved_comparison("prefill", baseline, candidate, runs, batch_size * seqlen, shape, rounds, warmup)
 
 
 @torch.no_grad()
@@ -423,18 +404,32 @@ def compare_decode(
     seed: int = 0,
 ) -> SpeedComparison:
     """Greedy generation of a fixed length by two models on the same prompts, interleaved round by round."""
-    runs = [
-        _decode_run(m, _random_ids(m, (batch_size, prompt_length), seed, _vocab(baseline, candidate)), new_tokens)
-        for m in (baseline, candidate)
-    ]
+    models, vocab = (baseline, candidate), _vocab(baseline, candidate)
+    runs = [_decode_run(m, _random_ids(m, (batch_size, prompt_length), seed, vocab), new_tokens) for m in models]
+    shape = {"batch_size": batch_size, "prompt_length": prompt_length, "new_tokens": new_tokens}
+    return _interleaved_comparison("decode", baseline, candidate, runs, batch_size * new_tokens, shape, rounds, warmup)
+
+
+def _interleaved_comparison(
+    kind: Literal["prefill", "decode"],
+    baseline: nn.Module,
+    candidate: nn.Module,
+    runs: Sequence[Callable[[], object]],
+    tokens: int,
+    shape: dict[str, int],
+    rounds: int,
+    warmup: int,
+) -> SpeedComparison:
+    """The one protocol behind `compare_prefill` and `compare_decode`: the baseline's and the candidate's `runs`
+    timed alternately, and the record with both environments; only what a run does differs between the two."""
     devices = [input_device(baseline), input_device(candidate)]
     base, cand = interleaved_seconds(runs, rounds, warmup, devices)
     return SpeedComparison(
-        kind="decode",
+        kind=kind,
         baseline_seconds=tuple(base),
         candidate_seconds=tuple(cand),
-        tokens=batch_size * new_tokens,
-        shape={"batch_size": batch_size, "prompt_length": prompt_length, "new_tokens": new_tokens},
+        tokens=tokens,
+        shape=shape,
         environment=_environment(baseline, candidate),
         layers=(_layers(baseline), _layers(candidate)),
         warmup=warmup,
