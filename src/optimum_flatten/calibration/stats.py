@@ -125,7 +125,40 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) 
     return flat.to(device)
 
 
-class SecondMoment:
+class _MaskedMoment:
+    """What `SecondMoment` and `CentredSecondMoment` share: the exclusive choice of product precision, the masked
+    token rows each update reads, and the float32 centre a batch's product is taken about. Both rest on the same
+    identity (a float64 mean part beside a product of centred tokens), so the centre is rounded by one rule."""
+
+    def __init__(self, tf32: bool, split_bfloat16: bool) -> None:
+        if tf32 and split_bfloat16:
+            raise ValueError(f"{type(self).__name__} takes tf32=True or split_bfloat16=True, not both.")
+        self.tf32 = tf32
+        self.split = split_bfloat16
+        self.count = 0
+
+    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
+        flat = real_rows(x, mask, self._home().device)
+        if flat.shape[0] > 0:
+            self._add(flat)
+
+    def _home(self) -> torch.Tensor:
+        """The running sum, whose device every token is moved to."""
+        raise NotImplementedError
+
+    def _add(self, flat: torch.Tensor) -> None:
+        """Adds the (tokens, dim) rows `flat`, at least one."""
+        raise NotImplementedError
+
+    def _centre(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        """The mean of `n` tokens summing to `total` in float32, rounded to bfloat16 on the split path (so that a
+        bfloat16 activation less it is exact in `split_bfloat16`)."""
+        centre = (total / n).float()
+        return centre.bfloat16().float() if self.split else centre
+
+
+class SecondMoment(_MaskedMoment):
     """C = E[x xᵀ] over valid tokens, from a float64 running sum (no token matrix is ever stored).
 
     float64 accumulation matters: activations entering a down projection span several orders of magnitude, and the
@@ -145,28 +178,20 @@ class SecondMoment:
     def __init__(
         self, dim: int, device: torch.device | str = "cpu", tf32: bool = False, split_bfloat16: bool = False
     ) -> None:
-        if tf32 and split_bfloat16:
-            raise ValueError("SecondMoment takes tf32=True or split_bfloat16=True, not both.")
+        super().__init__(tf32, split_bfloat16)
         self.sum = torch.zeros(dim, dim, dtype=torch.float64, device=device)
-        self.count = 0
-        self.tf32 = tf32
-        self.split = split_bfloat16
 
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
-        flat = real_rows(x, mask, self.sum.device)
-        n = flat.shape[0]
-        if n == 0:
-            return
-        dim = flat.shape[1]
+    def _home(self) -> torch.Tensor:
+        return self.sum
+
+    def _add(self, flat: torch.Tensor) -> None:
+        n, dim = flat.shape
         if flat.dtype == torch.float64:
             flops.record(flops.gram(n, dim), "float64")
             self.sum.addmm_(flat.T, flat)
         else:
             total = float64_column_sum(flat)
-            centre = (total / n).float()
-            if self.split:
-                centre = centre.bfloat16().float()
+            centre = self._centre(total, n)
             centred = flat.float() - centre
             m = centre.double()
             # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
@@ -201,7 +226,7 @@ class SecondMoment:
         return result
 
 
-class CentredSecondMoment:
+class CentredSecondMoment(_MaskedMoment):
     """C = E[x xᵀ] kept as a float32 scatter about a fixed centre, with the mean part exact in float64.
 
     Half the memory of `SecondMoment` and no dim² float64 work per batch: each batch adds its centred product straight
@@ -238,28 +263,21 @@ class CentredSecondMoment:
         tf32: bool = False,
         split_bfloat16: bool = False,
     ) -> None:
-        if tf32 and split_bfloat16:
-            raise ValueError("CentredSecondMoment takes tf32=True or split_bfloat16=True, not both.")
-        self.tf32 = tf32
-        self.split = split_bfloat16
+        super().__init__(tf32, split_bfloat16)
         dtype = torch.float64 if split_bfloat16 else torch.float32
         self.scatter = torch.zeros(dim, dim, dtype=dtype, device=device)
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
         self.centre: torch.Tensor | None = None
-        self.count = 0
         self.chunk_tokens = chunk_tokens
 
-    def update(self, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Adds the tokens of `x` (batch, seq, dim) whose mask is 1."""
-        flat = real_rows(x, mask, self.scatter.device)
+    def _home(self) -> torch.Tensor:
+        return self.scatter
+
+    def _add(self, flat: torch.Tensor) -> None:
         n = flat.shape[0]
-        if n == 0:
-            return
         total = float64_column_sum(flat, self.chunk_tokens)
         if self.centre is None:
-            self.centre = (total / n).float()
-            if self.split:
-                self.centre = self.centre.bfloat16().float()
+            self.centre = self._centre(total, n)
         self.total.add_(total)
         if self.split:
             for chunk in flat.split(self.chunk_tokens):
