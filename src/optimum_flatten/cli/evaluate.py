@@ -45,6 +45,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if per_byte is not None:
             # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
             dataset, max_tokens = per_byte["texts"], None
+    # How every checkpoint is loaded, by each evaluation below: the same dtype, device and code for all of them.
+    loading: dict[str, Any] = {
+        "dtype": getattr(torch, args.dtype),
+        "trust_remote_code": args.trust_remote_code,
+        "device": device,
+    }
     entries = [
         evaluate_checkpoint(
             p,
@@ -52,13 +58,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             seqlen=args.seqlen,
             stride=args.stride,
             max_tokens=max_tokens,
-            dtype=getattr(torch, args.dtype),
             speed=not args.no_speed and not args.baseline,  # against a baseline: interleaved, below
             lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
             lm_eval_limit=args.lm_eval_limit,
-            trust_remote_code=args.trust_remote_code,
-            device=device,
             speed_repeats=args.speed_rounds,
+            **loading,
         )
         for p in paths
     ]
@@ -73,38 +77,23 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             paths[0],
             paths[-1],
             seqlen=args.seqlen,
-            dtype=getattr(torch, args.dtype),
-            device=device,
             rounds=args.speed_rounds,
-            trust_remote_code=args.trust_remote_code,
+            **loading,
         )
         for kind, comparison in speed.items():
             base[kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
             entries[-1][f"{kind}_comparison"] = comparison.to_dict()
-    # KL and top-1 agreement compare distributions position by position: meaningless when the tokens differ.
-    compare = bool(args.baseline) and not args.no_fidelity and per_byte is None
-    if compare:
-        entries[-1]["fidelity"] = fidelity_to_baseline(
-            paths[0],
-            paths[-1],
-            args.dataset,
-            seqlen=args.seqlen,
-            stride=args.stride,
-            max_tokens=args.max_tokens,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
-            device=device,
-        )
-    generative = bool(args.baseline) and not args.no_generation and per_byte is None
-    if generative:
-        entries[-1]["generation"] = generation_against_baseline(
-            paths[0],
-            paths[-1],
-            args.dataset,
-            dtype=getattr(torch, args.dtype),
-            trust_remote_code=args.trust_remote_code,
-            device=device,
-        )
+    # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
+    # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the dataset.
+    same_tokens = bool(args.baseline) and per_byte is None
+    compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
+    window = {"seqlen": args.seqlen, "stride": args.stride, "max_tokens": args.max_tokens}
+    for key, wanted, against, options in (
+        ("fidelity", compare, fidelity_to_baseline, window),
+        ("generation", generative, generation_against_baseline, {}),
+    ):
+        if wanted:
+            entries[-1][key] = against(paths[0], paths[-1], args.dataset, **options, **loading)
     rows = []
     for entry in entries:
         row = [entry["path"], entry["layers"], f"{entry['perplexity']:.3f}"]
