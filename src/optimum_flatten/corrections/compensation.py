@@ -40,15 +40,27 @@ def _stream_sources(adapter: ArchitectureAdapter) -> list[torch.nn.Module]:
     return sources
 
 
+def require_pre_norm(adapter: ArchitectureAdapter, stack: str, why: str, instead: str) -> None:
+    """Refuses a stack that is not pre-norm, saying `why` the correction needs one and what to do `instead`.
+
+    Compensation and the linear bridge both fold into the writers of an unnormalised residual stream, so both
+    refuse a post-norm stack before any change, in the same words about the stack."""
+    position = adapter.block(stack, 0).norm_position
+    if position != "pre":
+        raise UnsupportedArchitectureError(
+            f"{why} (pre-norm); this {type(adapter.model).__name__} stack {stack!r} is {position}-norm. {instead}"
+        )
+
+
 def require_compensable(adapter: ArchitectureAdapter, stack: str) -> None:
     """Refuses, before any change, a stack the fold cannot describe exactly."""
-    block = adapter.block(stack, 0)
-    if block.norm_position != "pre":
-        raise UnsupportedArchitectureError(
-            f"compensation='scale' folds a factor into every writer of the residual stream, which leaves the function "
-            f"unchanged only when each layer reads the stream through a norm (pre-norm); this "
-            f"{type(adapter.model).__name__} stack {stack!r} is {block.norm_position}-norm. Drop compensation."
-        )
+    require_pre_norm(
+        adapter,
+        stack,
+        "compensation='scale' folds a factor into every writer of the residual stream, which leaves the function "
+        "unchanged only when each layer reads the stream through a norm",
+        "Drop compensation.",
+    )
     if missing := adapter.missing_capabilities({"stream_scale"}):
         raise UnsupportedArchitectureError(
             f"compensation='scale' cannot be folded into model_type {adapter.config.model_type!r}: "

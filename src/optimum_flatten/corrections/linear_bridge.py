@@ -35,6 +35,7 @@ from .bridge_fit import (
     fold_into_down_,
     run_capturing_mlp,
 )
+from .compensation import require_pre_norm
 
 
 def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, estimator: str | None = None) -> None:
@@ -47,15 +48,14 @@ def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, esti
     rescaling of its gain."""
     if estimator == "diagonal" and adapter.mlp_output_norm is not None:
         return
-    position = adapter.block(stack, 0).norm_position
-    if position != "pre":
-        diagonal = " or estimator 'diagonal' (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
-        raise UnsupportedArchitectureError(
-            f"{what} folds a linear map into the down projection of the layer before the removed ones, which is "
-            f"exact only when that layer adds its MLP output to an unnormalised residual stream (pre-norm); this "
-            f"{type(adapter.model).__name__} stack {stack!r} is {position}-norm. Use a method without a linear "
-            f"replacement (shortgpt, sleb, laco, sliding_window){diagonal} on it."
-        )
+    diagonal = " or estimator 'diagonal' (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
+    require_pre_norm(
+        adapter,
+        stack,
+        f"{what} folds a linear map into the down projection of the layer before the removed ones, which is exact "
+        "only when that layer adds its MLP output to an unnormalised residual stream",
+        f"Use a method without a linear replacement (shortgpt, sleb, laco, sliding_window){diagonal} on it.",
+    )
     if missing := adapter.missing_capabilities({"down_fold"}):
         raise UnsupportedArchitectureError(
             f"{what} folds a linear map into the down projection of the layer before the removed ones, which "
