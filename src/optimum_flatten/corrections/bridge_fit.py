@@ -264,42 +264,6 @@ def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transf
     )
 
 
-def fit_least_squares(
-    adapter: ArchitectureAdapter,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    target: Sequence[torch.Tensor],
-    on_capture: Any = None,
-    estimator: str = "lstsq",
-) -> tuple[torch.Tensor, float, Any, int]:
-    """T with ``M T + Y ≈ target`` for `module` run at `position` on `inputs`: (T, gain, solve info, tokens).
-
-    One run of the layer over every batch; M and Y are reduced to float64 statistics batch by batch, so no token
-    matrix outlives its batch. `on_capture(b, m, y)`, if given, also sees each batch's M and Y. With ``"lstsq_gain"``
-    T and a scalar α are fitted jointly for ``α Y + M T ≈ target``; otherwise the gain is 1. ``"diagonal"``
-    restricts T to a gain per channel (`solve_diagonal`).
-    """
-    if estimator not in ("lstsq", "lstsq_gain", "diagonal"):
-        raise ValueError(f"a search fits T by 'lstsq', 'lstsq_gain' or 'diagonal', not {estimator!r}.")
-    with_gain = estimator == "lstsq_gain"
-    width = adapter.mlp_output_width(module, position)
-    stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
-
-    def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-        stats.update(m, target[b], runner.masks[b], stream=y, offset=y)
-        if on_capture is not None:
-            on_capture(b, m, y)
-
-    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
-    if with_gain:
-        transform, gain, info = solve_least_squares_with_gain(stats)
-        return transform, gain, info, stats.count
-    transform, info = (solve_diagonal if estimator == "diagonal" else solve_least_squares)(stats)
-    return transform, 1.0, info, stats.count
-
-
 def fit_with_outputs(
     adapter: ArchitectureAdapter,
     runner: Any,
@@ -312,19 +276,31 @@ def fit_with_outputs(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
 
-    What a search needs to score a replacement without touching the layer: the output with T is ``Y + M T``
-    (``α Y + M T`` with ``"lstsq_gain"``), computed from the captured M and Y (no second run of the layer, no folded
-    copy).
+    What a search needs to score a replacement without touching the layer: T with ``M T + Y ≈ target`` from one run
+    of the layer over every batch, M and Y reduced to float64 statistics batch by batch (no token matrix outlives its
+    batch but those of the scored ones); the output with T is ``Y + M T``, computed from the captured M and Y (no
+    second run of the layer, no folded copy). With ``"lstsq_gain"`` T and a scalar α are fitted jointly for
+    ``α Y + M T ≈ target`` and the output is ``α Y + M T``; ``"diagonal"`` restricts T to a gain per channel
+    (`solve_diagonal`).
     """
+    if estimator not in ("lstsq", "lstsq_gain", "diagonal"):
+        raise ValueError(f"a search fits T by 'lstsq', 'lstsq_gain' or 'diagonal', not {estimator!r}.")
+    with_gain = estimator == "lstsq_gain"
+    width = adapter.mlp_output_width(module, position)
+    stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def keep_scored(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
+    def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
+        stats.update(m, targets[b], runner.masks[b], stream=y, offset=y)
         if b < limit:
             captured.append((m, y))
 
-    transform, gain, _, _ = fit_least_squares(
-        adapter, runner, module, position, inputs, targets, on_capture=keep_scored, estimator=estimator
-    )
+    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
+    if with_gain:
+        transform, gain, _ = solve_least_squares_with_gain(stats)
+    else:
+        transform, _ = (solve_diagonal if estimator == "diagonal" else solve_least_squares)(stats)
+        gain = 1.0
     outputs = [
         (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
     ]
