@@ -26,6 +26,7 @@ before it to hold a map).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +43,25 @@ from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import detached_copy, dispatch_like
 from ..utils.torch_utils import count_parameters
 from .flattengpt import FlattenGPTMethod
+
+
+@dataclass
+class _Current:
+    """The model as the search has changed it so far, without touching the real one: the layers still kept and the
+    private copies (a folded map, a merged pair's block) standing in for some of them. Building every action and
+    scoring it read the same model, so they take this one object."""
+
+    adapter: ArchitectureAdapter
+    runner: Any
+    layers: list[torch.nn.Module]
+    #: Private copies of layers that received a map, and merged blocks by their first member.
+    modules: dict[int, torch.nn.Module]
+    kept: list[int]
+    context: MethodContext
+
+    def layer(self, index: int) -> torch.nn.Module:
+        """Original layer `index` as the current model runs it: its private copy where it has one."""
+        return self.modules.get(index, self.layers[index])
 
 
 @register_method("greedy_replace")
@@ -75,8 +95,8 @@ class GreedyReplaceMethod(CompressionMethod):
         limit = self.config.scoring_batches or runner.num_batches
         scored = list(context.batches)[:limit]
         self._head_weights = count_parameters(adapter.lm_head(context.stack))  # the work of one head row
-        modules: dict[int, torch.nn.Module] = {}  # private copies of layers that received a map
-        kept = list(range(num_layers))
+        current = _Current(adapter, runner, layers, {}, list(range(num_layers)), context)
+        modules, kept = current.modules, current.kept
         steps: list[dict[str, Any]] = []
         self._maps, self._merges = [], {}
         #: Merged pairs built so far, by first member: (block, its output on the scored batches); valid while no
@@ -86,14 +106,12 @@ class GreedyReplaceMethod(CompressionMethod):
             for step in range(num_to_remove):
                 states = [runner.inputs]  # states entering kept[j], on every batch
                 for index in kept:
-                    states.append(runner.run(modules.get(index, layers[index]), index, states[-1]))
+                    states.append(runner.run(current.layer(index), index, states[-1]))
                 best: tuple[float, str, int, Any] | None = None
                 shortlisted: list[dict[str, Any]] = []
-                for action, position, index, candidate_map, start in self._actions(
-                    adapter, runner, layers, modules, kept, states, limit, pairs, context
-                ):
+                for action, position, index, candidate_map, start in self._actions(current, states, limit, pairs):
                     if self.config.shortlist is None:
-                        nll = self._score(adapter, runner, layers, modules, kept, position, start, scored, context)
+                        nll = self._score(current, position, start, scored)
                         if best is None or nll < best[0]:
                             best = (nll, action, index, candidate_map)
                         continue
@@ -106,9 +124,7 @@ class GreedyReplaceMethod(CompressionMethod):
                     shortlisted = sorted(shortlisted, key=lambda c: (c["gap"], c["index"]))[: self.config.shortlist]
                 if self.config.shortlist is not None:
                     for c in shortlisted:
-                        nll = self._score(
-                            adapter, runner, layers, modules, kept, c["position"], c.pop("start"), scored, context
-                        )
+                        nll = self._score(current, c["position"], c.pop("start"), scored)
                         if best is None or nll < best[0]:
                             best = (nll, c["action"], c["index"], c["map"])
                 assert best is not None
@@ -121,9 +137,7 @@ class GreedyReplaceMethod(CompressionMethod):
                 elif action == "replace":
                     previous = kept[position - 1]
                     # A private, in-memory copy (offloaded layers too): the model is not touched while planning.
-                    module = detached_copy(
-                        modules.get(previous, layers[previous]), memo={id(adapter.config): adapter.config}
-                    )
+                    module = detached_copy(current.layer(previous), memo={id(adapter.config): adapter.config})
                     adapter.fold_after_mlp_(module, previous, transform)
                     modules[previous] = module
                     self._maps.append((previous, transform))
@@ -147,62 +161,48 @@ class GreedyReplaceMethod(CompressionMethod):
 
     def _actions(
         self,
-        adapter: ArchitectureAdapter,
-        runner: Any,
-        layers: list[torch.nn.Module],
-        modules: dict[int, torch.nn.Module],
-        kept: list[int],
+        current: _Current,
         states: list[list[torch.Tensor]],
         limit: int,
         pairs: dict[int, tuple[torch.nn.Module, list[torch.Tensor]]],
-        context: MethodContext,
     ) -> Iterator[tuple[str, int, int, Any, list[torch.Tensor]]]:
         """Every action on the current model: (action, position in `kept` of the layer it removes, that layer, the
         map or merged block or None, the state after the action). A flatten removes the pair's second member."""
+        adapter, runner, kept = current.adapter, current.runner, current.kept
         for position, index in enumerate(kept):
             if self.config.allow_drop or position == 0:
                 yield "drop", position, index, None, states[position][:limit]
-            if self._flattenable(kept, modules, position):
+            if self._flattenable(current, position):
                 if index not in pairs:
                     block, _, _ = FlattenGPTMethod(self.config.flatten_config()).compress_group(
-                        adapter, runner, (index, index + 1), states[position], context
+                        adapter, runner, (index, index + 1), states[position], current.context
                     )
                     pairs[index] = (block, runner.run(block, index, states[position][:limit]))
                 block, start = pairs[index]
                 yield "flatten", position + 1, index + 1, block, start
             if position > 0:
                 previous = kept[position - 1]
-                module = modules.get(previous, layers[previous])
+                module = current.layer(previous)
                 transform, start = fit_with_outputs(
                     adapter, runner, module, previous, states[position - 1], states[position + 1], limit
                 )
                 yield "replace", position, index, transform, start
 
-    def _flattenable(self, kept: list[int], modules: dict[int, torch.nn.Module], position: int) -> bool:
+    def _flattenable(self, current: _Current, position: int) -> bool:
         """The layer at `position` and the original layer after it are both kept and untouched (no map, no merge)."""
+        kept, modules = current.kept, current.modules
         if not self.config.allow_flatten or position + 1 >= len(kept):
             return False
         index = kept[position]
         return kept[position + 1] == index + 1 and index not in modules and index + 1 not in modules
 
-    def _score(
-        self,
-        adapter: ArchitectureAdapter,
-        runner: Any,
-        layers: list[torch.nn.Module],
-        modules: dict[int, torch.nn.Module],
-        kept: list[int],
-        position: int,
-        start: list[torch.Tensor],
-        scored: list[Any],
-        context: MethodContext,
-    ) -> float:
+    def _score(self, current: _Current, position: int, start: list[torch.Tensor], scored: list[Any]) -> float:
         """Next-token NLL of the model with the action taken: the layers after it run from `start`."""
-        current = start
-        for later in kept[position + 1 :]:
-            current = runner.run(modules.get(later, layers[later]), later, current)
-        context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in current)
-        return next_token_nll(adapter, current, scored, context.stack)
+        hidden = start
+        for later in current.kept[position + 1 :]:
+            hidden = current.runner.run(current.layer(later), later, hidden)
+        current.context.extra_work += self._head_weights * sum(int(h.shape[0] * h.shape[1]) for h in hidden)
+        return next_token_nll(current.adapter, hidden, scored, current.context.stack)
 
     def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         layers = adapter.layers(plan.stack)
