@@ -79,6 +79,18 @@ def _room(num_layers: int, used: set[int], k: int) -> int:
     return room
 
 
+@dataclasses.dataclass(frozen=True)
+class _SoFar:
+    """What every candidate of a round is built and scored against, per stack: its scorer, the merged blocks of the
+    windows chosen so far, and the states entering each layer with them merged. A round, its shortlist's rescoring
+    and each candidate's score read the same model, so they take this one object (`_choose` updates its dicts)."""
+
+    adapter: ArchitectureAdapter
+    scorers: Mapping[str, WindowScorer]
+    committed: Mapping[str, Mapping[int, nn.Module]]
+    states: Mapping[str, Sequence[Sequence[torch.Tensor]]]
+
+
 # ---------------------------------------------------------------------------------------------- the method
 @register_method("ffn_merge")
 class FfnMergeMethod(CompressionMethod):
@@ -244,6 +256,10 @@ class FfnMergeMethod(CompressionMethod):
                 blocks[i] = view.module
         return blocks
 
+    def _window_blocks(self, so_far: _SoFar, window: Window) -> dict[str, dict[int, nn.Module]]:
+        """`window`'s merged blocks in every stack (`_candidate_blocks`)."""
+        return {s: self._candidate_blocks(so_far.adapter, s, [window], sc) for s, sc in so_far.scorers.items()}
+
     def _choose(
         self, adapter: ArchitectureAdapter, scorers: Mapping[str, WindowScorer]
     ) -> tuple[list[Window], list[list[dict]], dict[str, float] | None]:
@@ -267,6 +283,7 @@ class FfnMergeMethod(CompressionMethod):
         rounds = []
         final_scores: dict[str, float] = {}
         resume = Resume()
+        so_far = _SoFar(adapter, scorers, committed, states)
         num_rounds = self.config.resolved_num_windows
         for round_index in range(num_rounds):
             still_to_place = num_rounds - round_index - 1
@@ -278,7 +295,7 @@ class FfnMergeMethod(CompressionMethod):
                 )
             keep = self.config.resume_candidates and still_to_place > 0 and self.config.score_at == "output"
             best, best_blocks, best_by_stack, scored, resume = self._score_round(
-                adapter, scorers, committed, states, candidates, resume, keep, round_index
+                so_far, candidates, resume, keep, round_index
             )
             rounds.append(scored)
             chosen.append(best)
@@ -293,10 +310,7 @@ class FfnMergeMethod(CompressionMethod):
 
     def _score_round(
         self,
-        adapter: ArchitectureAdapter,
-        scorers: Mapping[str, WindowScorer],
-        committed: Mapping[str, Mapping[int, nn.Module]],
-        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        so_far: _SoFar,
         candidates: Sequence[Window],
         resume: Resume,
         keep: bool,
@@ -313,7 +327,7 @@ class FfnMergeMethod(CompressionMethod):
         which has the winner merged. With `early_exit`, the candidates scored when the best is known stop once
         their bound loses.
         """
-        first = next(iter(scorers.values()))
+        first = next(iter(so_far.scorers.values()))
         entries: dict[Window, dict] = {}
         values: dict[Window, tuple[float, dict[str, float]]] = {}
         best: Window | None = None
@@ -323,10 +337,10 @@ class FfnMergeMethod(CompressionMethod):
         with first.context.progress_bar(len(candidates), desc) as bar:
             for window in sorted(candidates, reverse=True):
                 store_at = best[0] if keep and best is not None and best[0] > window[-1] else None
-                blocks = {s: self._candidate_blocks(adapter, s, [window], scorer) for s, scorer in scorers.items()}
+                blocks = self._window_blocks(so_far, window)
                 against = None if best is None or not self.config.early_exit else (best, values[best][0])
                 value, by_stack, bound = self._score_candidate(
-                    scorers, committed, states, window, blocks, resume, store_at, stored, against
+                    so_far, window, blocks, resume, store_at, stored, against
                 )
                 entries[window] = {"start": window[0], "layers": list(window), "score": value}
                 if value is None:
@@ -344,27 +358,23 @@ class FfnMergeMethod(CompressionMethod):
                 winner = window
         assert winner is not None  # the first candidate scored is never stopped: nothing to stop it against
         if winner != best:  # only with scores that compare unequal to themselves (NaN): rebuild, resume nothing
-            best_blocks = {s: self._candidate_blocks(adapter, s, [winner], scorer) for s, scorer in scorers.items()}
+            best_blocks = self._window_blocks(so_far, winner)
             stored = Resume()
         by_stack = values[winner][1]
         if self.config.shortlist is not None:
-            winner, best_blocks, by_stack = self._rescore_shortlist(
-                adapter, scorers, committed, states, values, entries
-            )
+            winner, best_blocks, by_stack = self._rescore_shortlist(so_far, values, entries)
         return winner, best_blocks, by_stack, [entries[w] for w in candidates], stored
 
     def _rescore_shortlist(
         self,
-        adapter: ArchitectureAdapter,
-        scorers: Mapping[str, WindowScorer],
-        committed: Mapping[str, Mapping[int, nn.Module]],
-        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        so_far: _SoFar,
         values: Mapping[Window, tuple[float, dict[str, float]]],
         entries: Mapping[Window, dict],
     ) -> tuple[Window, dict[str, dict[int, nn.Module]], dict[str, float]]:
         """`shortlist`: the `shortlist` best windows by their window score (the earlier start first among equals),
         each scored by the final states with the committed windows merged; the best of those (the earlier start
         among equals) wins. Adds ``output_score`` to the shortlisted entries."""
+        scorers, committed, states = so_far.scorers, so_far.committed, so_far.states
         first = next(iter(scorers.values()))
         ranked = sorted(values, key=lambda w: (-values[w][0], w[0]))[: self.config.shortlist]
         winner: Window | None = None
@@ -372,7 +382,7 @@ class FfnMergeMethod(CompressionMethod):
         winner_blocks: dict[str, dict[int, nn.Module]] = {}
         winner_by_stack: dict[str, float] = {}
         for window in sorted(ranked):
-            blocks = {s: self._candidate_blocks(adapter, s, [window], scorer) for s, scorer in scorers.items()}
+            blocks = self._window_blocks(so_far, window)
             by_stack = {
                 stack: scorer.score(scorer.run_from(window[0], {**committed[stack], **blocks[stack]}, states[stack]))
                 for stack, scorer in scorers.items()
@@ -386,9 +396,7 @@ class FfnMergeMethod(CompressionMethod):
 
     def _score_candidate(
         self,
-        scorers: Mapping[str, WindowScorer],
-        committed: Mapping[str, Mapping[int, nn.Module]],
-        states: Mapping[str, Sequence[Sequence[torch.Tensor]]],
+        so_far: _SoFar,
         window: Window,
         blocks: Mapping[str, Mapping[int, nn.Module]],
         resume: Resume,
@@ -404,6 +412,7 @@ class FfnMergeMethod(CompressionMethod):
         state `resume` holds for it; with `store_at`, the state entering that layer is stored in `stored`. Every
         number is the one the run over all batches at once computes. At the window, see `_window_terms`.
         """
+        scorers, committed, states = so_far.scorers, so_far.committed, so_far.states
         totals = {stack: [0.0, 0] for stack in scorers}
         first = next(iter(scorers.values()))
         with first.context.timer("selection"):
