@@ -93,32 +93,6 @@ def dense_targets(states: CalibratedStates, plan: LayerPlan, correct_after: int 
     return found
 
 
-def least_squares_fold_(
-    adapter: ArchitectureAdapter,
-    stack: str,
-    k: int,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    target: Sequence[torch.Tensor],
-    options: BridgeOptions,
-) -> dict[str, Any]:
-    """One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
-    into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike); returns the report entry."""
-    fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
-    run_capturing_mlp(
-        adapter,
-        runner,
-        module,
-        position,
-        inputs,
-        lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
-        read=fit.read,
-    )
-    return fit.fold_(adapter, stack, k)
-
-
 @torch.no_grad()
 def fit_and_fold_(
     adapter: ArchitectureAdapter,
@@ -178,7 +152,19 @@ def _fit_one(
 ) -> dict[str, Any]:
     module = adapter.layers(stack)[k]
     if options.estimator in LEAST_SQUARES_ESTIMATORS:
-        return least_squares_fold_(adapter, stack, k, runner, module, position, inputs, target, options)
+        # One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
+        # into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike).
+        fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
+        run_capturing_mlp(
+            adapter,
+            runner,
+            module,
+            position,
+            inputs,
+            lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
+            read=fit.read,
+        )
+        return fit.fold_(adapter, stack, k)
     dim = adapter.mlp_output_width(module, k)
     ms: list[torch.Tensor] = []
     ys: list[torch.Tensor] = []
