@@ -12,9 +12,20 @@ import re
 import sys
 from pathlib import Path
 
-from optimum_flatten.options.recovery import DEFAULT_LEARNING_RATES
+from optimum_flatten.options.recovery import RecoveryConfig
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def _default_rate(h: dict) -> bool:
+    """Whether a healing run trained at its mode's default rate, which follows the model's weight scale
+    (`RecoveryConfig.rate_for`). Runs from before that (no weight scale in their log) had the unscaled defaults,
+    which are the defaults only on SmolLM2, the model they were swept on."""
+    scale = h["recovery"].get("weight_scale")
+    if scale is None and h.get("model", "smollm2") != "smollm2":
+        return False
+    default = RecoveryConfig(mode=h["mode"]).rate_for(scale) if scale else RecoveryConfig(mode=h["mode"]).rate
+    return abs(h["recovery"]["learning_rate"] - default) <= 1e-9 * default
 
 
 def _ratio(result: dict, dense: dict, key: str) -> str:
@@ -501,7 +512,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         after = h["healed"]
         kept = "; no step beat the input: the gate kept it" if h["recovery"].get("gate") == "kept input weights" else ""
         rate = h["recovery"].get("learning_rate")
-        rate = f", lr {rate:g}" if rate is not None and rate != DEFAULT_LEARNING_RATES.get(h["mode"]) else ""
+        rate = "" if rate is None or _default_rate(h) else f", lr {rate:.2g}"
         sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
         rows.append(
             dict(

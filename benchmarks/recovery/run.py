@@ -137,7 +137,10 @@ def main() -> None:
     )
     parser.add_argument("--last-k", type=int, default=3)
     parser.add_argument(
-        "--learning-rate", type=float, default=None, help="default: the mode's (DEFAULT_LEARNING_RATES)"
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="default: the mode's, scaled to the model's weights (RecoveryConfig.rate_for)",
     )
     parser.add_argument("--local-then-global-tokens", type=int, default=None, help="local: then a global phase")
     parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
@@ -156,7 +159,6 @@ def main() -> None:
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
-    learning_rate = recovery_config(args, args.learning_rate).rate  # the given rate, or the mode's default
 
     dense, tokenizer = bundled.load_bundled(args.model)
     for parameter in dense.parameters():
@@ -177,7 +179,7 @@ def main() -> None:
     untrained = measure(dense, model, streams, args.eval_tokens)
 
     texts, excluded = training_texts(tokenizer)
-    config = recovery_config(args, learning_rate)
+    config = recovery_config(args, args.learning_rate)  # None: the mode's default, scaled to the model's weights
     start = time.perf_counter()
     model, log = recover(model, tokenizer, texts, config, teacher=dense if args.kd else False, report=quantizer.report)
     heal_seconds = time.perf_counter() - start
@@ -191,7 +193,7 @@ def main() -> None:
         "mode": args.mode,
         "loss": "distillation" if args.kd else "lm",
         "max_tokens": args.max_tokens,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")} | {"lr": learning_rate},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")} | {"lr": log["learning_rate"]},
         "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
         "eval_tokens": args.eval_tokens,
         "untrained": untrained,

@@ -9,7 +9,7 @@ import tiny_models
 from common import assert_close, compress, logits, sample_ids
 from optimum_flatten.recovery import RecoveryConfig, load_recovery_texts, recover
 from optimum_flatten.recovery.data import build_training_rows
-from optimum_flatten.recovery.trainer import default_target_modules
+from optimum_flatten.recovery.lora import default_target_modules
 
 
 def test_alpaca_records_are_formatted_and_padding_is_not_learned(tmp_path):

@@ -4,6 +4,7 @@ report (recovery/trainer.py trains)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,13 +13,25 @@ from typing import Any, Literal
 from ..utils.errors import reject_unknown_keys
 from .hints import check_option_types
 
-#: The learning rate of each mode unless one is given: LoRA's is the FlattenGPT paper's (1e-4); 'local' trains one
-#: block alone towards a state, and 1e-3 was the best of 3e-5/1e-4/3e-4/1e-3 on the gate's held-out KL of the
-#: training text (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json); 'full' 6e-5, the best of
-#: 2e-5/6e-5/2e-4 the same way after ReplaceMe (KL 0.263 / 0.255 / 0.265 from 0.288 at 16K tokens,
+#: The learning rate of each mode unless one is given, at the weight scale they were chosen on
+#: (`SWEPT_WEIGHT_SCALE`): LoRA's is the FlattenGPT paper's (1e-4); 'local' trains one block alone towards a state,
+#: and 1e-3 was the best of 3e-5/1e-4/3e-4/1e-3 on the gate's held-out KL of the training text
+#: (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json); 'full' 6e-5, the best of 2e-5/6e-5/2e-4 the
+#: same way after ReplaceMe (KL 0.263 / 0.255 / 0.265 from 0.288 at 16K tokens,
 #: lrsweep_smollm2_replaceme_lstsq_down_full_kd_16384.json); 'changed' and 'last_k' keep the usual full fine-tuning
-#: rate, 2e-5 (not swept).
+#: rate, 2e-5 (not swept). The modes of `WEIGHT_SCALED_MODES` scale theirs to the model (`RecoveryConfig.rate_for`).
 DEFAULT_LEARNING_RATES: dict[str, float] = {"lora": 1e-4, "local": 1e-3, "changed": 2e-5, "last_k": 2e-5, "full": 6e-5}
+
+#: The weight scale the default rates were swept at: the median root-mean-square entry of SmolLM2-135M's weight
+#: matrices (0.1901 dense, 0.1903 with 6 of its 30 layers removed). Adam moves every entry by about the rate whatever
+#: the entry's size, so one rate is a 13 times larger relative step on Qwen2.5-0.5B, whose median is 0.0162: there a
+#: single Adam step of the whole model at 6e-5 took a batch's KL to the dense model from 0.20 to 2.92 (at 1e-5 still
+#: to 0.45), while at the scaled 5e-6 it fell to 0.19, and the held-out KL with it (benchmarks/NOTEBOOK.md).
+SWEPT_WEIGHT_SCALE: float = 0.19
+
+#: The modes whose optimiser steps the model's own weights, so that their default rate follows the weights' scale.
+#: LoRA steps adapters of its own initialisation, and keeps the paper's rate.
+WEIGHT_SCALED_MODES: tuple[str, ...] = ("local", "changed", "last_k", "full")
 
 
 @dataclass
@@ -52,7 +65,8 @@ class RecoveryConfig:
         heldout_rows: Rows of the training text held out for the gate (0 turns the gate off).
         chunk_size: Positions pushed through the LM heads at a time in the loss.
         r, lora_alpha, lora_dropout: LoRA shape (mode='lora').
-        learning_rate: The optimiser's rate; None takes the mode's (`DEFAULT_LEARNING_RATES`).
+        learning_rate: The optimiser's rate, used as given; None takes the mode's (`DEFAULT_LEARNING_RATES`), scaled
+            for the full-parameter modes by the model's weight scale over `SWEPT_WEIGHT_SCALE` (`rate_for`).
         num_train_epochs, max_steps: Optimisation (max_steps > 0 overrides the epochs).
         per_device_train_batch_size, gradient_accumulation_steps: Batch shape.
         seqlen: Tokens per training row.
@@ -80,7 +94,9 @@ class RecoveryConfig:
     r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.05
-    learning_rate: float | None = field(default=None, metadata={"default": "the mode's, DEFAULT_LEARNING_RATES"})
+    learning_rate: float | None = field(
+        default=None, metadata={"default": "the mode's, scaled to the model's weights (rate_for)"}
+    )
     num_train_epochs: float = 2.0
     max_steps: int = -1
     per_device_train_batch_size: int = 4
@@ -95,12 +111,27 @@ class RecoveryConfig:
 
     @property
     def rate(self) -> float:
-        """The learning rate used: the one given, or the mode's default (the mode resolved, see `default_mode`)."""
+        """The learning rate given, or the mode's default at `SWEPT_WEIGHT_SCALE` (the mode resolved, see
+        `default_mode`); `rate_for` is the one a model trains at."""
         if self.learning_rate is not None:
             return self.learning_rate
         if self.mode is None:
             raise ValueError("the default learning rate follows the mode; resolve it first (default_mode).")
         return DEFAULT_LEARNING_RATES[self.mode]
+
+    def rate_for(self, weight_scale: float) -> float:
+        """The learning rate for a model whose weight matrices have median root-mean-square entry `weight_scale`
+        (`recovery.rate.weight_scale`): the one given as it is; else the mode's default, times
+        weight_scale / `SWEPT_WEIGHT_SCALE` for the modes of `WEIGHT_SCALED_MODES`, so that a default step is the
+        same share of each model's weights as where it was chosen."""
+        if self.learning_rate is not None or self.mode not in WEIGHT_SCALED_MODES:
+            return self.rate
+        if not math.isfinite(weight_scale) or weight_scale <= 0:
+            raise ValueError(
+                f"the model's weight scale must be a positive number to scale the default learning rate, got "
+                f"{weight_scale}; give learning_rate=... instead."
+            )
+        return self.rate * weight_scale / SWEPT_WEIGHT_SCALE
 
     def tokens_per_step(self) -> int:
         """Training tokens one optimiser step reads (one device)."""

@@ -21,6 +21,8 @@ from ..options.recovery import RecoveryConfig, with_mode
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
+from .lora import wrap_lora
+from .rate import weight_scale
 from .selection import (
     Span,
     changed_parameter_names,
@@ -36,18 +38,6 @@ from .selection import (
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
 
 logger = logging.getLogger(__name__)
-
-
-def default_target_modules(model: nn.Module) -> list[str]:
-    """Names (last path component) of the projections the adapter exposes in the first block."""
-    adapter = get_adapter(model)
-    block = adapter.blocks()[0]
-    views = [block.attention.q, block.attention.k, block.attention.v, block.attention.o, block.mlp.up, block.mlp.down]
-    if block.mlp.gate is not None:
-        views.append(block.mlp.gate)
-    wanted = {id(v.module) for v in views}
-    names = {name.split(".")[-1] for name, module in block.module.named_modules() if id(module) in wanted}
-    return sorted(names)
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -309,7 +299,8 @@ def recover(
 
     Returns:
         The model (LoRA merged) and a log: mode, teacher, rows, tokens trained, steps, processes, FSDP (2 when the
-        Trainer sharded the model, else None), the held-out objective and LM loss before and after, and the gate's
+        Trainer sharded the model, else None), the learning rate and the weight scale its default follows
+        (`RecoveryConfig.rate_for`), the held-out objective and LM loss before and after, and the gate's
         decision. Under FSDP2 the model comes back as the Trainer left it, sharded in place (its parameters are
         DTensors): gather it on every process with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` and save from rank 0.
@@ -334,6 +325,7 @@ def recover(
         fsdp=fsdp_version(config) is not None,
     )
     dtype = next(model.parameters()).dtype
+    scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
     # The arguments come first: building them joins the processes of a distributed launch, and the budget's steps
     # depend on how many there are (`_replicas`); so a budget the text cannot fill is refused before any change.
@@ -341,7 +333,7 @@ def recover(
     scratch_dir = tempfile.TemporaryDirectory()
     arguments = TrainingArguments(
         output_dir=scratch_dir.name,
-        learning_rate=config.rate,
+        learning_rate=config.rate_for(scale),
         num_train_epochs=config.num_train_epochs,
         max_steps=config.max_steps,
         per_device_train_batch_size=config.per_device_train_batch_size,
@@ -417,7 +409,7 @@ def recover(
         local_loss = LocalSpanLoss(model, teacher_model, spans, config.state_loss)  # refuses a shallower teacher
     flags = {name: p.requires_grad for name, p in model.named_parameters()}
     if config.mode == "lora":
-        trained_model, lora = _wrap_lora(model, config)
+        trained_model, lora = wrap_lora(model, config)
     else:
         if config.mode == "changed":
             names = changed_parameter_names(model, report)
@@ -481,7 +473,8 @@ def recover(
         "tokens_trained": steps * config.tokens_per_step() * replicas,
         "train_loss": first.result.training_loss,
         "loss_history": first.history,
-        "learning_rate": config.rate,
+        "learning_rate": arguments.learning_rate,
+        "weight_scale": scale,
         "train_seconds": sum(p.result.metrics.get("train_runtime") or 0.0 for p in phases),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
@@ -583,18 +576,3 @@ def _score(model: nn.Module, loss: Objective, rows: list[dict[str, torch.Tensor]
     if not rows:
         return float("nan")
     return score_rows(model, loss, rows, config.per_device_train_batch_size)["objective"]
-
-
-def _wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:
-    """The peft-wrapped model and its LoraConfig."""
-    from peft import LoraConfig, get_peft_model  # its presence was checked with the text (`_training_text`)
-
-    lora = LoraConfig(
-        r=config.r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or default_target_modules(model),
-        layers_to_transform=config.layers_to_transform,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora), lora
