@@ -582,7 +582,7 @@ def healing_table(paths: list[Path]) -> str:
             f"| {before[kjv]['ppl_ratio']:.3f} → **{after[kjv]['ppl_ratio']:.3f}** "
             f"| {pair(after, 'kl', 4)} | {pair(after, 'top1_agreement', 3)} "
             f"| {pair(before, 'greedy_token_agreement', 3)} → {pair(after, 'greedy_token_agreement', 3)} "
-            f"| {r['recovery']['learning_rate']:g} "
+            f"| {r['recovery']['learning_rate']:.2g} "
             f"| {r['recovery']['gate']} | {r['heal_seconds'] / 60:.1f} | {r['peak_rss_mb']:.0f} |"
         )
     return header + "\n" + "\n".join(rows)

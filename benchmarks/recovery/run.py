@@ -216,9 +216,13 @@ def main() -> None:
 
 
 def _variant(args: argparse.Namespace) -> str:
-    """The file-name suffix of a run whose loss is not the default's (so it does not overwrite that run)."""
+    """The file-name suffix of a run whose loss or schedule is not the default's (so it does not overwrite that run):
+    its state loss, warm-up and a learning rate given by hand (the default follows the model's weights)."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
-    return suffix + (f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else "")
+    suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
+    return suffix + (
+        f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
+    )
 
 
 def recovery_config(args: argparse.Namespace, learning_rate: float | None):

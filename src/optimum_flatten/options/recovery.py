@@ -26,7 +26,8 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {"lora": 1e-4, "local": 1e-3, "change
 #: matrices (0.1901 dense, 0.1903 with 6 of its 30 layers removed). Adam moves every entry by about the rate whatever
 #: the entry's size, so one rate is a 13 times larger relative step on Qwen2.5-0.5B, whose median is 0.0162: there a
 #: single Adam step of the whole model at 6e-5 took a batch's KL to the dense model from 0.20 to 2.92 (at 1e-5 still
-#: to 0.45), while at the scaled 5e-6 it fell to 0.19, and the held-out KL with it (benchmarks/NOTEBOOK.md).
+#: to 0.45), while at the scaled 5.1e-6 it fell to 0.198 (benchmarks/recovery/first_step.py); healing with the
+#: scaled rate then improved Qwen's held-out KL where 6e-5 had doubled it (benchmarks/NOTEBOOK.md).
 SWEPT_WEIGHT_SCALE: float = 0.19
 
 #: The modes whose optimiser steps the model's own weights, so that their default rate follows the weights' scale.
@@ -154,8 +155,9 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     the ReplaceMe model (one bridged block) at 64K tokens the order held: `full` 1.258 / 1.785, `local` 1.330 / 1.930
     (untrained 1.345 / 2.006), and `full` at 256K reached 1.189 / 1.651; pass ``mode="full"`` where its memory fits.
     On Qwen2.5-0.5B `local` never beat its input (the gate kept it): a state loss is a weak proxy for the output
-    there (benchmarks/NOTEBOOK.md). Under FSDP, which shards exactly what `full` holds and under which neither
-    `local` nor `lora` runs (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
+    there (benchmarks/NOTEBOOK.md); `full`, at its rate scaled to Qwen's weights (`RecoveryConfig.rate_for`), did.
+    Under FSDP, which shards exactly what `full` holds and under which neither `local` nor `lora` runs
+    (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
     """
     if fsdp:
         return "full"
