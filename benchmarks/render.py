@@ -24,7 +24,8 @@ def _default_rate(h: dict) -> bool:
     scale = h["recovery"].get("weight_scale")
     if scale is None and h.get("model", "smollm2") != "smollm2":
         return False
-    default = RecoveryConfig(mode=h["mode"]).rate_for(scale) if scale else RecoveryConfig(mode=h["mode"]).rate
+    config = RecoveryConfig(mode=h["mode"])
+    default = config.rate_for(scale) if scale else config.rate
     return abs(h["recovery"]["learning_rate"] - default) <= 1e-9 * default
 
 

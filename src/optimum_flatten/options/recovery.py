@@ -24,7 +24,7 @@ DEFAULT_LEARNING_RATES: dict[str, float] = {"lora": 1e-4, "local": 1e-3, "change
 
 #: The weight scale the default rates were swept at: the median root-mean-square entry of SmolLM2-135M's weight
 #: matrices (0.1901 dense, 0.1903 with 6 of its 30 layers removed). Adam moves every entry by about the rate whatever
-#: the entry's size, so one rate is a 13 times larger relative step on Qwen2.5-0.5B, whose median is 0.0162: there a
+#: the entry's size, so one rate is a 12 times larger relative step on Qwen2.5-0.5B, whose median is 0.0162: there a
 #: single Adam step of the whole model at 6e-5 took a batch's KL to the dense model from 0.20 to 2.92 (at 1e-5 still
 #: to 0.45), while at the scaled 5.1e-6 it fell to 0.198 (benchmarks/recovery/first_step.py); healing with the
 #: scaled rate then improved Qwen's held-out KL where 6e-5 had doubled it (benchmarks/NOTEBOOK.md).
