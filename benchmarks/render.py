@@ -594,6 +594,28 @@ def healing_table(paths: list[Path]) -> str:
     return header + "\n" + "\n".join(rows)
 
 
+def footprint_table(paths: list[Path]) -> str:
+    """`benchmarks/recovery/footprint.py`: what `mode='full'` added to the process's memory against the estimate the
+    default mode follows (`recovery.footprint`), one row per model, dtype and batch."""
+    header = (
+        "| model | dtype | layers removed | batch × seqlen | student weights GiB | measured GiB | estimated GiB "
+        "(state + activations) | measured / estimated |\n|---|---|---|---|---|---|---|---|"
+    )
+    rows = []
+    gib = 2**30
+    for path in paths:
+        run = json.loads(path.read_text())
+        for point in run["points"]:
+            estimated = point["estimated"]
+            rows.append(
+                f"| {run['model']} | {run['dtype']} | {run['layers_removed']} | {point['batch']} × {point['seqlen']} "
+                f"| {point['student_weight_bytes'] / gib:.2f} | {point['measured_bytes'] / gib:.2f} "
+                f"| {point['estimated_bytes'] / gib:.2f} ({estimated['state'] / gib:.2f} + "
+                f"{estimated['activations'] / gib:.2f}) | {point['measured_bytes'] / point['estimated_bytes']:.2f} |"
+            )
+    return header + "\n" + "\n".join(rows)
+
+
 def tables() -> dict[str, str]:
     """Every table, by the marker name that `RESULTS.template.md` uses (``<!-- table:NAME -->``)."""
     renderers = {"depth": depth_table, "quality": depth_table, "speed": speed_table, "scale": scale_table}
@@ -631,6 +653,8 @@ def tables() -> dict[str, str]:
     for model in ("smollm2", "qwen2.5-0.5b"):
         if healing := sorted(RESULTS.glob(f"recovery_{model}_*.json")):
             out[f"healing:{model}"] = healing_table(healing)
+    if footprints := sorted(RESULTS.glob("footprint_*.json")):
+        out["footprint"] = footprint_table(footprints)
     if (RESULTS / "clients.json").exists():
         out["clients"] = clients_table(RESULTS / "clients.json")
     if (RESULTS / "kv_search.json").exists():

@@ -498,7 +498,16 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     for before, after in zip(plain["phases"], healed["phases"], strict=True):
         assert after["workspace_bytes"] - before["workspace_bytes"] == weights
     assert healed["peak_bytes"] == plain["peak_bytes"] + weights
-    assert any("teacher copy" in note for note in healed["notes"])
+    note = next(note for note in healed["notes"] if "teacher copy" in note)
+    assert "GiB GiB" not in note and "mode='full'" in note
+    # What full healing adds: the footprint the default mode follows, of the dense (meta) model at the default batch.
+    from optimum_flatten.estimate import meta_model
+    from optimum_flatten.recovery import RecoveryConfig
+    from optimum_flatten.recovery.footprint import full_footprint
+
+    full = full_footprint(meta_model(str(tmp_path)), RecoveryConfig())
+    assert healed["heal_full_bytes"] == {"state": full.state, "activations": full.activations}
+    assert "heal_full_bytes" not in plain
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

@@ -45,7 +45,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -60,6 +60,9 @@ from .registry import get_method_class, registered_methods, require_capabilities
 from .roofline import DeviceSpec, TimePrediction, predict
 from .utils import flops
 from .utils.loading import model_class_for, one_line, resolve_model_source
+
+if TYPE_CHECKING:
+    from .recovery.footprint import FullFootprint
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -192,6 +195,8 @@ class MemoryEstimate:
     dense_forward_flops: float = 0.0
     #: Predicted seconds on a device (`with_device`).
     prediction: TimePrediction | None = None
+    #: With ``heal=``: what ``mode='full'`` healing adds beside the teacher copy (`recovery.footprint`), in bytes.
+    heal_full: dict[str, int] | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -238,29 +243,40 @@ class MemoryEstimate:
             "stack_passes_is_bound": self.stack_passes_is_bound,
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
+            **({"heal_full_bytes": self.heal_full} if self.heal_full is not None else {}),
             **self._compute_dict(),
         }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def with_heal_teacher(self) -> MemoryEstimate:
+    def with_heal_teacher(self, full: FullFootprint | None = None) -> MemoryEstimate:
         """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
         before the first weight changes and held until the healing ends, so every phase holds one more model's
-        weights. The healing's own training state (gradients, optimiser state, activations of the trained part) is
-        not modelled here; the note says so."""
+        weights. The healing's own training state comes after the compression, so it is no phase here: with `full`
+        (`recovery.footprint.full_footprint` of the dense model, an upper bound of the student's), a note says what
+        ``mode='full'`` adds, which decides the default mode; else the note says it is not modelled."""
         copy = Term(
             "dense weights kept as the healing's teacher (heal=)",
             self.weights_bytes,
             "a copy taken before the compression's first weight change, held until the healing ends",
         )
         phases = [Phase(p.name, (*p.terms, copy)) for p in self.phases]
-        note = (
-            f"heal=: the teacher copy adds {_gib(self.weights_bytes)} GiB to every phase; the healing itself adds "
-            "the trained part's gradients and optimiser state (Adam in float32: 12 bytes a trained parameter beyond "
-            "its weight) and its activations, which this estimate does not model"
+        note = f"heal=: the teacher copy adds {_gib(self.weights_bytes)} to every phase; the healing itself adds "
+        if full is None:
+            note += (
+                "the trained part's gradients and optimiser state (Adam: 8 bytes a trained float32 parameter beyond "
+                "its weight and gradient) and its activations, which this estimate does not model"
+            )
+            return dataclasses.replace(self, phases=phases, notes=[*self.notes, note])
+        note += (
+            f"at most {_gib(full.state + full.activations)} with mode='full' (training state "
+            f"{_gib(full.state)}, activations {_gib(full.activations)} at 4 x 256 tokens a step), beside the student "
+            f"and the teacher: the default mode where that fits the free memory, else 'local' (one changed block's "
+            "state at a time)"
         )
-        return dataclasses.replace(self, phases=phases, notes=[*self.notes, note])
+        full_bytes = {"state": full.state, "activations": full.activations}
+        return dataclasses.replace(self, phases=phases, notes=[*self.notes, note], heal_full=full_bytes)
 
     def describe(self) -> str:
         """A table of the phases, the peak with its largest terms, and the stack passes (what the CLI prints)."""
@@ -459,12 +475,19 @@ def estimate_checkpoint(
     method_args: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     device: DeviceSpec | None = None,
+    heal: bool = False,
 ) -> MemoryEstimate:
     """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
-    with `device`, the predicted seconds on it too."""
+    with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s (`with_heal_teacher`,
+    the default healing batch)."""
     model = meta_model(source, dtype, trust_remote_code)
     result = estimate_memory(model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args)
     result.source = source
+    if heal:
+        from .recovery import RecoveryConfig
+        from .recovery.footprint import full_footprint
+
+        result = result.with_heal_teacher(full_footprint(model, RecoveryConfig()))
     return result if device is None else result.with_device(device)
 
 

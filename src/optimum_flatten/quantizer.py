@@ -53,6 +53,8 @@ class Preflight:
     world_size: int = 1
     #: The job's per-layer state (``FlattenConfig(resume_dir=...)``), checked against this job; None without one.
     resume: ResumeState | None = None
+    #: ``FlattenConfig(heal=...)``'s (training text, its column, RecoveryConfig with the mode resolved); None without.
+    heal: tuple[Any, str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,12 +190,15 @@ class FlattenQuantizer(OptimumQuantizer):
         self.config.layer_plan = run.plan.to_dict()
         self.report = self._report(model, checked, run, start)
         if teacher is not None:
-            model = self._heal(model, tokenizer if tokenizer is not None else self.config.tokenizer, teacher)
+            model = self._heal(model, tokenizer if tokenizer is not None else self.config.tokenizer, teacher, checked)
         return model
 
-    def _heal_inputs(self) -> tuple[Any, str, Any]:
-        """(training text, its column, RecoveryConfig) of `FlattenConfig.heal` (default text: the calibration's)."""
+    def _heal_inputs(self, model: nn.Module) -> tuple[Any, str, Any]:
+        """(training text, its column, RecoveryConfig) of `FlattenConfig.heal` (default text: the calibration's), its
+        mode resolved on the dense `model` before any change: `full` by default where its memory fits beside the
+        teacher copy still to be taken (the dense model, an upper bound of the student it will train)."""
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
+        from .recovery.footprint import full_fits, weight_bytes
         from .recovery.trainer import fsdp_version
 
         heal = dict(self.config.heal or {})
@@ -203,7 +208,8 @@ class FlattenQuantizer(OptimumQuantizer):
         # The dense model teaches, and the compression about to run gives the plan.
         config = RecoveryConfig(**settings)
         fsdp = fsdp_version(config) is not None
-        return dataset, column, with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp)
+        fits = lambda: full_fits(model, config, teacher_bytes=weight_bytes(model))  # noqa: E731
+        return dataset, column, with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=fits)
 
     @staticmethod
     def _dense_copy(model: nn.Module) -> nn.Module:
@@ -215,13 +221,13 @@ class FlattenQuantizer(OptimumQuantizer):
         teacher.requires_grad_(False)
         return teacher
 
-    def _heal(self, model: nn.Module, tokenizer: Any, teacher: nn.Module) -> nn.Module:
+    def _heal(self, model: nn.Module, tokenizer: Any, teacher: nn.Module, checked: Preflight) -> nn.Module:
         """Distils the compressed `model` from `teacher` (`recovery.recover`) and records it in the report."""
         import dataclasses
 
         from .recovery import recover
 
-        dataset, column, config = self._heal_inputs()
+        dataset, column, config = checked.heal
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
@@ -276,10 +282,12 @@ class FlattenQuantizer(OptimumQuantizer):
                     world_size,
                 )
             world_size = 1
+        heal = None
         if self.config.heal:
             from .recovery import check_recovery_inputs
 
-            dataset, column, recovery = self._heal_inputs()
+            heal = self._heal_inputs(model)
+            dataset, column, recovery = heal
             check_recovery_inputs(tokenizer, dataset, recovery, column)
             drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
             if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:
@@ -295,7 +303,9 @@ class FlattenQuantizer(OptimumQuantizer):
             if world_size > 1:
                 raise ValueError("resume_dir keeps one process's state; run a resumable compression in one process.")
             resume = open_resume_state(self.config, model, stack, num_layers, num_to_remove, batches)
-        return Preflight(adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume)
+        return Preflight(
+            adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal
+        )
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""

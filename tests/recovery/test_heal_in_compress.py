@@ -51,6 +51,26 @@ def test_compress_with_heal_equals_compress_then_recover_from_the_dense_model():
         torch.testing.assert_close(one_line(ids).logits, healed(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("free", "mode"), [(2**50, "full"), (2**10, "local")])
+def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_model_and_its_teacher_copy(
+    monkeypatch, free, mode
+):
+    from optimum_flatten.recovery import footprint
+
+    asked = []
+
+    def available(device):
+        asked.append(len(model.model.layers))  # the depth when asked: the dense model's, before any change
+        return free
+
+    monkeypatch.setattr(footprint, "available_bytes", available)
+    model = tiny_models.tiny_llama_gqa()
+    heal = {k: v for k, v in HEAL.items() if k not in ("mode", "learning_rate")}
+    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, heal=heal)
+    assert quantizer.report["recovery"]["mode"] == mode
+    assert asked == [6]
+
+
 @pytest.mark.parametrize(
     ("heal", "message"),
     [

@@ -146,13 +146,41 @@ def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
     assert RecoveryConfig(mode="full", learning_rate=3e-4).rate == 3e-4
 
 
-def test_the_default_mode_is_local_with_a_teacher_and_a_plan_on_one_process_and_lora_otherwise(compressed):
+def test_the_default_mode_is_full_where_it_fits_then_local_with_a_teacher_and_a_plan_on_one_process_else_lora():
     from optimum_flatten.options.recovery import default_mode
 
     assert default_mode(has_teacher=True, has_plan=True, processes=1) == "local"
+    assert default_mode(has_teacher=True, has_plan=True, processes=1, full_fits=True) == "full"
+    assert default_mode(has_teacher=True, has_plan=False, processes=1, full_fits=True) == "full"
     for teacher, plan, processes in [(False, True, 1), (True, False, 1), (True, True, 2)]:
         assert default_mode(has_teacher=teacher, has_plan=plan, processes=processes) == "lora"
+    assert default_mode(has_teacher=False, has_plan=True, processes=1, full_fits=True) == "lora"
+    assert default_mode(has_teacher=True, has_plan=True, processes=2, full_fits=True) == "lora"
     assert default_mode(has_teacher=True, has_plan=True, processes=2, fsdp=True) == "full"
+
+
+def test_with_mode_asks_whether_full_fits_only_where_the_answer_can_change_the_mode():
+    from optimum_flatten.options.recovery import with_mode
+
+    def never() -> bool:
+        raise AssertionError("asked")
+
+    config = RecoveryConfig()
+    assert with_mode(config, has_teacher=False, has_plan=True, processes=1, full_fits=never).mode == "lora"
+    assert with_mode(config, has_teacher=True, has_plan=True, processes=2, full_fits=never).mode == "lora"
+    assert with_mode(config, True, True, processes=2, fsdp=True, full_fits=never).mode == "full"
+    assert with_mode(RecoveryConfig(mode="lora"), True, True, processes=1, full_fits=never).mode == "lora"
+    assert with_mode(config, True, True, processes=1, full_fits=lambda: True).mode == "full"
+    assert with_mode(config, True, True, processes=1, full_fits=lambda: False).mode == "local"
+
+
+@pytest.mark.parametrize(("free", "mode"), [(2**50, "full"), (2**10, "local")])
+def test_recover_defaults_to_full_where_its_memory_fits_and_to_local_where_it_does_not(
+    compressed, monkeypatch, free, mode
+):
+    from optimum_flatten.recovery import footprint
+
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: free)
     dense, model, report = compressed
     config = _config(learning_rate=None, max_tokens=64)  # the mode and its learning rate left to the defaults
     _, log = recover(
@@ -163,13 +191,21 @@ def test_the_default_mode_is_local_with_a_teacher_and_a_plan_on_one_process_and_
         teacher=copy.deepcopy(dense),
         report=report,
     )
-    assert log["mode"] == "local"
-    assert log["learning_rate"] == pytest.approx(1e-3 * log["weight_scale"] / SWEPT_WEIGHT_SCALE, rel=1e-12)
+    rate = {"full": 6e-5, "local": 1e-3}[mode]
+    assert log["mode"] == mode
+    assert log["learning_rate"] == pytest.approx(rate * log["weight_scale"] / SWEPT_WEIGHT_SCALE, rel=1e-12)
+
+
+def test_recover_without_a_teacher_defaults_to_lora_on_the_lm_loss_whatever_memory_is_free(compressed, monkeypatch):
+    from optimum_flatten.recovery import footprint
+
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 2**50)
+    _, model, report = compressed
     _, log = recover(
         copy.deepcopy(model),
         tiny_models.tiny_hf_tokenizer(),
         tiny_models.sample_texts(),
-        config,
+        _config(learning_rate=None, max_tokens=64),
         teacher=False,
         report=report,
     )

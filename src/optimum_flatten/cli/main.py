@@ -212,9 +212,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         method_args={k: v for k, v in vars(args).items() if k in own},
         trust_remote_code=args.trust_remote_code,
         device=device,
+        heal=args.heal,
     )
-    if args.heal:
-        result = result.with_heal_teacher()
     print(result.to_json() if args.json else result.describe())
     return 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,7 +79,8 @@ class RecoveryConfig:
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
-        default=None, metadata={"default": "local with a teacher on one process, else lora (see default_mode)"}
+        default=None,
+        metadata={"default": "full with a teacher where it fits, else local on one process, else lora (default_mode)"},
     )
     local_then_global_tokens: int | None = None
     last_k: int = 3
@@ -139,41 +140,57 @@ class RecoveryConfig:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
 
 
-def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False) -> str:
-    """The mode `RecoveryConfig(mode=None)` trains: ``local`` with a teacher and the compression's plan on one process,
-    ``full`` under FSDP, else ``lora``.
+def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False, full_fits: bool = False) -> str:
+    """The mode `RecoveryConfig(mode=None)` trains: ``full`` under FSDP, or with a teacher on one process where its
+    memory fits (`full_fits`, from `recovery.footprint`); else ``local`` with a teacher and the compression's plan on
+    one process; else ``lora``.
 
-    Measured (benchmarks/recovery, SmolLM2-135M, FlattenGPT 30 -> 24, 64K tokens of pre-2000 speeches; perplexity ratio
-    to dense on the later speeches / the King James Bible, untrained 1.584 / 2.741): full distillation 1.363 / 2.335,
-    local 1.425 / 2.402, changed 1.404 / 2.429, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 / 2.509. Out of
-    domain, where a default is chosen, `full` is first and `local` second; `full` holds the whole model's gradients and
-    optimiser state (about 16 bytes a parameter beside the teacher: no 7B model on one 80 GB GPU), while `local` trains
-    one changed block at a time on the teacher's states, in half `full`'s time here and with the least memory of all
-    modes, so it is the default where it can run. It needs a teacher, the report's plan (which blocks changed, and the
-    spans they stand for) and one process (its blocks run outside the model's forward, which a data-parallel wrapper
-    would not synchronise); otherwise LoRA, today's recipe, whose memory does not grow with the student either. After
-    the ReplaceMe model (one bridged block) at 64K tokens the order held: `full` 1.258 / 1.785, `local` 1.330 / 1.930
-    (untrained 1.345 / 2.006), and `full` at 256K reached 1.189 / 1.651; pass ``mode="full"`` where its memory fits.
-    On Qwen2.5-0.5B `local` never beat its input (the gate kept it): a state loss is a weak proxy for the output
-    there (benchmarks/NOTEBOOK.md); `full`, at its rate scaled to Qwen's weights (`RecoveryConfig.rate_for`), did.
-    Under FSDP, which shards exactly what `full` holds and under which neither `local` nor `lora` runs
-    (`recovery.trainer.check_fsdp`), the default is `full`, the first of the modes measured.
+    Measured (benchmarks/recovery; perplexity ratio to dense on the later speeches / the King James Bible), `full` was
+    first at every budget and on every model it ran on:
+
+    - SmolLM2-135M, FlattenGPT 30 -> 24 (untrained 1.584 / 2.741), 64K tokens: full 1.363 / 2.335, local 1.425 /
+      2.402, changed 1.404 / 2.429, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 / 2.509; at 256K tokens
+      full 1.240 / 2.040, local 1.329 / 2.212;
+    - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006): full 1.258 / 1.785 at 64K tokens and
+      1.189 / 1.651 at 256K, local 1.330 / 1.930 at 64K;
+    - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens (at its rate scaled to
+      Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate kept it: a state loss is
+      a weak proxy for the output there, benchmarks/NOTEBOOK.md).
+
+    But `full` holds the whole model's gradients and optimiser state (about 16 bytes a parameter beside the teacher:
+    no 7B model on one 80 GB GPU), so it is the default only where `recovery.footprint` says it fits the device's free
+    memory. Elsewhere `local` trains one changed block at a time on the teacher's states, with the least memory of
+    all modes; it needs a teacher, the report's plan (which blocks changed, and the spans they stand for) and one
+    process (its blocks run outside the model's forward, which a data-parallel wrapper would not synchronise).
+    Otherwise LoRA, whose memory does not grow with the student either. Several processes do not read their memory
+    (they must agree on the mode before they can talk), so a data-parallel launch without FSDP keeps LoRA; under FSDP,
+    which shards exactly what `full` holds and under which neither `local` nor `lora` runs
+    (`recovery.trainer.check_fsdp`), the default is `full`.
     """
     if fsdp:
+        return "full"
+    if has_teacher and processes == 1 and full_fits:
         return "full"
     return "local" if has_teacher and has_plan and processes == 1 else "lora"
 
 
 def with_mode(
-    config: RecoveryConfig, has_teacher: bool, has_plan: bool, processes: int | None = None, fsdp: bool = False
+    config: RecoveryConfig,
+    has_teacher: bool,
+    has_plan: bool,
+    processes: int | None = None,
+    fsdp: bool = False,
+    full_fits: Callable[[], bool] | None = None,
 ) -> RecoveryConfig:
     """`config` with its mode resolved (`default_mode` when None); `processes` None reads the launchers'
-    ``WORLD_SIZE`` (torchrun, accelerate launch), as the Trainer will."""
+    ``WORLD_SIZE`` (torchrun, accelerate launch), as the Trainer will. `full_fits` answers whether `full`'s memory
+    fits; it is asked only when the answer can change the mode (a teacher, one process, no FSDP)."""
     if config.mode is not None:
         return config
     if processes is None:
         processes = int(os.environ.get("WORLD_SIZE", "1"))
-    return dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp))
+    fits = has_teacher and processes == 1 and not fsdp and full_fits is not None and full_fits()
+    return dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp, fits))
 
 
 #: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.

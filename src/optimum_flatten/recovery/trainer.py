@@ -21,6 +21,7 @@ from ..options.recovery import RecoveryConfig, with_mode
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
+from .footprint import full_fits, teacher_bytes_to_load
 from .lora import wrap_lora
 from .rate import weight_scale
 from .selection import (
@@ -323,6 +324,7 @@ def recover(
         has_teacher=_has_teacher(teacher, report),
         has_plan=bool((report or {}).get("plan")),
         fsdp=fsdp_version(config) is not None,
+        full_fits=lambda: full_fits(model, config, teacher_bytes_to_load(model, teacher, report)),
     )
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate

@@ -1,0 +1,126 @@
+"""What whole-model healing (``mode='full'``) holds beyond the weights already loaded, so that the default mode can be
+`full` where it fits and `local` where it does not (`options.recovery.default_mode`).
+
+`full` was the best mode at every budget measured (benchmarks/recovery: SmolLM2-135M after FlattenGPT and after
+ReplaceMe, Qwen2.5-0.5B after ReplaceMe, where `local` never beat its input), but it holds the whole student's
+gradients and optimiser state: about 16 bytes a parameter at float32, so no 7B model on one 80 GB GPU. The bound here is
+meant to be safe rather than tight, since a wrong "fits" fails a run mid-way and a wrong "does not fit" only picks the
+second-best mode:
+
+- the trained weights' gradients and Adam's two moments (3 × their bytes, in their dtype, as torch keeps them), the
+  gate's copy of the best state (1 ×, on the host) and the optimiser step's temporaries and the allocator's slack
+  (4 ×): ``STATE_FACTOR`` = 8 times the trained weights. Measured as peak resident memory above what was loaded
+  (benchmarks/recovery/footprint.py): 7.0 × on SmolLM2-135M in float32, 4.5 × on Qwen2.5-0.5B in bfloat16;
+- activations kept for the backward pass, per token and layer ``16·hidden + 4·intermediate + 2·heads·seqlen``
+  elements (the residual stream's norms, projections and their inputs; the MLP's up, gate and activation; attention's
+  probabilities), at the weights' dtype;
+- the teacher's weights when it is still to be loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..options.recovery import RecoveryConfig
+from ..plan import LayerPlan
+from ..utils.memory import available_bytes
+
+logger = logging.getLogger(__name__)
+
+#: Bytes held beside the trained weights per byte of them (gradients, Adam's moments, the gate's copy, temporaries).
+STATE_FACTOR = 8
+#: Share of the free memory the estimate may take before `full` is said not to fit.
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class FullFootprint:
+    """Bytes `mode='full'` adds to what is resident when training starts.
+
+    Attributes:
+        state: Gradients, optimiser moments, the gate's best-state copy and the step's temporaries.
+        activations: What one step's forward keeps for its backward pass.
+        teacher: The teacher's weights still to be loaded (0 when it is given loaded).
+    """
+
+    state: int
+    activations: int
+    teacher: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.teacher
+
+    def fits(self, available: int) -> bool:
+        """Whether the footprint takes at most `HEADROOM` of `available` bytes."""
+        return self.total <= HEADROOM * available
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (
+            f"full healing adds about {self.total / gib:.1f} GiB (training state {self.state / gib:.1f}, activations "
+            f"{self.activations / gib:.1f}, teacher {self.teacher / gib:.1f})"
+        )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's floating-point parameters, each tied tensor once (what training states are sized by)."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() * p.element_size() for p in unique if p.is_floating_point())
+
+
+def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0) -> FullFootprint:
+    """The upper estimate of what training every parameter of `student` with `config`'s batch adds (module docstring).
+
+    Args:
+        student: The model to be healed (its parameters' dtype is the state's).
+        config: The batch shape (rows per device, accumulation, seqlen).
+        teacher_bytes: Bytes of a teacher not loaded yet (0: already resident, or none).
+    """
+    weights = weight_bytes(student)
+    element = next((p.element_size() for p in student.parameters() if p.is_floating_point()), 4)
+    text = student.config.get_text_config()
+    hidden = int(text.hidden_size)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    heads = int(text.num_attention_heads)
+    per_token_layer = 16 * hidden + 4 * intermediate + 2 * heads * config.seqlen
+    tokens = config.per_device_train_batch_size * config.seqlen
+    activations = tokens * int(text.num_hidden_layers) * per_token_layer * element
+    return FullFootprint(state=STATE_FACTOR * weights, activations=activations, teacher=int(teacher_bytes))
+
+
+def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str, Any] | None) -> int:
+    """Bytes of the teacher `recover` will still load: 0 for a loaded model (already resident); else the student's
+    weights scaled by the plan's original over kept layers (an upper estimate: the embeddings do not grow), or twice
+    the student's weights without a plan."""
+    if isinstance(teacher, nn.Module):
+        return 0
+    weights = weight_bytes(student)
+    plan = (report or {}).get("plan")
+    if not plan:
+        return 2 * weights
+    layer_plan = LayerPlan.from_dict(plan)
+    return math.ceil(weights * layer_plan.num_layers / max(1, layer_plan.num_output_layers))
+
+
+def full_fits(student: nn.Module, config: RecoveryConfig, teacher_bytes: int) -> bool:
+    """Whether `full_footprint` fits the free memory of the device the student's weights are on; logged either way,
+    since the default mode follows it."""
+    footprint = full_footprint(student, config, teacher_bytes)
+    device = next(student.parameters()).device
+    available = available_bytes(device)
+    fits = footprint.fits(available)
+    logger.info(
+        "%s; %.1f GiB free on %s: the default mode is %s",
+        footprint.describe(),
+        available / 2**30,
+        device,
+        "full" if fits else "not full",
+    )
+    return fits
