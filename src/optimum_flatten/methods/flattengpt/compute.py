@@ -14,7 +14,7 @@ from typing import Any
 
 from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
-from ...ops.ridge import REMOVAL_LAUNCHES, max_refined
+from ...ops.ridge import REMOVAL_LAUNCHES, max_refined, removal_chunks
 from ...utils import flops
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band
 
@@ -208,16 +208,15 @@ def _kv_search(tally: Tally, s: Any, g: int, d: int, towards_target: bool) -> No
         tally.cholesky(k)
         tally.add(flops.cholesky_inverse(k), "float64", "factorisation")
         tally.add(2 * flops.product(k, k, d), "float64")
-        tally.reads(3)
         per_group = (
             flops.product(c, c, d) + flops.product(c, k, c) + flops.product(c, c, c) + 2 * flops.product(c, c, d)
         )
         tally.add(kept * per_group, "float64")
         tally.add(kept * flops.cholesky_solve(c, d), "float64", "factorisation")
-        for _ in range(kept):
-            tally.cholesky(c)
-        tally.reads(5 * kept)
-        tally.launches(REMOVAL_LAUNCHES * kept)
+        tally.add(kept * flops.cholesky(c), "float64", "factorisation")  # one batched factorisation a chunk
+        chunks = len(removal_chunks([c] * kept, d))
+        tally.reads(chunks + 1)  # each chunk's factorisation status, then the errors at once
+        tally.launches(REMOVAL_LAUNCHES * chunks)
 
 
 def _packed_leverage(tally: Tally, w: int, keep: int, refined: int | None = None) -> None:

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
-from ...ops.ridge import max_refined
+from ...ops.ridge import max_refined, removal_chunks
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096
@@ -31,7 +31,8 @@ def _attention_solve_bytes(
     - the greedy elimination (`ridge_block_removal_errors`), at its first step with k₁ = hw − one group's channels:
       the kept block and its factor, then the factor and the inverse it gives (16·k₁²); after them the inverse, the
       float64 copy of o_proj, and B, W*, W* − W_K, P·(W* − W_K) with the copy B is built from (8·k₁² + 8·hw·d +
-      5 · 8·k₁·d); for the parallel target also the cross moment C·W it makes (8·hw·d).
+      5 · 8·k₁·d), and while one chunk of m channels (`ops.ridge.removal_chunks`) is scored its Z and two products
+      (3 · 8·m·d); for the parallel target also the cross moment C·W it makes (8·hw·d).
     """
     hw, k = g * heads * head_dim, heads * head_dim
     r = hw - k
@@ -46,7 +47,9 @@ def _attention_solve_bytes(
     if math.comb(g * kv_heads, kv_heads) <= MAX_EXHAUSTIVE_SUBSETS:
         return max(refit, towards_target if sequential else nystrom + 8 * r * r)
     k1 = hw - (heads // kv_heads) * head_dim
-    greedy = max(16 * k1 * k1, 8 * k1 * k1 + 8 * hw * d + 5 * 8 * k1 * d) + (0 if sequential else 8 * hw * d)
+    chunk = removal_chunks([(heads // kv_heads) * head_dim] * (g * kv_heads - 1), d)[0]
+    scored = 3 * 8 * chunk[1] * chunk[2] * d  # one chunk's Z and two of its products at a time
+    greedy = max(16 * k1 * k1, 8 * k1 * k1 + 8 * hw * d + 5 * 8 * k1 * d + scored) + (0 if sequential else 8 * hw * d)
     return max(refit, greedy)
 
 
