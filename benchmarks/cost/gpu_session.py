@@ -1,0 +1,101 @@
+"""Everything a lent GPU session should measure for the cost tables, in one command of under 8 minutes.
+
+Issue 31 asks for one prepared call: the `gpu`-marked tests, then `gpu_shape.py` for each row of the GPU cost table,
+most wanted first, each in its own process with its own time limit (so one slow row loses only itself), each JSON
+written to `--out-dir` as soon as it exists (a call cut short keeps what finished). Rows:
+
+1. ``defaults``: FlattenGPT's defaults at LLaMA-2-7B, 7 of 32 removed, with the prefill speed-up;
+2. ``bfloat16``: the same with ``covariance_dtype="bfloat16"`` (the split bf16 products; never timed on a GPU);
+3. ``replaceme``: ReplaceMe's defaults at the same shape (its fit streams its normal equations);
+4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged;
+5. ``tf32``: ``covariance_dtype="tf32"``.
+
+Protocol per row: `gpu_shape.py`'s (random bf16 weights, 128 × 2048 calibration tokens in batches of 8, one dense
+forward after a warm-up, `--repeats 1` to save the session's minutes, per-phase peaks). Copy the JSON files into
+benchmarks/results as ``cost_gpu_<shape>_<label>.json`` and run `python benchmarks/render.py --write`.
+
+On a CPU the same driver runs at the tiny shape in seconds (``--tiny``), which is how it is checked before a
+session: ``python benchmarks/cost/gpu_session.py --tiny --out-dir /tmp/gpu_session``.
+
+Usage on the device (src on PYTHONPATH): ``python benchmarks/cost/gpu_session.py --out-dir "$OUT"``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+#: (label, gpu_shape.py arguments, seconds allowed), most wanted first.
+ROWS: list[tuple[str, list[str], int]] = [
+    ("defaults", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--prefill"], 170),
+    ("bfloat16", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
+                  '{"covariance_dtype": "bfloat16"}'], 120),
+    ("replaceme", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme"], 80),
+    ("70b", ["--shape", "llama-2-70b", "--layers", "4", "--num-layers-to-remove", "1"], 100),
+    ("tf32", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
+              '{"covariance_dtype": "tf32"}'], 110),
+]  # fmt: skip
+
+
+def run(command: list[str], limit: int, log: Path) -> dict:
+    """Runs one step with a time limit; its output goes to `log`; returns what happened."""
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    with log.open("w") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=limit, env=env, cwd=ROOT)
+            status = "ok" if code.returncode == 0 else f"exit {code.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"stopped after {limit} s"
+    return {"status": status, "seconds": round(time.perf_counter() - start, 1), "log": log.name}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, to check the driver")
+    parser.add_argument("--rows", nargs="+", default=None, help="labels of the rows to run (default: all)")
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = {}
+    if not args.skip_tests and not args.tiny:
+        steps["gpu tests"] = run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 90, out / "gpu_tests.log"
+        )
+        print("gpu tests:", steps["gpu tests"], flush=True)
+    for label, row_args, limit in ROWS:
+        if args.rows and label not in args.rows:
+            continue
+        row_args = list(row_args)
+        if args.tiny:  # the same arguments at the tiny shape, on the CPU
+            shape_at = row_args.index("--shape") + 1
+            row_args[shape_at] = "tiny"
+            removed_at = row_args.index("--num-layers-to-remove") + 1
+            row_args[removed_at] = str(min(int(row_args[removed_at]), 2))  # the tiny shape has 6 layers
+            if "--layers" in row_args:
+                del row_args[row_args.index("--layers") : row_args.index("--layers") + 2]
+            row_args += ["--device", "cpu", "--dtype", "float32", "--nsamples", "8", "--seqlen", "64"]
+            row_args = [a for a in row_args if a != "--prefill"] + ["--prefill", "--prefill-length", "64"]
+        else:
+            row_args += ["--phase-peaks"]
+        shape = row_args[row_args.index("--shape") + 1]
+        target = out / f"cost_gpu_{shape}_{label}.json"
+        command = [sys.executable, str(HERE / "gpu_shape.py"), *row_args, "--repeats", "1", "--label", label]
+        steps[label] = run([*command, "--out", str(target)], limit, out / f"{label}.log")
+        steps[label]["written"] = target.exists()
+        print(f"{label}:", steps[label], flush=True)
+    (out / "session.json").write_text(json.dumps(steps, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
