@@ -1,4 +1,3 @@
-import pytest
 import torch
 
 from common import assert_close
@@ -7,14 +6,6 @@ from optimum_flatten.ops import (
     nystrom_down_correction,
     ridge_leverage_scores,
     ridge_reconstruction_error,
-)
-from optimum_flatten.ops import ridge as ridge_ops
-from optimum_flatten.ops.ridge import (
-    _shifted_cholesky,
-    _spd_factors,
-    removal_chunks,
-    ridge_block_removal_errors,
-    ridge_target_error,
 )
 
 
@@ -116,53 +107,3 @@ def test_solves_leave_the_second_moment_bit_for_bit_unchanged():
     nystrom_down_correction(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([0, 2, 5]), lam)
     ridge_reconstruction_error(c, torch.randn(10, 3, dtype=torch.float64), torch.tensor([1, 4]), lam)
     assert torch.equal(c, before)
-
-
-@pytest.mark.parametrize(
-    ("sizes", "chunk_elements"),
-    [((3, 3, 3, 3, 3), 1 << 23), ((1, 4, 2, 5), 1 << 23), ((3, 3, 3, 3, 3, 2, 2), 24), ((2, 2, 3, 2), 1)],
-)
-def test_block_removal_errors_match_a_refit_of_each_reduced_set(sizes, chunk_elements, monkeypatch):
-    """One factorisation scores every removal: each error equals `ridge_target_error` on the set without that block
-    (a separate factorisation per candidate), for a target that is not a function of the inputs."""
-    g = torch.Generator().manual_seed(3)
-    n, hidden, tokens = sum(sizes), 4, 300
-    a = torch.randn(tokens, n, generator=g, dtype=torch.float64) @ torch.randn(n, n, generator=g, dtype=torch.float64)
-    t = a[:, :hidden] * 0.5 + torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
-    c, s, energy = a.T @ a / tokens, a.T @ t / tokens, float(t.square().sum()) / tokens
-    rows = torch.randn(n, hidden, generator=g, dtype=torch.float64)
-    lam = default_ridge_lambda(c, 0.5)
-    bounds = torch.tensor((0, *sizes)).cumsum(0)
-    blocks = [torch.arange(int(bounds[i]), int(bounds[i + 1])) for i in range(len(sizes))]
-    monkeypatch.setattr(ridge_ops, "REMOVAL_CHUNK_ELEMENTS", chunk_elements)  # whole runs, or chunks of 2 or 1
-    errors = ridge_block_removal_errors(c, s, energy, rows, blocks, lam)
-    for j in range(len(blocks)):
-        rest = torch.cat([b for i, b in enumerate(blocks) if i != j])
-        expected = ridge_target_error(c, s, energy, rows, rest, lam)
-        assert abs(float(errors[j]) - expected) <= 1e-10 * abs(expected)
-
-
-def test_removal_chunks_are_runs_of_equal_blocks_cut_at_the_element_budget(monkeypatch):
-    monkeypatch.setattr(ridge_ops, "REMOVAL_CHUNK_ELEMENTS", 40)
-    # hidden 4: at most 10 channels a chunk, so 5 blocks of 2, 3 of 3, and a block larger than that alone.
-    assert removal_chunks([2] * 7 + [3] * 4 + [12, 2], 4) == [
-        (0, 5, 2),
-        (10, 2, 2),
-        (14, 3, 3),
-        (23, 1, 3),
-        (26, 1, 12),
-        (38, 1, 2),
-    ]
-    assert removal_chunks([], 4) == []
-
-
-def test_a_block_that_rounding_made_indefinite_gets_the_jitter_of_its_own_factorisation():
-    g = torch.Generator().manual_seed(11)
-    good = torch.randn(5, 5, generator=g, dtype=torch.float64)
-    good = good @ good.T + torch.eye(5, dtype=torch.float64)
-    low = torch.randn(5, 2, generator=g, dtype=torch.float64)
-    singular = low @ low.T  # rank 2: no plain Cholesky factor
-    singular[0, 0] -= 1e-9
-    factors = _spd_factors(torch.stack([good, singular, good]))
-    assert torch.equal(factors[0], torch.linalg.cholesky(good)) and torch.equal(factors[2], factors[0])
-    assert torch.equal(factors[1], _shifted_cholesky(singular.clone(), 0.0)[0])

@@ -32,6 +32,7 @@ GEMMA_LAYOUT = BlockLayout(
     mlp_norm="pre_feedforward_layernorm",  # post_attention_layernorm normalises the attention output instead
 )
 
+
 @register_adapter
 class GemmaAdapter(PostSublayerNormAdapter):
     """Gemma 2 / Gemma 3 text stacks: layer drops, compensation and the diagonal bridge; merges refused."""

@@ -215,4 +215,3 @@ class GreedyReplaceMethod(CompressionMethod):
         context.report["greedy_replace_merges"] = [[first, first + 1] for first in self._merges]
         self._merges = {}
         adapter.keep_layers_(plan.stack, plan.first_indices)
-

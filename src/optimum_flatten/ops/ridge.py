@@ -13,7 +13,7 @@ Cholesky solve in float64 (with jitter if needed), never an explicit inverse.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -203,118 +203,6 @@ def ridge_target_error(
     flops.record(flops.product(keep.numel(), keep.numel(), refit.shape[1]), "float64")
     flops.record_host_reads(1)
     return float(target_energy - 2 * (refit * cross.double()[keep]).sum() + (refit * (c_kk @ refit)).sum())
-
-
-#: Kernels `ridge_block_removal_errors` launches for each chunk of blocks it scores at once (counted from its code).
-REMOVAL_LAUNCHES = 30
-#: Float64 elements of one chunk's largest temporary (its channels × the hidden size): blocks of one size are scored
-#: together up to this many, so that the launches and host reads are per chunk, not per block, while the chunk's few
-#: temporaries stay small beside the k × k inverse every step holds.
-REMOVAL_CHUNK_ELEMENTS = 1 << 23
-
-
-def removal_chunks(sizes: Sequence[int], hidden: int) -> list[tuple[int, int, int]]:
-    """(first channel, blocks, block size) of each chunk `ridge_block_removal_errors` scores at once: runs of
-    consecutive blocks of one size, cut so that no chunk has more than `REMOVAL_CHUNK_ELEMENTS` // `hidden` channels
-    (at least one block). Channels count in the order the blocks are given."""
-    chunks, start, index = [], 0, 0
-    while index < len(sizes):
-        size = int(sizes[index])
-        most = max(1, REMOVAL_CHUNK_ELEMENTS // max(1, hidden * size))
-        count = 1
-        while index + count < len(sizes) and sizes[index + count] == size and count < most:
-            count += 1
-        chunks.append((start, count, size))
-        start += count * size
-        index += count
-    return chunks
-
-
-def _block_diagonal(matrix: torch.Tensor, start: int, count: int, size: int) -> torch.Tensor:
-    """The `count` diagonal blocks of `size` × `size` from (start, start) on, as a (count, size, size) view."""
-    span = matrix[start : start + count * size, start : start + count * size]
-    return span.unflatten(0, (count, size)).unflatten(2, (count, size)).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-
-
-def _spd_factors(blocks: torch.Tensor) -> torch.Tensor:
-    """Cholesky factors of a batch of symmetric positive definite blocks: one batched factorisation, and for a block
-    that rounding made indefinite, `_shifted_cholesky`'s growing jitter alone (as one factorisation each would)."""
-    factors, info = torch.linalg.cholesky_ex(blocks)
-    flops.record(blocks.shape[0] * flops.cholesky(blocks.shape[-1]), "float64", "factorisation")
-    flops.record_host_reads(1)
-    failed = info.nonzero().flatten().tolist()
-    for index in failed:
-        factors[index] = _shifted_cholesky(blocks[index].clone(), 0.0)[0]
-    return factors
-
-
-def _inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """⟨x_b, y_b⟩ for each leading index b (as one batched product, without the elementwise product's tensor)."""
-    return torch.einsum("bij,bij->b", x, y)
-
-
-def ridge_block_removal_errors(
-    second_moment: torch.Tensor,
-    cross: torch.Tensor,
-    target_energy: float,
-    rows: torch.Tensor,
-    blocks: Sequence[torch.Tensor],
-    lam: float,
-) -> torch.Tensor:
-    """For each block of `blocks` (disjoint channel index sets, together the kept channels K), the
-    `ridge_target_error` of keeping every other block: the error each removal would leave, from one factorisation.
-
-    The ridge refit on K solves A W* = B with A = C_KK + λI and B = S_K + λ W_K. Dropping block J leaves, with
-    P = A⁻¹ (the principal-submatrix identity behind Optimal Brain Surgeon), W' = W*_K' − P_K'J P_JJ⁻¹ W*_J on
-    K' = K without J, and the data error is E‖t‖² + λ‖W_K'‖² − tr(B_K'ᵀ W') − λ‖W' − W_K'‖²; every term of it reduces to
-    J × J and J × hidden products of P, W*, PD (D = W* − W_K) and B. So one Cholesky factor of A (and the inverse
-    it gives, the quantity the identity is about) serves all removals, instead of one factorisation per candidate:
-    O(k³ + k²·hidden) a step of a greedy elimination over k kept channels instead of O(blocks · (k³ + k²·hidden)).
-
-    The removals are scored a chunk of equal blocks at a time (`removal_chunks`), as batched products over views of
-    P, W*, B, D and PD, with the scalars kept on the device and read back once: at LLaMA-2-7B (64 KV groups of 128
-    channels a merged pair) about 30 kernels and one read per 16 groups, where one group at a time took 34 kernels
-    and 6 reads each, so that the launches and syncs, not the flops, set the search's time on a GPU.
-    Float64 throughout; tested against `ridge_target_error` on each reduced set (tests/ops/test_ridge.py).
-    """
-    c = second_moment.double()
-    keep = torch.cat([torch.as_tensor(b, dtype=torch.long, device=c.device) for b in blocks])
-    w0 = rows.double()[keep]
-    b_rhs = cross.double()[keep] + lam * w0
-    factor, _ = _shifted_cholesky(c[keep[:, None], keep], lam)
-    inverse = torch.cholesky_inverse(factor)
-    del factor
-    refit = inverse @ b_rhs  # W*
-    delta = refit - w0  # D
-    inverse_delta = inverse @ delta  # P D
-    k, hidden = keep.numel(), w0.shape[1]
-    flops.record(flops.cholesky_inverse(k), "float64", "factorisation")
-    flops.record(2 * flops.product(k, k, hidden), "float64")
-    # Everything that does not depend on the block: E‖t‖² + λ‖W_K‖² − tr(Bᵀ W*) − λ‖D‖², on the device.
-    base = target_energy + lam * w0.square().sum() - _inner(b_rhs[None], refit[None])[0] - lam * delta.square().sum()
-    errors = torch.empty(len(blocks), dtype=torch.float64, device=c.device)
-    first = 0
-    for start, count, size in removal_chunks([len(b) for b in blocks], hidden):
-        flops.record_launches(REMOVAL_LAUNCHES)
-        # Per block: P_JJ B_J, P_JJ D_J, Pᵀ_J P_J − P_JJ², its product with Z; the solve for Z.
-        products = flops.product(size, size, hidden) + flops.product(size, k, size) + flops.product(size, size, size)
-        flops.record(count * (products + 2 * flops.product(size, size, hidden)), "float64")
-        flops.record(count * flops.cholesky_solve(size, hidden), "float64", "factorisation")
-        span = slice(start, start + count * size)
-        p_jj = _block_diagonal(inverse, start, count, size)
-        refit_j, b_j, delta_j = (t[span].unflatten(0, (count, size)) for t in (refit, b_rhs, delta))
-        w0_j, inverse_delta_j = w0[span].unflatten(0, (count, size)), inverse_delta[span].unflatten(0, (count, size))
-        z = torch.cholesky_solve(refit_j, _spd_factors(p_jj.contiguous()))  # P_JJ⁻¹ W*_J
-        # tr(B_K'ᵀ W') = tr(Bᵀ W*) − tr(B_Jᵀ W*_J) − ⟨W*_J − P_JJ B_J, Z⟩  (P_K'Jᵀ B_K' = W*_J − P_JJ B_J)
-        fit_j = _inner(b_j, refit_j) + _inner(refit_j - p_jj @ b_j, z)
-        # ‖W' − W_K'‖² = ‖D‖² − ‖D_J‖² − 2⟨(PD)_J − P_JJ D_J, Z⟩ + tr(Zᵀ (P_K'Jᵀ P_K'J) Z)
-        rows_j = inverse[span].unflatten(0, (count, size))  # P_J's rows: P symmetric, so P_Jᵀ P_J = rows rowsᵀ
-        gram = rows_j @ rows_j.transpose(1, 2) - p_jj @ p_jj
-        moved_j = -_inner(delta_j, delta_j) - 2 * _inner(inverse_delta_j - p_jj @ delta_j, z) + _inner(z, gram @ z)
-        errors[first : first + count] = base - lam * _inner(w0_j, w0_j) + fit_j - lam * moved_j
-        first += count
-    flops.record_host_reads(1)
-    return errors.cpu()
 
 
 # ------------------------------------------------------------------------- blocked path, for statistics too big to copy

@@ -14,7 +14,8 @@ from typing import Any
 
 from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
-from ...ops.ridge import REMOVAL_LAUNCHES, max_refined, removal_chunks
+from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, removal_chunks
+from ...ops.ridge import max_refined
 from ...utils import flops
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band
 
@@ -203,20 +204,30 @@ def _kv_search(tally: Tally, s: Any, g: int, d: int, towards_target: bool) -> No
         return
     if not towards_target:  # the wide block's own output as the target: S = C W
         tally.add(flops.product(hw, hw, d), "float64")
-    for kept in range(total, kv, -1):  # one `ridge_block_removal_errors` a step
-        k = kept * c
-        tally.cholesky(k)
-        tally.add(flops.cholesky_inverse(k), "float64", "factorisation")
-        tally.add(2 * flops.product(k, k, d), "float64")
-        per_group = (
-            flops.product(c, c, d) + flops.product(c, k, c) + flops.product(c, c, c) + 2 * flops.product(c, c, d)
-        )
+    _greedy_elimination(tally, total, kv, c, d)
+
+
+def _greedy_elimination(tally: Tally, total: int, kv: int, c: int, d: int) -> None:
+    """`ops.block_elimination.greedy_block_elimination` of `total` groups of `c` channels down to `kv`, hidden `d`."""
+    k = total * c  # one factorisation and inverse of every group's channels
+    tally.cholesky(k)
+    tally.add(flops.cholesky_inverse(k), "float64", "factorisation")
+    tally.add(2 * flops.product(k, k, d), "float64")
+    for kept in range(total, kv, -1):  # each step scores every removal, then downdates the refit
+        k, r = kept * c, (kept - 1) * c
+        per_group = 3 * flops.product(c, c, d) + flops.product(c, k, c) + flops.product(c, c, c)
         tally.add(kept * per_group, "float64")
         tally.add(kept * flops.cholesky_solve(c, d), "float64", "factorisation")
         tally.add(kept * flops.cholesky(c), "float64", "factorisation")  # one batched factorisation a chunk
         chunks = len(removal_chunks([c] * kept, d))
         tally.reads(chunks + 1)  # each chunk's factorisation status, then the errors at once
         tally.launches(REMOVAL_LAUNCHES * chunks)
+        # The downdate: the dropped group's factor, two triangular solves, P' = P_K'K' − XᵀX, W', P'D'.
+        solves = flops.cholesky(c) + flops.triangular_solve(c, r) + flops.triangular_solve(c, d)
+        tally.add(solves, "float64", "factorisation")
+        tally.add(flops.product(r, c, r) + flops.product(r, c, d) + flops.product(r, r, d), "float64")
+        tally.reads(1)
+        tally.launches(DOWNDATE_LAUNCHES)
 
 
 def _packed_leverage(tally: Tally, w: int, keep: int, refined: int | None = None) -> None:

@@ -10,13 +10,9 @@ from typing import Any
 
 import torch
 
-from ...ops import (
-    ridge_reconstruction_error,
-)
-from ...ops.ridge import (
-    ridge_block_removal_errors,
-    ridge_target_error,
-)
+from ...ops import ridge_reconstruction_error
+from ...ops.block_elimination import greedy_block_elimination
+from ...ops.ridge import ridge_target_error
 from ...utils import flops
 from .workspace import MAX_EXHAUSTIVE_SUBSETS
 
@@ -33,9 +29,9 @@ def select_kv_groups_by_reconstruction(
     when given: (E[a tᵀ], E‖t‖²) of another target t (`attention_target="sequential"`).
 
     Exhaustive over all subsets when there are at most MAX_EXHAUSTIVE_SUBSETS of them, else greedy backward
-    elimination (repeatedly drop the group whose removal costs least), each step scoring every removal from one
-    factorisation (`ridge_block_removal_errors`): at LLaMA-2-7B (64 KV groups a merged pair, 32 kept) 32 factorisations
-    a pair instead of about 1,550.
+    elimination (repeatedly drop the group whose removal costs least; `ops.block_elimination`): one factorisation a
+    pair, each step scoring every removal from it and downdating it, where at LLaMA-2-7B (64 KV groups a merged pair,
+    32 kept) a refit per candidate took about 1,550 factorisations and a factorisation a step 32.
     """
 
     def error(groups: Sequence[int]) -> float:
@@ -51,10 +47,6 @@ def select_kv_groups_by_reconstruction(
         flops.record(flops.product(o_rows.shape[0], o_rows.shape[0], o_rows.shape[1]), "float64")
         cross = second_moment.double() @ o_rows.double()
         target = (cross, float((o_rows.double() * cross).sum()))
-    blocks = {g: torch.tensor(geometry.head_channels(geometry.query_heads_of([g]))) for g in groups}
-    kept = groups
-    while len(kept) > num_keep:
-        errors = ridge_block_removal_errors(second_moment, target[0], target[1], o_rows, [blocks[g] for g in kept], lam)
-        drop = kept[int(torch.argmin(errors))]
-        kept = [g for g in kept if g != drop]
-    return kept
+    blocks = [torch.tensor(geometry.head_channels(geometry.query_heads_of([g]))) for g in groups]
+    kept = greedy_block_elimination(second_moment, target[0], target[1], o_rows, blocks, num_keep, lam)
+    return [groups[i] for i in kept]

@@ -8,7 +8,8 @@ import math
 from typing import Any
 
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
-from ...ops.ridge import max_refined, removal_chunks
+from ...ops.block_elimination import removal_chunks
+from ...ops.ridge import max_refined
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096
@@ -28,11 +29,12 @@ def _attention_solve_bytes(
     - the Nyström refit (`nystrom_down_correction`, the parallel target) holds the float64 copy of o_proj
       throughout, with the kept block's factor, C[K, R] and its product with the dropped rows (8·hw·d + 16·k² +
       8·k·r + 8·r·d + 16·k·d); each candidate's `ridge_reconstruction_error` also takes C[R, R] (8·r²).
-    - the greedy elimination (`ridge_block_removal_errors`), at its first step with k₁ = hw − one group's channels:
+    - the greedy elimination (`ops.block_elimination`), at its first step with k₁ = hw − one group's channels:
       the kept block and its factor, then the factor and the inverse it gives (16·k₁²); after them the inverse, the
       float64 copy of o_proj, and B, W*, W* − W_K, P·(W* − W_K) with the copy B is built from (8·k₁² + 8·hw·d +
-      5 · 8·k₁·d), and while one chunk of m channels (`ops.ridge.removal_chunks`) is scored its Z and two products
-      (3 · 8·m·d); for the parallel target also the cross moment C·W it makes (8·hw·d).
+      5 · 8·k₁·d), and while one chunk of m channels (`ops.block_elimination.removal_chunks`) is scored its Z and
+      two products (3 · 8·m·d); for the parallel target also the cross moment C·W it makes (8·hw·d). Each step's
+      downdate holds the old and the new inverse beside those five k₁ × d matrices (16·k₁² + 5 · 8·k₁·d).
     """
     hw, k = g * heads * head_dim, heads * head_dim
     r = hw - k
@@ -49,7 +51,7 @@ def _attention_solve_bytes(
     k1 = hw - (heads // kv_heads) * head_dim
     chunk = removal_chunks([(heads // kv_heads) * head_dim] * (g * kv_heads - 1), d)[0]
     scored = 3 * 8 * chunk[1] * chunk[2] * d  # one chunk's Z and two of its products at a time
-    greedy = max(16 * k1 * k1, 8 * k1 * k1 + 8 * hw * d + 5 * 8 * k1 * d + scored) + (0 if sequential else 8 * hw * d)
+    greedy = 5 * 8 * k1 * d + max(16 * k1 * k1, 8 * k1 * k1 + 8 * hw * d + scored) + (0 if sequential else 8 * hw * d)
     return max(refit, greedy)
 
 
