@@ -53,8 +53,9 @@ class Preflight:
     world_size: int = 1
     #: The job's per-layer state (``FlattenConfig(resume_dir=...)``), checked against this job; None without one.
     resume: ResumeState | None = None
-    #: ``FlattenConfig(heal=...)``'s (training text, its column, RecoveryConfig with the mode resolved); None without.
-    heal: tuple[Any, str, Any] | None = None
+    #: ``FlattenConfig(heal=...)``'s (training text, its column, RecoveryConfig with the mode resolved, how it was
+    #: chosen); None without.
+    heal: tuple[Any, str, Any, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,11 @@ class FlattenQuantizer(OptimumQuantizer):
             model = self._heal(model, tokenizer if tokenizer is not None else self.config.tokenizer, teacher, checked)
         return model
 
-    def _heal_inputs(self, model: nn.Module) -> tuple[Any, str, Any]:
-        """(training text, its column, RecoveryConfig) of `FlattenConfig.heal` (default text: the calibration's), its
-        mode resolved on the dense `model` before any change: `full` by default where its memory fits beside the
-        teacher copy still to be taken (the dense model, an upper bound of the student it will train)."""
+    def _heal_inputs(self, model: nn.Module) -> tuple[Any, str, Any, str]:
+        """(training text, its column, RecoveryConfig, how its mode was chosen) of `FlattenConfig.heal` (default
+        text: the calibration's), its mode resolved on the dense `model` before any change: `full` by default where
+        its memory fits beside the teacher copy still to be taken (the dense model, an upper bound of the student it
+        will train)."""
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
         from .recovery.footprint import full_fits, weight_bytes
         from .recovery.trainer import fsdp_version
@@ -208,8 +210,15 @@ class FlattenQuantizer(OptimumQuantizer):
         # The dense model teaches, and the compression about to run gives the plan.
         config = RecoveryConfig(**settings)
         fsdp = fsdp_version(config) is not None
-        fits = lambda: full_fits(model, config, teacher_bytes=weight_bytes(model))  # noqa: E731
-        return dataset, column, with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=fits)
+        chosen = ["given"] if config.mode is not None else ["the default"]
+
+        def fits() -> bool:
+            answer, line = full_fits(model, config, teacher_bytes=weight_bytes(model))
+            chosen.append(line)
+            return answer
+
+        config = with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=fits)
+        return dataset, column, config, " (".join(chosen) + (")" if len(chosen) > 1 else "")
 
     @staticmethod
     def _dense_copy(model: nn.Module) -> nn.Module:
@@ -227,13 +236,15 @@ class FlattenQuantizer(OptimumQuantizer):
 
         from .recovery import recover
 
-        dataset, column, config = checked.heal
+        dataset, column, config, chosen = checked.heal
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
         )
         synchronize()
-        log = {**log, "dataset": public_dataset_name(dataset), "seconds": round(time.perf_counter() - start, 3)}
+        seconds = round(time.perf_counter() - start, 3)
+        # The mode was chosen before the compression, on the dense model: say how, not recover's "given".
+        log = {**log, "mode_chosen": chosen, "dataset": public_dataset_name(dataset), "seconds": seconds}
         # Not a method entry, but the report's flat view is where the card and `recover` write "recovery" too.
         self.report = dataclasses.replace(self.report, method_entries={**self.report.method_entries, "recovery": log})
         return healed
@@ -287,7 +298,7 @@ class FlattenQuantizer(OptimumQuantizer):
             from .recovery import check_recovery_inputs
 
             heal = self._heal_inputs(model)
-            dataset, column, recovery = heal
+            dataset, column, recovery, _ = heal
             check_recovery_inputs(tokenizer, dataset, recovery, column)
             drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
             if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:

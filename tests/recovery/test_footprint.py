@@ -42,8 +42,10 @@ def test_full_fits_within_the_headroom_of_the_free_memory(monkeypatch):
     config = RecoveryConfig()
     total = full_footprint(model, config).total
     monkeypatch.setattr(module, "available_bytes", lambda device: int(total / HEADROOM) + 1)
-    assert full_fits(model, config, teacher_bytes=0)
-    assert not full_fits(model, config, teacher_bytes=2)
+    fits, line = full_fits(model, config, teacher_bytes=0)
+    assert fits and line.endswith("fits within 90% of it") and "GiB free on cpu" in line
+    fits, line = full_fits(model, config, teacher_bytes=2)
+    assert not fits and line.endswith("does not fit within 90% of it")
 
 
 def test_a_loaded_teacher_adds_nothing_and_one_to_load_is_sized_from_the_plan():

@@ -68,7 +68,11 @@ def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_
     heal = {k: v for k, v in HEAL.items() if k not in ("mode", "learning_rate")}
     quantizer = compress(model, "flattengpt", num_layers_to_remove=2, heal=heal)
     assert quantizer.report["recovery"]["mode"] == mode
+    assert quantizer.report["recovery"]["mode_chosen"].startswith("the default (full healing adds about")
     assert asked == [6]
+    from optimum_flatten.export.model_card import render_model_card
+
+    assert f"- Healing: mode `{mode}` (the default), distilled" in render_model_card(dict(quantizer.report))
 
 
 @pytest.mark.parametrize(
@@ -113,7 +117,7 @@ def test_cli_compress_heal_tokens(tmp_path, capsys):
     assert "healing" in out and "full" in out
     report = json.loads((tmp_path / "out" / "flatten_report.json").read_text())
     assert report["recovery"]["mode"] == "full" and report["recovery"]["tokens_trained"] >= 256
-    assert "- Healing: mode `full`" in (tmp_path / "out" / "README.md").read_text()
+    assert "- Healing: mode `full`," in (tmp_path / "out" / "README.md").read_text()  # given, not the default
     assert main([*argv[:-4], "--heal-mode", "full", "--overwrite"]) == 2
     assert "need --heal-tokens" in capsys.readouterr().err
 

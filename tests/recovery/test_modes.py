@@ -39,6 +39,7 @@ def test_changed_trains_merged_blocks_and_bridged_projections_and_nothing_else(c
         report=report,
     )
     assert log["mode"] == "changed" and log["steps"] == 4 and log["tokens_trained"] == 256
+    assert log["mode_chosen"] == "given"
     for name, tensor in healed.state_dict().items():
         assert torch.equal(tensor, before[name]) == (name not in names), name
     assert all(p.requires_grad for p in healed.parameters())  # the flags are given back as they were
@@ -193,6 +194,9 @@ def test_recover_defaults_to_full_where_its_memory_fits_and_to_local_where_it_do
     )
     rate = {"full": 6e-5, "local": 1e-3}[mode]
     assert log["mode"] == mode
+    verdict = {"full": "fits within 90% of it)", "local": "does not fit within 90% of it)"}[mode]
+    chosen = log["mode_chosen"]
+    assert chosen.startswith("the default (full healing adds about") and chosen.endswith(verdict)
     assert log["learning_rate"] == pytest.approx(rate * log["weight_scale"] / SWEPT_WEIGHT_SCALE, rel=1e-12)
 
 
@@ -210,3 +214,4 @@ def test_recover_without_a_teacher_defaults_to_lora_on_the_lm_loss_whatever_memo
         report=report,
     )
     assert (log["mode"], log["loss"], log["learning_rate"]) == ("lora", "lm", 1e-4)
+    assert log["mode_chosen"] == "the default"  # no teacher: the memory was not asked

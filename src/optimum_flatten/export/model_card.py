@@ -159,7 +159,8 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
     teacher = recovery.get("teacher")
     loss = f"distilled from `{teacher}`" if teacher else "LM loss"
     lines = [
-        f"- Healing: mode `{recovery.get('mode', 'lora')}`, {loss}, on {recovery.get('dataset', 'user text')} "
+        f"- Healing: mode `{recovery.get('mode', 'lora')}`{_chosen(recovery)}, {loss}, on "
+        f"{recovery.get('dataset', 'user text')} "
         f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps)"
     ]
     lines += _local_lines(recovery)
@@ -170,6 +171,11 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
             f"LM {before['lm']:.4f} -> {after['lm']:.4f}; gate: {recovery.get('gate')}"
         )
     return lines
+
+
+def _chosen(recovery: dict[str, Any]) -> str:
+    """ " (the default)" when the mode was not given; the memory check behind it stays in the report."""
+    return " (the default)" if str(recovery.get("mode_chosen", "given")).startswith("the default") else ""
 
 
 def _local_lines(recovery: dict[str, Any]) -> list[str]:

@@ -109,18 +109,16 @@ def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str,
     return math.ceil(weights * layer_plan.num_layers / max(1, layer_plan.num_output_layers))
 
 
-def full_fits(student: nn.Module, config: RecoveryConfig, teacher_bytes: int) -> bool:
-    """Whether `full_footprint` fits the free memory of the device the student's weights are on; logged either way,
-    since the default mode follows it."""
+def full_fits(student: nn.Module, config: RecoveryConfig, teacher_bytes: int) -> tuple[bool, str]:
+    """Whether `full_footprint` fits the free memory of the device the student's weights are on, and a line saying
+    so (logged, and kept in the healing's log, since the default mode follows it)."""
     footprint = full_footprint(student, config, teacher_bytes)
     device = next(student.parameters()).device
     available = available_bytes(device)
     fits = footprint.fits(available)
-    logger.info(
-        "%s; %.1f GiB free on %s: the default mode is %s",
-        footprint.describe(),
-        available / 2**30,
-        device,
-        "full" if fits else "not full",
+    line = (
+        f"{footprint.describe()}; {available / 2**30:.1f} GiB free on {device}: "
+        f"{'fits' if fits else 'does not fit'} within {HEADROOM:.0%} of it"
     )
-    return fits
+    logger.info(line)
+    return fits, line

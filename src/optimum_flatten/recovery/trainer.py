@@ -319,12 +319,19 @@ def recover(
     config = config or RecoveryConfig()
     if report is None:
         report = getattr(model, "flatten_report", None)
+    chosen = ["given"] if config.mode is not None else ["the default"]
+
+    def fits() -> bool:
+        answer, line = full_fits(model, config, teacher_bytes_to_load(model, teacher, report))
+        chosen.append(line)
+        return answer
+
     config = with_mode(
         config,
         has_teacher=_has_teacher(teacher, report),
         has_plan=bool((report or {}).get("plan")),
         fsdp=fsdp_version(config) is not None,
-        full_fits=lambda: full_fits(model, config, teacher_bytes_to_load(model, teacher, report)),
+        full_fits=fits,
     )
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
@@ -460,6 +467,7 @@ def recover(
     steps = sum(p.steps for p in phases)
     log = {
         "mode": config.mode,
+        "mode_chosen": " (".join(chosen) + (")" if len(chosen) > 1 else ""),
         "teacher": teacher_name,
         "loss": "lm" if teacher_model is None else ("local" if local_loss is not None else "distillation"),
         "temperature": config.temperature if teacher_model is not None else None,
