@@ -19,8 +19,10 @@ import torch
 from common import assert_within, gamma
 from optimum_flatten.calibration.stats import (
     CentredSecondMoment,
+    CrossMoment,
     SecondMoment,
     split_bfloat16,
+    split_cross,
     split_gram,
     symmetrise_,
 )
@@ -152,3 +154,54 @@ def test_split_scatter_runs_at_tensor_core_speed_on_cuda():
     split = timed(CentredSecondMoment(dim, device, split_bfloat16=True))
     plain = timed(CentredSecondMoment(dim, device))
     assert split < 0.6 * plain, (split, plain)
+
+
+def _cross_bound(tokens: int) -> float:
+    return (1 + 2.0**-7) * (3 * 2.0**-16 + gamma(3 * tokens, torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_cross_is_within_its_bound(device):
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 40, generator=generator) * torch.logspace(-3, 2, 40)
+    y = torch.randn(300, 24, generator=generator) * torch.logspace(1, -2, 24)
+    result = split_cross(x.to(device), y.to(device)).cpu()
+    exact = x.double().T @ y.double()
+    assert result.dtype == torch.float32
+    assert_within(result, exact, _cross_bound(300) * (x.abs().double().T @ y.abs().double()), "split_cross")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_cross_moment_is_within_its_bound_of_the_float64_one_with_padding(device):
+    """`CrossMoment(split_bfloat16=True)` (FlattenGPT's sequential targets under covariance_dtype="bfloat16")
+    against the float64 `CrossMoment` on the same activations and targets: each batch centred on its
+    bfloat16-rounded means, the mean part added back in float64, so the bound is relative to Σ|x − c||y − e|. The
+    check can fail: without the centring the same split arithmetic is off by more than the bound here (the
+    activations carry a common offset up to 40 times their spread)."""
+    generator = torch.Generator().manual_seed(5)
+    # float32 activations (a bfloat16 model's would split exactly) with the common offset centring is for.
+    xs = [(x.float() * (1 + 1e-3 * torch.randn(x.shape, generator=generator))).to(device) for x in _activations(dim=64)]
+    mix = torch.randn(64, 24, generator=generator) / 8
+    ys = [x @ mix.to(device) + 3.0 for x in xs]
+    masks = [torch.ones(2, 80, dtype=torch.long, device=device) for _ in xs]
+    masks[1][1, 50:] = 0  # padding never reaches a sum
+    chunk = 48
+    fast, exact = CrossMoment(64, 24, device, chunk, split_bfloat16=True), CrossMoment(64, 24, device, chunk)
+    for x, y, mask in zip(xs, ys, masks, strict=True):
+        fast.update(x, y, mask)
+        exact.update(x, y, mask)
+    assert fast.count == exact.count == 3 * 160 - 30
+    (s_fast, e_fast), (s_exact, e_exact) = fast.finish(), exact.finish()
+    assert e_fast == pytest.approx(e_exact, rel=1e-14)
+    scale, plain, uncentred = (torch.zeros(64, 24, dtype=torch.float64) for _ in range(3))
+    for x, y, mask in zip(xs, ys, masks, strict=True):
+        keep = mask.cpu().reshape(-1).bool()
+        a, b = x.cpu().reshape(-1, 64)[keep].double(), y.cpu().reshape(-1, 24)[keep].double()
+        c, e = a.mean(0).float().bfloat16().double(), b.mean(0).float().bfloat16().double()
+        scale += (a - c).abs().T @ (b - e).abs()
+        plain += a.abs().T @ b.abs()
+        pairs = zip(a.split(chunk), b.split(chunk), strict=True)
+        uncentred += sum(split_cross(u.float(), v.float()).double() for u, v in pairs)
+    bound = _cross_bound(chunk) * scale / fast.count + gamma(8, torch.float64) * plain / fast.count
+    assert_within(s_fast.cpu(), s_exact.cpu(), bound, "split cross moment against float64")
+    assert not torch.all((uncentred / fast.count - s_exact.cpu()).abs() <= bound)

@@ -95,6 +95,21 @@ def split_gram(y: torch.Tensor, symmetric: bool = True) -> torch.Tensor:
     return product.add_(product.T.clone()).mul_(0.5) if symmetric else product
 
 
+def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """xᵀ y of float32 (tokens × dim) `x` and (tokens × out) `y` from one bfloat16 GEMM with exact products and
+    float32 sums: with (hi, lo) the `split_bfloat16` of each side, xᵀy = hiₓᵀhi_y + hiₓᵀlo_y + loₓᵀhi_y (+ loₓᵀlo_y and
+    the splits' remainders, below 3·2⁻¹⁶ |x_i||y_j| per token together), the three as [hiₓ; hiₓ; loₓ]ᵀ [hi_y; lo_y;
+    hi_y]. Each entry within (3·2⁻¹⁶ + γ₃ₙ) Σ_tokens |x_i||y_j| of the exact one."""
+    hi_x, lo_x = split_bfloat16(x)
+    left = torch.cat([hi_x, hi_x, lo_x])
+    del hi_x, lo_x
+    hi_y, lo_y = split_bfloat16(y)
+    right = torch.cat([hi_y, lo_y, hi_y])
+    del hi_y, lo_y
+    flops.record(flops.product(x.shape[1], left.shape[0], y.shape[1]), "bfloat16")
+    return _float32_product(left.T, right)
+
+
 def symmetrise_(matrix: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """(M + Mᵀ)/2 in place, a pair of blocks at a time (one block's temporary, no second n² matrix)."""
     n = matrix.shape[0]
@@ -383,13 +398,26 @@ class CrossMoment:
     The partner of `SecondMoment` when a projection is refitted towards a target y that is not its own output
     (`ops.ridge.ridge_refit_to_target`). Both widths are a layer's (heads × head_dim by hidden), so the float64
     product costs what a second moment of the smaller width does and no centring is needed for the memory.
+
+    ``split_bfloat16=True`` (FlattenGPT's ``covariance_dtype="bfloat16"``) takes each chunk's product on the bfloat16
+    tensor cores instead, with the arithmetic of `split_cross`: both sides centred on the batch's means rounded to
+    bfloat16 (the mean part added back exactly in float64, as `SecondMoment` does), each entry of a chunk's product
+    within (3·2⁻¹⁶ + γ₃ₖ) Σ |x_i − c_i||y_j − e_j| of the float64 one (k = `chunk_tokens`), chunks summed in float64.
     """
 
-    def __init__(self, dim: int, out_dim: int, device: torch.device | str = "cpu", chunk_tokens: int = 4096) -> None:
+    def __init__(
+        self,
+        dim: int,
+        out_dim: int,
+        device: torch.device | str = "cpu",
+        chunk_tokens: int = 4096,
+        split_bfloat16: bool = False,
+    ) -> None:
         self.sum = torch.zeros(dim, out_dim, dtype=torch.float64, device=device)
         self.energy = 0.0
         self.count = 0
         self.chunk_tokens = chunk_tokens
+        self.split = split_bfloat16
 
     def update(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Adds the tokens of `x` (batch, seq, dim) and `y` (batch, seq, out_dim) whose mask is 1."""
@@ -397,6 +425,9 @@ class CrossMoment:
         if mask is not None:
             keep = mask.reshape(-1).bool()
             xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
+        if self.split:
+            self._add_split(xs, ys)
+            return
         flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
         for start in range(0, xs.shape[0], self.chunk_tokens):
             a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
@@ -404,6 +435,24 @@ class CrossMoment:
             self.sum.addmm_(a.T, b)
             self.energy += float(b.square().sum())
         self.count += xs.shape[0]
+
+    def _add_split(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        """One batch on the split path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the float64
+        column sums and c, e the batch's means rounded to bfloat16."""
+        n = xs.shape[0]
+        if n == 0:
+            return
+        xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
+        sum_x, sum_y = float64_column_sum(xs), float64_column_sum(ys)
+        centre_x = (sum_x / n).float().bfloat16().float()
+        centre_y = (sum_y / n).float().bfloat16().float()
+        for start in range(0, n, self.chunk_tokens):
+            b = ys[start : start + self.chunk_tokens]
+            self.sum.add_(split_cross(xs[start : start + self.chunk_tokens].float() - centre_x, b.float() - centre_y))
+            self.energy += float(b.double().square().sum())
+        c, e = centre_x.double(), centre_y.double()
+        self.sum.addr_(c, sum_y).addr_(sum_x, e).addr_(c, e, alpha=-n)
+        self.count += n
 
     def finish(self) -> tuple[torch.Tensor, float]:
         """(E[x yᵀ], E‖y‖²); the running sum is consumed. Under a sharded calibration, summed over the ranks first."""

@@ -83,7 +83,8 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     """The arithmetic of each phase, as the ops record it: per merged group (g members, `groups` of them),
 
     - head_scoring: the o_proj input's second moment, 2·N·(g·H·d_h)² (float32, or TF32 when asked), and with the
-      sequential attention target its float64 cross moment with the writes, 2·N·(g·H·d_h)·d;
+      sequential attention target its float64 cross moment with the writes, 2·N·(g·H·d_h)·d (bfloat16 statistics:
+      three times that in bfloat16);
     - attention_solve: the KV groups' search (exhaustive: one refit and error per subset; greedy: per elimination
       step one Cholesky factor and inverse of the kept block, k³/3 + 2k³, two k²·d products, and per remaining KV
       group its small solves and the five scalars it reads), then the kept heads' refit;
@@ -123,8 +124,8 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     head_scoring = Tally()
     if needs_o:
         head_scoring.add(per_moment * flops.gram(N, hw), statistic)
-    if sequential:
-        head_scoring.add(flops.gram(N, hw, d), "float64")
+    if sequential:  # the cross moment with the target: float64, or three split bfloat16 terms in one GEMM
+        head_scoring.add(*_cross(N, hw, d, config))
 
     attention = Tally()
     if needs_o:
@@ -140,7 +141,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     else:
         covariance.add(per_moment * flops.gram(N, w), statistic)
     if mlp_target:
-        covariance.add(flops.gram(N, w, d), "float64")
+        covariance.add(*_cross(N, w, d, config))
 
     solve = Tally()
     if config.covariance_dtype == "float64":
@@ -180,6 +181,14 @@ def _refit(tally: Tally, k: int, r: int, d: int, towards_target: bool) -> None:
     tally.cholesky(k)
     tally.add(flops.product(k, k, d) if towards_target else flops.product(k, r, d), "float64")
     tally.add(flops.cholesky_solve(k, d), "float64", "factorisation")
+
+
+def _cross(tokens: int, dim: int, out: int, config: Any) -> tuple[float, str]:
+    """(flops, precision) of a `CrossMoment` over `tokens`: float64 products, or with ``covariance_dtype="bfloat16"``
+    `split_cross`'s one bfloat16 GEMM over three times the tokens."""
+    if config.covariance_dtype == "bfloat16":
+        return 3 * flops.gram(tokens, dim, out), "bfloat16"
+    return flops.gram(tokens, dim, out), "float64"
 
 
 def _kv_search(tally: Tally, s: Any, g: int, d: int, towards_target: bool) -> None:

@@ -389,7 +389,7 @@ class FlattenGPTMethod(CompressionMethod):
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
         heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
-        cross = CrossMoment(heads_width, hidden, device) if sequential else None
+        cross = CrossMoment(heads_width, hidden, device, split_bfloat16=split) if sequential else None
         bias = None if getattr(o_module, "bias", None) is None else o_module.bias.detach().float()
 
         def on_heads(b: int, x: torch.Tensor) -> None:
@@ -475,7 +475,7 @@ class FlattenGPTMethod(CompressionMethod):
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
         hidden = view.mlp.down.weight.shape[0]
-        cross = CrossMoment(width, hidden, device, chunk_tokens=MLP_CROSS_CHUNK) if sequential else None
+        cross = CrossMoment(width, hidden, device, MLP_CROSS_CHUNK, split_bfloat16=split) if sequential else None
         bias = None if getattr(down, "bias", None) is None else down.bias.detach().float()
         outputs: list[torch.Tensor] = []
         residual: list[torch.Tensor] = []  # the MLP norm's input of the batch running (read before its down input)

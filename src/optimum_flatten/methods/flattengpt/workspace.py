@@ -55,6 +55,15 @@ def _attention_solve_bytes(
     return max(refit, greedy)
 
 
+def _cross_update(chunk: int, dim: int, out: int, split: bool) -> int:
+    """One chunk of a `CrossMoment` update: the float64 copies of both sides; or, split (``covariance_dtype=
+    "bfloat16"``), the centred float32 side, its hi and lo and the stacked three (10 bytes a value on the wide side,
+    14 on the other while the first is still alive), and the float32 product (4·dim·out)."""
+    if split:
+        return chunk * (10 * dim + 14 * out) + 4 * dim * out
+    return 8 * chunk * (dim + out)
+
+
 def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
     """FlattenGPT: a similarity pass, then per merged group a wide block, two statistics and their solves.
 
@@ -212,7 +221,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
     # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
-    cross_update = 8 * min(4096, z.Tb) * (heads_width + d) if sequential else 0
+    cross_update = _cross_update(min(4096, z.Tb), heads_width, d, split) if sequential else 0
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
     # Both sequential targets: the members' run for the writes goes on to the group's output, which then waits for
     # the MLP's target through the head scoring and the attention solve (one run of the members instead of two).
@@ -261,7 +270,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     # mlp_target="sequential": the float64 cross moment of the down input with the target, and per batch the float32
     # target (the group's output less the MLP input residual) with the float64 chunk copies of both sides.
     mlp_cross = Term("down input-target cross moment (float64)", 8 * width * d if mlp_target else 0, "(g·i) × d")
-    target_update = 2 * 4 * z.Tb * d + 8 * min(MLP_CROSS_CHUNK, z.Tb) * (width + d) if mlp_target else 0
+    target_update = 2 * 4 * z.Tb * d + _cross_update(min(MLP_CROSS_CHUNK, z.Tb), width, d, split) if mlp_target else 0
     covariance = Phase(
         "covariance",
         (

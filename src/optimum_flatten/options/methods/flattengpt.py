@@ -97,7 +97,9 @@ class FlattenGPTConfig(MethodConfig):
             float64 scatter: within (3·2⁻¹⁶ + γ) of the float32 path's own bound where TF32 allows 2·2⁻¹⁰
             (`calibration.stats.split_gram`, tested against float64), at twice the flops of one bfloat16 GEMM and
             twice the float32 scatter's memory (8·(2·d_int)² bytes: 3.6 GiB at LLaMA-2-7B, 24.5 GiB at 70B, where
-            ``"float32"`` is the one that fits). On the CPU the same arithmetic runs in float32 GEMMs.
+            ``"float32"`` is the one that fits); with the sequential targets their cross moments with the targets
+            too, centred, three bfloat16 cross terms in one GEMM (`calibration.stats.split_cross`) instead of
+            float64 products. On the CPU the same arithmetic runs in float32 GEMMs.
     """
 
     selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
