@@ -97,3 +97,15 @@ def test_the_greedy_search_keeps_what_a_refit_of_every_candidate_at_every_step_k
     assert greedy_block_elimination(c, s, energy, rows, blocks, len(blocks), lam) == list(range(len(blocks)))
     with pytest.raises(ValueError, match="num_keep must be between 1 and 8 blocks, got 0"):
         greedy_block_elimination(c, s, energy, rows, blocks, 0, lam)
+
+
+@pytest.mark.gpu
+def test_the_search_on_cuda_keeps_the_cpus_groups_and_scores():
+    sizes = (4, 4, 4, 4, 4, 4, 4, 4)
+    c, s, energy, rows, blocks, lam = _problem(sizes, seed=7)
+    on_cuda = [t.cuda() for t in (c, s, rows)]
+    kept = greedy_block_elimination(on_cuda[0], on_cuda[1], energy, on_cuda[2], [b.cuda() for b in blocks], 3, lam)
+    assert kept == greedy_block_elimination(c, s, energy, rows, blocks, 3, lam)
+    errors = ridge_block_removal_errors(on_cuda[0], on_cuda[1], energy, on_cuda[2], [b.cuda() for b in blocks], lam)
+    assert errors.device.type == "cpu"
+    torch.testing.assert_close(errors, ridge_block_removal_errors(c, s, energy, rows, blocks, lam), rtol=1e-10, atol=0)
