@@ -140,7 +140,7 @@ def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
     assert {m: RecoveryConfig(mode=m).rate for m in DEFAULT_LEARNING_RATES} == {
         "lora": 1e-4,
         "local": 1e-3,
-        "changed": 2e-5,
+        "changed": 2e-4,
         "last_k": 2e-5,
         "full": 6e-5,
     }
