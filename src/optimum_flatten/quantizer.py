@@ -200,7 +200,7 @@ class FlattenQuantizer(OptimumQuantizer):
         its memory fits beside the teacher copy still to be taken (the dense model, an upper bound of the student it
         will train)."""
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
-        from .recovery.footprint import full_fits, weight_bytes
+        from .recovery.footprint import ModeChoice, weight_bytes
         from .recovery.trainer import fsdp_version
 
         heal = dict(self.config.heal or {})
@@ -210,15 +210,9 @@ class FlattenQuantizer(OptimumQuantizer):
         # The dense model teaches, and the compression about to run gives the plan.
         config = RecoveryConfig(**settings)
         fsdp = fsdp_version(config) is not None
-        chosen = ["given"] if config.mode is not None else ["the default"]
-
-        def fits() -> bool:
-            answer, line = full_fits(model, config, teacher_bytes=weight_bytes(model))
-            chosen.append(line)
-            return answer
-
-        config = with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=fits)
-        return dataset, column, config, " (".join(chosen) + (")" if len(chosen) > 1 else "")
+        choice = ModeChoice(model, config, lambda: weight_bytes(model))  # the teacher copy still to be taken
+        config = with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice)
+        return dataset, column, config, choice.describe()
 
     @staticmethod
     def _dense_copy(model: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,3 +122,22 @@ def full_fits(student: nn.Module, config: RecoveryConfig, teacher_bytes: int) ->
     )
     logger.info(line)
     return fits, line
+
+
+class ModeChoice:
+    """How a healing's mode was chosen: given, or the default and the memory check behind it. Passed to
+    `options.recovery.with_mode` as its `full_fits`, which asks it only when the answer can change the mode."""
+
+    def __init__(self, student: nn.Module, config: RecoveryConfig, teacher_bytes: Callable[[], int]) -> None:
+        self.student, self.config, self.teacher_bytes = student, config, teacher_bytes
+        self.line: str | None = None
+
+    def __call__(self) -> bool:
+        fits, self.line = full_fits(self.student, self.config, self.teacher_bytes())
+        return fits
+
+    def describe(self) -> str:
+        """``given``, ``the default`` or ``the default (<the memory check>)``, for the log and the model card."""
+        if self.config.mode is not None:
+            return "given"
+        return "the default" if self.line is None else f"the default ({self.line})"

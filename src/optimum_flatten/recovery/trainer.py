@@ -21,7 +21,7 @@ from ..options.recovery import RecoveryConfig, with_mode
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
-from .footprint import full_fits, teacher_bytes_to_load
+from .footprint import ModeChoice, teacher_bytes_to_load
 from .lora import wrap_lora
 from .rate import weight_scale
 from .selection import (
@@ -319,19 +319,13 @@ def recover(
     config = config or RecoveryConfig()
     if report is None:
         report = getattr(model, "flatten_report", None)
-    chosen = ["given"] if config.mode is not None else ["the default"]
-
-    def fits() -> bool:
-        answer, line = full_fits(model, config, teacher_bytes_to_load(model, teacher, report))
-        chosen.append(line)
-        return answer
-
+    choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report))
     config = with_mode(
         config,
         has_teacher=_has_teacher(teacher, report),
         has_plan=bool((report or {}).get("plan")),
         fsdp=fsdp_version(config) is not None,
-        full_fits=fits,
+        full_fits=choice,
     )
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
@@ -467,7 +461,7 @@ def recover(
     steps = sum(p.steps for p in phases)
     log = {
         "mode": config.mode,
-        "mode_chosen": " (".join(chosen) + (")" if len(chosen) > 1 else ""),
+        "mode_chosen": choice.describe(),
         "teacher": teacher_name,
         "loss": "lm" if teacher_model is None else ("local" if local_loss is not None else "distillation"),
         "temperature": config.temperature if teacher_model is not None else None,
