@@ -155,9 +155,9 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
       full 1.240 / 2.040, local 1.329 / 2.212;
     - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006): full 1.258 / 1.785 at 64K tokens and
       1.189 / 1.651 at 256K, local 1.330 / 1.930 at 64K;
-    - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens (at its rate scaled to
-      Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate kept it: a state loss is
-      a weak proxy for the output there, benchmarks/NOTEBOOK.md).
+    - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
+      (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
+      kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md).
 
     But `full` holds the whole model's gradients and optimiser state (about 16 bytes a parameter beside the teacher:
     no 7B model on one 80 GB GPU), so it is the default only where `recovery.footprint` says it fits the device's free
