@@ -250,30 +250,23 @@ class MemoryEstimate:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def with_heal_teacher(self, full: FullFootprint | None = None) -> MemoryEstimate:
+    def with_heal_teacher(self, full: FullFootprint) -> MemoryEstimate:
         """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
         before the first weight changes and held until the healing ends, so every phase holds one more model's
-        weights. The healing's own training state comes after the compression, so it is no phase here: with `full`
-        (`recovery.footprint.full_footprint` of the dense model, an upper bound of the student's), a note says what
-        ``mode='full'`` adds, which decides the default mode; else the note says it is not modelled."""
+        weights. The healing's own training state comes after the compression, so it is no phase here: `full`
+        (`recovery.footprint.full_footprint` of the dense model, an upper bound of the student's) goes into a note
+        saying what ``mode='full'`` adds, which decides the default mode."""
         copy = Term(
             "dense weights kept as the healing's teacher (heal=)",
             self.weights_bytes,
             "a copy taken before the compression's first weight change, held until the healing ends",
         )
         phases = [Phase(p.name, (*p.terms, copy)) for p in self.phases]
-        note = f"heal=: the teacher copy adds {_gib(self.weights_bytes)} to every phase; the healing itself adds "
-        if full is None:
-            note += (
-                "the trained part's gradients and optimiser state (Adam: 8 bytes a trained float32 parameter beyond "
-                "its weight and gradient) and its activations, which this estimate does not model"
-            )
-            return dataclasses.replace(self, phases=phases, notes=[*self.notes, note])
-        note += (
-            f"at most {_gib(full.state + full.activations)} with mode='full' (training state "
-            f"{_gib(full.state)}, activations {_gib(full.activations)} at 4 x 256 tokens a step), beside the student "
-            f"and the teacher: the default mode where that fits the free memory, else 'local' (one changed block's "
-            "state at a time)"
+        note = (
+            f"heal=: the teacher copy adds {_gib(self.weights_bytes)} to every phase; the healing itself adds at most "
+            f"{_gib(full.state + full.activations)} with mode='full' (training state {_gib(full.state)}, activations "
+            f"{_gib(full.activations)} at 4 x 256 tokens a step), beside the student and the teacher: the default "
+            "mode where that fits the free memory, else 'local' (one changed block's state at a time)"
         )
         full_bytes = {"state": full.state, "activations": full.activations}
         return dataclasses.replace(self, phases=phases, notes=[*self.notes, note], heal_full=full_bytes)

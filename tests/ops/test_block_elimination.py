@@ -10,7 +10,6 @@ from optimum_flatten.ops.block_elimination import (
     _spd_factors,
     greedy_block_elimination,
     removal_chunks,
-    ridge_block_removal_errors,
 )
 from optimum_flatten.ops.ridge import _shifted_cholesky, default_ridge_lambda, ridge_target_error
 
@@ -37,7 +36,7 @@ def test_block_removal_errors_match_a_refit_of_each_reduced_set(sizes, chunk_ele
     (a separate factorisation per candidate), for a target that is not a function of the inputs."""
     c, s, energy, rows, blocks, lam = _problem(sizes)
     monkeypatch.setattr(block_elimination, "REMOVAL_CHUNK_ELEMENTS", chunk_elements)  # whole runs, or chunks of 2 or 1
-    errors = ridge_block_removal_errors(c, s, energy, rows, blocks, lam)
+    errors = KeptRefit.fit(c, s, rows, blocks, lam).removal_errors(energy, lam)
     for j in range(len(blocks)):
         rest = torch.cat([b for i, b in enumerate(blocks) if i != j])
         expected = ridge_target_error(c, s, energy, rows, rest, lam)
@@ -106,6 +105,7 @@ def test_the_search_on_cuda_keeps_the_cpus_groups_and_scores():
     on_cuda = [t.cuda() for t in (c, s, rows)]
     kept = greedy_block_elimination(on_cuda[0], on_cuda[1], energy, on_cuda[2], [b.cuda() for b in blocks], 3, lam)
     assert kept == greedy_block_elimination(c, s, energy, rows, blocks, 3, lam)
-    errors = ridge_block_removal_errors(on_cuda[0], on_cuda[1], energy, on_cuda[2], [b.cuda() for b in blocks], lam)
+    errors = KeptRefit.fit(*on_cuda[:2], on_cuda[2], [b.cuda() for b in blocks], lam).removal_errors(energy, lam)
     assert errors.device.type == "cpu"
-    torch.testing.assert_close(errors, ridge_block_removal_errors(c, s, energy, rows, blocks, lam), rtol=1e-10, atol=0)
+    expected = KeptRefit.fit(c, s, rows, blocks, lam).removal_errors(energy, lam)
+    torch.testing.assert_close(errors, expected, rtol=1e-10, atol=0)

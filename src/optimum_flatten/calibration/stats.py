@@ -140,6 +140,13 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) 
     return flat.to(device)
 
 
+def batch_centre(total: torch.Tensor, n: int, split: bool) -> torch.Tensor:
+    """The mean of `n` tokens summing to `total` in float32, rounded to bfloat16 on the split path (so that a bfloat16
+    activation less it is exact in `split_bfloat16`): the one rule every centred statistic here rounds by."""
+    centre = (total / n).float()
+    return centre.bfloat16().float() if split else centre
+
+
 class _MaskedMoment:
     """What `SecondMoment` and `CentredSecondMoment` share: the exclusive choice of product precision, the masked
     token rows each update reads, and the float32 centre a batch's product is taken about. Both rest on the same
@@ -167,10 +174,7 @@ class _MaskedMoment:
         raise NotImplementedError
 
     def _centre(self, total: torch.Tensor, n: int) -> torch.Tensor:
-        """The mean of `n` tokens summing to `total` in float32, rounded to bfloat16 on the split path (so that a
-        bfloat16 activation less it is exact in `split_bfloat16`)."""
-        centre = (total / n).float()
-        return centre.bfloat16().float() if self.split else centre
+        return batch_centre(total, n, self.split)
 
 
 class SecondMoment(_MaskedMoment):
@@ -444,8 +448,7 @@ class CrossMoment:
             return
         xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
         sum_x, sum_y = float64_column_sum(xs), float64_column_sum(ys)
-        centre_x = (sum_x / n).float().bfloat16().float()
-        centre_y = (sum_y / n).float().bfloat16().float()
+        centre_x, centre_y = batch_centre(sum_x, n, split=True), batch_centre(sum_y, n, split=True)
         for start in range(0, n, self.chunk_tokens):
             b = ys[start : start + self.chunk_tokens]
             self.sum.add_(split_cross(xs[start : start + self.chunk_tokens].float() - centre_x, b.float() - centre_y))

@@ -173,20 +173,6 @@ class KeptRefit:
         flops.record(products, "float64")
 
 
-def ridge_block_removal_errors(
-    second_moment: torch.Tensor,
-    cross: torch.Tensor,
-    target_energy: float,
-    rows: torch.Tensor,
-    blocks: Sequence[torch.Tensor],
-    lam: float,
-) -> torch.Tensor:
-    """For each block of `blocks` (disjoint channel index sets, together the kept channels K), the
-    `ridge.ridge_target_error` of keeping every other block, from one factorisation (`KeptRefit`). Float64
-    throughout; tested against `ridge_target_error` on each reduced set (tests/ops/test_ridge.py)."""
-    return KeptRefit.fit(second_moment, cross, rows, blocks, lam).removal_errors(target_energy, lam)
-
-
 def greedy_block_elimination(
     second_moment: torch.Tensor,
     cross: torch.Tensor,
