@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,6 +249,79 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
     passes_only = sum(p["passes_seconds"] for p in prediction.phases.values())
     if label == "flattengpt defaults":
         assert passes_only < 0.4 * total
+
+
+#: The rows of the one device call of 2026-11-27 (`benchmarks/cost/gpu_session.py` on an H100, the code as it stands:
+#: the downdated KV-group search, scores read at once): (result file, config overrides, method, layers removed,
+#: options). Each is predicted from config.json alone and checked against its JSON.
+H100_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+H100_ROWS_TODAY = [
+    ("cost_gpu_llama-2-7b_defaults", {}, "flattengpt", 7, {}),
+    ("cost_gpu_llama-2-7b_tf32", {}, "flattengpt", 7, {"covariance_dtype": "tf32"}),
+    ("cost_gpu_llama-2-7b_bfloat16", {}, "flattengpt", 7, {"covariance_dtype": "bfloat16"}),
+    ("cost_gpu_llama-2-7b_replaceme", {}, "replaceme", 7, {}),
+    (
+        "cost_gpu_llama-2-70b_4_layers",
+        {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 4, "num_attention_heads": 64,
+         "num_key_value_heads": 8},
+        "flattengpt",
+        1,
+        {},
+    ),
+]  # fmt: skip
+#: Phases the model is known to miss at LLaMA-2-7B widths on an H100 (measured / predicted), from the profile of
+#: 2026-11-27 (`benchmarks/results/profile_gpu_llama-2-7b_8_layers_flattengpt.json`): the KV-group search's batched
+#: float64 products over 16 groups of 128 channels ran at about 4% of the FP64 peak (0.40 s a pair for 0.96 TFLOP),
+#: where the model counts 75%; the MLP solve's float32 panel products and triangular solves filled the launch queue
+#: (0.64 s a pair against 0.34). Strict: the day the model (or the code) closes a gap, this list must shrink.
+H100_KNOWN_GAPS = {
+    ("cost_gpu_llama-2-7b_defaults", "attention_solve"),
+    ("cost_gpu_llama-2-7b_defaults", "solve"),
+    ("cost_gpu_llama-2-7b_tf32", "attention_solve"),
+    ("cost_gpu_llama-2-7b_tf32", "solve"),
+    ("cost_gpu_llama-2-7b_bfloat16", "attention_solve"),
+    ("cost_gpu_llama-2-7b_bfloat16", "solve"),
+    ("cost_gpu_llama-2-7b_bfloat16", "total"),
+}
+
+
+def _checks_today() -> list:
+    """(row, phase) pairs of every H100 row of today, the known gaps marked strict xfail."""
+    params = []
+    for row in H100_ROWS_TODAY:
+        measured = json.loads((H100_RESULTS / f"{row[0]}.json").read_text())["timings_seconds"]
+        # The phases the model names (capture and export preparation it leaves out: a second or two at most).
+        modelled = ("selection", "propagate", "head_scoring", "attention_solve", "covariance", "solve")
+        phases = [k for k, v in measured.items() if v >= 1.0 and k in (*modelled, "linear_replacement")]
+        phases.append("total")
+        for phase in phases:
+            gap = (row[0], phase) in H100_KNOWN_GAPS
+            marks = [pytest.mark.xfail(strict=True, reason="known gap of the model")] if gap else []
+            params.append(pytest.param(row, phase, marks=marks, id=f"{row[0].removeprefix('cost_gpu_')}-{phase}"))
+    return params
+
+
+@pytest.mark.parametrize(("row", "phase"), _checks_today())
+def test_predicted_phases_on_an_h100_match_the_rows_of_today(row, phase, tmp_path):
+    """Every phase of a second or more, and the whole compression, within 25% of today's H100 rows. A phase whose
+    stack passes the model gives as a bound (ReplaceMe's fit: where the removed block lies) is predicted with the
+    passes the row reports instead (its plan is known once measured); the arithmetic is the model's either way."""
+    name, overrides, method, removed, options = row
+    measured = json.loads((H100_RESULTS / f"{name}.json").read_text())
+    _write_7b(tmp_path, **overrides)
+    estimate = estimate_checkpoint(str(tmp_path), method, removed, dtype="bfloat16", method_args=options,
+                                   device=DEVICES["h100"])  # fmt: skip
+    phases = {k: dict(v) for k, v in estimate.prediction.phases.items()}
+    if estimate.stack_passes_is_bound and method == "replaceme":
+        modelled = estimate.compute.phase_passes["linear_replacement"]
+        realised = measured["stack_passes"] - estimate.compute.phase_passes["selection"]
+        fit = phases["linear_replacement"]
+        fit["seconds"] = fit["arithmetic_seconds"] + fit["passes_seconds"] * realised / modelled
+    if phase == "total":
+        predicted, actual = sum(v["seconds"] for v in phases.values()), measured["compress_seconds"]
+    else:
+        predicted, actual = phases[phase]["seconds"], measured["timings_seconds"][phase]
+    assert predicted == pytest.approx(actual, rel=0.25), (name, phase, predicted, actual)
 
 
 def test_cli_estimate_on_a_device(tmp_path, capsys):

@@ -2,7 +2,10 @@
 
 Issue 31 asks for one prepared call: the `gpu`-marked tests, then `gpu_shape.py` for each row of the GPU cost table,
 most wanted first, each in its own process with its own time limit (so one slow row loses only itself), each JSON
-written to `--out-dir` as soon as it exists (a call cut short keeps what finished). Rows:
+written to `--out-dir` as soon as it exists (a call cut short keeps what finished). The device returns at most 8 files,
+so every step's output goes to one ``session.log`` (5 JSON files + the log + ``session.json``), and `--budget` caps
+the whole call: a step gets at most what is left of it, so ``session.json`` is written before the device's limit.
+Rows:
 
 1. ``defaults``: FlattenGPT's defaults at LLaMA-2-7B, 7 of 32 removed, with the prefill speed-up;
 2. ``bfloat16``: the same with ``covariance_dtype="bfloat16"`` (the split bf16 products; never timed on a GPU);
@@ -45,11 +48,13 @@ ROWS: list[tuple[str, list[str], int]] = [
 ]  # fmt: skip
 
 
-def run(command: list[str], limit: int, log: Path) -> dict:
-    """Runs one step with a time limit; its output goes to `log`; returns what happened."""
+def run(command: list[str], limit: int, log: Path, title: str) -> dict:
+    """Runs one step with a time limit; its output is appended to `log` under `title`; returns what happened."""
     start = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    with log.open("w") as out:
+    with log.open("a") as out:
+        out.write(f"\n===== {title} (limit {limit} s) =====\n")
+        out.flush()
         try:
             code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=limit, env=env, cwd=ROOT)
             status = "ok" if code.returncode == 0 else f"exit {code.returncode}"
@@ -58,19 +63,30 @@ def run(command: list[str], limit: int, log: Path) -> dict:
     return {"status": status, "seconds": round(time.perf_counter() - start, 1), "log": log.name}
 
 
+def remaining(limit: int, started: float, budget: float) -> int:
+    """A step's limit within what is left of the whole call's budget (a few seconds kept to write the summary)."""
+    return int(min(limit, budget - (time.perf_counter() - started) - 5))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--tiny", action="store_true", help="the tiny shape on the CPU, to check the driver")
     parser.add_argument("--rows", nargs="+", default=None, help="labels of the rows to run (default: all)")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole call")
     args = parser.parse_args()
+    started = time.perf_counter()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    log = out / "session.log"
     steps = {}
     if not args.skip_tests and not args.tiny:
         steps["gpu tests"] = run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 90, out / "gpu_tests.log"
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+            remaining(90, started, args.budget),
+            log,
+            "gpu tests",
         )
         print("gpu tests:", steps["gpu tests"], flush=True)
     for label, row_args, limit in ROWS:
@@ -91,7 +107,12 @@ def main() -> None:
         shape = row_args[row_args.index("--shape") + 1]
         target = out / f"cost_gpu_{shape}_{label}.json"
         command = [sys.executable, str(HERE / "gpu_shape.py"), *row_args, "--repeats", "1", "--label", label]
-        steps[label] = run([*command, "--out", str(target)], limit, out / f"{label}.log")
+        allowed = remaining(limit, started, args.budget)
+        if allowed < 30:
+            steps[label] = {"status": f"not run: {allowed} s of the budget left"}
+            print(f"{label}:", steps[label], flush=True)
+            continue
+        steps[label] = run([*command, "--out", str(target)], allowed, log, label)
         steps[label]["written"] = target.exists()
         print(f"{label}:", steps[label], flush=True)
     (out / "session.json").write_text(json.dumps(steps, indent=2) + "\n")

@@ -13,6 +13,10 @@ number written is measured here, in this run):
   device synchronised at both ends; per-phase times come from the report (each phase synchronised);
 - memory: `torch.cuda.max_memory_allocated` over the compression (reset before it), the resident weights before it,
   and `optimum_flatten.estimate.estimate_memory` for the same model, method and calibration;
+- profile (`--profile`, diagnostic only: the profiler slows what it watches): the compression under
+  `torch.profiler` with each phase annotated; per phase, its wall, host and device time and the operators under it
+  with the most device and host time, and the host-device syncs (so a phase bound by launches or reads shows as
+  host time well above device time);
 - prefill (`--prefill`): 1 x `--prefill-length` random tokens, no cache, median of 5 synchronised forwards after a
   warm-up, dense before and compressed after the compression (not interleaved: the two models are not held at once).
 
@@ -22,6 +26,7 @@ Usage (on a GPU): python benchmarks/cost/gpu_shape.py --shape llama-2-7b --num-l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -99,6 +104,72 @@ def record_phase_peaks(device) -> dict[str, int]:
     return peaks
 
 
+def annotate_phases() -> None:
+    """Wraps `MethodContext.timer` so each phase is also a `torch.profiler.record_function` range (the profile's
+    phases; the library's timer stays free of the profiler)."""
+    import contextlib
+
+    import torch
+
+    from optimum_flatten.compression.method import MethodContext
+
+    timer = MethodContext.timer
+
+    @contextlib.contextmanager
+    def annotated(self, phase: str):
+        with torch.profiler.record_function(f"phase:{phase}"), timer(self, phase):
+            yield
+
+    MethodContext.timer = annotated
+
+
+def _event_times(event) -> tuple[float, float]:
+    """(self host µs, self device µs) of a profiler event, across torch's renamings of the device fields."""
+    device = getattr(event, "self_device_time_total", None)
+    if device is None:
+        device = getattr(event, "self_cuda_time_total", 0.0)
+    return float(event.self_cpu_time_total), float(device or 0.0)
+
+
+def summarise_profile(profile, top: int = 12) -> dict:
+    """Per annotated phase: wall ms, the host and device ms of everything under it, host-device syncs, and the
+    operators with the most device and the most host time (self times, so nothing is counted twice)."""
+    phases: dict[str, dict] = {}
+    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+    for event in profile.events():
+        if not event.name.startswith("phase:"):
+            continue
+        name = event.name.removeprefix("phase:")
+        entry = phases.setdefault(name, {"wall_ms": 0.0, "host_ms": 0.0, "device_ms": 0.0, "syncs": 0, "ops": {}})
+        entry["wall_ms"] += event.cpu_time_total / 1e3
+        stack = list(event.cpu_children)
+        while stack:
+            child = stack.pop()
+            if child.name.startswith("phase:"):
+                continue  # a nested phase is summarised on its own
+            stack.extend(child.cpu_children)
+            host, device = _event_times(child)  # an op's self device time is that of the kernels it launched
+            op = entry["ops"].setdefault(child.name, [0, 0.0, 0.0])
+            op[0] += 1
+            op[1] += host / 1e3
+            op[2] += device / 1e3
+            entry["host_ms"] += host / 1e3
+            entry["device_ms"] += device / 1e3
+            if child.name.startswith(sync_names):
+                entry["syncs"] += 1
+    for entry in phases.values():
+        ops = entry.pop("ops")
+        rows = [
+            {"op": name, "calls": calls, "host_ms": round(host, 2), "device_ms": round(device, 2)}
+            for name, (calls, host, device) in ops.items()
+        ]
+        entry["top_device"] = sorted(rows, key=lambda r: -r["device_ms"])[:top]
+        entry["top_host"] = sorted(rows, key=lambda r: -r["host_ms"])[:top]
+        for key in ("wall_ms", "host_ms", "device_ms"):
+            entry[key] = round(entry[key], 1)
+    return phases
+
+
 def build_model(shape: str, layers: int | None, dtype, device):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -134,6 +205,7 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true")
     parser.add_argument("--prefill-length", type=int, default=2048)
     parser.add_argument("--phase-peaks", action="store_true", help="record each phase's peak memory (CUDA)")
+    parser.add_argument("--profile", action="store_true", help="profile the compression by phase (diagnostic)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -190,12 +262,18 @@ def main() -> None:
         allocated_before = torch.cuda.memory_allocated(device)
     phase_peaks = record_phase_peaks(device) if cuda and args.phase_peaks else None
     quantizer = FlattenQuantizer(config, progress=False)
+    profiler = contextlib.nullcontext()
+    if args.profile:
+        annotate_phases()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        profiler = torch.profiler.profile(activities=activities)
     if cuda:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    quantizer.compress(model, tokenizer)
-    if cuda:
-        torch.cuda.synchronize(device)
+    with profiler as profile:
+        quantizer.compress(model, tokenizer)
+        if cuda:
+            torch.cuda.synchronize(device)
     compress_seconds = time.perf_counter() - start
     report = quantizer.report
     memory = {}
@@ -240,6 +318,8 @@ def main() -> None:
         "estimate": estimate,
         "prefill": {"dense": prefill_dense, "compressed": prefill_compressed} if args.prefill else None,
     }
+    if args.profile:
+        result["profile"] = summarise_profile(profile)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     line = (
         f"{args.shape} ({sizes['num_hidden_layers']} layers) {args.method} {method_args}: dense forward {dense:.2f} s, "
