@@ -31,7 +31,7 @@ def test_round_trip_through_dict_and_json():
         "head_selection": "reconstruction",
         "attention_target": "sequential",
         "attention_ridge_ratio": 1.0,
-        "covariance_dtype": "float32",
+        "covariance_dtype": "auto",
         "mlp_correction": True,
         "mlp_target": "sequential",
     }

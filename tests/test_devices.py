@@ -8,6 +8,7 @@ what shows the test can pass without a GPU; the CUDA cases are the smoke test th
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -109,6 +110,24 @@ def test_flattengpt_options_keep_the_model_on_its_device_and_dtype(variant, dtyp
         out = model(input_ids=sample_ids().to(device), use_cache=False).logits
     assert out.device.type == torch.device(device).type and out.dtype == dtype
     assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.gpu
+def test_the_automatic_precision_on_cuda_takes_the_split_products_for_bfloat16_activations():
+    """FlattenGPT's default ``covariance_dtype="auto"`` on a bfloat16 model on CUDA is the split bfloat16 path
+    (`resolve_covariance_dtype`): the same groups, KV groups and channels, and weights equal to the explicit
+    ``"bfloat16"`` run's within bfloat16's rounding."""
+    model = tiny_models.tiny_llama_gqa().to(device="cuda", dtype=torch.bfloat16)
+    auto, split = copy.deepcopy(model), copy.deepcopy(model)
+    ours = compress(auto, "flattengpt", num_layers_to_remove=2)
+    theirs = compress(split, "flattengpt", num_layers_to_remove=2, covariance_dtype="bfloat16")
+    assert {g["covariance_dtype"] for g in ours.report["groups"]} == {"bfloat16"}
+    for a, b in zip(ours.report["groups"], theirs.report["groups"], strict=True):
+        assert a["kept_kv_groups"] == b["kept_kv_groups"]
+        assert a["kept_channels_per_member"] == b["kept_channels_per_member"]
+    expected = split.state_dict()
+    for name, tensor in auto.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], msg=name)
 
 
 @pytest.mark.gpu

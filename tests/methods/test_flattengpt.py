@@ -12,6 +12,7 @@ from optimum_flatten.calibration import CalibrationBatch
 from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.methods.flattengpt import FlattenGPTConfig, FlattenGPTMethod
 from optimum_flatten.ops import greedy_adjacent_groups
+from optimum_flatten.options.methods.flattengpt import AUTO_SPLIT_MAX_WIDTH, resolve_covariance_dtype
 from optimum_flatten.utils.errors import (
     CalibrationDataError,
     InvalidTargetError,
@@ -247,6 +248,39 @@ def test_split_bfloat16_statistics_choose_what_float64_chooses():
         down = get_adapter(split).block("decoder", position).mlp.down.weight
         expected = get_adapter(reference).block("decoder", position).mlp.down.weight
         assert float((down - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("requested", "activations", "on_gpu", "width", "expected"),
+    [
+        ("auto", "torch.bfloat16", True, 22016, "bfloat16"),  # LLaMA-2-7B's merged MLP on a GPU
+        ("auto", "bfloat16", True, AUTO_SPLIT_MAX_WIDTH, "bfloat16"),
+        ("auto", "bfloat16", True, 57344, "float32"),  # LLaMA-2-70B's: the float32 scatter keeps it on one GPU
+        ("auto", "float16", True, 22016, "float32"),  # 11-bit significands do not split exactly
+        ("auto", "float32", True, 22016, "float32"),
+        ("auto", "bfloat16", False, 22016, "float32"),  # on a CPU the split costs twice the float32 path
+        ("tf32", "bfloat16", True, 22016, "tf32"),  # an explicit choice is kept
+        ("float64", "float32", False, 64, "float64"),
+    ],
+)
+def test_the_automatic_covariance_precision(requested, activations, on_gpu, width, expected):
+    assert resolve_covariance_dtype(requested, activations, on_gpu, width) == expected
+
+
+def test_the_automatic_precision_on_a_cpu_is_the_float32_path_bit_for_bit():
+    """The default (``"auto"``) on a CPU, bfloat16 weights included, computes exactly what ``"float32"`` computes,
+    so no number measured on a CPU moves; each group's report says which precision it took."""
+    original = tiny_models.tiny_llama_gqa().to(torch.bfloat16)
+    auto, float32 = copy.deepcopy(original), copy.deepcopy(original)
+    ours = compress(auto, "flattengpt", num_layers_to_remove=2)
+    theirs = compress(float32, "flattengpt", num_layers_to_remove=2, covariance_dtype="float32")
+    assert FlattenGPTConfig().covariance_dtype == "auto"
+    assert [g["covariance_dtype"] for g in ours.report["groups"]] == ["float32"] * len(ours.report["groups"])
+    state, expected = auto.state_dict(), float32.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert ours.report["groups"] == theirs.report["groups"]
 
 
 @pytest.mark.parametrize("covariance_dtype", ["float32", "float64"])

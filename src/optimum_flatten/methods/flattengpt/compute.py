@@ -16,6 +16,7 @@ from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
 from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, removal_chunks
 from ...ops.ridge import max_refined
+from ...options.methods.flattengpt import resolve_covariance_dtype
 from ...utils import flops
 from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band
 
@@ -110,22 +111,20 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     if prebuilt:
         groups = sum(L - size + 1 for size in range(2, g + 1))
     float64_model = s.dtype == "float64"
-    tf32 = config.covariance_dtype == "tf32"
-    statistic = "float64" if float64_model else flops.precision_of("float32", tf32)
-    # The split bfloat16 products: one GEMM of twice the tokens (`split_gram`), so twice the flops of the moment.
-    per_moment = 1
-    if config.covariance_dtype == "bfloat16" and not float64_model:
-        statistic, per_moment = "bfloat16", 2
     needs_o = config.attention_correction or config.head_selection == "reconstruction"
     sequential = getattr(config, "attention_target", "parallel") == "sequential"
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"
     hw, k_heads = g * s.num_heads * s.head_dim, s.num_heads * s.head_dim
+    w, keep = g * s.intermediate_size, s.intermediate_size
+    # "auto" as the run on a GPU resolves it (a bfloat16 model is compressed on one; on a CPU it takes float32).
+    heads_precision, mlp_precision = (resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, width)
+                                      for width in (hw, w))  # fmt: skip
 
     head_scoring = Tally()
     if needs_o:
-        head_scoring.add(per_moment * flops.gram(N, hw), statistic)
+        head_scoring.add(*_moment(N, hw, heads_precision, float64_model))
     if sequential:  # the cross moment with the target: float64, or three split bfloat16 terms in one GEMM
-        head_scoring.add(*_cross(N, hw, d, config))
+        head_scoring.add(*_cross(N, hw, d, heads_precision))
 
     attention = Tally()
     if needs_o:
@@ -134,17 +133,16 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
         if config.attention_correction:
             _refit(attention, k_heads, hw - k_heads, d, sequential)
 
-    w, keep = g * s.intermediate_size, s.intermediate_size
     covariance = Tally()
-    if config.covariance_dtype == "float64" or float64_model:  # `SecondMoment`: a float32 product of float32 inputs
+    if mlp_precision == "float64" or float64_model:  # `SecondMoment`: a float32 product of float32 inputs
         covariance.add(flops.gram(N, w), "float64" if float64_model else "float32")
     else:
-        covariance.add(per_moment * flops.gram(N, w), statistic)
+        covariance.add(*_moment(N, w, mlp_precision, float64_model))
     if mlp_target:
-        covariance.add(*_cross(N, w, d, config))
+        covariance.add(*_cross(N, w, d, mlp_precision))
 
     solve = Tally()
-    if config.covariance_dtype == "float64":
+    if mlp_precision == "float64":
         solve.cholesky(w)
         solve.add(
             sum(flops.triangular_solve(w - a, min(w, a + LEVERAGE_PANEL) - a) for a in _panels(w)),
@@ -183,10 +181,20 @@ def _refit(tally: Tally, k: int, r: int, d: int, towards_target: bool) -> None:
     tally.add(flops.cholesky_solve(k, d), "float64", "factorisation")
 
 
-def _cross(tokens: int, dim: int, out: int, config: Any) -> tuple[float, str]:
-    """(flops, precision) of a `CrossMoment` over `tokens`: float64 products, or with ``covariance_dtype="bfloat16"``
+def _moment(tokens: int, dim: int, precision: str, float64_model: bool) -> tuple[float, str]:
+    """(flops, precision) of a second moment's products: float64 for a float64 model; the split bfloat16 products
+    (one GEMM of twice the tokens, `split_gram`); else float32, on TF32 tensor cores for ``"tf32"``."""
+    if float64_model:
+        return flops.gram(tokens, dim), "float64"
+    if precision == "bfloat16":
+        return 2 * flops.gram(tokens, dim), "bfloat16"
+    return flops.gram(tokens, dim), flops.precision_of("float32", precision == "tf32")
+
+
+def _cross(tokens: int, dim: int, out: int, precision: str) -> tuple[float, str]:
+    """(flops, precision) of a `CrossMoment` over `tokens`: float64 products, or on the split bfloat16 path
     `split_cross`'s one bfloat16 GEMM over three times the tokens."""
-    if config.covariance_dtype == "bfloat16":
+    if precision == "bfloat16":
         return 3 * flops.gram(tokens, dim, out), "bfloat16"
     return flops.gram(tokens, dim, out), "float64"
 

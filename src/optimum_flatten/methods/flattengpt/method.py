@@ -46,7 +46,7 @@ from ...ops.ridge import (
     ridge_leverage_scores_packed,
     ridge_refit_to_target,
 )
-from ...options.methods.flattengpt import FlattenGPTConfig
+from ...options.methods.flattengpt import FlattenGPTConfig, resolve_covariance_dtype
 from ...plan import LayerPlan
 from ...registry import register_method
 from ...utils import flops
@@ -352,6 +352,7 @@ class FlattenGPTMethod(CompressionMethod):
             ],
             "ridge_lambda": channels["ridge_lambda"],
             "calibration_tokens": channels["calibration_tokens"],
+            "covariance_dtype": channels["covariance_dtype"],
         }
         return wide, report, (list(heads["kept_kv_groups"]), list(channels["kept_channels"]))
 
@@ -382,8 +383,9 @@ class FlattenGPTMethod(CompressionMethod):
         head_count = 0
         needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
         device = module_device(wide)  # statistics and solves stay on the device the layer lives on
-        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
         heads_width = geometry.num_heads * geometry.head_dim
+        precision = self._covariance_dtype(view.attention.o.weight, device, heads_width)
+        tf32, split = precision == "tf32", precision == "bfloat16"
         o_moment = SecondMoment(heads_width, device, tf32, split_bfloat16=split) if needs_o_moment else None
         sequential = self.config.attention_target == "sequential"
         o_module = view.attention.o.module
@@ -462,10 +464,11 @@ class FlattenGPTMethod(CompressionMethod):
         run of the members already gave them, else the members run once more."""
         adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
         view = adapter.block_view(wide, group.first)
-        float64 = self.config.covariance_dtype == "float64"
         width = view.mlp.intermediate_size
         device = module_device(wide)
-        tf32, split = self.config.covariance_dtype == "tf32", self.config.covariance_dtype == "bfloat16"
+        precision = self._covariance_dtype(view.mlp.down.weight, device, width)
+        float64 = precision == "float64"
+        tf32, split = precision == "tf32", precision == "bfloat16"
         moment = (
             SecondMoment(width, device)
             if float64
@@ -514,7 +517,18 @@ class FlattenGPTMethod(CompressionMethod):
                 kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels, target)
             adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
         # Read after `finish`, which sums a sharded calibration's counts over the ranks.
-        return {"kept_channels": kept_channels, "ridge_lambda": lam, "calibration_tokens": moment.count}
+        return {
+            "kept_channels": kept_channels,
+            "ridge_lambda": lam,
+            "calibration_tokens": moment.count,
+            "covariance_dtype": precision,
+        }
+
+    def _covariance_dtype(self, weight: torch.Tensor, device: torch.device, width: int) -> str:
+        """The precision of a statistic of `width` channels read from the input of `weight`'s projection: the
+        option, or for ``"auto"`` what `resolve_covariance_dtype` gives for the activations' dtype (the weight's:
+        the block computes in it) on `device`."""
+        return resolve_covariance_dtype(self.config.covariance_dtype, str(weight.dtype), device.type == "cuda", width)
 
     def _mlp_float64(
         self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None

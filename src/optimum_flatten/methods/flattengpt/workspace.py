@@ -10,6 +10,7 @@ from typing import Any
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 from ...ops.block_elimination import removal_chunks
 from ...ops.ridge import max_refined
+from ...options.methods.flattengpt import resolve_covariance_dtype
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096
@@ -137,9 +138,12 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     width = g * i  # the wide MLP: the statistic C is width x width
     heads_width = g * s.num_heads * s.head_dim
     keep, rest = i, width - i
-    float64 = config.covariance_dtype == "float64"
+    # "auto" as the run on a GPU resolves it (a bfloat16 model is compressed on one; on a CPU it takes float32).
+    precision = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, width)
+    heads_split = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, heads_width) == "bfloat16"
+    float64 = precision == "float64"
     # covariance_dtype="bfloat16": the float32 path's solve on a float64 scatter of split bfloat16 products.
-    split = config.covariance_dtype == "bfloat16"
+    split = precision == "bfloat16"
     needs_o = config.attention_correction or config.head_selection == "reconstruction"
     norm_bytes = s.norm_weights * b
     wide = Term(
@@ -157,7 +161,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     )
     c_bytes = (8 if float64 or split else 4) * width * width
     c_moment = Term(
-        f"MLP second moment C ({config.covariance_dtype})",
+        f"MLP second moment C ({precision})",
         c_bytes,
         "(g·i)², the ridge statistics" + ("" if float64 else ": a centred scatter, the mean part kept in float64"),
     )
@@ -216,12 +220,12 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         # The selection builds every candidate's wide block under the same phase name, beside its own states.
         flatten = Phase("flatten", selection.terms)
     at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
-    head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width, split) if needs_o else 0)
+    head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width, heads_split) if needs_o else 0)
     sequential = getattr(config, "attention_target", "parallel") == "sequential"
     # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
     # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
-    cross_update = _cross_update(min(4096, z.Tb), heads_width, d, split) if sequential else 0
+    cross_update = _cross_update(min(4096, z.Tb), heads_width, d, heads_split) if sequential else 0
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
     # Both sequential targets: the members' run for the writes goes on to the group's output, which then waits for
     # the MLP's target through the head scoring and the attention solve (one run of the members instead of two).

@@ -9,6 +9,31 @@ from typing import Literal
 
 from ..hints import MethodConfig, check_scoring_batches
 
+COVARIANCE_DTYPES = ("auto", "float32", "float64", "tf32", "bfloat16")
+#: The widest statistic ``covariance_dtype="auto"`` takes on the split bfloat16 path. The split path's scatter is
+#: float64, 8·w² bytes, twice the float32 path's: 3.6 GiB at LLaMA-2-7B's merged MLP (22,016 channels), 8 GiB at
+#: 32,768; at LLaMA-2-70B's 57,344 it would be 24.5 GiB, where the float32 path keeps the workspace of one merged
+#: pair within 40 GiB (issue 31), so a 70B model still compresses on one 80 GB GPU.
+AUTO_SPLIT_MAX_WIDTH = 32768
+
+
+def resolve_covariance_dtype(requested: str, activations: str, on_gpu: bool, width: int) -> str:
+    """The precision a statistic of `width` channels is taken in, for ``covariance_dtype=requested``.
+
+    ``"auto"`` is ``"bfloat16"`` (the split products on tensor cores) where the activations are bfloat16 on a CUDA
+    device and the statistic is at most `AUTO_SPLIT_MAX_WIDTH` wide, else ``"float32"``. Why the activations' dtype
+    decides: a bfloat16 value (8-bit significand) less a bfloat16 centre within a factor 2⁷ of it needs at most 16
+    bits, so it fits the hi + lo pair of the split exactly, and the product of two bfloat16 parts is exact in
+    float32; the split path's sums are then the float32 path's up to summation order (its tested bound is the
+    float32 path's own plus 3·2⁻¹⁶), at tensor-core speed. Float16 (11-bit significands) and float32 activations
+    would lose bits in the split, and on a CPU the split's two float32 GEMMs cost twice the float32 path's one:
+    those keep ``"float32"``, so nothing measured on a CPU changes.
+    """
+    if requested != "auto":
+        return requested
+    bfloat16 = activations.removeprefix("torch.") == "bfloat16"
+    return "bfloat16" if bfloat16 and on_gpu and width <= AUTO_SPLIT_MAX_WIDTH else "float32"
+
 
 @dataclass
 class FlattenGPTConfig(MethodConfig):
@@ -99,7 +124,11 @@ class FlattenGPTConfig(MethodConfig):
             twice the float32 scatter's memory (8·(2·d_int)² bytes: 3.6 GiB at LLaMA-2-7B, 24.5 GiB at 70B, where
             ``"float32"`` is the one that fits); with the sequential targets their cross moments with the targets
             too, centred, three bfloat16 cross terms in one GEMM (`calibration.stats.split_cross`) instead of
-            float64 products. On the CPU the same arithmetic runs in float32 GEMMs.
+            float64 products. On the CPU the same arithmetic runs in float32 GEMMs. ``"auto"`` (the default):
+            ``"bfloat16"`` for a statistic of at most 32,768 channels when the activations are bfloat16 on a CUDA
+            device (exact there up to summation order: `resolve_covariance_dtype`), else ``"float32"``;
+            each group's report says which it took. On an H100 at LLaMA-2-7B shape it took FlattenGPT from 10.4 to
+            5.9 dense forwards (benchmarks/RESULTS.md); every CPU measurement is unchanged.
     """
 
     selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
@@ -113,7 +142,7 @@ class FlattenGPTConfig(MethodConfig):
     head_selection: Literal["importance", "reconstruction", "balanced"] = "reconstruction"
     attention_target: Literal["parallel", "sequential"] = "sequential"
     attention_ridge_ratio: float | None = 1.0
-    covariance_dtype: Literal["float32", "float64", "tf32", "bfloat16"] = "float32"
+    covariance_dtype: Literal["auto", "float32", "float64", "tf32", "bfloat16"] = "auto"
     mlp_correction: bool = True
     mlp_target: Literal["parallel", "sequential"] = "sequential"
 
@@ -134,9 +163,10 @@ class FlattenGPTConfig(MethodConfig):
         check_scoring_batches(self.scoring_batches)
         if not isinstance(self.mlp_correction, bool):
             raise TypeError(f"mlp_correction must be True or False, got {self.mlp_correction!r}.")
-        if self.covariance_dtype not in ("float32", "float64", "tf32", "bfloat16"):
+        if self.covariance_dtype not in COVARIANCE_DTYPES:
             raise ValueError(
-                f"covariance_dtype must be 'float32', 'float64', 'tf32' or 'bfloat16', got {self.covariance_dtype!r}."
+                "covariance_dtype must be 'auto', 'float32', 'float64', 'tf32' or 'bfloat16', got "
+                f"{self.covariance_dtype!r}."
             )
         if self.head_selection not in ("importance", "reconstruction", "balanced"):
             raise ValueError(
