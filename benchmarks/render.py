@@ -264,6 +264,7 @@ def cost_table(paths: list[Path]) -> str:
 #: The GPU runs the product page shows: the latest code state at each shape (the notebook has every run).
 GPU_SUMMARY_RUNS = (
     "cost_gpu_llama-2-7b_defaults",
+    "cost_gpu_llama-2-7b_float32",
     "cost_gpu_llama-2-7b_bfloat16",
     "cost_gpu_llama-2-7b_tf32",
     "cost_gpu_llama-2-7b_replaceme",
