@@ -141,7 +141,7 @@ def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
         "lora": 1e-4,
         "local": 1e-3,
         "changed": 2e-4,
-        "last_k": 2e-5,
+        "last_k": 2e-4,
         "full": 6e-5,
     }
     assert RecoveryConfig(mode="full", learning_rate=3e-4).rate == 3e-4
