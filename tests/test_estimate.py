@@ -122,11 +122,15 @@ def _llama(hidden: int = 256, intermediate: int = 688, layers: int = 4, heads: i
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def _measure(model: Any, method: str, monkeypatch: pytest.MonkeyPatch, **calibration: int) -> dict[str, Any]:
+def _measure(
+    model: Any, method: str, monkeypatch: pytest.MonkeyPatch, removed: int = 1, **calibration: int
+) -> dict[str, Any]:
     """Weights, workspace peak (overall and per phase) and stack passes of a real compression of `model`."""
     storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in [*model.parameters(), *model.buffers()]}
     weights = sum(storage.nbytes() for storage in storages.values())
-    config = FlattenConfig(method=method, num_layers_to_remove=1, dataset=tiny_models.sample_texts(400), **calibration)
+    config = FlattenConfig(
+        method=method, num_layers_to_remove=removed, dataset=tiny_models.sample_texts(400), **calibration
+    )
     quantizer = FlattenQuantizer(config, progress=False)
     tracker = LiveBytes()
     # The weights count from the start and stop counting when the model frees them: the workspace is what the
@@ -168,6 +172,22 @@ def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkey
     model = _llama()
     estimate = estimate_memory(model, method, 1, **calibration)
     _check(estimate, _measure(model, method, monkeypatch, **calibration))
+
+
+@pytest.mark.parametrize("method", ["uidl", "replaceme"])
+def test_a_block_selection_keeps_last_token_rows_not_whole_boundaries(method, monkeypatch):
+    """Removing 4 of 6 layers, the distance walk keeps the last-token rows of its 5 boundaries, not the boundaries:
+    the selection holds the runner's states, the boundary entering the layer and the layer's run, as estimated
+    (5.6 copies of the states here, block temporaries included), where a window of whole boundaries held 4 more
+    (9.5 copies measured before the change)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=6)
+    estimate = estimate_memory(model, method, 4, **calibration)
+    measured = _measure(model, method, monkeypatch, removed=4, **calibration)
+    selection = next(phase for phase in estimate.phases if phase.name == "selection")
+    assert _off(selection.bytes, measured["phases"]["selection"]) <= TOLERANCE, (selection.bytes, measured)
+    states = 8 * 128 * 256 * 4
+    assert measured["phases"]["selection"] < 7 * states
 
 
 def test_flattengpt_estimate_where_the_float64_statistics_dominate(monkeypatch):

@@ -80,6 +80,29 @@ def test_uidl_distances_match_the_naive_last_token_angle_with_padding():
     assert set(distances) == set(range(5))
 
 
+@pytest.mark.parametrize("size", [1, 3])
+def test_block_distances_from_last_token_rows_equal_those_of_whole_boundaries(size):
+    """The walk keeps each boundary's last-token rows only; every distance is the same float as `mean_angle` on the
+    whole boundaries, with left and right padding and several batches."""
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    batches = []
+    for seed in (4, 5):
+        ids = sample_ids(batch=3, length=14, seed=seed)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0  # right padding
+        mask[2, :4] = 0  # left padding
+        batches.append(CalibrationBatch(ids, mask))
+    context = MethodContext(batches=batches, progress=False)
+    states = context.new_states(get_adapter(model), keep=None)
+    distances = block_distances(states, size=size, tokens="last")
+    boundaries = [states.boundary(i) for i in range(states.num_layers + 1)]
+    expected = {
+        start: states.mean_angular_distance(boundaries[start], boundaries[start + size], tokens="last")
+        for start in range(states.num_layers - size + 1)
+    }
+    assert distances == expected
+
+
 def test_uidl_drops_the_block_with_the_smallest_distance_and_equals_the_shallower_model():
     model = tiny_models.FACTORIES["qwen3"]()
     original = copy.deepcopy(model)

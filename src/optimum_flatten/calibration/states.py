@@ -202,26 +202,35 @@ class CalibratedStates:
         return mean_angle(a, b, self.masks, tokens)
 
 
-def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:
-    """float64 cosines of the chosen positions of (batch, seq, hidden) states, padding excluded.
+def chosen_rows(x: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:
+    """The (positions, hidden) states at the chosen positions of (batch, seq, hidden) states, padding excluded, in
+    their own dtype and device.
 
     ``tokens="last"`` takes each row's last real token (the one that has seen the whole sequence, as UIDL measures);
-    ``"all"`` every real token.
+    ``"all"`` every real token. A walk that compares boundaries several layers apart keeps only these rows of each
+    (`methods.uidl.block_distances`): with ``"last"``, one row a sequence instead of the whole boundary.
     """
     if tokens not in ("last", "all"):
         raise ValueError(f"tokens must be 'last' or 'all', got {tokens!r}.")
-    a, b = a.double(), b.to(a.device).double()
-    valid = torch.ones(a.shape[:2], dtype=torch.bool, device=a.device) if mask is None else mask.to(a.device).bool()
+    valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if mask is None else mask.to(x.device).bool()
     if tokens == "last":
         lengths = valid.sum(dim=1)
         rows = torch.nonzero(lengths > 0).flatten()
         # Last real position of each row: the highest index whose mask is 1 (right or left padding alike).
-        positions = torch.arange(valid.shape[1], device=a.device).expand_as(valid)
+        positions = torch.arange(valid.shape[1], device=x.device).expand_as(valid)
         last = torch.where(valid, positions, -1).amax(dim=1)[rows]
-        a, b = a[rows, last], b[rows, last]
-    else:
-        a, b = a[valid], b[valid]
-    return torch.nn.functional.cosine_similarity(a, b, dim=-1, eps=1e-12)
+        return x[rows, last]
+    return x[valid]
+
+
+def cosine_rows(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None, tokens: TokenChoice) -> torch.Tensor:
+    """float64 cosines of the chosen positions (`chosen_rows`) of (batch, seq, hidden) states, padding excluded."""
+    return row_cosines(chosen_rows(a, mask, tokens), chosen_rows(b.to(a.device), mask, tokens))
+
+
+def row_cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 cosines of matching rows of two (positions, hidden) tensors (`chosen_rows`)."""
+    return torch.nn.functional.cosine_similarity(a.double(), b.to(a.device).double(), dim=-1, eps=1e-12)
 
 
 @torch.no_grad()
@@ -295,9 +304,20 @@ def mean_angle(
 
     A function as well as the engine's method, for states a search holds on only some of the batches.
     """
+    return _mean_angle_of(cosine_rows(x, y, mask, tokens) for x, y, mask in zip(a, b, masks, strict=True))
+
+
+def mean_angle_of_rows(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    """`mean_angle` of states already reduced to their chosen rows (`chosen_rows`), batch by batch: the same sums in
+    the same order, so the same float, from a fraction of the memory."""
+    return _mean_angle_of(row_cosines(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _mean_angle_of(cosines: Iterable[torch.Tensor]) -> float:
+    """Mean arccos / π of per-batch cosines, summed over the batches in order and then over the ranks."""
     total, count = 0.0, 0
-    for x, y, mask in zip(a, b, masks, strict=True):
-        cos = cosine_rows(x, y, mask, tokens).clamp(-1.0, 1.0)
+    for cos in cosines:
+        cos = cos.clamp(-1.0, 1.0)
         total, count = total + float(torch.arccos(cos).sum() / math.pi), count + cos.numel()
     total, count = all_reduce_sums(total, count)  # over the ranks' shares (calibration/distributed.py)
     if count == 0:
