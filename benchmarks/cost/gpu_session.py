@@ -3,7 +3,7 @@
 Issue 31 asks for one prepared call: the `gpu`-marked tests, then `gpu_shape.py` for each row of the GPU cost table,
 most wanted first, each in its own process with its own time limit (so one slow row loses only itself), each JSON
 written to `--out-dir` as soon as it exists (a call cut short keeps what finished). The device returns at most 8 files,
-so every step's output goes to one ``session.log`` (5 JSON files + the log + ``session.json``), and `--budget` caps
+so every step's output goes to one ``session.log`` (6 JSON files + the log + ``session.json``), and `--budget` caps
 the whole call: a step gets at most what is left of it, so ``session.json`` is written before the device's limit.
 Rows:
 
@@ -11,7 +11,11 @@ Rows:
 2. ``bfloat16``: the same with ``covariance_dtype="bfloat16"`` (the split bf16 products; never timed on a GPU);
 3. ``replaceme``: ReplaceMe's defaults at the same shape (its fit streams its normal equations);
 4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged;
-5. ``tf32``: ``covariance_dtype="tf32"``.
+5. ``tf32``: ``covariance_dtype="tf32"``;
+
+then `kv_search.py` at LLaMA-2-7B widths on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and
+with one factorisation a step), which checks the search's removal scoring on the accelerator (its inner products as
+a product and a sum since 2026-11-27, unmeasured before). 8 files come back: 5 rows, this search, the log, the summary.
 
 Protocol per row: `gpu_shape.py`'s (random bf16 weights, 128 × 2048 calibration tokens in batches of 8, one dense
 forward after a warm-up, `--repeats 1` to save the session's minutes, per-phase peaks). Copy the JSON files into
@@ -115,6 +119,18 @@ def main() -> None:
         steps[label] = run([*command, "--out", str(target)], allowed, log, label)
         steps[label]["written"] = target.exists()
         print(f"{label}:", steps[label], flush=True)
+    if not args.rows or "kv_search" in args.rows:  # the KV-group search alone at 7B widths, its removals' products
+        shape = ["--heads", "4", "--head-dim", "16", "--hidden", "64", "--tokens", "512"] if args.tiny else [
+            "--heads", "32", "--head-dim", "128", "--hidden", "4096", "--device", "cuda"]  # fmt: skip
+        allowed = remaining(60, started, args.budget)
+        target = out / "kv_search.json"
+        if allowed < 20:
+            steps["kv_search"] = {"status": f"not run: {allowed} s of the budget left"}
+        else:
+            command = [sys.executable, str(HERE / "kv_search.py"), *shape, "--skip-per-candidate", "--out", str(target)]
+            steps["kv_search"] = run(command, allowed, log, "kv_search")
+            steps["kv_search"]["written"] = target.exists()
+        print("kv_search:", steps["kv_search"], flush=True)
     (out / "session.json").write_text(json.dumps(steps, indent=2) + "\n")
 
 

@@ -43,6 +43,20 @@ def test_block_removal_errors_match_a_refit_of_each_reduced_set(sizes, chunk_ele
         assert abs(float(errors[j]) - expected) <= 1e-10 * abs(expected)
 
 
+def test_the_accelerators_inner_products_score_as_the_cpus(monkeypatch):
+    """On an accelerator the chunk's inner products are an elementwise product and a sum instead of one batched
+    product (`_inner`); the same removal errors, here forced on the CPU, against a refit of each reduced set."""
+    c, s, energy, rows, blocks, lam = _problem((3, 3, 3, 3, 2))
+    expected = KeptRefit.fit(c, s, rows, blocks, lam).removal_errors(energy, lam)
+    monkeypatch.setattr(block_elimination, "INNER_AS_PRODUCT", ())
+    errors = KeptRefit.fit(c, s, rows, blocks, lam).removal_errors(energy, lam)
+    torch.testing.assert_close(errors, expected, rtol=1e-12, atol=0)
+    for j in range(len(blocks)):
+        rest = torch.cat([b for i, b in enumerate(blocks) if i != j])
+        reference = ridge_target_error(c, s, energy, rows, rest, lam)
+        assert abs(float(errors[j]) - reference) <= 1e-10 * abs(reference)
+
+
 def test_removal_chunks_are_runs_of_equal_blocks_cut_at_the_element_budget(monkeypatch):
     monkeypatch.setattr(block_elimination, "REMOVAL_CHUNK_ELEMENTS", 40)
     # hidden 4: at most 10 channels a chunk, so 5 blocks of 2, 3 of 3, and a block larger than that alone.

@@ -27,6 +27,8 @@ DOWNDATE_LAUNCHES = 16
 #: together up to this many, so that the launches and host reads are per chunk, not per block, while the chunk's few
 #: temporaries stay small beside the k × k inverse every step holds.
 REMOVAL_CHUNK_ELEMENTS = 1 << 23
+#: Devices on which `_inner` is one batched product (elsewhere an elementwise product and a sum).
+INNER_AS_PRODUCT = ("cpu",)
 
 
 def removal_chunks(sizes: Sequence[int], hidden: int) -> list[tuple[int, int, int]]:
@@ -64,8 +66,17 @@ def _spd_factors(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _inner(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """⟨x_b, y_b⟩ for each leading index b (as one batched product, without the elementwise product's tensor)."""
-    return torch.einsum("bij,bij->b", x, y)
+    """⟨x_b, y_b⟩ for each leading index b.
+
+    On the CPU one batched product, without the elementwise product's tensor. Elsewhere the product and a sum: as a
+    batched product each of these is a 1 × 1 output with an inner dimension of a block's channels × the hidden size
+    (524,288 at LLaMA-2-7B), which a GPU runs on one block of threads per entry; the H100 profile of 2026-11-27 put
+    the search's batched products, six of its eleven per chunk these, at about 4% of the FP64 peak. The product's
+    tensor is one chunk's size, as the chunk's other temporaries (`REMOVAL_CHUNK_ELEMENTS`).
+    """
+    if x.device.type in INNER_AS_PRODUCT:
+        return torch.einsum("bij,bij->b", x, y)
+    return (x * y).sum(dim=(1, 2))
 
 
 @dataclass
