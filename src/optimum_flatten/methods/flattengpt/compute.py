@@ -117,8 +117,8 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     hw, k_heads = g * s.num_heads * s.head_dim, s.num_heads * s.head_dim
     w, keep = g * s.intermediate_size, s.intermediate_size
     # "auto" as the run on a GPU resolves it (a bfloat16 model is compressed on one; on a CPU it takes float32).
-    heads_precision, mlp_precision = (resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, width)
-                                      for width in (hw, w))  # fmt: skip
+    heads_precision = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, hw)
+    mlp_precision = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, w)
 
     head_scoring = Tally()
     if needs_o:
