@@ -159,7 +159,7 @@ def test_local_heals_a_plan_that_only_drops_and_the_gate_never_ends_worse(droppe
 
 def test_a_global_phase_follows_with_its_own_budget(compressed):
     dense, model, report = compressed
-    config = _config(max_tokens=128, local_then_global_tokens=64, heldout_rows=2)
+    config = _config(max_tokens=128, local_then_global_tokens=64, heldout_rows=2, learning_rate=None)
     _, log = recover(
         copy.deepcopy(model),
         tiny_models.CharTokenizer(),
@@ -170,6 +170,16 @@ def test_a_global_phase_follows_with_its_own_budget(compressed):
     )
     assert log["global_phase"]["tokens_trained"] == 64 and log["global_phase"]["loss"] == "distillation"
     assert log["tokens_trained"] == 128 + 64 and log["steps"] == 2 + 1
+    # The global phase trains the changed blocks on the global loss at mode 'changed''s rate, not the local one.
+    scale = log["weight_scale"]
+    assert log["learning_rate"] == pytest.approx(RecoveryConfig(mode="local").rate_for(scale))
+    assert log["global_phase"]["learning_rate"] == pytest.approx(RecoveryConfig(mode="changed").rate_for(scale))
+    given = _config(max_tokens=128, local_then_global_tokens=64, heldout_rows=2, learning_rate=3e-4)
+    _, log = recover(
+        copy.deepcopy(model), tiny_models.CharTokenizer(), tiny_models.sample_texts(), given, teacher=dense,
+        report=report,
+    )  # fmt: skip
+    assert log["learning_rate"] == log["global_phase"]["learning_rate"] == 3e-4
     assert log["heldout_after"] == log["global_phase"]["heldout_after"]
 
 

@@ -53,7 +53,8 @@ class RecoveryConfig:
             model, no LM head; needs a teacher; see `recovery.local`), ``last_k`` (the last `last_k` blocks, the final
             norm and the LM head), ``full`` (every parameter).
         local_then_global_tokens: With ``mode='local'``, a second phase of this many tokens training the same
-            blocks on the global distillation loss (the text must hold that many training tokens too); None: none.
+            blocks on the global distillation loss (the text must hold that many training tokens too), at mode
+            ``'changed'``'s default rate unless `learning_rate` is given; None: none.
         last_k: Blocks trained by ``mode='last_k'``.
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
