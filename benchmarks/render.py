@@ -571,6 +571,15 @@ def _state_loss(run: dict) -> str:
     return f" ({loss} state loss)" if loss not in (None, "pooled") else ""
 
 
+def _global_phase(run: dict) -> str:
+    """A local run's global phase, when it had one: its tokens and rate (the tokens column counts both phases)."""
+    phase = run["recovery"].get("global_phase")
+    if not phase:
+        return ""
+    rate = phase.get("learning_rate") or run["recovery"].get("learning_rate")
+    return f", then global distillation ({phase['tokens_trained']:,} tokens, lr {rate:.2g})"
+
+
 def healing_table(paths: list[Path]) -> str:
     """benchmarks/recovery/run.py: each method × mode × loss × budget, before and after healing, on both texts."""
     header = (
@@ -590,7 +599,8 @@ def healing_table(paths: list[Path]) -> str:
         before, after = r["untrained"], r["healed"]
 
         rows.append(
-            f"| {r['method']} | {r['mode']}{_state_loss(r)} | {r['loss']} | {r['recovery']['tokens_trained']:,} "
+            f"| {r['method']} | {r['mode']}{_state_loss(r)}{_global_phase(r)} | {r['loss']} | "
+            f"{r['recovery']['tokens_trained']:,} "
             f"| {after[sotu].get('scored_tokens', 0):,} "
             f"| {before[sotu]['ppl_ratio']:.3f} → **{after[sotu]['ppl_ratio']:.3f}** "
             f"| {before[kjv]['ppl_ratio']:.3f} → **{after[kjv]['ppl_ratio']:.3f}** "

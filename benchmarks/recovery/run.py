@@ -221,8 +221,10 @@ def main() -> None:
 
 def _variant(args: argparse.Namespace) -> str:
     """The file-name suffix of a run whose loss or schedule is not the default's (so it does not overwrite that run):
-    its state loss, warm-up and a learning rate given by hand (the default follows the model's weights)."""
+    its state loss, a global phase after `local`, warm-up and a learning rate given by hand (the default follows the
+    model's weights)."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
+    suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
     return suffix + (
         f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
