@@ -21,13 +21,22 @@ TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "Kin
 
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
-    model. Runs of another method, or named like the run script's files but of another shape, are skipped."""
+    model. A local run with another state loss than the pooled one, or with a global phase, is a line of its own.
+    Runs of another method, named like the run script's files but of another shape, or with a global phase from
+    before it had a rate of its own (it took the local one; the table has it), are skipped."""
     points: dict[str, dict[int, tuple[float, float]]] = {}
     for path in sorted(RESULTS.glob(f"recovery_{model}_{method}_*_*.json")):
         run = json.loads(path.read_text())
         if run.get("method") != method or "healed" not in run:
             continue
-        line = points.setdefault(f"{run['mode']}, {run['loss']}", {})
+        recovery = run.get("recovery", {})
+        state = recovery.get("state_loss")
+        phase = recovery.get("global_phase")
+        if phase and "learning_rate" not in phase:
+            continue
+        mode = run["mode"] + (f" ({state} state loss)" if state not in (None, "pooled") else "")
+        mode += " then global" if phase else ""
+        line = points.setdefault(f"{mode}, {run['loss']}", {})
         line[0] = tuple(run["untrained"][text]["ppl_ratio"] for text, _ in TEXTS)
         line[int(run["recovery"]["tokens_trained"])] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)
     return points
