@@ -64,8 +64,8 @@ def block_distances(states: CalibratedStates, size: int, tokens: str, first_star
         if start >= first_start and len(window) == size + 1:
             if tokens == "last":
                 distances[start] = mean_angle_of_rows(window[0], window[-1])
-            else:
-                distances[start] = states.mean_angular_distance(window[0], after, tokens=tokens)
+            else:  # the window holds the boundaries whole
+                distances[start] = states.mean_angular_distance(window[0], window[-1], tokens=tokens)
         del before, after  # while the next layer runs, only the walk's own two boundaries stay alive
     return distances
 

@@ -151,13 +151,15 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     one process; else ``lora``.
 
     Measured (benchmarks/recovery; perplexity ratio to dense on the later speeches / the King James Bible), `full` was
-    first at every budget and on every model it ran on:
+    first of the modes at every budget and on every model it ran on; only `local` followed by a global phase
+    (`local_then_global_tokens`) beat it, after FlattenGPT and not after ReplaceMe:
 
     - SmolLM2-135M, FlattenGPT 30 -> 24 (untrained 1.584 / 2.741), 64K tokens: full 1.363 / 2.335, local 1.425 /
-      2.402, changed 1.404 / 2.429, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 / 2.509; at 256K tokens
-      full 1.240 / 2.040, local 1.329 / 2.212;
-    - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006): full 1.258 / 1.785 at 64K tokens and
-      1.189 / 1.651 at 256K, local 1.330 / 1.930 at 64K;
+      2.402, changed 1.404 / 2.429, last_k 1.481 / 2.612, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 /
+      2.509, local then global (32K + 32K) 1.317 / 2.244; at 256K tokens full 1.240 / 2.040, local 1.329 / 2.212;
+    - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006), 64K tokens: full 1.234 / 1.724 (at its
+      default rate; 1.258 / 1.785 at 2e-5), local 1.330 / 1.930, local then global 1.279 / 1.790, last_k 1.307 /
+      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K;
     - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
       (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
       kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md).
