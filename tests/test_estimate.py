@@ -551,3 +551,25 @@ def test_a_mixture_of_experts_is_estimated_with_every_expert_held(family, tmp_pa
     tiny_models.FACTORIES[family]().config.save_pretrained(config)
     assert main(["estimate", str(config), "--method", "replaceme", "--num-layers-to-remove", "2"]) == 0
     assert "linear_replacement" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"mlp_target": "parallel"}, {"attention_target": "parallel"}],
+    ids=["both targets", "attention target", "MLP target"],
+)
+def test_flattengpt_sequential_targets_read_the_selection_cache(options, monkeypatch):
+    """With the selection's cache the sequential targets read the original states it holds: the estimate holds
+    them (the cache keeps them until their group is done) and counts the members' attention runs only, one group
+    assumed to end the stack and run its members whole (a bound, checked not to exceed the old count)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=8)
+    estimate = estimate_memory(model, "flattengpt", 3, method_args=options, **calibration)
+    measured = _measure(model, "flattengpt", monkeypatch, removed=3, **calibration, **options)
+    _check(estimate, measured)
+    assert estimate.stack_passes_is_bound
+    without_cache = estimate_memory(
+        model, "flattengpt", 3, method_args={**options, "similarity_band": 1}, **calibration
+    )
+    propagation = without_cache.compute.phase_passes["propagate"]
+    assert estimate.stack_passes < without_cache.stack_passes - propagation

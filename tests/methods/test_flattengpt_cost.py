@@ -65,20 +65,28 @@ def test_cached_inputs_match_propagating_the_original_model(mode):
     if mode == "one_pass":
         assert "propagate" not in cached_report["timings_seconds"]
         # Without the cache only the kept layers run again: a merged pair's original outputs, computed for the MLP's
-        # target, are its propagation (the tiny model's layers are all the same size).
+        # target, are its propagation (the tiny model's layers are all the same size). With it, a pair that does not
+        # end the stack reads its targets from the cached states: its members run only up to their MLP norms.
         kept_layers = sum(1 for g in propagated_report["plan"]["groups"] if len(g) == 1)
+        layer = propagated.model.layers[0]
+        after_attention = weights_run(layer, [layer.post_attention_layernorm, layer.mlp]) / weights_run(layer, [])
+        spared = sum(
+            len(g) * (1 - after_attention)
+            for g in cached_report["plan"]["groups"]
+            if len(g) > 1 and g[-1] + 1 < model_layers_before
+        )
+        assert spared > 0  # the plan has a pair inside the stack: the test reads the cache
         extra = propagated_report["cost"]["stack_passes"] - cached_report["cost"]["stack_passes"]
-        assert extra == pytest.approx(kept_layers / model_layers_before, abs=2e-3)
+        assert extra == pytest.approx((kept_layers + spared) / model_layers_before, abs=2e-3)
     else:
         assert cached_report["cost"]["stack_passes"] == propagated_report["cost"]["stack_passes"]
 
 
-@pytest.mark.parametrize("similarity_band", [None, 1])  # with the selection's cached inputs, and without
-def test_both_sequential_targets_run_the_members_once(similarity_band, monkeypatch):
-    """The defaults' two sequential targets take the attention writes and the group's outputs from one run of the
-    members: the merged pair's attentions run once less per batch than when the MLP's target runs them again, and
-    the model is the same (to the bit: the same runs, in the same order)."""
-    options = {"similarity_band": similarity_band} if similarity_band else {}
+def test_both_sequential_targets_run_the_members_once(monkeypatch):
+    """Without the selection's cache (a band of 1) the defaults' two sequential targets take the attention writes and
+    the group's outputs from one run of the members: the merged pair's attentions run once less per batch than when
+    the MLP's target runs them again, and the model is the same (to the bit: the same runs, in the same order)."""
+    options = {"similarity_band": 1}
 
     def attention_calls(model, route):
         calls: dict[int, int] = {}
@@ -89,11 +97,11 @@ def test_both_sequential_targets_run_the_members_once(similarity_band, monkeypat
         with monkeypatch.context() as patch:
             if route == "two runs":  # the MLP's target runs the members again, as before one run served both
                 heads, channels = FlattenGPTMethod._prune_heads, FlattenGPTMethod._prune_channels
-                patch.setattr(FlattenGPTMethod, "_prune_heads", lambda self, g, kv, traced=None: heads(self, g, kv))
+                patch.setattr(FlattenGPTMethod, "_prune_heads", lambda self, g, kv, *_: heads(self, g, kv))
                 patch.setattr(
                     FlattenGPTMethod,
                     "_prune_channels",
-                    lambda self, g, width, outputs=None, traced=None: channels(self, g, width, outputs),
+                    lambda self, g, width, outputs=None, *_: channels(self, g, width, outputs),
                 )
             report = compress(model, "flattengpt", num_layers_to_remove=1, batch_size=4, **options).report
         return calls, report
@@ -109,6 +117,50 @@ def test_both_sequential_targets_run_the_members_once(similarity_band, monkeypat
     assert report["cost"]["stack_passes"] < reference_report["cost"]["stack_passes"]
     assert _kept(report) == _kept(reference_report)
     assert _max_relative_difference(model, reference) == 0.0
+
+
+def test_cached_states_spare_the_members_mlps(monkeypatch):
+    """With the selection's cache (the defaults on a small model) the sequential targets read the original states it
+    holds: after the selection no merged member's MLP runs, each member's attention runs once per batch, and the
+    model is the one the members' run gives (`member_states` patched to nothing) to the cache's rounding."""
+
+    def calls(model, read_cache):
+        mlps: dict[int, int] = {}
+        attentions: dict[int, int] = {}
+
+        def counter(counts, index, original):
+            # Copies of a layer (the wide block, the members' copies) carry its hooks: only the layer itself counts.
+            def count(module, _args):
+                if module is original:
+                    counts[index] = counts.get(index, 0) + 1
+
+            return count
+
+        for index, layer in enumerate(model.model.layers):
+            layer.mlp.register_forward_pre_hook(counter(mlps, index, layer.mlp))
+            layer.self_attn.register_forward_pre_hook(counter(attentions, index, layer.self_attn))
+        with monkeypatch.context() as patch:
+            if not read_cache:
+                patch.setattr(FlattenGPTMethod, "member_states", lambda self, indices, num_layers: ())
+            report = _report(model)
+        return mlps, attentions, report
+
+    model = tiny_models.tiny_llama_gqa()
+    reference = copy.deepcopy(model)
+    num_layers = model.config.num_hidden_layers
+    mlps, attentions, report = calls(model, True)
+    ran_mlps, _, reference_report = calls(reference, False)
+    inside = [g["members"] for g in report["groups"] if g["members"][-1] + 1 < num_layers]
+    assert inside  # a merged group the cache can serve
+    batches = 2  # 8 calibration sequences in batches of 4
+    for members in inside:
+        # The selection ran every layer but the last once; the members' run would add one per batch.
+        assert [mlps.get(i, 0) for i in members] == [batches] * len(members)
+        assert [ran_mlps[i] for i in members] == [2 * batches] * len(members)
+        assert [attentions[i] for i in members] == [2 * batches] * len(members)
+    assert report["cost"]["stack_passes"] < reference_report["cost"]["stack_passes"]
+    assert _kept(report) == _kept(reference_report)
+    assert _max_relative_difference(model, reference) <= 1e-5
 
 
 def test_run_to_input_captures_what_a_full_run_sees():

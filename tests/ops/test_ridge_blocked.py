@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common import assert_within, gamma
-from optimum_flatten.calibration.stats import CentredSecondMoment, SecondMoment
+from optimum_flatten.calibration import stats
+from optimum_flatten.calibration.stats import CentredSecondMoment, SecondMoment, add_lower_gram_, mirror_lower_
 from optimum_flatten.ops import top_k_indices
 from optimum_flatten.ops.ridge import (
     default_ridge_lambda,
@@ -188,3 +189,40 @@ def test_blocked_nystrom_matches_the_full_correction():
     kept, cross = kept_blocks(centred.block, 300, w, keep, chunk=64)
     result = nystrom_from_factor(ridge_factor(kept, 10.0 * centred.trace() / 300), cross, w[keep])
     assert float((result - expected).abs().max()) <= 1e-4 * float(expected.abs().max())
+
+
+def test_lower_gram_is_the_full_products_lower_triangle_mirrored():
+    """`add_lower_gram_` computes only the lower block triangle of yᵀy (each entry the dot product the full GEMM
+    takes, float32 sums: within γₙ |y|ᵀ|y| of float64), leaves the entries above its diagonal blocks as they were
+    until `mirror_lower_` copies the triangle onto them; a width that is no multiple of the band included."""
+    generator = torch.Generator().manual_seed(3)
+    y = torch.randn(90, 50, generator=generator) * torch.logspace(-2, 1, 50)
+    out = torch.full((50, 50), 7.0)
+    out.zero_()[:7, 7:] = -1.0  # the entries above the first diagonal block: untouched until mirrored
+    add_lower_gram_(out, y, band=7)
+    add_lower_gram_(out, y, band=7)  # accumulates
+    assert bool((out[:7, 7:] == -1.0).all())
+    mirror_lower_(out, band=7)
+    assert torch.equal(out, out.T)
+    exact = 2 * y.double().T @ y.double()
+    assert_within(out, exact, gamma(91, torch.float32) * 2 * (y.abs().double().T @ y.abs().double()), "lower gram")
+
+
+@pytest.mark.parametrize("triangular", [True, False], ids=["lower-triangle", "full-product"])
+def test_float32_moments_are_the_same_with_the_triangular_gram(triangular, monkeypatch):
+    """The CPU's triangular Gram path (`TRIANGULAR_GRAM_DEVICES`) in both float32 moments, with a band narrower than
+    the statistic, is held to the bound of the full-product path against float64."""
+    monkeypatch.setattr(stats, "GRAM_BAND", 64)
+    monkeypatch.setattr(stats, "TRIANGULAR_GRAM_DEVICES", ("cpu",) if triangular else ())
+    xs = _activations(offset=3.0)
+    reference, centred = _both(xs, [None] * len(xs))
+    full = centred.block(slice(None), slice(None))
+    if triangular:  # the scatter mirrored: symmetric bit for bit
+        assert torch.equal(centred.scatter, centred.scatter.T)
+    flat = torch.cat([x.reshape(-1, 300) for x in xs]).double()
+    spread = (flat - flat.mean(0)).T @ (flat - flat.mean(0)) / flat.shape[0]
+    assert float((full - reference).abs().max()) <= 1e-5 * float(spread.abs().max())
+    float32_path = SecondMoment(300)
+    for x in xs:
+        float32_path.update(x, None)
+    assert float((float32_path.finish() - reference).abs().max()) <= 1e-5 * float(spread.abs().max())

@@ -31,6 +31,8 @@ from optimum_flatten.recovery.gate import full_tensor  # noqa: E402
 GLOBAL_BATCH = 4
 SEQLEN = 32
 STEPS = 4
+#: The rate of every run that does not give its own.
+LEARNING_RATE = 5e-3
 
 #: mode -> how a run of N processes shapes its batch. `full` keeps accelerate's default (the batch size is per
 #: process, the N per-process batches of one step are N consecutive batches of the one seeded order); `changed`
@@ -69,7 +71,7 @@ def heal(
         seqlen=SEQLEN,
         per_device_train_batch_size=per_device,
         kd_alpha=0.5,  # half KL to the dense copy, half LM loss: on random tiny weights the KL alone barely moves
-        learning_rate=5e-3,
+        learning_rate=LEARNING_RATE,
         heldout_rows=4,
         eval_every=1,
         patience=0,

@@ -89,11 +89,20 @@ def test_fsdp2_heals_to_the_weights_of_one_process(two_processes, name):
     assert theirs["steps"] == log["steps"] and theirs["tokens_trained"] == log["tokens_trained"]
     assert theirs["gate"] == log["gate"] and theirs["best_step"] == log["best_step"]
     ours = torch.tensor([h["objective"] for h in log["heldout_history"]])
-    torch.testing.assert_close(torch.tensor([h["objective"] for h in theirs["heldout_history"]]), ours)
+    # The overshooting runs (rates 0.1 and 0.3) carry the ranks' round-off into the held-out loss: 3.6e-6 relative
+    # seen at 0.3, where float32's default rtol is 1.3e-6.
+    torch.testing.assert_close(
+        torch.tensor([h["objective"] for h in theirs["heldout_history"]]), ours, rtol=1e-5, atol=1e-6
+    )
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     assert {k for k in after if not torch.equal(sharded["after"][k], before[k])} == changed
+    # Adam divides each step by its gradient's running scale, so where a gradient is within round-off of zero the
+    # reduction order of the ranks decides a fraction of the rate: the tolerance is a fixed share of the rate
+    # (2e-3 of it, the 1e-5 the runs at 5e-3 are held to; the run at 0.1 moved one of 1,024 entries by 1.9e-5
+    # once the compressed start changed by 1e-7).
+    atol = 2e-3 * fsdp_heal.RUNS[name].get("learning_rate", ddp_heal.LEARNING_RATE)
     for key, tensor in after.items():
-        torch.testing.assert_close(sharded["after"][key], tensor, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(sharded["after"][key], tensor, atol=atol, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     if name == "kept_input":
         # Stopped after 2 evaluations without improvement, and every shard got its input values back exactly.
         assert log["gate"] == KEPT_INPUT and log["steps"] == 2 < ddp_heal.STEPS and not changed

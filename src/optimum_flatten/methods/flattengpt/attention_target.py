@@ -89,3 +89,34 @@ def sequential_group_outputs(
     for index in indices:
         current = runner.run(layers[index], index, current)
     return [out.to(inp.device) for out, inp in zip(current, inputs, strict=True)]
+
+
+@torch.no_grad()
+def attention_writes_from_states(
+    adapter: ArchitectureAdapter,
+    runner: LayerwiseRunner,
+    stack: torch.nn.Module,
+    indices: Sequence[int],
+    member_inputs: Sequence[Sequence[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """`sequential_attention_writes` when the state entering every member is already held (`member_inputs[m]`, per
+    calibration batch: the selection's cache holds every layer's input): each member runs only up to its MLP norm
+    on its own input, so no member's MLP runs. The same sums, member by member, as the run through the members
+    gives; float32, on each first-member input's device."""
+    layers = adapter.layers(stack)
+    first = member_inputs[0]
+    writes: list[torch.Tensor | None] = [None] * len(first)
+    for index, inputs in zip(indices, member_inputs, strict=True):
+        view = adapter.block_view(layers[index], index)
+        norm = view.mlp_norm.module
+
+        def add(b: int, after_attention: torch.Tensor, inputs: Sequence[torch.Tensor] = inputs) -> None:
+            write = after_attention.float() - inputs[b].to(after_attention.device).float()
+            write = write.to(first[b].device)
+            writes[b] = write if writes[b] is None else writes[b].add_(write)
+
+        run_to_input(runner, layers[index], index, inputs, norm, add, [norm, view.mlp.module])
+    missing = [b for b, write in enumerate(writes) if write is None]
+    if missing:
+        raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")
+    return [write for write in writes if write is not None]

@@ -18,7 +18,7 @@ from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, remova
 from ...ops.ridge import max_refined
 from ...options.methods.flattengpt import resolve_covariance_dtype
 from ...utils import flops
-from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band
+from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band, cached_member_states, member_runs
 
 
 def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str, float]:
@@ -29,6 +29,11 @@ def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str,
     - head_scoring: per group the wide block up to o_proj, and the members' run for the sequential targets;
     - covariance: per group the pruned block up to the down projection, and the members' run for the MLP's
       sequential target when the attention's run did not give it.
+
+    With the selection's cache the sequential targets read the original states it holds (`member_states`): each
+    member runs only up to its MLP norm, and the MLP's target runs nothing. A group that ends the stack has no
+    cached output and runs its members as without the cache; the plan is not known here, so one group is counted
+    that way (`member_runs`: a bound, within one group's members).
     """
     s = z.shape
     L = s.num_layers
@@ -44,12 +49,8 @@ def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str,
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"
     heads = g * (p_att - s.o_weights) + p_norm / 2
     covariance = p_att + p_norm + g * (p_mlp - s.down_weights)
-    if mlp_target and sequential:  # one run of the members, whole, in the head scoring
-        heads += g * p_layer
-    elif sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
-        heads += (g - 1) * p_layer + p_att + p_norm / 2
-    elif mlp_target:  # the members whole for the group's output, in the covariance
-        covariance += g * p_layer
+    heads_runs, covariance_runs = member_runs(s, g, sequential, mlp_target, cached)
+    heads_runs_end, covariance_runs_end = member_runs(s, g, sequential, mlp_target, False)
     if cached:
         propagation = 0.0
     elif prebuilt:
@@ -72,11 +73,13 @@ def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str,
     if prebuilt:
         groups = sum(L - size + 1 for size in range(2, g + 1))
     unit = L * p_layer
+    # One group (the last) ending the stack, if the cache could serve the others (a bound, `member_runs`).
+    ends = 1 if groups else 0
     return {
         "selection": selection / unit,
         "propagate": propagation / unit,
-        "head_scoring": groups * heads / unit,
-        "covariance": groups * covariance / unit,
+        "head_scoring": (groups * heads + (groups - ends) * heads_runs + ends * heads_runs_end) / unit,
+        "covariance": (groups * covariance + (groups - ends) * covariance_runs + ends * covariance_runs_end) / unit,
     }
 
 
@@ -275,6 +278,8 @@ def _packed_leverage(tally: Tally, w: int, keep: int, refined: int | None = None
 def flattengpt_compute(z: WorkspaceSizes, n: int, config: Any) -> ComputeModel:
     """FlattenGPT's compute model: `flattengpt_phase_passes` and `flattengpt_arithmetic`."""
     notes = ["the solve's float64 re-scoring near the cut is counted at its most channels (a bound)"]
+    if cached_member_states(z, config):
+        notes.append("one merged group is assumed to end the stack, running its members whole (a bound)")
     if getattr(config, "selection", "similarity") == "loss":
         notes.append("the loss selection's candidate groups are counted at the largest size (a bound)")
     return ComputeModel(flattengpt_phase_passes(z, n, config), flattengpt_arithmetic(z, n, config), notes)

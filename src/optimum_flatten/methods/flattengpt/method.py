@@ -52,7 +52,7 @@ from ...registry import register_method
 from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
-from .attention_target import sequential_attention_writes, sequential_group_outputs
+from .attention_target import attention_writes_from_states, sequential_attention_writes, sequential_group_outputs
 from .compute import flattengpt_compute
 from .kv_groups import select_kv_groups_by_reconstruction
 from .loss_selection import groups_by_calibration_loss, install_prebuilt_
@@ -186,8 +186,11 @@ class FlattenGPTMethod(CompressionMethod):
         similarity = self.similarity_matrix(adapter, context)
         groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
-        # Only the inputs of the layers that start a merged group are needed again.
-        self._cache.keep_only({g[0] for g in groups if len(g) > 1})
+        # Only the inputs of the layers that start a merged group are needed again, and those its sequential targets
+        # read (`member_states`).
+        num_layers = adapter.num_layers(context.stack)
+        merged = [tuple(g) for g in groups if len(g) > 1]
+        self._cache.keep_only([i for g in merged for i in (g[0], *self.member_states(g, num_layers))])
         return LayerPlan(
             num_layers=adapter.num_layers(context.stack),
             groups=groups,
@@ -241,7 +244,7 @@ class FlattenGPTMethod(CompressionMethod):
         # One pass over the original model's states: its layer inputs may already be held from the selection.
         from_cache = cache is not None and cache.units is not None and not sequential
         if cache is not None and not from_cache:
-            cache.keep_only(set())
+            cache.keep_only(())
         resume = context.resume
         # Resuming, the states are propagated only as far as the last group still to compress: past it nothing
         # reads them (a finished job's rerun runs no layer). Without a resume_dir the run keeps its course.
@@ -257,6 +260,7 @@ class FlattenGPTMethod(CompressionMethod):
                     bar.set_description(f"block {index + 1}/{plan.num_layers}: flatten-and-prune")
                 first = group.indices[0]
                 propagate = not from_cache and (resume is None or first < last_pending)
+                members_ran = False  # a resumed group's members, run before it for the states its targets read
                 if group.is_keep:
                     if propagate:
                         with context.timer("propagate"):
@@ -274,22 +278,34 @@ class FlattenGPTMethod(CompressionMethod):
                 else:
                     inputs = cache.inputs(first) if from_cache else current
                     inputs = [as_cached(h) for h in inputs] if rounded else inputs
+                    wanted = self.member_states(group.indices, plan.num_layers) if from_cache or rounded else ()
+                    states: dict[int, list[torch.Tensor]] | None = None
+                    if wanted and from_cache:
+                        states = {i: cache.inputs(i) for i in wanted}
+                    elif wanted:  # resumed: the exact states, propagated here, rounded as the cache rounds them
+                        with context.timer("propagate"):
+                            exact = {first: current}
+                            for index in group.indices:
+                                exact[index + 1] = runner.run(layers[index], index, exact[index])
+                        current, members_ran = exact[group.indices[-1] + 1], True
+                        states = {i: [as_cached(h) for h in exact[i]] for i in wanted}
+                        del exact
                     # The MLP's sequential target runs the original members from these inputs: exactly the
                     # propagation the one-pass mode needs next, so their outputs are kept for it instead of running
                     # them again.
                     own_inputs = from_cache or rounded  # inputs that are not the states to propagate
                     reuse = [] if self._outputs_propagate(own_inputs, sequential) else None
                     block, group_report, kept = self.compress_group(
-                        adapter, runner, group.indices, inputs, context, reuse
+                        adapter, runner, group.indices, inputs, context, reuse, states
                     )
-                    del inputs
+                    del inputs, states
                     if resume is not None:  # before the block is offloaded: its weights are still in memory
                         with context.timer("resume"):
                             resume.save_group(group.indices, block.state_dict(), *kept, group_report)
                 # Offloaded again right away if the layer it replaces was: peak memory stays at one group.
                 block = dispatch_like(block, layers[first])
                 group_reports.append(group_report)
-                if propagate:
+                if propagate and not members_ran:
                     with context.timer("propagate"):
                         if sequential:
                             current = runner.run(block, first, current)
@@ -303,6 +319,18 @@ class FlattenGPTMethod(CompressionMethod):
                 bar.update(len(group.indices))
         adapter.keep_layers_(context.stack, plan.first_indices)
         context.report["groups"] = group_reports
+
+    def member_states(self, indices: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+        """The layers whose inputs a merged group's sequential targets read, past its first: its later members'
+        (the attention's target: each member's write on the state it reads in the original stack) and the layer's
+        after it (the MLP's: the state the group leaves). In the one-pass mode those are the original model's
+        states, which the selection's cache holds: with them no member runs whole (`compress_group`). Empty when
+        no target is sequential, or when the group ends the stack (its output is no layer's input, so nothing
+        holds it: the members run, as without the cache)."""
+        wanted = list(indices[1:]) if self.config.attention_target == "sequential" else []
+        if self.config.mlp_target == "sequential":
+            wanted.append(indices[-1] + 1)
+        return tuple(wanted) if wanted and wanted[-1] < num_layers else ()
 
     def _outputs_propagate(self, own_inputs: bool, sequential_calibration: bool) -> bool:
         """Whether a merged group's original outputs, computed for the MLP's target, are the states to propagate:
@@ -318,13 +346,16 @@ class FlattenGPTMethod(CompressionMethod):
         inputs: list[torch.Tensor],
         context: MethodContext,
         group_outputs: list[torch.Tensor] | None = None,
+        states: dict[int, list[torch.Tensor]] | None = None,
     ) -> tuple[torch.nn.Module, dict[str, Any], tuple[list[int], list[int]]]:
         """One merged group, in the paper's three steps: flatten the members into one wide block, prune its heads
         back to one layer's KV groups, then its MLP channels back to one layer's width (each step's statistics are
         taken on the block the previous step left), on `inputs`, the states entering the group's first layer.
         Returns the block, its report entry, and the kept KV groups and MLP channels (what `resume.rebuild_group`
         rebuilds the block's module from; the report keeps per-member counts only, a 70B group's channel list being
-        tens of thousands of indices).
+        tens of thousands of indices). `states`, when given, holds the original model's states entering the layers
+        `member_states` names (per calibration batch; entries are consumed): the sequential targets are then read
+        from them instead of running the members through.
 
         Public because a search that weighs merging a pair against other actions (`greedy_replace` with
         `allow_flatten`) builds the same block: the members are the model's own layers at `indices`, untouched.
@@ -333,11 +364,12 @@ class FlattenGPTMethod(CompressionMethod):
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
         group = _WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
-        # With both sequential targets, one run of the members gives the attention writes and the group's outputs.
+        # With both sequential targets, one run of the members gives the attention writes and the group's outputs;
+        # with the states `member_states` names held, the targets read them and no member runs whole.
         both = self.config.attention_target == "sequential" and self.config.mlp_target == "sequential"
-        traced: list[torch.Tensor] | None = [] if both else None
-        heads = self._prune_heads(group, target_kv, traced)
-        channels = self._prune_channels(group, target_channels, group_outputs, traced)
+        traced: list[torch.Tensor] | None = [] if both and not states else None
+        heads = self._prune_heads(group, target_kv, traced, states)
+        channels = self._prune_channels(group, target_channels, group_outputs, traced, states)
         num_kv = heads["num_kv_groups"]
         per_member = num_kv // len(indices)
         report = {
@@ -366,14 +398,19 @@ class FlattenGPTMethod(CompressionMethod):
             return adapter.build_concat_block(members)
 
     def _prune_heads(
-        self, group: _WideBlock, target_kv: int, group_outputs: list[torch.Tensor] | None = None
+        self,
+        group: _WideBlock,
+        target_kv: int,
+        group_outputs: list[torch.Tensor] | None = None,
+        states: dict[int, list[torch.Tensor]] | None = None,
     ) -> dict[str, Any]:
         """Keeps `target_kv` whole KV groups of the wide block, by f_i (eq. 12) or by reconstruction, and refits
         o_proj on the kept heads when `attention_correction` asks (Nyström on the o_proj input's second moment).
 
         Only the attention up to o_proj runs: the head scores and the o_proj moment read its input. With the
         sequential target and `group_outputs` given, the members' run for their writes goes on to their outputs,
-        which `group_outputs` receives for the MLP's target.
+        which `group_outputs` receives for the MLP's target. With `states` holding every later member's input, each
+        member runs only its attention, on its own input (`attention_writes_from_states`).
         """
         adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
         view = adapter.block_view(wide, group.first)
@@ -409,7 +446,11 @@ class FlattenGPTMethod(CompressionMethod):
 
         after_o = [o_module, view.mlp_norm.module, view.mlp.module]
         with context.timer("head_scoring"):
-            if sequential:
+            if sequential and states:
+                later = [states.pop(i) for i in group.indices[1:]]  # read here only
+                writes = attention_writes_from_states(adapter, runner, context.stack, group.indices, [inputs, *later])
+                del later
+            elif sequential:
                 writes = sequential_attention_writes(
                     adapter, runner, context.stack, group.indices, inputs, group_outputs
                 )
@@ -457,11 +498,13 @@ class FlattenGPTMethod(CompressionMethod):
         target_channels: int,
         group_outputs: list[torch.Tensor] | None = None,
         traced_outputs: list[torch.Tensor] | None = None,
+        states: dict[int, list[torch.Tensor]] | None = None,
     ) -> dict[str, Any]:
         """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
         on the activations the pruned attention produces; the down projection, whose input is the statistic, does
-        not run. The sequential target reads the original group's outputs: `traced_outputs` when the attention's
-        run of the members already gave them, else the members run once more."""
+        not run. The sequential target reads the original group's outputs: the state entering the next layer when
+        `states` holds it, `traced_outputs` when the attention's run of the members already gave them, else the
+        members run once more."""
         adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
         view = adapter.block_view(wide, group.first)
         width = view.mlp.intermediate_size
@@ -496,7 +539,10 @@ class FlattenGPTMethod(CompressionMethod):
                     outputs[b] = None  # type: ignore[call-overload]
 
         with context.timer("covariance"):
-            if sequential and traced_outputs is not None:
+            after = group.indices[-1] + 1
+            if sequential and states and after in states:
+                outputs = states.pop(after)
+            elif sequential and traced_outputs is not None:
                 outputs = traced_outputs
             elif sequential:
                 outputs = sequential_group_outputs(adapter, runner, context.stack, group.indices, inputs)

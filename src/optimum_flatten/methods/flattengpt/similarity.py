@@ -4,8 +4,9 @@ layer-by-layer walk of the original model, and what it leaves for the merge (`Se
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -115,8 +116,9 @@ def as_cached(hidden: torch.Tensor) -> torch.Tensor:
 class SelectionCache:
     """What the similarity pass leaves for `apply_` on the same context: its runner (so the layer-0 states and the
     call arguments are not recorded a second time) and, when the band held every layer, the unit-normalised inputs
-    and token norms of the layers that start a merged group. In the one-pass mode those are the states the
-    application measures each group on, so it needs no second pass through the original model: the inputs come back
+    and token norms of the layers that start a merged group (and of those its sequential targets read). In the
+    one-pass mode those are the states the application measures each group on, so it needs no second pass through
+    the original model: the inputs come back
     as unit × norm, computed in float64 and rounded to the model dtype (equal to the original states but for one
     rounding of the float32 unit copies: at most about 1e-7 relative in float32; 16-bit states come back exactly).
     """
@@ -126,15 +128,23 @@ class SelectionCache:
     units: dict[int, list[torch.Tensor]] | None
     norms: dict[int, list[torch.Tensor]] | None
     dtype: torch.dtype
+    #: How many more times each kept layer's inputs will be asked for (`keep_only`).
+    uses: Counter[int] = field(default_factory=Counter)
 
-    def keep_only(self, indices: set[int]) -> None:
+    def keep_only(self, uses: Iterable[int]) -> None:
+        """Drops every layer's copy but those in `uses`, each kept until it has been asked for as many times as it
+        occurs there (a group's output is the next group's input when they touch)."""
+        self.uses = Counter(uses)
         if self.units is not None and self.norms is not None:
-            self.units = {i: self.units[i] for i in indices}
-            self.norms = {i: self.norms[i] for i in indices}
+            self.units = {i: self.units[i] for i in self.uses}
+            self.norms = {i: self.norms[i] for i in self.uses}
 
     def inputs(self, index: int) -> list[torch.Tensor]:
-        """The states entering layer `index` (consumed: the copy is dropped once handed out)."""
-        if self.units is None or self.norms is None:
+        """The states entering layer `index`; the copy is dropped once handed out for the last time."""
+        if self.units is None or self.norms is None or index not in self.units:
             raise KeyError(index)
-        units, norms = self.units.pop(index), self.norms.pop(index)
+        self.uses[index] -= 1
+        last = self.uses[index] <= 0
+        units = self.units.pop(index) if last else self.units[index]
+        norms = self.norms.pop(index) if last else self.norms[index]
         return [(u.double() * n).to(self.dtype) for u, n in zip(units, norms, strict=True)]

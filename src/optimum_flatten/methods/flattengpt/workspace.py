@@ -78,7 +78,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
       stack in the band, the float64 token norms of every layer (8·N each) are kept too.
     - the **cache**: with the whole stack in the band and `calibration_mode="one_pass"`, the unit copies and norms of
       the layers that start a merged group stay after the plan (n of them, fewer as groups are done), and each
-      group's input is rebuilt from them (S): the application runs no layer of the original model again.
+      group's input is rebuilt from them (S): the application runs no layer of the original model again. With a
+      sequential target the copies of the layers it reads stay too (the later members' inputs and the group's
+      output: g more per group), and the head scoring holds the later members' inputs ((g − 1)·S) while each
+      member's attention runs for its write.
       Otherwise the states entering the group (S) come from propagating the original layers.
     - flatten: the states entering the group, the group's member copies (g layers) and the wide block (g layers),
       which starts as a copy of the first member whose weights are replaced one by one (its down projection, d·i,
@@ -165,10 +168,16 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         c_bytes,
         "(g·i)², the ridge statistics" + ("" if float64 else ": a centred scatter, the mean part kept in float64"),
     )
+    sequential = getattr(config, "attention_target", "parallel") == "sequential"
+    mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
+    reads_cache = cached_member_states(z, config)
+    # Per group its first layer's input, and reading the cache, its later members' and the layer's after it.
+    per_group_units = 1 + ((g - 1 if sequential else 0) + (1 if mlp_target else 0) if reads_cache else 0)
     cache = Term(
-        "cached inputs of the merged groups' first layers",
-        (n - 1) * (z.S32 + 8 * z.N) if cached else 0,
-        "unit copies and float64 norms from the selection, one fewer per group done",
+        "cached inputs of the merged groups' first layers"
+        + (" and of the layers their sequential targets read" if reads_cache else ""),
+        min((n - 1) * per_group_units, L) * (z.S32 + 8 * z.N) if cached else 0,
+        "unit copies and float64 norms from the selection, fewer per group done",
     )
     apply_base = [
         z.tokens(),
@@ -221,18 +230,16 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         flatten = Phase("flatten", selection.terms)
     at_o_hook = (d + 2 * heads_width + 2 * g * s.num_kv_heads * s.head_dim) * z.Tb * b
     head_hook = max(16 * z.Tb * heads_width, z.moment_update(heads_width, heads_split) if needs_o else 0)
-    sequential = getattr(config, "attention_target", "parallel") == "sequential"
     # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
     # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
     cross_update = _cross_update(min(4096, z.Tb), heads_width, d, heads_split) if sequential else 0
-    mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
     # Both sequential targets: the members' run for the writes goes on to the group's output, which then waits for
     # the MLP's target through the head scoring and the attention solve (one run of the members instead of two).
     traced = Term(
         "the original group's output, traced with the writes",
-        z.S if sequential and mlp_target else 0,
-        "both sequential targets: one states copy, kept for the MLP's target",
+        z.S if mlp_target and (sequential or reads_cache) else 0,
+        "both sequential targets, or the MLP's read from the cache: one states copy, kept for the MLP's target",
     )
     head_scoring = Phase(
         "head_scoring",
@@ -249,6 +256,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
                 "o_proj input-target cross moment (float64)", 8 * heads_width * d if sequential else 0, "(g·H·d_h) × d"
             ),
             traced,
+            Term(
+                "the later members' inputs, rebuilt from the cache",
+                (g - 1) * z.S if reads_cache and sequential else 0,
+                "each member's attention runs on its own input: freed once the writes are in",
+            ),
             Term(
                 "one batch of the wide block, stopped at the o_proj input",
                 max(at_o_hook + head_hook + cross_update, z.S + z.block_forward() if sequential else 0),
@@ -391,10 +403,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     groups = n if g == 2 else math.ceil(n / (g - 1))
     # Up to o_proj (all heads, the attention norm: half the norms), then up to the down projection (pruned heads).
     per_group = g * (p_att - s.o_weights) + p_norm / 2 + p_att + p_norm + g * (p_mlp - s.down_weights)
-    if mlp_target:  # the members whole, once, for the group's output (and the attention writes, when sequential)
-        per_group += g * p_layer
-    elif sequential:  # the members for their attention writes: all but the last whole, the last up to its MLP norm
-        per_group += (g - 1) * p_layer + p_att + p_norm / 2
+    # The members' runs for the sequential targets (`member_runs`); reading the cache, one group assumed to end the
+    # stack and run them as without it (a bound).
+    members = sum(member_runs(s, g, sequential, mlp_target, reads_cache))
+    members_end = sum(member_runs(s, g, sequential, mlp_target, False))
     if cached:
         propagation = 0
     elif prebuilt:
@@ -421,13 +433,18 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         selection_work = (L - 1) * p_layer
     if prebuilt:
         groups = candidates
-    passes = (selection_work + propagation + groups * per_group) / (L * p_layer)
+    ends = 1 if groups else 0
+    passes = (selection_work + propagation + groups * per_group + (groups - ends) * members + ends * members_end) / (
+        L * p_layer
+    )
     notes = []
     if by_loss:
         notes.append("the loss selection's candidate runs are a bound")
     if g != 2:
         notes.append(f"groups of up to {g} layers assumed (max_group_size={config.max_group_size}): a bound")
-    return phases, passes, g != 2 or by_loss, notes
+    if reads_cache:
+        notes.append("one merged group is assumed to end the stack, running its members whole (a bound)")
+    return phases, passes, g != 2 or by_loss or reads_cache, notes
 
 
 def _loss_selection_phase(
@@ -495,3 +512,33 @@ def band_size(copy_bytes: int, num_layers: int, config: Any) -> int:
 def _auto_band(z: WorkspaceSizes, config: Any, num_layers: int) -> int:
     """`band_size` at the estimate's sizes (one float32 copy of the calibration states is ``z.S32`` bytes)."""
     return band_size(z.S32, num_layers, config)
+
+
+def member_runs(s: Any, g: int, sequential: bool, mlp_target: bool, cached: bool) -> tuple[float, float]:
+    """The weights the members of one group run for the sequential targets, in the head scoring and in the
+    covariance: without the selection's cache, with both targets one whole run (the writes and the output), with
+    the attention's alone all but the last whole and the last up to its MLP norm, with the MLP's alone a whole run
+    in the covariance; with the cache (`FlattenGPTMethod.member_states`), each member up to its MLP norm for the
+    attention's, nothing for the MLP's."""
+    p_layer, p_att, p_norm = s.layer_weights, s.attention_weights, s.norm_weights
+    if cached:
+        return (g * (p_att + p_norm / 2) if sequential else 0.0), 0.0
+    if mlp_target and sequential:
+        return float(g * p_layer), 0.0
+    if sequential:
+        return (g - 1) * p_layer + p_att + p_norm / 2, 0.0
+    return 0.0, (float(g * p_layer) if mlp_target else 0.0)
+
+
+def cached_member_states(z: WorkspaceSizes, config: Any) -> bool:
+    """Whether the sequential targets read the selection's cached states (`FlattenGPTMethod.member_states`): the
+    cache is there (the similarity selection, one pass, every layer in the band) and a target is sequential."""
+    L = z.shape.num_layers
+    band = config.similarity_band or _auto_band(z, config, L)
+    cached = (
+        band >= L
+        and config.calibration_mode == "one_pass"
+        and getattr(config, "selection", "similarity") == "similarity"
+    )
+    targets = (getattr(config, "attention_target", "parallel"), getattr(config, "mlp_target", "parallel"))
+    return cached and "sequential" in targets
