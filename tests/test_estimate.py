@@ -179,11 +179,12 @@ def test_a_block_selection_keeps_last_token_rows_not_whole_boundaries(method, mo
     """Removing 4 of 6 layers, the distance walk keeps the last-token rows of its 5 boundaries, not the boundaries:
     the selection holds the runner's states, the boundary entering the layer and the layer's run, as estimated
     (5.6 copies of the states here, block temporaries included), where a window of whole boundaries held 4 more
-    (9.5 copies measured before the change)."""
+    (9.5 copies measured before the change). ReplaceMe with `held_states_gb=0`: it holds no state for its fit."""
     calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    options = {"held_states_gb": 0} if method == "replaceme" else {}
     model = _llama(layers=6)
-    estimate = estimate_memory(model, method, 4, **calibration)
-    measured = _measure(model, method, monkeypatch, removed=4, **calibration)
+    estimate = estimate_memory(model, method, 4, method_args=options, **calibration)
+    measured = _measure(model, method, monkeypatch, removed=4, **calibration, **options)
     selection = next(phase for phase in estimate.phases if phase.name == "selection")
     assert _off(selection.bytes, measured["phases"]["selection"]) <= TOLERANCE, (selection.bytes, measured)
     states = 8 * 128 * 256 * 4
@@ -573,3 +574,24 @@ def test_flattengpt_sequential_targets_read_the_selection_cache(options, monkeyp
     )
     propagation = without_cache.compute.phase_passes["propagate"]
     assert estimate.stack_passes < without_cache.stack_passes - propagation
+
+
+@pytest.mark.parametrize("removed", [1, 3])
+def test_replaceme_holding_the_states_for_its_fit_is_estimated(removed, monkeypatch):
+    """Within `held_states_gb` the selection walk holds whole boundaries (its window and the best block's pair) and
+    the fit runs one layer on them: the fit's phase and the stack passes (one walk and one layer) as measured; the
+    selection at most the pair above what was measured (the estimate counts the best block's pair behind the
+    window, where this walk may have found it inside), and never below."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=8)
+    estimate = estimate_memory(model, "replaceme", removed, **calibration)
+    measured = _measure(model, "replaceme", monkeypatch, removed=removed, **calibration)
+    assert estimate.weights_bytes == measured["weights"]
+    fit = estimate.phase("linear_replacement").bytes
+    assert _off(fit, measured["phases"]["linear_replacement"]) <= TOLERANCE
+    selection, seen = estimate.phase("selection").bytes, measured["phases"]["selection"]
+    pair = 2 * 8 * 128 * 256 * 4
+    assert seen <= selection * (1 + TOLERANCE) and _off(selection - pair, seen) <= TOLERANCE, (selection, seen)
+    assert not estimate.stack_passes_is_bound and estimate.stack_passes == pytest.approx(1 + 1 / 8)
+    streamed = estimate_memory(model, "replaceme", removed, method_args={"held_states_gb": 0}, **calibration)
+    assert streamed.phase("selection").bytes < estimate.phase("selection").bytes

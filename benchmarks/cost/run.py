@@ -1,4 +1,5 @@
-"""FlattenGPT's compression cost against one dense forward over the same calibration tokens, in one run.
+"""A method's compression cost (FlattenGPT's by default) against one dense forward over the same calibration tokens,
+in one run.
 
 Protocol (every number written is measured here, in this run):
 - model: a bundled model (`--model`, default smollm2 = SmolLM2-135M-Instruct, 30 layers), float32, on the CPU;
@@ -8,13 +9,15 @@ Protocol (every number written is measured here, in this run):
   machine);
 - dense forward: the whole model (embeddings to logits) over those batches, no cache, timed `--repeats` times
   after one warm-up batch; the median is the unit;
-- compression: FlattenGPT with its defaults (plus `--method-args`), `--num-layers-to-remove` layers, timed once
-  from `compress` call to return, with the report's per-phase `timings_seconds` and `cost.stack_passes`;
+- compression: `--method` (default flattengpt) with its defaults (plus `--method-args`), `--num-layers-to-remove`
+  layers, timed once from `compress` call to return, with the report's per-phase `timings_seconds` and
+  `cost.stack_passes`;
 - `--save-weights PATH` stores the compressed state dict and the kept heads/channels; `--compare-weights PATH`
   compares this run's with a stored one (same plan, kept KV groups and channels; max abs and max relative weight
   difference, relative to each tensor's largest entry), which is how a faster code path is checked against the old.
 
-Usage: python benchmarks/cost/run.py [--model smollm2] [--threads 1] [--out benchmarks/results/cost_smollm2.json]
+Usage: python benchmarks/cost/run.py [--model smollm2] [--method flattengpt] [--threads 1]
+Writes benchmarks/results/cost_<model>.json (FlattenGPT) or cost_<model>_<method>.json unless --out is given.
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="dense forwards timed (median taken)")
-    parser.add_argument("--method-args", default="{}", help="FlattenGPT options as JSON, e.g. '{\"ridge_ratio\": 1}'")
+    parser.add_argument("--method", default="flattengpt", help="a registered method")
+    parser.add_argument("--method-args", default="{}", help="method options as JSON, e.g. '{\"ridge_ratio\": 1}'")
     parser.add_argument("--save-weights", default=None)
     parser.add_argument("--compare-weights", default=None)
     parser.add_argument("--label", default="", help="free text stored in the JSON (e.g. the code version)")
@@ -123,7 +127,7 @@ def main() -> None:
     model, tokenizer = bundled.load_bundled(args.model, torch.float32)
     method_args = json.loads(args.method_args)
     config = FlattenConfig(
-        method="flattengpt",
+        method=args.method,
         num_layers_to_remove=args.num_layers_to_remove,
         dataset="sotu:before-2000",
         nsamples=args.nsamples,
@@ -141,7 +145,9 @@ def main() -> None:
     quantizer.compress(model, tokenizer)
     compress_seconds = time.perf_counter() - start
     report = quantizer.report
-    groups = [{k: g[k] for k in ("members", "kept_kv_groups", "kept_channels_per_member")} for g in report["groups"]]
+    groups = [
+        {k: g[k] for k in ("members", "kept_kv_groups", "kept_channels_per_member")} for g in report.get("groups", [])
+    ]
     current = {
         "plan": report["plan_summary"],
         "groups": groups,
@@ -151,7 +157,7 @@ def main() -> None:
         **cpu_run_header(args, model, report),
         "protocol": {
             "dense_forward": f"full model (embeddings to logits), no cache, median of {args.repeats} after a warm-up",
-            "compression": f"FlattenGPT defaults + {method_args}, {args.num_layers_to_remove} layers removed, "
+            "compression": f"{args.method} defaults + {method_args}, {args.num_layers_to_remove} layers removed, "
             "timed once",
             "label": args.label,
         },
@@ -162,7 +168,8 @@ def main() -> None:
         result["compared_with"] = {"file": args.compare_weights, **compare(torch.load(args.compare_weights), current)}
     if args.save_weights:
         torch.save(current, args.save_weights)
-    out = Path(args.out or f"benchmarks/results/cost_{args.model}.json")
+    suffix = "" if args.method == "flattengpt" else f"_{args.method}"
+    out = Path(args.out or f"benchmarks/results/cost_{args.model}{suffix}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     phases = json.dumps({k: round(v, 2) for k, v in report["timings_seconds"].items()})
     print(

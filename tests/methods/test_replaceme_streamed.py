@@ -93,10 +93,43 @@ def test_what_streams_and_what_is_held():
     with pytest.raises(ValueError, match=r"cannot stream.*'cosine'"):
         _bridge(model, one, BridgeOptions("cosine"), stream=True)
 
-    streamed = compress(tiny_models.FACTORIES["llama_gqa"](), tiny_config("replaceme", num_layers_to_remove=2))
+    config = tiny_config("replaceme", num_layers_to_remove=2, held_states_gb=0)  # no state held by the selection
+    streamed = compress(tiny_models.FACTORIES["llama_gqa"](), config)
     assert streamed.report["replaceme"]["states"] == "streamed"
     held = compress(
         tiny_models.FACTORIES["llama_gqa"](),
         tiny_config("replaceme", num_layers_to_remove=2, estimator="cosine", cosine_epochs=1),
     )
     assert held.report["replaceme"]["states"] == "held"
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("estimator", ["lstsq", "lstsq_gain", "lstsq_down"])
+def test_states_held_by_the_selection_give_the_streamed_map(estimator, packing):
+    """With the window within `held_states_gb` the selection walk keeps the states around the best block, and the
+    fit runs the layer before it on them instead of walking the dense stack again: the same plan and, the same runs
+    in the same order, the same weights bit for bit; fewer stack passes (the walk up to the block's end becomes one
+    layer's run). Unpacked calibration pads rows, which both must leave out."""
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    streamed = copy.deepcopy(model)
+    options = {"estimator": estimator, "num_layers_to_remove": 2, "packing": packing, "batch_size": 3}
+    held_report = compress(model, "replaceme", **options).report
+    streamed_report = compress(streamed, "replaceme", held_states_gb=0, **options).report
+    assert held_report["held_states"] and "held_states" not in streamed_report  # a budget of 0: never asked
+    assert held_report["replaceme"]["states"] == "held by the selection"
+    assert streamed_report["replaceme"]["states"] == "streamed"
+    assert held_report["plan_summary"] == streamed_report["plan_summary"]
+    streamed_weights = dict(streamed.named_parameters())
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight, streamed_weights[name]), name
+    (_, end) = held_report["blocks"][0]
+    layers = model.config.num_hidden_layers + 2  # before compression
+    passes = held_report["cost"]["stack_passes"], streamed_report["cost"]["stack_passes"]
+    assert passes[1] - passes[0] == pytest.approx((end - 1) / layers, abs=1e-3)  # layers 0..end-1, less layer start-1
+
+
+def test_the_held_window_follows_its_budget():
+    """Over budget (size + 4 copies of the calibration states) the walk holds nothing and the fit streams."""
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    report = compress(model, "replaceme", num_layers_to_remove=2, held_states_gb=1e-6).report
+    assert report["held_states"] is False and report["replaceme"]["states"] == "streamed"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -323,3 +324,17 @@ def _mean_angle_of(cosines: Iterable[torch.Tensor]) -> float:
     if count == 0:
         raise ValueError("no calibration token is unmasked: cannot compare states.")
     return total / count
+
+
+@dataclass
+class HeldBlock:
+    """The whole boundaries around the best block of a selection walk that held them
+    (`methods.uidl.walk_block_distances` with ``hold=True``): per calibration batch, the state entering the layer
+    before the block (``before``, layer ``start − 1``'s input) and the state leaving the block (``after``, the
+    input of layer ``start + size``). A fit of that layer towards the block's output (ReplaceMe's map) reads them
+    instead of walking the dense stack again."""
+
+    start: int
+    size: int
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import CalibratedStates
+from ..calibration.states import CalibratedStates, HeldBlock
 from ..ops.linear_map import fit_cosine
 from ..options.corrections import BridgeOptions
 from ..plan import LayerPlan
@@ -256,6 +256,7 @@ def bridged_apply_(
     apply: Any,
     seed: int = 0,
     stream: bool | None = None,
+    held: HeldBlock | None = None,
 ) -> dict[str, Any]:
     """Fits the bridges of `plan`, runs `apply()` (which applies `plan`), then folds them.
 
@@ -268,6 +269,10 @@ def bridged_apply_(
     The runner is the plan's own when it can stand for a fresh one (`MethodContext.states_of_unchanged_model`),
     recorded on the original model before `apply()`; its per-position call arguments stay valid afterwards because
     layers are looked up by their original index.
+
+    `held` (the `HeldBlock` of the plan's block: the dense states entering the bridged layer and leaving
+    the block, kept by the selection walk) replaces the streamed walk: the bridged layer alone runs on them, with
+    the statistics added batch by batch in the same order, so the map is the streamed one's.
     """
     states = context.states_of_unchanged_model(adapter, keep=())  # nothing is changed before `apply()`
     runner = states.runner
@@ -282,17 +287,29 @@ def bridged_apply_(
     if span is not None:
         k, first, end = span
         fit = BridgeFit(adapter, states.layers[k], k, options, runner.num_batches, runner.inputs[0].device)
-        with (
-            context.timer("linear_replacement"),
-            context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar,
-        ):
-            stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())
-        del states  # the dropped layers go with the plan, not with the engine
+        from_held = held is not None and (held.start - 1, held.start + held.size) == (k, end)
+        with context.timer("linear_replacement"):
+            if from_held:  # the layer before the block on its held input, towards the held output
+                layer = states.layers[k]
+                run_capturing_mlp(
+                    adapter,
+                    runner,
+                    layer,
+                    k,
+                    held.before,
+                    lambda b, x, y: fit.add(b, x, y, held.after[b], runner.masks[b]),
+                    read=fit.read,
+                )
+            else:
+                with context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar:
+                    stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())
+        del states, held  # the dropped layers go with the plan, not with the engine
         apply()
         with context.timer("linear_replacement"):
             entry = fit.fold_(adapter, plan.stack, k)
         entry.update(output_layer=k, span=[first, end])
-        return {"estimator": options.estimator, "states": "streamed", "maps": [entry], "unbridged_leading_layers": []}
+        how = "held by the selection" if from_held else "streamed"
+        return {"estimator": options.estimator, "states": how, "maps": [entry], "unbridged_leading_layers": []}
     with context.timer("linear_replacement"):
         targets = dense_targets(states, plan, options.correct_after)
     del states

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import next_token_nll
+from ..calibration.states import HeldBlock, next_token_nll
 from ..compression.compute import ComputeModel, Tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
@@ -34,7 +34,7 @@ from ..registry import register_method
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.torch_utils import count_parameters
-from .uidl import UIDLMethod, block_size, select_blocks
+from .uidl import UIDLMethod, block_size, select_blocks_holding
 
 
 @register_method("replaceme")
@@ -73,6 +73,13 @@ class ReplaceMeMethod(CompressionMethod):
         solution and the held-out product (i × d each).
         Cost: the selection walk (1) and the dense walk up to the block's end (≤ 1).
 
+        Held by the selection (the same case, with size + 4 copies of the calibration states within
+        `held_states_gb`: `held_states`): the selection walk keeps its last size + 2 boundaries whole and the pair
+        around the best block so far (`held_boundaries`: at the layer where the window and a pair it may have left
+        behind are most), beside the layer it runs; the fit then holds that pair (2·S) and runs the layer before the
+        block on it (its outputs, the captured MLP and the block's temporaries) beside the statistics. Cost: the
+        selection walk and one layer.
+
         Held (otherwise): the selection's runner, the dense state at the end of every block (S each), the states
         propagated on the compressed model (S) and a run's outputs; the statistics with one batch's update; the
         solve and the fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32
@@ -82,6 +89,30 @@ class ReplaceMeMethod(CompressionMethod):
         """
         L, d, i, b, tb = z.shape.num_layers, z.d, z.i, z.b, z.Tb
         phases, _, _, _ = UIDLMethod.workspace(z, n, config)
+        held = held_states(z, n, config)
+        if held:
+            size = n  # one block
+            alive = held_boundaries(L, size)
+            phases = [
+                Phase(
+                    "selection",
+                    (
+                        z.tokens(),
+                        *z.runners(1),
+                        Term(
+                            f"whole boundaries held beyond the layer-0 states ({alive})",
+                            alive * z.S,
+                            "the window of size + 2 and the best block's pair, at the worst layer for them",
+                        ),
+                        Term(
+                            "last-token rows of the distance window",
+                            (size + 1) * z.cal.nsamples * d * b,
+                            "one row a sequence",
+                        ),
+                        z.run_term(),
+                    ),
+                )
+            ]
         blocks = max(config.num_blocks, 1)
         chunk = min(tb, UPDATE_CHUNK_ROWS)
         gain = config.estimator == "lstsq_gain"
@@ -99,6 +130,26 @@ class ReplaceMeMethod(CompressionMethod):
             update = 2 * tb * i * b + 4 * tb * d * b + chunk * (i + 3 * d) * 8
             solve, fold = 8 * i * i + 4 * 8 * i * d, 0
             captured = tb * (i + d) * b
+        if held:
+            run = z.run_outputs() + captured + z.block_forward()
+            phases.append(
+                Phase(
+                    "linear_replacement",
+                    (
+                        z.tokens(),
+                        *z.runners(1),
+                        Term(
+                            "states held by the selection", 2 * z.S, "the bridged layer's input and the block's output"
+                        ),
+                        Term(
+                            "largest of: the layer's run or an update beside the statistics, the solve, the fold",
+                            max(statistics + max(run, update), statistics + solve, statistics + fold),
+                            "the float64 statistics; the layer's outputs so far and one batch's captured MLP",
+                        ),
+                    ),
+                )
+            )
+            return phases, 1.0 + 1 / L, False, []
         if config.estimator in LEAST_SQUARES_ESTIMATORS and blocks == 1 and config.correct_after == 0:
             walk = captured + tb * d * b + z.block_forward()
             phases.append(
@@ -168,10 +219,13 @@ class ReplaceMeMethod(CompressionMethod):
         if config.estimator != "lstsq_down":
             fit.add(flops.product(d, d, i), "float64")
         notes = ["the linear replacement's stack passes are a bound: they depend on where the removed block lies"]
+        replacement = 1.0 + (L - n + blocks) / L
+        if held_states(z, n, config):
+            notes, replacement = [], 1 / L  # the layer before the block, on the states the selection held
         if config.estimator == "lstsq_down":
             notes.append("the down refit's ridge search solves are not counted")
         return ComputeModel(
-            {"selection": 1.0, "linear_replacement": 1.0 + (L - n + blocks) / L},
+            {"selection": 1.0, "linear_replacement": replacement},
             {"linear_replacement": fit.scaled(blocks)},
             notes,
         )
@@ -187,9 +241,20 @@ class ReplaceMeMethod(CompressionMethod):
             )
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        self._held: tuple[MethodContext, HeldBlock] | None = None
         if self.config.selection == "distance":
-            return select_blocks(adapter, context, num_to_remove, self.config, first_start=1)
+            budget = self.config.held_states_gb * 1e9 if self._may_hold_states() else 0.0
+            plan, held = select_blocks_holding(adapter, context, num_to_remove, self.config, 1, budget)
+            if held is not None:
+                self._held = (context, held)
+            return plan
         return self._select_by_loss(adapter, context, num_to_remove)
+
+    def _may_hold_states(self) -> bool:
+        """Whether the fit could read states the selection walk held (`held_states_gb`): one block fitted by least
+        squares with no later refit, the case whose fit streams otherwise."""
+        config = self.config
+        return config.num_blocks == 1 and not config.correct_after and config.estimator in LEAST_SQUARES_ESTIMATORS
 
     def _select_by_loss(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         """For every start s >= 1: fit T on layer s-1 towards the state after the block, run the layers after the
@@ -228,6 +293,7 @@ class ReplaceMeMethod(CompressionMethod):
         return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
 
     def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
+        held, self._held = getattr(self, "_held", None), None
         context.report["replaceme"] = bridged_apply_(
             adapter,
             plan,
@@ -235,4 +301,29 @@ class ReplaceMeMethod(CompressionMethod):
             self.config.bridge_options(),
             lambda: apply_layer_drop_(adapter, plan),
             seed=self.config.seed,
+            held=held[1] if held is not None and held[0] is context else None,
         )
+
+
+def held_states(z: WorkspaceSizes, n: int, config: Any) -> bool:
+    """Whether the selection walk holds the states around the block for the fit (`ReplaceMeMethod.plan`): one block
+    fitted by least squares with no later refit, by distance, and size + 4 copies of the calibration states within
+    `held_states_gb`."""
+    if config.selection != "distance" or config.num_blocks != 1 or config.correct_after:
+        return False
+    if config.estimator not in LEAST_SQUARES_ESTIMATORS:
+        return False
+    return 0 < (n + 4) * z.S <= getattr(config, "held_states_gb", 0.0) * 1e9
+
+
+def held_boundaries(num_layers: int, size: int) -> int:
+    """The most whole boundaries a holding selection walk keeps beyond the runner's layer-0 states, while a layer
+    runs: its window (the last size + 2 boundaries up to the one entering the layer) and the pair around the best
+    start measured so far (entering layer start − 1, leaving the block), which may lie behind the window. The
+    worst over the layers and over which start is best (boundary 0 is the runner's own states)."""
+    most = 0
+    for i in range(num_layers):
+        window = set(range(max(0, i - size - 1), i + 1))
+        pairs = [{s - 1, s + size} for s in range(1, i - size + 1)] or [set()]
+        most = max(most, max(len((window | pair) - {0}) for pair in pairs))
+    return most

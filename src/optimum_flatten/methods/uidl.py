@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import CalibratedStates, chosen_rows, mean_angle_of_rows
+from ..calibration.distributed import all_reduce_sums
+from ..calibration.states import CalibratedStates, HeldBlock, chosen_rows, mean_angle_of_rows
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes, per_batch_term
 from ..options.methods.uidl import BlockSelectionConfig
@@ -41,6 +42,13 @@ def block_size(num_to_remove: int, num_blocks: int, num_layers: int, first_start
 
 
 def block_distances(states: CalibratedStates, size: int, tokens: str, first_start: int = 0) -> dict[int, float]:
+    """`walk_block_distances` without holding any boundary whole."""
+    return walk_block_distances(states, size, tokens, first_start)[0]
+
+
+def walk_block_distances(
+    states: CalibratedStates, size: int, tokens: str, first_start: int = 0, hold: bool = False
+) -> tuple[dict[int, float], HeldBlock | None]:
     """Angular distance between the input of layer s and the output of layer s+size-1, for every start s.
 
     One stack pass; only the last `size` + 1 boundaries are kept, so memory does not grow with depth. With
@@ -48,6 +56,11 @@ def block_distances(states: CalibratedStates, size: int, tokens: str, first_star
     a sequence), so beside the runner's states only the boundaries entering and leaving the layer being run are
     whole: at LLaMA-2-7B with 7 layers removed, 2 of 128 × 2048 × 4096 bfloat16 states (4 GiB) instead of 9 (18 GiB).
     The distances are the same floats either way (`mean_angle_of_rows`).
+
+    With ``hold=True`` the walk also keeps the last size + 2 boundaries whole, and for the best start so far (the
+    smallest distance, ties to the lower start, as `choose_blocks` ranks them; starts from 1) the boundaries
+    before and after it (`HeldBlock`, returned beside the distances): the window and the best pair, up to
+    size + 4 whole boundaries at once. None when no start from 1 was measured.
     """
     masks = states.masks
 
@@ -57,17 +70,23 @@ def block_distances(states: CalibratedStates, size: int, tokens: str, first_star
         return [chosen_rows(x, mask, "last") for x, mask in zip(boundary, masks, strict=True)]
 
     window: deque[list[torch.Tensor]] = deque([kept(states.boundary(0))], maxlen=size + 1)
+    whole: deque[list[torch.Tensor]] = deque([states.boundary(0)] if hold else [], maxlen=size + 2)
     distances: dict[int, float] = {}
+    best: HeldBlock | None = None
     for i, before, after in states.walk():
         window.append(kept(after))
+        if hold:
+            whole.append(after)
         start = i + 1 - size
         if start >= first_start and len(window) == size + 1:
             if tokens == "last":
                 distances[start] = mean_angle_of_rows(window[0], window[-1])
             else:  # the window holds the boundaries whole
                 distances[start] = states.mean_angular_distance(window[0], window[-1], tokens=tokens)
+            if hold and start >= 1 and (best is None or distances[start] < distances[best.start]):
+                best = HeldBlock(start, size, whole[0], whole[-1])  # whole[0] enters layer start − 1
         del before, after  # while the next layer runs, only the walk's own two boundaries stay alive
-    return distances
+    return distances, best
 
 
 def choose_blocks(distances: dict[int, float], size: int, num_blocks: int) -> list[int]:
@@ -91,16 +110,37 @@ def select_blocks(
     first_start: int,
 ) -> LayerPlan:
     """The plan dropping the chosen blocks; the distances go to the report."""
+    return select_blocks_holding(adapter, context, num_to_remove, config, first_start)[0]
+
+
+def select_blocks_holding(
+    adapter: ArchitectureAdapter,
+    context: MethodContext,
+    num_to_remove: int,
+    config: BlockSelectionConfig,
+    first_start: int,
+    hold_within: float = 0.0,
+) -> tuple[LayerPlan, HeldBlock | None]:
+    """`select_blocks`, and the whole boundaries around the chosen block (`walk_block_distances`) when the walk's
+    size + 4 copies of the calibration states fit `hold_within` bytes (every rank's share under a sharded
+    calibration: the ranks decide alike)."""
     num_layers = adapter.num_layers(context.stack)
     size = block_size(num_to_remove, config.num_blocks, num_layers, first_start)
     states = context.new_states(adapter, keep=())
+    (copy_bytes,) = all_reduce_sums(sum(h.numel() * h.element_size() for h in states.runner.inputs))
+    hold = hold_within > 0 and (size + 4) * copy_bytes <= hold_within
+    if hold_within > 0:
+        context.report["held_states"] = hold
     with context.timer("selection"):
-        distances = block_distances(states, size, config.tokens, first_start)
+        distances, held = walk_block_distances(states, size, config.tokens, first_start, hold)
         starts = choose_blocks(distances, size, config.num_blocks)
+    if held is not None and starts != [held.start]:  # more than one block: the walk held the best start's only
+        held = None
     removed = {s + j for s in starts for j in range(size)}
     context.report["block_distances"] = {str(s): round(d, 6) for s, d in distances.items()}
     context.report["blocks"] = [[s, s + size] for s in starts]
-    return LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
+    plan = LayerPlan.from_kept(num_layers, [i for i in range(num_layers) if i not in removed], stack=context.stack)
+    return plan, held
 
 
 @register_method("uidl")

@@ -33,6 +33,11 @@ class ReplaceMeConfig(BlockSelectionConfig):
             T is always fitted on every batch. Cost: about (layers - n) suffix runs over the scored batches.
         down_ridge: With ``estimator="lstsq_down"``: the ridge towards T's fold, relative to the mean diagonal of
             AᵀA (0: the plain refit, ``inf``: the paper's map); None chooses it on the last calibration batch.
+        held_states_gb: The selection walk keeps the calibration states around the best block whole (a window of
+            size + 2 boundaries and the best pair: size + 4 copies of the states at most) when they take at most this
+            many GB, and the least-squares fit reads them: one layer's run instead of a second walk of the dense
+            stack up to the block's end. Above it (or 0) the fit streams that walk, holding no state. The same map
+            either way (the same runs, in the same order).
     """
 
     estimator: str = "lstsq"
@@ -44,6 +49,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
     scoring_batches: int | None = 1
     correct_after: int = 0
     down_ridge: float | None = None
+    held_states_gb: float = 4.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,6 +59,9 @@ class ReplaceMeConfig(BlockSelectionConfig):
         if self.selection == "loss" and self.num_blocks != 1:
             raise ValueError("selection='loss' chooses one block; use num_blocks=1 or selection='distance'.")
         check_scoring_batches(self.scoring_batches)
+        gb = self.held_states_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
+            raise ValueError(f"held_states_gb must be a number of GB, 0 or more, got {gb!r}.")
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(
