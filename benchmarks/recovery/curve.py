@@ -16,12 +16,16 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+#: The evaluation tokens per text of run.py's default protocol; a run scored on another count is a line of its own.
+EVAL_TOKENS = 16384
 TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
 
 
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
-    model. A local run with another state loss than the pooled one, or with a global phase, is a line of its own.
+    model. A local run with another state loss than the pooled one, or with a global phase, is a line of its own,
+    and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
+    other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
     before it had a rate of its own (it took the local one; the table has it), are skipped."""
     points: dict[str, dict[int, tuple[float, float]]] = {}
@@ -36,7 +40,9 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             continue
         mode = run["mode"] + (f" ({state} state loss)" if state not in (None, "pooled") else "")
         mode += " then global" if phase else ""
-        line = points.setdefault(f"{mode}, {run['loss']}", {})
+        scored = int(run.get("eval_tokens", EVAL_TOKENS))
+        scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
+        line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
         line[0] = tuple(run["untrained"][text]["ppl_ratio"] for text, _ in TEXTS)
         line[int(run["recovery"]["tokens_trained"])] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)
     return points
