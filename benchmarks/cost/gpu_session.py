@@ -8,10 +8,11 @@ the whole call: a step gets at most what is left of it, so ``session.json`` is w
 Rows:
 
 1. ``defaults``: FlattenGPT's defaults at LLaMA-2-7B, 7 of 32 removed, with the prefill speed-up;
-2. ``bfloat16``: the same with ``covariance_dtype="bfloat16"`` (the split bf16 products; never timed on a GPU);
-3. ``replaceme``: ReplaceMe's defaults at the same shape (its fit streams its normal equations);
+2. ``replaceme_held``: ReplaceMe with ``held_states_gb=24``: the selection walk holds the states around the block
+   (7 + 4 copies of 2 GiB) and the fit runs one layer on them (never timed on a GPU; the way to its 1.5x goal);
+3. ``replaceme``: ReplaceMe's defaults at the same shape (over the default budget: the fit streams a second walk);
 4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged;
-5. ``tf32``: ``covariance_dtype="tf32"``;
+5. ``bfloat16``: FlattenGPT with ``covariance_dtype="bfloat16"`` (the split bf16 products everywhere);
 
 then `kv_search.py` at LLaMA-2-7B widths on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and
 with one factorisation a step), which checks the search's removal scoring on the accelerator (its inner products as
@@ -43,12 +44,12 @@ ROOT = HERE.parents[1]
 #: (label, gpu_shape.py arguments, seconds allowed), most wanted first.
 ROWS: list[tuple[str, list[str], int]] = [
     ("defaults", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--prefill"], 170),
-    ("bfloat16", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
-                  '{"covariance_dtype": "bfloat16"}'], 120),
+    ("replaceme_held", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme",
+                        "--method-args", '{"held_states_gb": 24}'], 80),
     ("replaceme", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme"], 80),
     ("70b", ["--shape", "llama-2-70b", "--layers", "4", "--num-layers-to-remove", "1"], 100),
-    ("tf32", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
-              '{"covariance_dtype": "tf32"}'], 110),
+    ("bfloat16", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
+                  '{"covariance_dtype": "bfloat16"}'], 120),
 ]  # fmt: skip
 
 
