@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from fractions import Fraction
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -23,7 +24,8 @@ TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "Kin
 
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
-    model. A local run with another state loss than the pooled one, or with a global phase, is a line of its own,
+    model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
+    the budget between the phases), is a line of its own,
     and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
     other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
@@ -39,7 +41,10 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
         if phase and "learning_rate" not in phase:
             continue
         mode = run["mode"] + (f" ({state} state loss)" if state not in (None, "pooled") else "")
-        mode += " then global" if phase else ""
+        if phase:  # runs splitting their budget otherwise between the phases are lines of their own
+            total, global_tokens = int(recovery["tokens_trained"]), int(phase["tokens_trained"])
+            share = Fraction(total - global_tokens, global_tokens)
+            mode += f" then global (local:global {share.numerator}:{share.denominator})"
         scored = int(run.get("eval_tokens", EVAL_TOKENS))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
