@@ -33,6 +33,7 @@ from ..plan import LayerPlan
 from ..registry import register_method
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
+from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
 from .uidl import UIDLMethod, block_size, select_blocks_holding
 
@@ -243,18 +244,21 @@ class ReplaceMeMethod(CompressionMethod):
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         self._held: tuple[MethodContext, HeldBlock] | None = None
         if self.config.selection == "distance":
-            budget = self.config.held_states_gb * 1e9 if self._may_hold_states() else 0.0
+            budget = self.config.held_states_gb * 1e9 if self._may_hold_states(adapter, context) else 0.0
             plan, held = select_blocks_holding(adapter, context, num_to_remove, self.config, 1, budget)
             if held is not None:
                 self._held = (context, held)
             return plan
         return self._select_by_loss(adapter, context, num_to_remove)
 
-    def _may_hold_states(self) -> bool:
+    def _may_hold_states(self, adapter: ArchitectureAdapter, context: MethodContext) -> bool:
         """Whether the fit could read states the selection walk held (`held_states_gb`): one block fitted by least
-        squares with no later refit, the case whose fit streams otherwise."""
+        squares with no later refit, the case whose fit streams otherwise, and no offloaded layer (the fit then
+        holds the states its own way, `linear_bridge.streamed_span`, and a held pair would only add to them)."""
         config = self.config
-        return config.num_blocks == 1 and not config.correct_after and config.estimator in LEAST_SQUARES_ESTIMATORS
+        if config.num_blocks != 1 or config.correct_after or config.estimator not in LEAST_SQUARES_ESTIMATORS:
+            return False
+        return not any(is_offloaded(layer) for layer in adapter.layers(context.stack))
 
     def _select_by_loss(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         """For every start s >= 1: fit T on layer s-1 towards the state after the block, run the layers after the
