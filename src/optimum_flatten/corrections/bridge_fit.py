@@ -159,6 +159,27 @@ class BridgeFit:
         into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
         into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
 
+    def add_run(
+        self,
+        adapter: ArchitectureAdapter,
+        runner: Any,
+        module: torch.nn.Module,
+        position: int,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+    ) -> None:
+        """Adds every batch from one run of the bridged layer `module` (at `position`) over held `inputs`, towards
+        the held `targets`: the held path's walk (`linear_bridge.fit_and_fold_`, or states a selection held)."""
+        run_capturing_mlp(
+            adapter,
+            runner,
+            module,
+            position,
+            inputs,
+            lambda b, x, y: self.add(b, x, y, targets[b], runner.masks[b]),
+            read=self.read,
+        )
+
     def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
         """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry.
 

@@ -155,15 +155,7 @@ def _fit_one(
         # One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
         # into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike).
         fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
-        run_capturing_mlp(
-            adapter,
-            runner,
-            module,
-            position,
-            inputs,
-            lambda b, x, y: fit.add(b, x, y, target[b], runner.masks[b]),
-            read=fit.read,
-        )
+        fit.add_run(adapter, runner, module, position, inputs, target)
         return fit.fold_(adapter, stack, k)
     dim = adapter.mlp_output_width(module, k)
     ms: list[torch.Tensor] = []
@@ -290,16 +282,7 @@ def bridged_apply_(
         from_held = held is not None and (held.start - 1, held.start + held.size) == (k, end)
         with context.timer("linear_replacement"):
             if from_held:  # the layer before the block on its held input, towards the held output
-                layer = states.layers[k]
-                run_capturing_mlp(
-                    adapter,
-                    runner,
-                    layer,
-                    k,
-                    held.before,
-                    lambda b, x, y: fit.add(b, x, y, held.after[b], runner.masks[b]),
-                    read=fit.read,
-                )
+                fit.add_run(adapter, runner, states.layers[k], k, held.before, held.after)
             else:
                 with context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar:
                     stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())

@@ -35,7 +35,7 @@ from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
-from .uidl import UIDLMethod, block_size, select_blocks_holding
+from .uidl import UIDLMethod, block_size, holds_within, select_blocks_holding
 
 
 @register_method("replaceme")
@@ -252,11 +252,10 @@ class ReplaceMeMethod(CompressionMethod):
         return self._select_by_loss(adapter, context, num_to_remove)
 
     def _may_hold_states(self, adapter: ArchitectureAdapter, context: MethodContext) -> bool:
-        """Whether the fit could read states the selection walk held (`held_states_gb`): one block fitted by least
-        squares with no later refit, the case whose fit streams otherwise, and no offloaded layer (the fit then
-        holds the states its own way, `linear_bridge.streamed_span`, and a held pair would only add to them)."""
-        config = self.config
-        if config.num_blocks != 1 or config.correct_after or config.estimator not in LEAST_SQUARES_ESTIMATORS:
+        """Whether the fit could read states the selection walk held (`fit_reads_held_states`), with no offloaded
+        layer (the fit then holds the states its own way, `linear_bridge.streamed_span`, and a held pair would only
+        add to them)."""
+        if not fit_reads_held_states(self.config):
             return False
         return not any(is_offloaded(layer) for layer in adapter.layers(context.stack))
 
@@ -309,15 +308,18 @@ class ReplaceMeMethod(CompressionMethod):
         )
 
 
-def held_states(z: WorkspaceSizes, n: int, config: Any) -> bool:
-    """Whether the selection walk holds the states around the block for the fit (`ReplaceMeMethod.plan`): one block
-    fitted by least squares with no later refit, by distance, and size + 4 copies of the calibration states within
-    `held_states_gb`."""
+def fit_reads_held_states(config: Any) -> bool:
+    """Whether the fit can read states the selection walk holds: one block chosen by distance, fitted by least
+    squares with no later refit (the case whose fit streams a second walk otherwise)."""
     if config.selection != "distance" or config.num_blocks != 1 or config.correct_after:
         return False
-    if config.estimator not in LEAST_SQUARES_ESTIMATORS:
-        return False
-    return 0 < (n + 4) * z.S <= getattr(config, "held_states_gb", 0.0) * 1e9
+    return config.estimator in LEAST_SQUARES_ESTIMATORS
+
+
+def held_states(z: WorkspaceSizes, n: int, config: Any) -> bool:
+    """Whether the selection walk holds the states around the block for the fit (`ReplaceMeMethod.plan`), as the
+    estimate sees it: `fit_reads_held_states`, and the walk within `held_states_gb` (`holds_within`)."""
+    return fit_reads_held_states(config) and holds_within(n, z.S, getattr(config, "held_states_gb", 0.0) * 1e9)
 
 
 def held_boundaries(num_layers: int, size: int) -> int:

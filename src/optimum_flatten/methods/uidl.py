@@ -89,6 +89,12 @@ def walk_block_distances(
     return distances, best
 
 
+def holds_within(size: int, copy_bytes: float, budget: float) -> bool:
+    """Whether a holding walk (`walk_block_distances`) fits `budget` bytes: its window of size + 2 whole boundaries
+    and the best block's pair, size + 4 copies of the calibration states (`copy_bytes` each) at most."""
+    return 0 < (size + 4) * copy_bytes <= budget
+
+
 def choose_blocks(distances: dict[int, float], size: int, num_blocks: int) -> list[int]:
     """Starts of `num_blocks` non-overlapping blocks, greedily by smallest distance (ties: the lower start)."""
     chosen: list[int] = []
@@ -127,10 +133,10 @@ def select_blocks_holding(
     num_layers = adapter.num_layers(context.stack)
     size = block_size(num_to_remove, config.num_blocks, num_layers, first_start)
     states = context.new_states(adapter, keep=())
-    (copy_bytes,) = all_reduce_sums(sum(h.numel() * h.element_size() for h in states.runner.inputs))
-    hold = hold_within > 0 and (size + 4) * copy_bytes <= hold_within
-    if hold_within > 0:
-        context.report["held_states"] = hold
+    hold = False
+    if hold_within > 0:  # the same on every rank: `hold_within` is the config's
+        (copy_bytes,) = all_reduce_sums(sum(h.numel() * h.element_size() for h in states.runner.inputs))
+        hold = context.report["held_states"] = holds_within(size, copy_bytes, hold_within)
     with context.timer("selection"):
         distances, held = walk_block_distances(states, size, config.tokens, first_start, hold)
         starts = choose_blocks(distances, size, config.num_blocks)

@@ -67,10 +67,7 @@ def sequential_attention_writes(
             handle.remove()
     if outputs is not None:
         outputs.extend(out.to(inp.device) for out, inp in zip(current, inputs, strict=True))
-    missing = [b for b, write in enumerate(writes) if write is None]
-    if missing:  # the writes are read by batch index: a gap would pair one batch's target with another's inputs
-        raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")
-    return [write for write in writes if write is not None]
+    return _every_batch(writes)
 
 
 @torch.no_grad()
@@ -116,6 +113,12 @@ def attention_writes_from_states(
             writes[b] = write if writes[b] is None else writes[b].add_(write)
 
         run_to_input(runner, layers[index], index, inputs, norm, add, [norm, view.mlp.module])
+    return _every_batch(writes)
+
+
+def _every_batch(writes: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The writes, one per calibration batch. They are read by batch index: a gap would pair one batch's target with
+    another's inputs, so a batch without a write is an error."""
     missing = [b for b, write in enumerate(writes) if write is None]
     if missing:
         raise RuntimeError(f"no attention write was captured on calibration batches {missing}.")

@@ -18,7 +18,7 @@ from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, remova
 from ...ops.ridge import max_refined
 from ...options.methods.flattengpt import resolve_covariance_dtype
 from ...utils import flops
-from .workspace import MAX_EXHAUSTIVE_SUBSETS, _auto_band, cached_member_states, member_runs
+from .workspace import MAX_EXHAUSTIVE_SUBSETS, cached_member_states, member_runs, selection_cache_holds
 
 
 def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str, float]:
@@ -41,8 +41,7 @@ def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str,
     by_loss = kind in ("loss", "wide_loss")
     prebuilt = kind == "loss"
     g = min(config.max_group_size, L) if prebuilt else min(config.max_group_size or n + 1, n + 1, L)
-    band = config.similarity_band or _auto_band(z, config, L)
-    cached = band >= L and config.calibration_mode == "one_pass" and not by_loss
+    cached = selection_cache_holds(z, config)
     p_layer, p_att, p_mlp, p_norm = s.layer_weights, s.attention_weights, s.mlp_weights, s.norm_weights
     groups = n if g == 2 else math.ceil(n / (g - 1))
     sequential = getattr(config, "attention_target", "parallel") == "sequential"

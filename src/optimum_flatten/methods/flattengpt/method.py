@@ -192,7 +192,7 @@ class FlattenGPTMethod(CompressionMethod):
         merged = [tuple(g) for g in groups if len(g) > 1]
         self._cache.keep_only([i for g in merged for i in (g[0], *self.member_states(g, num_layers))])
         return LayerPlan(
-            num_layers=adapter.num_layers(context.stack),
+            num_layers=num_layers,
             groups=groups,
             rule="flatten_prune",
             stack=context.stack,
@@ -539,9 +539,8 @@ class FlattenGPTMethod(CompressionMethod):
                     outputs[b] = None  # type: ignore[call-overload]
 
         with context.timer("covariance"):
-            after = group.indices[-1] + 1
-            if sequential and states and after in states:
-                outputs = states.pop(after)
+            if sequential and states:  # `member_states` names the layer after the group with the MLP's target
+                outputs = states.pop(group.indices[-1] + 1)
             elif sequential and traced_outputs is not None:
                 outputs = traced_outputs
             elif sequential:

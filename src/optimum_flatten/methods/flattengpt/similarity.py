@@ -118,9 +118,9 @@ class SelectionCache:
     call arguments are not recorded a second time) and, when the band held every layer, the unit-normalised inputs
     and token norms of the layers that start a merged group (and of those its sequential targets read). In the
     one-pass mode those are the states the application measures each group on, so it needs no second pass through
-    the original model: the inputs come back
-    as unit × norm, computed in float64 and rounded to the model dtype (equal to the original states but for one
-    rounding of the float32 unit copies: at most about 1e-7 relative in float32; 16-bit states come back exactly).
+    the original model: the inputs come back as unit × norm, computed in float64 and rounded to the model dtype
+    (equal to the original states but for one rounding of the float32 unit copies: at most about 1e-7 relative in
+    float32; 16-bit states come back exactly).
     """
 
     context: MethodContext

@@ -134,7 +134,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     g = min(config.max_group_size, L) if prebuilt else min(config.max_group_size or n + 1, n + 1, L)
     candidates = sum(L - size + 1 for size in range(2, g + 1)) if prebuilt else 0
     band = config.similarity_band or _auto_band(z, config, L)
-    cached = band >= L and config.calibration_mode == "one_pass" and not by_loss
+    cached = selection_cache_holds(z, config)
     scored = min(config.scoring_batches or z.cal.batches, z.cal.batches) if by_loss else 0
     fraction = min(1.0, scored * z.cal.batch_size / z.cal.nsamples)
     scored_states = int(z.S * fraction)
@@ -170,7 +170,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     )
     sequential = getattr(config, "attention_target", "parallel") == "sequential"
     mlp_target = getattr(config, "mlp_target", "parallel") == "sequential"  # refused without mlp_correction
-    reads_cache = cached_member_states(z, config)
+    reads_cache = cached and (sequential or mlp_target)  # `cached_member_states`
     # Per group its first layer's input, and reading the cache, its later members' and the layer's after it.
     per_group_units = 1 + ((g - 1 if sequential else 0) + (1 if mlp_target else 0) if reads_cache else 0)
     cache = Term(
@@ -530,15 +530,17 @@ def member_runs(s: Any, g: int, sequential: bool, mlp_target: bool, cached: bool
     return 0.0, (float(g * p_layer) if mlp_target else 0.0)
 
 
-def cached_member_states(z: WorkspaceSizes, config: Any) -> bool:
-    """Whether the sequential targets read the selection's cached states (`FlattenGPTMethod.member_states`): the
-    cache is there (the similarity selection, one pass, every layer in the band) and a target is sequential."""
+def selection_cache_holds(z: WorkspaceSizes, config: Any) -> bool:
+    """Whether the selection leaves every layer's input for the application (`SelectionCache`): the similarity
+    selection, in the one-pass mode, with every layer in its band."""
     L = z.shape.num_layers
     band = config.similarity_band or _auto_band(z, config, L)
-    cached = (
-        band >= L
-        and config.calibration_mode == "one_pass"
-        and getattr(config, "selection", "similarity") == "similarity"
-    )
+    one_pass = config.calibration_mode == "one_pass"
+    return band >= L and one_pass and getattr(config, "selection", "similarity") == "similarity"
+
+
+def cached_member_states(z: WorkspaceSizes, config: Any) -> bool:
+    """Whether the sequential targets read the selection's cached states (`FlattenGPTMethod.member_states`): the
+    cache is there (`selection_cache_holds`) and a target is sequential."""
     targets = (getattr(config, "attention_target", "parallel"), getattr(config, "mlp_target", "parallel"))
-    return cached and "sequential" in targets
+    return selection_cache_holds(z, config) and "sequential" in targets
