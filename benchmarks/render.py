@@ -268,6 +268,7 @@ GPU_SUMMARY_RUNS = (
     "cost_gpu_llama-2-7b_bfloat16",
     "cost_gpu_llama-2-7b_tf32",
     "cost_gpu_llama-2-7b_replaceme",
+    "cost_gpu_llama-2-7b_replaceme_held",
     "cost_gpu_llama-2-70b_4_layers",
 )
 

@@ -251,10 +251,13 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
         assert passes_only < 0.4 * total
 
 
-#: The rows of the device calls of 2026-11-27 (`benchmarks/cost/gpu_session.py` on an H100, the code as it stands:
-#: the downdated KV-group search, scores read at once; the defaults row with covariance_dtype="auto"): (result file,
-#: config overrides, method, layers removed, options). Each is predicted from config.json alone and checked against
-#: its JSON.
+#: The rows of the device calls of 2026-11-27 (`benchmarks/cost/gpu_session.py` on an H100): the float32, tf32 and
+#: bfloat16 rows from the first call (the downdated KV-group search, scores read at once); the defaults, both
+#: ReplaceMe rows and the 70B row from the second (code of b261fdf: the KV search's removals as a product and a sum,
+#: the cached sequential targets, ReplaceMe's held states; every row with covariance_dtype="auto", which at 70B
+#: widths takes the split products for the heads and float32 for the 57,344-wide MLP). (result file, config
+#: overrides, method, layers removed, options). Each is predicted from config.json alone and checked against its
+#: JSON.
 H100_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H100_ROWS_TODAY = [
     ("cost_gpu_llama-2-7b_defaults", {}, "flattengpt", 7, {}),
@@ -262,24 +265,26 @@ H100_ROWS_TODAY = [
     ("cost_gpu_llama-2-7b_tf32", {}, "flattengpt", 7, {"covariance_dtype": "tf32"}),
     ("cost_gpu_llama-2-7b_bfloat16", {}, "flattengpt", 7, {"covariance_dtype": "bfloat16"}),
     ("cost_gpu_llama-2-7b_replaceme", {}, "replaceme", 7, {}),
+    ("cost_gpu_llama-2-7b_replaceme_held", {}, "replaceme", 7, {"held_states_gb": 24}),
     (
         "cost_gpu_llama-2-70b_4_layers",
         {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 4, "num_attention_heads": 64,
          "num_key_value_heads": 8},
         "flattengpt",
         1,
-        {"covariance_dtype": "float32"},
+        {},
     ),
 ]  # fmt: skip
 #: Phases the model is known to miss at LLaMA-2-7B widths on an H100 (measured / predicted), from the profile of
 #: 2026-11-27 (`benchmarks/results/profile_gpu_llama-2-7b_8_layers_flattengpt.json`): the KV-group search's batched
 #: float64 products over 16 groups of 128 channels ran at about 4% of the FP64 peak (0.40 s a pair for 0.96 TFLOP),
 #: where the model counts 75%; the MLP solve's float32 panel products and triangular solves filled the launch queue
-#: (0.64 s a pair against 0.34). Strict: the day the model (or the code) closes a gap, this list must shrink.
+#: (0.64 s a pair against 0.34). Strict: the day the model (or the code) closes a gap, this list must shrink: the
+#: defaults' total left it with the second call (33.5 s predicted against 43.3 measured, within the quarter; both
+#: known gaps are still under-predicted, attention_solve 2.7 s against 4.1 and solve 2.4 against 4.2).
 H100_KNOWN_GAPS = {
     ("cost_gpu_llama-2-7b_defaults", "attention_solve"),
     ("cost_gpu_llama-2-7b_defaults", "solve"),
-    ("cost_gpu_llama-2-7b_defaults", "total"),
     ("cost_gpu_llama-2-7b_float32", "attention_solve"),
     ("cost_gpu_llama-2-7b_float32", "solve"),
     ("cost_gpu_llama-2-7b_tf32", "attention_solve"),

@@ -11,8 +11,12 @@ Rows:
 2. ``replaceme_held``: ReplaceMe with ``held_states_gb=24``: the selection walk holds the states around the block
    (7 + 4 copies of 2 GiB) and the fit runs one layer on them (never timed on a GPU; the way to its 1.5x goal);
 3. ``replaceme``: ReplaceMe's defaults at the same shape (over the default budget: the fit streams a second walk);
-4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged;
-5. ``bfloat16``: FlattenGPT with ``covariance_dtype="bfloat16"`` (the split bf16 products everywhere);
+4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged (the 40 GiB workspace goal, now
+   that the sequential targets hold the selection's cached states);
+5. ``profile``: FlattenGPT's defaults at LLaMA-2-7B widths, 8 layers built, 2 removed, under `torch.profiler`
+   (diagnostic: where each phase's time goes on the device, the operators and the host synchronisations; the last
+   profile predates the split bfloat16 moments and the cached targets). The ``bfloat16`` row left the call: since
+   ``covariance_dtype="auto"`` resolves to it at 7B widths it measured the defaults twice;
 
 then `kv_search.py` at LLaMA-2-7B widths on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and
 with one factorisation a step), which checks the search's removal scoring on the accelerator (its inner products as
@@ -48,8 +52,7 @@ ROWS: list[tuple[str, list[str], int]] = [
                         "--method-args", '{"held_states_gb": 24}'], 80),
     ("replaceme", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme"], 80),
     ("70b", ["--shape", "llama-2-70b", "--layers", "4", "--num-layers-to-remove", "1"], 100),
-    ("bfloat16", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method-args",
-                  '{"covariance_dtype": "bfloat16"}'], 120),
+    ("profile", ["--shape", "llama-2-7b", "--layers", "8", "--num-layers-to-remove", "2", "--profile"], 100),
 ]  # fmt: skip
 
 
