@@ -265,7 +265,6 @@ def cost_table(paths: list[Path]) -> str:
 GPU_SUMMARY_RUNS = (
     "cost_gpu_llama-2-7b_defaults",
     "cost_gpu_llama-2-7b_float32",
-    "cost_gpu_llama-2-7b_bfloat16",
     "cost_gpu_llama-2-7b_tf32",
     "cost_gpu_llama-2-7b_replaceme",
     "cost_gpu_llama-2-7b_replaceme_held",

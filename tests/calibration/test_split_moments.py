@@ -2,11 +2,12 @@
 
 A product of two bfloat16 numbers is exact in float32. Each centred activation y = x − c (float32) is split into
 two bfloat16 parts, hi + lo = y to 2⁻¹⁶|y| (exactly when y has at most 16 significant bits, as the difference of a
-bfloat16 activation and the bfloat16 centre within a factor 2⁷ of it does), and `split_gram` takes every cross term
-but lo·loᵀ from two GEMMs with exact products and float32 sums over one chunk of tokens; the chunks add up in float64.
-So each entry is within (3·2⁻¹⁶ + 2⁻²³ + γ₂ₖ₊₁(float32)) Σ|y_i||y_j| of the float64 scatter (k tokens a chunk), up to
-a (1 + 2⁻⁷) factor for lo's share of the sums. On the CPU the same arithmetic runs in float32 GEMMs (the products are
-exact either way); on CUDA it runs on the bfloat16 tensor cores (the `gpu` cases).
+bfloat16 activation and the bfloat16 centre within a factor 2⁷ of it does), and `add_lower_split_gram_` takes every
+cross term but lo·loᵀ from one stacked GEMM ([hi; hi; lo]ᵀ [hi; lo; hi]) per band of the lower block triangle, with
+exact products and float32 sums over one chunk of tokens; the chunks add up in float64 and the triangle is mirrored
+once. So each entry is within (3·2⁻¹⁶ + 2⁻²³ + γ₃ₖ(float32)) Σ|y_i||y_j| of the float64 scatter (k tokens a chunk),
+up to a (1 + 2⁻⁷) factor for lo's share of the sums. On the CPU the same arithmetic runs in float32 GEMMs (the
+products are exact either way); on CUDA it runs on the bfloat16 tensor cores (the `gpu` cases).
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from optimum_flatten.calibration.stats import (
     CentredSecondMoment,
     CrossMoment,
     SecondMoment,
+    add_lower_split_gram_,
+    mirror_lower_,
     split_bfloat16,
     split_cross,
-    split_gram,
-    symmetrise_,
 )
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
 def _split_bound(chunk: int) -> float:
-    return (1 + 2.0**-7) * (3 * 2.0**-16 + 2.0**-23 + gamma(2 * chunk + 1, torch.float32))
+    return (1 + 2.0**-7) * (3 * 2.0**-16 + 2.0**-23 + gamma(3 * chunk, torch.float32))
 
 
 def _activations(dim: int = 96, batches: int = 3, offset: float = 40.0, seed: int = 0) -> list[torch.Tensor]:
@@ -60,15 +61,25 @@ def test_the_split_is_exact_near_the_centre_and_within_two_to_the_minus_sixteen_
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_split_gram_is_within_its_bound_and_symmetric(device):
+@pytest.mark.parametrize("band", [7, 16, 48, 64])
+def test_the_lower_split_gram_is_within_its_bound_and_leaves_the_upper_triangle(device, band):
+    """Each band adds only the rows from its first column on: above the diagonal blocks the matrix is untouched
+    (NaN stays NaN) until `mirror_lower_` with the same band fills it, and then it is symmetric and within the bound
+    everywhere. A band that does not divide the width (7, 16 of 48 with a ragged last band: 48 is a multiple) and one
+    wider than it (64: one band, the whole square) are covered."""
     generator = torch.Generator().manual_seed(1)
     y = torch.randn(300, 48, generator=generator) * torch.logspace(-3, 2, 48)
-    result = split_gram(y.to(device)).cpu()
+    out = torch.full((48, 48), float("nan"), dtype=torch.float64, device=device)
+    for start in range(0, 48, band):
+        out[start:, start : start + band] = 0.0  # what the callers' zeros are, below and on the diagonal blocks
+    add_lower_split_gram_(out, y.to(device), band)
+    for start in range(0, 48, band):
+        assert bool(out[:start, start : start + band].isnan().all())  # above: untouched
+        assert not bool(out[start:, start : start + band].isnan().any())
+    result = mirror_lower_(out, band, diagonal_blocks=True).cpu()
     exact = y.double().T @ y.double()
-    assert_within(result, exact, _split_bound(300) * (y.abs().double().T @ y.abs().double()), "split_gram")
+    assert_within(result, exact, _split_bound(300) * (y.abs().double().T @ y.abs().double()), "lower split gram")
     assert torch.equal(result, result.T)
-    unsymmetric = split_gram(y.to(device), symmetric=False).cpu().double()
-    assert torch.equal(symmetrise_(unsymmetric.clone(), block=7), (unsymmetric + unsymmetric.T) / 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)

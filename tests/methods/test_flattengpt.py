@@ -233,7 +233,7 @@ def test_similarity_band_bounds_memory_and_keeps_the_needed_diagonal():
 
 
 def test_split_bfloat16_statistics_choose_what_float64_chooses():
-    """`covariance_dtype="bfloat16"` (both moments from split bfloat16 products, `calibration.stats.split_gram`) keeps
+    """`covariance_dtype="bfloat16"` (both moments from split bfloat16 products, `add_lower_split_gram_`) keeps
     the float64 reference's groups, KV groups and channels, and its refit down projection agrees to 1e-4 of the
     largest weight (the float32 path's agrees to about the same; the split's bound is 3·2⁻¹⁶ per product)."""
     original = tiny_models.tiny_llama_gqa()

@@ -76,23 +76,29 @@ def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 _FLOAT32_OUTPUT_MISSING = False
 
 
-def split_gram(y: torch.Tensor, symmetric: bool = True) -> torch.Tensor:
-    """yᵀ y of a float32 (tokens × dim) `y` from two bfloat16 GEMMs with exact products and float32 sums.
+def add_lower_split_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None = None) -> torch.Tensor:
+    """out += yᵀ y of a float32 (tokens × dim) `y` on its lower block triangle only (bands of `band` columns, the
+    diagonal blocks whole; `mirror_lower_` with the same band fills the rest once), from bfloat16 GEMMs with exact
+    products and float32 sums. Returns `out` (float64 on the callers' paths: each band's float32 product is added
+    into it, so the float32 sums run over `y`'s rows only).
 
     With (hi, lo) = `split_bfloat16(y)`, yᵀy = hiᵀhi + hiᵀlo + loᵀhi + (loᵀlo and the split's remainder, below
-    3·2⁻¹⁶ |y_i||y_j| per token together), and hiᵀhi + hiᵀlo + loᵀhi is the symmetric part of S = hiᵀ(hi + 2·lo),
-    which is one GEMM of [hi; hi]ᵀ by [hi; 2·lo] (2·lo is exact: a power-of-two scale). So the returned matrix,
-    (S + Sᵀ)/2, has every entry within (3·2⁻¹⁶ + γ₂ₙ₊₁) Σ_tokens |y_i||y_j| of the exact one (γ: the float32
-    sums of the 2n-term dot products, and the symmetrising add), about 4.6e-5 in all where TF32 allows 2e-3.
-    With ``symmetric=False`` S itself is returned, for a caller that sums several and symmetrises once
-    (`symmetrise_`): no second dim² temporary.
+    3·2⁻¹⁶ |y_i||y_j| per token together). The three terms are one symmetric GEMM, [hi; hi; lo]ᵀ [hi; lo; hi] (3n
+    rows), so each band takes only the rows from its first column on: (dim + band)/(2·dim) of the square's products
+    and of its float64 adds (0.55 at LLaMA-2-7B's merged MLP of 22,016 channels and bands of 2,048). Every entry
+    computed is within (3·2⁻¹⁶ + γ₃ₙ) Σ_tokens |y_i||y_j| of the exact one (γ: the float32 sums of the 3n-term dot
+    products), up to a (1 + 2⁻⁷) factor for lo's share of the sums.
     """
+    dim = y.shape[1]
+    band = band or SPLIT_GRAM_BAND
     hi, lo = split_bfloat16(y)
-    left, right = torch.cat([hi, hi]), torch.cat([hi, lo * 2])
-    flops.record(flops.product(y.shape[1], left.shape[0], y.shape[1]), "bfloat16")
-    product = _float32_product(left.T, right)
-    del left, right, hi, lo
-    return product.add_(product.T.clone()).mul_(0.5) if symmetric else product
+    left, right = torch.cat([hi, hi, lo]), torch.cat([hi, lo, hi])
+    del hi, lo
+    for start in range(0, dim, band):
+        stop = min(start + band, dim)
+        flops.record(flops.product(dim - start, left.shape[0], stop - start), "bfloat16")
+        out[start:, start:stop].add_(_float32_product(left[:, start:].T, right[:, start:stop]))
+    return out
 
 
 def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -110,18 +116,6 @@ def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _float32_product(left.T, right)
 
 
-def symmetrise_(matrix: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """(M + Mᵀ)/2 in place, a pair of blocks at a time (one block's temporary, no second n² matrix)."""
-    n = matrix.shape[0]
-    for i in range(0, n, block):
-        for j in range(i, n, block):
-            upper, lower = matrix[i : i + block, j : j + block], matrix[j : j + block, i : i + block]
-            mean = (upper + lower.T).mul_(0.5)
-            upper.copy_(mean)
-            lower.copy_(mean.T)
-    return matrix
-
-
 #: Devices whose float32 Gram products (`add_lower_gram_`) take only the lower block triangle of yᵀy, a band of
 #: `GRAM_BAND` columns at a time, and mirror it once when the statistic is read: (d + b)/(2d) of the full product's
 #: multiply-adds. On the CPU that is the time too (4,096 tokens x 3,072 channels, one thread: 0.46 -> 0.29 s, and the
@@ -131,6 +125,13 @@ TRIANGULAR_GRAM_DEVICES = ("cpu",)
 #: Columns per band of `add_lower_gram_`: narrow enough to skip most of the upper triangle, wide enough that each
 #: band stays one efficient GEMM (384 to 768 timed within 5% of each other at 3,072 channels).
 GRAM_BAND = 384
+#: Columns per band of `add_lower_split_gram_` (the split bfloat16 path, on CUDA's tensor cores): each band's GEMM
+#: is at least 2,048 columns by 3 × 4,096 token rows, the size at which an H100's bfloat16 GEMMs run near their rate,
+#: and the skipped upper triangle is still 45% of the square at 22,016 channels (37.5% at 8,192).
+SPLIT_GRAM_BAND = 2048
+#: Tokens per split product: the float32 sums run over 3 × this many rows, and the stacked parts of one chunk
+#: (12 bytes a value) are the path's largest temporary.
+SPLIT_CHUNK_TOKENS = 4096
 
 
 def triangular_gram(device: torch.device) -> bool:
@@ -152,13 +153,23 @@ def add_lower_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None = None)
     return out
 
 
-def mirror_lower_(matrix: torch.Tensor, band: int | None = None) -> torch.Tensor:
+def mirror_lower_(matrix: torch.Tensor, band: int | None = None, diagonal_blocks: bool = False) -> torch.Tensor:
     """Copies the lower block triangle `add_lower_gram_` fills (with the same `band`) onto the entries above it, so the
-    matrix is symmetric; one band's copy at a time. Returns `matrix`."""
+    matrix is symmetric; one band's copy at a time. Returns `matrix`.
+
+    A float32 GEMM's diagonal blocks of yᵀy are symmetric as computed (entry (i, j) and (j, i) sum the same products
+    in the same order), and are left as they are. `add_lower_split_gram_`'s are not (hiᵀlo + loᵀhi sums its two
+    terms in the other order across the diagonal): ``diagonal_blocks=True`` also copies each diagonal block's
+    lower triangle onto its upper one."""
     band = band or GRAM_BAND
-    for start in range(band, matrix.shape[0], band):
+    for start in range(0, matrix.shape[0], band):
         stop = min(start + band, matrix.shape[0])
-        matrix[:start, start:stop].copy_(matrix[start:stop, :start].T)
+        if start:
+            matrix[:start, start:stop].copy_(matrix[start:stop, :start].T)
+        if diagonal_blocks:
+            block = matrix[start:stop, start:stop]
+            upper = torch.ones_like(block, dtype=torch.bool).triu_(1)
+            block.copy_(torch.where(upper, block.T, block))
     return matrix
 
 
@@ -229,9 +240,11 @@ class SecondMoment(_MaskedMoment):
     Centring removes the large common component that makes an uncentred float32 product lose the small directions;
     it costs half of a float64 product on CPUs. float64 inputs take the float64 path. ``tf32=True`` runs the per-batch
     centred product on CUDA's TF32 tensor cores, as `CentredSecondMoment` does (same bound; nothing changes on the CPU).
-    ``split_bfloat16=True`` runs it as two bfloat16 GEMMs with exact products (`split_gram`: within 3·2⁻¹⁶ of
-    Σ|y_i||y_j| beside the float32 sums' γ), on the tensor cores on CUDA; the batch's centre is then rounded to
-    bfloat16, so that a bfloat16 activation less it is exact in the split for values within 2⁸ of it.
+    ``split_bfloat16=True`` adds the product's lower block triangle straight into the float64 sum from bfloat16 GEMMs
+    with exact products, `SPLIT_CHUNK_TOKENS` tokens at a time (`add_lower_split_gram_`: within 3·2⁻¹⁶ of
+    Σ|y_i||y_j| beside the float32 sums' γ), on the tensor cores on CUDA, and mirrors it once when the sum is read;
+    the batch's centre is then rounded to bfloat16, so that a bfloat16 activation less it is exact in the split for
+    values within 2⁸ of it.
     """
 
     def __init__(
@@ -239,6 +252,8 @@ class SecondMoment(_MaskedMoment):
     ) -> None:
         super().__init__(tf32, split_bfloat16)
         self.sum = torch.zeros(dim, dim, dtype=torch.float64, device=device)
+        #: Whether entries above the diagonal blocks are stale until `_mirror` (a split product was added).
+        self.lower_only = False
 
     def _home(self) -> torch.Tensor:
         return self.sum
@@ -251,25 +266,35 @@ class SecondMoment(_MaskedMoment):
         else:
             total = float64_column_sum(flat)
             centre = self._centre(total, n)
-            centred = flat.float() - centre
             m = centre.double()
-            # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
-            if self.split:
-                product = split_gram(centred)
-            elif triangular_gram(self.sum.device) and not self.tf32:
-                product = mirror_lower_(add_lower_gram_(centred.new_zeros(dim, dim), centred))
+            if self.split:  # a chunk's centred copy at a time, its products added into the sum by bands
+                for chunk in flat.split(SPLIT_CHUNK_TOKENS):
+                    add_lower_split_gram_(self.sum, chunk.float() - centre)
+                self.lower_only = True
             else:
-                flops.record(flops.gram(n, dim), flops.precision_of("float32", self.tf32))
-                with tf32_matmul(self.tf32 and self.sum.device.type == "cuda"):
-                    product = centred.T @ centred
-            self.sum.add_(product)
-            del product
+                centred = flat.float() - centre
+                # In place: a float64 copy of the product or of an outer product would be another dim² matrix.
+                if triangular_gram(self.sum.device) and not self.tf32:
+                    product = mirror_lower_(add_lower_gram_(centred.new_zeros(dim, dim), centred))
+                else:
+                    flops.record(flops.gram(n, dim), flops.precision_of("float32", self.tf32))
+                    with tf32_matmul(self.tf32 and self.sum.device.type == "cuda"):
+                        product = centred.T @ centred
+                self.sum.add_(product)
+                del product, centred
             self.sum.addr_(m, total).addr_(total, m).addr_(m, m, alpha=-n)
         self.count += n
+
+    def _mirror(self) -> None:
+        """Fills the entries above the diagonal blocks from below, where split products left them stale."""
+        if self.lower_only:
+            mirror_lower_(self.sum, SPLIT_GRAM_BAND, diagonal_blocks=True)
+            self.lower_only = False
 
     def mean(self) -> torch.Tensor:
         if self.count == 0:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
+        self._mirror()
         return self.sum / self.count
 
     def finish(self) -> torch.Tensor:
@@ -277,6 +302,7 @@ class SecondMoment(_MaskedMoment):
 
         Under a sharded calibration the sum and the count are first summed over the ranks (the statistic is complete
         only then)."""
+        self._mirror()
         if is_sharded():
             all_reduce_(self.sum)
             (count,) = all_reduce_sums(self.count)
@@ -309,11 +335,12 @@ class CentredSecondMoment(_MaskedMoment):
     covariance phase at LLaMA-2-7B shape on an H100 went from 36 to 11 s. It changes nothing on the CPU, which has
     no TF32.
 
-    ``split_bfloat16=True`` runs each chunk's product as two bfloat16 GEMMs with exact products (`split_gram`) and
-    sums the chunks in a float64 scatter (twice the memory of the float32 one): each entry within
-    (3·2⁻¹⁶ + 2⁻²³ + γ₂ₖ₊₁) Σ |y_i||y_j| of the float64 scatter (k = `chunk_tokens`; the float32 sums run over one
-    chunk only, where the float32 scatter's run over every token), at the bfloat16 tensor cores' rate on CUDA. The
-    centre is rounded to bfloat16, so that a bfloat16 activation within a factor 2⁷ of it splits exactly.
+    ``split_bfloat16=True`` adds each chunk's product into a float64 scatter (twice the memory of the float32 one),
+    its lower block triangle only, from bfloat16 GEMMs with exact products (`add_lower_split_gram_`), and mirrors
+    it once in `finish`: each entry within (3·2⁻¹⁶ + 2⁻²³ + γ₃ₖ) Σ |y_i||y_j| of the float64 scatter
+    (k = `chunk_tokens`; the float32 sums run over one chunk's three stacked parts only, where the float32
+    scatter's run over every token), at the bfloat16 tensor cores' rate on CUDA. The centre is rounded to bfloat16,
+    so that a bfloat16 activation within a factor 2⁷ of it splits exactly.
     """
 
     def __init__(
@@ -330,8 +357,10 @@ class CentredSecondMoment(_MaskedMoment):
         self.total = torch.zeros(dim, dtype=torch.float64, device=device)
         self.centre: torch.Tensor | None = None
         self.chunk_tokens = chunk_tokens
-        #: The float32 scatter holds its lower block triangle only until `finish` (`add_lower_gram_`).
-        self.lower_only = not split_bfloat16 and not tf32 and triangular_gram(self.scatter.device)
+        #: The scatter holds its lower block triangle only until `finish` (`add_lower_gram_` on the CPU's float32
+        #: path, `add_lower_split_gram_` on the split path), in bands of `band` columns.
+        self.lower_only = split_bfloat16 or (not tf32 and triangular_gram(self.scatter.device))
+        self.band = SPLIT_GRAM_BAND if split_bfloat16 else GRAM_BAND
 
     def _home(self) -> torch.Tensor:
         return self.scatter
@@ -342,14 +371,10 @@ class CentredSecondMoment(_MaskedMoment):
         if self.centre is None:
             self.centre = self._centre(total, n)
         self.total.add_(total)
-        if self.split:
-            for chunk in flat.split(self.chunk_tokens):
-                self.scatter.add_(split_gram(chunk.float() - self.centre, symmetric=False))
-            self.count += n
-            return
         if self.lower_only:  # the upper triangle is filled once, in `finish`
+            add_lower = add_lower_split_gram_ if self.split else add_lower_gram_
             for chunk in flat.split(self.chunk_tokens):
-                add_lower_gram_(self.scatter, chunk.float() - self.centre)
+                add_lower(self.scatter, chunk.float() - self.centre, self.band)
             self.count += n
             return
         flops.record(flops.gram(n, flat.shape[1]), flops.precision_of("float32", self.tf32))
@@ -363,14 +388,12 @@ class CentredSecondMoment(_MaskedMoment):
         """The statistic as a `CentredMoment` (the running scatter is divided in place and handed over); under a
         sharded calibration, summed over the ranks first (`_all_reduce_`)."""
         if self.lower_only:  # before the ranks' sum, whose moves between centres touch every entry
-            mirror_lower_(self.scatter)
+            mirror_lower_(self.scatter, self.band, diagonal_blocks=self.split)
         if is_sharded():
             self._all_reduce_()
         if self.count == 0 or self.centre is None:
             raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
         mean = self.total / self.count
-        if self.split:
-            symmetrise_(self.scatter)
         result = CentredMoment(self.scatter.div_(self.count), mean, mean - self.centre.double())
         self.scatter = None
         return result

@@ -59,6 +59,12 @@ def gram(tokens: int, dim: int, other: int | None = None) -> int:
     return 2 * tokens * dim * (dim if other is None else other)
 
 
+def lower_gram(tokens: int, dim: int, band: int) -> int:
+    """Xᵀ X over `tokens` rows on its lower block triangle only, in bands of `band` columns (each band the rows from
+    its first column on): (dim + band)/(2·dim) of `gram` when the band divides the width."""
+    return sum(product(dim - start, tokens, min(band, dim - start)) for start in range(0, dim, band))
+
+
 def cholesky(n: int) -> float:
     return n**3 / 3
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...calibration.stats import SPLIT_GRAM_BAND
 from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
 from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, removal_chunks
@@ -185,11 +186,12 @@ def _refit(tally: Tally, k: int, r: int, d: int, towards_target: bool) -> None:
 
 def _moment(tokens: int, dim: int, precision: str, float64_model: bool) -> tuple[float, str]:
     """(flops, precision) of a second moment's products: float64 for a float64 model; the split bfloat16 products
-    (one GEMM of twice the tokens, `split_gram`); else float32, on TF32 tensor cores for ``"tf32"``."""
+    (the lower block triangle of one GEMM of three times the tokens, `add_lower_split_gram_`); else float32, on TF32
+    tensor cores for ``"tf32"``."""
     if float64_model:
         return flops.gram(tokens, dim), "float64"
     if precision == "bfloat16":
-        return 2 * flops.gram(tokens, dim), "bfloat16"
+        return flops.lower_gram(3 * tokens, dim, SPLIT_GRAM_BAND), "bfloat16"
     return flops.gram(tokens, dim), flops.precision_of("float32", precision == "tf32")
 
 

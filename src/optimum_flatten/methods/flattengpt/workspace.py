@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ...calibration.stats import SPLIT_GRAM_BAND
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 from ...ops.block_elimination import removal_chunks
 from ...ops.ridge import max_refined
@@ -277,8 +278,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     upcast = 4 if b != 4 else 0
     # The masked token copy, then per chunk its float64 column sum or its float32 centred copy (and the cast to it).
     update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * max(8, 4 + upcast)
-    if split:  # the masked copy; per chunk its centred float32 copy, hi and lo, the two stacked pairs, the product
-        update = z.Tb * width * b + chunk * width * (4 + 4 + 2 * 2 + 4 * 2) + 4 * width * width
+    if split:  # the masked copy; per chunk its centred float32 copy, hi and lo, the two stacked triples, a band
+        update = z.Tb * width * b + chunk * width * (4 + 2 * 2 + 2 * 6) + 4 * width * min(SPLIT_GRAM_BAND, width)
     # The MLP peaks at act(gate), up and their product; at the hook only the product (the down input) is left.
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)

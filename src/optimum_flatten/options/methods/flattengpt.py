@@ -118,17 +118,18 @@ class FlattenGPTConfig(MethodConfig):
             bound tested on CUDA); the same as ``"float32"`` on the CPU. ``"bfloat16"``: the same two products on
             bfloat16 tensor cores with exact products: each centred activation is split into two bfloat16 parts
             (exact for a bfloat16 activation within a factor 2⁷ of the bfloat16 centre, 2⁻¹⁶ relative otherwise),
-            two GEMMs give every cross term with float32 sums over one chunk of tokens, and the chunks add up in a
-            float64 scatter: within (3·2⁻¹⁶ + γ) of the float32 path's own bound where TF32 allows 2·2⁻¹⁰
-            (`calibration.stats.split_gram`, tested against float64), at twice the flops of one bfloat16 GEMM and
-            twice the float32 scatter's memory (8·(2·d_int)² bytes: 3.6 GiB at LLaMA-2-7B, 24.5 GiB at 70B, where
+            one stacked GEMM per band of the lower block triangle gives every cross term with float32 sums over one
+            chunk of tokens, and the chunks add up in a float64 scatter mirrored once: within (3·2⁻¹⁶ + γ) of the
+            float32 path's own bound where TF32 allows 2·2⁻¹⁰ (`calibration.stats.add_lower_split_gram_`, tested
+            against float64), at 1.6 times the flops of one bfloat16 GEMM at 22,016 channels and twice the float32
+            scatter's memory (8·(2·d_int)² bytes: 3.6 GiB at LLaMA-2-7B, 24.5 GiB at 70B, where
             ``"float32"`` is the one that fits); with the sequential targets their cross moments with the targets
             too, centred, three bfloat16 cross terms in one GEMM (`calibration.stats.split_cross`) instead of
             float64 products. On the CPU the same arithmetic runs in float32 GEMMs. ``"auto"`` (the default):
             ``"bfloat16"`` for a statistic of at most 32,768 channels when the activations are bfloat16 on a CUDA
             device (exact there up to summation order: `resolve_covariance_dtype`), else ``"float32"``;
             each group's report says which it took. On an H100 at LLaMA-2-7B shape it took FlattenGPT from 10.4 to
-            6.3 dense forwards (benchmarks/RESULTS.md); every CPU measurement is unchanged.
+            6.3 dense forwards (5.7 with today's code; benchmarks/RESULTS.md); every CPU measurement is unchanged.
     """
 
     selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
