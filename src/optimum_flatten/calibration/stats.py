@@ -470,6 +470,13 @@ class CentredMoment:
         self.scatter = None
 
 
+#: Output columns per float32 product of `CrossMoment`'s centred path: its temporary is the input width × this
+#: (59 MiB at LLaMA-2-70B's merged MLP of 57,344 channels), where the float64 path adds into its sum in place.
+CROSS_BLOCK = 256
+#: Rows per float64 cast in `CrossMoment`'s centred path's column sums.
+COLUMN_SUM_ROWS = 256
+
+
 class CrossMoment:
     """S = E[x yᵀ] and E‖y‖² over valid tokens, from float64 running sums, a chunk of tokens at a time.
 
@@ -481,6 +488,16 @@ class CrossMoment:
     tensor cores instead, with the arithmetic of `split_cross`: both sides centred on the batch's means rounded to
     bfloat16 (the mean part added back exactly in float64, as `SecondMoment` does), each entry of a chunk's product
     within (3·2⁻¹⁶ + γ₃ₖ) Σ |x_i − c_i||y_j − e_j| of the float64 one (k = `chunk_tokens`), chunks summed in float64.
+
+    ``centred_float32=True`` (FlattenGPT's float32 and tf32 statistics of float32 activations) takes each chunk's
+    product in float32 on the
+    same centred sides, the centres the batch's means rounded to float32 and the mean part again added back in
+    float64: each entry of a chunk's product within γₖ₊₂ Σ |x_i − c_i||y_j − e_j| of the float64 one (the centring's
+    two float32 roundings and the float32 sums of one chunk), chunks summed in float64. Why: the float64 products
+    and the float64 copies of both sides were a quarter of FlattenGPT's CPU compression (a float64 GEMM runs at half
+    the float32 rate there; on an H100 the two rates are the same), and centring removes the common component that
+    would make a float32 sum lose the small directions, as it does for `SecondMoment`. float64 inputs keep the
+    float64 path.
     """
 
     def __init__(
@@ -490,12 +507,16 @@ class CrossMoment:
         device: torch.device | str = "cpu",
         chunk_tokens: int = 4096,
         split_bfloat16: bool = False,
+        centred_float32: bool = False,
     ) -> None:
+        if split_bfloat16 and centred_float32:
+            raise ValueError("CrossMoment takes split_bfloat16=True or centred_float32=True, not both.")
         self.sum = torch.zeros(dim, out_dim, dtype=torch.float64, device=device)
         self.energy = 0.0
         self.count = 0
         self.chunk_tokens = chunk_tokens
         self.split = split_bfloat16
+        self.centred = centred_float32
 
     def update(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Adds the tokens of `x` (batch, seq, dim) and `y` (batch, seq, out_dim) whose mask is 1."""
@@ -506,6 +527,9 @@ class CrossMoment:
         if self.split:
             self._add_split(xs, ys)
             return
+        if self.centred and xs.dtype != torch.float64 and ys.dtype != torch.float64:
+            self._add_centred(xs, ys)
+            return
         flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
         for start in range(0, xs.shape[0], self.chunk_tokens):
             a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
@@ -513,6 +537,29 @@ class CrossMoment:
             self.sum.addmm_(a.T, b)
             self.energy += float(b.square().sum())
         self.count += xs.shape[0]
+
+    def _add_centred(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
+        """One batch on the centred float32 path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the
+        float64 column sums and c, e the batch's means rounded to float32; E‖y‖² from float64 copies of y's chunks."""
+        n = xs.shape[0]
+        if n == 0:
+            return
+        xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
+        # Column sums a few rows at a time: their float64 casts stay small beside the chunk's float32 copies.
+        sum_x, sum_y = float64_column_sum(xs, COLUMN_SUM_ROWS), float64_column_sum(ys, COLUMN_SUM_ROWS)
+        centre_x, centre_y = batch_centre(sum_x, n, split=False), batch_centre(sum_y, n, split=False)
+        flops.record(flops.gram(n, xs.shape[1], ys.shape[1]), "float32")
+        for start in range(0, n, self.chunk_tokens):
+            b = ys[start : start + self.chunk_tokens]
+            a = xs[start : start + self.chunk_tokens].float() - centre_x
+            centred = b.float() - centre_y
+            # By blocks of output columns: the float32 product's temporary stays dim × CROSS_BLOCK.
+            for j in range(0, centred.shape[1], CROSS_BLOCK):
+                self.sum[:, j : j + CROSS_BLOCK].add_(a.T @ centred[:, j : j + CROSS_BLOCK])
+            self.energy += float(b.double().square().sum())
+        c, e = centre_x.double(), centre_y.double()
+        self.sum.addr_(c, sum_y).addr_(sum_x, e).addr_(c, e, alpha=-n)
+        self.count += n
 
     def _add_split(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
         """One batch on the split path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the float64

@@ -19,7 +19,7 @@ from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, remova
 from ...ops.ridge import max_refined
 from ...options.methods.flattengpt import resolve_covariance_dtype
 from ...utils import flops
-from .workspace import MAX_EXHAUSTIVE_SUBSETS, cached_member_states, member_runs, selection_cache_holds
+from .workspace import MAX_EXHAUSTIVE_SUBSETS, cached_member_states, cross_path, member_runs, selection_cache_holds
 
 
 def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str, float]:
@@ -87,13 +87,13 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     """The arithmetic of each phase, as the ops record it: per merged group (g members, `groups` of them),
 
     - head_scoring: the o_proj input's second moment, 2·N·(g·H·d_h)² (float32, or TF32 when asked), and with the
-      sequential attention target its float64 cross moment with the writes, 2·N·(g·H·d_h)·d (bfloat16 statistics:
-      three times that in bfloat16);
+      sequential attention target its cross moment with the writes, 2·N·(g·H·d_h)·d (float32 for float32 and tf32
+      statistics, float64 for float64 ones; bfloat16 statistics: three times that in bfloat16);
     - attention_solve: the KV groups' search (exhaustive: one refit and error per subset; greedy: per elimination
       step one Cholesky factor and inverse of the kept block, k³/3 + 2k³, two k²·d products, and per remaining KV
       group its small solves and the five scalars it reads), then the kept heads' refit;
-    - covariance: the wide MLP's second moment 2·N·(g·i)², and with the sequential MLP target its float64 cross
-      moment with the target, 2·N·(g·i)·d;
+    - covariance: the wide MLP's second moment 2·N·(g·i)², and with the sequential MLP target its cross moment with
+      the target, 2·N·(g·i)·d (in the precision the head scoring's takes);
     - solve: float32 statistics: the packed Cholesky factor of C + λI and the diagonal of its inverse by panels
       (about w³/3 each, w = g·i), the float64 re-scoring of at most `max_refined(w)` channels near the cut (a
       bound: the number within rounding of the cut is known only at run time), one copy of the scores to the host
@@ -127,7 +127,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     if needs_o:
         head_scoring.add(*_moment(N, hw, heads_precision, float64_model))
     if sequential:  # the cross moment with the target: float64, or three split bfloat16 terms in one GEMM
-        head_scoring.add(*_cross(N, hw, d, heads_precision))
+        head_scoring.add(*_cross(N, hw, d, heads_precision, s.dtype))
 
     attention = Tally()
     if needs_o:
@@ -142,7 +142,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     else:
         covariance.add(*_moment(N, w, mlp_precision, float64_model))
     if mlp_target:
-        covariance.add(*_cross(N, w, d, mlp_precision))
+        covariance.add(*_cross(N, w, d, mlp_precision, s.dtype))
 
     solve = Tally()
     if mlp_precision == "float64":
@@ -195,12 +195,14 @@ def _moment(tokens: int, dim: int, precision: str, float64_model: bool) -> tuple
     return flops.gram(tokens, dim), flops.precision_of("float32", precision == "tf32")
 
 
-def _cross(tokens: int, dim: int, out: int, precision: str) -> tuple[float, str]:
-    """(flops, precision) of a `CrossMoment` over `tokens`: float64 products, or on the split bfloat16 path
-    `split_cross`'s one bfloat16 GEMM over three times the tokens."""
-    if precision == "bfloat16":
+def _cross(tokens: int, dim: int, out: int, precision: str, dtype: str) -> tuple[float, str]:
+    """(flops, precision) of a `CrossMoment` over `tokens` on activations of `dtype` (`cross_path`): on the split
+    bfloat16 path `split_cross`'s one bfloat16 GEMM over three times the tokens; float32 products on the centred
+    path; else float64 products."""
+    path = cross_path(precision, dtype)
+    if path == "split":
         return 3 * flops.gram(tokens, dim, out), "bfloat16"
-    return flops.gram(tokens, dim, out), "float64"
+    return flops.gram(tokens, dim, out), "float32" if path == "centred" else "float64"
 
 
 def _kv_search(tally: Tally, s: Any, g: int, d: int, towards_target: bool) -> None:

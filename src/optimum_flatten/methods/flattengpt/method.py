@@ -62,6 +62,12 @@ from .workspace import MLP_CROSS_CHUNK, flattengpt_workspace
 
 logger = logging.getLogger(__name__)
 
+#: The statistics' precisions whose cross moments with a target are centred float32 products summed in float64
+#: when the activations are float32 (`CrossMoment(centred_float32=True)`; `workspace.cross_path`); "float64" keeps
+#: float64 products, "bfloat16" the split ones, and bfloat16 activations under float32 statistics (LLaMA-2-70B's
+#: MLP on a GPU) the float64 products their GPU rows measured.
+FLOAT32 = ("float32", "tf32")
+
 
 @dataclass(frozen=True)
 class _WideBlock:
@@ -428,7 +434,12 @@ class FlattenGPTMethod(CompressionMethod):
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
         heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
-        cross = CrossMoment(heads_width, hidden, device, split_bfloat16=split) if sequential else None
+        centred = precision in FLOAT32 and view.attention.o.weight.dtype == torch.float32
+        cross = (
+            CrossMoment(heads_width, hidden, device, split_bfloat16=split, centred_float32=centred)
+            if sequential
+            else None
+        )
         bias = None if getattr(o_module, "bias", None) is None else o_module.bias.detach().float()
 
         def on_heads(b: int, x: torch.Tensor) -> None:
@@ -521,7 +532,12 @@ class FlattenGPTMethod(CompressionMethod):
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
         hidden = view.mlp.down.weight.shape[0]
-        cross = CrossMoment(width, hidden, device, MLP_CROSS_CHUNK, split_bfloat16=split) if sequential else None
+        centred = precision in FLOAT32 and view.mlp.down.weight.dtype == torch.float32
+        cross = (
+            CrossMoment(width, hidden, device, MLP_CROSS_CHUNK, split_bfloat16=split, centred_float32=centred)
+            if sequential
+            else None
+        )
         bias = None if getattr(down, "bias", None) is None else down.bias.detach().float()
         outputs: list[torch.Tensor] = []
         residual: list[torch.Tensor] = []  # the MLP norm's input of the batch running (read before its down input)

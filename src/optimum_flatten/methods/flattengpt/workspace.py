@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...calibration.stats import SPLIT_GRAM_BAND
+from ...calibration.stats import CROSS_BLOCK, SPLIT_GRAM_BAND
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 from ...ops.block_elimination import removal_chunks
 from ...ops.ridge import max_refined
@@ -57,13 +57,26 @@ def _attention_solve_bytes(
     return max(refit, greedy)
 
 
-def _cross_update(chunk: int, dim: int, out: int, split: bool) -> int:
-    """One chunk of a `CrossMoment` update: the float64 copies of both sides; or, split (``covariance_dtype=
-    "bfloat16"``), the centred float32 side, its hi and lo and the stacked three (10 bytes a value on the wide side,
-    14 on the other while the first is still alive), and the float32 product (4·dim·out)."""
-    if split:
+def _cross_update(chunk: int, dim: int, out: int, path: str, b: int) -> int:
+    """One chunk of a `CrossMoment` update (activations of `b` bytes a value, a float32 target): on the float64
+    path the float64 copies of both sides; on the centred float32 path (``path="centred"``, float32 and tf32
+    statistics) the activations' float32 copy (none when they are float32) and their centred copy, the target's
+    centred copy and its float64 copy for the energy, and one block of the product (4·dim·`CROSS_BLOCK`); split
+    (``covariance_dtype="bfloat16"``), the centred float32 side, its hi and lo and the stacked three (10 bytes a value
+    on the wide side, 14 on the other while the first is still alive), and the float32 product (4·dim·out)."""
+    if path == "split":
         return chunk * (10 * dim + 14 * out) + 4 * dim * out
+    if path == "centred":  # float32 activations: the centred copy is the chunk's only one
+        return 4 * chunk * dim + 12 * chunk * out + 4 * dim * min(out, CROSS_BLOCK)
     return 8 * chunk * (dim + out)
+
+
+def cross_path(precision: str, dtype: str) -> str:
+    """The path a `CrossMoment` of statistics taken in `precision` runs on activations of `dtype` (as FlattenGPT
+    builds it): "split"; "centred" for float32 or tf32 statistics of float32 activations; else "float64"."""
+    if precision == "bfloat16":
+        return "split"
+    return "centred" if precision in ("float32", "tf32") and dtype.removeprefix("torch.") == "float32" else "float64"
 
 
 def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
@@ -144,7 +157,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     keep, rest = i, width - i
     # "auto" as the run on a GPU resolves it (a bfloat16 model is compressed on one; on a CPU it takes float32).
     precision = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, width)
-    heads_split = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, heads_width) == "bfloat16"
+    heads_precision = resolve_covariance_dtype(config.covariance_dtype, s.dtype, True, heads_width)
+    heads_split = heads_precision == "bfloat16"
     float64 = precision == "float64"
     # covariance_dtype="bfloat16": the float32 path's solve on a float64 scatter of split bfloat16 products.
     split = precision == "bfloat16"
@@ -234,7 +248,10 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     # attention_target="sequential": the members' attention writes (float32, one states copy) are built by running
     # the members one after another (the first's outputs held while the next runs), then read batch by batch
     # beside the wide block's o_proj input into a float64 cross moment (heads × hidden), a chunk at a time.
-    cross_update = _cross_update(min(4096, z.Tb), heads_width, d, heads_split) if sequential else 0
+    # The moment's update and the cross moment's run one after the other: the centred path takes the larger, the
+    # others keep the sum their GPU rows measured (as the MLP's statistics below).
+    heads_cross = cross_path(heads_precision, s.dtype)
+    cross_update = _cross_update(min(4096, z.Tb), heads_width, d, heads_cross, b) if sequential else 0
     # Both sequential targets: the members' run for the writes goes on to the group's output, which then waits for
     # the MLP's target through the head scoring and the attention solve (one run of the members instead of two).
     traced = Term(
@@ -264,7 +281,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             ),
             Term(
                 "one batch of the wide block, stopped at the o_proj input",
-                max(at_o_hook + head_hook + cross_update, z.S + z.block_forward() if sequential else 0),
+                max(
+                    at_o_hook
+                    + (head_hook + cross_update if heads_cross != "centred" else max(head_hook, cross_update)),
+                    z.S + z.block_forward() if sequential else 0,
+                ),
                 "q, k, v, attention output; float64 head scores; the moment's token copies and product"
                 + (
                     "; or the members' run for the writes: a member's outputs and one batch's temporaries"
@@ -285,9 +306,17 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
     attention_temporaries = z.block_forward(1, s.num_heads, s.num_kv_heads)
     # mlp_target="sequential": the float64 cross moment of the down input with the target, and per batch the float32
-    # target (the group's output less the MLP input residual) with the float64 chunk copies of both sides.
+    # target (the group's output less the MLP input residual) with one chunk's copies (`_cross_update`).
     mlp_cross = Term("down input-target cross moment (float64)", 8 * width * d if mlp_target else 0, "(g·i) × d")
-    target_update = 2 * 4 * z.Tb * d + _cross_update(min(MLP_CROSS_CHUNK, z.Tb), width, d, split) if mlp_target else 0
+    mlp_cross_path = cross_path(precision, s.dtype)
+    target_update = (
+        2 * 4 * z.Tb * d + _cross_update(min(MLP_CROSS_CHUNK, z.Tb), width, d, mlp_cross_path, b) if mlp_target else 0
+    )
+    # The second moment's update and the cross moment's run one after the other, so the hook holds the larger of the
+    # two. The float64 and split paths keep their sum, which their GPU rows measured (LLaMA-2-70B widths: 37.3 GiB
+    # in the covariance phase, 0.9 GiB above the larger alone, from temporaries this model does not itemise); the
+    # centred path, measured on the CPU, takes the larger.
+    hook_then_cross = max(mlp_forward, (width + 2 * d) * z.Tb * b + max(update, target_update))
     covariance = Phase(
         "covariance",
         (
@@ -303,7 +332,7 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
             Term(
                 "one batch of the wide block, stopped at the down-projection input",
                 max(
-                    at_down_hook + target_update,
+                    at_down_hook + target_update if mlp_cross_path != "centred" else hook_then_cross,
                     attention_temporaries,
                     # The members run here for the output only when the attention's run did not give it.
                     z.run_outputs() + z.block_forward() if mlp_target and not sequential else 0,
