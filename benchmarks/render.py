@@ -468,17 +468,33 @@ PRODUCT_ROWS = {
 }
 
 #: Healing rows on the product page: (method, mode, loss) -> label; the largest budget measured is shown. The other
-#: modes (LoRA distilled, the changed weights) are in the notebook's healing table.
+#: modes (LoRA distilled, the changed weights, `local` without its global phase, which local then global passed at
+#: every budget both ran) are in the notebook's healing table.
 PRODUCT_HEALING = {
     ("flattengpt", "full", "distillation"): "`flattengpt`, healed: every weight distilled",
-    ("flattengpt", "local", "distillation"): "`flattengpt`, healed: changed spans distilled locally",
     ("shortgpt", "local", "distillation"): "`shortgpt`, healed: changed spans distilled locally",
     ("flattengpt", "lora", "lm"): "`flattengpt`, healed: LoRA on the LM loss",
-    ("replaceme_lstsq_down", "local", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: its bridged '
-    "block distilled locally",
     ("replaceme_lstsq_down", "full", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: every weight '
     "distilled",
+    ("flattengpt", "local_then_global", "distillation"): "`flattengpt`, healed: changed spans distilled locally, "
+    "then every weight",
+    ("replaceme_lstsq_down", "local_then_global", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: '
+    "its bridged block distilled locally, then every weight",
 }
+
+
+def _product_mode(run: dict) -> str:
+    """A run's mode on the product page: `local` with a global phase after it is a mode of its own there."""
+    return "local_then_global" if run["recovery"].get("global_phase") else run["mode"]
+
+
+def _budget_words(run: dict) -> str:
+    """The tokens a run trained on: one budget, or the local and the global phase's."""
+    phase = run["recovery"].get("global_phase")
+    total = run["recovery"]["tokens_trained"] // 1024
+    if not phase:
+        return f"{total}K tokens"
+    return f"{total - phase['tokens_trained'] // 1024}K + {phase['tokens_trained'] // 1024}K tokens"
 
 
 def _geomean(a: float, b: float) -> float:
@@ -516,7 +532,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
     scored = int(match.group(1)) if match else None
     for path in healing:  # per method, mode and loss the largest budget; at equal budgets the best held-out run
         h = json.loads(path.read_text())
-        key = (h["method"], h["mode"], h["loss"])
+        key = (h["method"], _product_mode(h), h["loss"])
         if scored is not None and h["healed"]["sotu_from_2000"].get("scored_tokens") != scored:
             continue  # measured on other tokens than the table's rows: not comparable with them (the notebook has it)
         if key in PRODUCT_HEALING and (key not in best or _budget_then_gate(h) > _budget_then_gate(best[key])):
@@ -529,7 +545,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
         rows.append(
             dict(
-                label=f"{PRODUCT_HEALING[key]} ({h['recovery']['tokens_trained'] // 1024}K tokens{rate}{kept})",
+                label=f"{PRODUCT_HEALING[key]} ({_budget_words(h)}{rate}{kept})",
                 sotu=sotu["ppl_ratio"],
                 kjv=kjv["ppl_ratio"],
                 kl=f"{sotu['kl']:.3f} / {kjv['kl']:.3f}",
@@ -559,10 +575,11 @@ def product_table(quality: Path, healing: list[Path]) -> str:
 
 
 def _budget_then_gate(run: dict) -> tuple[int, float]:
-    """A healing run's rank among runs of one method, mode and loss: its token budget, then its gate's held-out
-    objective on the training text (lower is better; the evaluation texts do not choose)."""
+    """A healing run's rank among runs of one method, mode and loss: the tokens it trained on (both phases of a
+    local run with a global phase), then its gate's held-out objective on the training text (lower is better; the
+    evaluation texts do not choose)."""
     after = (run["recovery"].get("heldout_after") or {}).get("objective", float("inf"))
-    return run["max_tokens"], -after
+    return run["recovery"].get("tokens_trained", run["max_tokens"]), -after
 
 
 def _state_loss(run: dict) -> str:
