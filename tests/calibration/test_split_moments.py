@@ -23,6 +23,8 @@ from optimum_flatten.calibration.stats import (
     CrossMoment,
     SecondMoment,
     add_lower_split_gram_,
+    centred_float32,
+    exact_bfloat16_reduction,
     mirror_lower_,
     split_bfloat16,
     split_cross,
@@ -216,3 +218,30 @@ def test_split_cross_moment_is_within_its_bound_of_the_float64_one_with_padding(
     bound = _cross_bound(chunk) * scale / fast.count + gamma(8, torch.float64) * plain / fast.count
     assert_within(s_fast.cpu(), s_exact.cpu(), bound, "split cross moment against float64")
     assert not torch.all((uncentred / fast.count - s_exact.cpu()).abs() <= bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_stacked_buffer_holds_split_bfloat16s_parts_bit_for_bit(device):
+    """`add_lower_split_gram_` writes hi and lo in place into one [hi; hi; lo; hi] buffer instead of concatenating
+    `split_bfloat16`'s parts: every band's product is the one of the concatenated [hi; hi; lo]ᵀ [hi; lo; hi], bit for
+    bit (the same operands, the same GEMM)."""
+    generator = torch.Generator().manual_seed(6)
+    y = (torch.randn(64, 40, generator=generator) * torch.logspace(-3, 3, 40)).to(device)
+    out = add_lower_split_gram_(torch.zeros(40, 40, dtype=torch.float64, device=device), y, 16)
+    hi, lo = split_bfloat16(y)
+    left, right = torch.cat([hi, hi, lo]), torch.cat([hi, lo, hi])
+    for start in range(0, 40, 16):
+        a, b = left[:, start:].T, right[:, start : start + 16]
+        with exact_bfloat16_reduction():
+            product = torch.mm(a, b, out_dtype=torch.float32) if device == "cuda" else a.float() @ b.float()
+        assert torch.equal(out[start:, start : start + 16], product.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_centring_a_chunk_in_one_pass_is_the_cast_then_the_subtraction(dtype):
+    generator = torch.Generator().manual_seed(7)
+    centre = torch.randn(9, generator=generator)
+    chunk = (torch.randn(30, 9, generator=generator) * 5).to(dtype)
+    result = centred_float32(chunk, centre)
+    assert result.dtype == torch.float32
+    assert torch.equal(result, chunk.float() - centre)

@@ -89,11 +89,18 @@ def add_lower_split_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None =
     computed is within (3·2⁻¹⁶ + γ₃ₙ) Σ_tokens |y_i||y_j| of the exact one (γ: the float32 sums of the 3n-term dot
     products), up to a (1 + 2⁻⁷) factor for lo's share of the sums.
     """
-    dim = y.shape[1]
+    n, dim = y.shape
     band = band or SPLIT_GRAM_BAND
-    hi, lo = split_bfloat16(y)
-    left, right = torch.cat([hi, hi, lo]), torch.cat([hi, lo, hi])
-    del hi, lo
+    # One buffer [hi; hi; lo; hi] holds both sides: rows :3n are [hi; hi; lo], rows n: are [hi; lo; hi]. The parts are
+    # written in place, each value once more than it is read (the parts `split_bfloat16` gives, bit for bit: the
+    # copy into bfloat16 rounds as `.bfloat16()` does, and y − hi promotes hi exactly), with no concatenation.
+    stacked = torch.empty(4 * n, dim, dtype=torch.bfloat16, device=y.device)
+    hi = stacked[:n]
+    hi.copy_(y)
+    stacked[2 * n : 3 * n].copy_(y - hi)
+    stacked[n : 2 * n].copy_(hi)
+    stacked[3 * n :].copy_(hi)
+    left, right = stacked[: 3 * n], stacked[n:]
     for start in range(0, dim, band):
         stop = min(start + band, dim)
         flops.record(flops.product(dim - start, left.shape[0], stop - start), "bfloat16")
@@ -183,6 +190,12 @@ def float64_column_sum(flat: torch.Tensor, chunk_tokens: int = 4096) -> torch.Te
     return total
 
 
+def centred_float32(chunk: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """chunk.float() − centre (a float32 `centre`) in one pass where the chunk is a narrower float (the subtraction
+    promotes it exactly); a float64 chunk is rounded to float32 first, as `.float()` does."""
+    return chunk.float() - centre if chunk.dtype == torch.float64 else torch.sub(chunk, centre)
+
+
 def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The rows of `x` (batch, seq, dim) whose mask is 1, as (tokens, dim) on `device`: padding never reaches a sum."""
     flat = x.reshape(-1, x.shape[-1])
@@ -269,7 +282,7 @@ class SecondMoment(_MaskedMoment):
             m = centre.double()
             if self.split:  # a chunk's centred copy at a time, its products added into the sum by bands
                 for chunk in flat.split(SPLIT_CHUNK_TOKENS):
-                    add_lower_split_gram_(self.sum, chunk.float() - centre)
+                    add_lower_split_gram_(self.sum, centred_float32(chunk, centre))
                 self.lower_only = True
             else:
                 centred = flat.float() - centre
@@ -374,7 +387,7 @@ class CentredSecondMoment(_MaskedMoment):
         if self.lower_only:  # the upper triangle is filled once, in `finish`
             add_lower = add_lower_split_gram_ if self.split else add_lower_gram_
             for chunk in flat.split(self.chunk_tokens):
-                add_lower(self.scatter, chunk.float() - self.centre, self.band)
+                add_lower(self.scatter, centred_float32(chunk, self.centre), self.band)
             self.count += n
             return
         flops.record(flops.gram(n, flat.shape[1]), flops.precision_of("float32", self.tf32))

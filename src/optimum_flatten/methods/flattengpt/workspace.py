@@ -299,8 +299,8 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
     upcast = 4 if b != 4 else 0
     # The masked token copy, then per chunk its float64 column sum or its float32 centred copy (and the cast to it).
     update = z.moment_update(width) if float64 else z.Tb * width * b + chunk * width * max(8, 4 + upcast)
-    if split:  # the masked copy; per chunk its centred float32 copy, hi and lo, the two stacked triples, a band
-        update = z.Tb * width * b + chunk * width * (4 + 2 * 2 + 2 * 6) + 4 * width * min(SPLIT_GRAM_BAND, width)
+    if split:  # the masked copy; per chunk its centred float32 copy, [hi; hi; lo; hi] and y − hi, a band's product
+        update = z.Tb * width * b + chunk * width * (4 + 4 * 2 + 4) + 4 * width * min(SPLIT_GRAM_BAND, width)
     # The MLP peaks at act(gate), up and their product; at the hook only the product (the down input) is left.
     mlp_forward = ((3 if s.gated_mlp else 2) * width + 2 * d) * z.Tb * b
     at_down_hook = max(mlp_forward, (width + 2 * d) * z.Tb * b + update)
