@@ -129,7 +129,7 @@ class FlattenGPTConfig(MethodConfig):
             ``"bfloat16"`` for a statistic of at most 32,768 channels when the activations are bfloat16 on a CUDA
             device (exact there up to summation order: `resolve_covariance_dtype`), else ``"float32"``;
             each group's report says which it took. On an H100 at LLaMA-2-7B shape it took FlattenGPT from 10.4 to
-            6.3 dense forwards (5.7 with today's code; benchmarks/RESULTS.md); every CPU measurement is unchanged.
+            6.3 dense forwards (5.5 with today's code; benchmarks/RESULTS.md); every CPU measurement is unchanged.
     """
 
     selection: Literal["similarity", "loss", "wide_loss"] = "similarity"
