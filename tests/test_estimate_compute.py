@@ -251,14 +251,14 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
         assert passes_only < 0.4 * total
 
 
-#: The rows of the device calls of 2026-11-27 (`benchmarks/cost/gpu_session.py` on an H100): the float32 and tf32
-#: rows from the first call (the downdated KV-group search, scores read at once); both ReplaceMe rows and the 70B
-#: row from the second (code of b261fdf: the KV search's removals as a product and a sum, the cached sequential
-#: targets, ReplaceMe's held states; covariance_dtype="auto", which at 70B widths takes the split products for the
-#: heads and float32 for the 57,344-wide MLP); the defaults row from the fourth (the split moments' lower block
-#: triangle, their parts written in place into one stacked buffer). The first call's bfloat16 row measured the split products before that change, which the model no
-#: longer describes: it stays in the notebook, not here. (result file, config overrides, method, layers removed,
-#: options). Each is predicted from config.json alone and checked against its JSON.
+#: The rows of the device calls of 2026-11-27 (`benchmarks/cost/gpu_session.py` on an H100): the float32 and tf32 rows
+#: from the first call (the downdated KV-group search, scores read at once); both ReplaceMe rows and the 70B row from a
+#: later session's call A (code of b261fdf: the KV search's removals as a product and a sum, the cached sequential
+#: targets, ReplaceMe's held states; covariance_dtype="auto", which at 70B widths takes the split products for the heads
+#: and float32 for the 57,344-wide MLP); the defaults row from its call C (the split moments' lower block triangle,
+#: their parts written in place into one stacked buffer). The first call's bfloat16 row measured the split products
+#: before that change, which the model no longer describes: it stays in the notebook, not here. (result file, config
+#: overrides, method, layers removed, options). Each is predicted from config.json alone and checked against its JSON.
 H100_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 H100_ROWS_TODAY = [
     ("cost_gpu_llama-2-7b_defaults", {}, "flattengpt", 7, {}),
@@ -280,10 +280,10 @@ H100_ROWS_TODAY = [
 #: float64 products over 16 groups of 128 channels ran at about 4% of the FP64 peak (0.40 s a pair for 0.96 TFLOP),
 #: where the model counts 75%; the MLP solve's float32 panel products and triangular solves filled the launch queue
 #: (0.64 s a pair against 0.34). Strict: the day the model (or the code) closes a gap, this list must shrink. The
-#: defaults' total was within the quarter on the second call (33.5 s predicted against 43.3), just outside it on the
-#: third (32.1 against 42.9: the split moments' products shrank by a fifth, the model's count with them, but the
+#: defaults' total was within the quarter on call A (33.5 s predicted against 43.3), just outside it on
+#: call B (32.1 against 42.9: the split moments' products shrank by a fifth, the model's count with them, but the
 #: model counts products, not the float64 adds and copies around them, 1.7 of the covariance phase's 3.6 s in that
-#: call's profile of 8 layers) and within it again on the fourth (32.1 against 41.2, once the split's parts were
+#: call's profile of 8 layers) and within it again on call C (32.1 against 41.2, once the split's parts were
 #: written in place); attention_solve (2.7 s against 4.2) and solve (2.4 against 4.1) are still under-predicted.
 H100_KNOWN_GAPS = {
     ("cost_gpu_llama-2-7b_defaults", "attention_solve"),
