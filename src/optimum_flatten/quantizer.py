@@ -228,9 +228,17 @@ class FlattenQuantizer(OptimumQuantizer):
         """Distils the compressed `model` from `teacher` (`recovery.recover`) and records it in the report."""
         import dataclasses
 
+        from .options.recovery import local_then_global, merges_layers
         from .recovery import recover
+        from .recovery.trainer import fsdp_version
 
         dataset, column, config, chosen = checked.heal
+        # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally.
+        if chosen.startswith("the default") and fsdp_version(config) is None and merges_layers(self.plan.to_dict()):
+            resolved = local_then_global(config)
+            if resolved is not config:
+                config = resolved
+                chosen += "; the plan merged layers: local, then the global loss, half the budget each"
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report

@@ -58,7 +58,8 @@ def test_recover_distils_the_changed_blocks_and_says_so_in_report_and_card(folde
     "extra, message",
     [
         (["--mode", "everything"], "invalid choice: 'everything'"),
-        (["--max-tokens", "1000000"], "max_tokens=1000000 needs"),
+        # The default mode after FlattenGPT's merged pairs: local for half the budget, then the global loss.
+        (["--max-tokens", "1000000"], "max_tokens=500000 (the local phase of 1000000 tokens in all) needs"),
         (["--hidden-weight", "1", "--max-tokens", "64", "--teacher", "none"], "need a teacher"),
     ],
 )

@@ -51,10 +51,15 @@ def test_compress_with_heal_equals_compress_then_recover_from_the_dense_model():
         torch.testing.assert_close(one_line(ids).logits, healed(ids).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("free", "mode"), [(2**50, "full"), (2**10, "local")])
+@pytest.mark.parametrize(
+    ("method", "free", "mode"),
+    [("flattengpt", 2**50, "local"), ("replaceme", 2**50, "full"), ("flattengpt", 2**10, "local")],
+)
 def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_model_and_its_teacher_copy(
-    monkeypatch, free, mode
+    monkeypatch, method, free, mode
 ):
+    """The memory is asked once, on the dense model. Where `full` fits it is the default, and once the plan is known
+    a plan that merged layers (FlattenGPT's pairs) splits the budget between `local` and the global loss instead."""
     from optimum_flatten.recovery import footprint
 
     asked = []
@@ -66,9 +71,13 @@ def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_
     monkeypatch.setattr(footprint, "available_bytes", available)
     model = tiny_models.tiny_llama_gqa()
     heal = {k: v for k, v in HEAL.items() if k not in ("mode", "learning_rate")}
-    quantizer = compress(model, "flattengpt", num_layers_to_remove=2, heal=heal)
-    assert quantizer.report["recovery"]["mode"] == mode
-    assert quantizer.report["recovery"]["mode_chosen"].startswith("the default (full healing adds about")
+    quantizer = compress(model, method, num_layers_to_remove=2, heal=heal)
+    recovery = quantizer.report["recovery"]
+    assert recovery["mode"] == mode
+    assert recovery["mode_chosen"].startswith("the default (full healing adds about")
+    split = free == 2**50 and method == "flattengpt"
+    assert ("global_phase" in recovery) == split
+    assert recovery["mode_chosen"].endswith("local, then the global loss, half the budget each") == split
     assert asked == [6]
     from optimum_flatten.export.model_card import render_model_card
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids, tiny_recovery_config
+from common import assert_close, compress, logits, sample_ids, tiny_recovery_config
 from optimum_flatten.options.recovery import SWEPT_WEIGHT_SCALE
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.distill import LossParts
@@ -175,14 +175,46 @@ def test_with_mode_asks_whether_full_fits_only_where_the_answer_can_change_the_m
     assert with_mode(config, True, True, processes=1, full_fits=lambda: False).mode == "local"
 
 
-@pytest.mark.parametrize(("free", "mode"), [(2**50, "full"), (2**10, "local")])
+def test_a_default_full_after_a_plan_that_merged_layers_splits_the_budget_between_local_and_global():
+    from optimum_flatten.options.recovery import merges_layers, with_mode
+
+    assert merges_layers({"groups": [[0, 1], [2], [3]]}) and not merges_layers({"groups": [[0], [2], [3]]})
+    assert not merges_layers(None) and not merges_layers({})
+    fits = lambda: True  # noqa: E731
+    split = with_mode(RecoveryConfig(max_tokens=1001), True, True, processes=1, full_fits=fits, merged=True)
+    assert (split.mode, split.max_tokens, split.local_then_global_tokens) == ("local", 501, 500)
+    # Kept as they were: no merged layers, a mode or a second phase given, no token budget, FSDP, full not fitting.
+    assert with_mode(RecoveryConfig(max_tokens=1000), True, True, processes=1, full_fits=fits).mode == "full"
+    given = RecoveryConfig(mode="full", max_tokens=1000)
+    assert with_mode(given, True, True, processes=1, full_fits=fits, merged=True) is given
+    phases = RecoveryConfig(max_tokens=1000, local_then_global_tokens=10)
+    kept = with_mode(phases, True, True, processes=1, full_fits=fits, merged=True)
+    assert (kept.mode, kept.max_tokens, kept.local_then_global_tokens) == ("full", 1000, 10)
+    assert with_mode(RecoveryConfig(), True, True, processes=1, full_fits=fits, merged=True).mode == "full"
+    fsdp = with_mode(RecoveryConfig(max_tokens=1000), True, True, processes=2, fsdp=True, merged=True)
+    assert (fsdp.mode, fsdp.local_then_global_tokens) == ("full", None)
+    alone = with_mode(RecoveryConfig(max_tokens=1000), True, True, processes=1, full_fits=lambda: False, merged=True)
+    assert (alone.mode, alone.max_tokens, alone.local_then_global_tokens) == ("local", 1000, None)
+
+
+@pytest.mark.parametrize(
+    ("method", "free", "mode"),
+    [("replaceme", 2**50, "full"), ("flattengpt", 2**50, "local then global"), ("flattengpt", 2**10, "local")],
+)
 def test_recover_defaults_to_full_where_its_memory_fits_and_to_local_where_it_does_not(
-    compressed, monkeypatch, free, mode
+    compressed, monkeypatch, method, free, mode
 ):
+    """Where `full` fits it is the default, except after a plan that merged layers (FlattenGPT's pairs), where the
+    budget is split between `local` and the global loss on the same blocks (`options.recovery.local_then_global`);
+    where it does not fit, `local`."""
     from optimum_flatten.recovery import footprint
 
     monkeypatch.setattr(footprint, "available_bytes", lambda device: free)
     dense, model, report = compressed
+    if method == "replaceme":  # one bridged block, no merged layers
+        model = copy.deepcopy(dense)
+        report = dict(compress(model, "replaceme", num_layers_to_remove=2).report)
+        assert not any(len(g) > 1 for g in report["plan"]["groups"])
     config = _config(learning_rate=None, max_tokens=64)  # the mode and its learning rate left to the defaults
     _, log = recover(
         copy.deepcopy(model),
@@ -192,12 +224,15 @@ def test_recover_defaults_to_full_where_its_memory_fits_and_to_local_where_it_do
         teacher=copy.deepcopy(dense),
         report=report,
     )
-    rate = {"full": 6e-5, "local": 1e-3}[mode]
-    assert log["mode"] == mode
-    verdict = {"full": "fits within 90% of it)", "local": "does not fit within 90% of it)"}[mode]
+    rate = {"full": 6e-5, "local": 1e-3, "local then global": 1e-3}[mode]
+    assert log["mode"] == mode.split()[0]
+    verdict = {"full": "fits within 90% of it)", "local": "does not fit within 90% of it)"}.get(
+        mode, "fits within 90% of it); the plan merged layers: local, then the global loss, half the budget each"
+    )
     chosen = log["mode_chosen"]
     assert chosen.startswith("the default (full healing adds about") and chosen.endswith(verdict)
     assert log["learning_rate"] == pytest.approx(rate * log["weight_scale"] / SWEPT_WEIGHT_SCALE, rel=1e-12)
+    assert ("global_phase" in log) == (mode == "local then global")
 
 
 def test_recover_without_a_teacher_defaults_to_lora_on_the_lm_loss_whatever_memory_is_free(compressed, monkeypatch):

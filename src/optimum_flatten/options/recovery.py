@@ -85,7 +85,10 @@ class RecoveryConfig:
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
         default=None,
-        metadata={"default": "full with a teacher where it fits, else local on one process, else lora (default_mode)"},
+        metadata={
+            "default": "full with a teacher where it fits (after a plan that merged layers: local, then the global "
+            "loss, half the budget each), else local on one process, else lora (default_mode, local_then_global)"
+        },
     )
     local_then_global_tokens: int | None = None
     last_k: int = 3
@@ -152,14 +155,17 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
 
     Measured (benchmarks/recovery; perplexity ratio to dense on the later speeches / the King James Bible), `full` was
     first of the modes at every budget and on every model it ran on; only `local` followed by a global phase
-    (`local_then_global_tokens`) beat it, after FlattenGPT and not after ReplaceMe:
+    (`local_then_global_tokens`) beat it, after FlattenGPT and not after ReplaceMe, so `with_mode` splits a default
+    `full` that way after a plan that merged layers (`local_then_global`):
 
     - SmolLM2-135M, FlattenGPT 30 -> 24 (untrained 1.584 / 2.741), 64K tokens: full 1.363 / 2.335, local 1.425 /
       2.402, changed 1.404 / 2.429, last_k 1.481 / 2.612, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 /
-      2.509, local then global (32K + 32K) 1.317 / 2.244; at 256K tokens full 1.240 / 2.040, local 1.329 / 2.212;
+      2.509, local then global (32K + 32K) 1.317 / 2.244; at 256K tokens full 1.240 / 2.040, local 1.329 / 2.212,
+      local then global (128K + 128K) 1.225 / 2.028;
     - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006), 64K tokens: full 1.234 / 1.724 (at its
       default rate; 1.258 / 1.785 at 2e-5), local 1.330 / 1.930, local then global 1.279 / 1.790, last_k 1.307 /
-      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K;
+      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K, local then
+      global (128K + 128K) 1.238 / 1.693;
     - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
       (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
       kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md).
@@ -181,6 +187,32 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     return "local" if has_teacher and has_plan and processes == 1 else "lora"
 
 
+def merges_layers(plan: Mapping[str, Any] | None) -> bool:
+    """Whether a compression's plan (the report's ``plan``) merged layers: a group of two or more kept as one block."""
+    return bool(plan) and any(len(group) > 1 for group in plan.get("groups", []))
+
+
+def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
+    """`full` chosen by default after a compression that merged layers becomes `local` for half the token budget,
+    then the global loss on the same blocks for the other half (`local_then_global_tokens`).
+
+    Measured after FlattenGPT on SmolLM2-135M (30 -> 24; benchmarks/recovery; later speeches / King James Bible, and
+    the gate's held-out KL on the training text): at 64K tokens 1.317 / 2.244 (0.292) against `full`'s 1.363 / 2.335
+    (0.324), at 256K 1.225 / 2.028 (0.228) against 1.240 / 2.040 (0.249), in 38 minutes of one CPU thread against 56,
+    and training the changed blocks only in both phases (less memory than `full`). After ReplaceMe, whose one bridged
+    block leaves the local phase little to fix, `full` stays ahead at both budgets (1.234 / 1.724 against 1.279 /
+    1.790; 1.189 / 1.651 against 1.238 / 1.693), so a plan without merged blocks keeps `full`. A budget given as
+    epochs (no `max_tokens`) keeps `full` too: there is no budget to split."""
+    if config.mode != "full" or config.max_tokens is None or config.local_then_global_tokens is not None:
+        return config
+    global_tokens = config.max_tokens // 2
+    if global_tokens < 1:
+        return config
+    return dataclasses.replace(
+        config, mode="local", max_tokens=config.max_tokens - global_tokens, local_then_global_tokens=global_tokens
+    )
+
+
 def with_mode(
     config: RecoveryConfig,
     has_teacher: bool,
@@ -188,16 +220,19 @@ def with_mode(
     processes: int | None = None,
     fsdp: bool = False,
     full_fits: Callable[[], bool] | None = None,
+    merged: bool = False,
 ) -> RecoveryConfig:
     """`config` with its mode resolved (`default_mode` when None); `processes` None reads the launchers'
     ``WORLD_SIZE`` (torchrun, accelerate launch), as the Trainer will. `full_fits` answers whether `full`'s memory
-    fits; it is asked only when the answer can change the mode (a teacher, one process, no FSDP)."""
+    fits; it is asked only when the answer can change the mode (a teacher, one process, no FSDP). `merged`: the plan
+    merged layers (`merges_layers`), where a default `full` becomes `local_then_global`."""
     if config.mode is not None:
         return config
     if processes is None:
         processes = int(os.environ.get("WORLD_SIZE", "1"))
     fits = has_teacher and processes == 1 and not fsdp and full_fits is not None and full_fits()
-    return dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp, fits))
+    resolved = dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp, fits))
+    return local_then_global(resolved) if merged and has_plan and not fsdp else resolved
 
 
 #: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.

@@ -136,8 +136,12 @@ class ModeChoice:
         fits, self.line = full_fits(self.student, self.config, self.teacher_bytes())
         return fits
 
-    def describe(self) -> str:
-        """``given``, ``the default`` or ``the default (<the memory check>)``, for the log and the model card."""
+    def describe(self, resolved: RecoveryConfig | None = None) -> str:
+        """``given``, ``the default`` or ``the default (<the memory check>)``, for the log and the model card; with
+        the `resolved` config, what a plan that merged layers made of a default `full` (`local_then_global`)."""
         if self.config.mode is not None:
             return "given"
-        return "the default" if self.line is None else f"the default ({self.line})"
+        chosen = "the default" if self.line is None else f"the default ({self.line})"
+        if resolved is not None and resolved.mode == "local" and resolved.local_then_global_tokens is not None:
+            chosen += "; the plan merged layers: local, then the global loss, half the budget each"
+        return chosen

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from ..options.recovery import RecoveryConfig, with_mode
+from ..options.recovery import RecoveryConfig, merges_layers, with_mode
 from ..utils.errors import CalibrationDataError
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
@@ -181,8 +181,10 @@ def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]
     steps = math.ceil(config.max_tokens / per_step)
     available = len(rows) * config.seqlen
     if steps * per_step > available:
+        second = config.local_then_global_tokens if config.mode == "local" else None
+        budget = f" (the local phase of {config.max_tokens + second} tokens in all)" if second else ""
         raise CalibrationDataError(
-            f"max_tokens={config.max_tokens} needs {steps} steps of {per_step} tokens, but the "
+            f"max_tokens={config.max_tokens}{budget} needs {steps} steps of {per_step} tokens, but the "
             f"training text holds {len(rows)} rows of {config.seqlen} ({available} tokens) after holding out the "
             "gate's rows; give more text or lower max_tokens."
         )
@@ -332,6 +334,7 @@ def recover(
         has_plan=bool((report or {}).get("plan")),
         fsdp=fsdp_version(config) is not None,
         full_fits=choice,
+        merged=merges_layers((report or {}).get("plan")),
     )
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
@@ -468,7 +471,7 @@ def recover(
     steps = sum(p.steps for p in phases)
     log = {
         "mode": config.mode,
-        "mode_chosen": choice.describe(),
+        "mode_chosen": choice.describe(config),
         "teacher": teacher_name,
         "loss": "lm" if teacher_model is None else ("local" if local_loss is not None else "distillation"),
         "temperature": config.temperature if teacher_model is not None else None,
