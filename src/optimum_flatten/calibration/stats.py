@@ -91,9 +91,9 @@ def add_lower_split_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None =
     """
     n, dim = y.shape
     band = band or SPLIT_GRAM_BAND
-    # One buffer [hi; hi; lo; hi] holds both sides: rows :3n are [hi; hi; lo], rows n: are [hi; lo; hi]. The parts are
-    # written in place, each value once more than it is read (the parts `split_bfloat16` gives, bit for bit: the
-    # copy into bfloat16 rounds as `.bfloat16()` does, and y − hi promotes hi exactly), with no concatenation.
+    # One buffer [hi; hi; lo; hi] holds both sides: rows :3n are [hi; hi; lo], rows n: are [hi; lo; hi]. The parts
+    # are written into it in place, with no concatenation, and are the ones `split_bfloat16` gives, bit for bit (the
+    # copy into bfloat16 rounds as `.bfloat16()` does, and y − hi promotes hi exactly).
     stacked = torch.empty(4 * n, dim, dtype=torch.bfloat16, device=y.device)
     hi = stacked[:n]
     hi.copy_(y)
@@ -137,7 +137,7 @@ GRAM_BAND = 384
 #: and the skipped upper triangle is still 45% of the square at 22,016 channels (37.5% at 8,192).
 SPLIT_GRAM_BAND = 2048
 #: Tokens per split product: the float32 sums run over 3 × this many rows, and the stacked parts of one chunk
-#: (12 bytes a value) are the path's largest temporary.
+#: (8 bytes a value) are the path's largest temporary.
 SPLIT_CHUNK_TOKENS = 4096
 
 
