@@ -477,9 +477,9 @@ PRODUCT_HEALING = {
     ("replaceme_lstsq_down", "full", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: every weight '
     "distilled",
     ("flattengpt", "local_then_global", "distillation"): "`flattengpt`, healed: changed spans distilled locally, "
-    "then every weight",
+    "then together on the output",
     ("replaceme_lstsq_down", "local_then_global", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: '
-    "its bridged block distilled locally, then every weight",
+    "its bridged block distilled locally, then on the output",
 }
 
 
