@@ -228,7 +228,7 @@ class FlattenQuantizer(OptimumQuantizer):
         """Distils the compressed `model` from `teacher` (`recovery.recover`) and records it in the report."""
         import dataclasses
 
-        from .options.recovery import local_then_global, merges_layers
+        from .options.recovery import SPLIT_AFTER_MERGES, local_then_global, merges_layers
         from .recovery import recover
         from .recovery.trainer import fsdp_version
 
@@ -238,7 +238,7 @@ class FlattenQuantizer(OptimumQuantizer):
             resolved = local_then_global(config)
             if resolved is not config:
                 config = resolved
-                chosen += "; the plan merged layers: local, then the global loss, half the budget each"
+                chosen += f"; {SPLIT_AFTER_MERGES}"
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report

@@ -3,9 +3,11 @@ its mean part exact in float64."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -100,12 +102,9 @@ def add_lower_split_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None =
     stacked[2 * n : 3 * n].copy_(y - hi)
     stacked[n : 2 * n].copy_(hi)
     stacked[3 * n :].copy_(hi)
-    left, right = stacked[: 3 * n], stacked[n:]
-    for start in range(0, dim, band):
-        stop = min(start + band, dim)
-        flops.record(flops.product(dim - start, left.shape[0], stop - start), "bfloat16")
-        out[start:, start:stop].add_(_float32_product(left[:, start:].T, right[:, start:stop]))
-    return out
+    return _add_lower_bands_(
+        out, stacked[: 3 * n], stacked[n:], band, "bfloat16", lambda block, a, b: block.add_(_float32_product(a, b))
+    )
 
 
 def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -151,12 +150,25 @@ def add_lower_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None = None)
     on (the diagonal block whole). Every entry computed is the dot product the full GEMM computes, with the same
     float32 sums; the entries above the diagonal blocks are left as they were, for `mirror_lower_` to fill once
     all the products are in (`band` None: `GRAM_BAND`, read at the call). Returns `out`."""
-    n, dim = y.shape
-    band = band or GRAM_BAND
+    return _add_lower_bands_(out, y, y, band or GRAM_BAND, "float32", lambda block, a, b: block.addmm_(a, b))
+
+
+def _add_lower_bands_(
+    out: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    band: int,
+    precision: str,
+    add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+) -> torch.Tensor:
+    """For each band of `band` columns, `add(block, a, b)` adds a @ b to out's block from the band's first row on,
+    with a = left[:, first:]ᵀ and b = right[:, band]: the lower block triangle of leftᵀ right, its diagonal blocks
+    whole (what `add_lower_gram_` and `add_lower_split_gram_` share; the flops recorded in `precision`)."""
+    dim = left.shape[1]
     for start in range(0, dim, band):
         stop = min(start + band, dim)
-        flops.record(flops.product(dim - start, n, stop - start), "float32")
-        out[start:, start:stop].addmm_(y[:, start:].T, y[:, start:stop])
+        flops.record(flops.product(dim - start, left.shape[0], stop - start), precision)
+        add(out[start:, start:stop], left[:, start:].T, right[:, start:stop])
     return out
 
 
@@ -503,14 +515,13 @@ class CrossMoment:
     within (3·2⁻¹⁶ + γ₃ₖ) Σ |x_i − c_i||y_j − e_j| of the float64 one (k = `chunk_tokens`), chunks summed in float64.
 
     ``centred_float32=True`` (FlattenGPT's float32 and tf32 statistics of float32 activations) takes each chunk's
-    product in float32 on the
-    same centred sides, the centres the batch's means rounded to float32 and the mean part again added back in
-    float64: each entry of a chunk's product within γₖ₊₂ Σ |x_i − c_i||y_j − e_j| of the float64 one (the centring's
-    two float32 roundings and the float32 sums of one chunk), chunks summed in float64. Why: the float64 products
-    and the float64 copies of both sides were a quarter of FlattenGPT's CPU compression (a float64 GEMM runs at half
-    the float32 rate there; on an H100 the two rates are the same), and centring removes the common component that
-    would make a float32 sum lose the small directions, as it does for `SecondMoment`. float64 inputs keep the
-    float64 path.
+    product in float32 on the same centred sides, the centres the batch's means rounded to float32 and the mean part
+    again added back in float64: each entry of a chunk's product within γₖ₊₂ Σ |x_i − c_i||y_j − e_j| of the float64
+    one (the centring's two float32 roundings and the float32 sums of one chunk), chunks summed in float64. Why: the
+    float64 products and the float64 copies of both sides were a quarter of FlattenGPT's CPU compression (a float64
+    GEMM runs at half the float32 rate there; on an H100 the two rates are the same), and centring removes the common
+    component that would make a float32 sum lose the small directions, as it does for `SecondMoment`. float64 inputs
+    keep the float64 path.
     """
 
     def __init__(
@@ -537,10 +548,7 @@ class CrossMoment:
         if mask is not None:
             keep = mask.reshape(-1).bool()
             xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
-        if self.split:
-            self._add_split(xs, ys)
-            return
-        if self.centred and xs.dtype != torch.float64 and ys.dtype != torch.float64:
+        if self.split or (self.centred and xs.dtype != torch.float64 and ys.dtype != torch.float64):
             self._add_centred(xs, ys)
             return
         flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
@@ -552,44 +560,39 @@ class CrossMoment:
         self.count += xs.shape[0]
 
     def _add_centred(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
-        """One batch on the centred float32 path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the
-        float64 column sums and c, e the batch's means rounded to float32; E‖y‖² from float64 copies of y's chunks."""
+        """One batch on a centred path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the float64
+        column sums and c, e the batch's means rounded by `batch_centre` (to bfloat16 on the split path, float32 on
+        the centred float32 one), each chunk's product by `_add_chunk`; E‖y‖² from float64 copies of y's chunks."""
         n = xs.shape[0]
         if n == 0:
             return
         xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
-        # Column sums a few rows at a time: their float64 casts stay small beside the chunk's float32 copies.
-        sum_x, sum_y = float64_column_sum(xs, COLUMN_SUM_ROWS), float64_column_sum(ys, COLUMN_SUM_ROWS)
-        centre_x, centre_y = batch_centre(sum_x, n, split=False), batch_centre(sum_y, n, split=False)
-        flops.record(flops.gram(n, xs.shape[1], ys.shape[1]), "float32")
+        # The centred float32 path sums a few rows at a time: its float64 casts stay small beside its float32 copies.
+        column_sum = (
+            float64_column_sum if self.split else functools.partial(float64_column_sum, chunk_tokens=COLUMN_SUM_ROWS)
+        )
+        sum_x, sum_y = column_sum(xs), column_sum(ys)
+        centre_x, centre_y = batch_centre(sum_x, n, self.split), batch_centre(sum_y, n, self.split)
+        if not self.split:  # `split_cross` records its own
+            flops.record(flops.gram(n, xs.shape[1], ys.shape[1]), "float32")
         for start in range(0, n, self.chunk_tokens):
             b = ys[start : start + self.chunk_tokens]
-            a = xs[start : start + self.chunk_tokens].float() - centre_x
-            centred = b.float() - centre_y
-            # By blocks of output columns: the float32 product's temporary stays dim × CROSS_BLOCK.
-            for j in range(0, centred.shape[1], CROSS_BLOCK):
-                self.sum[:, j : j + CROSS_BLOCK].add_(a.T @ centred[:, j : j + CROSS_BLOCK])
+            self._add_chunk(
+                centred_float32(xs[start : start + self.chunk_tokens], centre_x), centred_float32(b, centre_y)
+            )
             self.energy += float(b.double().square().sum())
         c, e = centre_x.double(), centre_y.double()
         self.sum.addr_(c, sum_y).addr_(sum_x, e).addr_(c, e, alpha=-n)
         self.count += n
 
-    def _add_split(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
-        """One batch on the split path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the float64
-        column sums and c, e the batch's means rounded to bfloat16."""
-        n = xs.shape[0]
-        if n == 0:
+    def _add_chunk(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adds aᵀ b of one chunk's centred float32 sides: `split_cross`'s bfloat16 GEMM, or float32 products by
+        blocks of `CROSS_BLOCK` output columns (the product's temporary stays dim × CROSS_BLOCK)."""
+        if self.split:
+            self.sum.add_(split_cross(a, b))
             return
-        xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
-        sum_x, sum_y = float64_column_sum(xs), float64_column_sum(ys)
-        centre_x, centre_y = batch_centre(sum_x, n, split=True), batch_centre(sum_y, n, split=True)
-        for start in range(0, n, self.chunk_tokens):
-            b = ys[start : start + self.chunk_tokens]
-            self.sum.add_(split_cross(xs[start : start + self.chunk_tokens].float() - centre_x, b.float() - centre_y))
-            self.energy += float(b.double().square().sum())
-        c, e = centre_x.double(), centre_y.double()
-        self.sum.addr_(c, sum_y).addr_(sum_x, e).addr_(c, e, alpha=-n)
-        self.count += n
+        for j in range(0, b.shape[1], CROSS_BLOCK):
+            self.sum[:, j : j + CROSS_BLOCK].add_(a.T @ b[:, j : j + CROSS_BLOCK])
 
     def finish(self) -> tuple[torch.Tensor, float]:
         """(E[x yᵀ], E‖y‖²); the running sum is consumed. Under a sharded calibration, summed over the ranks first."""

@@ -192,6 +192,10 @@ def merges_layers(plan: Mapping[str, Any] | None) -> bool:
     return bool(plan) and any(len(group) > 1 for group in plan.get("groups", []))
 
 
+#: How the log and the model card say that `local_then_global` changed a default `full`.
+SPLIT_AFTER_MERGES = "the plan merged layers: local, then the global loss, half the budget each"
+
+
 def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
     """`full` chosen by default after a compression that merged layers becomes `local` for half the token budget,
     then the global loss on the same blocks for the other half (`local_then_global_tokens`).

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from ..options.recovery import RecoveryConfig
+from ..options.recovery import SPLIT_AFTER_MERGES, RecoveryConfig
 from ..plan import LayerPlan
 from ..utils.memory import available_bytes
 
@@ -143,5 +143,5 @@ class ModeChoice:
             return "given"
         chosen = "the default" if self.line is None else f"the default ({self.line})"
         if resolved is not None and resolved.mode == "local" and resolved.local_then_global_tokens is not None:
-            chosen += "; the plan merged layers: local, then the global loss, half the budget each"
+            chosen += f"; {SPLIT_AFTER_MERGES}"
         return chosen

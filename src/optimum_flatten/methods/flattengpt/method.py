@@ -58,15 +58,9 @@ from .kv_groups import select_kv_groups_by_reconstruction
 from .loss_selection import groups_by_calibration_loss, install_prebuilt_
 from .resume import rebuild_group, selection_caches
 from .similarity import as_cached, similarity_matrix
-from .workspace import MLP_CROSS_CHUNK, flattengpt_workspace
+from .workspace import MLP_CROSS_CHUNK, cross_path, flattengpt_workspace
 
 logger = logging.getLogger(__name__)
-
-#: The statistics' precisions whose cross moments with a target are centred float32 products summed in float64
-#: when the activations are float32 (`CrossMoment(centred_float32=True)`; `workspace.cross_path`); "float64" keeps
-#: float64 products, "bfloat16" the split ones, and bfloat16 activations under float32 statistics (LLaMA-2-70B's
-#: MLP on a GPU) the float64 products their GPU rows measured.
-FLOAT32 = ("float32", "tf32")
 
 
 @dataclass(frozen=True)
@@ -434,7 +428,8 @@ class FlattenGPTMethod(CompressionMethod):
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
         heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
-        centred = precision in FLOAT32 and view.attention.o.weight.dtype == torch.float32
+        # One rule for the run and the memory model (`workspace.cross_path`).
+        centred = cross_path(precision, str(view.attention.o.weight.dtype)) == "centred"
         cross = (
             CrossMoment(heads_width, hidden, device, split_bfloat16=split, centred_float32=centred)
             if sequential
@@ -532,7 +527,7 @@ class FlattenGPTMethod(CompressionMethod):
         down = view.mlp.down.module
         # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
         hidden = view.mlp.down.weight.shape[0]
-        centred = precision in FLOAT32 and view.mlp.down.weight.dtype == torch.float32
+        centred = cross_path(precision, str(view.mlp.down.weight.dtype)) == "centred"
         cross = (
             CrossMoment(width, hidden, device, MLP_CROSS_CHUNK, split_bfloat16=split, centred_float32=centred)
             if sequential

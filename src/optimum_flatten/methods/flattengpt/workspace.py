@@ -72,8 +72,10 @@ def _cross_update(chunk: int, dim: int, out: int, path: str, b: int) -> int:
 
 
 def cross_path(precision: str, dtype: str) -> str:
-    """The path a `CrossMoment` of statistics taken in `precision` runs on activations of `dtype` (as FlattenGPT
-    builds it): "split"; "centred" for float32 or tf32 statistics of float32 activations; else "float64"."""
+    """The path a `CrossMoment` of statistics taken in `precision` runs on activations of `dtype` (FlattenGPT builds
+    it by this rule, and the memory and compute models read it): "split"; "centred" for float32 or tf32 statistics
+    of float32 activations; else "float64" (float64 statistics or activations, and bfloat16 activations under float32
+    statistics, LLaMA-2-70B's MLP on a GPU, whose float64 products its GPU rows measured)."""
     if precision == "bfloat16":
         return "split"
     return "centred" if precision in ("float32", "tf32") and dtype.removeprefix("torch.") == "float32" else "float64"
