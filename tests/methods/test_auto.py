@@ -154,3 +154,40 @@ def test_a_candidate_with_options_is_scored_and_applied_with_them():
     # Two blocks of one layer each, as the option asked, and what was scored is what was applied.
     blocks = quantizer.report["auto"]["winner_report"]["blocks"]
     assert len(blocks) == 2 and all(end - start == 1 for start, end in blocks)
+
+
+def test_a_family_that_refuses_a_candidate_gets_the_fallbacks_scored_once_after_the_list():
+    # Gemma's norms after each sublayer refuse a bridge folded into down_proj: the drops with the diagonal bridge are
+    # scored after the listed candidates, and can win.
+    model = tiny_models.FACTORIES["gemma3_text"]()
+    config = _config(candidates="shortgpt+lstsq_down uidl replaceme", refit=False)
+    quantizer = compress(model, config)
+    entries = quantizer.report["auto"]["candidates"]
+    labels = [e["candidate"] for e in entries]
+    assert labels == [
+        "shortgpt+lstsq_down",
+        "uidl",
+        "replaceme",
+        "sleb:scoring_batches=1+diagonal",
+        "shortgpt+diagonal",
+    ]
+    assert entries[0]["refused_by"] == "architecture" and "down_proj" in entries[0]["refused"]
+    assert all("validation_nll" in e for e in entries[3:])
+    scores = {e["candidate"]: e["validation_nll"] for e in entries if "validation_nll" in e}
+    assert quantizer.report["auto"]["winner"] == min(scores, key=scores.get)
+
+
+def test_a_family_that_refuses_nothing_never_scores_the_fallbacks_and_they_can_be_turned_off():
+    model = tiny_models.FACTORIES["llama_gqa"]()
+    quantizer = compress(model, _config(candidates="shortgpt uidl", refit=False))
+    assert [e["candidate"] for e in quantizer.report["auto"]["candidates"]] == ["shortgpt", "uidl"]
+    gemma = tiny_models.FACTORIES["gemma3_text"]()
+    quantizer = compress(gemma, _config(candidates="replaceme uidl", fallback_candidates="", refit=False))
+    assert [e["candidate"] for e in quantizer.report["auto"]["candidates"]] == ["replaceme", "uidl"]
+    # A fallback already listed is not scored twice; the budget counts the fallbacks.
+    gemma = tiny_models.FACTORIES["gemma3_text"]()
+    config = _config(candidates="replaceme shortgpt+diagonal", max_candidates=3, refit=False)
+    labels = [e["candidate"] for e in compress(gemma, config).report["auto"]["candidates"]]
+    assert labels == ["replaceme", "shortgpt+diagonal", "sleb:scoring_batches=1+diagonal"]
+    with pytest.raises(ValueError, match="unknown correction"):
+        _config(fallback_candidates="sleb+diag")

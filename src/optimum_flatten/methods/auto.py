@@ -85,22 +85,30 @@ class AutoMethod(CompressionMethod):
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
         specs = self.config.candidate_specs()
-        if self.config.max_candidates is not None:
-            specs = specs[: self.config.max_candidates]
+        fallbacks = self.config.fallback_specs()
+        limit = self.config.max_candidates
         start = time.perf_counter()
         scored: list[dict[str, Any]] = []
         best: tuple[float, int] | None = None
         with context.timer("selection"), context.progress_bar(len(specs), "auto") as bar:
-            for i, spec in enumerate(specs):
+            i = 0
+            while i < len(specs) and (limit is None or i < limit):
+                spec = specs[i]
                 if i and self.config.max_seconds is not None and time.perf_counter() - start > self.config.max_seconds:
                     scored.append({"candidate": spec.label, "skipped": "max_seconds reached"})
-                    continue
-                entry = self._score(adapter, context, spec, fit, validation, num_to_remove)
-                scored.append(entry)
-                if "validation_nll" in entry and (best is None or entry["validation_nll"] < best[0]):
-                    best = (entry["validation_nll"], i)
-                bar.set_description(f"auto: {entry['candidate']}")
+                else:
+                    entry = self._score(adapter, context, spec, fit, validation, num_to_remove)
+                    scored.append(entry)
+                    if "validation_nll" in entry and (best is None or entry["validation_nll"] < best[0]):
+                        best = (entry["validation_nll"], i)
+                    if entry.get("refused_by") == "architecture" and fallbacks:
+                        # The family cannot take a listed candidate: its fallbacks join the end of the list, once.
+                        specs = [*specs, *fallbacks]
+                        fallbacks = []
+                        bar.total = len(specs) if limit is None else min(len(specs), limit)
+                    bar.set_description(f"auto: {entry['candidate']}")
                 bar.update()
+                i += 1
         if best is None:
             raise RuntimeError(
                 "auto: no candidate could compress this model: "
@@ -165,7 +173,9 @@ class AutoMethod(CompressionMethod):
             preflight(candidate, method, context.stack, corrections)
             sub = MethodContext(batches=fit, stack=context.stack, progress=False)
             plan = plan_and_apply_(candidate, method, sub, num_to_remove, corrections)
-        except (UnsupportedArchitectureError, ValueError) as error:
+        except UnsupportedArchitectureError as error:
+            return {"candidate": label, "refused": str(error).splitlines()[0], "refused_by": "architecture"}
+        except ValueError as error:
             return {"candidate": label, "refused": str(error).splitlines()[0]}
         runner = LayerwiseRunner(candidate, validation, context.stack)
         states = CalibratedStates(runner, candidate.layers(context.stack), keep=())

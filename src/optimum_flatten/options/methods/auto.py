@@ -26,6 +26,15 @@ DEFAULT_CANDIDATES = (
     "flattengpt+lstsq_down"
 )
 
+#: Scored after the candidates when the model's family refused one of them for its architecture (a bridge folded into
+#: ``down_proj``, a concatenation): the drops with the one bridge such a family can hold, a gain per channel folded
+#: into the norm after the MLP (``+diagonal``). Measured on Gemma-3-270M at 4 of 18 (benchmarks/NOTEBOOK.md), where
+#: the default list can only score ShortGPT and UIDL and chose plain ShortGPT, 12.4x dense perplexity on the later
+#: speeches: SLEB with the diagonal bridge is 3.0x there and ShortGPT with it 6.1x. SLEB scores removals on one
+#: batch (`scoring_batches=1`): its cost is its LM head's evaluations over those tokens, which a large vocabulary
+#: makes the bulk of `auto`'s time on such a family. Families that refuse nothing never score these.
+FALLBACK_CANDIDATES = "sleb:scoring_batches=1+diagonal shortgpt+diagonal"
+
 
 @dataclass
 class AutoConfig(MethodConfig):
@@ -35,7 +44,11 @@ class AutoConfig(MethodConfig):
         candidates: Space-separated candidate specs, ``method[:option=value,...][+correction]`` with a correction
             among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``.
         validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
-        max_candidates: Score at most this many candidates, in the order given (a budget); None: all.
+        fallback_candidates: Candidates scored after those, in the same form, only when the model's architecture
+            refused one of them (`FALLBACK_CANDIDATES`: the drops with a bridge a post-sublayer norm can hold); ""
+            scores none. A fallback already among the candidates is not scored twice.
+        max_candidates: Score at most this many candidates, fallbacks included, in the order given (a budget);
+            None: all.
         max_seconds: Stop scoring new candidates after this many seconds (the ones scored still compete); None: no
             limit. The first candidate is always scored.
         refit: After the choice, run the winner on every calibration batch (the held-out part only served to
@@ -44,6 +57,7 @@ class AutoConfig(MethodConfig):
     """
 
     candidates: str = DEFAULT_CANDIDATES
+    fallback_candidates: str = FALLBACK_CANDIDATES
     validation_fraction: float = 0.25
     max_candidates: int | None = None
     max_seconds: float | None = None
@@ -51,6 +65,7 @@ class AutoConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         specs = self.candidate_specs()
+        self.fallback_specs()  # checked now too, though scored only after a refusal
         if not specs:
             raise ValueError("auto needs at least one candidate, e.g. candidates='shortgpt uidl+scale'.")
         if not 0.0 < float(self.validation_fraction) < 1.0:
@@ -62,29 +77,39 @@ class AutoConfig(MethodConfig):
 
     def candidate_specs(self) -> list[Candidate]:
         """The parsed candidates; every name and option is checked here, before any model is touched."""
-        specs = []
-        for text in str(self.candidates).split():
-            head, _, correction = text.partition("+")
-            name, _, option_text = head.partition(":")
-            from ...registry import get_method_class
+        return _parse(self.candidates)
 
-            method_class = get_method_class(name)  # raises UnknownMethodError with a did-you-mean
-            if name == "auto":
-                raise ValueError("auto cannot be its own candidate.")
-            if correction and correction not in ESTIMATORS + COMPENSATIONS:
-                raise ValueError(
-                    f"unknown correction {correction!r} in candidate {text!r}."
-                    f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} "
-                    "Use +lstsq, +lstsq_gain, +cosine or +scale."
-                )
-            corrections = Corrections(
-                linear_replacement=correction if correction in ESTIMATORS else None,
-                compensation=correction if correction in COMPENSATIONS else None,
+    def fallback_specs(self) -> list[Candidate]:
+        """The parsed fallback candidates, less those already among the candidates (by label)."""
+        listed = {spec.label for spec in self.candidate_specs()}
+        return [spec for spec in _parse(self.fallback_candidates or "") if spec.label not in listed]
+
+
+def _parse(candidates: str) -> list[Candidate]:
+    """Candidate specs from their space-separated text, each name, correction and option checked."""
+    specs = []
+    for text in str(candidates).split():
+        head, _, correction = text.partition("+")
+        name, _, option_text = head.partition(":")
+        from ...registry import get_method_class
+
+        method_class = get_method_class(name)  # raises UnknownMethodError with a did-you-mean
+        if name == "auto":
+            raise ValueError("auto cannot be its own candidate.")
+        if correction and correction not in ESTIMATORS + COMPENSATIONS:
+            raise ValueError(
+                f"unknown correction {correction!r} in candidate {text!r}."
+                f"{did_you_mean(correction, ESTIMATORS + COMPENSATIONS)} "
+                "Use one of " + ", ".join("+" + c for c in ESTIMATORS + COMPENSATIONS) + "."
             )
-            options = parse_method_options(method_class.config_class, option_text, where=f"candidate {text!r}")
-            method_class.config_class(**options)  # the method's own checks, now rather than mid-search
-            specs.append(Candidate(name, options, corrections))
-        return specs
+        corrections = Corrections(
+            linear_replacement=correction if correction in ESTIMATORS else None,
+            compensation=correction if correction in COMPENSATIONS else None,
+        )
+        options = parse_method_options(method_class.config_class, option_text, where=f"candidate {text!r}")
+        method_class.config_class(**options)  # the method's own checks, now rather than mid-search
+        specs.append(Candidate(name, options, corrections))
+    return specs
 
 
 @dataclass(frozen=True)
