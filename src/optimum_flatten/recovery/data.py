@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..calibration.data import load_texts, read_json, read_jsonl
+from ..calibration.data import load_texts, read_json, read_jsonl, token_stream, tokenize_texts
 from ..utils.errors import CalibrationDataError
 
 ALPACA_WITH_INPUT = (
@@ -74,17 +74,13 @@ def build_training_rows(
     pad = int(pad if pad is not None else (eos if eos is not None else 0))
     rows: list[dict[str, torch.Tensor]] = []
     if kind == "text":
-        stream: list[int] = []
-        for text in texts:
-            stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                stream.append(int(eos))
+        stream = token_stream(tokenizer, texts)
         for start in range(0, len(stream) - seqlen + 1, seqlen):
             ids = torch.tensor(stream[start : start + seqlen], dtype=torch.long)
             rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     else:
-        for text in texts:
-            tokens = list(tokenizer(text, add_special_tokens=False)["input_ids"])[: seqlen - 1]
+        for tokens in tokenize_texts(tokenizer, texts):
+            tokens = tokens[: seqlen - 1]
             if eos is not None:
                 tokens.append(int(eos))
             ids = torch.full((seqlen,), pad, dtype=torch.long)
