@@ -177,17 +177,25 @@ def test_a_family_that_refuses_a_candidate_gets_the_fallbacks_scored_once_after_
     assert quantizer.report["auto"]["winner"] == min(scores, key=scores.get)
 
 
-def test_a_family_that_refuses_nothing_never_scores_the_fallbacks_and_they_can_be_turned_off():
+def test_the_fallbacks_wait_for_a_family_that_holds_none_of_the_listed_bridges():
+    # A family that refuses nothing never scores them.
     model = tiny_models.FACTORIES["llama_gqa"]()
     quantizer = compress(model, _config(candidates="shortgpt uidl", refit=False))
     assert [e["candidate"] for e in quantizer.report["auto"]["candidates"]] == ["shortgpt", "uidl"]
+    # A refusal, but a listed bridge folds (as ReplaceMe's own map does on a mixture of experts): the list stands.
+    gemma = tiny_models.FACTORIES["gemma3_text"]()
+    quantizer = compress(gemma, _config(candidates="replaceme shortgpt+diagonal", refit=False))
+    entries = quantizer.report["auto"]["candidates"]
+    assert [e["candidate"] for e in entries] == ["replaceme", "shortgpt+diagonal"]
+    assert entries[0]["refused_by"] == "architecture" and "validation_nll" in entries[1]
+    # Turned off.
     gemma = tiny_models.FACTORIES["gemma3_text"]()
     quantizer = compress(gemma, _config(candidates="replaceme uidl", fallback_candidates="", refit=False))
     assert [e["candidate"] for e in quantizer.report["auto"]["candidates"]] == ["replaceme", "uidl"]
-    # A fallback already listed is not scored twice; the budget counts the fallbacks.
+    # A fallback already listed is not scored twice, and the budget counts the fallbacks.
     gemma = tiny_models.FACTORIES["gemma3_text"]()
-    config = _config(candidates="replaceme shortgpt+diagonal", max_candidates=3, refit=False)
+    config = _config(candidates="replaceme uidl", fallback_candidates="uidl shortgpt+diagonal sleb", max_candidates=3)
     labels = [e["candidate"] for e in compress(gemma, config).report["auto"]["candidates"]]
-    assert labels == ["replaceme", "shortgpt+diagonal", "sleb:scoring_batches=1+diagonal"]
+    assert labels == ["replaceme", "uidl", "shortgpt+diagonal"]
     with pytest.raises(ValueError, match="unknown correction"):
         _config(fallback_candidates="sleb+diag")

@@ -85,35 +85,37 @@ class AutoMethod(CompressionMethod):
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
         specs = self.config.candidate_specs()
-        fallbacks = self.config.fallback_specs()
-        limit = self.config.max_candidates
+        limit = self.config.max_candidates if self.config.max_candidates is not None else math.inf
         start = time.perf_counter()
         scored: list[dict[str, Any]] = []
-        best: tuple[float, int] | None = None
-        with context.timer("selection"), context.progress_bar(len(specs), "auto") as bar:
-            i = 0
-            while i < len(specs) and (limit is None or i < limit):
-                spec = specs[i]
-                if i and self.config.max_seconds is not None and time.perf_counter() - start > self.config.max_seconds:
+
+        def score_each(batch: list[Candidate], bar: Any) -> None:
+            for spec in batch:
+                if len(scored) >= limit:
+                    return
+                late = self.config.max_seconds is not None and time.perf_counter() - start > self.config.max_seconds
+                if scored and late:
                     scored.append({"candidate": spec.label, "skipped": "max_seconds reached"})
                 else:
-                    entry = self._score(adapter, context, spec, fit, validation, num_to_remove)
-                    scored.append(entry)
-                    if "validation_nll" in entry and (best is None or entry["validation_nll"] < best[0]):
-                        best = (entry["validation_nll"], i)
-                    if entry.get("refused_by") == "architecture" and fallbacks:
-                        # The family cannot take a listed candidate: its fallbacks join the end of the list, once.
-                        specs = [*specs, *fallbacks]
-                        fallbacks = []
-                        bar.total = len(specs) if limit is None else min(len(specs), limit)
-                    bar.set_description(f"auto: {entry['candidate']}")
+                    scored.append(self._score(adapter, context, spec, fit, validation, num_to_remove))
+                    bar.set_description(f"auto: {spec.label}")
                 bar.update()
-                i += 1
-        if best is None:
+
+        with context.timer("selection"), context.progress_bar(min(len(specs), limit), "auto") as bar:
+            score_each(specs, bar)
+            if self._needs_fallbacks(specs, scored):
+                fallbacks = self.config.fallback_specs()
+                specs = [*specs, *fallbacks]
+                bar.total = min(len(specs), limit)
+                score_each(fallbacks, bar)
+        ranked = [i for i, entry in enumerate(scored) if "validation_nll" in entry]
+        if not ranked:
             raise RuntimeError(
                 "auto: no candidate could compress this model: "
                 + "; ".join(f"{e['candidate']}: {e.get('refused', e.get('skipped'))}" for e in scored)
             )
+        index = min(ranked, key=lambda i: scored[i]["validation_nll"])  # ties: the first listed
+        best = (scored[index]["validation_nll"], index)
         winner = specs[best[1]]
         self._winner = (winner.build(), winner.corrections)
         context.report["auto"] = {
@@ -151,6 +153,17 @@ class AutoMethod(CompressionMethod):
             "same_plan_as_scored": final.group_lists() == scored_plan.group_lists(),
         }
         return final
+
+    @staticmethod
+    def _needs_fallbacks(specs: list[Candidate], scored: list[dict[str, Any]]) -> bool:
+        """Whether the family could hold none of the listed bridges: the architecture refused a candidate, and no
+        candidate carrying a linear bridge was scored (on Gemma and OLMo-2 every full map is refused; on a
+        mixture of experts ReplaceMe's own map still folds, and the list stands)."""
+        refused = any(entry.get("refused_by") == "architecture" for entry in scored)
+        bridged_scored = any(
+            spec.bridged and "validation_nll" in entry for spec, entry in zip(specs, scored, strict=False)
+        )
+        return refused and not bridged_scored
 
     def _score(
         self,

@@ -26,8 +26,9 @@ DEFAULT_CANDIDATES = (
     "flattengpt+lstsq_down"
 )
 
-#: Scored after the candidates when the model's family refused one of them for its architecture (a bridge folded into
-#: ``down_proj``, a concatenation): the drops with the one bridge such a family can hold, a gain per channel folded
+#: Scored after the candidates when the model's family can hold none of their bridges (the architecture refused a
+#: candidate, and no candidate with a linear bridge could be scored: post-sublayer norms undo a map folded into
+#: ``down_proj``): the drops with the one bridge such a family can hold, a gain per channel folded
 #: into the norm after the MLP (``+diagonal``). Measured on Gemma-3-270M at 4 of 18 (benchmarks/NOTEBOOK.md), where
 #: the default list can only score ShortGPT and UIDL and chose plain ShortGPT, 12.4x dense perplexity on the later
 #: speeches: SLEB with the diagonal bridge is 3.0x there and ShortGPT with it 6.1x. SLEB scores removals on one
@@ -44,8 +45,9 @@ class AutoConfig(MethodConfig):
         candidates: Space-separated candidate specs, ``method[:option=value,...][+correction]`` with a correction
             among the linear-replacement estimators (``+lstsq``, ``+lstsq_down``, ...) and ``+scale``.
         validation_fraction: Share of the calibration batches held out for scoring (at least one batch each side).
-        fallback_candidates: Candidates scored after those, in the same form, only when the model's architecture
-            refused one of them (`FALLBACK_CANDIDATES`: the drops with a bridge a post-sublayer norm can hold); ""
+        fallback_candidates: Candidates scored after those, in the same form, only when the model's family could
+            hold none of their bridges: its architecture refused a candidate and no candidate carrying a linear
+            bridge was scored (`FALLBACK_CANDIDATES`: the drops with a bridge a post-sublayer norm can hold); ""
             scores none. A fallback already among the candidates is not scored twice.
         max_candidates: Score at most this many candidates, fallbacks included, in the order given (a budget);
             None: all.
@@ -119,6 +121,17 @@ class Candidate:
     name: str
     options: dict[str, Any]
     corrections: Corrections
+
+    @property
+    def bridged(self) -> bool:
+        """Whether the candidate carries a linear bridge at its cut: a `+estimator` correction, or a method that fits
+        its own (ReplaceMe's `estimator`)."""
+        from ...registry import get_method_class
+
+        config_class = get_method_class(self.name).config_class
+        return self.corrections.linear_replacement is not None or "estimator" in getattr(
+            config_class, "__dataclass_fields__", {}
+        )
 
     @property
     def label(self) -> str:
