@@ -214,3 +214,15 @@ def test_alpha_keeps_its_type_through_deepcopy_and_dtype_moves():
     for other in (copy.deepcopy(module), module.double()):
         assert isinstance(other.alpha, CollapseAlpha)
     assert "alpha=0.2" in repr(module)
+
+
+@pytest.mark.parametrize(("stored", "gradient"), [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (-0.25, 0.0), (1.25, 0.0)])
+def test_alpha_has_gradient_one_on_the_closed_interval_and_zero_outside_on_every_torch(stored, gradient):
+    # torch.clamp gives 0 at the bounds themselves from torch 2.14 on; alpha starts at the bound 0.
+    from optimum_flatten.methods.layer_collapse.activation import unit_interval
+
+    alpha = torch.tensor(stored, requires_grad=True)
+    value = unit_interval(alpha)
+    value.backward()
+    assert float(value) == min(max(stored, 0.0), 1.0)
+    assert float(alpha.grad) == gradient

@@ -172,23 +172,22 @@ def _add_lower_bands_(
     return out
 
 
-def mirror_lower_(matrix: torch.Tensor, band: int | None = None, diagonal_blocks: bool = False) -> torch.Tensor:
-    """Copies the lower block triangle `add_lower_gram_` fills (with the same `band`) onto the entries above it, so the
-    matrix is symmetric; one band's copy at a time. Returns `matrix`.
+def mirror_lower_(matrix: torch.Tensor, band: int | None = None) -> torch.Tensor:
+    """Copies the lower block triangle `add_lower_gram_` fills (with the same `band`) onto the entries above it, each
+    diagonal block's lower triangle onto its upper one included, so the matrix is symmetric bit for bit; one band's
+    copy at a time. Returns `matrix`.
 
-    A float32 GEMM's diagonal blocks of yᵀy are symmetric as computed (entry (i, j) and (j, i) sum the same products
-    in the same order), and are left as they are. `add_lower_split_gram_`'s are not (hiᵀlo + loᵀhi sums its two
-    terms in the other order across the diagonal): ``diagonal_blocks=True`` also copies each diagonal block's
-    lower triangle onto its upper one."""
+    The diagonal blocks need it too: `add_lower_split_gram_`'s sum hiᵀlo + loᵀhi in the other order across the
+    diagonal, and even one float32 GEMM's yᵀy need not give entries (i, j) and (j, i) alike (torch 2.14.1's CPU
+    build does not, on an AMD EPYC; 2.13.0's did). The copy costs one band² select a band."""
     band = band or GRAM_BAND
     for start in range(0, matrix.shape[0], band):
         stop = min(start + band, matrix.shape[0])
         if start:
             matrix[:start, start:stop].copy_(matrix[start:stop, :start].T)
-        if diagonal_blocks:
-            block = matrix[start:stop, start:stop]
-            upper = torch.ones_like(block, dtype=torch.bool).triu_(1)
-            block.copy_(torch.where(upper, block.T, block))
+        block = matrix[start:stop, start:stop]
+        upper = torch.ones_like(block, dtype=torch.bool).triu_(1)
+        block.copy_(torch.where(upper, block.T, block))
     return matrix
 
 
@@ -313,7 +312,7 @@ class SecondMoment(_MaskedMoment):
     def _mirror(self) -> None:
         """Fills the entries above the diagonal blocks from below, where split products left them stale."""
         if self.lower_only:
-            mirror_lower_(self.sum, SPLIT_GRAM_BAND, diagonal_blocks=True)
+            mirror_lower_(self.sum, SPLIT_GRAM_BAND)
             self.lower_only = False
 
     def mean(self) -> torch.Tensor:
@@ -413,7 +412,7 @@ class CentredSecondMoment(_MaskedMoment):
         """The statistic as a `CentredMoment` (the running scatter is divided in place and handed over); under a
         sharded calibration, summed over the ranks first (`_all_reduce_`)."""
         if self.lower_only:  # before the ranks' sum, whose moves between centres touch every entry
-            mirror_lower_(self.scatter, self.band, diagonal_blocks=self.split)
+            mirror_lower_(self.scatter, self.band)
         if is_sharded():
             self._all_reduce_()
         if self.count == 0 or self.centre is None:

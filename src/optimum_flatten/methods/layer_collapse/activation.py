@@ -22,7 +22,9 @@ neither 0 (the exact pretrained function at initialisation) nor 1 (exact collaps
 ends, so the last 1e-4 before the collapse threshold would take a raw value near 9 and gradients shrunk by 1e-4. The
 stored value is clamped in `forward` (so the function is always a member of the family, whatever an optimizer did) and
 projected back into [0, 1] in place after every optimizer step (`project_`; `AdamLC` and `LayerCollapseTrainer` do it).
-``torch.clamp`` passes the gradient at the boundaries 0 and 1 themselves, so α still learns from its initial value 0.
+The clamp passes the gradient at the boundaries 0 and 1 themselves (`unit_interval`), so α still learns from its
+initial value 0: ``torch.clamp`` did until torch 2.13, and gives 0 there from 2.14 on (the minimum-norm subgradient),
+which would leave every α at 0 for good.
 """
 
 from __future__ import annotations
@@ -57,6 +59,14 @@ _TRANSFORMERS_CLASSES: dict[str, str] = {
     "QuickGELUActivation": "quick_gelu",
     "SiLUActivation": "silu",
 }
+
+
+def unit_interval(alpha: torch.Tensor) -> torch.Tensor:
+    """α clamped into [0, 1], with gradient 1 on the closed interval and 0 outside it, on every torch: from 2.14 on
+    ``torch.clamp`` gives 0 at the bounds themselves, and α starts at its bound 0. The saved model's remote code
+    (`remote_code.py`) writes the same formula."""
+    inside = (alpha >= 0) & (alpha <= 1)
+    return torch.where(inside, alpha, alpha.detach().clamp(0.0, 1.0))
 
 
 class CollapseAlpha(nn.Parameter):
@@ -121,8 +131,8 @@ class ParametricActivation(nn.Module):
         self.alpha = CollapseAlpha(torch.tensor(float(alpha)))
 
     def current_alpha(self) -> torch.Tensor:
-        """α as the forward uses it: the stored value clamped into [0, 1] (differentiable)."""
-        return self.alpha.clamp(0.0, 1.0)
+        """α as the forward uses it: the stored value clamped into [0, 1] (differentiable, `unit_interval`)."""
+        return unit_interval(self.alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # lerp is exact at both ends: start at weight 0, end at weight 1.

@@ -258,7 +258,9 @@ class LinearisableActivation(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(()))
 
     def forward(self, x):
-        alpha = self.alpha.clamp(0.0, 1.0).to(dtype=x.dtype, device=x.device)
+        # Gradient 1 on the closed interval (torch.clamp gives 0 at the bounds from torch 2.14 on; alpha starts at 0).
+        inside = (self.alpha >= 0) & (self.alpha <= 1)
+        alpha = torch.where(inside, self.alpha, self.alpha.detach().clamp(0.0, 1.0)).to(dtype=x.dtype, device=x.device)
         return torch.lerp(self.base(x), x, alpha)
 
 
