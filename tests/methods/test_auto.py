@@ -199,3 +199,19 @@ def test_the_fallbacks_wait_for_a_family_that_holds_none_of_the_listed_bridges()
     assert labels == ["replaceme", "uidl", "shortgpt+diagonal"]
     with pytest.raises(ValueError, match="unknown correction"):
         _config(fallback_candidates="sleb+diag")
+
+
+def test_a_winner_that_plans_on_the_first_batches_keeps_its_scored_plan_and_equals_the_method_run_alone():
+    # SLEB with scoring_batches=1 plans on the first batch, which fitting and refit share: its search is not run a
+    # second time, and the model is the one SLEB with the same options gives by itself (the bridge fitted on every
+    # batch, as the refit asks).
+    model = tiny_models.FACTORIES["gemma3_text"]()
+    alone = copy.deepcopy(model)
+    quantizer = compress(model, _config(candidates="sleb:scoring_batches=1+diagonal"))
+    refit = quantizer.report["auto"]["refit"]
+    assert "not searched again" in refit["plan"] and refit["same_plan_as_scored"]
+    assert "refit" not in quantizer.report["timings_seconds"]
+    compress(alone, tiny_config("sleb", num_layers_to_remove=2, batch_size=2, scoring_batches=1,
+                                linear_replacement="diagonal"))  # fmt: skip
+    ids = sample_ids(batch=2, length=16, seed=9)
+    torch.testing.assert_close(logits(model, ids), logits(alone, ids), rtol=0, atol=0)

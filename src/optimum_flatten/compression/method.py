@@ -203,6 +203,13 @@ class CompressionMethod(ABC):
     def __init__(self, config: MethodConfig) -> None:
         self.config = config
 
+    def planning_batches(self) -> int | None:
+        """How many leading calibration batches `plan` reads, where that is all it reads and the plan is all it
+        leaves for `apply_` (None: every batch, or not known). `auto` reuses a winner's scored plan instead of
+        planning again when the batches it scored on hold those: the same plan from the same batches, without the
+        search's cost a second time."""
+        return None
+
     def sharding_refusal(self) -> str | None:
         """Why this configuration of a method that `shards_calibration` cannot (an option whose statistics are not
         summed over the ranks), or None when it can."""

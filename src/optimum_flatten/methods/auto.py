@@ -85,6 +85,7 @@ class AutoMethod(CompressionMethod):
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         fit, validation = split_batches(list(context.batches), self.config.validation_fraction)
         specs = self.config.candidate_specs()
+        self._reports: dict[str, dict[str, Any]] = {}  # each scored candidate's own report, by label
         limit = self.config.max_candidates if self.config.max_candidates is not None else math.inf
         start = time.perf_counter()
         scored: list[dict[str, Any]] = []
@@ -139,9 +140,14 @@ class AutoMethod(CompressionMethod):
         )
         self._context.compensation = winner.corrections.compensation
         method = self._winner[0]
-        with context.timer("refit"):
-            final = method.plan(adapter, self._context, num_to_remove)
         scored_plan = LayerPlan.from_dict(scored[best[1]]["plan"])
+        reads = method.planning_batches()
+        if reads is not None and reads <= len(fit):  # it planned on batches both runs share: the same plan
+            final = scored_plan
+            self._context.report.update(self._reports.get(winner.label, {}))
+        else:
+            with context.timer("refit"):
+                final = method.plan(adapter, self._context, num_to_remove)
         if not self.config.refit and final.group_lists() != scored_plan.group_lists():
             raise RuntimeError(
                 f"auto: the winner planned {final.describe()} on the model but {scored_plan.describe()} on its copy "
@@ -152,6 +158,11 @@ class AutoMethod(CompressionMethod):
             "plan_summary": final.describe(),
             "same_plan_as_scored": final.group_lists() == scored_plan.group_lists(),
         }
+        if final is scored_plan:
+            context.report["auto"]["refit"]["plan"] = (
+                f"the scored plan, not searched again: {winner.label} plans on the first {reads} calibration "
+                "batches, the same in both runs"
+            )
         return final
 
     @staticmethod
@@ -194,6 +205,7 @@ class AutoMethod(CompressionMethod):
         states = CalibratedStates(runner, candidate.layers(context.stack), keep=())
         nll = next_token_nll(candidate, states.boundary(states.num_layers), validation, context.stack)
         context.extra_work += sub.work + runner.work
+        self._reports[label] = sub.report
         return {
             "candidate": label,
             "validation_nll": round(nll, 6),

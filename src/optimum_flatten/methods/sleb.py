@@ -314,5 +314,9 @@ class SLEBMethod(CompressionMethod):
         context.report["sleb_resumed_batches"] = search.resumed_batches
         return LayerPlan.from_kept(num_layers, search.kept, stack=context.stack)
 
+    def planning_batches(self) -> int | None:
+        """The search reads the first `scoring_batches` batches only, and leaves nothing but its plan."""
+        return self.config.scoring_batches
+
     def apply_(self, adapter: ArchitectureAdapter, plan: LayerPlan, context: MethodContext) -> None:
         apply_layer_drop_(adapter, plan)
