@@ -31,7 +31,7 @@ DEFAULT_CANDIDATES = (
 #: ``down_proj``): the drops with the one bridge such a family can hold, a gain per channel folded
 #: into the norm after the MLP (``+diagonal``). Measured on Gemma-3-270M at 4 of 18 (benchmarks/NOTEBOOK.md), where
 #: the default list can only score ShortGPT and UIDL and chose plain ShortGPT, 12.4x / 7.7x dense perplexity (later
-#: speeches / Bible): with these auto chooses SLEB with the diagonal bridge, 2.73x / 4.65x, at 71 stack passes
+#: speeches / Bible): with these auto chooses SLEB with the diagonal bridge, 2.73x / 4.65x, at 41 stack passes
 #: against 6.2. SLEB scores removals on one batch (`scoring_batches=1`): its cost is its LM head's evaluations over
 #: those tokens, which a large vocabulary makes the bulk of `auto`'s time on such a family. Families that refuse
 #: nothing never score these.
