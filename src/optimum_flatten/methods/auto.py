@@ -116,8 +116,7 @@ class AutoMethod(CompressionMethod):
                 + "; ".join(f"{e['candidate']}: {e.get('refused', e.get('skipped'))}" for e in scored)
             )
         index = min(ranked, key=lambda i: scored[i]["validation_nll"])  # ties: the first listed
-        best = (scored[index]["validation_nll"], index)
-        winner = specs[best[1]]
+        winner = specs[index]
         self._winner = (winner.build(), winner.corrections)
         context.report["auto"] = {
             "split": {
@@ -130,7 +129,8 @@ class AutoMethod(CompressionMethod):
             "candidates": scored,
             "winner": winner.label,
             "why": (
-                f"lowest mean next-token NLL on the held-out calibration batches ({best[0]:.4f}) among "
+                "lowest mean next-token NLL on the held-out calibration batches "
+                f"({scored[index]['validation_nll']:.4f}) among "
                 f"{sum('validation_nll' in e for e in scored)} scored candidates"
             ),
         }
@@ -140,7 +140,7 @@ class AutoMethod(CompressionMethod):
         )
         self._context.compensation = winner.corrections.compensation
         method = self._winner[0]
-        scored_plan = LayerPlan.from_dict(scored[best[1]]["plan"])
+        scored_plan = LayerPlan.from_dict(scored[index]["plan"])
         reads = method.planning_batches()
         if reads is not None and reads <= len(fit):  # it planned on batches both runs share: the same plan
             final = scored_plan
