@@ -147,6 +147,9 @@ def main() -> None:
         help="default: the mode's, scaled to the model's weights (RecoveryConfig.rate_for)",
     )
     parser.add_argument("--local-then-global-tokens", type=int, default=None, help="local: then a global phase")
+    parser.add_argument(
+        "--global-scope", default="spans", choices=["spans", "all"], help="what the global phase trains"
+    )
     parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
     parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up (< 1)")
     parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
@@ -226,6 +229,7 @@ def _variant(args: argparse.Namespace) -> str:
     model's weights)."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
+    suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
     return suffix + (
         f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
@@ -239,6 +243,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None):
     return RecoveryConfig(
         mode=args.mode,
         local_then_global_tokens=args.local_then_global_tokens,
+        global_scope=args.global_scope,
         last_k=args.last_k,
         temperature=args.temperature,
         kd_alpha=args.kd_alpha,

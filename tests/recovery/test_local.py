@@ -183,6 +183,43 @@ def test_a_global_phase_follows_with_its_own_budget(compressed):
     assert log["heldout_after"] == log["global_phase"]["heldout_after"]
 
 
+@pytest.mark.parametrize("scope", ["spans", "all"])
+def test_the_global_phase_trains_the_spans_or_every_parameter(compressed, scope):
+    """`global_scope`: 'spans' leaves every parameter outside the changed spans bit-identical through both phases;
+    'all' trains them in the global phase, at mode 'full''s rate, and both phases leave every flag as it was."""
+    dense, model, report = compressed
+    spans = changed_spans(model, report)
+    inside = set(span_parameter_names(model, spans))
+    outside = [name for name, _ in model.named_parameters() if name not in inside]
+    assert outside  # the embeddings, the final norm and the blocks no span covers
+    config = _config(
+        max_tokens=64, local_then_global_tokens=128, heldout_rows=0, learning_rate=None, global_scope=scope
+    )
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    healed, log = recover(
+        copy.deepcopy(model), tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense,
+        report=report,
+    )  # fmt: skip
+    after = dict(healed.named_parameters())
+    changed = [name for name in outside if not torch.equal(after[name], before[name])]
+    rate = RecoveryConfig(mode="changed" if scope == "spans" else "full").rate_for(log["weight_scale"])
+    assert log["global_phase"]["learning_rate"] == pytest.approx(rate)
+    assert log["global_phase"]["trained"] == ("the same blocks" if scope == "spans" else "every parameter")
+    assert (changed == []) if scope == "spans" else (len(changed) == len(outside))
+    assert all(p.requires_grad for p in healed.parameters())
+
+
+def test_an_unknown_global_scope_is_refused(compressed):
+    dense, model, report = compressed
+    _refused(
+        copy.deepcopy(model),
+        "global_scope must be one of",
+        config=_config(local_then_global_tokens=64, global_scope="everything"),
+        teacher=dense,
+        report=report,
+    )
+
+
 def test_local_saves_a_checkpoint_plain_transformers_reloads(compressed, tmp_path):
     dense, model, report = compressed
     healed, _ = recover(

@@ -52,9 +52,12 @@ class RecoveryConfig:
             state at the end of the span it replaced, on the teacher's state at its start: no backward through the
             model, no LM head; needs a teacher; see `recovery.local`), ``last_k`` (the last `last_k` blocks, the final
             norm and the LM head), ``full`` (every parameter).
-        local_then_global_tokens: With ``mode='local'``, a second phase of this many tokens training the same
-            blocks on the global distillation loss (the text must hold that many training tokens too), at mode
-            ``'changed'``'s default rate unless `learning_rate` is given; None: none.
+        local_then_global_tokens: With ``mode='local'``, a second phase of this many tokens on the global
+            distillation loss (the text must hold that many training tokens too); None: none.
+        global_scope: What that global phase trains: ``spans`` (the same blocks as the local phase, at mode
+            ``'changed'``'s default rate) or ``all`` (every parameter, at mode ``'full'``'s: the local phase then
+            only warms up the blocks `full` would start from far off). Its `learning_rate`, when given, is used by
+            both phases.
         last_k: Blocks trained by ``mode='last_k'``.
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
@@ -91,6 +94,7 @@ class RecoveryConfig:
         },
     )
     local_then_global_tokens: int | None = None
+    global_scope: Literal["spans", "all"] = "spans"
     last_k: int = 3
     temperature: float = 1.0
     kd_alpha: float = 1.0

@@ -222,7 +222,10 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
 
 
 def check_local_options(config: RecoveryConfig) -> None:
-    """Refuses a global phase (`local_then_global_tokens`) outside mode 'local', and a budget that is not positive."""
+    """Refuses a global phase (`local_then_global_tokens`) outside mode 'local', a budget that is not positive, and
+    an unknown `global_scope`."""
+    if config.global_scope not in GLOBAL_SCOPES:
+        raise ValueError(f"global_scope must be one of {list(GLOBAL_SCOPES)}, got {config.global_scope!r}.")
     tokens = config.local_then_global_tokens
     if tokens is None:
         return
@@ -235,13 +238,18 @@ def check_local_options(config: RecoveryConfig) -> None:
         raise ValueError(f"local_then_global_tokens must be a positive token budget, got {tokens}.")
 
 
+#: What mode 'local''s global phase can train (`RecoveryConfig.global_scope`), and the mode whose default learning
+#: rate it takes: the same blocks are what 'changed' trains, every parameter what 'full' trains.
+GLOBAL_SCOPES: dict[str, str] = {"spans": "changed", "all": "full"}
+
+
 def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     """The options of mode 'local''s global phase: its own token budget and, unless one was given, the learning rate
-    of mode 'changed', which trains the same blocks on the same global loss. The local rate (1e-3) was chosen for a
-    block's own state loss; on the global distillation loss it is 5× the rate 'changed' was swept to (measured after
-    FlattenGPT on SmolLM2: 32K local then 32K global tokens at the local rate gave 1.467 / 2.503, behind 64K of
-    `local` alone, 1.425 / 2.402)."""
-    rate = {} if config.learning_rate is not None else {"mode": "changed"}
+    of the mode that trains what it trains (`GLOBAL_SCOPES`). The local rate (1e-3) was chosen for a block's own
+    state loss; on the global distillation loss it is 5× the rate 'changed' was swept to (measured after FlattenGPT
+    on SmolLM2: 32K local then 32K global tokens at the local rate gave 1.467 / 2.503, behind 64K of `local` alone,
+    1.425 / 2.402)."""
+    rate = {} if config.learning_rate is not None else {"mode": GLOBAL_SCOPES[config.global_scope]}
     tokens = config.local_then_global_tokens
     return dataclasses.replace(config, max_tokens=tokens, local_then_global_tokens=None, **rate)
 
@@ -454,6 +462,10 @@ def recover(
             if global_steps:
                 arguments.max_steps = global_steps
                 arguments.learning_rate = _global_phase(config).rate_for(scale)
+                if config.global_scope == "all":
+                    trainable = freeze_all_but_(model, [name for name, _ in model.named_parameters()])
+                    if is_main_process():
+                        logger.info("global phase: training every parameter (%d)", trainable)
                 phases.append(
                     _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
                 )
@@ -504,6 +516,7 @@ def recover(
         if len(phases) > 1:
             log["global_phase"] = {
                 "loss": "distillation",
+                "trained": "the same blocks" if config.global_scope == "spans" else "every parameter",
                 "learning_rate": arguments.learning_rate,
                 "steps": last.steps,
                 "tokens_trained": last.steps * config.tokens_per_step() * replicas,
