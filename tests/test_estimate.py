@@ -40,6 +40,7 @@ from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
 from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.estimate import MemoryEstimate, estimate_memory, modelled_methods
+from optimum_flatten.options.corrections import Corrections
 
 TOLERANCE = 0.25
 
@@ -123,7 +124,7 @@ def _llama(hidden: int = 256, intermediate: int = 688, layers: int = 4, heads: i
 
 
 def _measure(
-    model: Any, method: str, monkeypatch: pytest.MonkeyPatch, removed: int = 1, **calibration: int
+    model: Any, method: str, monkeypatch: pytest.MonkeyPatch, removed: int = 1, **calibration: Any
 ) -> dict[str, Any]:
     """Weights, workspace peak (overall and per phase) and stack passes of a real compression of `model`."""
     storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in [*model.parameters(), *model.buffers()]}
@@ -151,9 +152,11 @@ def _off(estimated: int, measured: int) -> float:
     return abs(estimated / measured - 1.0)
 
 
-def _check(estimate: MemoryEstimate, measured: dict[str, Any]) -> None:
+def _check(estimate: MemoryEstimate, measured: dict[str, Any], per_phase: bool = True) -> None:
+    """Every phase, the workspace, the peak and the stack passes against a run; `per_phase` False: a method whose
+    phases the run times under other names (auto's candidates time their own), checked as a whole."""
     assert estimate.weights_bytes == measured["weights"]
-    for phase in estimate.phases:
+    for phase in estimate.phases if per_phase else ():
         seen = measured["phases"][phase.name]
         assert _off(phase.bytes, seen) <= TOLERANCE, f"{phase.name}: estimated {phase.bytes:,}, measured {seen:,}"
     assert _off(estimate.workspace_bytes, measured["workspace"]) <= TOLERANCE, (estimate.workspace_bytes, measured)
@@ -171,7 +174,7 @@ def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkey
     calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
     model = _llama()
     estimate = estimate_memory(model, method, 1, **calibration)
-    _check(estimate, _measure(model, method, monkeypatch, **calibration))
+    _check(estimate, _measure(model, method, monkeypatch, **calibration), per_phase=method != "auto")
 
 
 @pytest.mark.parametrize("method", ["uidl", "replaceme"])
@@ -384,7 +387,7 @@ def test_the_estimate_asks_the_method_for_its_memory_model(monkeypatch):
     assert "laco" not in modelled_methods() and "shortgpt" in modelled_methods()
     shortgpt_model = ShortGPTMethod.__dict__["workspace"]
     model = tiny_models.tiny_llama_gqa()
-    with pytest.raises(ValueError, match=r"no memory model for method 'laco'; the estimate covers \['come'"):
+    with pytest.raises(ValueError, match=r"no memory model for method 'laco'; the estimate covers \['auto', 'come'"):
         estimate_memory(model, "laco", 1, nsamples=4, seqlen=16, batch_size=2)
     monkeypatch.setattr(ShortGPTMethod, "workspace", CompressionMethod.workspace)
     assert "shortgpt" not in modelled_methods()
@@ -595,3 +598,103 @@ def test_replaceme_holding_the_states_for_its_fit_is_estimated(removed, monkeypa
     assert not estimate.stack_passes_is_bound and estimate.stack_passes == pytest.approx(1 + 1 / 8)
     streamed = estimate_memory(model, "replaceme", removed, method_args={"held_states_gb": 0}, **calibration)
     assert streamed.phase("selection").bytes < estimate.phase("selection").bytes
+
+
+# ------------------------------------------------------------------------------------------- corrections and auto
+#: (method, correction) pairs whose fit holds its states (merged groups before the bridge, the cosine fit reading the
+#: tokens, the compensation's walk): estimated phase by phase.
+HELD_CORRECTIONS = [
+    ("flattengpt", {"linear_replacement": "lstsq_down"}),
+    ("shortgpt", {"linear_replacement": "cosine"}),
+    ("uidl", {"compensation": "scale"}),
+]
+
+
+@pytest.mark.parametrize("removed", [1, 2])
+@pytest.mark.parametrize("method, correction", HELD_CORRECTIONS)
+def test_a_correction_is_estimated_phase_by_phase(method, correction, removed, monkeypatch):
+    """The correction's phase and what it holds through the method's apply, against a run (hidden 256, 4 layers,
+    8 x 128 tokens in batches of 2, float32); its stack passes a bound."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama()
+    estimate = estimate_memory(model, method, removed, corrections=Corrections(**correction), **calibration)
+    assert estimate.phases[-1].name == next(iter(correction))  # the correction's phase, as it is timed
+    assert estimate.stack_passes_is_bound
+    _check(estimate, _measure(model, method, monkeypatch, removed=removed, **calibration, **correction))
+
+
+@pytest.mark.parametrize("method, estimator", [("shortgpt", "lstsq"), ("sleb", "diagonal")])
+def test_a_streamed_bridge_is_bounded_by_the_held_estimate(method, estimator, monkeypatch):
+    """One least-squares bridge after an unchanged prefix streams its statistics a batch at a time; the estimate
+    states the held path, so it is an upper bound there (and the method's own phases stay within the tolerance)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama()
+    corrections = Corrections(linear_replacement=estimator)
+    estimate = estimate_memory(model, method, 1, corrections=corrections, **calibration)
+    measured = _measure(model, method, monkeypatch, linear_replacement=estimator, **calibration)
+    fit = estimate.phase("linear_replacement")
+    assert fit.bytes >= measured["phases"]["linear_replacement"]
+    for phase in estimate.phases[:-1]:
+        assert _off(phase.bytes, measured["phases"][phase.name]) <= TOLERANCE, phase.name
+    assert estimate.stack_passes >= measured["stack_passes"]
+
+
+def test_a_correction_the_method_cannot_take_is_refused_as_compress_refuses_it():
+    model = _llama()
+    with pytest.raises(ValueError, match="fits its own linear replacement"):
+        estimate_memory(model, "replaceme", 1, corrections=Corrections(linear_replacement="lstsq"))
+    with pytest.raises(ValueError, match="merges layers"):
+        estimate_memory(model, "flattengpt", 1, corrections=Corrections(compensation="scale"))
+    with pytest.raises(ValueError, match="unknown linear_replacement"):
+        estimate_memory(model, "shortgpt", 1, corrections=Corrections(linear_replacement="lsq"))
+
+
+def test_cli_estimate_takes_a_correction(tmp_path, capsys):
+    _write_config(tmp_path)
+    argv = ["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--method", "shortgpt", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--linear-replacement", "lstsq_down"]) == 0
+    bridged = json.loads(capsys.readouterr().out)
+    assert "linear_replacement" not in plain["workspace_bytes"]["phases"]
+    assert bridged["workspace_bytes"]["phases"]["linear_replacement"] > 0
+    assert bridged["stack_passes"] > plain["stack_passes"] and bridged["stack_passes_is_bound"]
+    assert _exit_code([*argv, "--linear-replacement", "lstsq", "--compensation", "scale"]) == 2
+    assert "choose one of them" in capsys.readouterr().err
+
+
+def _auto_candidates(estimate: MemoryEstimate) -> list[str]:
+    (line,) = [note for note in estimate.notes if note.startswith("candidates modelled: ")]
+    return line.removeprefix("candidates modelled: ").split(", ")
+
+
+def test_auto_models_the_candidates_the_model_accepts_and_the_fallbacks_only_where_they_run():
+    """On LLaMA every listed candidate is modelled and no fallback; on Gemma-3, whose norm after the MLP refuses the
+    full bridges, the refused ones are left out and the fallbacks come in, as `AutoMethod._needs_fallbacks` decides;
+    `max_candidates` counts as the run counts."""
+    from optimum_flatten.options.methods.auto import AutoConfig
+
+    config = AutoConfig()
+    listed = [spec.label for spec in config.candidate_specs()]
+    llama = estimate_memory(_llama(), "auto", 1, nsamples=8, seqlen=64, batch_size=2)
+    assert _auto_candidates(llama) == listed
+    gemma = estimate_memory(tiny_models.tiny_gemma3_text(), "auto", 1, nsamples=8, seqlen=64, batch_size=2)
+    modelled = _auto_candidates(gemma)
+    fallbacks = [spec.label for spec in config.fallback_specs()]
+    assert set(fallbacks) <= set(modelled) and not any("lstsq" in label for label in modelled)
+    assert all(label in listed + fallbacks for label in modelled)
+    first_two = estimate_memory(
+        _llama(), "auto", 1, nsamples=8, seqlen=64, batch_size=2, method_args={"max_candidates": 2}
+    )
+    assert _auto_candidates(first_two) == listed[:2]
+    assert first_two.stack_passes < llama.stack_passes
+
+
+def test_auto_estimate_holds_a_copy_of_the_model_while_scoring():
+    estimate = estimate_memory(_llama(), "auto", 1, nsamples=8, seqlen=64, batch_size=2)
+    scoring = [p for p in estimate.phases if p.name.startswith("selection")]
+    assert scoring and all(
+        any(t.name == "the candidate's copy of the model" and t.bytes == estimate.weights_bytes for t in p.terms)
+        for p in scoring
+    )
+    assert estimate.phases[-1].name.startswith("refit")

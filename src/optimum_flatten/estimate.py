@@ -53,12 +53,14 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .compression.compute import ComputeModel
+from .compression.correction_workspace import with_correction
 from .compression.method import CompressionMethod
 from .compression.pipeline import Corrections, preflight
-from .compression.workspace import Phase, Term, WorkspaceSizes
+from .compression.workspace import Phase, Refusal, Term, WorkspaceSizes
 from .registry import get_method_class, registered_methods, require_capabilities
 from .roofline import DeviceSpec, TimePrediction, predict
 from .utils import flops
+from .utils.errors import UnsupportedArchitectureError
 from .utils.loading import model_class_for, one_line, resolve_model_source
 
 if TYPE_CHECKING:
@@ -416,8 +418,10 @@ def estimate_memory(
     batch_size: int = 8,
     method_args: dict[str, Any] | None = None,
     stack: str | None = None,
+    corrections: Corrections | None = None,
 ) -> MemoryEstimate:
-    """The estimate for compressing `model` (real or on the meta device: only shapes are read).
+    """The estimate for compressing `model` (real or on the meta device: only shapes are read), with `corrections`
+    (a linear replacement or a compensation at every cut; `compression.correction_workspace`) when given.
 
     Raises:
         ValueError: a method that is not modelled, a target that removes no layer or every layer, or a model the
@@ -425,13 +429,15 @@ def estimate_memory(
     """
     if method not in modelled_methods():
         raise ValueError(f"no memory model for method {method!r}; the estimate covers {modelled_methods()}.")
+    corrections = corrections or Corrections()
     calibration = CalibrationShape(nsamples, seqlen, batch_size)
     method_class = get_method_class(method)
     config = method_class.config_class(**(method_args or {}))
+    check_corrections(method, method_class, corrections)
     adapter = get_adapter(model)
     require_capabilities(adapter, method)
     stack = stack or _single_stack(adapter)
-    preflight(adapter, method_class(config), stack, Corrections())
+    preflight(adapter, method_class(config), stack, corrections)
     shape = ModelShape.of(model, stack)
     if (
         not isinstance(num_layers_to_remove, int)
@@ -442,8 +448,11 @@ def estimate_memory(
             f"num_layers_to_remove must be between 1 and {shape.num_layers - 1} for a stack of {shape.num_layers} "
             f"layers, got {num_layers_to_remove!r}."
         )
-    model_of = method_class.workspace(WorkspaceSizes(shape, calibration), num_layers_to_remove, config)
-    phases, passes, bound, notes = model_of
+    sizes = WorkspaceSizes(shape, calibration, refusal_of(adapter, stack))
+    phases, passes, bound, notes = method_class.workspace(sizes, num_layers_to_remove, config)
+    phases, passes, more = with_correction(sizes, num_layers_to_remove, corrections, phases, passes)
+    bound = bound or bool(more)
+    notes = [*notes, *more]
     return MemoryEstimate(
         method=method,
         num_layers_to_remove=num_layers_to_remove,
@@ -455,6 +464,33 @@ def estimate_memory(
         notes=notes,
         **compute_estimate(method_class, WorkspaceSizes(shape, calibration), num_layers_to_remove, config),
     )
+
+
+def check_corrections(method: str, method_class: type[CompressionMethod], corrections: Corrections) -> None:
+    """The refusals `FlattenConfig` gives a correction: an unknown name, one the method cannot take, or both."""
+    from .config import COMPENSATIONS, ESTIMATORS, check_correction
+
+    check_correction("linear_replacement", corrections.linear_replacement, ESTIMATORS, method, method_class)
+    check_correction("compensation", corrections.compensation, COMPENSATIONS, method, method_class)
+    if corrections.linear_replacement is not None and corrections.compensation is not None:
+        raise ValueError("compensation and linear_replacement both correct the stream at a cut; choose one of them.")
+
+
+def refusal_of(adapter: ArchitectureAdapter, stack: str) -> Refusal:
+    """The model's answer to a (method, config, corrections) request (`compression.workspace.Refusal`): the refusals
+    a compression runs before any work (`require_capabilities`, `preflight`)."""
+
+    def refusal(name: str, config: Any, corrections: Corrections) -> str | None:
+        try:
+            require_capabilities(adapter, name)
+            preflight(adapter, get_method_class(name)(config), stack, corrections)
+        except UnsupportedArchitectureError:
+            return "architecture"
+        except ValueError:
+            return "request"
+        return None
+
+    return refusal
 
 
 def estimate_checkpoint(
@@ -469,12 +505,15 @@ def estimate_checkpoint(
     trust_remote_code: bool = False,
     device: DeviceSpec | None = None,
     heal: bool = False,
+    corrections: Corrections | None = None,
 ) -> MemoryEstimate:
     """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
     with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s (`with_heal_teacher`,
     the default healing batch)."""
     model = meta_model(source, dtype, trust_remote_code)
-    result = estimate_memory(model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args)
+    result = estimate_memory(
+        model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args, corrections=corrections
+    )
     result.source = source
     if heal:
         from .recovery import RecoveryConfig

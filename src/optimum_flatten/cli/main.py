@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
+from ..options.corrections import COMPENSATIONS, ESTIMATORS
 from ..registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
@@ -199,6 +200,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     device = device_from_options(args.device, args.peak_tflops, args.bandwidth_gbs)  # refused before torch loads
 
     from ..estimate import estimate_checkpoint
+    from ..options.corrections import Corrections
 
     own = {f.name for f in dataclasses.fields(get_config_class(args.method))}
     result = estimate_checkpoint(
@@ -213,6 +215,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         device=device,
         heal=args.heal,
+        corrections=Corrections(linear_replacement=args.linear_replacement, compensation=args.compensation),
     )
     print(result.to_json() if args.json else result.describe())
     return 0
@@ -404,6 +407,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--heal",
         action="store_true",
         help="with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher",
+    )
+    estimate.add_argument(
+        "--linear-replacement",
+        choices=ESTIMATORS,
+        default=None,
+        help="count a linear bridge fitted at every cut, as compress --linear-replacement fits it",
+    )
+    estimate.add_argument(
+        "--compensation",
+        choices=COMPENSATIONS,
+        default=None,
+        help="count a compensation measured at every cut, as compress --compensation measures it",
     )
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"

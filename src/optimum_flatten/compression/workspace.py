@@ -9,6 +9,7 @@ the terms every method shares are documented in `optimum_flatten.estimate`.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,16 +47,31 @@ class Phase:
         return {"name": self.name, "workspace_bytes": self.bytes, "terms": [t.to_dict() for t in self.terms]}
 
 
-class WorkspaceSizes:
-    """The recurring sizes of one (model, calibration) pair, with the shared terms of the module docstring."""
+#: Why the model would refuse a (method name, its config, corrections) request: "architecture" (its family cannot),
+#: "request" (another refusal of the request), or None where it accepts. Built by the estimate from the model's
+#: adapter with the refusals a compression runs first, so that a method composed of others (`auto`) models only the
+#: ones that would run.
+Refusal = Callable[[str, Any, Any], str | None]
 
-    def __init__(self, shape: Any, cal: Any) -> None:
+
+class WorkspaceSizes:
+    """The recurring sizes of one (model, calibration) pair, with the shared terms of the module docstring.
+
+    `refusal` answers whether the model refuses a request (`Refusal`); without a model, every request is accepted.
+    """
+
+    def __init__(self, shape: Any, cal: Any, refusal: Refusal | None = None) -> None:
         self.shape, self.cal = shape, cal
+        self.refusal: Refusal = refusal or (lambda _name, _config, _corrections: None)
         self.b = shape.dtype_bytes
         self.d, self.i = shape.hidden_size, shape.intermediate_size
         self.N, self.Tb = cal.tokens, cal.batch_tokens
         self.S = self.N * self.d * self.b
         self.S32 = self.N * self.d * 4
+
+    def with_calibration(self, cal: Any) -> WorkspaceSizes:
+        """The sizes of the same model on another calibration shape (a share of the batches)."""
+        return WorkspaceSizes(self.shape, cal, self.refusal)
 
     def tokens(self) -> Term:
         return Term("calibration ids and masks", 2 * self.N * 8, "input_ids and attention_mask, int64")

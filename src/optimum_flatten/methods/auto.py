@@ -18,6 +18,7 @@ validation part per candidate, and the winner once more; all of it is counted in
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from typing import Any
@@ -25,8 +26,10 @@ from typing import Any
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.capture import LayerwiseRunner
 from ..calibration.states import CalibratedStates, next_token_nll
+from ..compression.correction_workspace import with_correction
 from ..compression.method import CompressionMethod, MethodContext
 from ..compression.pipeline import Corrections, apply_with_corrections_, plan_and_apply_, preflight
+from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..options.methods.auto import AutoConfig, Candidate
 from ..plan import LayerPlan
 from ..registry import register_method, require_capabilities
@@ -74,6 +77,96 @@ class AutoMethod(CompressionMethod):
             score = entry.get("validation_nll", entry.get("refused") or entry.get("skipped"))
             lines.append(f"  | {entry['candidate']} | {score} | {entry.get('plan_summary', '')} |")
         return [*lines, ""]
+
+    @classmethod
+    def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
+        """auto: every candidate the model accepts, on a copy of the model and the fitting batches, then scored on the
+        validation batches; then the winner on the model itself.
+
+        - selection, one phase per scored candidate: the model's copy (its weights once more) beside that candidate's
+          largest phase (with its correction, `compression.correction_workspace`) at the fitting part's size;
+        - selection (validation): the copy, a runner over the validation batches, a layer's run and one row's
+          next-token loss (`next_token_nll`: 12·seqlen·V);
+        - refit: the winner's largest phase on every batch (or on the fitting part without `refit`): the largest
+          candidate's, since the winner is not known before the run.
+        The fallbacks count only where `AutoMethod._needs_fallbacks` would score them (the model refused a candidate
+        by its architecture and no bridged candidate is left), and `max_candidates` as the run counts it. Cost, a
+        bound: the scored candidates' passes over the fitting part, one pass of the compressed stack and the LM head
+        over the validation part each, and the costliest candidate once more.
+        """
+        batches = z.cal.batches
+        held = min(batches - 1, max(1, math.ceil(config.validation_fraction * batches)))
+        if batches < 2:
+            raise ValueError(f"auto needs at least 2 calibration batches (one to fit, one to validate), got {batches}.")
+        fit_cal = dataclasses.replace(z.cal, nsamples=min(z.cal.nsamples, (batches - held) * z.cal.batch_size))
+        val_cal = dataclasses.replace(z.cal, nsamples=z.cal.nsamples - fit_cal.nsamples)
+        fit, val = z.with_calibration(fit_cal), z.with_calibration(val_cal)
+        chosen = cls._modelled_candidates(z, config)
+        copy_term = Term("the candidate's copy of the model", z.shape.weights_bytes, "copy.deepcopy, one at a time")
+        s, L = z.shape, z.shape.num_layers
+        phases: list[Phase] = []
+        passes, refit_passes = 0.0, 0.0
+        refits: list[tuple[str, Phase]] = []
+        notes: list[str] = [f"candidates modelled: {', '.join(spec.label for spec in chosen)}"]
+        for spec in chosen:
+            method = spec.build()
+            at_fit = cls._candidate(fit, n, spec, method)
+            at_full = cls._candidate(z if config.refit else fit, n, spec, method)
+            peak = max(at_fit[0], key=lambda p: p.bytes)
+            phases.append(Phase(f"selection: {spec.label} ({peak.name})", (copy_term, *peak.terms)))
+            passes += at_fit[1] * fit_cal.tokens / z.cal.tokens
+            refit_passes = max(refit_passes, at_full[1])
+            refits.append((spec.label, max(at_full[0], key=lambda p: p.bytes)))
+            notes += [note for note in at_fit[2] if note not in notes]
+        phases.append(
+            Phase(
+                "selection: scoring on the validation batches",
+                (
+                    copy_term,
+                    *val.runners(1),
+                    val.run_term(),
+                    Term("one row's next-token loss", 12 * z.cal.seqlen * s.vocab_size, "the logits, float32 copies"),
+                ),
+            )
+        )
+        label, largest = max(refits, key=lambda item: item[1].bytes)
+        phases.append(Phase(f"refit: the winner (at most {label}'s {largest.name})", largest.terms))
+        kept = (L - n + s.head_weights / s.layer_weights) / L
+        passes += len(chosen) * kept * val_cal.tokens / z.cal.tokens + refit_passes
+        return phases, passes, True, notes
+
+    @staticmethod
+    def _modelled_candidates(z: WorkspaceSizes, config: AutoConfig) -> list[Candidate]:
+        """The candidates a run would score on this model: those it accepts, then the fallbacks where
+        `_needs_fallbacks` would add them, at most `max_candidates` (refused ones count towards it, as in the run)."""
+        specs = config.candidate_specs()
+        verdicts = [z.refusal(spec.name, spec.build().config, spec.corrections) for spec in specs]
+        entries = [{} if v is None else {"refused": v, "refused_by": v} for v in verdicts]
+        scored = [{"validation_nll": 0.0} if not e else e for e in entries]
+        if AutoMethod._needs_fallbacks(specs, scored):
+            for spec in config.fallback_specs():
+                specs.append(spec)
+                verdicts.append(z.refusal(spec.name, spec.build().config, spec.corrections))
+        limit = config.max_candidates or len(specs)
+        chosen = [spec for spec, verdict in list(zip(specs, verdicts, strict=True))[:limit] if verdict is None]
+        if not chosen:
+            raise ValueError("auto: the model refuses every candidate; no compression would run.")
+        return chosen
+
+    @staticmethod
+    def _candidate(
+        z: WorkspaceSizes, n: int, spec: Candidate, method: CompressionMethod
+    ) -> tuple[list[Phase], float, list[str]]:
+        """One candidate's phases, stack passes and notes at the sizes `z`, with its correction."""
+        model = type(method).workspace(z, n, method.config)
+        if model is None:
+            raise ValueError(
+                f"auto's candidate {spec.label!r} has no memory model, so neither has this auto; drop it from the "
+                "candidates to estimate the others."
+            )
+        phases, passes, _, notes = model
+        phases, passes, more = with_correction(z, n, spec.corrections, phases, passes)
+        return phases, passes, [*notes, *more]
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         if adapter.lm_head(stack) is None:

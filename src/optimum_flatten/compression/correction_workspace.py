@@ -1,0 +1,117 @@
+"""The memory model of the corrections folded at the cuts (`optimum-flatten estimate` with a linear replacement or a
+compensation), in the terms of `compression.workspace`.
+
+A correction is not a method: it runs inside the method's apply step (`compression.pipeline.apply_with_corrections_`)
+and adds a phase of its own, timed under its name, plus what it holds *through* the method's apply. Its sizes follow
+the code it describes:
+
+- a linear bridge (`corrections.linear_bridge.bridged_apply_`): on its general path the dense model's states at the
+  end of every bridged span are taken before the plan is applied and held through the method's apply (`dense_targets`:
+  one state per span; a span holds at least one removed layer and one kept layer, so at most min(n, L − n) of them,
+  times 1 + `correct_after`); then the compressed model is walked up to the last span, with the float64 normal
+  equations of one fit (`BridgeFit`: width² and width × hidden, twice for ``lstsq_down``'s held-out batch) and one
+  batch's float64 copies, beside the method's runner (the context keeps every runner it opened; the bridge's own is
+  a second one unless the plan's can stand for it). ``cosine`` keeps the MLP's output, its stream and the target of
+  every token as float32 host copies instead (`fit_cosine` reads the tokens themselves). One span after an unchanged
+  prefix streams its statistics instead, holding a batch rather than the targets: the general path is the bound
+  stated here (measured: within 25% where it runs, up to twice what a streamed fit holds);
+- a compensation (`corrections.compensation.measure_scales`): one walk of the original layers up to the last dropped
+  one, on a runner of its own, holding the stream and a layer's outputs (skipped when the method measured the factors
+  in its own loop, as ShortGPT does: the bound again).
+"""
+
+from __future__ import annotations
+
+from ..options.corrections import BridgeOptions, Corrections
+from .workspace import Phase, Term, WorkspaceSizes
+
+#: Method phases that run before a bridge takes its dense targets (the plan is chosen before it is applied); every
+#: other phase of a method runs inside its apply step, with the targets held.
+PLANNING_PHASES = frozenset({"selection", "plan"})
+
+
+def correction_workspace(z: WorkspaceSizes, n: int, corrections: Corrections) -> tuple[list[Phase], Term | None, float]:
+    """(the correction's own phases, the term it holds through the method's apply phases or None, its stack passes as
+    a bound) for removing `n` layers of the sizes `z`; nothing for ``Corrections()``."""
+    if corrections.linear_replacement is not None:
+        return _bridge(z, n, BridgeOptions(corrections.linear_replacement))
+    if corrections.compensation is not None:
+        return _compensation(z), None, 1.0
+    return [], None, 0.0
+
+
+def with_correction(
+    z: WorkspaceSizes, n: int, corrections: Corrections, phases: list[Phase], passes: float
+) -> tuple[list[Phase], float, list[str]]:
+    """A method's phases and stack passes with `corrections` added (`correction_workspace`): the held term joins every
+    phase but the planning ones, the correction's phases follow; and the notes that say so."""
+    own, held, extra = correction_workspace(z, n, corrections)
+    if not own:
+        return phases, passes, []
+    joined = [p if held is None or p.name in PLANNING_PHASES else Phase(p.name, (*p.terms, held)) for p in phases]
+    if corrections.linear_replacement is not None:
+        why = (
+            "the dense states of every bridged span held through the method's apply, and the fit walking them (one "
+            "least-squares bridge after an unchanged prefix streams a batch at a time instead)"
+        )
+    else:
+        why = "one walk of the layers up to the last dropped one (none where the method measured the factors itself)"
+    note = f"{corrections.describe()}, a bound: {why}; at most {extra:.2f} more stack passes"
+    return [*joined, *own], passes + extra, [note]
+
+
+def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions) -> tuple[list[Phase], Term, float]:
+    L = z.shape.num_layers
+    spans = min(n, L - n) * (1 + options.correct_after)
+    spans = min(spans, L - n)
+    targets = Term(
+        f"dense states at the end of each bridged span (at most {spans})",
+        spans * z.S,
+        "dense_targets: taken before the plan is applied, held until every bridge is fitted",
+    )
+    d = z.d
+    if options.estimator == "lstsq_down":
+        width = z.i + 1  # the down projection's inputs, and an intercept where it has a bias (the bound)
+        statistics = 2 * 8 * (width * width + width * d)  # the fit's and the held-out batch's normal equations
+        why = "float64 AᵀA and Aᵀ(L − Y) of the down projection's inputs, and the same for the held-out batch"
+    elif options.estimator == "cosine":
+        width = d
+        statistics = 3 * z.N * d * 4 + 2 * d * d * 4
+        why = "float32 host copies of M, Y and L for every token (fit_cosine reads them), and T with its gradient"
+    else:
+        width = d + 1
+        statistics = 8 * (width * width + width * d + (d * d if options.stream_gain else 0))
+        why = "float64 MᵀM and Mᵀ(L − Y) (and the stream's cross terms with the gain)"
+    batch = z.Tb * (width + 2 * d) * 8
+    phase = Phase(
+        "linear_replacement",
+        (
+            z.tokens(),
+            *z.runners(2),
+            targets,
+            Term("the compressed model's states entering the layer walked", z.S, "one copy of every batch"),
+            z.run_term(),
+            Term("the fit's statistics", statistics, why),
+            Term("one batch in float64", batch, "what the estimator reads, the target and the stream, masked"),
+        ),
+    )
+    # The targets' walk of the dense stack up to the last span's end, the compressed model's up to the last bridged
+    # layer (at most every layer of each), and each bridged layer once more for its fit.
+    return [phase], targets, (2 * L - n + spans) / L
+
+
+def _compensation(z: WorkspaceSizes) -> list[Phase]:
+    """measure_scales' walk: its runner beside the method's (the context keeps it), the stream, the previous
+    output and a layer's run."""
+    return [
+        Phase(
+            "compensation",
+            (
+                z.tokens(),
+                *z.runners(2),
+                Term("the stream entering the layer walked", z.S, "measure_scales: one copy of every batch"),
+                Term("the layer before's output", z.S, "still referenced while the next layer runs"),
+                z.run_term(),
+            ),
+        )
+    ]
