@@ -478,6 +478,8 @@ PRODUCT_HEALING = {
     "distilled",
     ("flattengpt", "local_then_global", "distillation"): "`flattengpt`, healed: changed spans distilled locally, "
     "then together on the output",
+    ("flattengpt", "local_then_global_all", "distillation"): "`flattengpt`, healed: changed spans distilled "
+    "locally, then every weight on the output",
     ("replaceme_lstsq_down", "local_then_global", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: '
     "its bridged block distilled locally, then on the output",
     ("sleb_first_2_sequences_diagonal", "full", "distillation"): '`sleb`, `linear_replacement="diagonal"`, healed: '
@@ -486,8 +488,12 @@ PRODUCT_HEALING = {
 
 
 def _product_mode(run: dict) -> str:
-    """A run's mode on the product page: `local` with a global phase after it is a mode of its own there."""
-    return "local_then_global" if run["recovery"].get("global_phase") else run["mode"]
+    """A run's mode on the product page: `local` with a global phase after it is a mode of its own there, and one
+    whose global phase trained every weight (`global_scope="all"`) another."""
+    phase = run["recovery"].get("global_phase")
+    if not phase:
+        return run["mode"]
+    return "local_then_global_all" if phase.get("trained") == "every parameter" else "local_then_global"
 
 
 def _budget_words(run: dict) -> str:
@@ -596,7 +602,8 @@ def _global_phase(run: dict) -> str:
     if not phase:
         return ""
     rate = phase.get("learning_rate") or run["recovery"].get("learning_rate")
-    return f", then global distillation ({phase['tokens_trained']:,} tokens, lr {rate:.2g})"
+    every = " of every weight" if phase.get("trained") == "every parameter" else ""
+    return f", then global distillation{every} ({phase['tokens_trained']:,} tokens, lr {rate:.2g})"
 
 
 def healing_table(paths: list[Path]) -> str:

@@ -44,7 +44,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
         if phase:  # runs splitting their budget otherwise between the phases are lines of their own
             total, global_tokens = int(recovery["tokens_trained"]), int(phase["tokens_trained"])
             share = Fraction(total - global_tokens, global_tokens)
-            mode += f" then global (local:global {share.numerator}:{share.denominator})"
+            every = " of every weight" if phase.get("trained") == "every parameter" else ""
+            mode += f" then global{every} (local:global {share.numerator}:{share.denominator})"
         scored = int(run.get("eval_tokens", EVAL_TOKENS))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
