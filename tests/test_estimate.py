@@ -698,3 +698,25 @@ def test_auto_estimate_holds_a_copy_of_the_model_while_scoring():
         for p in scoring
     )
     assert estimate.phases[-1].name.startswith("refit")
+
+
+def test_a_correction_adds_its_phase_to_the_compute_model():
+    """The bridge's passes and the normal equations of every span (counted as ReplaceMe's own fit is) join the
+    method's compute model, so that `estimate --device` predicts their time too."""
+    from optimum_flatten.compression.correction_workspace import bridge_fit_tally
+    from optimum_flatten.compression.workspace import WorkspaceSizes
+    from optimum_flatten.estimate import CalibrationShape, ModelShape
+
+    model = _llama(layers=6)
+    plain = estimate_memory(model, "flattengpt", 2, nsamples=8, seqlen=64, batch_size=2)
+    bridged = estimate_memory(
+        model, "flattengpt", 2, nsamples=8, seqlen=64, batch_size=2, corrections=Corrections("lstsq_down")
+    )
+    assert "linear_replacement" not in plain.compute.phase_passes
+    extra = bridged.stack_passes - plain.stack_passes
+    assert bridged.compute.phase_passes["linear_replacement"] == pytest.approx(extra)
+    z = WorkspaceSizes(ModelShape.of(model), CalibrationShape(8, 64, 2))
+    assert bridged.compute.arithmetic["linear_replacement"] == bridge_fit_tally(z, "lstsq_down").scaled(2)
+    assert {k: v for k, v in bridged.compute.phase_passes.items() if k != "linear_replacement"} == (
+        plain.compute.phase_passes
+    )

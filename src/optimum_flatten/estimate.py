@@ -53,7 +53,7 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .compression.compute import ComputeModel
-from .compression.correction_workspace import with_correction
+from .compression.correction_workspace import with_correction, with_correction_compute
 from .compression.method import CompressionMethod
 from .compression.pipeline import Corrections, preflight
 from .compression.workspace import Phase, Refusal, Term, WorkspaceSizes
@@ -453,6 +453,8 @@ def estimate_memory(
     phases, passes, more = with_correction(sizes, num_layers_to_remove, corrections, phases, passes)
     bound = bound or bool(more)
     notes = [*notes, *more]
+    computed = compute_estimate(method_class, sizes, num_layers_to_remove, config)
+    computed["compute"] = with_correction_compute(sizes, num_layers_to_remove, corrections, computed["compute"])
     return MemoryEstimate(
         method=method,
         num_layers_to_remove=num_layers_to_remove,
@@ -462,7 +464,7 @@ def estimate_memory(
         stack_passes=round(passes, 3),
         stack_passes_is_bound=bound,
         notes=notes,
-        **compute_estimate(method_class, WorkspaceSizes(shape, calibration), num_layers_to_remove, config),
+        **computed,
     )
 
 

@@ -23,6 +23,8 @@ the code it describes:
 from __future__ import annotations
 
 from ..options.corrections import BridgeOptions, Corrections
+from ..utils import flops
+from .compute import ComputeModel, Tally
 from .workspace import Phase, Term, WorkspaceSizes
 
 #: Method phases that run before a bridge takes its dense targets (the plan is chosen before it is applied); every
@@ -115,3 +117,45 @@ def _compensation(z: WorkspaceSizes) -> list[Phase]:
             ),
         )
     ]
+
+
+def with_correction_compute(
+    z: WorkspaceSizes, n: int, corrections: Corrections, compute: ComputeModel | None
+) -> ComputeModel | None:
+    """A method's compute model with the correction's phase added: its stack passes (the bound of
+    `correction_workspace`) and, for a least-squares bridge, the float64 normal equations of every span (the Gram and
+    cross products over the calibration tokens, one factorisation each); None stays None."""
+    own, _, passes = correction_workspace(z, n, corrections)
+    if compute is None or not own:
+        return compute
+    name = own[0].name
+    kinds: dict[str, dict[str, float]] = {}
+    if corrections.linear_replacement is not None and corrections.linear_replacement != "cosine":
+        options = BridgeOptions(corrections.linear_replacement)
+        L = z.shape.num_layers
+        spans = min(min(n, L - n) * (1 + options.correct_after), L - n)
+        kinds = bridge_fit_tally(z, options.estimator).scaled(spans)
+    phase_passes = {**compute.phase_passes, name: compute.phase_passes.get(name, 0.0) + passes}
+    arithmetic = {**compute.arithmetic, **({name: kinds} if kinds else {})}
+    notes = [*compute.notes, f"{name}: the correction's passes are a bound (see the memory notes)"]
+    return ComputeModel(phase_passes, arithmetic, notes)
+
+
+def bridge_fit_tally(z: WorkspaceSizes, estimator: str) -> Tally:
+    """The arithmetic of one least-squares bridge, counted as `BridgeFit` does it: MᵀM and Mᵀ(L − Y) in float64 over
+    the N calibration tokens (2·N·d² each; a third, MᵀY, with the stream gain), the Cholesky factor of MᵀM (d³/3)
+    and its solve (2·d³; none for the diagonal map, d divisions), and the fold into the down projection (2·d²·i).
+    ``"lstsq_down"`` fits over the MLP's width i instead (2·N·i² and 2·N·i·d, one i³/3 factor and its solve; the
+    ridge search's extra solves are not counted)."""
+    d, i, N = z.d, z.i, z.N
+    fit = Tally()
+    width = i if estimator == "lstsq_down" else d
+    fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
+    if estimator == "lstsq_gain":
+        fit.add(flops.gram(N, d, d), "float64")
+    if estimator != "diagonal":
+        fit.cholesky(width)
+        fit.add(flops.cholesky_solve(width, 2 * d if estimator == "lstsq_gain" else d), "float64", "factorisation")
+    if estimator != "lstsq_down":
+        fit.add(flops.product(d, d, i), "float64")
+    return fit

@@ -94,11 +94,8 @@ class AutoMethod(CompressionMethod):
         bound: the scored candidates' passes over the fitting part, one pass of the compressed stack and the LM head
         over the validation part each, and the costliest candidate once more.
         """
-        batches = z.cal.batches
-        held = min(batches - 1, max(1, math.ceil(config.validation_fraction * batches)))
-        if batches < 2:
-            raise ValueError(f"auto needs at least 2 calibration batches (one to fit, one to validate), got {batches}.")
-        fit_cal = dataclasses.replace(z.cal, nsamples=min(z.cal.nsamples, (batches - held) * z.cal.batch_size))
+        fitting, _ = split_batches(list(range(z.cal.batches)), config.validation_fraction)  # the run's own split
+        fit_cal = dataclasses.replace(z.cal, nsamples=min(z.cal.nsamples, len(fitting) * z.cal.batch_size))
         val_cal = dataclasses.replace(z.cal, nsamples=z.cal.nsamples - fit_cal.nsamples)
         fit, val = z.with_calibration(fit_cal), z.with_calibration(val_cal)
         chosen = cls._modelled_candidates(z, config)

@@ -21,7 +21,8 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import HeldBlock, next_token_nll
-from ..compression.compute import ComputeModel, Tally
+from ..compression.compute import ComputeModel
+from ..compression.correction_workspace import bridge_fit_tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
 from ..corrections.bridge_fit import LEAST_SQUARES_ESTIMATORS, fit_with_outputs
@@ -31,7 +32,6 @@ from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
 from ..registry import register_method
-from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
@@ -195,30 +195,14 @@ class ReplaceMeMethod(CompressionMethod):
     @classmethod
     def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
         """ReplaceMe's compute model: the selection walk (one stack pass, no arithmetic), then per bridged block its
-        normal equations, counted as the fit does: MᵀM and Mᵀ(L − Y) in float64 over the N calibration tokens
-        (2·N·d² each; a third, MᵀY, with the stream gain), the Cholesky factor of MᵀM (d³/3), its solve (2·d³) and
-        the fold into the down projection (2·d²·i). ``"lstsq_down"`` fits over the MLP's width i instead (2·N·i²
-        and 2·N·i·d, one i³/3 factor and its solve; the ridge search's extra solves are not counted). None for the
+        normal equations, counted as the fit does (`compression.correction_workspace.bridge_fit_tally`). None for the
         cosine fit and the loss selection, which are not modelled.
         """
         if config.estimator == "cosine" or config.selection == "loss":
             return None
-        L, d, i, N = z.shape.num_layers, z.d, z.i, z.N
+        L = z.shape.num_layers
         blocks = max(config.num_blocks, 1) * (1 + config.correct_after)
-        fit = Tally()
-        width = i if config.estimator == "lstsq_down" else d
-        fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
-        if config.estimator == "lstsq_gain":
-            fit.add(flops.gram(N, d, d), "float64")
-        if config.estimator != "diagonal":  # the diagonal solve is d divisions
-            fit.cholesky(width)
-            fit.add(
-                flops.cholesky_solve(width, 2 * d if config.estimator == "lstsq_gain" else d),
-                "float64",
-                "factorisation",
-            )
-        if config.estimator != "lstsq_down":
-            fit.add(flops.product(d, d, i), "float64")
+        fit = bridge_fit_tally(z, config.estimator)
         notes = ["the linear replacement's stack passes are a bound: they depend on where the removed block lies"]
         replacement = 1.0 + (L - n + blocks) / L
         if held_states(z, n, config):
