@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 import tiny_models
 from common import assert_close, logits, sample_ids, shallower_reference, tiny_recovery_config
 from optimum_flatten.cli.main import main
+from optimum_flatten.export.model_card import render_model_card
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.data import build_training_rows
 from optimum_flatten.recovery.local import LocalSpanLoss
@@ -207,6 +208,9 @@ def test_the_global_phase_trains_the_spans_or_every_parameter(compressed, scope)
     assert log["global_phase"]["trained"] == ("the same blocks" if scope == "spans" else "every parameter")
     assert (changed == []) if scope == "spans" else (len(changed) == len(outside))
     assert all(p.requires_grad for p in healed.parameters())
+    card = render_model_card({**report, "recovery": log})
+    assert ("Then every parameter on the global" in card) == (scope == "all")
+    assert ("every other parameter is unchanged" in card) == (scope == "spans")
 
 
 def test_an_unknown_global_scope_is_refused(compressed):

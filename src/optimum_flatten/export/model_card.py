@@ -195,7 +195,11 @@ def _local_lines(recovery: dict[str, Any]) -> list[str]:
         lines[0] += f"; held-out local loss {local['heldout_local_before']:.4f} -> {local['heldout_local_after']:.4f}"
     phase = recovery.get("global_phase")
     if isinstance(phase, dict):
-        lines.append(f"- Then the same blocks on the global distillation loss for {phase.get('tokens_trained')} tokens")
+        every = phase.get("trained") == "every parameter"
+        if every:  # the local phase left the other parameters alone; the global one did not
+            lines[0] = lines[0].replace("; every other parameter is unchanged", "")
+        what = "every parameter" if every else "the same blocks"
+        lines.append(f"- Then {what} on the global distillation loss for {phase.get('tokens_trained')} tokens")
     return lines
 
 
