@@ -65,18 +65,23 @@ def plot(model: str, method: str) -> Path:
         raise SystemExit(f"no healing runs of {method} on {model} in {RESULTS}")
     figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for panel, (axis, (_, title)) in enumerate(zip(axes, TEXTS, strict=True)):
-        for label, line in sorted(points.items()):
+        for k, (label, line) in enumerate(sorted(points.items())):  # tab20: one colour a line past ten lines
             xs = sorted(line)
-            axis.plot([x / 1024 for x in xs], [line[x][panel] for x in xs], marker="o", label=label)
+            color = plt.get_cmap("tab20")(k % 20)
+            axis.plot([x / 1024 for x in xs], [line[x][panel] for x in xs], marker="o", label=label, color=color)
         axis.set_title(title)
         axis.set_xlabel("training tokens (K)")
         axis.grid(True, alpha=0.3)
     axes[0].set_ylabel("perplexity / dense perplexity")
-    axes[1].legend(fontsize=8, title="what is trained, loss")
+    # Beside the panels, not over them: with a dozen lines a legend inside hides the points it names.
+    handles, labels = axes[1].get_legend_handles_labels()
     figure.suptitle(f"{model}, {method} (6 of 30 removed), healed on pre-2000 speeches outside calibration")
     figure.tight_layout()
+    figure.legend(
+        handles, labels, fontsize=8, title="what is trained, loss", loc="center left", bbox_to_anchor=(1, 0.5)
+    )
     out = RESULTS / f"recovery_{model}_{method}.png"
-    figure.savefig(out, dpi=110)
+    figure.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return out
 
