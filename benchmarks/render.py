@@ -469,7 +469,8 @@ PRODUCT_ROWS = {
 
 #: Healing rows on the product page: (method, mode, loss) -> label; the largest budget measured is shown. The other
 #: modes (LoRA distilled, the changed weights, `local` without its global phase, which local then global passed at
-#: every budget both ran) are in the notebook's healing table.
+#: every budget both ran, and a global phase of every weight, within 0.01 of the same-blocks one) are in the
+#: notebook's healing table.
 PRODUCT_HEALING = {
     ("flattengpt", "full", "distillation"): "`flattengpt`, healed: every weight distilled",
     ("shortgpt", "local", "distillation"): "`shortgpt`, healed: changed spans distilled locally",
@@ -478,8 +479,6 @@ PRODUCT_HEALING = {
     "distilled",
     ("flattengpt", "local_then_global", "distillation"): "`flattengpt`, healed: changed spans distilled locally, "
     "then together on the output",
-    ("flattengpt", "local_then_global_all", "distillation"): "`flattengpt`, healed: changed spans distilled "
-    "locally, then every weight on the output",
     ("replaceme_lstsq_down", "local_then_global", "distillation"): '`replaceme`, `estimator="lstsq_down"`, healed: '
     "its bridged block distilled locally, then on the output",
     ("sleb_first_2_sequences_diagonal", "full", "distillation"): '`sleb`, `linear_replacement="diagonal"`, healed: '
