@@ -172,7 +172,11 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
       global (128K + 128K) 1.238 / 1.693;
     - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
       (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
-      kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md).
+      kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md);
+    - Qwen2.5-0.5B, FlattenGPT 24 -> 19 (untrained 1.267 / 1.930), 64K tokens: full 1.180 / 1.654 (held-out KL of
+      the training text 0.264, 72 minutes, 17.2 GB), local then global (32K + 32K) 1.186 / 1.601 (0.260, 33 minutes,
+      8.4 GB), local 1.215 / 1.660: the split ahead of `full` on the held-out rows, out of domain and on KL on both
+      texts (0.302 / 0.655 against 0.309 / 0.689), a hair behind by perplexity in domain.
 
     But `full` holds the whole model's gradients and optimiser state (about 16 bytes a parameter beside the teacher:
     no 7B model on one 80 GB GPU), so it is the default only where `recovery.footprint` says it fits the device's free
