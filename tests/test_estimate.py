@@ -720,3 +720,17 @@ def test_a_correction_adds_its_phase_to_the_compute_model():
     assert {k: v for k, v in bridged.compute.phase_passes.items() if k != "linear_replacement"} == (
         plain.compute.phase_passes
     )
+
+
+def test_cli_estimate_takes_auto(tmp_path, capsys):
+    """`estimate --method auto` on LLaMA-2-7B's config alone: every listed candidate, the validation pass, the refit."""
+    _write_config(tmp_path)
+    argv = ["estimate", str(tmp_path), "--method", "auto", "--num-layers-to-remove", "7", "--dtype", "bfloat16"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    names = list(result["workspace_bytes"]["phases"])
+    assert names[-2] == "selection: scoring on the validation batches" and names[-1].startswith("refit")
+    assert result["stack_passes_is_bound"] and result["peak_bytes"] > result["weights_bytes"] * 2
+    assert main([*argv, "--max-candidates", "1", "--json"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert len(single["workspace_bytes"]["phases"]) == 3 and single["stack_passes"] < result["stack_passes"]
