@@ -214,7 +214,8 @@ def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
     and training the changed blocks only in both phases (less memory than `full`); after FlattenGPT on Qwen2.5-0.5B
     (24 -> 19) at 64K, 1.186 / 1.601 (0.260) against `full`'s 1.180 / 1.654 (0.264), at half its time and memory.
     Training every weight in the global phase (`global_scope="all"`) was ahead of the same blocks by 0.002-0.02 on
-    SmolLM2 at both budgets, at `full`'s memory, so the split keeps the same blocks. After ReplaceMe, whose one bridged
+    SmolLM2 at both budgets but behind on Qwen2.5 out of domain and on the held-out rows (1.179 / 1.606, 0.263), at
+    `full`'s memory on both, so the split keeps the same blocks. After ReplaceMe, whose one bridged
     block leaves the local phase little to fix, `full` stays ahead at both budgets (1.234 / 1.724 against 1.279 /
     1.790; 1.189 / 1.651 against 1.238 / 1.693), so a plan without merged blocks keeps `full`. A budget given as
     epochs (no `max_tokens`) keeps `full` too: there is no budget to split."""
