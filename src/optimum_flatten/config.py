@@ -100,12 +100,7 @@ class FlattenConfig(QuantizationConfigMixin):
                 stacklevel=2,
             )
         self._tokenizer = tokenizer
-        check_correction("linear_replacement", linear_replacement, ESTIMATORS, method, method_class)
-        check_correction("compensation", compensation, COMPENSATIONS, method, method_class)
-        if linear_replacement is not None and compensation is not None:
-            raise ValueError(
-                "compensation and linear_replacement both correct the stream at a cut; choose one of them."
-            )
+        check_corrections(linear_replacement, compensation, method, method_class)
         self.linear_replacement = linear_replacement
         self.compensation = compensation
         self.heal = parse_heal(heal)
@@ -253,7 +248,16 @@ def _describe_heal(heal: dict[str, Any] | None) -> dict[str, Any] | None:
     return {**heal, "dataset": describe_dataset(heal["dataset"])}
 
 
-def check_correction(option: str, value: Any, names: tuple[str, ...], method: str, method_class: Any) -> None:
+def check_corrections(linear_replacement: str | None, compensation: str | None, method: str, method_class: Any) -> None:
+    """The refusals of a request's corrections (`FlattenConfig` and `optimum-flatten estimate` alike): each one's
+    name and whether the method takes it (`_check_correction`), and never both at once."""
+    _check_correction("linear_replacement", linear_replacement, ESTIMATORS, method, method_class)
+    _check_correction("compensation", compensation, COMPENSATIONS, method, method_class)
+    if linear_replacement is not None and compensation is not None:
+        raise ValueError("compensation and linear_replacement both correct the stream at a cut; choose one of them.")
+
+
+def _check_correction(option: str, value: Any, names: tuple[str, ...], method: str, method_class: Any) -> None:
     """Refuses an unknown correction name, or one the method cannot take, when the config is made.
 
     Every correction needs the method to leave cuts behind (not keep depth) and not to fit a map of its own; the

@@ -433,7 +433,9 @@ def estimate_memory(
     calibration = CalibrationShape(nsamples, seqlen, batch_size)
     method_class = get_method_class(method)
     config = method_class.config_class(**(method_args or {}))
-    check_corrections(method, method_class, corrections)
+    from .config import check_corrections  # FlattenConfig's own refusals of a correction
+
+    check_corrections(corrections.linear_replacement, corrections.compensation, method, method_class)
     adapter = get_adapter(model)
     require_capabilities(adapter, method)
     stack = stack or _single_stack(adapter)
@@ -466,16 +468,6 @@ def estimate_memory(
         notes=notes,
         **computed,
     )
-
-
-def check_corrections(method: str, method_class: type[CompressionMethod], corrections: Corrections) -> None:
-    """The refusals `FlattenConfig` gives a correction: an unknown name, one the method cannot take, or both."""
-    from .config import COMPENSATIONS, ESTIMATORS, check_correction
-
-    check_correction("linear_replacement", corrections.linear_replacement, ESTIMATORS, method, method_class)
-    check_correction("compensation", corrections.compensation, COMPENSATIONS, method, method_class)
-    if corrections.linear_replacement is not None and corrections.compensation is not None:
-        raise ValueError("compensation and linear_replacement both correct the stream at a cut; choose one of them.")
 
 
 def refusal_of(adapter: ArchitectureAdapter, stack: str) -> Refusal:

@@ -62,10 +62,16 @@ def with_correction(
     return [*joined, *own], passes + extra, [note]
 
 
+def _bridged_spans(z: WorkspaceSizes, n: int, options: BridgeOptions) -> int:
+    """At most how many spans get a bridge: each holds a removed and a kept layer (min(n, L − n)), and each adds
+    `correct_after` kept layers' refits, never more than the kept layers."""
+    L = z.shape.num_layers
+    return min(min(n, L - n) * (1 + options.correct_after), L - n)
+
+
 def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions) -> tuple[list[Phase], Term, float]:
     L = z.shape.num_layers
-    spans = min(n, L - n) * (1 + options.correct_after)
-    spans = min(spans, L - n)
+    spans = _bridged_spans(z, n, options)
     targets = Term(
         f"dense states at the end of each bridged span (at most {spans})",
         spans * z.S,
@@ -132,9 +138,7 @@ def with_correction_compute(
     kinds: dict[str, dict[str, float]] = {}
     if corrections.linear_replacement is not None and corrections.linear_replacement != "cosine":
         options = BridgeOptions(corrections.linear_replacement)
-        L = z.shape.num_layers
-        spans = min(min(n, L - n) * (1 + options.correct_after), L - n)
-        kinds = bridge_fit_tally(z, options.estimator).scaled(spans)
+        kinds = bridge_fit_tally(z, options.estimator).scaled(_bridged_spans(z, n, options))
     phase_passes = {**compute.phase_passes, name: compute.phase_passes.get(name, 0.0) + passes}
     arithmetic = {**compute.arithmetic, **({name: kinds} if kinds else {})}
     notes = [*compute.notes, f"{name}: the correction's passes are a bound (see the memory notes)"]

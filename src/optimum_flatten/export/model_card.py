@@ -187,17 +187,16 @@ def _local_lines(recovery: dict[str, Any]) -> list[str]:
         f"block {s['block']} (original layers {s['original_layers'][0]}-{s['original_layers'][1]})"
         for s in local.get("spans", [])
     )
+    phase = recovery.get("global_phase")
+    phase = phase if isinstance(phase, dict) else None
+    every = phase is not None and phase.get("trained") == "every parameter"  # a global phase trained them all
     lines = [
         f"- Trained locally, each alone on the teacher's state at its span's start towards the teacher's state at its "
-        f"end (normalised MSE): {spans}; every other parameter is unchanged"
+        f"end (normalised MSE): {spans}" + ("" if every else "; every other parameter is unchanged")
     ]
     if "heldout_local_before" in local:
         lines[0] += f"; held-out local loss {local['heldout_local_before']:.4f} -> {local['heldout_local_after']:.4f}"
-    phase = recovery.get("global_phase")
-    if isinstance(phase, dict):
-        every = phase.get("trained") == "every parameter"
-        if every:  # the local phase left the other parameters alone; the global one did not
-            lines[0] = lines[0].replace("; every other parameter is unchanged", "")
+    if phase is not None:
         what = "every parameter" if every else "the same blocks"
         lines.append(f"- Then {what} on the global distillation loss for {phase.get('tokens_trained')} tokens")
     return lines

@@ -108,7 +108,7 @@ class AutoMethod(CompressionMethod):
         for spec in chosen:
             method = spec.build()
             at_fit = cls._candidate(fit, n, spec, method)
-            at_full = cls._candidate(z if config.refit else fit, n, spec, method)
+            at_full = cls._candidate(z, n, spec, method) if config.refit else at_fit  # without refit: the same run
             peak = max(at_fit[0], key=lambda p: p.bytes)
             phases.append(Phase(f"selection: {spec.label} ({peak.name})", (copy_term, *peak.terms)))
             passes += at_fit[1] * fit_cal.tokens / z.cal.tokens
@@ -138,8 +138,8 @@ class AutoMethod(CompressionMethod):
         `_needs_fallbacks` would add them, at most `max_candidates` (refused ones count towards it, as in the run)."""
         specs = config.candidate_specs()
         verdicts = [z.refusal(spec.name, spec.build().config, spec.corrections) for spec in specs]
-        entries = [{} if v is None else {"refused": v, "refused_by": v} for v in verdicts]
-        scored = [{"validation_nll": 0.0} if not e else e for e in entries]
+        # The entries `_needs_fallbacks` reads, as `_score` writes them: scored, or refused (and by what).
+        scored = [{"validation_nll": 0.0} if v is None else {"refused_by": v} for v in verdicts]
         if AutoMethod._needs_fallbacks(specs, scored):
             for spec in config.fallback_specs():
                 specs.append(spec)
