@@ -22,7 +22,9 @@ Protocol (one run = one method x mode x loss x budget):
 Learning rate. `--sweep-learning-rates 1e-4 3e-4 ...` compresses once, then heals a copy at each rate and records
 only the gate's held-out objective *of the training text* (its held-out rows; the evaluation texts are not even
 loaded), so that a rate is picked without looking at what is reported. It writes
-benchmarks/results/lrsweep_<model>_<method>_<mode>_<kd|lm>_<tokens>.json.
+benchmarks/results/lrsweep_<model>_<method>_<mode>_<kd|lm>_<tokens>.json. `--sweep-global-learning-rates` does
+the same for the global phase after `--local-then-global-tokens` (the local phase at its default rate each time;
+`..._global<N>_globalrates.json`); `--global-learning-rate` sets that phase's rate in a measured run.
 
 Usage:
   python benchmarks/recovery/run.py --method flattengpt --mode changed --kd --max-tokens 262144
@@ -150,7 +152,17 @@ def main() -> None:
     parser.add_argument(
         "--global-scope", default="spans", choices=["spans", "all"], help="what the global phase trains"
     )
+    parser.add_argument(
+        "--global-learning-rate", type=float, default=None, help="the global phase's (default: the scope's mode's)"
+    )
     parser.add_argument("--sweep-learning-rates", type=float, nargs="+", default=None, help="see the docstring")
+    parser.add_argument(
+        "--sweep-global-learning-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="as --sweep-learning-rates, for the global phase after --local-then-global-tokens",
+    )
     parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up (< 1)")
     parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
@@ -164,6 +176,10 @@ def main() -> None:
     args.eval_tokens = args.eval_tokens or EVAL_TOKENS[args.model]
     if args.method not in VARIANTS or not VARIANTS[args.method].get("method"):
         raise SystemExit(f"--method must be a compression variant of benchmarks/depth/run.py, got {args.method!r}")
+    if args.sweep_learning_rates and args.sweep_global_learning_rates:
+        raise SystemExit("sweep one rate at a time: --sweep-learning-rates or --sweep-global-learning-rates")
+    if (args.sweep_global_learning_rates or args.global_learning_rate) and not args.local_then_global_tokens:
+        raise SystemExit("a global phase's rate needs a global phase: add --local-then-global-tokens")
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -172,7 +188,7 @@ def main() -> None:
     for parameter in dense.parameters():
         parameter.requires_grad_(False)
     model, _ = bundled.load_bundled(args.model)
-    if args.sweep_learning_rates:
+    if args.sweep_learning_rates or args.sweep_global_learning_rates:
         sweep(args, dense, model, tokenizer)
         return
     streams = {
@@ -187,7 +203,8 @@ def main() -> None:
     untrained = measure(dense, model, streams, args.eval_tokens)
 
     texts, excluded = training_texts(tokenizer)
-    config = recovery_config(args, args.learning_rate)  # None: the mode's default, scaled to the model's weights
+    # None: the mode's default, scaled to the model's weights
+    config = recovery_config(args, args.learning_rate, args.global_learning_rate)
     start = time.perf_counter()
     model, log = recover(model, tokenizer, texts, config, teacher=dense if args.kd else False, report=quantizer.report)
     heal_seconds = time.perf_counter() - start
@@ -231,19 +248,21 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
-    return suffix + (
-        f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
-    )
+    suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
+    if args.sweep_global_learning_rates:
+        return suffix + "_globalrates"
+    return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
 
 
-def recovery_config(args: argparse.Namespace, learning_rate: float | None):
-    """The `RecoveryConfig` of the command line's options."""
+def recovery_config(args: argparse.Namespace, learning_rate: float | None, global_learning_rate: float | None = None):
+    """The `RecoveryConfig` of the command line's options (the two rates given apart, for the sweeps)."""
     from optimum_flatten.recovery import RecoveryConfig
 
     return RecoveryConfig(
         mode=args.mode,
         local_then_global_tokens=args.local_then_global_tokens,
         global_scope=args.global_scope,
+        global_learning_rate=global_learning_rate,
         last_k=args.last_k,
         temperature=args.temperature,
         kd_alpha=args.kd_alpha,
@@ -262,7 +281,8 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None):
 
 
 def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Module, tokenizer: object) -> None:
-    """Heals a copy of the compressed model at each rate; records the gate's held-out scores of the training text."""
+    """Heals a copy of the compressed model at each rate (of both phases, or with --sweep-global-learning-rates of
+    the global phase after the local one at its default); records the gate's held-out scores of the training text."""
     import copy
 
     from optimum_flatten import FlattenConfig, FlattenQuantizer
@@ -273,13 +293,15 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
     quantizer.compress(model, tokenizer)
     texts, excluded = training_texts(tokenizer)
     runs = []
-    for rate in args.sweep_learning_rates:
+    of_global = bool(args.sweep_global_learning_rates)
+    for rate in args.sweep_global_learning_rates or args.sweep_learning_rates:
         start = time.perf_counter()
+        rates = (args.learning_rate, rate) if of_global else (rate, None)
         _, log = recover(
             copy.deepcopy(model),
             tokenizer,
             texts,
-            recovery_config(args, rate),
+            recovery_config(args, *rates),
             teacher=dense if args.kd else False,
             report=quantizer.report,
         )
@@ -293,6 +315,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
                 "gate": log["gate"],
                 "local": log.get("local"),
                 "heldout_history": log.get("heldout_history"),
+                "global_phase": log.get("global_phase"),
                 "heal_seconds": time.perf_counter() - start,
             }
         )
@@ -307,6 +330,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
         "plan": quantizer.report["plan_summary"],
         "selected_on": "the gate's held-out objective of the training text (held-out rows, never trained on)",
         "best_lr": best["lr"],
+        "swept": "the global phase's rate" if of_global else "the learning rate",
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")},
         "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
         "runs": runs,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -182,6 +183,16 @@ def test_a_global_phase_follows_with_its_own_budget(compressed):
     )  # fmt: skip
     assert log["learning_rate"] == log["global_phase"]["learning_rate"] == 3e-4
     assert log["heldout_after"] == log["global_phase"]["heldout_after"]
+    # global_learning_rate sets the global phase's alone, over learning_rate and over the scope's default.
+    for first in (3e-4, None):
+        apart = dataclasses.replace(given, learning_rate=first, global_learning_rate=7e-5)
+        _, log = recover(
+            copy.deepcopy(model), tiny_models.CharTokenizer(), tiny_models.sample_texts(), apart, teacher=dense,
+            report=report,
+        )  # fmt: skip
+        assert log["global_phase"]["learning_rate"] == 7e-5
+        local = first if first is not None else RecoveryConfig(mode="local").rate_for(scale)
+        assert log["learning_rate"] == pytest.approx(local)
 
 
 @pytest.mark.parametrize("scope", ["spans", "all"])
@@ -219,6 +230,18 @@ def test_an_unknown_global_scope_is_refused(compressed):
         copy.deepcopy(model),
         "global_scope must be one of",
         config=_config(local_then_global_tokens=64, global_scope="everything"),
+        teacher=dense,
+        report=report,
+    )
+
+
+@pytest.mark.parametrize("rate", [0.0, -1e-4, float("nan")])
+def test_a_global_rate_that_is_not_positive_is_refused(compressed, rate):
+    dense, model, report = compressed
+    _refused(
+        copy.deepcopy(model),
+        "global_learning_rate must be a positive number",
+        config=_config(local_then_global_tokens=64, global_learning_rate=rate),
         teacher=dense,
         report=report,
     )

@@ -56,8 +56,9 @@ class RecoveryConfig:
             distillation loss (the text must hold that many training tokens too); None: none.
         global_scope: What that global phase trains: ``spans`` (the same blocks as the local phase, at mode
             ``'changed'``'s default rate) or ``all`` (every parameter, at mode ``'full'``'s: the local phase then
-            only warms up the blocks `full` would start from far off). Its `learning_rate`, when given, is used by
-            both phases.
+            only warms up the blocks `full` would start from far off).
+        global_learning_rate: That global phase's rate, used as given; None takes `learning_rate` when given, else
+            the default of the mode that trains what it trains (`global_scope`), scaled like theirs (`rate_for`).
         last_k: Blocks trained by ``mode='last_k'``.
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
@@ -95,6 +96,9 @@ class RecoveryConfig:
     )
     local_then_global_tokens: int | None = None
     global_scope: Literal["spans", "all"] = "spans"
+    global_learning_rate: float | None = field(
+        default=None, metadata={"default": "learning_rate if given, else the global scope's mode's default, scaled"}
+    )
     last_k: int = 3
     temperature: float = 1.0
     kd_alpha: float = 1.0

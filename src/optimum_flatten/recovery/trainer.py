@@ -236,6 +236,9 @@ def check_local_options(config: RecoveryConfig) -> None:
         )
     if tokens < 1:
         raise ValueError(f"local_then_global_tokens must be a positive token budget, got {tokens}.")
+    rate = config.global_learning_rate
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"global_learning_rate must be a positive number, got {rate}.")
 
 
 #: What mode 'local''s global phase can train (`RecoveryConfig.global_scope`), and the mode whose default learning
@@ -249,7 +252,10 @@ def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     state loss; on the global distillation loss it is 5× the rate 'changed' was swept to (measured after FlattenGPT
     on SmolLM2: 32K local then 32K global tokens at the local rate gave 1.467 / 2.503, behind 64K of `local` alone,
     1.425 / 2.402)."""
-    rate = {} if config.learning_rate is not None else {"mode": GLOBAL_SCOPES[config.global_scope]}
+    if config.global_learning_rate is not None:
+        rate: dict[str, Any] = {"learning_rate": config.global_learning_rate}
+    else:
+        rate = {} if config.learning_rate is not None else {"mode": GLOBAL_SCOPES[config.global_scope]}
     tokens = config.local_then_global_tokens
     return dataclasses.replace(config, max_tokens=tokens, local_then_global_tokens=None, **rate)
 
