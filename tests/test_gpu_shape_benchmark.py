@@ -26,3 +26,20 @@ def test_tiny_shape_on_the_cpu_writes_cost_estimate_and_prefill(tmp_path):
     assert result["estimate"]["method"] == "flattengpt" and result["estimate"]["workspace_bytes"]["peak"] > 0
     assert result["memory"] == {}  # accelerator memory is measured on CUDA only
     assert result["prefill"]["compressed"]["tokens_per_second"] > 0
+
+
+def test_the_session_driver_reads_the_host_copy_probe_back_into_its_summary(tmp_path):
+    """gpu_session.py's host-copy step at the tiny CPU shape: the probe's figures land in session.json (the device
+    returns 8 files at most, so the probe writes none of its own under the output folder)."""
+    driver = SCRIPT.parent / "gpu_session.py"
+    completed = subprocess.run(
+        [sys.executable, str(driver), "--tiny", "--rows", "host_copy", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    step = json.loads((tmp_path / "session.json").read_text())["host_copy"]
+    assert step["status"] == "ok", (tmp_path / "session.log").read_text()[-2000:]
+    assert step["result"]["pinned"] is False and step["result"]["copy_seconds"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.json", "session.log"]

@@ -18,9 +18,12 @@ Rows:
    profile predates the split bfloat16 moments and the cached targets). The ``bfloat16`` row left the call: since
    ``covariance_dtype="auto"`` resolves to it at 7B widths it measured the defaults twice;
 
-then `kv_search.py` at LLaMA-2-7B widths on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and
-with one factorisation a step), which checks the search's removal scoring on the accelerator (its inner products as
-a product and a sum since 2026-11-27, unmeasured before). 8 files come back: 5 rows, this search, the log, the summary.
+after the tests `host_copy.py` (``host_copy``: pinning 2 GiB of host memory, one device-to-host copy of it, and how
+much of that copy a layer's worth of bfloat16 products hides: whether ReplaceMe's window can live in host memory;
+its figures go into ``session.json``, not a file of their own), and at the end `kv_search.py` at LLaMA-2-7B widths
+on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and with one factorisation a step), which
+checks the search's removal scoring on the accelerator (its inner products as a product and a sum since 2026-11-27,
+unmeasured before). 8 files come back: 5 rows, this search, the log, the summary.
 
 Protocol per row: `gpu_shape.py`'s (random bf16 weights, 128 × 2048 calibration tokens in batches of 8, one dense
 forward after a warm-up, `--repeats 1` to save the session's minutes, per-phase peaks). Copy the JSON files into
@@ -39,6 +42,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,6 +80,17 @@ def remaining(limit: int, started: float, budget: float) -> int:
     return int(min(limit, budget - (time.perf_counter() - started) - 5))
 
 
+def host_copy(tiny: bool, started: float, budget: float, log: Path) -> dict:
+    """`host_copy.py`'s step: its JSON is read back into the step's entry (the device returns 8 files at most)."""
+    shape = ["--device", "cpu", "--gib", "0.01", "--hidden", "64", "--intermediate", "172", "--tokens", "256"]
+    target = Path(tempfile.mkdtemp()) / "host_copy.json"
+    command = [sys.executable, str(HERE / "host_copy.py"), *(shape if tiny else []), "--out", str(target)]
+    step = run(command, remaining(40, started, budget), log, "host_copy")
+    if target.exists():
+        step["result"] = json.loads(target.read_text())
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
@@ -97,6 +112,9 @@ def main() -> None:
             "gpu tests",
         )
         print("gpu tests:", steps["gpu tests"], flush=True)
+    if not args.rows or "host_copy" in args.rows:
+        steps["host_copy"] = host_copy(args.tiny, started, args.budget, log)
+        print("host_copy:", steps["host_copy"], flush=True)
     for label, row_args, limit in ROWS:
         if args.rows and label not in args.rows:
             continue
