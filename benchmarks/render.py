@@ -549,6 +549,8 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         kept = "; no step beat the input: the gate kept it" if h["recovery"].get("gate") == "kept input weights" else ""
         rate = h["recovery"].get("learning_rate")
         rate = "" if rate is None or _default_rate(h) else f", lr {rate:.2g}"
+        given = h.get("settings", {}).get("global_learning_rate")  # the global phase's, given by hand
+        rate += f", global lr {given:.2g}" if given is not None else ""
         sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
         rows.append(
             dict(

@@ -25,7 +25,7 @@ TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "Kin
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
     model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
-    the budget between the phases), is a line of its own,
+    the budget between the phases, and per global rate given by hand), is a line of its own,
     and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
     other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
@@ -46,6 +46,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             share = Fraction(total - global_tokens, global_tokens)
             every = " of every weight" if phase.get("trained") == "every parameter" else ""
             mode += f" then global{every} (local:global {share.numerator}:{share.denominator})"
+            given = run.get("settings", {}).get("global_learning_rate")
+            mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
         scored = int(run.get("eval_tokens", EVAL_TOKENS))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
