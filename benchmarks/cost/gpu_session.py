@@ -83,11 +83,12 @@ def remaining(limit: int, started: float, budget: float) -> int:
 def host_copy(tiny: bool, started: float, budget: float, log: Path) -> dict:
     """`host_copy.py`'s step: its JSON is read back into the step's entry (the device returns 8 files at most)."""
     shape = ["--device", "cpu", "--gib", "0.01", "--hidden", "64", "--intermediate", "172", "--tokens", "256"]
-    target = Path(tempfile.mkdtemp()) / "host_copy.json"
-    command = [sys.executable, str(HERE / "host_copy.py"), *(shape if tiny else []), "--out", str(target)]
-    step = run(command, remaining(40, started, budget), log, "host_copy")
-    if target.exists():
-        step["result"] = json.loads(target.read_text())
+    with tempfile.TemporaryDirectory() as scratch:
+        target = Path(scratch) / "host_copy.json"
+        command = [sys.executable, str(HERE / "host_copy.py"), *(shape if tiny else []), "--out", str(target)]
+        step = run(command, remaining(40, started, budget), log, "host_copy")
+        if target.exists():
+            step["result"] = json.loads(target.read_text())
     return step
 
 

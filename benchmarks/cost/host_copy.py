@@ -15,7 +15,8 @@ almost entirely, and if pinning that much host memory is cheap. This measures ex
 
 The window is 7 + 2 boundaries at 7 removed: 18 GiB of pinned host memory for the run. On the CPU (`--device cpu`,
 no pinning, the copy a clone) it runs at any size, which is how the script is checked before a device session:
-``python benchmarks/cost/host_copy.py --device cpu --gib 0.01 --hidden 64 --intermediate 172 --tokens 256``.
+``PYTHONPATH=src python benchmarks/cost/host_copy.py --device cpu --gib 0.01 --hidden 64 --intermediate 172
+--tokens 256``.
 """
 
 from __future__ import annotations
@@ -28,19 +29,16 @@ from pathlib import Path
 
 import torch
 
-
-def _synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from optimum_flatten.utils.torch_utils import synchronize
 
 
-def _timed(device: torch.device, work) -> float:
-    """Seconds of `work()` with the device synchronised at both ends."""
-    _synchronise(device)
+def _timed(device: torch.device, work):
+    """(what `work()` returns, its seconds with the device synchronised at both ends)."""
+    synchronize(device)
     start = time.perf_counter()
-    work()
-    _synchronise(device)
-    return time.perf_counter() - start
+    result = work()
+    synchronize(device)
+    return result, time.perf_counter() - start
 
 
 def main() -> None:
@@ -59,11 +57,10 @@ def main() -> None:
     pinned = device.type == "cuda"
 
     states = torch.randn(elements, device=device, dtype=torch.float32).to(dtype)
-    pin_seconds = _timed(device, lambda: torch.empty(elements, dtype=dtype, pin_memory=pinned))
-    host = torch.empty(elements, dtype=dtype, pin_memory=pinned)
+    host, pin_seconds = _timed(device, lambda: torch.empty(elements, dtype=dtype, pin_memory=pinned))
     pageable = torch.empty(elements, dtype=dtype)
-    copy_seconds = _timed(device, lambda: host.copy_(states, non_blocking=pinned))
-    pageable_seconds = _timed(device, lambda: pageable.copy_(states))
+    _, copy_seconds = _timed(device, lambda: host.copy_(states, non_blocking=pinned))
+    _, pageable_seconds = _timed(device, lambda: pageable.copy_(states))
 
     x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
     square = torch.randn(args.hidden, args.hidden, device=device, dtype=dtype) / args.hidden**0.5
@@ -80,7 +77,7 @@ def main() -> None:
             (up * gate) @ narrow
 
     layer()  # warm-up
-    compute_seconds = _timed(device, layer)
+    _, compute_seconds = _timed(device, layer)
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def overlapped() -> None:
@@ -92,7 +89,7 @@ def main() -> None:
             host.copy_(states)
         layer()
 
-    overlapped_seconds = _timed(device, overlapped)
+    _, overlapped_seconds = _timed(device, overlapped)
     hidden = (compute_seconds + copy_seconds - overlapped_seconds) / copy_seconds
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",

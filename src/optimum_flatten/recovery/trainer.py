@@ -255,10 +255,11 @@ def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     ahead on the held-out rows at 32K + 32K and behind them and on both evaluation texts at 128K + 128K (1.234 /
     2.048 against 1.225 / 2.028), and behind on Qwen2.5-0.5B at 32K + 32K (1.196 / 1.643 against 1.186 / 1.601), so
     the default stays `changed`'s."""
+    rate: dict[str, Any] = {"mode": GLOBAL_SCOPES[config.global_scope]}  # that mode's default rate, scaled
     if config.global_learning_rate is not None:
-        rate: dict[str, Any] = {"learning_rate": config.global_learning_rate}
-    else:
-        rate = {} if config.learning_rate is not None else {"mode": GLOBAL_SCOPES[config.global_scope]}
+        rate = {"learning_rate": config.global_learning_rate}
+    elif config.learning_rate is not None:
+        rate = {}  # the rate given, for both phases
     tokens = config.local_then_global_tokens
     return dataclasses.replace(config, max_tokens=tokens, local_then_global_tokens=None, **rate)
 
