@@ -551,6 +551,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         rate = "" if rate is None or _default_rate(h) else f", lr {rate:.2g}"
         given = h.get("settings", {}).get("global_learning_rate")  # the global phase's, given by hand
         rate += f", global lr {given:.2g}" if given is not None else ""
+        rate += _training_rows(h)
         sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
         rows.append(
             dict(
@@ -591,6 +592,17 @@ def _budget_then_gate(run: dict) -> tuple[int, float]:
     return run["recovery"].get("tokens_trained", run["max_tokens"]), -after
 
 
+#: The training rows of benchmarks/recovery/run.py unless a run's settings say otherwise (its DEFAULT_ROWS).
+DEFAULT_TRAINING_ROWS = {"seqlen": 256, "batch_size": 4}
+
+
+def _training_rows(run: dict) -> str:
+    """A healing run's training rows when they are not the default's (length and rows per step), else nothing."""
+    settings = run.get("settings", {})
+    rows = {key: settings.get(key, default) for key, default in DEFAULT_TRAINING_ROWS.items()}
+    return "" if rows == DEFAULT_TRAINING_ROWS else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
+
+
 def _state_loss(run: dict) -> str:
     """The state loss of a local run when it is not the default pooled one (runs before the option had none)."""
     loss = run["recovery"].get("state_loss")
@@ -626,7 +638,7 @@ def healing_table(paths: list[Path]) -> str:
         before, after = r["untrained"], r["healed"]
 
         rows.append(
-            f"| {r['method']} | {r['mode']}{_state_loss(r)}{_global_phase(r)} | {r['loss']} | "
+            f"| {r['method']} | {r['mode']}{_state_loss(r)}{_global_phase(r)}{_training_rows(r)} | {r['loss']} | "
             f"{r['recovery']['tokens_trained']:,} "
             f"| {after[sotu].get('scored_tokens', 0):,} "
             f"| {before[sotu]['ppl_ratio']:.3f} → **{after[sotu]['ppl_ratio']:.3f}** "

@@ -25,7 +25,8 @@ TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "Kin
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
     model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
-    the budget between the phases, and per global rate given by hand), is a line of its own,
+    the budget between the phases, and per global rate given by hand) or with other training rows than run.py's
+    256 × 4 a step, is a line of its own,
     and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
     other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
@@ -48,6 +49,9 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             mode += f" then global{every} (local:global {share.numerator}:{share.denominator})"
             given = run.get("settings", {}).get("global_learning_rate")
             mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
+        settings = run.get("settings", {})
+        rows = (settings.get("seqlen", 256), settings.get("batch_size", 4))
+        mode += f", rows {rows[0]} × {rows[1]}" if rows != (256, 4) else ""  # other training rows: their own line
         scored = int(run.get("eval_tokens", EVAL_TOKENS))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})

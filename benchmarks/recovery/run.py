@@ -66,6 +66,8 @@ DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 #: other tokens is not comparable with that table's rows.
 EVAL_TOKENS = {"smollm2": 16384, "qwen2.5-0.5b": 8192, "gemma3-270m": 8192}
 
+# the training rows of every published run unless its file name says otherwise (`_variant`)
+DEFAULT_ROWS = {"seqlen": 256, "batch_size": 4}
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
@@ -164,8 +166,8 @@ def main() -> None:
         help="as --sweep-learning-rates, for the global phase after --local-then-global-tokens",
     )
     parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up (< 1)")
-    parser.add_argument("--seqlen", type=int, default=256, help="tokens per training row")
-    parser.add_argument("--batch-size", type=int, default=4, help="training rows per step")
+    parser.add_argument("--seqlen", type=int, default=DEFAULT_ROWS["seqlen"], help="tokens per training row")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_ROWS["batch_size"], help="training rows per step")
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--patience", type=int, default=4)
     parser.add_argument("--heldout-rows", type=int, default=16)
@@ -242,12 +244,14 @@ def main() -> None:
 
 def _variant(args: argparse.Namespace) -> str:
     """The file-name suffix of a run whose loss or schedule is not the default's (so it does not overwrite that run):
-    its state loss, a global phase after `local`, warm-up and a learning rate given by hand (the default follows the
-    model's weights)."""
+    its state loss, a global phase after `local`, warm-up, training rows of another length or number per step, and a
+    learning rate given by hand (the default follows the model's weights)."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
+    suffix += f"_seq{args.seqlen}" if args.seqlen != DEFAULT_ROWS["seqlen"] else ""
+    suffix += f"_batch{args.batch_size}" if args.batch_size != DEFAULT_ROWS["batch_size"] else ""
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
