@@ -170,3 +170,24 @@ def test_healing_in_bfloat16_on_cuda_keeps_placement_and_dtype_and_lowers_the_he
     assert log["heldout_after"]["objective"] <= log["heldout_before"]["objective"]
     with torch.no_grad():
         assert torch.isfinite(healed(sample_ids().to("cuda")).logits.float()).all()
+
+
+def test_training_rows_past_a_position_table_are_refused_before_any_weight_changes():
+    """GPT-2's positions are a table (128 rows here): a training row of 256 would index past it inside the first
+    step. Both entries refuse first, naming the option, and the weights are untouched."""
+    from optimum_flatten.utils.errors import CalibrationDataError
+
+    model = tiny_models.tiny_gpt2()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CalibrationDataError, match=r"the heal's seqlen=256 is longer than the 128 positions"):
+        compress(model, "shortgpt", num_layers_to_remove=2, heal={**HEAL, "mode": "full", "seqlen": 256})
+    with pytest.raises(CalibrationDataError, match=r"^seqlen=256 is longer than the 128 positions"):
+        recover(
+            model,
+            tiny_models.CharTokenizer(),
+            tiny_models.sample_texts(),
+            RecoveryConfig(**{**HEAL, "mode": "full", "seqlen": 256}),
+            teacher=False,
+        )
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -19,6 +19,7 @@ from torch import nn
 from ..adapters import get_adapter
 from ..options.recovery import RecoveryConfig, merges_layers, with_mode
 from ..utils.errors import CalibrationDataError
+from ..utils.positions import check_sequence_length
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
 from .footprint import ModeChoice, teacher_bytes_to_load
@@ -354,6 +355,8 @@ def recover(
         full_fits=choice,
         merged=merges_layers((report or {}).get("plan")),
     )
+    # A row past a position table fails inside the first step; refused here, before anything is built or changed.
+    check_sequence_length(model, config.seqlen)
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
