@@ -19,6 +19,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: The evaluation tokens per text of run.py's default protocol; a run scored on another count is a line of its own.
 EVAL_TOKENS = 16384
+#: The training rows (length, rows a step) of run.py's default protocol; a run on other rows is a line of its own.
+TRAINING_ROWS = (256, 4)
 TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
 
 
@@ -50,8 +52,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             given = run.get("settings", {}).get("global_learning_rate")
             mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
         settings = run.get("settings", {})
-        rows = (settings.get("seqlen", 256), settings.get("batch_size", 4))
-        mode += f", rows {rows[0]} × {rows[1]}" if rows != (256, 4) else ""  # other training rows: their own line
+        rows = (settings.get("seqlen", TRAINING_ROWS[0]), settings.get("batch_size", TRAINING_ROWS[1]))
+        mode += f", rows {rows[0]} × {rows[1]}" if rows != TRAINING_ROWS else ""
         scored = int(run.get("eval_tokens", EVAL_TOKENS))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})

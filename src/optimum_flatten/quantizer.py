@@ -301,8 +301,8 @@ class FlattenQuantizer(OptimumQuantizer):
 
             heal = self._heal_inputs(model)
             dataset, column, recovery, _ = heal
+            check_sequence_length(model, recovery.seqlen, "the heal's seqlen")  # before the text is tokenised
             check_recovery_inputs(tokenizer, dataset, recovery, column)
-            check_sequence_length(model, recovery.seqlen, "the heal's seqlen")
             drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
             if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:
                 # A method that only drops whole layers, uncorrected, leaves nothing that 'changed' could train;

@@ -344,6 +344,8 @@ def recover(
     from .gate import is_main_process
 
     config = config or RecoveryConfig()
+    # A row past a position table fails inside the first step; refused here, before anything is built or changed.
+    check_sequence_length(model, config.seqlen)
     if report is None:
         report = getattr(model, "flatten_report", None)
     choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report))
@@ -355,8 +357,6 @@ def recover(
         full_fits=choice,
         merged=merges_layers((report or {}).get("plan")),
     )
-    # A row past a position table fails inside the first step; refused here, before anything is built or changed.
-    check_sequence_length(model, config.seqlen)
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
