@@ -529,8 +529,11 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     from optimum_flatten.recovery import RecoveryConfig
     from optimum_flatten.recovery.footprint import full_footprint
 
-    full = full_footprint(meta_model(str(tmp_path)), RecoveryConfig())
+    defaults = RecoveryConfig()
+    full = full_footprint(meta_model(str(tmp_path)), defaults)
     assert healed["heal_full_bytes"] == {"state": full.state, "activations": full.activations}
+    # The note names the batch it was sized at, the healing's own defaults (not a copy of them that could drift).
+    assert f"at {defaults.per_device_train_batch_size} x {defaults.seqlen} tokens a step" in note
     assert "heal_full_bytes" not in plain
 
 

@@ -52,6 +52,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             given = run.get("settings", {}).get("global_learning_rate")
             mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
         settings = run.get("settings", {})
+        if settings.get("seed", 0):
+            continue  # another healing seed: the notebook's check of run-to-run spread, not a point of a line
         rows = (settings.get("seqlen", TRAINING_ROWS[0]), settings.get("batch_size", TRAINING_ROWS[1]))
         mode += f", rows {rows[0]} × {rows[1]}" if rows != TRAINING_ROWS else ""
         scored = int(run.get("eval_tokens", EVAL_TOKENS))

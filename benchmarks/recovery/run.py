@@ -168,6 +168,9 @@ def main() -> None:
     parser.add_argument("--warmup-ratio", type=float, default=0.0, help="share of the steps warming the rate up (< 1)")
     parser.add_argument("--seqlen", type=int, default=DEFAULT_ROWS["seqlen"], help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_ROWS["batch_size"], help="training rows per step")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the healing's seed: its held-out rows and the order of the training rows"
+    )
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--patience", type=int, default=4)
     parser.add_argument("--heldout-rows", type=int, default=16)
@@ -244,8 +247,8 @@ def main() -> None:
 
 def _variant(args: argparse.Namespace) -> str:
     """The file-name suffix of a run whose loss or schedule is not the default's (so it does not overwrite that run):
-    its state loss, a global phase after `local`, warm-up, training rows of another length or number per step, and a
-    learning rate given by hand (the default follows the model's weights)."""
+    its state loss, a global phase after `local`, warm-up, training rows of another length or number per step, a
+    learning rate given by hand (the default follows the model's weights), and another healing seed."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
@@ -253,6 +256,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_seq{args.seqlen}" if args.seqlen != DEFAULT_ROWS["seqlen"] else ""
     suffix += f"_batch{args.batch_size}" if args.batch_size != DEFAULT_ROWS["batch_size"] else ""
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
+    suffix += f"_seed{args.seed}" if args.seed else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
@@ -280,6 +284,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         seqlen=args.seqlen,
         per_device_train_batch_size=args.batch_size,
         logging_steps=max(1, args.eval_every),
+        seed=args.seed,
         extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
     )
 

@@ -252,12 +252,13 @@ class MemoryEstimate:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def with_heal_teacher(self, full: FullFootprint) -> MemoryEstimate:
+    def with_heal_teacher(self, full: FullFootprint, step: str) -> MemoryEstimate:
         """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
         before the first weight changes and held until the healing ends, so every phase holds one more model's
         weights. The healing's own training state comes after the compression, so it is no phase here: `full`
         (`recovery.footprint.full_footprint` of the dense model, an upper bound of the student's) goes into a note
-        saying what ``mode='full'`` adds, which decides the default mode."""
+        saying what ``mode='full'`` adds, which decides the default mode; `step` names the batch it was sized at
+        ("rows x tokens"), read from the same `RecoveryConfig`, so the note cannot drift from the defaults."""
         copy = Term(
             "dense weights kept as the healing's teacher (heal=)",
             self.weights_bytes,
@@ -267,7 +268,7 @@ class MemoryEstimate:
         note = (
             f"heal=: the teacher copy adds {_gib(self.weights_bytes)} to every phase; the healing itself adds at most "
             f"{_gib(full.state + full.activations)} with mode='full' (training state {_gib(full.state)}, activations "
-            f"{_gib(full.activations)} at 4 x 256 tokens a step), beside the student and the teacher: the default "
+            f"{_gib(full.activations)} at {step} tokens a step), beside the student and the teacher: the default "
             "mode where that fits the free memory, else 'local' (one changed block's state at a time)"
         )
         full_bytes = {"state": full.state, "activations": full.activations}
@@ -513,7 +514,9 @@ def estimate_checkpoint(
         from .recovery import RecoveryConfig
         from .recovery.footprint import full_footprint
 
-        result = result.with_heal_teacher(full_footprint(model, RecoveryConfig()))
+        healing = RecoveryConfig()
+        step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
+        result = result.with_heal_teacher(full_footprint(model, healing), step)
     return result if device is None else result.with_device(device)
 
 

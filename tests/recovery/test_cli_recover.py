@@ -51,6 +51,7 @@ def test_recover_distils_the_changed_blocks_and_says_so_in_report_and_card(folde
     assert set(recovery["heldout_before"]) == {"objective", "lm", "kl"}
     card = (out / "README.md").read_text()
     assert "Healing: mode `changed`, distilled from `dense`" in card and "gate:" in card
+    assert f"{recovery['steps']} steps of 2 rows x 32 tokens a process)" in card  # the rows given on the command line
     assert "gate:" in capsys.readouterr().out
 
 

@@ -158,10 +158,12 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
         return []
     teacher = recovery.get("teacher")
     loss = f"distilled from `{teacher}`" if teacher else "LM loss"
+    rows, seqlen = recovery.get("rows_per_step"), recovery.get("seqlen")
+    shape = f" of {rows} rows x {seqlen} tokens a process" if rows and seqlen else ""  # reports before it: no shape
     lines = [
         f"- Healing: mode `{recovery.get('mode', 'lora')}`{_chosen(recovery)}, {loss}, on "
         f"{recovery.get('dataset', 'user text')} "
-        f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps)"
+        f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps{shape})"
     ]
     lines += _local_lines(recovery)
     before, after = recovery.get("heldout_before"), recovery.get("heldout_after")

@@ -506,6 +506,7 @@ def recover(
         "data_kind": kind,
         "rows": len(train_rows),
         "seqlen": config.seqlen,
+        "rows_per_step": config.per_device_train_batch_size,
         "steps": steps,
         "processes": arguments.world_size,
         "fsdp": 2 if first.sharded else None,
