@@ -64,3 +64,20 @@ def test_lora_recovery_trains_only_the_chosen_renumbered_layers_and_merges_to_pl
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "recovered")
     assert reloaded.config.num_hidden_layers == 4
     assert_close(logits(reloaded, sample_ids()), logits(merged, sample_ids()))
+
+
+def test_the_log_and_card_give_the_rows_an_optimiser_step_reads_accumulation_included():
+    """`rows_per_step` is the batch times the accumulation on one process, so that steps × rows × seqlen is the
+    `tokens_trained` the log reports, and the model card says the same."""
+    from optimum_flatten.export.model_card import render_model_card
+
+    config = RecoveryConfig(
+        mode="full", max_steps=2, seqlen=32, per_device_train_batch_size=2, gradient_accumulation_steps=3,
+        heldout_rows=0, learning_rate=1e-4,
+    )  # fmt: skip
+    _, log = recover(tiny_models.tiny_llama_gqa(), tiny_models.CharTokenizer(), tiny_models.sample_texts(), config,
+                     teacher=False)  # fmt: skip
+    assert (log["steps"], log["rows_per_step"], log["seqlen"]) == (2, 6, 32)
+    assert log["tokens_trained"] == 2 * 6 * 32
+    card = render_model_card({"recovery": log})
+    assert "(384 tokens, 2 steps of 6 rows x 32 tokens a process)" in card
