@@ -151,9 +151,13 @@ class RecoveryConfig:
             )
         return self.rate * weight_scale / SWEPT_WEIGHT_SCALE
 
+    def rows_per_step(self) -> int:
+        """Training rows one optimiser step reads (one device): the batch times the accumulation."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
     def tokens_per_step(self) -> int:
         """Training tokens one optimiser step reads (one device)."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.seqlen
+        return self.rows_per_step() * self.seqlen
 
 
 def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False, full_fits: bool = False) -> str:

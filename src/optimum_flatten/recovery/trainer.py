@@ -506,8 +506,7 @@ def recover(
         "data_kind": kind,
         "rows": len(train_rows),
         "seqlen": config.seqlen,
-        # Rows one optimiser step reads on each process (its batch times the accumulation; `tokens_trained` counts all).
-        "rows_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps,
+        "rows_per_step": config.rows_per_step(),  # on each process; `tokens_trained` counts all of them
         "steps": steps,
         "processes": arguments.world_size,
         "fsdp": 2 if first.sharded else None,
