@@ -175,6 +175,13 @@ def main() -> None:
     parser.add_argument("--patience", type=int, default=4)
     parser.add_argument("--heldout-rows", type=int, default=16)
     parser.add_argument("--eval-tokens", type=int, default=None, help="default: the model's table's (EVAL_TOKENS)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoint the healing here every --save-every steps, and resume it from there when the folder holds "
+        "one (a run longer than a session; the result is the same as one uninterrupted run)",
+    )
+    parser.add_argument("--save-every", type=int, default=64, help="optimiser steps between checkpoints")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -185,6 +192,8 @@ def main() -> None:
         raise SystemExit("sweep one rate at a time: --sweep-learning-rates or --sweep-global-learning-rates")
     if (args.sweep_global_learning_rates or args.global_learning_rate) and not args.local_then_global_tokens:
         raise SystemExit("a global phase's rate needs a global phase: add --local-then-global-tokens")
+    if args.checkpoint_dir and (args.sweep_learning_rates or args.sweep_global_learning_rates):
+        raise SystemExit("--checkpoint-dir checkpoints one measured run, not a sweep of several")
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -213,6 +222,9 @@ def main() -> None:
     start = time.perf_counter()
     model, log = recover(model, tokenizer, texts, config, teacher=dense if args.kd else False, report=quantizer.report)
     heal_seconds = time.perf_counter() - start
+    if any(step is not None for step in log.get("resumed_from_step", [])):
+        # Resumed: this attempt's wall time misses the attempts before it; their training seconds are in the log.
+        heal_seconds = log["train_seconds"]
     healed = measure(dense, model, streams, args.eval_tokens)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {
@@ -265,6 +277,7 @@ def _variant(args: argparse.Namespace) -> str:
 def recovery_config(args: argparse.Namespace, learning_rate: float | None, global_learning_rate: float | None = None):
     """The `RecoveryConfig` of the command line's options (the two rates given apart, for the sweeps)."""
     from optimum_flatten.recovery import RecoveryConfig
+    from optimum_flatten.recovery.resume import has_checkpoints
 
     return RecoveryConfig(
         mode=args.mode,
@@ -286,6 +299,9 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         logging_steps=max(1, args.eval_every),
         seed=args.seed,
         extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
+        checkpoint_dir=getattr(args, "checkpoint_dir", None),
+        save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
+        resume=bool(getattr(args, "checkpoint_dir", None)) and has_checkpoints(args.checkpoint_dir),
     )
 
 

@@ -85,6 +85,13 @@ class RecoveryConfig:
             (q, k, v, o, gate, up, down; W_pack for Baichuan).
         layers_to_transform: Restrict LoRA to these layer indices of the compressed model (renumbered, 0-based).
         logging_steps, seed: As in TrainingArguments.
+        checkpoint_dir: Folder for the healing's checkpoints (`recovery.resume`: one subfolder a Trainer phase, the
+            Trainer's checkpoints with the gate's state); None trains in a scratch folder removed afterwards.
+        save_every: Optimiser steps between checkpoints (0: none, the finished phases are still recorded when
+            `checkpoint_dir` is given).
+        resume: Continue the healing whose checkpoints `checkpoint_dir` holds, started with the same options, from
+            its newest complete checkpoint (to the weights an uninterrupted run gives); without it a `checkpoint_dir`
+            that holds checkpoints is refused.
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
@@ -125,6 +132,9 @@ class RecoveryConfig:
     layers_to_transform: list[int] | None = None
     logging_steps: int = 10
     seed: int = 0
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +152,8 @@ class HeldOutGate(TrainerCallback):
         eval_every: Steps between evaluations.
         patience: Evaluations without improvement before stopping (0 never stops early).
         batch_size: Rows per held-out batch.
+        state: A `state_dict` to continue from (a resumed healing, `recovery.resume`) instead of scoring the model
+            as it is now: the starting scores, the best state and the patience count are the saved ones.
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class HeldOutGate(TrainerCallback):
         eval_every: int,
         patience: int,
         batch_size: int,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
         if eval_every < 1:
             raise ValueError(f"eval_every must be at least 1 step, got {eval_every}.")
@@ -171,12 +174,40 @@ class HeldOutGate(TrainerCallback):
             raise ValueError("the gate needs at least one held-out row; raise heldout_rows or give more text.")
         self.model, self.loss, self.rows = model, loss, list(rows)
         self.eval_every, self.patience, self.batch_size = eval_every, patience, batch_size
+        if state is not None:
+            self.load_state_dict(state)
+            return
         self.start = self._score()
         self.best = dict(self.start)
         self.best_step = 0
         self.best_state = self._snapshot()
         self.history: list[dict[str, float]] = [{"step": 0, **self.start}]
         self.misses = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the gate has learnt so far (scores, best step and state, patience count), for a checkpoint."""
+        return {
+            "start": dict(self.start),
+            "best": dict(self.best),
+            "best_step": self.best_step,
+            "best_state": dict(self.best_state),
+            "history": [dict(entry) for entry in self.history],
+            "misses": self.misses,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continues from a `state_dict`; refuses one whose best state does not name this model's trainable
+        parameters (a checkpoint of another model or mode)."""
+        names = {name for name, _ in self._trainable()}
+        if set(state["best_state"]) != names:
+            raise ValueError(
+                "the saved gate's best state holds other parameters than this model trains; resume with the model "
+                "and mode the healing was started with."
+            )
+        self.start, self.best = dict(state["start"]), dict(state["best"])
+        self.best_step, self.misses = int(state["best_step"]), int(state["misses"])
+        self.best_state = {name: tensor.to("cpu", copy=True) for name, tensor in state["best_state"].items()}
+        self.history = [dict(entry) for entry in state["history"]]
 
     def _trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]

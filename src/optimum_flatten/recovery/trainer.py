@@ -25,6 +25,15 @@ from .distill import DistillationLoss, LossParts
 from .footprint import ModeChoice, teacher_bytes_to_load
 from .lora import wrap_lora
 from .rate import weight_scale
+from .resume import (
+    CheckpointState,
+    check_checkpoint_options,
+    latest_checkpoint,
+    phase_folder,
+    read_checkpoint,
+    read_phase,
+    save_phase,
+)
 from .selection import (
     Span,
     changed_parameter_names,
@@ -199,6 +208,7 @@ def _training_text(
     local mode's global phase), and, for LoRA, that peft is installed."""
     check_mode(config.mode)
     check_local_options(config)
+    check_checkpoint_options(config)
     if config.mode == "lora":
         try:
             import peft  # noqa: F401
@@ -364,21 +374,25 @@ def recover(
     # depend on how many there are (`_replicas`); so a budget the text cannot fill is refused before any change.
     # The scratch folder is removed after training, or by its finalizer when a check below refuses.
     scratch_dir = tempfile.TemporaryDirectory()
+    # Checkpoints (`recovery.resume`) keep the last two: a process killed while writing one still leaves the other.
+    saving = {"save_strategy": "steps", "save_steps": config.save_every, "save_total_limit": 2}
     arguments = TrainingArguments(
-        output_dir=scratch_dir.name,
+        output_dir=phase_folder(config, 1) if config.checkpoint_dir else scratch_dir.name,
         learning_rate=config.rate_for(scale),
         num_train_epochs=config.num_train_epochs,
         max_steps=config.max_steps,
         per_device_train_batch_size=config.per_device_train_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         logging_steps=config.logging_steps,
-        save_strategy="no",
         report_to=[],
         seed=config.seed,
         remove_unused_columns=False,
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
-        **config.extra_training_args,
+        **{
+            **(saving if config.save_every else {"save_strategy": "no"}),
+            **config.extra_training_args,
+        },
     )
     fsdp = fsdp_version(config, arguments)
     check_fsdp(config, fsdp)
@@ -480,7 +494,7 @@ def recover(
                     if is_main_process():
                         logger.info("global phase: training every parameter (%d)", trainable)
                 phases.append(
-                    _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
+                    _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config, 2)
                 )
     if fsdp is not None and not phases[0].sharded:
         notes.append(_NOT_SHARDED)
@@ -515,7 +529,9 @@ def recover(
         "loss_history": first.history,
         "learning_rate": config.rate_for(scale),  # the first phase's (a global phase after `local` has its own)
         "weight_scale": scale,
-        "train_seconds": sum(p.result.metrics.get("train_runtime") or 0.0 for p in phases),
+        "train_seconds": sum(p.seconds for p in phases),
+        **({"resumed_from_step": [p.resumed_from for p in phases]} if config.resume else {}),
+        **({"checkpoint_dir": config.checkpoint_dir} if config.checkpoint_dir else {}),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
@@ -536,7 +552,7 @@ def recover(
                 "tokens_trained": last.steps * config.tokens_per_step() * replicas,
                 "train_loss": last.result.training_loss,
                 "loss_history": last.history,
-                "train_seconds": last.result.metrics.get("train_runtime"),
+                "train_seconds": last.seconds,
                 "gate": last.decision,
                 **(last.gate.summary() if last.gate is not None else {}),
             }
@@ -563,18 +579,81 @@ _LOCAL_NEEDS_TEACHER = (
 
 @dataclasses.dataclass
 class _Phase:
-    """One Trainer run of `recover`: its result, loss log, gate, the gate's decision, and whether accelerate
-    sharded the model (FSDP)."""
+    """One Trainer run of `recover`: its result, loss log, gate, the gate's decision, whether accelerate sharded the
+    model (FSDP), its training seconds (every attempt's, when resumed) and the step it was resumed from."""
 
     result: Any
     history: list[dict[str, Any]]
     gate: Any
     decision: str
     sharded: bool = False
+    seconds: float = 0.0
+    resumed_from: int | None = None
 
     @property
     def steps(self) -> int:
         return int(self.result.global_step)
+
+    def record(self) -> dict[str, Any]:
+        """What a resume needs to replay this phase once it has finished (`recovery.resume.save_phase`)."""
+        return {
+            "steps": self.steps,
+            "train_loss": self.result.training_loss,
+            "history": self.history,
+            "gate": self.gate.summary() if self.gate is not None else None,
+            "decision": self.decision,
+            "sharded": self.sharded,
+            "seconds": self.seconds,
+            "resumed_from": self.resumed_from,
+        }
+
+
+@dataclasses.dataclass
+class _RecordedGate:
+    """A finished phase's gate as its record holds it: the summary the log reads, nothing to train with."""
+
+    saved: dict[str, Any]
+
+    @property
+    def start(self) -> dict[str, float]:
+        return self.saved["heldout_before"]
+
+    @property
+    def best(self) -> dict[str, float]:
+        return self.saved["heldout_after"]
+
+    def summary(self) -> dict[str, Any]:
+        return self.saved
+
+
+def _trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters, whole (gathered under FSDP2: a collective every process makes)."""
+    from .gate import full_tensor
+
+    return {name: full_tensor(p.detach()) for name, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def _replayed_phase(model: nn.Module, record: dict[str, Any], trained: dict[str, torch.Tensor]) -> _Phase:
+    """A finished phase from its record: the state it ended on loaded into `model`, its log as it was."""
+    from transformers.trainer_utils import TrainOutput
+
+    from .gate import load_full_
+
+    parameters = dict(model.named_parameters())
+    if set(trained) != {name for name, p in parameters.items() if p.requires_grad}:
+        raise ValueError(
+            "the finished phase's state holds other parameters than this model trains; resume with the model and "
+            "mode the healing was started with."
+        )
+    for name, value in trained.items():
+        load_full_(parameters[name], value)
+    result = TrainOutput(record["steps"], record["train_loss"], {"train_runtime": record["seconds"]})
+    gate = _RecordedGate(record["gate"]) if record["gate"] is not None else None
+    return _Phase(
+        result, record["history"], gate, record["decision"], record["sharded"], record["seconds"],
+        record["resumed_from"],
+    )  # fmt: skip
 
 
 def _train_phase(
@@ -585,21 +664,54 @@ def _train_phase(
     loss: Objective,
     gate_loss: Objective,
     config: RecoveryConfig,
+    index: int = 1,
 ) -> _Phase:
-    """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored."""
+    """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored.
+
+    With `config.checkpoint_dir` the phase (`index`) trains in its own folder, checkpointed with the gate's state
+    (`recovery.resume`); resumed, a finished phase is replayed from its record and an unfinished one continues from
+    its newest complete checkpoint."""
+    from .gate import is_main_process
+
+    folder = phase_folder(config, index) if config.checkpoint_dir else None
+    if folder is not None and config.resume and (done := read_phase(folder, config)) is not None:
+        return _replayed_phase(model, *done)
+    checkpoint = latest_checkpoint(folder) if folder is not None and config.resume else None
+    saved = read_checkpoint(checkpoint, config) if checkpoint is not None else None
+    if folder is not None:
+        arguments.output_dir = folder
     trainer = _distillation_trainer_class()(model=model, args=arguments, train_dataset=_Rows(rows), healing_loss=loss)
     gate = None
     if heldout:
         from .gate import HeldOutGate
 
         gate = HeldOutGate(
-            model, gate_loss, heldout, config.eval_every, config.patience, config.per_device_train_batch_size
+            model,
+            gate_loss,
+            heldout,
+            config.eval_every,
+            config.patience,
+            config.per_device_train_batch_size,
+            state=saved["gate"] if saved is not None else None,
         )
         trainer.add_callback(gate)
-    result = trainer.train()
+    clock = None
+    if folder is not None:
+        clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_main_process())
+        trainer.add_callback(clock)
+    result = trainer.train(resume_from_checkpoint=checkpoint)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
-    return _Phase(result, history, gate, decision, bool(getattr(trainer, "is_fsdp_enabled", False)))
+    seconds = clock.seconds() if clock is not None else result.metrics.get("train_runtime") or 0.0
+    phase = _Phase(
+        result, history, gate, decision, bool(getattr(trainer, "is_fsdp_enabled", False)), seconds,
+        saved["step"] if saved is not None else None,
+    )  # fmt: skip
+    if folder is not None:
+        trained = _trained_state(model)
+        if is_main_process():
+            save_phase(folder, config, phase.record(), trained)
+    return phase
 
 
 def _combined_decision(decisions: list[str]) -> str:

@@ -1,0 +1,214 @@
+"""Healing that survives being stopped: checkpoints of the Trainer with the gate's state, and a resume that ends on
+the weights a run never stopped would have given.
+
+A long healing (a 70B model, or a million tokens on a CPU) runs in time-limited windows: a job is preempted, a
+session ends. With `RecoveryConfig.checkpoint_dir` each Trainer phase of `recover` writes into its own folder
+(``phase-1``, and ``phase-2`` for a global phase after `local`). Every `save_every` optimiser steps the Trainer
+saves its checkpoint (weights, optimiser, schedule, random states, the data position), and `CheckpointState` adds
+what the Trainer does not know about: the held-out gate (its scores, its best state so far, its patience count), the
+training seconds of the attempts so far, and the healing options it was started with. That file is written last, so a
+checkpoint without it (a process killed while saving) is never resumed from. A phase that finishes writes its log and
+the trained state it ended on (the gate's best) as ``phase_done.json`` and ``phase_state.safetensors``; a resume
+replays it instead of training it again.
+
+``RecoveryConfig(resume=True)`` with the same options then continues from the newest complete checkpoint of the
+unfinished phase. The Trainer restores the optimiser, the schedule, the random states and the data order, and the
+gate continues from its saved state, so the run ends where one uninterrupted run ends (tested to the bit on the CPU,
+`tests/recovery/test_resume.py`). Options that change what is trained (anything but the checkpointing options
+themselves) are refused on resume, before any weight changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..options.recovery import RecoveryConfig
+
+#: Written into each Trainer checkpoint beside the Trainer's own files; its presence marks the checkpoint complete.
+HEALING_STATE = "healing_state.json"
+#: The gate's best trainable state so far, in the same checkpoint.
+GATE_STATE = "gate_best_state.safetensors"
+#: A finished phase's log, and the trainable state it ended on, in the phase's folder.
+PHASE_DONE = "phase_done.json"
+PHASE_STATE = "phase_state.safetensors"
+#: The options that say where and how often to checkpoint, not what is trained: they may differ on resume.
+CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every", "resume")
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def check_checkpoint_options(config: RecoveryConfig) -> None:
+    """Refuses checkpointing options that cannot work, before anything is built: a negative interval, and saving or
+    resuming without a folder; and, without `resume`, a folder that already holds a healing's checkpoints (a fresh run
+    would mix its checkpoints with those)."""
+    if config.save_every < 0:
+        raise ValueError(f"save_every must be 0 (never) or a number of optimiser steps, got {config.save_every}.")
+    if (config.save_every or config.resume) and not config.checkpoint_dir:
+        flag = "save_every" if config.save_every else "resume"
+        raise ValueError(f"{flag} needs checkpoint_dir, the folder the healing's checkpoints are written to.")
+    if not config.checkpoint_dir:
+        return
+    started = has_checkpoints(config.checkpoint_dir)
+    if config.resume and not started:
+        raise ValueError(
+            f"resume=True, but checkpoint_dir {config.checkpoint_dir!r} holds no checkpoint of a healing to continue; "
+            "leave resume off to start one there."
+        )
+    if started and not config.resume:
+        raise ValueError(
+            f"checkpoint_dir {config.checkpoint_dir!r} already holds a healing's checkpoints; pass resume=True to "
+            "continue it, or give an empty folder."
+        )
+
+
+def has_checkpoints(checkpoint_dir: str) -> bool:
+    """Whether `checkpoint_dir` holds a healing to resume: a finished phase, or a complete checkpoint of one."""
+    folder = Path(checkpoint_dir)
+    return folder.is_dir() and any(
+        (phase / PHASE_DONE).exists() or latest_checkpoint(str(phase)) is not None
+        for phase in folder.iterdir()
+        if phase.is_dir() and phase.name.startswith("phase-")
+    )
+
+
+def phase_folder(config: RecoveryConfig, index: int) -> str:
+    """The Trainer's output folder for phase `index` (1, or 2 for a global phase after `local`)."""
+    return os.path.join(str(config.checkpoint_dir), f"phase-{index}")
+
+
+def options_fingerprint(config: RecoveryConfig) -> dict[str, Any]:
+    """The options a resumed run must share with the run it continues: all but the checkpointing options, as JSON
+    (values that JSON cannot hold, such as a callable in `extra_training_args`, by their text)."""
+    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in CHECKPOINT_OPTIONS}
+    return json.loads(json.dumps(options, sort_keys=True, default=str))
+
+
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint of a phase's folder (one that holds `HEALING_STATE`), or None."""
+    path = Path(folder)
+    if not path.is_dir():
+        return None
+    steps = [
+        (int(match.group(1)), child)
+        for child in path.iterdir()
+        if (match := _CHECKPOINT.match(child.name)) and (child / HEALING_STATE).exists()
+    ]
+    return str(max(steps)[1]) if steps else None
+
+
+def read_checkpoint(checkpoint: str, config: RecoveryConfig) -> dict[str, Any]:
+    """The healing state saved in `checkpoint`, its gate's best state among it (``best_state``); refuses a
+    checkpoint written with other options."""
+    state = json.loads((Path(checkpoint) / HEALING_STATE).read_text())
+    _check_same_options(state["options"], config, checkpoint)
+    if state.get("gate") is not None:
+        from safetensors.torch import load_file
+
+        state["gate"]["best_state"] = load_file(str(Path(checkpoint) / GATE_STATE))
+    return state
+
+
+def _check_same_options(saved: Mapping[str, Any], config: RecoveryConfig, where: str) -> None:
+    now = options_fingerprint(config)
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
+        raise ValueError(
+            f"{where} was written by a healing with other options ({detail}); resume with the options it was started "
+            "with, or start afresh in an empty checkpoint_dir."
+        )
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    """Writes through `write(temporary path)` and renames into place: a reader sees the whole file or none."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    whole = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
+    _write_atomically(path, lambda temporary: save_file(whole, temporary))
+
+
+def _save_json(value: Mapping[str, Any], path: Path) -> None:
+    def write(temporary: str) -> None:
+        Path(temporary).write_text(json.dumps(value, indent=2) + "\n")
+
+    _write_atomically(path, write)
+
+
+class CheckpointState(TrainerCallback):
+    """Adds the healing's own state to each checkpoint the Trainer saves (see the module docstring).
+
+    Args:
+        gate: The phase's `HeldOutGate`, or None without one.
+        config: The healing options (their fingerprint is saved, and compared on resume).
+        seconds_before: Training seconds of the attempts before this one.
+        main: Whether this process writes (rank 0 of a distributed launch; every process saves the same state).
+    """
+
+    def __init__(self, gate: Any, config: RecoveryConfig, seconds_before: float, main: bool) -> None:
+        self.gate, self.seconds_before, self.main = gate, seconds_before, main
+        self.options = options_fingerprint(config)
+        self._began = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Training seconds so far, the attempts before this one included."""
+        return self.seconds_before + time.perf_counter() - self._began
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._began = time.perf_counter()
+        return control
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if not self.main:
+            return control
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        gate = None
+        if self.gate is not None:
+            gate = self.gate.state_dict()
+            _save_tensors(gate.pop("best_state"), folder / GATE_STATE)
+        saved = {"step": state.global_step, "seconds": self.seconds(), "options": self.options, "gate": gate}
+        _save_json(saved, folder / HEALING_STATE)  # last: it marks the checkpoint complete
+        return control
+
+
+def save_phase(
+    folder: str, config: RecoveryConfig, record: Mapping[str, Any], trained: Mapping[str, torch.Tensor]
+) -> None:
+    """Writes a finished phase's log (`record`) and the trainable state it ended on into its folder."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    _save_tensors(trained, path / PHASE_STATE)
+    _save_json({"options": options_fingerprint(config), **record}, path / PHASE_DONE)
+
+
+def read_phase(folder: str, config: RecoveryConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """A finished phase's log and trained state, or None when the phase has not finished."""
+    path = Path(folder)
+    if not (path / PHASE_DONE).exists():
+        return None
+    from safetensors.torch import load_file
+
+    record = json.loads((path / PHASE_DONE).read_text())
+    _check_same_options(record.pop("options"), config, folder)
+    return record, load_file(str(path / PHASE_STATE))

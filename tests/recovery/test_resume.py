@@ -1,0 +1,161 @@
+"""A healing stopped and resumed (`recovery.resume`) ends on the weights and log of one uninterrupted run; the options
+that cannot resume are refused before any weight changes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from common import tiny_recovery_config
+from optimum_flatten.recovery import recover
+from optimum_flatten.recovery import resume as resume_module
+
+
+class Stopped(RuntimeError):
+    """Stands for the process being killed (a preempted job, a session's end)."""
+
+
+def _stop_at(monkeypatch, phase: int, step: int) -> None:
+    """Stops the healing as phase `phase` ends optimiser step `step`, after the gate has scored it and before the
+    Trainer would save it: the newest checkpoint is then an earlier one."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.output_dir.endswith(f"phase-{phase}") and state.global_step == step:
+            raise Stopped(f"stopped in phase {phase} at step {step}")
+        return control
+
+    monkeypatch.setattr(resume_module.CheckpointState, "on_step_end", on_step_end, raising=False)
+
+
+def _heal(model, config, dense, report):
+    # LoRA's adapters start from the global random state (the Trainer seeds only once it is built): the same state
+    # for every run here, so that two uninterrupted runs agree (a resumed run loads its adapters from the checkpoint).
+    torch.manual_seed(0)
+    return recover(
+        copy.deepcopy(model), tiny_models.CharTokenizer(), tiny_models.sample_texts(), config, teacher=dense,
+        report=report,
+    )  # fmt: skip
+
+
+#: (options, phase and step to stop at): full-parameter training behind the gate; LoRA (its dropout draws random
+#: numbers, which the Trainer's checkpoint must restore); local then global, stopped in either phase.
+CASES = {
+    "full": ({"mode": "full", "max_tokens": 384, "learning_rate": 1e-3}, 1, 5),
+    "lora": ({"mode": "lora", "max_tokens": 384, "learning_rate": 1e-2}, 1, 5),
+    "local_then_global_in_phase_1": (
+        {"mode": "local", "max_tokens": 384, "local_then_global_tokens": 256, "learning_rate": 1e-3}, 1, 5,
+    ),
+    "local_then_global_in_phase_2": (
+        {"mode": "local", "max_tokens": 256, "local_then_global_tokens": 384, "learning_rate": 1e-3}, 2, 5,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_healing_stopped_and_resumed_ends_on_the_weights_of_an_uninterrupted_run(
+    case, compressed, tmp_path, monkeypatch
+):
+    dense, model, report = compressed
+    options, phase, step = CASES[case]
+    base = {**options, "heldout_rows": 2, "eval_every": 2, "patience": 0, "logging_steps": 1}
+    whole, whole_log = _heal(model, tiny_recovery_config(**base), dense, report)
+
+    folder = tmp_path / "checkpoints"
+    config = tiny_recovery_config(**base, checkpoint_dir=str(folder), save_every=2)
+    with monkeypatch.context() as patch:
+        _stop_at(patch, phase, step)
+        with pytest.raises(Stopped):
+            _heal(model, config, dense, report)
+    newest = resume_module.latest_checkpoint(str(folder / f"phase-{phase}"))
+    assert newest is not None and newest.endswith("checkpoint-4")
+    assert (folder / "phase-1" / resume_module.PHASE_DONE).exists() == (phase == 2)
+
+    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=str(folder), save_every=2, resume=True),
+                         dense, report)  # fmt: skip
+    expected = whole.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    for key in ("steps", "tokens_trained", "heldout_before", "heldout_after", "best_step", "heldout_history", "gate"):
+        assert log[key] == whole_log[key], key
+    if "global_phase" in whole_log:
+        assert log["global_phase"]["heldout_history"] == whole_log["global_phase"]["heldout_history"]
+    phases = 2 if "global_phase" in whole_log else 1
+    assert log["resumed_from_step"] == [4 if index == phase else None for index in range(1, phases + 1)]
+    assert log["train_seconds"] > 0
+
+
+def test_a_finished_healing_resumed_replays_its_record_without_training(compressed, tmp_path, monkeypatch):
+    dense, model, report = compressed
+    base = {"mode": "full", "max_tokens": 256, "learning_rate": 1e-3, "heldout_rows": 2, "eval_every": 2}
+    folder = str(tmp_path / "checkpoints")
+    healed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder), dense, report)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished phase trains again")
+
+    monkeypatch.setattr("transformers.Trainer.train", no_training)
+    again, replayed = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder, resume=True), dense, report)
+    for name, tensor in again.state_dict().items():
+        assert torch.equal(tensor, healed.state_dict()[name]), name
+    assert replayed["heldout_history"] == log["heldout_history"] and replayed["steps"] == log["steps"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"resume": True}, "resume needs checkpoint_dir"),
+        ({"save_every": 2}, "save_every needs checkpoint_dir"),
+        ({"save_every": -1, "checkpoint_dir": "x"}, "save_every must be 0"),
+        ({"resume": True, "checkpoint_dir": "EMPTY"}, "holds no checkpoint"),
+    ],
+)
+def test_checkpoint_options_that_cannot_work_are_refused_before_any_change(options, message, compressed, tmp_path):
+    dense, model, report = compressed
+    if options.get("checkpoint_dir") == "EMPTY":
+        options = {**options, "checkpoint_dir": str(tmp_path)}
+    before = copy.deepcopy(model)
+    target = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=message):
+        recover(target, tiny_models.CharTokenizer(), tiny_models.sample_texts(),
+                tiny_recovery_config(mode="full", **options), teacher=dense, report=report)  # fmt: skip
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, before.state_dict()[name]), name
+
+
+def test_a_resume_with_other_options_or_a_fresh_run_over_checkpoints_is_refused(compressed, tmp_path, monkeypatch):
+    dense, model, report = compressed
+    folder = str(tmp_path / "checkpoints")
+    base = {"mode": "full", "max_tokens": 384, "learning_rate": 1e-3, "checkpoint_dir": folder, "save_every": 2}
+    with monkeypatch.context() as patch:
+        _stop_at(patch, 1, 3)
+        with pytest.raises(Stopped):
+            _heal(model, tiny_recovery_config(**base), dense, report)
+    saved = tmp_path / "checkpoints" / "phase-1" / "checkpoint-2" / resume_module.HEALING_STATE
+    state = json.loads(saved.read_text())
+    assert state["step"] == 2 and state["gate"] is None and state["options"]["learning_rate"] == 1e-3
+    target = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="already holds a healing's checkpoints"):
+        recover(target, tiny_models.CharTokenizer(), tiny_models.sample_texts(), tiny_recovery_config(**base),
+                teacher=dense, report=report)  # fmt: skip
+    changed = tiny_recovery_config(**{**base, "learning_rate": 2e-3, "resume": True})
+    with pytest.raises(ValueError, match=r"other options \(learning_rate: 0.001 then, 0.002 now\)"):
+        recover(target, tiny_models.CharTokenizer(), tiny_models.sample_texts(), changed, teacher=dense,
+                report=report)  # fmt: skip
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+
+def test_a_checkpoint_without_the_healing_state_is_not_resumed_from(tmp_path):
+    """The healing state is written last: a checkpoint folder without it (a process killed while saving) is passed
+    over for the newest complete one."""
+    phase = tmp_path / "phase-1"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        (phase / f"checkpoint-{step}").mkdir(parents=True)
+        if complete:
+            (phase / f"checkpoint-{step}" / resume_module.HEALING_STATE).write_text("{}")
+    assert resume_module.latest_checkpoint(str(phase)) == str(phase / "checkpoint-4")
+    assert resume_module.latest_checkpoint(str(tmp_path / "missing")) is None
