@@ -7,10 +7,12 @@ first table between its ``<!-- results:NAME -->`` and ``<!-- /results -->`` line
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from optimum_flatten.options.recovery import RecoveryConfig
 
@@ -543,7 +545,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         key = (h["method"], _product_mode(h), h["loss"])
         if scored is not None and h["healed"]["sotu_from_2000"].get("scored_tokens") != scored:
             continue  # measured on other tokens than the table's rows: not comparable with them (the notebook has it)
-        if _training_rows(h):
+        if not RECOVERY_PROTOCOL.is_default(h.get("settings", {})):
             continue  # other rows or another seed: its gate held out other rows, so its objective ranks nothing here
         if key in PRODUCT_HEALING and (key not in best or _budget_then_gate(h) > _budget_then_gate(best[key])):
             best[key] = h
@@ -595,18 +597,27 @@ def _budget_then_gate(run: dict) -> tuple[int, float]:
     return run["recovery"].get("tokens_trained", run["max_tokens"]), -after
 
 
-#: The training rows of benchmarks/recovery/run.py unless a run's settings say otherwise (its DEFAULT_ROWS).
-DEFAULT_TRAINING_ROWS = {"seqlen": 256, "batch_size": 4}
+def _recovery_protocol() -> Any:
+    """benchmarks/recovery/protocol.py: the healing benchmark's default rows and seed (a script's module, by file)."""
+    path = Path(__file__).parent / "recovery" / "protocol.py"
+    spec = importlib.util.spec_from_file_location("recovery_protocol", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RECOVERY_PROTOCOL = _recovery_protocol()
 
 
 def _training_rows(run: dict) -> str:
-    """A healing run's training rows when they are not the default's (length and rows per step), and its healing
-    seed when not 0 (the held-out rows and the order of the training rows), else nothing."""
+    """A healing run's training rows when they are not the default protocol's (length and rows per step), and its
+    healing seed when not the default's (the held-out rows and the order of the training rows), else nothing."""
     settings = run.get("settings", {})
-    rows = {key: settings.get(key, default) for key, default in DEFAULT_TRAINING_ROWS.items()}
-    label = "" if rows == DEFAULT_TRAINING_ROWS else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
-    seed = settings.get("seed", 0)
-    return label + (f", healing seed {seed}" if seed else "")
+    rows = RECOVERY_PROTOCOL.training_rows(settings)
+    default = rows == RECOVERY_PROTOCOL.TRAINING_ROWS
+    label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
+    seed = RECOVERY_PROTOCOL.seed(settings)
+    return label + (f", healing seed {seed}" if seed != RECOVERY_PROTOCOL.SEED else "")
 
 
 def _state_loss(run: dict) -> str:

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from fractions import Fraction
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-#: The evaluation tokens per text of run.py's default protocol; a run scored on another count is a line of its own.
-EVAL_TOKENS = 16384
-#: The training rows (length, rows a step) of run.py's default protocol; a run on other rows is a line of its own.
-TRAINING_ROWS = (256, 4)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import protocol  # noqa: E402  (run.py's default protocol: a run scored or trained otherwise is a line of its own)
+
 TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
 
 
@@ -28,7 +28,7 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
     model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
     the budget between the phases, and per global rate given by hand) or with other training rows than run.py's
-    256 × 4 a step, is a line of its own,
+    default rows (`protocol.py`), is a line of its own,
     and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
     other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
@@ -52,12 +52,13 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             given = run.get("settings", {}).get("global_learning_rate")
             mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
         settings = run.get("settings", {})
-        if settings.get("seed", 0):
+        if protocol.seed(settings) != protocol.SEED:
             continue  # another healing seed: the notebook's check of run-to-run spread, not a point of a line
-        rows = (settings.get("seqlen", TRAINING_ROWS[0]), settings.get("batch_size", TRAINING_ROWS[1]))
-        mode += f", rows {rows[0]} × {rows[1]}" if rows != TRAINING_ROWS else ""
-        scored = int(run.get("eval_tokens", EVAL_TOKENS))
-        scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != EVAL_TOKENS else ""
+        rows = protocol.training_rows(settings)
+        mode += f", rows {rows['seqlen']} × {rows['batch_size']}" if rows != protocol.TRAINING_ROWS else ""
+        default_tokens = protocol.EVAL_TOKENS[model]
+        scored = int(run.get("eval_tokens", default_tokens))
+        scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != default_tokens else ""
         line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
         line[0] = tuple(run["untrained"][text]["ppl_ratio"] for text, _ in TEXTS)
         line[int(run["recovery"]["tokens_trained"])] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)

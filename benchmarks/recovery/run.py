@@ -45,29 +45,34 @@ import math
 import resource
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def _depth_variants() -> dict[str, dict]:
-    """The compression variants of benchmarks/depth/run.py (one definition, so a method here is the same as there)."""
-    spec = importlib.util.spec_from_file_location("depth_run", Path(__file__).resolve().parents[1] / "depth" / "run.py")
+def _load(name: str, path: Path) -> Any:
+    """A module of the benchmarks by its file (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.VARIANTS
+    return module
+
+
+def _depth_variants() -> dict[str, dict]:
+    """The compression variants of benchmarks/depth/run.py (one definition, so a method here is the same as there)."""
+    return _load("depth_run", Path(__file__).resolve().parents[1] / "depth" / "run.py").VARIANTS
 
 
 VARIANTS = _depth_variants()
+_protocol = _load("protocol", Path(__file__).resolve().parent / "protocol.py")
 
 
 #: Layers removed from each bundled model: the depth of its product table in RESULTS.md.
 DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
-#: Evaluation tokens per text of each model's table in RESULTS.md, the default of `--eval-tokens`: a row measured on
-#: other tokens is not comparable with that table's rows.
-EVAL_TOKENS = {"smollm2": 16384, "qwen2.5-0.5b": 8192, "gemma3-270m": 8192}
-
-# the training rows of every published run unless its file name says otherwise (`_variant`)
-DEFAULT_ROWS = {"seqlen": 256, "batch_size": 4}
+# The default protocol (`protocol.py`): evaluation tokens by model (a row measured on other tokens is not comparable
+# with its table's rows), the training rows and the seed of every published run unless its file name says otherwise
+# (`_variant`).
+EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = _protocol.EVAL_TOKENS, _protocol.TRAINING_ROWS, _protocol.SEED
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
@@ -169,7 +174,10 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=DEFAULT_ROWS["seqlen"], help="tokens per training row")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_ROWS["batch_size"], help="training rows per step")
     parser.add_argument(
-        "--seed", type=int, default=0, help="the healing's seed: its held-out rows and the order of the training rows"
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="the healing's seed: its held-out rows and the order of the training rows",
     )
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--patience", type=int, default=4)
@@ -268,7 +276,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_seq{args.seqlen}" if args.seqlen != DEFAULT_ROWS["seqlen"] else ""
     suffix += f"_batch{args.batch_size}" if args.batch_size != DEFAULT_ROWS["batch_size"] else ""
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
-    suffix += f"_seed{args.seed}" if args.seed else ""
+    suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
