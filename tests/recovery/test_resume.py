@@ -159,3 +159,27 @@ def test_a_checkpoint_without_the_healing_state_is_not_resumed_from(tmp_path):
             (phase / f"checkpoint-{step}" / resume_module.HEALING_STATE).write_text("{}")
     assert resume_module.latest_checkpoint(str(phase)) == str(phase / "checkpoint-4")
     assert resume_module.latest_checkpoint(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.gpu
+def test_a_healing_resumed_on_cuda_in_bfloat16_keeps_placement_dtype_and_the_gate(compressed, tmp_path, monkeypatch):
+    """On a CUDA device in bfloat16, the resumed run's model stays on the device and in bfloat16, its gate continues
+    the stopped run's history, and it ends near the uninterrupted run (not to the bit: the embedding's backward adds
+    into shared rows with atomics, in any order)."""
+    dense, model, report = (copy.deepcopy(part) for part in compressed)
+    dense, model = dense.to("cuda", torch.bfloat16), model.to("cuda", torch.bfloat16)
+    base = {"mode": "full", "max_tokens": 384, "learning_rate": 1e-3, "heldout_rows": 2, "eval_every": 2, "patience": 0}
+    whole, whole_log = _heal(model, tiny_recovery_config(**base), dense, report)
+    folder = str(tmp_path / "checkpoints")
+    config = tiny_recovery_config(**base, checkpoint_dir=folder, save_every=2)
+    with monkeypatch.context() as patch:
+        _stop_at(patch, 1, 5)
+        with pytest.raises(Stopped):
+            _heal(model, config, dense, report)
+    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder, save_every=2, resume=True),
+                         dense, report)  # fmt: skip
+    assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in resumed.parameters())
+    assert log["resumed_from_step"] == [4] and log["steps"] == whole_log["steps"]
+    assert [entry["step"] for entry in log["heldout_history"]] == [0, 2, 4, 6]
+    for name, tensor in resumed.state_dict().items():
+        torch.testing.assert_close(tensor, whole.state_dict()[name], atol=2e-2, rtol=2e-2, msg=name)
