@@ -243,7 +243,9 @@ def main() -> None:
         "mode": args.mode,
         "loss": "distillation" if args.kd else "lm",
         "max_tokens": args.max_tokens,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")} | {"lr": log["learning_rate"]},
+        # Where the checkpoints went and how often is not the protocol (a resumed run ends on the same weights).
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "checkpoint_dir", "save_every")}
+        | {"lr": log["learning_rate"]},
         "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
         "eval_tokens": args.eval_tokens,
         "untrained": untrained,

@@ -530,8 +530,8 @@ def recover(
         "learning_rate": config.rate_for(scale),  # the first phase's (a global phase after `local` has its own)
         "weight_scale": scale,
         "train_seconds": sum(p.seconds for p in phases),
+        # Where each phase continued from (None: from its start); the folder is not logged: reports keep no paths.
         **({"resumed_from_step": [p.resumed_from for p in phases]} if config.resume else {}),
-        **({"checkpoint_dir": config.checkpoint_dir} if config.checkpoint_dir else {}),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
