@@ -30,13 +30,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..plan import LayerPlan
+from ..utils.files import TEMPORARY_PREFIX, write_atomically, write_bytes_atomically
 
 #: The manifest's file name in `resume_dir`.
 MANIFEST = "manifest.json"
 #: Version of the folder's layout; a folder written by another version is refused (its files may mean otherwise).
 FORMAT = 1
 #: Prefix of the temporary files an atomic write renames over the final name (a kill may leave one behind).
-_TEMPORARY = ".tmp-"
+_TEMPORARY = TEMPORARY_PREFIX
 
 
 def calibration_fingerprint(batches: Sequence[Any]) -> str:
@@ -213,26 +214,13 @@ class ResumeState:
             "kept_channels": json.dumps([int(i) for i in kept_channels]),
             "report": json.dumps(dict(report)),
         }
-        temporary = self._temporary(_group_name(indices))
-        save_file(tensors, str(temporary), metadata=metadata)
-        self._replace(temporary, _group_name(indices))
-
-    # ----------------------------------------------------------------- files
-
-    def _temporary(self, name: str) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        return self.directory / f"{_TEMPORARY}{os.getpid()}-{name}"
-
-    def _replace(self, temporary: Path, name: str) -> None:
-        """Flushes `temporary` to disk and renames it over `name`: the file is whole under its final name or absent."""
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(temporary, self.directory / name)
+        write_atomically(
+            self.directory / _group_name(indices),
+            lambda temporary: save_file(tensors, str(temporary), metadata=metadata),
+        )
 
     def _write(self, name: str, data: bytes) -> None:
-        temporary = self._temporary(name)
-        temporary.write_bytes(data)
-        self._replace(temporary, name)
+        write_bytes_atomically(self.directory / name, data)
 
 
 def _group_name(indices: Sequence[int]) -> str:

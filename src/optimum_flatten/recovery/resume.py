@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..options.recovery import RecoveryConfig
+from ..utils.files import write_atomically, write_bytes_atomically
 
 #: Written into each Trainer checkpoint beside the Trainer's own files; its presence marks the checkpoint complete.
 HEALING_STATE = "healing_state.json"
@@ -130,30 +130,15 @@ def _check_same_options(saved: Mapping[str, Any], config: RecoveryConfig, where:
         )
 
 
-def _write_atomically(path: Path, write: Any) -> None:
-    """Writes through `write(temporary path)` and renames into place: a reader sees the whole file or none."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-
-
 def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     whole = {name: tensor.detach().to("cpu").contiguous() for name, tensor in tensors.items()}
-    _write_atomically(path, lambda temporary: save_file(whole, temporary))
+    write_atomically(path, lambda temporary: save_file(whole, str(temporary)))
 
 
 def _save_json(value: Mapping[str, Any], path: Path) -> None:
-    def write(temporary: str) -> None:
-        Path(temporary).write_text(json.dumps(value, indent=2) + "\n")
-
-    _write_atomically(path, write)
+    write_bytes_atomically(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
 class CheckpointState(TrainerCallback):
