@@ -237,7 +237,7 @@ def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
     block leaves the local phase little to fix, `full` stays ahead at both budgets (1.234 / 1.724 against 1.279 /
     1.790; 1.189 / 1.651 against 1.238 / 1.693), so a plan without merged blocks keeps `full`. A budget given as
     epochs (no `max_tokens`) keeps `full` too: there is no budget to split. Out of domain, single runs after
-    FlattenGPT differ by less than two healing seeds of one run do (the split at 256K: 2.028 and 1.991,
+    FlattenGPT differ by less than two healing seeds of one run do (the split at 256K: 2.028, 1.991 and 2.009,
     benchmarks/NOTEBOOK.md); the choice rests on the in-domain ratios and the held-out rows, which move less."""
     if config.mode != "full" or config.max_tokens is None or config.local_then_global_tokens is not None:
         return config
