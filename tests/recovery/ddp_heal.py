@@ -97,13 +97,52 @@ def heal(
     return before, after, {**log, "sharded_parameters": sharded}
 
 
+#: The step a stopped run of `heal_stopped_then_resumed` ends on; its newest checkpoint is then that of step 2.
+STOP_AT = 3
+
+
+class Stopped(RuntimeError):
+    """Stands for the job being killed."""
+
+
+def heal_stopped_then_resumed(
+    processes: int, folder: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """`heal("full", processes)` checkpointed every 2 steps, stopped as step `STOP_AT` ends on every process, then
+    resumed from the checkpoint of step 2 (`recovery.resume`)."""
+    import torch.distributed as dist
+
+    from optimum_flatten.recovery.resume import CheckpointState
+
+    def stopping(self: Any, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == STOP_AT:
+            raise Stopped(f"stopped at step {STOP_AT}")
+        return control
+
+    CheckpointState.on_step_end = stopping  # type: ignore[method-assign]
+    try:
+        heal("full", processes, checkpoint_dir=str(folder), save_every=2)
+    except Stopped:
+        pass
+    finally:
+        del CheckpointState.on_step_end  # the callback's own (TrainerCallback's) again
+    if dist.is_initialized():
+        dist.barrier()  # rank 0 has written every checkpoint before any process resumes
+    return heal("full", processes, checkpoint_dir=str(folder), save_every=2, resume=True)
+
+
 def main(out: str) -> None:
     import torch.distributed as dist
 
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    main_process = int(os.environ.get("RANK", "0")) == 0
     for mode in MODES:
-        before, after, log = heal(mode, int(os.environ.get("WORLD_SIZE", "1")))
-        if int(os.environ.get("RANK", "0")) == 0:
+        before, after, log = heal(mode, processes)
+        if main_process:
             torch.save({"before": before, "after": after, "log": log}, Path(out) / f"{mode}.pt")
+    before, after, log = heal_stopped_then_resumed(processes, Path(out) / "checkpoints")
+    if main_process:
+        torch.save({"before": before, "after": after, "log": log}, Path(out) / "resumed.pt")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -56,3 +56,19 @@ def test_two_processes_heal_to_the_weights_of_one(two_processes, mode):
         torch.testing.assert_close(
             distributed["after"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_two_processes_stopped_and_resumed_heal_to_the_weights_of_one_uninterrupted(two_processes):
+    """A 2-process healing checkpointed every 2 steps, stopped at step 3 and resumed from step 2's checkpoint (rank 0
+    wrote it; both read it, each its own random state) ends where one process trained without a stop does."""
+    resumed = torch.load(two_processes / "resumed.pt")
+    _, after, log = ddp_heal.heal("full", processes=1)
+    theirs = resumed["log"]
+    assert theirs["processes"] == 2 and theirs["resumed_from_step"] == [2]
+    assert theirs["steps"] == log["steps"] and theirs["best_step"] == log["best_step"]
+    torch.testing.assert_close(
+        torch.tensor([h["objective"] for h in theirs["heldout_history"]]),
+        torch.tensor([h["objective"] for h in log["heldout_history"]]),
+    )
+    for name, tensor in after.items():
+        torch.testing.assert_close(resumed["after"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
