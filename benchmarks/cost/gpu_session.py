@@ -32,7 +32,11 @@ benchmarks/results as ``cost_gpu_<shape>_<label>.json`` and run `python benchmar
 On a CPU the same driver runs at the tiny shape in seconds (``--tiny``), which is how it is checked before a
 session: ``python benchmarks/cost/gpu_session.py --tiny --out-dir /tmp/gpu_session``.
 
-Usage on the device (src on PYTHONPATH): ``python benchmarks/cost/gpu_session.py --out-dir "$OUT"``
+Usage on the device (src on PYTHONPATH): ``python benchmarks/cost/gpu_session.py --out-dir "$OUT"``. The device's
+image has no optimum, which `optimum_flatten.quantizer` imports: carry its wheel (here, once: ``pip download --no-deps
+optimum==2.3.0 -d .whl``, ``.whl`` ignored by git; name ``.whl`` in the call's carry) and install it into a folder on
+PYTHONPATH first (``pip install --no-index --no-deps --target /tmp/site .whl/*.whl``). The driver checks that import
+before anything runs, so a call without it fails in a second instead of failing every row (it did on 2026-11-28).
 """
 
 from __future__ import annotations
@@ -92,6 +96,16 @@ def host_copy(tiny: bool, started: float, budget: float, log: Path) -> dict:
     return step
 
 
+def _check_imports() -> None:
+    """Stops at once when the project cannot be imported as every step will import it (the device lacks optimum)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    check = [sys.executable, "-c", "import optimum_flatten.quantizer"]
+    found = subprocess.run(check, env=env, cwd=ROOT, capture_output=True, text=True)
+    if found.returncode != 0:
+        last = (found.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise SystemExit(f"optimum_flatten does not import here ({last}); carry the optimum wheel (see the docstring)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
@@ -100,6 +114,7 @@ def main() -> None:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole call")
     args = parser.parse_args()
+    _check_imports()
     started = time.perf_counter()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
