@@ -180,9 +180,10 @@ def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkey
 @pytest.mark.parametrize("method", ["uidl", "replaceme"])
 def test_a_block_selection_keeps_last_token_rows_not_whole_boundaries(method, monkeypatch):
     """Removing 4 of 6 layers, the distance walk keeps the last-token rows of its 5 boundaries, not the boundaries:
-    the selection holds the runner's states, the boundary entering the layer and the layer's run, as estimated
-    (5.6 copies of the states here, block temporaries included), where a window of whole boundaries held 4 more
-    (9.5 copies measured before the change). ReplaceMe with `held_states_gb=0`: it holds no state for its fit."""
+    the selection holds the boundary entering the layer and the layer's run, as estimated (4.6 copies of the states
+    here, block temporaries included), where a window of whole boundaries held 4 more (9.5 copies measured before
+    that change) and the runner's layer-0 states one more until the walk released them after layer 0 (5.6).
+    ReplaceMe with `held_states_gb=0`: it holds no state for its fit."""
     calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
     options = {"held_states_gb": 0} if method == "replaceme" else {}
     model = _llama(layers=6)
@@ -191,7 +192,7 @@ def test_a_block_selection_keeps_last_token_rows_not_whole_boundaries(method, mo
     selection = next(phase for phase in estimate.phases if phase.name == "selection")
     assert _off(selection.bytes, measured["phases"]["selection"]) <= TOLERANCE, (selection.bytes, measured)
     states = 8 * 128 * 256 * 4
-    assert measured["phases"]["selection"] < 7 * states
+    assert measured["phases"]["selection"] < 5 * states
 
 
 def test_flattengpt_estimate_where_the_float64_statistics_dominate(monkeypatch):

@@ -453,7 +453,9 @@ def estimate_memory(
         )
     sizes = WorkspaceSizes(shape, calibration, refusal_of(adapter, stack))
     phases, passes, bound, notes = method_class.workspace(sizes, num_layers_to_remove, config)
-    phases, passes, more = with_correction(sizes, num_layers_to_remove, corrections, phases, passes)
+    phases, passes, more = with_correction(
+        sizes, num_layers_to_remove, corrections, phases, passes, method_class.keeps_runner_states(config)
+    )
     bound = bound or bool(more)
     notes = [*notes, *more]
     computed = compute_estimate(method_class, sizes, num_layers_to_remove, config)

@@ -112,3 +112,27 @@ def test_scoring_batches_is_checked_once_for_every_method(bad):
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             make()
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "gemma3_text"])
+def test_released_layer_zero_states_are_recorded_again_bit_for_bit(family):
+    """A walk past layer 0 releases the layer-0 states (`CalibratedStates.release_layer_zero`: a copy of the
+    calibration states fewer for the rest of the walk); whoever reads them later gets them recorded again, the
+    same tensors bit for bit (Gemma scales its embeddings: recorded through the model's own forward as before),
+    and so the same boundaries above them. A runner cut to its first batches records those batches only."""
+    model = tiny_models.FACTORIES[family]()
+    ids = sample_ids(batch=4, length=20, seed=2)
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0
+    states = _context(ids, mask).new_states(get_adapter(model), keep=())
+    first = [x.clone() for x in states.boundary(0)]
+    second = [x.clone() for x in states.boundary(2)]
+    states.release_layer_zero()
+    assert states.runner._inputs is None and 0 not in states._cache  # nothing holds the copy now
+    assert all(torch.equal(a, b) for a, b in zip(states.runner.inputs, first, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(states.boundary(2), second, strict=True))
+    runner = states.runner
+    runner.inputs = runner.inputs[:1]
+    runner.masks = runner.masks[:1]
+    runner.release_inputs()
+    assert len(runner.inputs) == runner.num_batches == 1 and torch.equal(runner.inputs[0], first[0])

@@ -94,10 +94,32 @@ class LayerwiseRunner:
         #: Per batch, 1 on the positions of the stack's hidden states that are real tokens (the adapter knows which
         #: mask that is: the text mask for a decoder, the source mask for an encoder, all ones for image patches).
         self.masks = [adapter.token_mask(stack, b) for b in batches]
-        self.layer_kwargs, self.inputs = self._record(batches)
+        self._batches = list(batches)
+        self.layer_kwargs, self._inputs = self._record(self._batches)
         #: Weight x token products of every block run so far: the compute a method spent, in a unit independent of
         #: the machine (one pass of N tokens through layers holding P weights is N x P).
         self.work = 0
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The hidden states entering layer 0, one tensor per batch; recorded again (an embedding pass, the same
+        tensors bit for bit) when `release_inputs` dropped them."""
+        if self._inputs is None:
+            _, self._inputs = self._record(self._batches)
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, value: list[torch.Tensor]) -> None:
+        """Replaces the layer-0 states (`CalibratedStates.on_first_batches` cuts them to the first batches: a
+        later recording takes those batches only)."""
+        self._inputs = list(value)
+        self._batches = self._batches[: len(self._inputs)]
+
+    def release_inputs(self) -> None:
+        """Drops the layer-0 states (a copy of the calibration states) until someone reads `inputs` again: a walk
+        up the stack that has run layer 0 needs them no more, and holding them would cost that copy through the
+        whole walk. Recording them again costs an embedding pass, not a layer."""
+        self._inputs = None
 
     @torch.no_grad()
     def _record(self, batches: Sequence[CalibrationBatch]) -> tuple[list[list[dict[str, Any]]], list[torch.Tensor]]:
@@ -130,7 +152,7 @@ class LayerwiseRunner:
 
     @property
     def num_batches(self) -> int:
-        return len(self.inputs)
+        return len(self.masks)
 
     @torch.no_grad()
     def run(

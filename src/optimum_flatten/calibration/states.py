@@ -101,6 +101,8 @@ class CalibratedStates:
         """States entering layer `index` of the original stack (``index == num_layers``: the stack's output)."""
         if not 0 <= index <= self.num_layers:
             raise IndexError(f"boundary {index} does not exist in a stack of {self.num_layers} layers.")
+        if 0 not in self._cache:  # released by `release_layer_zero`: the runner records them again
+            self._cache[0] = self.runner.inputs
         if index in self._cache:
             return self._cache[index]
         start = max(i for i in self._cache if i <= index)
@@ -110,6 +112,13 @@ class CalibratedStates:
             if self.keep is None or i + 1 in self.keep:
                 self._cache[i + 1] = current
         return current
+
+    def release_layer_zero(self) -> None:
+        """Drops the layer-0 states (the runner's and this cache's reference): a walk past layer 0 that needs them
+        no more saves a copy of the calibration states for the rest of it. Whoever asks for boundary 0 (or the
+        runner's inputs) later gets them recorded again, the same tensors bit for bit."""
+        self._cache.pop(0, None)
+        self.runner.release_inputs()
 
     def all_boundaries(self, on_layer: Callable[[int], None] | None = None) -> list[list[torch.Tensor]]:
         """Every boundary 0..L in one pass (cached as `keep` allows); `on_layer(i)` is called after layer i runs."""

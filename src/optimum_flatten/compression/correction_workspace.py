@@ -32,22 +32,32 @@ from .workspace import Phase, Term, WorkspaceSizes
 PLANNING_PHASES = frozenset({"selection", "plan"})
 
 
-def correction_workspace(z: WorkspaceSizes, n: int, corrections: Corrections) -> tuple[list[Phase], Term | None, float]:
+def correction_workspace(
+    z: WorkspaceSizes, n: int, corrections: Corrections, method_states: bool = True
+) -> tuple[list[Phase], Term | None, float]:
     """(the correction's own phases, the term it holds through the method's apply phases or None, its stack passes as
-    a bound) for removing `n` layers of the sizes `z`; nothing for ``Corrections()``."""
+    a bound) for removing `n` layers of the sizes `z`; nothing for ``Corrections()``. `method_states`: whether the
+    method's runner still holds its layer-0 states (`CompressionMethod.keeps_runner_states`)."""
+    runners = z.runners(2, states=2 if method_states else 1)
     if corrections.linear_replacement is not None:
-        return _bridge(z, n, BridgeOptions(corrections.linear_replacement))
+        return _bridge(z, n, BridgeOptions(corrections.linear_replacement), runners)
     if corrections.compensation is not None:
-        return _compensation(z), None, 1.0
+        return _compensation(z, runners), None, 1.0
     return [], None, 0.0
 
 
 def with_correction(
-    z: WorkspaceSizes, n: int, corrections: Corrections, phases: list[Phase], passes: float
+    z: WorkspaceSizes,
+    n: int,
+    corrections: Corrections,
+    phases: list[Phase],
+    passes: float,
+    method_states: bool = True,
 ) -> tuple[list[Phase], float, list[str]]:
-    """A method's phases and stack passes with `corrections` added (`correction_workspace`): the held term joins every
-    phase but the planning ones, the correction's phases follow; and the notes that say so."""
-    own, held, extra = correction_workspace(z, n, corrections)
+    """A method's phases and stack passes with `corrections` added (`correction_workspace`, `method_states` as
+    there): the held term joins every phase but the planning ones, the correction's phases follow; and the notes
+    that say so."""
+    own, held, extra = correction_workspace(z, n, corrections, method_states)
     if not own:
         return phases, passes, []
     joined = [p if held is None or p.name in PLANNING_PHASES else Phase(p.name, (*p.terms, held)) for p in phases]
@@ -69,7 +79,7 @@ def _bridged_spans(z: WorkspaceSizes, n: int, options: BridgeOptions) -> int:
     return min(min(n, L - n) * (1 + options.correct_after), L - n)
 
 
-def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions) -> tuple[list[Phase], Term, float]:
+def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions, runners: list[Term]) -> tuple[list[Phase], Term, float]:
     L = z.shape.num_layers
     spans = _bridged_spans(z, n, options)
     targets = Term(
@@ -95,7 +105,7 @@ def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions) -> tuple[list[Pha
         "linear_replacement",
         (
             z.tokens(),
-            *z.runners(2),
+            *runners,
             targets,
             Term("the compressed model's states entering the layer walked", z.S, "one copy of every batch"),
             z.run_term(),
@@ -108,7 +118,7 @@ def _bridge(z: WorkspaceSizes, n: int, options: BridgeOptions) -> tuple[list[Pha
     return [phase], targets, (2 * L - n + spans) / L
 
 
-def _compensation(z: WorkspaceSizes) -> list[Phase]:
+def _compensation(z: WorkspaceSizes, runners: list[Term]) -> list[Phase]:
     """measure_scales' walk: its runner beside the method's (the context keeps it), the stream, the previous
     output and a layer's run."""
     return [
@@ -116,7 +126,7 @@ def _compensation(z: WorkspaceSizes) -> list[Phase]:
             "compensation",
             (
                 z.tokens(),
-                *z.runners(2),
+                *runners,
                 Term("the stream entering the layer walked", z.S, "measure_scales: one copy of every batch"),
                 Term("the layer before's output", z.S, "still referenced while the next layer runs"),
                 z.run_term(),

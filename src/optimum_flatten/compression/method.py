@@ -289,6 +289,14 @@ class CompressionMethod(ABC):
         return None
 
     @classmethod
+    def keeps_runner_states(cls, config: Any) -> bool:
+        """Whether the runner the method's planning opened still holds its layer-0 states (a copy of the calibration
+        states) while a correction runs after it: the context keeps every runner, and the correction's memory model
+        (`compression.correction_workspace`) counts that copy unless the method released it. True (the default)
+        unless the method's walk releases them (`CalibratedStates.release_layer_zero`)."""
+        return True
+
+    @classmethod
     def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
         """The method's compute model for `optimum-flatten estimate` removing `n` layers: per timed phase, the stack
         passes it runs and the arithmetic its ops record (`compression.compute`). None (the default): only the total

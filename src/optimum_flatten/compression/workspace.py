@@ -76,11 +76,14 @@ class WorkspaceSizes:
     def tokens(self) -> Term:
         return Term("calibration ids and masks", 2 * self.N * 8, "input_ids and attention_mask, int64")
 
-    def runners(self, count: int) -> list[Term]:
+    def runners(self, count: int, states: int | None = None) -> list[Term]:
+        """`count` runners' call arguments and the layer-0 states of `states` of them (None: all; a runner whose
+        walk released them holds none, `LayerwiseRunner.release_inputs`)."""
         arguments = self.cal.batches * (2 * self.cal.seqlen * self.shape.head_dim * self.b + 8 * self.cal.seqlen)
         which = "the runner" if count == 1 else f"{count} runners (the context keeps each one it opened)"
+        held = count if states is None else states
         return [
-            Term("layer-0 states of " + which, count * self.S, "LayerwiseRunner.inputs, one copy each"),
+            Term("layer-0 states of " + which, held * self.S, f"LayerwiseRunner.inputs, {held} of them held"),
             Term("call arguments of " + which, count * arguments, "rotary cos/sin and position ids per batch"),
         ]
 

@@ -162,7 +162,8 @@ class AutoMethod(CompressionMethod):
                 "candidates to estimate the others."
             )
         phases, passes, _, notes = model
-        phases, passes, more = with_correction(z, n, spec.corrections, phases, passes)
+        keeps = type(method).keeps_runner_states(method.config)
+        phases, passes, more = with_correction(z, n, spec.corrections, phases, passes, keeps)
         return phases, passes, [*notes, *more]
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:

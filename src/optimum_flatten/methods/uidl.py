@@ -57,6 +57,11 @@ def walk_block_distances(
     whole: at LLaMA-2-7B with 7 layers removed, 2 of 128 × 2048 × 4096 bfloat16 states (4 GiB) instead of 9 (18 GiB).
     The distances are the same floats either way (`mean_angle_of_rows`).
 
+    With ``tokens="last"`` and no holding, the walk releases the layer-0 states once layer 0 has run
+    (`CalibratedStates.release_layer_zero`): from there on only the boundary entering the layer being run is
+    whole, one copy of the states fewer (2 GiB at LLaMA-2-7B); a later reader (ReplaceMe's fit walk) has the
+    runner record them again, an embedding pass.
+
     With ``hold=True`` the walk also keeps the last size + 2 boundaries whole, and for the best start so far (the
     smallest distance, ties to the lower start, as `choose_blocks` ranks them; starts from 1) the boundaries
     before and after it (`HeldBlock`, returned beside the distances): the window and the best pair, up to
@@ -86,6 +91,8 @@ def walk_block_distances(
             if hold and start >= 1 and (best is None or distances[start] < distances[best.start]):
                 best = HeldBlock(start, size, whole[0], whole[-1])  # whole[0] enters layer start − 1
         del before, after  # while the next layer runs, only the walk's own two boundaries stay alive
+        if i == 0 and tokens == "last" and not hold:
+            states.release_layer_zero()  # the window keeps its last-token rows, copies of their own
     return distances, best
 
 
@@ -160,9 +167,10 @@ class UIDLMethod(CompressionMethod):
         """UIDL: one walk keeping the last size + 1 boundaries, for the angular distance of every block of size
         n/blocks.
 
-        - selection with ``tokens="last"`` (the default): the runner's layer-0 states, the boundary entering the layer
-          being run, the last-token rows of the last size + 1 boundaries ((size + 1)·nsamples·d·b), and the layer's
-          run (its outputs so far and one batch's temporaries) or one batch's float64 cosine of those rows;
+        - selection with ``tokens="last"`` (the default): the boundary entering the layer being run (the runner's
+          layer-0 states while layer 0 runs, released after it: `walk_block_distances`), the last-token rows of the
+          last size + 1 boundaries ((size + 1)·nsamples·d·b), the runner's call arguments, and the layer's run (its
+          outputs so far and one batch's temporaries) or one batch's float64 cosine of those rows;
         - with ``tokens="all"``: the window of size + 1 whole boundaries beyond the layer-0 states (the boundary
           being computed among them), and the run or the float64 cosine of one batch (two float64 copies,
           16·T_b·d).
@@ -171,21 +179,27 @@ class UIDLMethod(CompressionMethod):
         size = max(1, n // max(config.num_blocks, 1))
         if getattr(config, "tokens", "last") == "last":
             rows = z.cal.nsamples * z.d
+            _, arguments = z.runners(1)  # the layer-0 states are the boundary entering layer 0, then released
             terms = (
-                Term("the boundary entering the layer being run", z.S if L > 1 else 0, "beyond the layer-0 states"),
+                arguments,
+                Term("the boundary entering the layer being run", z.S, "the layer-0 states while layer 0 runs"),
                 Term(
                     "last-token rows of the window", (size + 1) * rows * z.b, "one row a sequence, size + 1 boundaries"
                 ),
                 per_batch_term(z, 16 * z.cal.batch_size * z.d, "float64 last-token cosine"),
             )
-        else:
-            window = max(min(j, size) + 1 + (1 if j > size else 0) for j in range(L))
-            terms = (
-                Term(f"window of boundaries ({window - 1}) beyond the layer-0 states", (window - 1) * z.S, ""),
-                per_batch_term(z, 16 * z.Tb * z.d, "float64 cosine of every real token"),
-            )
-        selection = Phase("selection", (z.tokens(), *z.runners(1), *terms))
-        return [selection], 1.0, False, []
+            return [Phase("selection", (z.tokens(), *terms))], 1.0, False, []
+        window = max(min(j, size) + 1 + (1 if j > size else 0) for j in range(L))
+        terms = (
+            Term(f"window of boundaries ({window - 1}) beyond the layer-0 states", (window - 1) * z.S, ""),
+            per_batch_term(z, 16 * z.Tb * z.d, "float64 cosine of every real token"),
+        )
+        return [Phase("selection", (z.tokens(), *z.runners(1), *terms))], 1.0, False, []
+
+    @classmethod
+    def keeps_runner_states(cls, config: Any) -> bool:
+        """The distance walk on last-token rows releases its runner's layer-0 states (`walk_block_distances`)."""
+        return getattr(config, "tokens", "last") != "last"
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         return select_blocks(adapter, context, num_to_remove, self.config, first_start=0)
