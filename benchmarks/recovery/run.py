@@ -287,7 +287,6 @@ def _variant(args: argparse.Namespace) -> str:
 def recovery_config(args: argparse.Namespace, learning_rate: float | None, global_learning_rate: float | None = None):
     """The `RecoveryConfig` of the command line's options (the two rates given apart, for the sweeps)."""
     from optimum_flatten.recovery import RecoveryConfig
-    from optimum_flatten.recovery.resume import has_checkpoints
 
     return RecoveryConfig(
         mode=args.mode,
@@ -311,7 +310,6 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
         checkpoint_dir=getattr(args, "checkpoint_dir", None),
         save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
-        resume=bool(getattr(args, "checkpoint_dir", None)) and has_checkpoints(args.checkpoint_dir),
     )
 
 

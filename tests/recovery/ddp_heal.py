@@ -128,7 +128,7 @@ def heal_stopped_then_resumed(
         del CheckpointState.on_step_end  # the callback's own (TrainerCallback's) again
     if dist.is_initialized():
         dist.barrier()  # rank 0 has written every checkpoint before any process resumes
-    return heal("full", processes, checkpoint_dir=str(folder), save_every=2, resume=True)
+    return heal("full", processes, checkpoint_dir=str(folder), save_every=2)  # the same line again: it resumes
 
 
 def main(out: str) -> None:

@@ -1,5 +1,5 @@
-"""A healing stopped and resumed (`recovery.resume`) ends on the weights and log of one uninterrupted run; the options
-that cannot resume are refused before any weight changes."""
+"""A healing stopped and started again on its checkpoint folder (`recovery.resume`) ends on the weights and log of one
+uninterrupted run; the options that cannot work are refused before any weight changes."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_healing_stopped_and_resumed_ends_on_the_weights_of_an_uninterrupted_r
     assert newest is not None and newest.endswith("checkpoint-4")
     assert (folder / "phase-1" / resume_module.PHASE_DONE).exists() == (phase == 2)
 
-    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=str(folder), save_every=2, resume=True),
+    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=str(folder), save_every=2),
                          dense, report)  # fmt: skip
     expected = whole.state_dict()
     for name, tensor in resumed.state_dict().items():
@@ -98,7 +98,7 @@ def test_a_finished_healing_resumed_replays_its_record_without_training(compress
         raise AssertionError("a finished phase trains again")
 
     monkeypatch.setattr("transformers.Trainer.train", no_training)
-    again, replayed = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder, resume=True), dense, report)
+    again, replayed = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder), dense, report)
     for name, tensor in again.state_dict().items():
         assert torch.equal(tensor, healed.state_dict()[name]), name
     assert replayed["heldout_history"] == log["heldout_history"] and replayed["steps"] == log["steps"]
@@ -107,16 +107,12 @@ def test_a_finished_healing_resumed_replays_its_record_without_training(compress
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"resume": True}, "resume needs checkpoint_dir"),
         ({"save_every": 2}, "save_every needs checkpoint_dir"),
         ({"save_every": -1, "checkpoint_dir": "x"}, "save_every must be 0"),
-        ({"resume": True, "checkpoint_dir": "EMPTY"}, "holds no checkpoint"),
     ],
 )
 def test_checkpoint_options_that_cannot_work_are_refused_before_any_change(options, message, compressed, tmp_path):
     dense, model, report = compressed
-    if options.get("checkpoint_dir") == "EMPTY":
-        options = {**options, "checkpoint_dir": str(tmp_path)}
     before = copy.deepcopy(model)
     target = copy.deepcopy(model)
     with pytest.raises(ValueError, match=message):
@@ -126,7 +122,7 @@ def test_checkpoint_options_that_cannot_work_are_refused_before_any_change(optio
         assert torch.equal(tensor, before.state_dict()[name]), name
 
 
-def test_a_resume_with_other_options_or_a_fresh_run_over_checkpoints_is_refused(compressed, tmp_path, monkeypatch):
+def test_a_folder_holding_a_healing_with_other_options_is_refused_before_any_change(compressed, tmp_path, monkeypatch):
     dense, model, report = compressed
     folder = str(tmp_path / "checkpoints")
     base = {"mode": "full", "max_tokens": 384, "learning_rate": 1e-3, "checkpoint_dir": folder, "save_every": 2}
@@ -138,15 +134,15 @@ def test_a_resume_with_other_options_or_a_fresh_run_over_checkpoints_is_refused(
     state = json.loads(saved.read_text())
     assert state["step"] == 2 and state["gate"] is None and state["options"]["learning_rate"] == 1e-3
     target = copy.deepcopy(model)
-    with pytest.raises(ValueError, match="already holds a healing's checkpoints"):
-        recover(target, tiny_models.CharTokenizer(), tiny_models.sample_texts(), tiny_recovery_config(**base),
-                teacher=dense, report=report)  # fmt: skip
-    changed = tiny_recovery_config(**{**base, "learning_rate": 2e-3, "resume": True})
+    changed = tiny_recovery_config(**{**base, "learning_rate": 2e-3})
     with pytest.raises(ValueError, match=r"other options \(learning_rate: 0.001 then, 0.002 now\)"):
         recover(target, tiny_models.CharTokenizer(), tiny_models.sample_texts(), changed, teacher=dense,
                 report=report)  # fmt: skip
     for name, tensor in target.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+    # Where and how often to checkpoint may change: the same healing saved every step continues from step 2.
+    _, log = _heal(model, tiny_recovery_config(**{**base, "save_every": 1}), dense, report)
+    assert log["resumed_from_step"] == [2]
 
 
 def test_a_checkpoint_without_the_healing_state_is_not_resumed_from(tmp_path):
@@ -176,7 +172,7 @@ def test_a_healing_resumed_on_cuda_in_bfloat16_keeps_placement_dtype_and_the_gat
         _stop_at(patch, 1, 5)
         with pytest.raises(Stopped):
             _heal(model, config, dense, report)
-    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder, save_every=2, resume=True),
+    resumed, log = _heal(model, tiny_recovery_config(**base, checkpoint_dir=folder, save_every=2),
                          dense, report)  # fmt: skip
     assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in resumed.parameters())
     assert log["resumed_from_step"] == [4] and log["steps"] == whole_log["steps"]

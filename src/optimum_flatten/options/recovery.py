@@ -86,12 +86,12 @@ class RecoveryConfig:
         layers_to_transform: Restrict LoRA to these layer indices of the compressed model (renumbered, 0-based).
         logging_steps, seed: As in TrainingArguments.
         checkpoint_dir: Folder for the healing's checkpoints (`recovery.resume`: one subfolder a Trainer phase, the
-            Trainer's checkpoints with the gate's state); None trains in a scratch folder removed afterwards.
+            Trainer's checkpoints with the gate's state); None trains in a scratch folder removed afterwards. A run
+            started again with the same folder and options continues from its newest complete checkpoint, to the
+            weights an uninterrupted run gives (a finished phase is replayed, not trained again); a folder holding
+            the checkpoints of a healing with other options is refused.
         save_every: Optimiser steps between checkpoints (0: none, the finished phases are still recorded when
             `checkpoint_dir` is given).
-        resume: Continue the healing whose checkpoints `checkpoint_dir` holds, started with the same options, from
-            its newest complete checkpoint (to the weights an uninterrupted run gives); without it a `checkpoint_dir`
-            that holds checkpoints is refused.
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
@@ -134,7 +134,6 @@ class RecoveryConfig:
     seed: int = 0
     checkpoint_dir: str | None = None
     save_every: int = 0
-    resume: bool = False
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -11,11 +11,13 @@ checkpoint without it (a process killed while saving) is never resumed from. A p
 the trained state it ended on (the gate's best) as ``phase_done.json`` and ``phase_state.safetensors``; a resume
 replays it instead of training it again.
 
-``RecoveryConfig(resume=True)`` with the same options then continues from the newest complete checkpoint of the
-unfinished phase. The Trainer restores the optimiser, the schedule, the random states and the data order, and the
-gate continues from its saved state, so the run ends where one uninterrupted run ends (tested to the bit on the CPU,
-`tests/recovery/test_resume.py`). Options that change what is trained (anything but the checkpointing options
-themselves) are refused on resume, before any weight changes.
+Started again with the same `checkpoint_dir` and options (the line a killed job ran, run again), `recover` continues
+from the newest complete checkpoint of the unfinished phase, as `FlattenConfig(resume_dir=...)` continues a
+compression. The Trainer restores the optimiser, the schedule, the random states and the data order, and the gate
+continues from its saved state, so the run ends where one uninterrupted run ends (tested to the bit on the CPU,
+`tests/recovery/test_resume.py`, and on 2 processes against one, `tests/recovery/test_ddp.py`). A folder holding the
+checkpoints of a healing with other options (anything but the checkpointing options themselves) is refused before any
+weight changes, naming what differs.
 """
 
 from __future__ import annotations
@@ -43,43 +45,18 @@ GATE_STATE = "gate_best_state.safetensors"
 PHASE_DONE = "phase_done.json"
 PHASE_STATE = "phase_state.safetensors"
 #: The options that say where and how often to checkpoint, not what is trained: they may differ on resume.
-CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every", "resume")
+CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every")
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def check_checkpoint_options(config: RecoveryConfig) -> None:
-    """Refuses checkpointing options that cannot work, before anything is built: a negative interval, and saving or
-    resuming without a folder; and, without `resume`, a folder that already holds a healing's checkpoints (a fresh run
-    would mix its checkpoints with those)."""
+    """Refuses checkpointing options that cannot work, before anything is built: a negative interval, and saving
+    without a folder."""
     if config.save_every < 0:
         raise ValueError(f"save_every must be 0 (never) or a number of optimiser steps, got {config.save_every}.")
-    if (config.save_every or config.resume) and not config.checkpoint_dir:
-        flag = "save_every" if config.save_every else "resume"
-        raise ValueError(f"{flag} needs checkpoint_dir, the folder the healing's checkpoints are written to.")
-    if not config.checkpoint_dir:
-        return
-    started = has_checkpoints(config.checkpoint_dir)
-    if config.resume and not started:
-        raise ValueError(
-            f"resume=True, but checkpoint_dir {config.checkpoint_dir!r} holds no checkpoint of a healing to continue; "
-            "leave resume off to start one there."
-        )
-    if started and not config.resume:
-        raise ValueError(
-            f"checkpoint_dir {config.checkpoint_dir!r} already holds a healing's checkpoints; pass resume=True to "
-            "continue it, or give an empty folder."
-        )
-
-
-def has_checkpoints(checkpoint_dir: str) -> bool:
-    """Whether `checkpoint_dir` holds a healing to resume: a finished phase, or a complete checkpoint of one."""
-    folder = Path(checkpoint_dir)
-    return folder.is_dir() and any(
-        (phase / PHASE_DONE).exists() or latest_checkpoint(str(phase)) is not None
-        for phase in folder.iterdir()
-        if phase.is_dir() and phase.name.startswith("phase-")
-    )
+    if config.save_every and not config.checkpoint_dir:
+        raise ValueError("save_every needs checkpoint_dir, the folder the healing's checkpoints are written to.")
 
 
 def phase_folder(config: RecoveryConfig, index: int) -> str:

@@ -531,7 +531,7 @@ def recover(
         "weight_scale": scale,
         "train_seconds": sum(p.seconds for p in phases),
         # Where each phase continued from (None: from its start); the folder is not logged: reports keep no paths.
-        **({"resumed_from_step": [p.resumed_from for p in phases]} if config.resume else {}),
+        **({"resumed_from_step": [p.resumed_from for p in phases]} if config.checkpoint_dir else {}),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
@@ -669,14 +669,14 @@ def _train_phase(
     """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored.
 
     With `config.checkpoint_dir` the phase (`index`) trains in its own folder, checkpointed with the gate's state
-    (`recovery.resume`); resumed, a finished phase is replayed from its record and an unfinished one continues from
-    its newest complete checkpoint."""
+    (`recovery.resume`): a phase the folder records as finished is replayed from its record, an unfinished one
+    continues from its newest complete checkpoint."""
     from .gate import is_main_process
 
     folder = phase_folder(config, index) if config.checkpoint_dir else None
-    if folder is not None and config.resume and (done := read_phase(folder, config)) is not None:
+    if folder is not None and (done := read_phase(folder, config)) is not None:
         return _replayed_phase(model, *done)
-    checkpoint = latest_checkpoint(folder) if folder is not None and config.resume else None
+    checkpoint = latest_checkpoint(folder) if folder is not None else None
     saved = read_checkpoint(checkpoint, config) if checkpoint is not None else None
     if folder is not None:
         arguments.output_dir = folder
