@@ -36,8 +36,6 @@ from ..utils.files import TEMPORARY_PREFIX, write_atomically, write_bytes_atomic
 MANIFEST = "manifest.json"
 #: Version of the folder's layout; a folder written by another version is refused (its files may mean otherwise).
 FORMAT = 1
-#: Prefix of the temporary files an atomic write renames over the final name (a kill may leave one behind).
-_TEMPORARY = TEMPORARY_PREFIX
 
 
 def calibration_fingerprint(batches: Sequence[Any]) -> str:
@@ -128,7 +126,8 @@ class ResumeState:
         manifest_path = path / MANIFEST
         if not manifest_path.exists():
             listed = path.iterdir() if path.is_dir() else ()
-            others = sorted(p.name for p in listed if not p.name.startswith(_TEMPORARY))
+            # A temporary file is a killed write's leftover, not another job's state.
+            others = sorted(p.name for p in listed if not p.name.startswith(TEMPORARY_PREFIX))
             if others:
                 raise ValueError(
                     f"resume_dir {str(path)!r} holds {others[:3]} but no {MANIFEST}: it is no compression's state; "

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -115,6 +115,34 @@ def agree(scores: dict[str, float], device: torch.device) -> dict[str, float]:
     return dict(zip(keys, values.tolist(), strict=True))
 
 
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every trainable parameter of `model`, whole and copied to the CPU (gathered from the shards under FSDP2: a
+    collective every process makes): what the gate snapshots and a finished healing phase records."""
+    return {
+        name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad
+    }
+
+
+def check_trainable_names(model: nn.Module, names: Iterable[str], what: str) -> None:
+    """Refuses a saved state (`what`) that does not name exactly the parameters `model` trains: a checkpoint of
+    another model or mode."""
+    if set(names) != {name for name, p in model.named_parameters() if p.requires_grad}:
+        raise ValueError(
+            f"{what} holds other parameters than this model trains; resume with the model and mode the healing was "
+            "started with."
+        )
+
+
+@torch.no_grad()
+def load_trainable_state_(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> None:
+    """Loads a `trainable_state` into `model`'s trainable parameters (into this process's shards under FSDP2),
+    after `check_trainable_names`."""
+    check_trainable_names(model, state, what)
+    parameters = dict(model.named_parameters())
+    for name, value in state.items():
+        load_full_(parameters[name], value)
+
+
 @torch.no_grad()
 def score_rows(
     model: nn.Module,
@@ -180,7 +208,7 @@ class HeldOutGate(TrainerCallback):
         self.start = self._score()
         self.best = dict(self.start)
         self.best_step = 0
-        self.best_state = self._snapshot()
+        self.best_state = trainable_state(self.model)
         self.history: list[dict[str, float]] = [{"step": 0, **self.start}]
         self.misses = 0
 
@@ -198,23 +226,11 @@ class HeldOutGate(TrainerCallback):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from a `state_dict`; refuses one whose best state does not name this model's trainable
         parameters (a checkpoint of another model or mode)."""
-        names = {name for name, _ in self._trainable()}
-        if set(state["best_state"]) != names:
-            raise ValueError(
-                "the saved gate's best state holds other parameters than this model trains; resume with the model "
-                "and mode the healing was started with."
-            )
+        check_trainable_names(self.model, state["best_state"], "the saved gate's best state")
         self.start, self.best = dict(state["start"]), dict(state["best"])
         self.best_step, self.misses = int(state["best_step"]), int(state["misses"])
         self.best_state = {name: tensor.to("cpu", copy=True) for name, tensor in state["best_state"].items()}
         self.history = [dict(entry) for entry in state["history"]]
-
-    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        """The whole trainable state on the CPU (gathered from the shards under FSDP2)."""
-        return {name: full_tensor(p.detach()).to("cpu", copy=True) for name, p in self._trainable()}
 
     def _score(self) -> dict[str, float]:
         scores = score_rows(self.model, self.loss, self.rows, self.batch_size)
@@ -230,7 +246,7 @@ class HeldOutGate(TrainerCallback):
                 "held-out at step %d: objective %.4f (best %.4f)", step, scores["objective"], self.best["objective"]
             )
         if math.isfinite(scores["objective"]) and scores["objective"] < self.best["objective"]:
-            self.best, self.best_step, self.best_state, self.misses = scores, step, self._snapshot(), 0
+            self.best, self.best_step, self.best_state, self.misses = scores, step, trainable_state(self.model), 0
             return False
         self.misses += 1
         return self.patience > 0 and self.misses >= self.patience
@@ -244,8 +260,7 @@ class HeldOutGate(TrainerCallback):
     @torch.no_grad()
     def restore_best_(self) -> str:
         """Loads the best state into the model; returns the decision (`KEPT_INPUT` or `IMPROVED`)."""
-        for name, parameter in self._trainable():
-            load_full_(parameter, self.best_state[name])
+        load_trainable_state_(self.model, self.best_state, "the gate's best state")
         return KEPT_INPUT if self.best_step == 0 else IMPROVED
 
     def summary(self) -> dict[str, Any]:

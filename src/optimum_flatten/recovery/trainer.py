@@ -626,28 +626,14 @@ class _RecordedGate:
         return self.saved
 
 
-def _trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters, whole (gathered under FSDP2: a collective every process makes)."""
-    from .gate import full_tensor
-
-    return {name: full_tensor(p.detach()) for name, p in model.named_parameters() if p.requires_grad}
-
-
 @torch.no_grad()
 def _replayed_phase(model: nn.Module, record: dict[str, Any], trained: dict[str, torch.Tensor]) -> _Phase:
     """A finished phase from its record: the state it ended on loaded into `model`, its log as it was."""
     from transformers.trainer_utils import TrainOutput
 
-    from .gate import load_full_
+    from .gate import load_trainable_state_
 
-    parameters = dict(model.named_parameters())
-    if set(trained) != {name for name, p in parameters.items() if p.requires_grad}:
-        raise ValueError(
-            "the finished phase's state holds other parameters than this model trains; resume with the model and "
-            "mode the healing was started with."
-        )
-    for name, value in trained.items():
-        load_full_(parameters[name], value)
+    load_trainable_state_(model, trained, "the finished phase's state")
     result = TrainOutput(record["steps"], record["train_loss"], {"train_runtime": record["seconds"]})
     gate = _RecordedGate(record["gate"]) if record["gate"] is not None else None
     return _Phase(
@@ -671,7 +657,7 @@ def _train_phase(
     With `config.checkpoint_dir` the phase (`index`) trains in its own folder, checkpointed with the gate's state
     (`recovery.resume`): a phase the folder records as finished is replayed from its record, an unfinished one
     continues from its newest complete checkpoint."""
-    from .gate import is_main_process
+    from .gate import is_main_process, trainable_state
 
     folder = phase_folder(config, index) if config.checkpoint_dir else None
     if folder is not None and (done := read_phase(folder, config)) is not None:
@@ -708,7 +694,7 @@ def _train_phase(
         saved["step"] if saved is not None else None,
     )  # fmt: skip
     if folder is not None:
-        trained = _trained_state(model)
+        trained = trainable_state(model)
         if is_main_process():
             save_phase(folder, config, phase.record(), trained)
     return phase
