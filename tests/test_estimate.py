@@ -604,6 +604,25 @@ def test_replaceme_holding_the_states_for_its_fit_is_estimated(removed, monkeypa
     assert streamed.phase("selection").bytes < estimate.phase("selection").bytes
 
 
+def test_replaceme_one_pass_walk_is_estimated(monkeypatch):
+    """Over `held_states_gb` for the window (size + 4 = 5 copies of the 1 MiB states) but within it for three
+    starts' statistics (2·8·256² bytes, 1 MiB each), the selection walks batch by batch with the shortlist's
+    statistics: its phase as measured, the fit (one solve) under its bound (the streamed fit's, for a block off the
+    shortlist), and the stack passes the walk and the probe batch (2 of the 8 rows)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    options = {"held_states_gb": 3.5e-3}
+    model = _llama(layers=8)
+    estimate = estimate_memory(model, "replaceme", 1, method_args=options, **calibration)
+    assert "statistics of 3 shortlisted starts" in [term.name for term in estimate.phase("selection").terms]
+    measured = _measure(model, "replaceme", monkeypatch, **calibration, **options)
+    selection, seen = estimate.phase("selection").bytes, measured["phases"]["selection"]
+    assert _off(selection, seen) <= TOLERANCE, (selection, seen)
+    assert measured["phases"]["linear_replacement"] <= estimate.phase("linear_replacement").bytes
+    assert _off(estimate.workspace_bytes, measured["workspace"]) <= TOLERANCE
+    assert not estimate.stack_passes_is_bound
+    assert estimate.stack_passes == pytest.approx(1.25) == measured["stack_passes"]
+
+
 # ------------------------------------------------------------------------------------------- corrections and auto
 #: (method, correction) pairs whose fit holds its states (merged groups before the bridge, the cosine fit reading the
 #: tokens, the compensation's walk): estimated phase by phase.

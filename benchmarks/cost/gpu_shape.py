@@ -313,6 +313,16 @@ def main() -> None:
             "label": args.label,
         },
         "weights_bytes": weights_bytes,
+        # How a linear replacement's fit got its states (held, one pass with the selection, streamed), where one ran.
+        "fit_states": {
+            key: value
+            for key, value in {
+                "held_states": report.get("held_states"),
+                "one_pass": report.get("one_pass"),
+                "states": (report.get("replaceme") or report.get("linear_replacement") or {}).get("states"),
+            }.items()
+            if value is not None
+        },
         **cost_fields(dense, forwards, compress_seconds, report),
         "memory": memory,
         "estimate": estimate,

@@ -42,6 +42,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "shortgpt_lstsq": ("shortgpt", {"linear_replacement": "lstsq"}),
     "replaceme": ("replaceme", {}),
     "replaceme_down": ("replaceme", {"estimator": "lstsq_down"}),
+    # The window over the budget, two starts' statistics within it: the one-pass walk (its probe on each rank's
+    # first batch, the ranking summed over the ranks).
+    "replaceme_one_pass": ("replaceme", {"held_states_gb": 4e-5}),
     "flattengpt": ("flattengpt", {}),
 }
 

@@ -67,6 +67,11 @@ def test_two_processes_calibrate_to_the_plan_and_weights_of_one(two_processes, c
             atol=1e-6,
             rtol=0,
         )
+    assert their_report.get("one_pass") == report.get("one_pass")
+    if case == "replaceme_one_pass":
+        assert (
+            report["one_pass"]["chosen_on_shortlist"] and report["replaceme"]["states"] == "one pass with the selection"
+        )
     bridges = report.get("replaceme") or report.get("linear_replacement")
     if bridges is not None:
         their_bridges = their_report.get("replaceme") or their_report.get("linear_replacement")

@@ -155,21 +155,23 @@ def with_correction_compute(
     return ComputeModel(phase_passes, arithmetic, notes)
 
 
-def bridge_fit_tally(z: WorkspaceSizes, estimator: str) -> Tally:
+def bridge_fit_tally(z: WorkspaceSizes, estimator: str, statistics: bool = True, solve: bool = True) -> Tally:
     """The arithmetic of one least-squares bridge, counted as `BridgeFit` does it: MᵀM and Mᵀ(L − Y) in float64 over
     the N calibration tokens (2·N·d² each; a third, MᵀY, with the stream gain), the Cholesky factor of MᵀM (d³/3)
     and its solve (2·d³; none for the diagonal map, d divisions), and the fold into the down projection (2·d²·i).
     ``"lstsq_down"`` fits over the MLP's width i instead (2·N·i² and 2·N·i·d, one i³/3 factor and its solve; the
-    ridge search's extra solves are not counted)."""
+    ridge search's extra solves are not counted). `statistics` and `solve` pick the parts: ReplaceMe's one-pass
+    walk accumulates several starts' statistics in its selection and solves one of them afterwards."""
     d, i, N = z.d, z.i, z.N
     fit = Tally()
     width = i if estimator == "lstsq_down" else d
-    fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
-    if estimator == "lstsq_gain":
-        fit.add(flops.gram(N, d, d), "float64")
-    if estimator != "diagonal":
+    if statistics:
+        fit.add(flops.gram(N, width) + flops.gram(N, width, d), "float64")
+        if estimator == "lstsq_gain":
+            fit.add(flops.gram(N, d, d), "float64")
+    if solve and estimator != "diagonal":
         fit.cholesky(width)
         fit.add(flops.cholesky_solve(width, 2 * d if estimator == "lstsq_gain" else d), "float64", "factorisation")
-    if estimator != "lstsq_down":
+    if solve and estimator != "lstsq_down":
         fit.add(flops.product(d, d, i), "float64")
     return fit

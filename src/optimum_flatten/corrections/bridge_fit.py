@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -153,6 +154,14 @@ class BridgeFit:
             width = adapter.mlp_output_width(module, index)
             self.fit = LinearMapStatistics(width, device=device, with_gain=options.stream_gain)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the statistics (and of the held-out batch's): what a fit kept across batches costs."""
+        tensors = [s.gram for s in (self.fit, self.held_out) if s is not None]
+        tensors += [s.cross for s in (self.fit, self.held_out) if s is not None]
+        tensors += [s.stream_cross for s in (self.fit, self.held_out) if s is not None and s.stream_cross is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def add(self, batch: int, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
         """Adds one batch: x what the estimator reads (M, or the down projection's input A), y the MLP-norm input
         (the stream Y), `target` the dense state L at the span's end, `mask` the batch's real tokens."""
@@ -206,6 +215,16 @@ class BridgeFit:
             detail = {"tokens": self.fit.count, "jitter": info.jitter}
         fold_into_down_(adapter, stack, k, transform)
         return detail
+
+
+@dataclass
+class FilledBridge:
+    """The statistics of the bridge of layer ``start − 1`` across the block ``[start, start + size)``, every
+    calibration batch already added (by ReplaceMe's one-pass walk, `methods.replaceme_one_pass`): the fit is a solve."""
+
+    start: int
+    size: int
+    fit: BridgeFit
 
 
 def _all_reduce_statistics_(stats: LinearMapStatistics) -> None:

@@ -31,6 +31,7 @@ from ..utils.offload import is_offloaded
 from .bridge_fit import (
     LEAST_SQUARES_ESTIMATORS,
     BridgeFit,
+    FilledBridge,
     capture_mlp,
     fold_into_down_,
     run_capturing_mlp,
@@ -248,7 +249,7 @@ def bridged_apply_(
     apply: Any,
     seed: int = 0,
     stream: bool | None = None,
-    held: HeldBlock | None = None,
+    held: HeldBlock | FilledBridge | None = None,
 ) -> dict[str, Any]:
     """Fits the bridges of `plan`, runs `apply()` (which applies `plan`), then folds them.
 
@@ -264,7 +265,9 @@ def bridged_apply_(
 
     `held` (the `HeldBlock` of the plan's block: the dense states entering the bridged layer and leaving
     the block, kept by the selection walk) replaces the streamed walk: the bridged layer alone runs on them, with
-    the statistics added batch by batch in the same order, so the map is the streamed one's.
+    the statistics added batch by batch in the same order, so the map is the streamed one's. A `FilledBridge` of
+    the plan's block (its statistics already complete, from ReplaceMe's one-pass walk) replaces it too: the fit is
+    the solve and the fold.
     """
     states = context.states_of_unchanged_model(adapter, keep=())  # nothing is changed before `apply()`
     runner = states.runner
@@ -278,20 +281,24 @@ def bridged_apply_(
         )
     if span is not None:
         k, first, end = span
-        fit = BridgeFit(adapter, states.layers[k], k, options, runner.num_batches, runner.inputs[0].device)
         from_held = held is not None and (held.start - 1, held.start + held.size) == (k, end)
-        with context.timer("linear_replacement"):
-            if from_held:  # the layer before the block on its held input, towards the held output
-                fit.add_run(adapter, runner, states.layers[k], k, held.before, held.after)
-            else:
-                with context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar:
-                    stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())
+        filled = from_held and isinstance(held, FilledBridge)  # every batch already added by the selection's walk
+        if filled:
+            fit = held.fit
+        else:
+            fit = BridgeFit(adapter, states.layers[k], k, options, runner.num_batches, runner.inputs[0].device)
+            with context.timer("linear_replacement"):
+                if from_held:  # the layer before the block on its held input, towards the held output
+                    fit.add_run(adapter, runner, states.layers[k], k, held.before, held.after)
+                else:
+                    with context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar:
+                        stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())
         del states, held  # the dropped layers go with the plan, not with the engine
         apply()
         with context.timer("linear_replacement"):
             entry = fit.fold_(adapter, plan.stack, k)
         entry.update(output_layer=k, span=[first, end])
-        how = "held by the selection" if from_held else "streamed"
+        how = "one pass with the selection" if filled else "held by the selection" if from_held else "streamed"
         return {"estimator": options.estimator, "states": how, "maps": [entry], "unbridged_leading_layers": []}
     with context.timer("linear_replacement"):
         targets = dense_targets(states, plan, options.correct_after)

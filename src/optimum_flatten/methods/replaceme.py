@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.states import HeldBlock, next_token_nll
+from ..calibration.states import CalibratedStates, HeldBlock, next_token_nll
 from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import bridge_fit_tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
-from ..corrections.bridge_fit import LEAST_SQUARES_ESTIMATORS, fit_with_outputs
+from ..corrections.bridge_fit import LEAST_SQUARES_ESTIMATORS, BridgeFit, FilledBridge, fit_with_outputs
 from ..corrections.compensation import require_compensable
 from ..corrections.linear_bridge import bridged_apply_, require_bridgeable
 from ..ops.linear_map import UPDATE_CHUNK_ROWS
@@ -35,6 +35,7 @@ from ..registry import register_method
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
+from .replaceme_one_pass import walk_with_shortlist
 from .uidl import UIDLMethod, block_size, holds_within, select_blocks_holding
 
 
@@ -91,6 +92,7 @@ class ReplaceMeMethod(CompressionMethod):
         L, d, i, b, tb = z.shape.num_layers, z.d, z.i, z.b, z.Tb
         phases, _, _, _ = UIDLMethod.workspace(z, n, config)
         held = held_states(z, n, config)
+        shortlisted = one_pass_starts(z, n, config)
         if held:
             size = n  # one block
             alive = held_boundaries(L, size)
@@ -117,17 +119,14 @@ class ReplaceMeMethod(CompressionMethod):
         blocks = max(config.num_blocks, 1)
         chunk = min(tb, UPDATE_CHUNK_ROWS)
         gain = config.estimator == "lstsq_gain"
-        statistics = (2 + int(gain)) * 8 * d * d
+        statistics = fit_statistics_bytes(z, config)
         update = 6 * tb * d * b + chunk * d * 8 * (4 + 2 * int(gain))
         solve = 8 * d * d * (3 if gain else 1)
         fold = 8 * d * d + 2 * 8 * d * i
         captured = 2 * tb * d * b
         if config.estimator == "lstsq_down":
-            # AᵀA and Aᵀ(L − Y) over the intermediate width, twice while a ridge is chosen on a held-out batch;
-            # the update's float64 rows a chunk at a time; a solve holds the factor (the ridge and jitter go on the
+            # The update's float64 rows a chunk at a time; a solve holds the factor (the ridge and jitter go on the
             # diagonal in place), the prior, the right-hand side, the solution and the held-out product (i × d each).
-            sets = 2 if config.down_ridge is None and z.cal.batches > 1 else 1
-            statistics = sets * (8 * i * i + 8 * i * d)
             update = 2 * tb * i * b + 4 * tb * d * b + chunk * (i + 3 * d) * 8
             solve, fold = 8 * i * i + 4 * 8 * i * d, 0
             captured = tb * (i + d) * b
@@ -153,20 +152,46 @@ class ReplaceMeMethod(CompressionMethod):
             return phases, 1.0 + 1 / L, False, []
         if config.estimator in LEAST_SQUARES_ESTIMATORS and blocks == 1 and config.correct_after == 0:
             walk = captured + tb * d * b + z.block_forward()
-            phases.append(
-                Phase(
-                    "linear_replacement",
+            streamed = Phase(
+                "linear_replacement",
+                (
+                    z.tokens(),
+                    *z.runners(1),
+                    Term(
+                        "largest of: a batch's walk or update beside the statistics, the solve, the fold",
+                        max(statistics + max(walk, update), statistics + solve, statistics + fold),
+                        "the float64 statistics stream batch by batch: no calibration state is held",
+                    ),
+                ),
+            )
+            if shortlisted:
+                in_flight = min(shortlisted, n + 1) * captured  # a batch's M and Y of the blocks it is inside
+                batch = 2 * tb * d * b  # the batch entering the layer and leaving it
+                selection = Phase(
+                    "selection",
                     (
                         z.tokens(),
                         *z.runners(1),
                         Term(
-                            "largest of: a batch's walk or update beside the statistics, the solve, the fold",
-                            max(statistics + max(walk, update), statistics + solve, statistics + fold),
-                            "the float64 statistics stream batch by batch: no calibration state is held",
+                            "last-token rows of every boundary", (L + 1) * z.cal.nsamples * d * b, "one row a sequence"
+                        ),
+                        Term(
+                            f"statistics of {shortlisted} shortlisted starts",
+                            shortlisted * statistics,
+                            "float64, every batch added as it passes (methods/replaceme_one_pass.py)",
+                        ),
+                        Term(
+                            "one batch through a layer, or a block's end added to its statistics",
+                            batch + in_flight + max(z.block_forward(), update),
+                            "the captured M and Y of the shortlisted blocks the batch is inside",
                         ),
                     ),
                 )
-            )
+                passes = 1.0 + 1 / z.cal.batches  # the walk and the probe batch
+                note = "if the block chosen is not on the shortlist, its fit streams a walk up to its end (≤ 1 pass)"
+                # The fit is a solve beside the chosen statistics, or off the shortlist the streamed walk: its bound.
+                return [selection, streamed], passes, False, [note]
+            phases.append(streamed)
             return phases, 2.0, True, ["stack passes are a bound: they depend on where the removed block lies"]
         fit = max(z.run_outputs() + statistics + update + 3 * d * tb * b, statistics + solve, statistics + fold)
         if config.estimator == "cosine":
@@ -207,12 +232,22 @@ class ReplaceMeMethod(CompressionMethod):
         replacement = 1.0 + (L - n + blocks) / L
         if held_states(z, n, config):
             notes, replacement = [], 1 / L  # the layer before the block, on the states the selection held
-        if config.estimator == "lstsq_down":
-            notes.append("the down refit's ridge search solves are not counted")
+        down_note = ["the down refit's ridge search solves are not counted"] if config.estimator == "lstsq_down" else []
+        shortlisted = one_pass_starts(z, n, config)
+        if shortlisted:  # the walk and the probe batch; every shortlisted start's statistics, then one solve
+            statistics = bridge_fit_tally(z, config.estimator, solve=False)
+            return ComputeModel(
+                {"selection": 1.0 + 1 / z.cal.batches, "linear_replacement": 0.0},
+                {
+                    "selection": statistics.scaled(shortlisted),
+                    "linear_replacement": bridge_fit_tally(z, config.estimator, statistics=False).scaled(1),
+                },
+                ["if the block chosen is not on the shortlist, its fit streams a walk up to its end", *down_note],
+            )
         return ComputeModel(
             {"selection": 1.0, "linear_replacement": replacement},
             {"linear_replacement": fit.scaled(blocks)},
-            notes,
+            notes + down_note,
         )
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
@@ -229,11 +264,56 @@ class ReplaceMeMethod(CompressionMethod):
         self._held: tuple[MethodContext, HeldBlock] | None = None
         if self.config.selection == "distance":
             budget = self.config.held_states_gb * 1e9 if self._may_hold_states(adapter, context) else 0.0
-            plan, held = select_blocks_holding(adapter, context, num_to_remove, self.config, 1, budget)
+            walk_once = None
+            if self._may_walk_once(adapter, context, budget):
+
+                def walk_once(states: CalibratedStates, size: int) -> tuple[dict[int, float], FilledBridge | None]:
+                    return self._walk_once(adapter, context, states, size, budget)
+
+            plan, held = select_blocks_holding(adapter, context, num_to_remove, self.config, 1, budget, walk_once)
             if held is not None:
                 self._held = (context, held)
             return plan
         return self._select_by_loss(adapter, context, num_to_remove)
+
+    def _may_walk_once(self, adapter: ArchitectureAdapter, context: MethodContext, budget: float) -> bool:
+        """Whether a one-pass walk could keep at least one start's statistics within `budget` (sized on the meta
+        device, allocating nothing), with a shortlist asked for and the distance on the last token (whose rows are
+        all the walk keeps of the states)."""
+        if budget <= 0 or self.config.fit_shortlist == 0 or self.config.tokens != "last":
+            return False
+        layer = adapter.layers(context.stack)[0]
+        options = self.config.bridge_options()
+        return BridgeFit(adapter, layer, 0, options, len(context.batches), "meta").nbytes <= budget
+
+    def _walk_once(
+        self,
+        adapter: ArchitectureAdapter,
+        context: MethodContext,
+        states: CalibratedStates,
+        size: int,
+        budget: float,
+    ) -> tuple[dict[int, float], FilledBridge | None]:
+        """The selection and the fit's statistics in one walk batch by batch (`replaceme_one_pass`), for a window
+        over `held_states_gb`: the shortlisted starts' statistics take the budget instead."""
+        runner = states.runner
+        options = self.config.bridge_options()
+
+        def new_fit(start: int) -> BridgeFit:
+            layer = states.layers[start - 1]
+            return BridgeFit(adapter, layer, start - 1, options, runner.num_batches, runner.inputs[0].device)
+
+        with context.progress_bar(runner.num_batches, "replaceme: one pass") as bar:
+            walk = walk_with_shortlist(
+                adapter, states, size, 1, self.config.fit_shortlist, budget, new_fit, on_batch=lambda _b: bar.update()
+            )
+        filled = walk.filled(size)
+        context.report["one_pass"] = {
+            "probe_batches": 1,
+            "shortlist": walk.shortlist,
+            "chosen_on_shortlist": filled is not None,
+        }
+        return walk.distances, filled
 
     def _may_hold_states(self, adapter: ArchitectureAdapter, context: MethodContext) -> bool:
         """Whether the fit could read states the selection walk held (`fit_reads_held_states`), with no offloaded
@@ -304,6 +384,26 @@ def held_states(z: WorkspaceSizes, n: int, config: Any) -> bool:
     """Whether the selection walk holds the states around the block for the fit (`ReplaceMeMethod.plan`), as the
     estimate sees it: `fit_reads_held_states`, and the walk within `held_states_gb` (`holds_within`)."""
     return fit_reads_held_states(config) and holds_within(n, z.S, getattr(config, "held_states_gb", 0.0) * 1e9)
+
+
+def fit_statistics_bytes(z: WorkspaceSizes, config: Any) -> int:
+    """Bytes of one bridge's float64 statistics (`BridgeFit.nbytes`): MᵀM and Mᵀ(L − Y), 2·8·d² (with
+    ``"lstsq_gain"`` MᵀY too); with ``"lstsq_down"`` AᵀA and Aᵀ(L − Y) over the intermediate width i, twice while
+    its ridge is chosen on a held-out batch."""
+    d, i = z.d, z.i
+    if config.estimator == "lstsq_down":
+        sets = 2 if config.down_ridge is None and z.cal.batches > 1 else 1
+        return sets * (8 * i * i + 8 * i * d)
+    return (2 + int(config.estimator == "lstsq_gain")) * 8 * d * d
+
+
+def one_pass_starts(z: WorkspaceSizes, n: int, config: Any) -> int:
+    """How many starts ReplaceMe's one-pass walk accumulates statistics for (`ReplaceMeMethod._may_walk_once`),
+    as the estimate sees it: 0 where the walk holds the window instead (`held_states`) or does not walk once."""
+    if held_states(z, n, config) or not fit_reads_held_states(config) or config.tokens != "last":
+        return 0
+    budget = getattr(config, "held_states_gb", 0.0) * 1e9
+    return max(0, min(config.fit_shortlist, int(budget // fit_statistics_bytes(z, config)), z.shape.num_layers - n))
 
 
 def held_boundaries(num_layers: int, size: int) -> int:

@@ -10,6 +10,7 @@ token). Several blocks (``num_blocks``) are taken greedily, smallest distance fi
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -133,10 +134,16 @@ def select_blocks_holding(
     config: BlockSelectionConfig,
     first_start: int,
     hold_within: float = 0.0,
-) -> tuple[LayerPlan, HeldBlock | None]:
+    walk_instead: Callable[[CalibratedStates, int], tuple[dict[int, float], Any]] | None = None,
+) -> tuple[LayerPlan, Any]:
     """`select_blocks`, and the whole boundaries around the chosen block (`walk_block_distances`) when the walk's
     size + 4 copies of the calibration states fit `hold_within` bytes (every rank's share under a sharded
-    calibration: the ranks decide alike)."""
+    calibration: the ranks decide alike).
+
+    Otherwise, with `walk_instead` (``(states, size) -> (distances, kept)``), that walk measures the distances
+    instead and what it keeps for its nearest start (an object with a ``start``, such as ReplaceMe's
+    `FilledBridge`) is returned in place of the held boundaries. Either is None when more than one block is chosen:
+    only the nearest start's is kept."""
     num_layers = adapter.num_layers(context.stack)
     size = block_size(num_to_remove, config.num_blocks, num_layers, first_start)
     states = context.new_states(adapter, keep=())
@@ -145,9 +152,12 @@ def select_blocks_holding(
         (copy_bytes,) = all_reduce_sums(sum(h.numel() * h.element_size() for h in states.runner.inputs))
         hold = context.report["held_states"] = holds_within(size, copy_bytes, hold_within)
     with context.timer("selection"):
-        distances, held = walk_block_distances(states, size, config.tokens, first_start, hold)
+        if walk_instead is not None and not hold:
+            distances, held = walk_instead(states, size)
+        else:
+            distances, held = walk_block_distances(states, size, config.tokens, first_start, hold)
         starts = choose_blocks(distances, size, config.num_blocks)
-    if held is not None and starts != [held.start]:  # more than one block: the walk held the best start's only
+    if held is not None and starts != [held.start]:  # more than one block: the walk kept the best start's only
         held = None
     removed = {s + j for s in starts for j in range(size)}
     context.report["block_distances"] = {str(s): round(d, 6) for s, d in distances.items()}

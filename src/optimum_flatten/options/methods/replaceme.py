@@ -36,8 +36,13 @@ class ReplaceMeConfig(BlockSelectionConfig):
         held_states_gb: The selection walk keeps the calibration states around the best block whole (a window of
             size + 2 boundaries and the best pair: size + 4 copies of the states at most) when they take at most this
             many GB, and the least-squares fit reads them: one layer's run instead of a second walk of the dense
-            stack up to the block's end. Above it (or 0) the fit streams that walk, holding no state. The same map
-            either way (the same runs, in the same order).
+            stack up to the block's end. Above it the selection walks the stack once batch by batch instead and
+            accumulates the fit's statistics for the `fit_shortlist` starts nearest on the first batch, as many as this
+            budget holds (`methods/replaceme_one_pass.py`); 0: the fit streams its own walk, holding nothing. The same
+            map every way (the same runs, in the same order).
+        fit_shortlist: How many starts the one-pass walk accumulates statistics for (float64, 2·8·d² bytes each with
+            ``"lstsq"``). When the block the distances choose over all batches is among them, the fit needs no second
+            walk; otherwise it streams one. 0: never walk once.
     """
 
     estimator: str = "lstsq"
@@ -50,6 +55,7 @@ class ReplaceMeConfig(BlockSelectionConfig):
     correct_after: int = 0
     down_ridge: float | None = None
     held_states_gb: float = 4.0
+    fit_shortlist: int = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,6 +68,8 @@ class ReplaceMeConfig(BlockSelectionConfig):
         gb = self.held_states_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
             raise ValueError(f"held_states_gb must be a number of GB, 0 or more, got {gb!r}.")
+        if isinstance(self.fit_shortlist, bool) or not isinstance(self.fit_shortlist, int) or self.fit_shortlist < 0:
+            raise ValueError(f"fit_shortlist must be a whole number of starts, 0 or more, got {self.fit_shortlist!r}.")
 
     def bridge_options(self) -> BridgeOptions:
         return BridgeOptions(
