@@ -112,6 +112,34 @@ def test_flattengpt_options_keep_the_model_on_its_device_and_dtype(variant, dtyp
     assert bool(torch.isfinite(out).all())
 
 
+#: ReplaceMe's three ways to its fit's states, chosen by the budget (tests/methods/test_replaceme_one_pass.py): held by
+#: the selection walk (the tiny window fits the default), one walk batch by batch with the shortlist's statistics (the
+#: window over 40 KB, two starts' statistics within it), and the streamed second walk (no budget).
+REPLACEME_PATHS = {
+    "held by the selection": {},
+    "one pass with the selection": {"held_states_gb": 4e-5},
+    "streamed": {"held_states_gb": 0},
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_replaceme_fit_paths_give_one_model_on_the_device(dtype, device):
+    """Each path keeps the model where it was and gives the others' weights: bit for bit on the CPU; on CUDA the
+    same kernels run on the same batches in the same order, so within a rounding of the dtype."""
+    weights = {}
+    for path, options in REPLACEME_PATHS.items():
+        model = tiny_models.tiny_llama_gqa().to(device=device, dtype=dtype)
+        report = compress(model, "replaceme", num_layers_to_remove=2, **options).report
+        assert report["replaceme"]["states"] == path
+        assert _misplaced(model, device, dtype) == []
+        weights[path] = {name: t.detach().float().cpu() for name, t in model.state_dict().items()}
+    tolerance = {"atol": 0.0, "rtol": 0.0} if device == "cpu" else {"atol": 1e-5, "rtol": 1e-2}
+    for path in REPLACEME_PATHS:
+        for name, tensor in weights[path].items():
+            torch.testing.assert_close(tensor, weights["streamed"][name], **tolerance, msg=f"{path}: {name}")
+
+
 @pytest.mark.gpu
 def test_the_automatic_precision_on_cuda_takes_the_split_products_for_bfloat16_activations():
     """FlattenGPT's default ``covariance_dtype="auto"`` on a bfloat16 model on CUDA is the split bfloat16 path
