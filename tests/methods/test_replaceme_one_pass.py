@@ -25,10 +25,10 @@ from optimum_flatten.options.corrections import BridgeOptions
 from optimum_flatten.options.methods.replaceme import ReplaceMeConfig
 
 #: Budgets under the tiny calibration's window (size + 4 = 6 copies of 8 × 24 × 32 float32 states, 147 KB) that hold
-#: two starts' statistics with "lstsq" (16 KB each), one with "lstsq_gain" (24 KB) and one with "lstsq_down" (the
-#: 48-wide intermediate and its held-out batch's: 60 KB).
-BUDGET_GB = {"lstsq": 4e-5, "lstsq_gain": 4e-5, "lstsq_down": 1e-4}
-SHORTLISTED = {"lstsq": 2, "lstsq_gain": 1, "lstsq_down": 1}
+#: two starts' statistics with "lstsq" and "diagonal" (16 KB each: the diagonal map's sums are the full ones), one with
+#: "lstsq_gain" (24 KB) and one with "lstsq_down" (the 48-wide intermediate and its held-out batch's: 60 KB).
+BUDGET_GB = {"lstsq": 4e-5, "lstsq_gain": 4e-5, "lstsq_down": 1e-4, "diagonal": 4e-5}
+SHORTLISTED = {"lstsq": 2, "lstsq_gain": 1, "lstsq_down": 1, "diagonal": 2}
 
 
 def _assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> None:
@@ -38,11 +38,15 @@ def _assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> 
 
 
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("estimator", ["lstsq", "lstsq_gain", "lstsq_down"])
-def test_one_pass_gives_the_streamed_plan_and_weights(estimator, packing):
+@pytest.mark.parametrize(
+    ("factory", "estimator"),
+    [("llama_gqa", e) for e in ("lstsq", "lstsq_gain", "lstsq_down")]
+    + [("mixtral", "lstsq"), ("gemma3_text", "diagonal")],  # a mixture's MLP output; a post-norm's diagonal map
+)
+def test_one_pass_gives_the_streamed_plan_and_weights(factory, estimator, packing):
     """The distances (as reported), the plan and every weight of the two-walk path, bit for bit, from fewer stack
     passes: the probe batch (1/B) instead of the walk up to the block's end."""
-    model = tiny_models.FACTORIES["llama_gqa"]()
+    model = tiny_models.FACTORIES[factory]()
     streamed = copy.deepcopy(model)
     options = {"estimator": estimator, "num_layers_to_remove": 2, "packing": packing, "batch_size": 3}
     report = compress(model, "replaceme", held_states_gb=BUDGET_GB[estimator], **options).report
