@@ -498,13 +498,18 @@ def _product_mode(run: dict) -> str:
     return "local_then_global_all" if phase.get("trained") == "every parameter" else "local_then_global"
 
 
+def _kilo_tokens(count: int) -> str:
+    """2¹⁰ tokens as "K", 2²⁰ as "M" (the budgets the issue names: 64K, 256K, 1M)."""
+    return f"{count // 2**20}M" if count >= 2**20 and count % 2**20 == 0 else f"{count // 1024}K"
+
+
 def _budget_words(run: dict) -> str:
     """The tokens a run trained on: one budget, or the local and the global phase's."""
     phase = run["recovery"].get("global_phase")
-    total = run["recovery"]["tokens_trained"] // 1024
+    total = run["recovery"]["tokens_trained"]
     if not phase:
-        return f"{total}K tokens"
-    return f"{total - phase['tokens_trained'] // 1024}K + {phase['tokens_trained'] // 1024}K tokens"
+        return f"{_kilo_tokens(total)} tokens"
+    return f"{_kilo_tokens(total - phase['tokens_trained'])} + {_kilo_tokens(phase['tokens_trained'])} tokens"
 
 
 def _geomean(a: float, b: float) -> float:

@@ -185,8 +185,8 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
       local then global (128K + 128K) 1.225 / 2.028;
     - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006), 64K tokens: full 1.234 / 1.724 (at its
       default rate; 1.258 / 1.785 at 2e-5), local 1.330 / 1.930, local then global 1.279 / 1.790, last_k 1.307 /
-      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K, local then
-      global (128K + 128K) 1.238 / 1.693;
+      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K and 1.142 / 1.557
+      at 1M, local then global (128K + 128K) 1.238 / 1.693;
     - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
       (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
       kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md);
