@@ -82,6 +82,13 @@ class ReplaceMeMethod(CompressionMethod):
         block on it (its outputs, the captured MLP and the block's temporaries) beside the statistics. Cost: the
         selection walk and one layer.
 
+        One pass (a window over `held_states_gb`, with at least one start's statistics within it: `one_pass_starts`):
+        the selection walks batch by batch (`replaceme_one_pass`) beside the runner's layer-0 states, holding the
+        last-token rows of every boundary, the statistics of the shortlisted starts, and for one batch the state
+        entering and leaving a layer, the captured M and Y of the shortlisted blocks it is inside and the layer's
+        temporaries or a block end's update; the fit is then a solve beside the chosen statistics, or, for a block off
+        the shortlist, the streamed fit above (its phase is that bound). Cost: the walk and the probe batch (1 + 1/B).
+
         Held (otherwise): the selection's runner, the dense state at the end of every block (S each), the states
         propagated on the compressed model (S) and a run's outputs; the statistics with one batch's update; the
         solve and the fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32
@@ -176,7 +183,7 @@ class ReplaceMeMethod(CompressionMethod):
                             "last-token rows of every boundary", (L + 1) * z.cal.nsamples * d * b, "one row a sequence"
                         ),
                         Term(
-                            f"statistics of {shortlisted} shortlisted starts",
+                            f"statistics of {shortlisted} shortlisted start{'s' if shortlisted > 1 else ''}",
                             shortlisted * statistics,
                             "float64, every batch added as it passes (methods/replaceme_one_pass.py)",
                         ),
@@ -261,7 +268,7 @@ class ReplaceMeMethod(CompressionMethod):
             )
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        self._held: tuple[MethodContext, HeldBlock] | None = None
+        self._held: tuple[MethodContext, HeldBlock | FilledBridge] | None = None
         if self.config.selection == "distance":
             budget = self.config.held_states_gb * 1e9 if self._may_hold_states(adapter, context) else 0.0
             walk_once = None
