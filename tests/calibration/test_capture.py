@@ -48,6 +48,25 @@ def test_second_moment_is_float64_and_skips_padding():
     assert exact.sum is None
 
 
+def test_real_rows_of_a_packed_batch_are_the_batch_itself():
+    """Every token real: the rows are a view of the batch (no masked copy), the same values as the masked copy, and a
+    moment over them is bit for bit the moment over that copy; with padding the padded rows are left out."""
+    from optimum_flatten.calibration.stats import real_rows
+
+    x = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1))
+    packed = torch.ones(2, 5, dtype=torch.long)
+    rows = real_rows(x, packed, x.device)
+    assert rows.data_ptr() == x.data_ptr() and torch.equal(rows, x.reshape(-1, 3)[packed.reshape(-1).bool()])
+    view, copy = SecondMoment(3), SecondMoment(3)
+    view.update(x, packed)
+    copy.update(x.reshape(-1, 3)[packed.reshape(-1).bool()].reshape(2, 5, 3).clone(), None)
+    assert torch.equal(view.mean(), copy.mean())
+    padded = packed.clone()
+    padded[1, 3:] = 0
+    assert torch.equal(real_rows(x, padded, x.device), torch.cat([x[0], x[1, :3]]))
+    assert torch.equal(x, torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(1)))  # read, never written
+
+
 def test_second_moment_of_float32_tokens_is_centred_so_small_directions_survive_a_large_mean():
     """Tokens = a large shared offset (1000) plus small variation (0.01): the centred covariance (~1e-4) is what the
     ridge solves need, and an uncentred float32 product loses it (it rounds terms of 1000^2).

@@ -208,10 +208,16 @@ def centred_float32(chunk: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The rows of `x` (batch, seq, dim) whose mask is 1, as (tokens, dim) on `device`: padding never reaches a sum."""
+    """The rows of `x` (batch, seq, dim) whose mask is 1, as (tokens, dim) on `device`: padding never reaches a sum.
+
+    Where every token is real (packed calibration) the rows are `x` itself, reshaped: the masked copy would be the
+    same values in the same order (a batch's worth of memory and a pass over it for nothing). The statistics only
+    read the rows, so a view is safe."""
     flat = x.reshape(-1, x.shape[-1])
     if mask is not None:
-        flat = flat[mask.reshape(-1).to(flat.device).bool()]
+        keep = mask.reshape(-1).to(flat.device).bool()
+        if not bool(keep.all()):
+            flat = flat[keep]
     return flat.to(device)
 
 

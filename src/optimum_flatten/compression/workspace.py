@@ -109,14 +109,16 @@ class WorkspaceSizes:
         )
 
     def moment_update(self, dim: int, split_bfloat16: bool = False) -> int:
-        """`SecondMoment.update` on one batch: the masked token copy, its float32 centred copy, the dim² product
-        (with `split_bfloat16`, per chunk of `SPLIT_CHUNK_TOKENS` its float32 centred copy, the stacked
-        [hi; hi; lo; hi] and y − hi, 16 bytes a value, and one band's float32 product, 4·dim·`SPLIT_GRAM_BAND`)."""
+        """`SecondMoment.update` on one batch: the float32 centred copy of its tokens, the dim² product (with
+        `split_bfloat16`, per chunk of `SPLIT_CHUNK_TOKENS` its float32 centred copy, the stacked [hi; hi; lo; hi] and
+        y − hi, 16 bytes a value, and one band's float32 product, 4·dim·`SPLIT_GRAM_BAND`). Packed calibration has
+        no padding, so the tokens are read in place (`calibration.stats.real_rows`); with padding a masked copy of
+        the batch's real tokens comes first (T_b·dim·b more)."""
         upcast = 4 if self.b != 4 else 0
         if split_bfloat16:
             chunk = min(SPLIT_CHUNK_TOKENS, self.Tb)
-            return self.Tb * dim * self.b + chunk * dim * (4 + 4 * 2 + 4) + 4 * dim * min(SPLIT_GRAM_BAND, dim)
-        return max(self.Tb * dim * (self.b + upcast + 4), self.Tb * dim * (self.b + 4) + 4 * dim * dim)
+            return chunk * dim * (4 + 4 * 2 + 4) + 4 * dim * min(SPLIT_GRAM_BAND, dim)
+        return max(self.Tb * dim * (upcast + 4), self.Tb * dim * 4 + 4 * dim * dim)
 
 
 def per_batch_term(z: WorkspaceSizes, comparison: int, what: str) -> Term:
