@@ -6,6 +6,10 @@ into that layer's down projection. T maps that layer's MLP output M so that ``M 
 output L (Y: that layer's residual stream before its MLP): least squares in closed form, or the cosine distance by
 Adam. See docs/methods/replaceme.md and `ops/linear_map.py` for the formulas.
 
+Where its states come from (docs/methods/replaceme.md, "Cost"): held by the selection walk when its window fits
+`held_states_gb`; else accumulated by a selection that walks once batch by batch (`replaceme_one_pass`) for a
+shortlist of starts; else streamed by a second walk. The same map every way.
+
 ``selection="loss"`` (not in the paper) chooses the block by what the replacement leaves instead of by the angular
 distance: for every start, T is fitted and the model with that block replaced is scored by next-token NLL on the first
 calibration batches; the lowest wins. The distance says which block changes the stream least, the loss says which
