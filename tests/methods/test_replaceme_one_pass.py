@@ -82,8 +82,8 @@ def test_the_walk_measures_the_layer_by_layer_distances_exactly():
     layered, _ = walk_block_distances(states, 2, "last", first_start=1)
     options = BridgeOptions("lstsq")
 
-    def new_fit(start: int) -> BridgeFit:
-        return BridgeFit(adapter, states.layers[start - 1], start - 1, options, states.num_batches, "cpu")
+    def new_fit(start: int, device: str = "cpu") -> BridgeFit:
+        return BridgeFit(adapter, states.layers[start - 1], start - 1, options, states.num_batches, device)
 
     walk = walk_with_shortlist(adapter, states, 2, 1, shortlist=3, budget_bytes=1e9, new_fit=new_fit)
     assert walk.distances == layered

@@ -310,9 +310,8 @@ class ReplaceMeMethod(CompressionMethod):
         runner = states.runner
         options = self.config.bridge_options()
 
-        def new_fit(start: int) -> BridgeFit:
-            layer = states.layers[start - 1]
-            return BridgeFit(adapter, layer, start - 1, options, runner.num_batches, runner.inputs[0].device)
+        def new_fit(start: int, device: torch.device | str) -> BridgeFit:
+            return BridgeFit(adapter, states.layers[start - 1], start - 1, options, runner.num_batches, device)
 
         with context.progress_bar(runner.num_batches, "replaceme: one pass") as bar:
             walk = walk_with_shortlist(

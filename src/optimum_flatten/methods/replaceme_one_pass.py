@@ -69,14 +69,15 @@ def walk_with_shortlist(
     first_start: int,
     shortlist: int,
     budget_bytes: float,
-    new_fit: Callable[[int], BridgeFit],
+    new_fit: Callable[[int, torch.device | str], BridgeFit],
     on_batch: Callable[[int], None] | None = None,
 ) -> OnePassWalk:
     """Distances of every start from `first_start` (>= 1: a fit needs the layer before the block), and the complete
     statistics of up to `shortlist` starts, in one walk batch by batch after a one-batch probe.
 
-    `new_fit(start)` makes the empty fit of layer start − 1; starts are taken nearest first on the probe while their
-    statistics (`BridgeFit.nbytes`) fit `budget_bytes` together. While the walk runs, a batch's captured M and Y of a
+    `new_fit(start, device)` makes the empty fit of layer start − 1 on `device`; starts are taken nearest first on the
+    probe while their statistics (`BridgeFit.nbytes`, sized on the meta device first, so a start over the budget
+    allocates nothing) fit `budget_bytes` together. While the walk runs, a batch's captured M and Y of a
     shortlisted start are kept until the batch leaves that block (at most min(shortlist, size + 1) starts at once).
     The distances are `mean_angle_of_rows` of each batch's last-token rows, as `uidl.walk_block_distances` takes
     them: each batch runs through each layer op for op as the layer-by-layer runner runs it, so the same floats.
@@ -88,13 +89,10 @@ def walk_with_shortlist(
     fits: dict[int, BridgeFit] = {}
     used = 0
     for start in sorted(probe, key=lambda s: (probe[s], s)):
-        if len(fits) == shortlist:
+        size_of = new_fit(start, "meta").nbytes
+        if len(fits) == shortlist or used + size_of > budget_bytes:
             break
-        candidate = new_fit(start)
-        if used + candidate.nbytes > budget_bytes:
-            break
-        fits[start], used = candidate, used + candidate.nbytes
-    candidate = None  # a fit over the budget is not kept through the walk
+        fits[start], used = new_fit(start, runner.inputs[0].device), used + size_of
     rows: list[list[torch.Tensor]] = [[] for _ in range(num_layers + 1)]
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with contextlib.ExitStack() as hooks:
