@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -29,7 +28,7 @@ def ranks(model_key: str, removed: list[int], nsamples: int, seqlen: int, batch_
 
     from optimum_flatten import bundled, get_adapter
     from optimum_flatten.calibration.data import build_calibration_batches
-    from optimum_flatten.calibration.states import chosen_rows, mean_angle_of_rows, row_cosines
+    from optimum_flatten.calibration.states import chosen_rows, mean_angle_of_rows
     from optimum_flatten.compression.method import MethodContext
     from optimum_flatten.config import CalibrationConfig
 
@@ -54,10 +53,7 @@ def ranks(model_key: str, removed: list[int], nsamples: int, seqlen: int, batch_
         chosen = min(overall, key=lambda s: (overall[s], s))
         by_batch = []
         for b in range(len(batches)):
-            alone = {
-                s: float(torch.arccos(row_cosines(rows[s][b], rows[s + n][b]).clamp(-1, 1)).mean() / math.pi)
-                for s in starts
-            }
+            alone = {s: mean_angle_of_rows([rows[s][b]], [rows[s + n][b]]) for s in starts}
             order = sorted(alone, key=lambda s: (alone[s], s))
             by_batch.append(order.index(chosen) + 1)
         out["by_removed"][str(n)] = {

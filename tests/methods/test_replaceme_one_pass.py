@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress
+from common import compress, padded_batches
 from optimum_flatten import get_adapter
 from optimum_flatten.compression.method import MethodContext
 from optimum_flatten.corrections.bridge_fit import BridgeFit
+from optimum_flatten.corrections.linear_bridge import stream_bridge_statistics_
 from optimum_flatten.methods import replaceme_one_pass
 from optimum_flatten.methods.replaceme_one_pass import walk_with_shortlist
 from optimum_flatten.methods.uidl import walk_block_distances
@@ -75,8 +76,6 @@ def test_the_walk_measures_the_layer_by_layer_distances_exactly():
     start, and each shortlisted start's statistics those of a fit over all batches (the streamed walk's)."""
     model = tiny_models.FACTORIES["qwen2"]()
     adapter = get_adapter(model)
-    from common import padded_batches
-
     context = MethodContext(batches=padded_batches(3, seed=5, padded=(2, 1, 4)), progress=False)
     states = context.new_states(adapter, keep=())
     layered, _ = walk_block_distances(states, 2, "last", first_start=1)
@@ -88,8 +87,6 @@ def test_the_walk_measures_the_layer_by_layer_distances_exactly():
     walk = walk_with_shortlist(adapter, states, 2, 1, shortlist=3, budget_bytes=1e9, new_fit=new_fit)
     assert walk.distances == layered
     assert len(walk.shortlist) == 3 == len(set(walk.shortlist))
-    from optimum_flatten.corrections.linear_bridge import stream_bridge_statistics_
-
     for start in walk.shortlist:
         reference = new_fit(start)
         stream_bridge_statistics_(adapter, states, start - 1, start + 2, reference)

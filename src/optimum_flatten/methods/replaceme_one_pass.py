@@ -19,15 +19,13 @@ before. So the plan and the map never depend on the shortlist, only the cost doe
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..adapters.base import ArchitectureAdapter
-from ..calibration.distributed import all_reduce_sums
-from ..calibration.states import CalibratedStates, chosen_rows, mean_angle_of_rows, row_cosines
+from ..calibration.states import CalibratedStates, chosen_rows, mean_angle_of_rows
 from ..corrections.bridge_fit import BridgeFit, FilledBridge, capture_mlp
 
 
@@ -48,8 +46,9 @@ class OnePassWalk:
 
 
 def probe_distances(states: CalibratedStates, size: int, first_start: int) -> dict[int, float]:
-    """Each start's angular distance over the first calibration batch alone (summed over the ranks' first batches, so
-    every rank ranks the starts alike): the probe that chooses the shortlist. One batch through every layer."""
+    """Each start's angular distance over the first calibration batch alone (`mean_angle_of_rows`, over the ranks'
+    first batches together, so every rank ranks the starts alike): the probe that chooses the shortlist. One batch
+    through every layer."""
     runner, masks = states.runner, states.masks
     hidden = runner.inputs[0]
     rows = [chosen_rows(hidden, masks[0], "last")]
@@ -57,9 +56,7 @@ def probe_distances(states: CalibratedStates, size: int, first_start: int) -> di
         hidden = states.run_layers_on_batch([i], hidden, 0)
         rows.append(chosen_rows(hidden, masks[0], "last"))
     starts = range(first_start, states.num_layers - size + 1)
-    sums = [float(torch.arccos(row_cosines(rows[s], rows[s + size]).clamp(-1.0, 1.0)).sum() / math.pi) for s in starts]
-    sums = all_reduce_sums(*sums)
-    return dict(zip(starts, sums, strict=True))
+    return {s: mean_angle_of_rows([rows[s]], [rows[s + size]]) for s in starts}
 
 
 def walk_with_shortlist(
@@ -89,8 +86,10 @@ def walk_with_shortlist(
     fits: dict[int, BridgeFit] = {}
     used = 0
     for start in sorted(probe, key=lambda s: (probe[s], s)):
+        if len(fits) == shortlist:
+            break
         size_of = new_fit(start, "meta").nbytes
-        if len(fits) == shortlist or used + size_of > budget_bytes:
+        if used + size_of > budget_bytes:
             break
         fits[start], used = new_fit(start, runner.inputs[0].device), used + size_of
     rows: list[list[torch.Tensor]] = [[] for _ in range(num_layers + 1)]
