@@ -616,11 +616,13 @@ RECOVERY_PROTOCOL = _recovery_protocol()
 
 def _training_rows(run: dict) -> str:
     """A healing run's training rows when they are not the default protocol's (length and rows per step), and its
-    healing seed when not the default's (the held-out rows and the order of the training rows), else nothing."""
+    healing seed when not the default's (the held-out rows and the order of the training rows), and frozen
+    embeddings, else nothing."""
     settings = run.get("settings", {})
     rows = RECOVERY_PROTOCOL.training_rows(settings)
     default = rows == RECOVERY_PROTOCOL.TRAINING_ROWS
     label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
+    label += ", embeddings and LM head frozen" if settings.get("freeze_embeddings") else ""
     seed = RECOVERY_PROTOCOL.seed(settings)
     return label + (f", healing seed {seed}" if seed != RECOVERY_PROTOCOL.SEED else "")
 

@@ -5,6 +5,8 @@ and the curves (`curve.py`): a run that departs from it writes a file of its own
   larger models, whose evaluation costs more on a CPU).
 - Training rows: 256 tokens, 4 rows an optimiser step (`RecoveryConfig`'s defaults; rows of 512 × 2 were measured
   level with them within the spread of two healing seeds, benchmarks/NOTEBOOK.md).
+- The token embeddings and the LM head trained with the rest (`RecoveryConfig.train_embeddings`'s default); a run
+  with them frozen (`--freeze-embeddings`) is a line of its own.
 - The healing seed 0: it draws the gate's held-out rows and orders the training rows. A run with another seed measures
   the spread between runs; its gate held out other rows, so its objective ranks nothing beside seed 0's.
 """
@@ -31,6 +33,7 @@ def seed(settings: Mapping[str, Any]) -> int:
 
 
 def is_default(settings: Mapping[str, Any]) -> bool:
-    """Whether a run trained on the default rows with the default seed: the runs the product table and the curves
-    rank and draw together."""
-    return training_rows(settings) == TRAINING_ROWS and seed(settings) == SEED
+    """Whether a run trained on the default rows with the default seed, embeddings included (runs from before the
+    option trained them): the runs the product table and the curves rank and draw together."""
+    frozen = bool(settings.get("freeze_embeddings", False))
+    return training_rows(settings) == TRAINING_ROWS and seed(settings) == SEED and not frozen

@@ -179,6 +179,11 @@ def main() -> None:
         default=DEFAULT_SEED,
         help="the healing's seed: its held-out rows and the order of the training rows",
     )
+    parser.add_argument(
+        "--freeze-embeddings",
+        action="store_true",
+        help="keep the token embeddings and the LM head as they are (RecoveryConfig.train_embeddings=False)",
+    )
     parser.add_argument("--eval-every", type=int, default=16)
     parser.add_argument("--patience", type=int, default=4)
     parser.add_argument("--heldout-rows", type=int, default=16)
@@ -278,6 +283,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_seq{args.seqlen}" if args.seqlen != DEFAULT_ROWS["seqlen"] else ""
     suffix += f"_batch{args.batch_size}" if args.batch_size != DEFAULT_ROWS["batch_size"] else ""
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
+    suffix += "_frozen_embeddings" if args.freeze_embeddings else ""
     suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
@@ -294,6 +300,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         global_scope=args.global_scope,
         global_learning_rate=global_learning_rate,
         last_k=args.last_k,
+        train_embeddings=not args.freeze_embeddings,
         temperature=args.temperature,
         kd_alpha=args.kd_alpha,
         hidden_weight=args.hidden_weight,

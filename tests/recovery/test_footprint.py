@@ -10,6 +10,7 @@ from optimum_flatten.recovery import RecoveryConfig
 from optimum_flatten.recovery.footprint import (
     HEADROOM,
     STATE_FACTOR,
+    embedding_bytes,
     full_fits,
     full_footprint,
     teacher_bytes_to_load,
@@ -33,6 +34,20 @@ def test_the_footprint_counts_the_state_activations_and_teacher_by_hand():
     assert footprint.total == footprint.state + footprint.activations + 1234
     half = full_footprint(model.to(torch.bfloat16), config)
     assert (half.state, half.activations, half.teacher) == (footprint.state // 2, footprint.activations // 2, 0)
+
+
+def test_frozen_embeddings_hold_no_training_state():
+    """`train_embeddings=False` takes the tables' bytes out of the state (a tied table once), nothing else."""
+    for model, tables in (
+        (tiny_models.tiny_llama_gqa(), ("model.embed_tokens.weight", "lm_head.weight")),
+        (tiny_models.tiny_gemma3_text(), ("model.embed_tokens.weight",)),
+    ):
+        sizes = dict(model.named_parameters())
+        table_bytes = sum(sizes[name].numel() * 4 for name in tables)
+        assert embedding_bytes(model) == table_bytes
+        trained, frozen = (full_footprint(model, RecoveryConfig(train_embeddings=t)) for t in (True, False))
+        assert trained.state - frozen.state == STATE_FACTOR * table_bytes
+        assert (trained.activations, trained.teacher) == (frozen.activations, frozen.teacher)
 
 
 def test_full_fits_within_the_headroom_of_the_free_memory(monkeypatch):

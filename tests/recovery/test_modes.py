@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import tiny_models
 from common import assert_close, compress, logits, sample_ids, tiny_recovery_config
+from optimum_flatten.export.model_card import render_model_card
 from optimum_flatten.options.recovery import SWEPT_WEIGHT_SCALE
 from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.distill import LossParts
@@ -250,3 +251,46 @@ def test_recover_without_a_teacher_defaults_to_lora_on_the_lm_loss_whatever_memo
     )
     assert (log["mode"], log["loss"], log["learning_rate"]) == ("lora", "lm", 1e-4)
     assert log["mode_chosen"] == "the default"  # no teacher: the memory was not asked
+
+
+@pytest.mark.parametrize("mode", ["full", "last_k", "local_then_all"])
+def test_frozen_embeddings_leave_the_token_table_and_the_lm_head_bit_identical(compressed, mode):
+    """`train_embeddings=False`: the input embedding and the (untied) LM head keep their bits in every mode that
+    would train them; everything else that mode trains still moves, and the log and the card say so."""
+    dense, model, report = compressed
+    model = copy.deepcopy(model)
+    tables = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert tables <= {name for name, _ in model.named_parameters()}  # untied here: two tables
+    options = {"mode": mode, "last_k": 2}
+    if mode == "local_then_all":
+        options = {"mode": "local", "max_tokens": 64, "local_then_global_tokens": 128, "global_scope": "all"}
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    healed, log = recover(
+        model,
+        tiny_models.CharTokenizer(),
+        tiny_models.sample_texts(),
+        _config(train_embeddings=False, **options),
+        teacher=dense,
+        report=report,
+    )
+    after = dict(healed.named_parameters())
+    moved = {name for name in before if not torch.equal(after[name], before[name])}
+    assert not moved & tables
+    if mode == "last_k":
+        assert moved and all(n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.")) for n in moved)
+    else:  # every other parameter trained (the global phase of the split reaches them all)
+        assert moved == set(before) - tables
+    assert log["embeddings"].startswith("frozen") and all(p.requires_grad for p in healed.parameters())
+    assert "the token embeddings and the LM head were not trained" in render_model_card({**report, "recovery": log})
+
+
+def test_without_embeddings_drops_a_tied_table_once_and_both_untied_ones():
+    from optimum_flatten.recovery.selection import without_embeddings
+
+    for model, dropped in (
+        (tiny_models.tiny_llama_gqa(), {"model.embed_tokens.weight", "lm_head.weight"}),
+        (tiny_models.tiny_gemma3_text(), {"model.embed_tokens.weight"}),
+    ):
+        names = [name for name, _ in model.named_parameters()]
+        assert set(names) - set(without_embeddings(model, names)) == dropped
+        assert without_embeddings(model, names[:3]) == [n for n in names[:3] if n not in dropped]

@@ -164,6 +164,7 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
         f"- Healing: mode `{recovery.get('mode', 'lora')}`{_chosen(recovery)}, {loss}, on "
         f"{recovery.get('dataset', 'user text')} "
         f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps{shape})"
+        + ("; the token embeddings and the LM head were not trained" if recovery.get("embeddings") else "")
     ]
     lines += _local_lines(recovery)
     before, after = recovery.get("heldout_before"), recovery.get("heldout_after")

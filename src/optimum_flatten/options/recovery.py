@@ -60,6 +60,14 @@ class RecoveryConfig:
         global_learning_rate: That global phase's rate, used as given; None takes `learning_rate` when given, else
             the default of the mode that trains what it trains (`global_scope`), scaled like theirs (`rate_for`).
         last_k: Blocks trained by ``mode='last_k'``.
+        train_embeddings: Whether the modes that reach them (``full``, ``last_k``, and a global phase with
+            ``global_scope='all'``) train the token embeddings and the LM head (one tensor when tied); False keeps
+            both as they are. Measured after ReplaceMe on SmolLM2-135M at 64K tokens (`full`, two healing seeds;
+            benchmarks/NOTEBOOK.md), freezing the tied embedding gave the same model to within 0.003 of the
+            perplexity ratio on both texts and 0.0003 of the gate's held-out KL, while the training state shrinks
+            by what the embedding holds: 21% of SmolLM2-135M's parameters, 28% of Qwen2.5-0.5B's, 62% of
+            Gemma-3-270M's. The default trains them, as every published row did; False is the way to fit `full`
+            where memory is short (`recovery.footprint` counts only what is trained).
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
         hidden_weight: Weight of the hidden-state terms (each student block against the teacher's state at the end
@@ -107,6 +115,7 @@ class RecoveryConfig:
         default=None, metadata={"default": "learning_rate if given, else the global scope's mode's default, scaled"}
     )
     last_k: int = 3
+    train_embeddings: bool = True
     temperature: float = 1.0
     kd_alpha: float = 1.0
     hidden_weight: float = 0.0

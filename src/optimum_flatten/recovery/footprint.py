@@ -75,15 +75,23 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in unique if p.is_floating_point())
 
 
+def embedding_bytes(model: nn.Module) -> int:
+    """Bytes of the token embeddings and the LM head, a tied table once (what `train_embeddings=False` leaves
+    untrained, so holds no gradient or optimiser state for)."""
+    tables = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    unique = {id(t): t for t in tables if t is not None}.values()
+    return sum(t.numel() * t.element_size() for t in unique)
+
+
 def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0) -> FullFootprint:
     """The upper estimate of what training every parameter of `student` with `config`'s batch adds (module docstring).
 
     Args:
         student: The model to be healed (its parameters' dtype is the state's).
-        config: The batch shape (rows per device, accumulation, seqlen).
+        config: The batch shape (rows per device, accumulation, seqlen), and whether the embeddings are trained.
         teacher_bytes: Bytes of a teacher not loaded yet (0: already resident, or none).
     """
-    weights = weight_bytes(student)
+    weights = weight_bytes(student) - (0 if config.train_embeddings else embedding_bytes(student))
     element = next((p.element_size() for p in student.parameters() if p.is_floating_point()), 4)
     text = student.config.get_text_config()
     hidden = int(text.hidden_size)

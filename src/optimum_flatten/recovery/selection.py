@@ -206,6 +206,19 @@ def last_k_parameter_names(model: nn.Module, k: int) -> tuple[list[str], str | N
     return [name for name, p in model.named_parameters() if id(p) in wanted], note
 
 
+def without_embeddings(model: nn.Module, names: list[str]) -> list[str]:
+    """`names` less the token embeddings' and the LM head's parameters (`RecoveryConfig.train_embeddings=False`).
+
+    Why it pays: the embedding is a large share of a small model's parameters (21% of SmolLM2-135M's, 62% of
+    Gemma-3-270M's), and training it did not change the healed model measurably (options.recovery), while its
+    gradient and Adam's two moments cost three times its bytes. Tied or not, both ends are left: an untied LM head is
+    the same vocabulary-sized table."""
+    tables = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    frozen = {id(t) for t in tables if t is not None}
+    wanted = set(names)
+    return [name for name, p in model.named_parameters() if name in wanted and id(p) not in frozen]
+
+
 def freeze_all_but_(model: nn.Module, names: list[str]) -> int:
     """Sets requires_grad to True on `names` only; returns the number of trainable parameters."""
     wanted = set(names)

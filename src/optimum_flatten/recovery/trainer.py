@@ -43,6 +43,7 @@ from .selection import (
     last_k_parameter_names,
     layer_map,
     span_parameter_names,
+    without_embeddings,
 )
 
 #: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
@@ -464,9 +465,11 @@ def recover(
             names = span_parameter_names(model, spans)
         elif config.mode == "last_k":
             names, note = last_k_parameter_names(model, config.last_k)
-            notes += [note] if note else []
+            notes += [note] if note and config.train_embeddings else []
         else:
             names = [name for name, _ in model.named_parameters()]
+        if not config.train_embeddings:
+            names = without_embeddings(model, names)
         trainable = freeze_all_but_(model, names)
         trained_model, lora = model, None
         if is_main_process():
@@ -490,7 +493,9 @@ def recover(
                 arguments.max_steps = global_steps
                 arguments.learning_rate = _global_phase(config).rate_for(scale)
                 if config.global_scope == "all":
-                    trainable = freeze_all_but_(model, [name for name, _ in model.named_parameters()])
+                    every = [name for name, _ in model.named_parameters()]
+                    every = every if config.train_embeddings else without_embeddings(model, every)
+                    trainable = freeze_all_but_(model, every)
                     if is_main_process():
                         logger.info("global phase: training every parameter (%d)", trainable)
                 phases.append(
@@ -535,6 +540,7 @@ def recover(
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
+        **({} if config.train_embeddings else {"embeddings": "frozen (the token embeddings and the LM head)"}),
     }
     if local_loss is not None:
         log["local"] = {
