@@ -30,6 +30,7 @@ from torch import nn
 from ..options.recovery import SPLIT_AFTER_MERGES, RecoveryConfig
 from ..plan import LayerPlan
 from ..utils.memory import available_bytes
+from .selection import embedding_tables
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,7 @@ def weight_bytes(model: nn.Module) -> int:
 def embedding_bytes(model: nn.Module) -> int:
     """Bytes of the token embeddings and the LM head, a tied table once (what `train_embeddings=False` leaves
     untrained, so holds no gradient or optimiser state for)."""
-    tables = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
-    unique = {id(t): t for t in tables if t is not None}.values()
-    return sum(t.numel() * t.element_size() for t in unique)
+    return sum(t.numel() * t.element_size() for t in embedding_tables(model))
 
 
 def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0) -> FullFootprint:

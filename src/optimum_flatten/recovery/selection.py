@@ -206,6 +206,12 @@ def last_k_parameter_names(model: nn.Module, k: int) -> tuple[list[str], str | N
     return [name for name, p in model.named_parameters() if id(p) in wanted], note
 
 
+def embedding_tables(model: nn.Module) -> list[nn.Parameter]:
+    """The token embedding's and the LM head's weights, a tied table once (what `train_embeddings=False` freezes)."""
+    tables = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
+    return list({id(t): t for t in tables if t is not None}.values())
+
+
 def without_embeddings(model: nn.Module, names: list[str]) -> list[str]:
     """`names` less the token embeddings' and the LM head's parameters (`RecoveryConfig.train_embeddings=False`).
 
@@ -213,8 +219,7 @@ def without_embeddings(model: nn.Module, names: list[str]) -> list[str]:
     Gemma-3-270M's), and training it did not change the healed model measurably (options.recovery), while its
     gradient and Adam's two moments cost three times its bytes. Tied or not, both ends are left: an untied LM head is
     the same vocabulary-sized table."""
-    tables = [getattr(m, "weight", None) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
-    frozen = {id(t) for t in tables if t is not None}
+    frozen = {id(t) for t in embedding_tables(model)}
     wanted = set(names)
     return [name for name, p in model.named_parameters() if name in wanted and id(p) not in frozen]
 
