@@ -211,7 +211,7 @@ class FlattenQuantizer(OptimumQuantizer):
         config = RecoveryConfig(**settings)
         fsdp = fsdp_version(config) is not None
         choice = ModeChoice(model, config, lambda: weight_bytes(model))  # the teacher copy still to be taken
-        config = with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice)
+        config = choice.apply(with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice))
         return dataset, column, config, choice.describe()
 
     @staticmethod

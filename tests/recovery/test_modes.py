@@ -294,3 +294,41 @@ def test_without_embeddings_drops_a_tied_table_once_and_both_untied_ones():
         names = [name for name, _ in model.named_parameters()]
         assert set(names) - set(without_embeddings(model, names)) == dropped
         assert without_embeddings(model, names[:3]) == [n for n in names[:3] if n not in dropped]
+
+
+@pytest.mark.parametrize("train_embeddings", [None, True])
+def test_the_default_trains_full_with_frozen_embeddings_where_only_that_fits(compressed, monkeypatch, train_embeddings):
+    """With memory between `full`'s footprint with and without the embeddings' state, the default mode is `full`
+    with the token table and the LM head frozen (the log and the card say why); asked to train them, it is `local`."""
+    from optimum_flatten.recovery import footprint
+
+    dense = compressed[0]
+    model = copy.deepcopy(dense)
+    report = dict(compress(model, "replaceme", num_layers_to_remove=2).report)  # no merged layers: full stays full
+    config = _config(learning_rate=None, max_tokens=64, train_embeddings=train_embeddings)
+    trained, frozen = (
+        footprint.full_footprint(model, RecoveryConfig(**{**vars(config), "train_embeddings": t})).total
+        for t in (True, False)
+    )
+    assert frozen < trained
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: (trained + frozen) / 2 / footprint.HEADROOM)
+    table = model.get_input_embeddings().weight.detach().clone()
+    healed, log = recover(
+        model,
+        tiny_models.tiny_hf_tokenizer(),
+        tiny_models.sample_texts(),
+        config,
+        teacher=copy.deepcopy(dense),
+        report=report,
+    )
+    if train_embeddings is None:
+        assert log["mode"] == "full" and log["embeddings"].startswith("frozen")
+        assert (
+            "does not fit" in log["mode_chosen"]
+            and "with the token embeddings and the LM head frozen" in (log["mode_chosen"])
+        )
+        assert log["mode_chosen"].endswith("fits within 90% of it)")
+        assert torch.equal(healed.get_input_embeddings().weight, table)
+    else:
+        assert log["mode"] == "local" and "embeddings" not in log
+        assert log["mode_chosen"].endswith("does not fit within 90% of it)")

@@ -67,9 +67,11 @@ class RecoveryConfig:
             perplexity ratio on both texts and 0.0003 of the gate's held-out KL, while the training state shrinks
             by what the embedding holds: 21% of SmolLM2-135M's parameters, 28% of Qwen2.5-0.5B's, 62% of
             Gemma-3-270M's. On Gemma-3-270M (SLEB with the diagonal bridge, 16K tokens, one seed) it cut the peak
-            memory by 30% and the time by 9%, for a model 0.3% behind on both texts. The default trains them, as
-            every published row did; False is the way to fit `full` where memory is short (`recovery.footprint`
-            counts only what is trained).
+            memory by 30% and the time by 9%, for a model 0.3% behind on both texts. None (the default) trains
+            them, as every published row did, unless the default mode's memory check (`recovery.footprint`, which
+            counts only what is trained) finds that `full` fits only with them frozen: then `full` trains with them
+            frozen rather than falling back to `local`, which trailed `full` at every budget measured, and the log
+            says so. True trains them whatever the memory; False never does.
         temperature: T of the distillation KL (scaled by T²; see `recovery.distill`).
         kd_alpha: Weight of KL(teacher ‖ student); the LM loss gets 1 - kd_alpha. Used only with a teacher.
         hidden_weight: Weight of the hidden-state terms (each student block against the teacher's state at the end
@@ -117,7 +119,10 @@ class RecoveryConfig:
         default=None, metadata={"default": "learning_rate if given, else the global scope's mode's default, scaled"}
     )
     last_k: int = 3
-    train_embeddings: bool = True
+    train_embeddings: bool | None = field(
+        default=None,
+        metadata={"default": "trained, unless the default mode's memory check fits full only with them frozen"},
+    )
     temperature: float = 1.0
     kd_alpha: float = 1.0
     hidden_weight: float = 0.0
@@ -146,6 +151,12 @@ class RecoveryConfig:
     checkpoint_dir: str | None = None
     save_every: int = 0
     extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trains_embeddings(self) -> bool:
+        """Whether the token embeddings and the LM head are trained (None counts as trained until the memory check
+        resolves it, `recovery.footprint.ModeChoice`)."""
+        return self.train_embeddings is not False
 
     @property
     def rate(self) -> float:

@@ -19,6 +19,7 @@ second-best mode:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -90,7 +91,7 @@ def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: in
         config: The batch shape (rows per device, accumulation, seqlen), and whether the embeddings are trained.
         teacher_bytes: Bytes of a teacher not loaded yet (0: already resident, or none).
     """
-    weights = weight_bytes(student) - (0 if config.train_embeddings else embedding_bytes(student))
+    weights = weight_bytes(student) - (0 if config.trains_embeddings else embedding_bytes(student))
     element = next((p.element_size() for p in student.parameters() if p.is_floating_point()), 4)
     text = student.config.get_text_config()
     hidden = int(text.hidden_size)
@@ -116,12 +117,14 @@ def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str,
     return math.ceil(weights * layer_plan.num_layers / max(1, layer_plan.num_output_layers))
 
 
-def full_fits(student: nn.Module, config: RecoveryConfig, teacher_bytes: int) -> tuple[bool, str]:
-    """Whether `full_footprint` fits the free memory of the device the student's weights are on, and a line saying
-    so (logged, and kept in the healing's log, since the default mode follows it)."""
+def full_fits(
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None = None
+) -> tuple[bool, str]:
+    """Whether `full_footprint` fits the free memory of the device the student's weights are on (`available`, read
+    now when None), and a line saying so (logged, and kept in the healing's log, since the default mode follows it)."""
     footprint = full_footprint(student, config, teacher_bytes)
     device = next(student.parameters()).device
-    available = available_bytes(device)
+    available = available_bytes(device) if available is None else available
     fits = footprint.fits(available)
     line = (
         f"{footprint.describe()}; {available / 2**30:.1f} GiB free on {device}: "
@@ -138,10 +141,26 @@ class ModeChoice:
     def __init__(self, student: nn.Module, config: RecoveryConfig, teacher_bytes: Callable[[], int]) -> None:
         self.student, self.config, self.teacher_bytes = student, config, teacher_bytes
         self.line: str | None = None
+        #: Set when `full` fits only with the embeddings frozen (`train_embeddings` left to None): `apply` freezes
+        #: them, since `full` without them beat every other mode measured and training them changed little.
+        self.freezes_embeddings = False
 
     def __call__(self) -> bool:
-        fits, self.line = full_fits(self.student, self.config, self.teacher_bytes())
-        return fits
+        teacher = self.teacher_bytes()
+        available = available_bytes(next(self.student.parameters()).device)  # read once for both checks
+        fits, self.line = full_fits(self.student, self.config, teacher, available)
+        if fits or self.config.train_embeddings is not None:
+            return fits
+        frozen_config = dataclasses.replace(self.config, train_embeddings=False)
+        frozen, line = full_fits(self.student, frozen_config, teacher, available)
+        if frozen:
+            self.freezes_embeddings = True
+            self.line = f"{self.line}; with the token embeddings and the LM head frozen, {line}"
+        return frozen
+
+    def apply(self, config: RecoveryConfig) -> RecoveryConfig:
+        """`config` (as `with_mode` resolved it) with the embeddings frozen where the memory check chose that."""
+        return dataclasses.replace(config, train_embeddings=False) if self.freezes_embeddings else config
 
     def describe(self, resolved: RecoveryConfig | None = None) -> str:
         """``given``, ``the default`` or ``the default (<the memory check>)``, for the log and the model card; with

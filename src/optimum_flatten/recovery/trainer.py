@@ -368,6 +368,7 @@ def recover(
         full_fits=choice,
         merged=merges_layers((report or {}).get("plan")),
     )
+    config = choice.apply(config)
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
@@ -465,10 +466,10 @@ def recover(
             names = span_parameter_names(model, spans)
         elif config.mode == "last_k":
             names, note = last_k_parameter_names(model, config.last_k)
-            notes += [note] if note and config.train_embeddings else []
+            notes += [note] if note and config.trains_embeddings else []
         else:
             names = [name for name, _ in model.named_parameters()]
-        if not config.train_embeddings:
+        if not config.trains_embeddings:
             names = without_embeddings(model, names)
         trainable = freeze_all_but_(model, names)
         trained_model, lora = model, None
@@ -494,7 +495,7 @@ def recover(
                 arguments.learning_rate = _global_phase(config).rate_for(scale)
                 if config.global_scope == "all":
                     every = [name for name, _ in model.named_parameters()]
-                    every = every if config.train_embeddings else without_embeddings(model, every)
+                    every = every if config.trains_embeddings else without_embeddings(model, every)
                     trainable = freeze_all_but_(model, every)
                     if is_main_process():
                         logger.info("global phase: training every parameter (%d)", trainable)
@@ -540,7 +541,7 @@ def recover(
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
-        **({} if config.train_embeddings else {"embeddings": "frozen (the token embeddings and the LM head)"}),
+        **({} if config.trains_embeddings else {"embeddings": "frozen (the token embeddings and the LM head)"}),
     }
     if local_loss is not None:
         log["local"] = {
