@@ -1,5 +1,6 @@
 """What whole-model healing (``mode='full'``) holds beyond the weights already loaded, so that the default mode can be
-`full` where it fits and `local` where it does not (`options.recovery.default_mode`).
+`full` where it fits (with the embeddings frozen where only that fits, `ModeChoice`) and `local` where it does not
+(`options.recovery.default_mode`).
 
 `full` was the best mode at every budget measured (benchmarks/recovery: SmolLM2-135M after FlattenGPT and after
 ReplaceMe, Qwen2.5-0.5B after ReplaceMe, where `local` never beat its input), but it holds the whole student's
@@ -142,7 +143,7 @@ class ModeChoice:
         self.student, self.config, self.teacher_bytes = student, config, teacher_bytes
         self.line: str | None = None
         #: Set when `full` fits only with the embeddings frozen (`train_embeddings` left to None): `apply` freezes
-        #: them, since `full` without them beat every other mode measured and training them changed little.
+        #: them, since `full` led every other mode measured and freezing them changed the model little.
         self.freezes_embeddings = False
 
     def __call__(self) -> bool:
