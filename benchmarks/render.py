@@ -622,7 +622,7 @@ def _training_rows(run: dict) -> str:
     rows = RECOVERY_PROTOCOL.training_rows(settings)
     default = rows == RECOVERY_PROTOCOL.TRAINING_ROWS
     label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
-    label += ", embeddings and LM head frozen" if settings.get("freeze_embeddings") else ""
+    label += ", embeddings and LM head frozen" if RECOVERY_PROTOCOL.frozen_embeddings(settings) else ""
     seed = RECOVERY_PROTOCOL.seed(settings)
     return label + (f", healing seed {seed}" if seed != RECOVERY_PROTOCOL.SEED else "")
 

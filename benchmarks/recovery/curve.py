@@ -52,7 +52,7 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             given = run.get("settings", {}).get("global_learning_rate")
             mode += f" at lr {given:g}" if given is not None else ""  # a global rate given by hand: its own line
         settings = run.get("settings", {})
-        if protocol.seed(settings) != protocol.SEED or settings.get("freeze_embeddings"):
+        if protocol.seed(settings) != protocol.SEED or protocol.frozen_embeddings(settings):
             continue  # another healing seed, or the embeddings frozen: checks in the notebook, not points of a line
         rows = protocol.training_rows(settings)
         mode += f", rows {rows['seqlen']} × {rows['batch_size']}" if rows != protocol.TRAINING_ROWS else ""

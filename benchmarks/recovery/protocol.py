@@ -32,8 +32,12 @@ def seed(settings: Mapping[str, Any]) -> int:
     return int(settings.get("seed", SEED))
 
 
+def frozen_embeddings(settings: Mapping[str, Any]) -> bool:
+    """Whether a run kept the token embeddings and the LM head frozen (runs from before the option trained them)."""
+    return bool(settings.get("freeze_embeddings", False))
+
+
 def is_default(settings: Mapping[str, Any]) -> bool:
-    """Whether a run trained on the default rows with the default seed, embeddings included (runs from before the
-    option trained them): the runs the product table and the curves rank and draw together."""
-    frozen = bool(settings.get("freeze_embeddings", False))
-    return training_rows(settings) == TRAINING_ROWS and seed(settings) == SEED and not frozen
+    """Whether a run trained on the default rows with the default seed, embeddings included: the runs the product
+    table and the curves rank and draw together."""
+    return training_rows(settings) == TRAINING_ROWS and seed(settings) == SEED and not frozen_embeddings(settings)

@@ -157,9 +157,8 @@ class BridgeFit:
     @property
     def nbytes(self) -> int:
         """Bytes of the statistics (and of the held-out batch's): what a fit kept across batches costs."""
-        tensors = [s.gram for s in (self.fit, self.held_out) if s is not None]
-        tensors += [s.cross for s in (self.fit, self.held_out) if s is not None]
-        tensors += [s.stream_cross for s in (self.fit, self.held_out) if s is not None and s.stream_cross is not None]
+        sets = [s for s in (self.fit, self.held_out) if s is not None]
+        tensors = [t for s in sets for t in (s.gram, s.cross, s.stream_cross) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def add(self, batch: int, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> None:
