@@ -304,11 +304,17 @@ def assert_refused_before_any_change(model, method: str, message: str, **options
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-def assert_reloads_with_plain_transformers(model, folder) -> None:
-    """`model` saved to `folder` and loaded back by plain transformers gives the same logits."""
+def assert_reloads_with_plain_transformers(model, folder, report: dict | None = None) -> None:
+    """`model` saved to `folder` by the product's own save and loaded back by plain transformers gives the same logits.
+
+    The save is `export.checkpoint.save_compressed`, the door `FlattenQuantizer.save` and the CLI go through (it asks
+    every registered method whether the model is its own), not `save_pretrained`, which skips those checks.
+    """
     from transformers import AutoModelForCausalLM
 
-    model.save_pretrained(folder)
+    from optimum_flatten.export.checkpoint import save_compressed
+
+    save_compressed(model, folder, report=report if report is not None else getattr(model, "flatten_report", None))
     reloaded = AutoModelForCausalLM.from_pretrained(folder)
     ids = sample_ids()
     with torch.no_grad():
@@ -326,9 +332,11 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_two_gloo_processes(script: Path, out: Path, timeout: int) -> None:
-    """Runs `script OUT` as 2 processes under torch.distributed.run on the CPU (gloo), this checkout's src first on
-    the path; fails the test with both streams' tails when the launch does."""
+def torchrun_two_cpu_processes(
+    arguments: list[str], timeout: int, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Runs ``torch.distributed.run --nproc_per_node 2 ARGUMENTS`` on the CPU (gloo, one thread a process), this
+    checkout's src first on the path, and returns the finished process (both ranks' streams interleaved)."""
     environment = {
         **os.environ,
         "CUDA_VISIBLE_DEVICES": "",  # CPU, so gloo
@@ -347,8 +355,13 @@ def launch_two_gloo_processes(script: Path, out: Path, timeout: int) -> None:
         environment["MASTER_ADDR"],
         "--master_port",
         environment["MASTER_PORT"],
-        str(script),
-        str(out),
+        *arguments,
     ]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def launch_two_gloo_processes(script: Path, out: Path, timeout: int) -> None:
+    """Runs `script OUT` as 2 processes under torch.distributed.run on the CPU (gloo), this checkout's src first on
+    the path; fails the test with both streams' tails when the launch does."""
+    done = torchrun_two_cpu_processes([str(script), str(out)], timeout)
     assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"

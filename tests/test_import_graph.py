@@ -7,7 +7,7 @@ Layers, lowest first (a module may import its own layer and those below):
   method builds on: the method protocol and its context, the memory and arithmetic vocabulary, the pipeline that runs
   a method with its corrections)  <  methods  <  recovery  <  evaluation  <  export  <  the LayerCollapse package
   (methods/layer_collapse/, which writes its own checkpoints with the generic export)  <  quantizer  <  integration
-  <  estimate  <  cli, package root. Only the command line imports the estimator
+  <  estimate  <  cli, package root (and `python -m optimum_flatten`). Only the command line imports the estimator
 (`test_only_the_cli_imports_the_estimator`), and nothing but the plugin list and the command line imports the
 LayerCollapse package (`test_nothing_outside_it_imports_the_layer_collapse_package`): export, recovery, adapters and
 the quantizer reach it through the method registry and the method hooks only.
@@ -44,7 +44,7 @@ LAYERS = [
     {"quantizer"},
     {"integration"},
     {"estimate"},
-    {"cli", "__init__"},
+    {"cli", "__init__", "__main__"},
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 #: (importing module, imported part): lazy imports that go up on purpose.

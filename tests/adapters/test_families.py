@@ -142,7 +142,7 @@ def test_qwen2_moe_drop_keeps_each_layers_sparsity_on_reload(tmp_path):
     kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
     quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
     kept = quantizer.plan.first_indices
-    model.save_pretrained(tmp_path)
+    quantizer.save(model, tmp_path)  # the product's own save: it asks every method whether the model is its own
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -214,9 +214,9 @@ def test_every_applicable_method_reloads_plain_in_a_fresh_process(family, tmp_pa
     expected, checkpoints = {}, {}
     for run, (method, options) in _applicable_runs(family).items():
         model = tiny_models.FACTORIES[family]()
-        compress(model, method, **options)
+        quantizer = compress(model, method, **options)
         checkpoints[run] = str(tmp_path / run)
-        model.save_pretrained(checkpoints[run])
+        quantizer.save(model, checkpoints[run])
         with torch.no_grad():
             expected[run] = (logits(model, ids), greedy_generate_both_ways(model, ids[:1, :5])[0].tolist())
     torch.save(ids, tmp_path / "ids.pt")
@@ -275,12 +275,13 @@ def test_gemma3_image_text_drop_rewrites_text_config_and_leaves_the_vision_tower
         k: v.clone() for k, v in model.state_dict().items() if not k.startswith("model.language_model.layers.")
     }
     types = list(model.config.text_config.layer_types)
-    kept = compress(model, "shortgpt", num_layers_to_remove=2).plan.first_indices
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
+    kept = quantizer.plan.first_indices
     text = model.config.text_config
     assert (text.num_hidden_layers, text.layer_types) == (4, [types[i] for i in kept])
     assert model.config.vision_config.num_hidden_layers == 1
     assert all(torch.equal(untouched[k], v) for k, v in model.state_dict().items() if k in untouched)
-    model.save_pretrained(tmp_path)
+    quantizer.save(model, tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.config.text_config.layer_types == text.layer_types
     windows = [layer.self_attn.sliding_window for layer in reloaded.model.language_model.layers]

@@ -154,11 +154,26 @@ def test_the_default_mode_is_full_where_it_fits_then_local_with_a_teacher_and_a_
     assert default_mode(has_teacher=True, has_plan=True, processes=1) == "local"
     assert default_mode(has_teacher=True, has_plan=True, processes=1, full_fits=True) == "full"
     assert default_mode(has_teacher=True, has_plan=False, processes=1, full_fits=True) == "full"
-    for teacher, plan, processes in [(False, True, 1), (True, False, 1), (True, True, 2)]:
+    for teacher, plan, processes in [(False, True, 1), (True, False, 1), (True, False, 2), (False, True, 2)]:
         assert default_mode(has_teacher=teacher, has_plan=plan, processes=processes) == "lora"
     assert default_mode(has_teacher=False, has_plan=True, processes=1, full_fits=True) == "lora"
-    assert default_mode(has_teacher=True, has_plan=True, processes=2, full_fits=True) == "lora"
     assert default_mode(has_teacher=True, has_plan=True, processes=2, fsdp=True) == "full"
+
+
+def test_several_processes_pick_the_mode_one_process_would_or_full_sharded_where_that_is_local():
+    """Never LoRA where one process would train `full` or `local`: `full` where it fits every rank, and where it
+    does not, `full` sharded with FSDP2 (the nearest mode to `local` that runs across ranks), said in the config."""
+    from optimum_flatten.options.recovery import FSDP2_ARGS, default_mode, with_mode
+
+    assert default_mode(has_teacher=True, has_plan=True, processes=2, full_fits=True) == "full"
+    assert default_mode(has_teacher=True, has_plan=True, processes=2) == "full"
+    fits = with_mode(RecoveryConfig(max_tokens=1000), True, True, processes=2, full_fits=lambda: True, merged=True)
+    assert (fits.mode, fits.local_then_global_tokens, fits.extra_training_args) == ("full", None, {})
+    sharded = with_mode(RecoveryConfig(), True, True, processes=2, full_fits=lambda: False)
+    assert (sharded.mode, sharded.extra_training_args) == ("full", FSDP2_ARGS)
+    own = RecoveryConfig(extra_training_args={"fsdp": False})  # the user's own training arguments win
+    assert with_mode(own, True, True, processes=2, full_fits=lambda: False).extra_training_args["fsdp"] is False
+    assert with_mode(RecoveryConfig(), True, False, processes=2, full_fits=lambda: False).mode == "lora"
 
 
 def test_with_mode_asks_whether_full_fits_only_where_the_answer_can_change_the_mode():
@@ -169,7 +184,7 @@ def test_with_mode_asks_whether_full_fits_only_where_the_answer_can_change_the_m
 
     config = RecoveryConfig()
     assert with_mode(config, has_teacher=False, has_plan=True, processes=1, full_fits=never).mode == "lora"
-    assert with_mode(config, has_teacher=True, has_plan=True, processes=2, full_fits=never).mode == "lora"
+    assert with_mode(config, has_teacher=False, has_plan=True, processes=2, full_fits=never).mode == "lora"
     assert with_mode(config, True, True, processes=2, fsdp=True, full_fits=never).mode == "full"
     assert with_mode(RecoveryConfig(mode="lora"), True, True, processes=1, full_fits=never).mode == "lora"
     assert with_mode(config, True, True, processes=1, full_fits=lambda: True).mode == "full"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -131,6 +132,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_method_options(args)
     check_declared_options(args)
 
+    from ..calibration.distributed import is_writer
     from ..config import FlattenConfig
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
@@ -140,13 +142,15 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
-    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     quantizer.compress(model, tokenizer)
     report = quantizer.report
+    extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
+    if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
+        return 0
     print(compression_summary(report))
     for warning in report_warnings(report):
         print(f"warning: {warning}", file=sys.stderr)
-    extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
     if args.push_to_hub:
         url = quantizer.push_to_hub(
             model, args.push_to_hub, tokenizer, local_dir=args.output, overwrite=args.overwrite, extra_report=extra
@@ -166,11 +170,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..calibration.distributed import is_writer
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
 
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if args.no_progress:
+        config = dataclasses.replace(config, extra_training_args={"disable_tqdm": True, **config.extra_training_args})
     source = checkpoint_path(args.model)
     check_output_dir(args.output, args.overwrite, sources=[source])
     report_path = Path(source) / REPORT_NAME
@@ -178,6 +185,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)
+    if not is_writer():  # the ranks of a data-parallel launch end on the same weights; rank 0 writes them
+        return 0
     report["recovery"] = {**log, "dataset": public_dataset_name(args.dataset)}
     path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
     before, after = log.get("heldout_before"), log.get("heldout_after")
@@ -300,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
     add_config_arguments(compress)
     add_heal_arguments(compress)
-    compress.set_defaults(func=cmd_compress)
+    compress.set_defaults(func=cmd_compress, joins_launcher=True)
 
     evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")
     evaluate.add_argument(
@@ -324,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", help="where to load and run the models: cpu (default), cuda, cuda:N, or auto"
     )
     evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
+    evaluate.add_argument("--no-progress", action="store_true", help="hide progress bars")
     evaluate.add_argument(
         "--speed-rounds",
         type=int,
@@ -381,8 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
     )
+    recover_parser.add_argument("--no-progress", action="store_true", help="hide progress bars (the Trainer's too)")
     add_recovery_arguments(recover_parser)
-    recover_parser.set_defaults(func=cmd_recover)
+    recover_parser.set_defaults(func=cmd_recover, joins_launcher=True)
 
     estimate = verbs.add_parser(
         "estimate",
@@ -506,14 +517,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     merge_logger = logging.getLogger("optimum_flatten.methods.laco.search")
     level = merge_logger.level
     merge_logger.setLevel(logging.ERROR)
+    quiet = getattr(args, "no_progress", False)
+    if quiet:  # the bars of loading and saving too, not only our own (restored below: main may run in-process)
+        from transformers.utils import logging as transformers_logging
+
+        quiet = transformers_logging.is_progress_bar_enabled()
+        transformers_logging.disable_progress_bar()
+    # Under torchrun / accelerate launch the verbs that calibrate or train join the ranks themselves (`launch`).
+    launched = contextlib.nullcontext()
+    if getattr(args, "joins_launcher", False):
+        from ..utils.launch import launcher_process_group  # imports torch: only once the arguments are checked
+
+        launched = launcher_process_group()
     try:
-        return args.func(args)
+        with launched:
+            return args.func(args)
     except (ValueError, TypeError, ImportError, RuntimeError, OSError, SafetensorError) as error:
         # One line whatever raised it: transformers' and the Hub's messages span several.
         print(f"error: {one_line(error, limit=4000)}", file=sys.stderr)
         return 2
     finally:
         merge_logger.setLevel(level)
+        if quiet:
+            transformers_logging.enable_progress_bar()
 
 
 if __name__ == "__main__":

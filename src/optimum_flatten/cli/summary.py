@@ -43,6 +43,8 @@ def compression_summary(report: dict[str, Any]) -> str:
         ("calibration tokens", report["calibration"]["tokens"]),
         ("compression seconds", report["total_seconds"]),
     ]
+    if (processes := report["calibration"].get("processes", 1)) > 1:
+        rows.insert(-1, ("calibrated by", f"{processes} processes, each on its share of the batches"))
     healing = report.get("recovery")
     if healing:
         held_out = ""

@@ -227,11 +227,12 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     which shards exactly what `full` holds and under which neither `local` nor `lora` runs
     (`recovery.trainer.check_fsdp`), the default is `full`.
     """
-    if fsdp:
+    if fsdp or (has_teacher and full_fits):
         return "full"
-    if has_teacher and processes == 1 and full_fits:
-        return "full"
-    return "local" if has_teacher and has_plan and processes == 1 else "lora"
+    if has_teacher and has_plan:
+        # `local` cannot run across ranks; the nearest mode that can is `full`, sharded (`with_mode` asks for FSDP2).
+        return "local" if processes == 1 else "full"
+    return "lora"
 
 
 def merges_layers(plan: Mapping[str, Any] | None) -> bool:
@@ -287,9 +288,27 @@ def with_mode(
         return config
     if processes is None:
         processes = int(os.environ.get("WORLD_SIZE", "1"))
-    fits = has_teacher and processes == 1 and not fsdp and full_fits is not None and full_fits()
+    fits = has_teacher and not fsdp and full_fits is not None and full_fits()
     resolved = dataclasses.replace(config, mode=default_mode(has_teacher, has_plan, processes, fsdp, fits))
-    return local_then_global(resolved) if merged and has_plan and not fsdp else resolved
+    if processes > 1 and resolved.mode == "full" and not fsdp and not fits:
+        return sharded_full(resolved)
+    return local_then_global(resolved) if merged and has_plan and not fsdp and processes == 1 else resolved
+
+
+#: The training arguments that shard `full` across the ranks (FSDP2, the version healing supports).
+FSDP2_ARGS: dict[str, Any] = {"fsdp": True, "fsdp_config": {"version": 2}}
+
+#: How the log and the model card say that a launch of several processes sharded a default `full`.
+SHARDED_ACROSS_RANKS = (
+    "several processes, and full does not fit one rank: full, sharded with FSDP2 across them (local, which one "
+    "process would train, cannot run across ranks)"
+)
+
+
+def sharded_full(config: RecoveryConfig) -> RecoveryConfig:
+    """`config` (mode `full`) with FSDP2 asked of the Trainer, unless its own training arguments say otherwise:
+    where one rank cannot hold `full`'s gradients and optimiser state, the ranks hold a share each."""
+    return dataclasses.replace(config, extra_training_args={**FSDP2_ARGS, **config.extra_training_args})
 
 
 #: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.

@@ -29,8 +29,9 @@ from typing import Any
 
 from torch import nn
 
-from ..options.recovery import SPLIT_AFTER_MERGES, RecoveryConfig
+from ..options.recovery import SHARDED_ACROSS_RANKS, SPLIT_AFTER_MERGES, RecoveryConfig
 from ..plan import LayerPlan
+from ..utils.launch import all_ranks_min
 from ..utils.memory import available_bytes
 from .selection import embedding_tables
 
@@ -147,17 +148,23 @@ class ModeChoice:
         self.freezes_embeddings = False
 
     def __call__(self) -> bool:
+        """Whether `full` fits, on every rank of a launch of several processes (each checks its own device and
+        the ranks take the smallest answer, so that they train one mode together)."""
         teacher = self.teacher_bytes()
         available = available_bytes(next(self.student.parameters()).device)  # read once for both checks
         fits, self.line = full_fits(self.student, self.config, teacher, available)
-        if fits or self.config.train_embeddings is not None:
-            return fits
-        frozen_config = dataclasses.replace(self.config, train_embeddings=False)
-        frozen, line = full_fits(self.student, frozen_config, teacher, available)
-        if frozen:
-            self.freezes_embeddings = True
-            self.line = f"{self.line}; with the token embeddings and the LM head frozen, {line}"
-        return frozen
+        frozen = False
+        if not fits and self.config.train_embeddings is None:
+            frozen_config = dataclasses.replace(self.config, train_embeddings=False)
+            frozen, line = full_fits(self.student, frozen_config, teacher, available)
+            if frozen:
+                self.line = f"{self.line}; with the token embeddings and the LM head frozen, {line}"
+        # 2: fits as asked, 1: fits with the embeddings frozen, 0: does not fit; the smallest over the ranks wins.
+        agreed = all_ranks_min(2 if fits else (1 if frozen else 0))
+        if agreed < (2 if fits else (1 if frozen else 0)):
+            self.line = f"{self.line}; another rank has less memory"
+        self.freezes_embeddings = agreed == 1
+        return agreed > 0
 
     def apply(self, config: RecoveryConfig) -> RecoveryConfig:
         """`config` (as `with_mode` resolved it) with the embeddings frozen where the memory check chose that."""
@@ -169,6 +176,9 @@ class ModeChoice:
         if self.config.mode is not None:
             return "given"
         chosen = "the default" if self.line is None else f"the default ({self.line})"
+        if resolved is not None and resolved.mode == "full" and resolved.extra_training_args.get("fsdp"):
+            if self.config.extra_training_args.get("fsdp") is None:
+                chosen += f"; {SHARDED_ACROSS_RANKS}"
         if resolved is not None and resolved.mode == "local" and resolved.local_then_global_tokens is not None:
             chosen += f"; {SPLIT_AFTER_MERGES}"
         return chosen

@@ -19,6 +19,7 @@ from torch import nn
 from ..adapters import get_adapter
 from ..options.recovery import RecoveryConfig, merges_layers, with_mode
 from ..utils.errors import CalibrationDataError
+from ..utils.launch import join_launcher_group, launched_world_size
 from ..utils.positions import check_sequence_length
 from .data import build_training_rows, load_recovery_texts
 from .distill import DistillationLoss, LossParts
@@ -357,6 +358,9 @@ def recover(
     config = config or RecoveryConfig()
     # A row past a position table fails inside the first step; refused here, before anything is built or changed.
     check_sequence_length(model, config.seqlen)
+    # Under torchrun / accelerate launch the ranks are joined first, so that they agree on the mode (each checks its
+    # own memory) before the Trainer wraps the model.
+    join_launcher_group()
     if report is None:
         report = getattr(model, "flatten_report", None)
     choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report))
@@ -392,6 +396,8 @@ def recover(
         dataloader_num_workers=0,
         dataloader_pin_memory=torch.cuda.is_available(),
         **{
+            # accelerate treats a launch of several CPU processes as distributed only when told it runs on the CPU.
+            **({"use_cpu": True} if launched_world_size() > 1 and not torch.cuda.is_available() else {}),
             **(saving if config.save_every else {"save_strategy": "no"}),
             **config.extra_training_args,
         },

@@ -30,7 +30,7 @@ from ...compression.method import CardSection, CheckpointWriter, CompressionMeth
 from ...ops.linear_collapse import BatchNormStats, collapse_error, collapse_error_bound, collapse_linear_pair
 from ...plan import LayerPlan
 from ...registry import register_method
-from ...utils.errors import NotCollapsibleError
+from ...utils.errors import NotCollapsibleError, UnsupportedArchitectureError
 from ...utils.torch_utils import count_parameters
 from .activation import ParametricActivation
 from .config import METHOD_NAME, LayerCollapseConfig
@@ -292,7 +292,8 @@ class LayerCollapseMethod(CompressionMethod):
 
     config_class = LayerCollapseConfig
     keeps_depth: ClassVar[bool] = True
-    required_capabilities = frozenset()
+    # One dense up -> activation -> down MLP per layer is what collapses; experts behind a router never do.
+    required_capabilities = frozenset({"dense_mlp"})
     # Collapsed MLPs have per-layer shapes that model.save_pretrained cannot describe; and LayerCollapse needs a
     # training run between loading and collapsing anyway.
     supports_compress_on_load: ClassVar[bool] = False
@@ -311,7 +312,13 @@ class LayerCollapseMethod(CompressionMethod):
     def checkpoint_writer(cls, model: nn.Module) -> CheckpointWriter | None:
         """The LayerCollapse writer, with the MLP layout for the report, when any MLP of any stack is collapsed or
         still carries an α (whichever method's report is saved: the state is in the model); else None."""
-        adapter = get_adapter(model)
+        # Asked of every model a save writes: a family with no adapter or without dense MLPs holds nothing of ours.
+        try:
+            adapter = get_adapter(model)
+        except UnsupportedArchitectureError:
+            return None
+        if adapter.missing_capabilities(cls.required_capabilities):
+            return None
         layout = {}
         for stack in adapter.stacks():
             collapsed, linearisable = collapsed_mlp_indices(adapter, stack), sorted(prepared_mlps(adapter, stack))

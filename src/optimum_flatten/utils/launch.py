@@ -1,0 +1,84 @@
+"""Joining the process group a launcher describes: ``torchrun`` and ``accelerate launch`` start one process per
+rank and say so in the environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``),
+but nothing joins the ranks until someone calls ``torch.distributed.init_process_group``.
+
+A Python caller usually does that itself; the command line and `recover` do it here, so that
+``torchrun --nproc-per-node 2 -m optimum_flatten compress ...`` shards its calibration as the API does (every rank
+on its share, rank 0 alone writing) instead of running two independent compressions that race on one folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+
+def launched_world_size() -> int:
+    """How many processes the launcher started (``WORLD_SIZE``; 1 outside a launcher)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def join_launcher_group() -> bool:
+    """Joins the launcher's process group when there is one to join; returns whether this call created it.
+
+    NCCL with each rank on its ``LOCAL_RANK`` GPU where CUDA is available, gloo on the CPU otherwise. Does nothing
+    outside a launcher (``WORLD_SIZE`` 1 or unset), where torch.distributed is missing, or when the group is up
+    already (a caller, or accelerate, joined it first).
+    """
+    if launched_world_size() <= 1:
+        return False  # before importing torch: a command that refuses its arguments never loads it
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend)
+    logger.info(
+        "joined the launcher's process group: rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend
+    )
+    return True
+
+
+@contextlib.contextmanager
+def launcher_process_group() -> Iterator[None]:
+    """Within the block, the launcher's process group is up (see `join_launcher_group`); a group this block
+    created is left at its end (after a barrier, so that no rank leaves while rank 0 still writes)."""
+    created = join_launcher_group()
+    try:
+        yield
+        if created:
+            import torch.distributed as dist
+
+            dist.barrier()
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def all_ranks_min(value: int) -> int:
+    """The smallest of `value` over the ranks of an initialised process group (`value` itself without one): how the
+    ranks agree on a choice each makes from its own device, such as whether a training mode fits its memory."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    packed = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(packed, op=dist.ReduceOp.MIN)
+    return int(packed.item())

@@ -1,0 +1,94 @@
+"""The command line under the launchers users run: ``torchrun --nproc-per-node 2 -m optimum_flatten compress`` and
+``... recover`` on 2 CPU processes (gloo) write the weights one process writes, rank 0 alone writes, and both ranks
+exit 0; a method that cannot calibrate across ranks is refused on every rank in one line, before anything is
+written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny_models
+from common import torchrun_two_cpu_processes
+from optimum_flatten.cli.main import main
+
+pytestmark = pytest.mark.slow
+
+COMPRESS = ["--num-layers-to-remove", "2", "--nsamples", "8", "--seqlen", "32", "--batch-size", "2", "--no-progress"]
+
+
+@pytest.fixture
+def dense(tmp_path):
+    """A tiny LLaMA with a real tokenizer and a text, written to disk as a user's checkpoint would be."""
+    path = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(path)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(tiny_models.sample_texts(60)))
+    return path, text
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _assert_same_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _torchrun(arguments: list[str], cwd) -> str:
+    done = torchrun_two_cpu_processes(["-m", "optimum_flatten", *arguments], timeout=600, cwd=cwd)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.mark.parametrize("method", ["replaceme", "flattengpt"])
+def test_compress_under_torchrun_calibrates_across_ranks_and_writes_what_one_process_writes(dense, tmp_path, method):
+    model, text = dense
+    arguments = ["compress", str(model), "--method", method, "--dataset", str(text), *COMPRESS]
+    printed = _torchrun([*arguments, "--output", str(tmp_path / "two")], cwd=tmp_path)
+    assert printed.count("saved to") == 1  # rank 0 alone writes and prints
+    assert "calibrated by" in printed and "2 processes" in printed
+    report = json.loads((tmp_path / "two" / "flatten_report.json").read_text())
+    assert report["calibration"]["processes"] == 2
+    assert main([*arguments, "--output", str(tmp_path / "one")]) == 0
+    _assert_same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    assert "processes" not in json.loads((tmp_path / "one" / "flatten_report.json").read_text())["calibration"]
+
+
+def test_a_method_that_cannot_shard_is_refused_on_every_rank_before_anything_is_written(dense, tmp_path):
+    model, text = dense
+    out = tmp_path / "refused"
+    arguments = ["compress", str(model), "--method", "laco", "--dataset", str(text), *COMPRESS, "--output", str(out)]
+    done = torchrun_two_cpu_processes(["-m", "optimum_flatten", *arguments], timeout=600, cwd=tmp_path)
+    assert done.returncode != 0
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(refusals) == 2 and all("cannot calibrate across processes" in line for line in refusals), refusals
+    assert not out.exists()
+
+
+def test_recover_under_torchrun_trains_one_model_with_the_mode_one_process_picks(dense, tmp_path):
+    """2 ranks of 1 row a step against 1 process of 2 rows a step: the same global batches (accelerate deals the
+    seeded permutation's batches to the ranks in turn), so the same weights up to float round-off."""
+    model, text = dense
+    compressed = tmp_path / "compressed"
+    assert main(["compress", str(model), "--method", "replaceme", "--dataset", str(text), *COMPRESS,
+                 "--output", str(compressed)]) == 0  # fmt: skip
+    heal = ["recover", str(compressed), "--teacher", str(model), "--dataset", str(text), "--max-steps", "3"]
+    heal += ["--seqlen", "32", "--learning-rate", "1e-3", "--heldout-rows", "0"]  # no gate: the trained state is kept
+    _torchrun([*heal, "--per-device-train-batch-size", "1", "--output", str(tmp_path / "two")], cwd=tmp_path)
+    assert main([*heal, "--per-device-train-batch-size", "2", "--output", str(tmp_path / "one")]) == 0
+    two = json.loads((tmp_path / "two" / "flatten_report.json").read_text())["recovery"]
+    one = json.loads((tmp_path / "one" / "flatten_report.json").read_text())["recovery"]
+    assert (two["processes"], one["processes"]) == (2, 1)
+    assert two["mode"] == one["mode"] == "full"  # not LoRA: every rank's memory was checked, the smallest won
+    assert two["tokens_trained"] == one["tokens_trained"] == 3 * 2 * 32
+    trained, expected = _weights(tmp_path / "two"), _weights(tmp_path / "one")
+    _assert_same_weights(trained, expected)
+    untrained = _weights(compressed)
+    assert max((trained[k] - untrained[k]).abs().max().item() for k in untrained) > 1e-4  # it did train
