@@ -494,6 +494,8 @@ def recover(
     from .gate import is_main_process
 
     config = config or RecoveryConfig()
+    if is_teacher_dataset(dataset):  # the teacher's text only: the log, the footprint and a resume see share 1
+        config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
     # A row past a position table fails inside the first step; refused here, before anything is built or changed.
     check_sequence_length(model, config.seqlen)
     if report is None:
