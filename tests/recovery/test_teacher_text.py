@@ -241,3 +241,12 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys):
     assert recovery["data_kind"] == "teacher" and recovery["dataset"] == "teacher"
     assert recovery["teacher_text"]["rows"] == 4 and recovery["teacher_text"]["batch_size"] == 2
     assert recovery["teacher_text"]["top_k"] is None and "gate:" in capsys.readouterr().out
+
+
+def test_compress_heals_on_the_teacher_text_with_heal_dataset_teacher():
+    heal = {**SMALL, "heldout_rows": 2, "max_tokens": 128, "mode": "changed", "dataset": "teacher"}
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = compress(model, "flattengpt", TOKENIZER, num_layers_to_remove=2, heal=heal)
+    log = quantizer.report["recovery"]
+    assert log["data_kind"] == "teacher" and log["dataset"] == "teacher" and log["teacher_text"]["rows"] == 4
+    assert log["tokens_trained"] == 128
