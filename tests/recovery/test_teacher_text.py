@@ -250,3 +250,26 @@ def test_compress_heals_on_the_teacher_text_with_heal_dataset_teacher():
     log = quantizer.report["recovery"]
     assert log["data_kind"] == "teacher" and log["dataset"] == "teacher" and log["teacher_text"]["rows"] == 4
     assert log["tokens_trained"] == 128
+
+
+def _sample_on_rank(rank: int, init: str, out: str) -> None:
+    """One rank of a 2-process gloo group: samples 5 rows (its share: 3 or 2) and saves what it ends up holding."""
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        rows, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3,
+                                           progress=False)  # fmt: skip
+        torch.save({"ids": _ids(rows), "processes": record["processes"]}, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_under_torch_distributed_each_rank_samples_its_share_and_all_hold_every_row(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sample_on_rank, args=(f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert torch.equal(ranks[0]["ids"], ranks[1]["ids"]) and ranks[0]["ids"].shape == (5, 16)
+    assert ranks[0]["processes"] == 2
+    # Rank 0's share (3 rows, one batch) is the first batch one process samples with the same seed.
+    alone, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3, progress=False)
+    assert torch.equal(ranks[0]["ids"][:3], _ids(alone)[:3]) and not torch.equal(ranks[0]["ids"][3:], _ids(alone)[3:])

@@ -203,6 +203,13 @@ def _gather(ids: torch.Tensor, n_rows: int, world_size: int, device: torch.devic
     return torch.cat([part[: _share(n_rows, r, world_size)] for r, part in enumerate(parts)]).cpu()
 
 
+def _everyone(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (a collective: every rank calls it at the same point)."""
+    value = torch.tensor([1 if flag else 0], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
+
+
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     """(bytes, what they measure): CUDA's peak allocation since the sampling began, else the process's peak RSS."""
     if device.type == "cuda":
@@ -339,8 +346,9 @@ def sample_teacher_rows(
         progress: Show a progress bar in tokens.
 
     Returns:
-        (rows as `build_training_rows` makes them, record: seconds, tokens, tokens/s, peak memory and what it
-        measures, rows, seed, sampling settings, start, batch size, whether the rows came from the cache).
+        (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), generated
+        tokens a second, peak memory and what it measures, rows, seed, sampling settings, start, batch size, whether
+        the rows came from the cache).
 
     Raises:
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
@@ -372,6 +380,8 @@ def sample_teacher_rows(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids = _read_cache(folder, stream, key) if folder is not None and key is not None else None
+    if world_size > 1 and not _everyone(ids is not None, device):
+        ids = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
     cached = ids is not None
     if ids is None:
         starts = _starts(n_rows, start, prompt_list, seed, rank, world_size)
@@ -387,6 +397,7 @@ def sample_teacher_rows(
     seconds = time.perf_counter() - began
     peak, measured = _peak_memory(device)
     tokens = int(ids.numel())
+    generated = int(ids.shape[0]) * (seqlen - prompt_length)
     record = {
         "rows": int(ids.shape[0]),
         "seqlen": int(seqlen),
@@ -396,7 +407,8 @@ def sample_teacher_rows(
         "cached": cached,
         "seconds": round(seconds, 3),
         "tokens": tokens,
-        "tokens_per_second": round(tokens / seconds, 1) if seconds > 0 and not cached else None,
+        "generated_tokens": generated,
+        "tokens_per_second": round(generated / seconds, 1) if seconds > 0 and not cached else None,
         "peak_memory_bytes": peak,
         "peak_memory": measured,
     }
