@@ -19,6 +19,11 @@ Protocol (one run = one method x mode x loss x budget):
   32 generated each, share equal to the dense model's and the mean agreeing prefix; wording continues: the same
   tokens); healing wall time and the process's peak RSS.
 
+Teacher text. `--teacher-text SHARE` (needs `--kd`) trains on rows the dense model samples itself (self-data
+distillation, `recovery.teacher_text`: temperature 1, no top-k or top-p cut, from the BOS token, never from the
+evaluation texts) for that share of the training rows, the rest from the speeches; 1.0 reads no speech at all. The
+sampling's record (seconds, peak memory, tokens/s) is in the result, and the file name ends in ``_teacher<SHARE>``.
+
 Learning rate. `--sweep-learning-rates 1e-4 3e-4 ...` compresses once, then heals a copy at each rate and records
 only the gate's held-out objective *of the training text* (its held-out rows; the evaluation texts are not even
 loaded), so that a rate is picked without looking at what is reported. It writes
@@ -195,6 +200,13 @@ def main() -> None:
         "one (a run longer than a session; the result is the same as one uninterrupted run)",
     )
     parser.add_argument("--save-every", type=int, default=64, help="optimiser steps between checkpoints")
+    parser.add_argument(
+        "--teacher-text",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="share (0..1) of the training rows the dense model samples itself (needs --kd); 1.0 reads no speech",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -207,6 +219,10 @@ def main() -> None:
         raise SystemExit("a global phase's rate needs a global phase: add --local-then-global-tokens")
     if args.checkpoint_dir and (args.sweep_learning_rates or args.sweep_global_learning_rates):
         raise SystemExit("--checkpoint-dir checkpoints one measured run, not a sweep of several")
+    if not 0.0 <= args.teacher_text <= 1.0:
+        raise SystemExit(f"--teacher-text is a share of the training rows, in [0, 1], got {args.teacher_text}")
+    if args.teacher_text and not args.kd:
+        raise SystemExit("--teacher-text samples the dense model's text and distils from it: add --kd")
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -229,7 +245,7 @@ def main() -> None:
     compress_seconds = time.perf_counter() - start
     untrained = measure(dense, model, streams, args.eval_tokens)
 
-    texts, excluded = training_texts(tokenizer)
+    texts, training_text = healing_text(args, tokenizer)
     # None: the mode's default, scaled to the model's weights
     config = recovery_config(args, args.learning_rate, args.global_learning_rate)
     start = time.perf_counter()
@@ -251,7 +267,8 @@ def main() -> None:
         # Where the checkpoints went and how often is not the protocol (a resumed run ends on the same weights).
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "checkpoint_dir", "save_every")}
         | {"lr": log["learning_rate"]},
-        "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
+        "training_text": training_text,
+        "teacher_text": log.get("teacher_text"),
         "eval_tokens": args.eval_tokens,
         "untrained": untrained,
         "healed": healed,
@@ -285,9 +302,20 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
     suffix += "_frozen_embeddings" if args.freeze_embeddings else ""
     suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
+    suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
+
+
+def healing_text(args: argparse.Namespace, tokenizer: object) -> tuple[Any, dict]:
+    """The `recover` dataset and how the result describes it: the speeches outside calibration's windows, or with
+    ``--teacher-text 1.0`` the dense model's own text only (no speech read, no prompt from any text)."""
+    teacher = {"teacher_text": args.teacher_text, "prompts": "none (the BOS token)"} if args.teacher_text else {}
+    if args.teacher_text >= 1.0:
+        return "teacher", {"corpus": "the dense model's own samples", **teacher}
+    texts, excluded = training_texts(tokenizer)
+    return texts, {"corpus": CALIBRATION["dataset"], "excluded": excluded, **teacher}
 
 
 def recovery_config(args: argparse.Namespace, learning_rate: float | None, global_learning_rate: float | None = None):
@@ -317,6 +345,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
         checkpoint_dir=getattr(args, "checkpoint_dir", None),
         save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
+        teacher_text=args.teacher_text if args.teacher_text < 1.0 else 0.0,  # 1.0: the dataset says "teacher"
     )
 
 
@@ -331,7 +360,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
     options = {"num_layers_to_remove": DEPTHS[args.model], **CALIBRATION, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     quantizer.compress(model, tokenizer)
-    texts, excluded = training_texts(tokenizer)
+    texts, training_text = healing_text(args, tokenizer)
     runs = []
     of_global = bool(args.sweep_global_learning_rates)
     for rate in args.sweep_global_learning_rates or args.sweep_learning_rates:
@@ -372,7 +401,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
         "best_lr": best["lr"],
         "swept": "the global phase's rate" if of_global else "the learning rate",
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads")},
-        "training_text": {"corpus": CALIBRATION["dataset"], "excluded": excluded},
+        "training_text": training_text,
         "runs": runs,
     }
     kind = "kd" if args.kd else "lm"

@@ -379,7 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dense model to distil from: a checkpoint folder, a bundled name (smollm2) or a Hub id; default: the "
         "base model flatten_report.json names, when it is bundled or on the Hub; 'none' trains on the LM loss alone",
     )
-    recover_parser.add_argument("--dataset", required=True, help="Alpaca-format .json/.jsonl, or any text source")
+    recover_parser.add_argument(
+        "--dataset",
+        required=True,
+        help="Alpaca-format .json/.jsonl, or any text source; 'teacher': text the teacher samples itself (with "
+        "--teacher-text SHARE, that share of a text's rows)",
+    )
     recover_parser.add_argument("--output", required=True)
     recover_parser.add_argument(
         "--overwrite",

@@ -104,6 +104,20 @@ class RecoveryConfig:
             the checkpoints of a healing with other options is refused.
         save_every: Optimiser steps between checkpoints (0: none, the finished phases are still recorded when
             `checkpoint_dir` is given).
+        teacher_text: Share of the training rows sampled from the teacher itself (self-data distillation,
+            Thangarasa et al. 2024; `recovery.teacher_text`): 0 trains on the given text only, 1 on the teacher's
+            text only (``dataset="teacher"`` says the same, with no text of the user's). The gate's held-out rows
+            take the same share, and the log scores each part apart. Needs a teacher.
+        teacher_prompt_tokens: With `prompts`, the tokens of each prompt document the teacher continues.
+        sampling_temperature, sampling_top_k, sampling_top_p: How the teacher samples: temperature 1 and no top-k
+            or top-p cut by default, so that the rows follow the teacher's own distribution (whatever its
+            generation_config.json says); see `recovery.teacher_text`.
+        sampling_batch_size: Rows generated at a time; None: 8 on a CPU, sized to the free memory on CUDA.
+        teacher_text_cache: Folder the teacher's rows are kept in, so that a resumed healing reads them back instead
+            of sampling again; None: ``<checkpoint_dir>/teacher_text`` when `checkpoint_dir` is set, else none.
+        prompts: Documents whose first `teacher_prompt_tokens` tokens start the teacher's rows (a file with one
+            prompt a line, or any text source `calibration.data.load_texts` reads); None starts every row from the
+            tokenizer's BOS token (its EOS without one).
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
@@ -150,7 +164,31 @@ class RecoveryConfig:
     seed: int = 0
     checkpoint_dir: str | None = None
     save_every: int = 0
+    teacher_text: float = 0.0
+    teacher_prompt_tokens: int = 32
+    sampling_temperature: float = 1.0
+    sampling_top_k: int | None = field(default=None, metadata={"default": "no top-k cut"})
+    sampling_top_p: float | None = field(default=None, metadata={"default": "no top-p cut"})
+    sampling_batch_size: int | None = field(default=None, metadata={"default": "8 on a CPU, the free memory's on CUDA"})
+    teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
+    prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
     extra_training_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Refuses sampling options out of range when the config is made (one line each), before any model loads."""
+        share = self.teacher_text
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"teacher_text is the share of teacher-sampled training rows, in [0, 1]; got {share!r}.")
+        if not (math.isfinite(self.sampling_temperature) and self.sampling_temperature > 0):
+            raise ValueError(f"sampling_temperature must be a positive number, got {self.sampling_temperature}.")
+        if self.sampling_top_k is not None and self.sampling_top_k < 0:
+            raise ValueError(f"sampling_top_k must be at least 0 (0 or None: no cut), got {self.sampling_top_k}.")
+        if self.sampling_top_p is not None and not 0.0 < self.sampling_top_p <= 1.0:
+            raise ValueError(f"sampling_top_p must be in (0, 1] (1 or None: no cut), got {self.sampling_top_p}.")
+        if self.sampling_batch_size is not None and self.sampling_batch_size < 1:
+            raise ValueError(f"sampling_batch_size must be at least 1 row, got {self.sampling_batch_size}.")
+        if self.teacher_prompt_tokens < 1:
+            raise ValueError(f"teacher_prompt_tokens must be at least 1, got {self.teacher_prompt_tokens}.")
 
     @property
     def trains_embeddings(self) -> bool:

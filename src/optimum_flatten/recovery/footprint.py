@@ -15,7 +15,10 @@ second-best mode:
 - activations kept for the backward pass, per token and layer ``16·hidden + 4·intermediate + 2·heads·seqlen``
   elements (the residual stream's norms, projections and their inputs; the MLP's up, gate and activation; attention's
   probabilities), at the weights' dtype;
-- the teacher's weights when it is still to be loaded.
+- the teacher's weights when it is still to be loaded;
+- with teacher text (`RecoveryConfig.teacher_text`), one sampling batch's KV cache and next-token logits
+  (`recovery.teacher_text`), held before training starts, so it counts against the training state, not beside it (the
+  student's depth stands for the teacher's here; on CUDA the sampling batch is sized to the free memory anyway).
 """
 
 from __future__ import annotations
@@ -51,15 +54,17 @@ class FullFootprint:
         state: Gradients, optimiser moments, the gate's best-state copy and the step's temporaries.
         activations: What one step's forward keeps for its backward pass.
         teacher: The teacher's weights still to be loaded (0 when it is given loaded).
+        sampling: One batch of the teacher's text sampling (0 without teacher text): freed before training.
     """
 
     state: int
     activations: int
     teacher: int
+    sampling: int = 0
 
     @property
     def total(self) -> int:
-        return self.state + self.activations + self.teacher
+        return max(self.state + self.activations, self.sampling) + self.teacher
 
     def fits(self, available: int) -> bool:
         """Whether the footprint takes at most `HEADROOM` of `available` bytes."""
@@ -69,7 +74,8 @@ class FullFootprint:
         gib = 2**30
         return (
             f"full healing adds about {self.total / gib:.1f} GiB (training state {self.state / gib:.1f}, activations "
-            f"{self.activations / gib:.1f}, teacher {self.teacher / gib:.1f})"
+            f"{self.activations / gib:.1f}, teacher {self.teacher / gib:.1f}"
+            + (f"; sampling the teacher's text first {self.sampling / gib:.1f})" if self.sampling else ")")
         )
 
 
@@ -102,7 +108,19 @@ def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: in
     per_token_layer = 16 * hidden + 4 * intermediate + 2 * heads * config.seqlen
     tokens = config.per_device_train_batch_size * config.seqlen
     activations = tokens * int(text.num_hidden_layers) * per_token_layer * element
-    return FullFootprint(state=STATE_FACTOR * weights, activations=activations, teacher=int(teacher_bytes))
+    sampling = sampling_bytes(student, config) if config.teacher_text > 0 else 0
+    return FullFootprint(STATE_FACTOR * weights, activations, int(teacher_bytes), sampling)
+
+
+def sampling_bytes(model: nn.Module, config: RecoveryConfig) -> int:
+    """One sampling batch of the teacher's text (`recovery.teacher_text`): its rows' KV caches at `seqlen` and their
+    next-token logits, at the configured batch or the CPU default (`model`'s config stands for the teacher's)."""
+    from .teacher_text import CPU_BATCH_SIZE, LOGIT_BYTES, kv_cache_bytes
+
+    element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    rows = config.sampling_batch_size or CPU_BATCH_SIZE
+    vocab = int(model.config.get_text_config().vocab_size)
+    return rows * (kv_cache_bytes(model.config, config.seqlen, element) + LOGIT_BYTES * vocab)
 
 
 def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str, Any] | None) -> int:

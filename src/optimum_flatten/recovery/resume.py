@@ -44,8 +44,9 @@ GATE_STATE = "gate_best_state.safetensors"
 #: A finished phase's log, and the trainable state it ended on, in the phase's folder.
 PHASE_DONE = "phase_done.json"
 PHASE_STATE = "phase_state.safetensors"
-#: The options that say where and how often to checkpoint, not what is trained: they may differ on resume.
-CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every")
+#: The options that say where and how often to checkpoint (and where the teacher's sampled rows are kept), not what
+#: is trained: they may differ on resume.
+CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every", "teacher_text_cache")
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

@@ -10,7 +10,7 @@ import math
 import os
 import random
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from .selection import (
     span_parameter_names,
     without_embeddings,
 )
+from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
 
 #: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
 Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
@@ -182,9 +183,9 @@ def check_fsdp(config: RecoveryConfig, version: int | None) -> None:
         )
 
 
-def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]], replicas: int = 1) -> int:
+def _steps_for_budget(config: RecoveryConfig, rows: Sized, replicas: int = 1) -> int:
     """max_steps for the (global) token budget, one step reading `replicas` per-process batches; refuses a budget
-    the training rows cannot fill."""
+    the training rows (`rows`: them, or as many placeholders, before the teacher's are sampled) cannot fill."""
     if config.max_tokens is None:
         return config.max_steps
     if config.max_tokens < 1:
@@ -203,11 +204,84 @@ def _steps_for_budget(config: RecoveryConfig, rows: list[dict[str, torch.Tensor]
     return steps
 
 
+def teacher_share(dataset: Any, config: RecoveryConfig) -> float:
+    """The share of the training rows the teacher samples: 1 for ``dataset="teacher"`` (its text only), else
+    `RecoveryConfig.teacher_text`; refuses ``"teacher"`` with a share to mix, since there is no text to mix it with."""
+    if is_teacher_dataset(dataset):
+        if 0 < config.teacher_text < 1:
+            raise ValueError(
+                f"dataset='teacher' trains on the teacher's text only, so there is no text to mix teacher_text="
+                f"{config.teacher_text} with; give the text to mix as the dataset, or drop teacher_text."
+            )
+        return 1.0
+    return float(config.teacher_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TeacherRows:
+    """How many rows the teacher samples for a healing (`recovery.teacher_text`), and how many user rows it keeps.
+
+    Attributes:
+        share: The teacher's share of the training rows.
+        train: Training rows the teacher samples.
+        heldout: Held-out rows the teacher samples (another seed stream than the training rows).
+        user: The user's training rows kept (a seeded choice), so that the teacher's are `share` of them.
+    """
+
+    share: float
+    train: int
+    heldout: int
+    user: int
+
+
+def _rows_needed(config: RecoveryConfig, replicas: int) -> int | None:
+    """Training rows the schedule reads, every phase's budget counted (they read the same rows): what the teacher
+    needs to sample, since sampling costs; None when the budget is epochs over rows not known yet."""
+    phases = [config, *([_global_phase(config)] if config.local_then_global_tokens else [])]
+    counts = []
+    for phase in phases:
+        per_step = phase.rows_per_step() * replicas
+        if phase.max_tokens is not None:
+            counts.append(math.ceil(phase.max_tokens / (phase.tokens_per_step() * replicas)) * per_step)
+        elif phase.max_steps > 0:
+            counts.append(phase.max_steps * per_step)
+    if counts:
+        return max(counts)
+    return config.max_samples
+
+
+def _teacher_rows(config: RecoveryConfig, share: float, user_rows: int, replicas: int) -> _TeacherRows | None:
+    """The teacher's part of the training and held-out rows (None without teacher text): `share` of the rows the
+    budget reads (`_rows_needed`), never more; without a budget, `share` of the user's rows plus the teacher's."""
+    if share <= 0:
+        return None
+    needed = _rows_needed(config, replicas)
+    if needed is None:
+        if share >= 1:
+            raise ValueError(
+                "the teacher samples what the budget reads: give max_tokens (or max_steps, or max_samples) with "
+                "teacher text only."
+            )
+        teacher = round(share * user_rows / (1 - share))
+        needed = user_rows + teacher
+    else:
+        teacher = needed if share >= 1 else round(share * needed)
+    user = needed - teacher
+    if user > user_rows:
+        raise CalibrationDataError(
+            f"teacher_text={share} leaves {user} training rows of {config.seqlen} tokens to the given text, which "
+            f"holds {user_rows} after holding out the gate's rows; give more text, raise teacher_text or lower "
+            "max_tokens."
+        )
+    return _TeacherRows(share, teacher, heldout_split(config.heldout_rows, share)[1], user)
+
+
 def _training_text(
     tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str
 ) -> tuple[list[str], str, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
     """(texts, their kind, training rows, held-out rows), after the checks that need no model: the mode (and the
-    local mode's global phase), and, for LoRA, that peft is installed."""
+    local mode's global phase), and, for LoRA, that peft is installed. With teacher text (`teacher_share`) the kind
+    is ``teacher`` (no text read) or ``mixed`` (the user's part of the held-out rows split off here)."""
     check_mode(config.mode)
     check_local_options(config)
     check_checkpoint_options(config)
@@ -216,9 +290,13 @@ def _training_text(
             import peft  # noqa: F401
         except ImportError as error:
             raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
+    share = teacher_share(dataset, config)
+    if share >= 1:
+        return [], "teacher", [], []
     texts, kind = load_recovery_texts(dataset, text_column)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
-    return (texts, kind, *_split_rows(rows, config.heldout_rows, config.seed))
+    heldout = heldout_split(config.heldout_rows, share)[0]
+    return (texts, kind if share <= 0 else "mixed", *_split_rows(rows, heldout, config.seed))
 
 
 def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
@@ -229,9 +307,70 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     """
     check_fsdp(config, fsdp_version(config))
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
-    _steps_for_budget(config, train_rows, _replicas(config))
+    planned = _planned_rows(config, teacher_share(dataset, config), train_rows, _replicas(config))[1]
+    _steps_for_budget(config, planned, _replicas(config))
     if config.local_then_global_tokens:
-        _steps_for_budget(_global_phase(config), train_rows, _replicas(config))
+        _steps_for_budget(_global_phase(config), planned, _replicas(config))
+
+
+def _planned_rows(
+    config: RecoveryConfig, share: float, train_rows: list[dict[str, torch.Tensor]], replicas: int
+) -> tuple[_TeacherRows | None, range, list[dict[str, torch.Tensor]]]:
+    """(the teacher's part, as many placeholders as the training rows will be, the user's rows kept) for the
+    budget's checks before the teacher samples anything."""
+    plan = _teacher_rows(config, share, len(train_rows), replicas)
+    if plan is None:
+        return None, range(len(train_rows)), train_rows
+    kept = seeded_subset(train_rows, plan.user, config.seed + 2)
+    return plan, range(len(kept) + plan.train), kept
+
+
+def _cache_folder(config: RecoveryConfig) -> str | None:
+    """Where the teacher's rows are kept: `teacher_text_cache`, else a folder of `checkpoint_dir` (so that a resumed
+    healing reads them back), else nowhere."""
+    if config.teacher_text_cache:
+        return config.teacher_text_cache
+    return os.path.join(config.checkpoint_dir, "teacher_text") if config.checkpoint_dir else None
+
+
+def _sample_teacher_part(
+    teacher: nn.Module, tokenizer: Any, config: RecoveryConfig, plan: _TeacherRows, progress: bool
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """(training rows, held-out rows, record) the teacher samples for `plan`; the held-out rows come from another
+    seed stream, so they are never training rows."""
+    options = dict(
+        seed=config.seed,
+        temperature=config.sampling_temperature,
+        top_k=config.sampling_top_k,
+        top_p=config.sampling_top_p,
+        prompts=config.prompts,
+        prompt_tokens=config.teacher_prompt_tokens,
+        batch_size=config.sampling_batch_size,
+        cache_dir=_cache_folder(config),
+        progress=progress,
+    )
+    train, record = sample_teacher_rows(teacher, tokenizer, plan.train, config.seqlen, stream="train", **options)
+    heldout, held = [], None
+    if plan.heldout:
+        heldout, held = sample_teacher_rows(
+            teacher, tokenizer, plan.heldout, config.seqlen, stream="heldout", **options
+        )
+    record = {"share": plan.share, **record, "user_rows": plan.user}
+    if held is not None:
+        record["heldout"] = {k: held[k] for k in ("rows", "seconds", "tokens", "cached", "peak_memory_bytes")}
+    return train, heldout, record
+
+
+def _part_scores(
+    model: nn.Module, loss: Objective, parts: Mapping[str, list[dict[str, torch.Tensor]]], config: RecoveryConfig
+) -> dict[str, dict[str, float]]:
+    """The held-out objective, LM loss and KL of each part of the held-out rows (the user's text, the teacher's), for
+    the log: the gate decides on all rows together."""
+    from .gate import reshard_, score_rows
+
+    scores = {name: score_rows(model, loss, rows, config.per_device_train_batch_size) for name, rows in parts.items()}
+    reshard_(model)
+    return scores
 
 
 def check_local_options(config: RecoveryConfig) -> None:
@@ -356,6 +495,8 @@ def recover(
     from .gate import is_main_process
 
     config = config or RecoveryConfig()
+    if is_teacher_dataset(dataset):  # the teacher's text only: the log, the footprint and a resume see share 1
+        config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
     # A row past a position table fails inside the first step; refused here, before anything is built or changed.
     check_sequence_length(model, config.seqlen)
     # Under torchrun / accelerate launch the ranks are joined first, so that they agree on the mode (each checks its
@@ -373,6 +514,9 @@ def recover(
         merged=merges_layers((report or {}).get("plan")),
     )
     config = choice.apply(config)
+    share = teacher_share(dataset, config)
+    if share > 0 and not _has_teacher(teacher, report):
+        raise ValueError(_TEXT_NEEDS_TEACHER)
     dtype = next(model.parameters()).dtype
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     texts, kind, train_rows, heldout = _training_text(tokenizer, dataset, config, text_column)
@@ -405,7 +549,8 @@ def recover(
     fsdp = fsdp_version(config, arguments)
     check_fsdp(config, fsdp)
     replicas = _replicas(config, arguments.world_size)
-    arguments.max_steps = _steps_for_budget(config, train_rows, replicas)
+    plan, planned, train_rows = _planned_rows(config, share, train_rows, replicas)
+    arguments.max_steps = _steps_for_budget(config, planned, replicas)
     spans: list[Span] = []
     global_steps = 0
     if config.mode == "local":
@@ -419,12 +564,14 @@ def recover(
             raise ValueError(_LOCAL_NEEDS_TEACHER)
         spans = changed_spans(model, report)  # refuses without a plan or with nothing changed, before the teacher
         if config.local_then_global_tokens:
-            global_steps = _steps_for_budget(_global_phase(config), train_rows, replicas)
+            global_steps = _steps_for_budget(_global_phase(config), planned, replicas)
     if config.hidden_weight > 0:
         ends = layer_map(report, len(get_adapter(model).blocks()))  # refuses without a plan, before the teacher loads
     teacher_model, teacher_tokenizer, teacher_name = _resolve_teacher(teacher, report, dtype)
     if config.mode == "local" and teacher_model is None:
         raise ValueError(_LOCAL_NEEDS_TEACHER)
+    if plan is not None and teacher_model is None:
+        raise ValueError(_TEXT_NEEDS_TEACHER)
     if config.hidden_weight > 0 and teacher_model is None:
         raise ValueError(
             "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
@@ -483,9 +630,21 @@ def recover(
             logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
     for note in notes if is_main_process() else ():
         logger.info(note)
+    teacher_record: dict[str, Any] | None = None
+    parts: dict[str, list[dict[str, torch.Tensor]]] = {}
     with scratch_dir:
         if teacher_model is not None:
             teacher_model.to(arguments.device)
+        if plan is not None:
+            sampled, sampled_heldout, teacher_record = _sample_teacher_part(
+                teacher_model, tokenizer, config, plan, is_main_process()
+            )
+            if heldout and sampled_heldout:
+                parts = {"user": heldout, "teacher": sampled_heldout}
+            train_rows, heldout = [*train_rows, *sampled], [*heldout, *sampled_heldout]
+        if parts:
+            trained_model.to(arguments.device)
+            parts_before = _part_scores(trained_model, healing_loss, parts, config)
         if local_loss is None:
             phase = _train_phase(trained_model, arguments, train_rows, heldout, healing_loss, healing_loss, config)
             phases = [phase]
@@ -518,6 +677,13 @@ def recover(
         for name, parameter in trained_model.named_parameters():
             parameter.requires_grad_(flags[name])
     trained_model.eval()
+    if parts:
+        after = _part_scores(trained_model, healing_loss, parts, config)
+        heldout_parts: dict[str, Any] = {
+            name: {"rows": len(rows), "before": parts_before[name], "after": after[name]}
+            for name, rows in parts.items()
+        }
+        heldout_parts["gate_objective"] = "the objective over both parts together"
     first, last = phases[0], phases[-1]
     steps = sum(p.steps for p in phases)
     log = {
@@ -547,6 +713,8 @@ def recover(
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": notes} if notes else {}),
+        **({"teacher_text": teacher_record} if teacher_record is not None else {}),
+        **({"heldout_parts": heldout_parts} if parts else {}),
         **({} if config.trains_embeddings else {"embeddings": "frozen (the token embeddings and the LM head)"}),
     }
     if local_loss is not None:
@@ -582,6 +750,11 @@ def recover(
 _NOT_SHARDED = (
     "FSDP was asked for, but accelerate shards only on accelerators (CUDA, XPU, NPU...): this run was "
     "data-parallel (DDP), every process holding the whole model"
+)
+
+_TEXT_NEEDS_TEACHER = (
+    "teacher text (dataset='teacher' or teacher_text > 0) is sampled from the teacher, and no teacher was given (or "
+    "the report names none); give teacher=... (the dense model), or train on a text of your own."
 )
 
 _LOCAL_NEEDS_TEACHER = (

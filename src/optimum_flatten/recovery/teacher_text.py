@@ -1,0 +1,442 @@
+"""Training rows the dense teacher writes itself, for healing by self-data distillation (Thangarasa et al. 2024,
+arXiv 2410.09982): the compressed student learns the teacher's next-token distributions on text drawn from that same
+distribution, so no user text is needed and the student is trained where the teacher actually puts its mass.
+
+How the rows are sampled, and why:
+
+- **Plain sampling at temperature 1, no top-k or top-p cut** unless asked. A cut renormalises the distribution over
+  its head, and the rows would then show the student a narrower text than the teacher's own; a model's
+  generation_config.json (SmolLM2-Instruct's, for one) and transformers' defaults (``top_k=50``) would apply such a
+  cut silently, so every sampling setting is given to ``generate`` explicitly (`sampling_kwargs`).
+- **Each row is exactly `seqlen` tokens**, the start token, the prompt (if any) and the continuation: ``min_new_tokens``
+  and ``max_new_tokens`` are both the rest of the row, and **EOS is an ordinary token** (``eos_token_id=None`` for
+  the generation, so nothing stops a row and nothing is suppressed): after an EOS the teacher starts a new document,
+  as in the packed, EOS-separated rows of `recovery.data.build_training_rows`.
+- **The start** is the tokenizer's BOS token, or its EOS token (a document separator) when it has no BOS: sampling
+  from it draws from the model's unconditional distribution. No chat template is applied, even for a chat model
+  such as the bundled SmolLM2-Instruct: the rows are plain continuations, whatever the model makes of a bare start.
+  With prompts, the first `prompt_tokens` tokens of each document follow the start token (the documents cycled in a
+  seeded order).
+- **Labels** are the ids at every position, the prompt's included (they are the user's text, and the KL on them is
+  still the teacher's distribution); the attention mask is all ones.
+- **Seeded**: each batch forks torch's random state and seeds it from (seed, stream, rank, batch), so the same seed
+  gives the same rows whatever ran before in the process (on the same device, with the same batch size), and the
+  gate's held-out rows (another stream) are never training rows.
+- **Cached**: with a cache folder, the rows are written once (atomically, with a JSON key: the teacher's weights
+  fingerprint, vocabulary, rows, seqlen, seed, sampling settings and prompts) and read back while the key matches,
+  so a resumed healing does not sample again; another key samples again and replaces them.
+- **Under torch.distributed** each rank samples its own share of the rows (its seeds mix in its rank), and the
+  shares are gathered so that every rank holds all rows, in rank order, as the Trainer expects.
+
+vLLM would sample faster on a GPU; it is left out (an optional dependency, another loader and another sampler to
+keep equal to transformers'), so sampling is transformers' ``generate`` with the KV cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..utils.errors import CalibrationDataError
+from ..utils.files import write_atomically, write_bytes_atomically
+
+logger = logging.getLogger(__name__)
+
+#: Rows sampled at a time on a CPU (a batch's KV cache is small there; more rows mostly add latency per bar update).
+CPU_BATCH_SIZE = 8
+#: Share of the free CUDA memory one sampling batch may take (the rest: the allocator's slack and temporaries).
+SAMPLING_HEADROOM = 0.5
+#: Most rows sampled at a time whatever the memory (beyond it a step's latency grows with no gain in throughput).
+MAX_BATCH_SIZE = 256
+#: Bytes a row's next-token step holds per vocabulary entry: the float32 logits, the processed scores, the softmax.
+LOGIT_BYTES = 3 * 4
+
+Row = dict[str, torch.Tensor]
+
+
+def kv_cache_bytes(config: Any, seqlen: int, dtype_bytes: int) -> int:
+    """Bytes of one row's KV cache at `seqlen` tokens: keys and values of every layer, ``2 · layers · kv_heads ·
+    head_dim · seqlen · dtype bytes`` (read from a transformers config, its text config for a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    return 2 * int(text.num_hidden_layers) * kv_heads * head_dim * seqlen * dtype_bytes
+
+
+def sampling_batch_size(
+    row_kv_bytes: int, vocab_size: int, free_bytes: int, headroom: float = SAMPLING_HEADROOM
+) -> int:
+    """Rows to sample at a time so that their KV caches and next-token logits take at most `headroom` of
+    `free_bytes` (at least 1, at most `MAX_BATCH_SIZE`): the cache grows with every row, the logits are a step's."""
+    per_row = row_kv_bytes + LOGIT_BYTES * vocab_size
+    return max(1, min(MAX_BATCH_SIZE, int(headroom * free_bytes) // max(per_row, 1)))
+
+
+def default_batch_size(model: nn.Module, seqlen: int) -> int:
+    """`CPU_BATCH_SIZE` off CUDA; on CUDA, `sampling_batch_size` of the device's free memory now."""
+    parameter = next(model.parameters())
+    if parameter.device.type != "cuda":
+        return CPU_BATCH_SIZE
+    free, _ = torch.cuda.mem_get_info(parameter.device)
+    row = kv_cache_bytes(model.config, seqlen, parameter.element_size())
+    return sampling_batch_size(row, int(model.config.get_text_config().vocab_size), free)
+
+
+def sampling_kwargs(
+    seqlen: int, prompt_length: int, temperature: float, top_k: int | None, top_p: float | None, pad_token_id: int
+) -> dict[str, Any]:
+    """What ``generate`` is given: every setting that shapes the distribution, set to plain sampling unless asked.
+
+    Given as keyword arguments, which transformers applies over the model's generation_config.json and its own
+    defaults (a `GenerationConfig` object passed instead has its None fields filled from them: ``top_k=50``, the
+    model's EOS). ``top_k=0`` and ``top_p=1.0`` are transformers' "no cut"; ``eos_token_id=None`` makes EOS an
+    ordinary token, so that every row runs to `seqlen` (see the module docstring)."""
+    new = seqlen - prompt_length
+    return {
+        "do_sample": True,
+        "use_cache": True,
+        "num_beams": 1,
+        "temperature": float(temperature),
+        "top_k": int(top_k or 0),
+        "top_p": float(top_p if top_p is not None else 1.0),
+        "min_p": None,
+        "typical_p": 1.0,
+        "epsilon_cutoff": 0.0,
+        "eta_cutoff": 0.0,
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+        "bad_words_ids": None,
+        "suppress_tokens": None,
+        "begin_suppress_tokens": None,
+        "forced_bos_token_id": None,
+        "forced_eos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": int(pad_token_id),
+        "min_new_tokens": new,
+        "max_new_tokens": new,
+    }
+
+
+def generation_config(
+    seqlen: int, prompt_length: int, temperature: float, top_k: int | None, top_p: float | None, pad_token_id: int
+) -> Any:
+    """`sampling_kwargs` as an explicit transformers `GenerationConfig`, validated (what the record describes)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(**sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, pad_token_id))
+    config.validate(strict=True)
+    return config
+
+
+def start_token(tokenizer: Any) -> tuple[int, str]:
+    """(token id, ``"bos"`` or ``"eos"``) every row starts with: the BOS token, else EOS as a document separator."""
+    for kind in ("bos", "eos"):
+        token = getattr(tokenizer, f"{kind}_token_id", None)
+        if token is not None:
+            return int(token), kind
+    raise CalibrationDataError(
+        "sampling the teacher's text needs a start token, and the tokenizer has neither a BOS nor an EOS token; "
+        "give prompts=... (documents whose first tokens start the rows)."
+    )
+
+
+def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str = "text") -> list[list[int]]:
+    """The first `prompt_tokens` tokens of each prompt document long enough to hold them.
+
+    `prompts` is a list of texts, or a file / any source `calibration.data.load_texts` reads; a ``.txt`` file is one
+    prompt a line (not one text, as calibration reads it), since a prompt list is written that way."""
+    from ..calibration.data import load_texts, tokenize_texts
+
+    if isinstance(prompts, (str, os.PathLike)) and Path(prompts).is_file() and Path(prompts).suffix.lower() == ".txt":
+        texts = [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    else:
+        texts = load_texts(prompts, text_column)
+    ids = [tokens[:prompt_tokens] for tokens in tokenize_texts(tokenizer, texts) if len(tokens) >= prompt_tokens]
+    if not ids:
+        raise CalibrationDataError(
+            f"no prompt holds {prompt_tokens} tokens (of {len(texts)} given); give longer prompts or lower "
+            "teacher_prompt_tokens."
+        )
+    return ids
+
+
+def batch_seed(seed: int, stream: str, rank: int, index: int) -> int:
+    """The seed of one batch: a hash of (seed, stream, rank, batch), so that no two streams, ranks or seeds share a
+    batch's random state (``seed + index`` would give seed 1's first batch to seed 0's second)."""
+    digest = hashlib.sha256(f"{seed}:{stream}:{rank}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _process() -> tuple[int, int]:
+    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _share(n_rows: int, rank: int, world_size: int) -> int:
+    """Rows rank `rank` samples of `n_rows`: an equal share, the first ranks one more for the remainder."""
+    return n_rows // world_size + (1 if rank < n_rows % world_size else 0)
+
+
+def _gather(ids: torch.Tensor, n_rows: int, world_size: int, device: torch.device) -> torch.Tensor:
+    """Every rank's rows, in rank order, on every rank (shares padded to the largest for all_gather; NCCL moves
+    CUDA tensors only, so they travel on the teacher's device)."""
+    if world_size == 1:
+        return ids
+    most = _share(n_rows, 0, world_size)
+    padded = torch.zeros((most, ids.shape[1]), dtype=ids.dtype, device=device)
+    padded[: ids.shape[0]] = ids.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world_size)]
+    torch.distributed.all_gather(parts, padded)
+    return torch.cat([part[: _share(n_rows, r, world_size)] for r, part in enumerate(parts)]).cpu()
+
+
+def _everyone(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (a collective: every rank calls it at the same point)."""
+    value = torch.tensor([1 if flag else 0], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def _peak_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they measure): CUDA's peak allocation since the sampling began, else the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    try:
+        import resource  # not on Windows
+    except ImportError:
+        return 0, "not measured"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process peak RSS"
+
+
+def _starts(
+    n_rows: int, start: int, prompts: list[list[int]] | None, seed: int, rank: int, world_size: int
+) -> torch.Tensor:
+    """This rank's rows' beginnings: the start token, then its prompt (the prompts cycled in a seeded order, the
+    whole run's rows dealt to the ranks in turn so that the prompts do not depend on the world size's split)."""
+    first = sum(_share(n_rows, r, world_size) for r in range(rank))
+    count = _share(n_rows, rank, world_size)
+    if not prompts:
+        return torch.full((count, 1), start, dtype=torch.long)
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    chosen = [prompts[order[(first + i) % len(order)]] for i in range(count)]
+    return torch.tensor([[start, *ids] for ids in chosen], dtype=torch.long)
+
+
+def cache_key(
+    teacher: nn.Module, tokenizer: Any, n_rows: int, seqlen: int, settings: dict[str, Any], prompts: Any
+) -> dict[str, Any]:
+    """What the cached rows depend on: the teacher (its weights' fingerprint and name), the vocabulary, the rows'
+    count and length, and the sampling settings and prompts (hashed)."""
+    from ..utils.fingerprint import weights_fingerprint
+
+    config = getattr(teacher, "config", None)
+    return {
+        "teacher": str(getattr(config, "_name_or_path", "") or ""),
+        "teacher_fingerprint": weights_fingerprint(teacher),
+        "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+        "n_rows": int(n_rows),
+        "seqlen": int(seqlen),
+        **settings,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest() if prompts else None,
+    }
+
+
+def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> torch.Tensor | None:
+    """The cached rows when the folder holds them under the same key, else None."""
+    key_path, rows_path = folder / f"{name}.json", folder / f"{name}.safetensors"
+    if not (key_path.is_file() and rows_path.is_file()):
+        return None
+    try:
+        saved = json.loads(key_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    if saved != json.loads(json.dumps(key)):
+        logger.info("teacher text cache %s: another key, sampling again", key_path)
+        return None
+    from safetensors.torch import load_file
+
+    ids = load_file(str(rows_path))["input_ids"]
+    return ids if tuple(ids.shape) == (key["n_rows"], key["seqlen"]) else None
+
+
+def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor) -> None:
+    """The rows, then their key (written last: a key names complete rows), each atomically."""
+    from safetensors.torch import save_file
+
+    write_atomically(folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path)))
+    write_bytes_atomically(folder / f"{name}.json", json.dumps(key, indent=1, sort_keys=True).encode())
+
+
+def _generate(
+    teacher: nn.Module,
+    starts: torch.Tensor,
+    seqlen: int,
+    kwargs: dict[str, Any],
+    batch_size: int,
+    seed: int,
+    stream: str,
+    rank: int,
+    progress: bool,
+) -> torch.Tensor:
+    """`starts` continued to `seqlen` tokens, `batch_size` rows at a time, each batch under its own seed."""
+    from tqdm.auto import tqdm
+
+    device = next(teacher.parameters()).device
+    new_tokens = seqlen - starts.shape[1]
+    outputs = []
+    bar = tqdm(total=starts.shape[0] * new_tokens, unit="tok", desc="teacher text", disable=not progress)
+    with bar:
+        for index, first in enumerate(range(0, starts.shape[0], batch_size)):
+            batch = starts[first : first + batch_size].to(device)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+                torch.manual_seed(batch_seed(seed, stream, rank, index))
+                out = teacher.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **kwargs)
+            if out.shape[1] != seqlen:
+                raise RuntimeError(f"the teacher's generate returned rows of {out.shape[1]} tokens, not {seqlen}.")
+            outputs.append(out.cpu())
+            bar.update(batch.shape[0] * new_tokens)
+    return torch.cat(outputs) if outputs else torch.empty((0, seqlen), dtype=torch.long)
+
+
+def sample_teacher_rows(
+    teacher_model: nn.Module,
+    tokenizer: Any,
+    n_rows: int,
+    seqlen: int,
+    *,
+    seed: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    prompts: Any = None,
+    prompt_tokens: int = 32,
+    batch_size: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    stream: str = "train",
+    progress: bool = True,
+) -> tuple[list[Row], dict[str, Any]]:
+    """`n_rows` training rows of `seqlen` tokens sampled from `teacher_model` (see the module docstring), and a
+    record of the sampling.
+
+    Args:
+        teacher_model: The dense model (eval mode, on the device it samples on).
+        tokenizer: Its tokenizer (the start token; the prompts' tokens).
+        n_rows, seqlen: How many rows, of how many tokens each (start token and prompt included).
+        seed: The rows' seed (with `stream`, and the rank under torch.distributed).
+        temperature, top_k, top_p: Sampling (defaults: temperature 1, no cut).
+        prompts: None (every row from the start token), a list of texts, or a file / text source.
+        prompt_tokens: Tokens of each prompt document kept.
+        batch_size: Rows a ``generate`` call; None: `default_batch_size`.
+        cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
+        stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
+        progress: Show a progress bar in tokens.
+
+    Returns:
+        (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), generated
+        tokens a second, peak memory and what it measures, rows, seed, sampling settings, start, batch size, whether
+        the rows came from the cache).
+
+    Raises:
+        CalibrationDataError: no start token and no prompts, or no prompt long enough.
+        ValueError: a row too short for its start token and prompt.
+    """
+    start, start_kind = start_token(tokenizer)
+    prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
+    prompt_length = 1 + (prompt_tokens if prompt_list else 0)
+    if seqlen <= prompt_length:
+        raise ValueError(f"seqlen={seqlen} leaves no token to sample after the {prompt_length}-token start and prompt.")
+    pad = getattr(tokenizer, "pad_token_id", None)
+    kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, start if pad is None else int(pad))
+    settings = {
+        "seed": int(seed),
+        "stream": stream,
+        "temperature": float(temperature),
+        "top_k": kwargs["top_k"] or None,
+        "top_p": top_p if top_p is not None and top_p < 1.0 else None,
+        "start": "prompts" if prompt_list else start_kind,
+        "prompt_tokens": prompt_tokens if prompt_list else None,
+        "eos": "an ordinary token (rows run to seqlen)",
+    }
+    device = next(teacher_model.parameters()).device
+    rank, world_size = _process()
+    batch_size = batch_size or default_batch_size(teacher_model, seqlen)
+    folder = Path(cache_dir) if cache_dir is not None else None
+    key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
+    began = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ids = _read_cache(folder, stream, key) if folder is not None and key is not None else None
+    if world_size > 1 and not _everyone(ids is not None, device):
+        ids = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
+    cached = ids is not None
+    if ids is None:
+        starts = _starts(n_rows, start, prompt_list, seed, rank, world_size)
+        was_training = teacher_model.training
+        teacher_model.eval()
+        try:
+            mine = _generate(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
+        finally:
+            teacher_model.train(was_training)
+        ids = _gather(mine, n_rows, world_size, device)
+        if folder is not None and key is not None and rank == 0:
+            _write_cache(folder, stream, key, ids)
+    seconds = time.perf_counter() - began
+    peak, measured = _peak_memory(device)
+    tokens = int(ids.numel())
+    generated = int(ids.shape[0]) * (seqlen - prompt_length)
+    record = {
+        "rows": int(ids.shape[0]),
+        "seqlen": int(seqlen),
+        **settings,
+        "batch_size": int(batch_size),
+        "processes": world_size,
+        "cached": cached,
+        "seconds": round(seconds, 3),
+        "tokens": tokens,
+        "generated_tokens": generated,
+        "tokens_per_second": round(generated / seconds, 1) if seconds > 0 and not cached else None,
+        "peak_memory_bytes": peak,
+        "peak_memory": measured,
+    }
+    rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
+    return rows, record
+
+
+def is_teacher_dataset(dataset: Any) -> bool:
+    """Whether `dataset` asks for the teacher's own text only (``"teacher"``, the command line's ``--dataset
+    teacher``)."""
+    return isinstance(dataset, str) and dataset.strip().lower() == "teacher"
+
+
+def heldout_split(heldout_rows: int, share: float) -> tuple[int, int]:
+    """(user rows, teacher rows) of the gate's `heldout_rows`: the training share, at least one row of each part
+    when both are trained on and there are two rows to hold out."""
+    if heldout_rows <= 0 or share <= 0:
+        return max(heldout_rows, 0), 0
+    if share >= 1:
+        return 0, heldout_rows
+    teacher = round(share * heldout_rows)
+    if heldout_rows >= 2:
+        teacher = min(max(teacher, 1), heldout_rows - 1)
+    return heldout_rows - teacher, teacher
+
+
+def seeded_subset(rows: Sequence[Row], count: int, seed: int) -> list[Row]:
+    """`count` of `rows`, a seeded choice kept in order (all of them when there are no more)."""
+    if count >= len(rows):
+        return list(rows)
+    return [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), count))]

@@ -1,0 +1,275 @@
+"""Healing on text the teacher samples itself (`recovery.teacher_text`): the rows, their seed, the sampling's
+settings, the cache, the share of a mix, the gate's parts, the refusals and the command line."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import tiny_models
+from common import compress
+from optimum_flatten.cli.main import main
+from optimum_flatten.options.recovery import RecoveryConfig
+from optimum_flatten.recovery import recover
+from optimum_flatten.recovery.footprint import full_footprint
+from optimum_flatten.recovery.teacher_text import (
+    MAX_BATCH_SIZE,
+    generation_config,
+    heldout_split,
+    kv_cache_bytes,
+    sample_teacher_rows,
+    sampling_batch_size,
+)
+from optimum_flatten.recovery.trainer import _teacher_rows
+
+TOKENIZER = tiny_models.CharTokenizer()
+SMALL = dict(seqlen=32, per_device_train_batch_size=2, heldout_rows=4, eval_every=1, learning_rate=1e-3)
+
+
+def _ids(rows):
+    return torch.stack([row["input_ids"] for row in rows])
+
+
+def _counting(model):
+    """`model` with its generate calls counted (in ``model.generate_calls``)."""
+    model.generate_calls = 0
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        model.generate_calls += 1
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    return model
+
+
+def test_rows_are_seqlen_tokens_from_bos_labelled_and_reproducible_by_seed():
+    teacher = tiny_models.tiny_llama_gqa()
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=3, batch_size=2, progress=False)
+    ids = _ids(rows)
+    assert ids.shape == (5, 24) and (ids[:, 0] == TOKENIZER.bos_token_id).all()
+    for row in rows:
+        assert torch.equal(row["labels"], row["input_ids"]) and bool(row["attention_mask"].all())
+    assert record["rows"] == 5 and record["tokens"] == 120 and record["cached"] is False
+    assert record["start"] == "bos" and record["temperature"] == 1.0 and record["top_k"] is None
+    assert record["peak_memory_bytes"] > 0 and record["seconds"] >= 0
+    # The same seed gives the same rows whatever the process's random state did in between.
+    torch.manual_seed(1234)
+    torch.rand(100)
+    again, _ = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=3, batch_size=2, progress=False)
+    assert torch.equal(_ids(again), ids)
+    other, _ = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=4, batch_size=2, progress=False)
+    held, _ = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=3, batch_size=2, progress=False, stream="heldout")
+    assert not torch.equal(_ids(other), ids) and not torch.equal(_ids(held), ids)
+
+
+def test_no_top_k_or_top_p_applies_whatever_the_models_generation_config_says():
+    """The teacher's generation_config.json (here: top_k=1, a near-greedy cut) must not narrow the samples: the
+    config generate actually uses has no cut, and the rows differ (with top_k=1 they would all be the greedy one)."""
+    teacher = tiny_models.tiny_llama_gqa()
+    teacher.generation_config.top_k, teacher.generation_config.top_p = 1, 0.1
+    teacher.generation_config.temperature = 0.05
+    used = []
+    prepare = teacher._prepare_generation_config
+
+    def spy(*args, **kwargs):
+        config, model_kwargs = prepare(*args, **kwargs)
+        used.append(config)
+        return config, model_kwargs
+
+    teacher._prepare_generation_config = spy
+    rows, _ = sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=0, batch_size=6, progress=False)
+    config = used[-1]
+    assert (config.top_k, config.top_p, config.temperature, config.do_sample) == (0, 1.0, 1.0, True)
+    assert config.eos_token_id is None and config.min_p is None and config.use_cache
+    assert len({tuple(r.tolist()) for r in _ids(rows)}) == 6
+    # The cut is there when asked for: top_k=1 from the same start gives one row six times.
+    cut, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=0, top_k=1, batch_size=6, progress=False)
+    assert len({tuple(r.tolist()) for r in _ids(cut)}) == 1 and record["top_k"] == 1
+    explicit = generation_config(16, 1, 1.0, None, None, 0)
+    assert (explicit.top_k, explicit.top_p, explicit.min_new_tokens, explicit.max_new_tokens) == (0, 1.0, 15, 15)
+
+
+def test_eos_neither_stops_a_row_nor_is_suppressed():
+    teacher = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        teacher.lm_head.weight[TOKENIZER.eos_token_id] = 50 * teacher.model.norm.weight.sign()  # EOS nearly always
+    rows, _ = sample_teacher_rows(teacher, TOKENIZER, 3, 20, seed=0, progress=False)
+    ids = _ids(rows)
+    assert ids.shape == (3, 20) and (ids[:, 1:] == TOKENIZER.eos_token_id).float().mean() > 0.5
+
+
+def test_prompts_start_the_rows_with_the_first_tokens_of_each_document(tmp_path):
+    teacher = tiny_models.tiny_llama_gqa()
+    path = tmp_path / "prompts.txt"
+    path.write_text("the state of the union is strong\n\nshort\npeace and work for the people\n")
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 4, 20, seed=0, prompts=str(path), prompt_tokens=6,
+                                       progress=False)  # fmt: skip
+    starts = {tuple(TOKENIZER(text)["input_ids"][:6]) for text in ("the state of", "peace and work")}
+    assert record["start"] == "prompts" and record["prompt_tokens"] == 6
+    for row in _ids(rows):
+        assert row[0] == TOKENIZER.bos_token_id and tuple(row[1:7].tolist()) in starts
+    assert {tuple(r[1:7].tolist()) for r in _ids(rows)} == starts  # both cycled, "short" (too short) left out
+
+
+def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_path):
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    options = dict(seed=0, batch_size=4, cache_dir=tmp_path, progress=False)
+    first, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
+    assert teacher.generate_calls == 2 and not record["cached"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.json", "train.safetensors"]
+    second, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
+    assert teacher.generate_calls == 2 and record["cached"] and torch.equal(_ids(first), _ids(second))
+    _, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, temperature=2.0, **options)
+    assert teacher.generate_calls == 4 and not record["cached"]
+    assert json.loads((tmp_path / "train.json").read_text())["temperature"] == 2.0
+    changed = copy.deepcopy(teacher)
+    with torch.no_grad():
+        changed.lm_head.weight.add_(0.01)
+    _, record = sample_teacher_rows(_counting(changed), TOKENIZER, 6, 16, temperature=2.0, **options)
+    assert not record["cached"] and changed.generate_calls == 2  # other weights: another key
+
+
+def test_the_sampling_batch_is_sized_to_the_free_memory():
+    config = tiny_models.tiny_llama_gqa().config  # 6 layers, 2 KV heads of 8
+    assert kv_cache_bytes(config, 32, 4) == 2 * 6 * 2 * 8 * 32 * 4
+    row = 1000
+    assert sampling_batch_size(row, 10, free_bytes=2 * 1120 * 7) == 7  # half the free memory, 1000 + 12·10 a row
+    assert sampling_batch_size(row, 10, free_bytes=10) == 1
+    assert sampling_batch_size(row, 10, free_bytes=10**15) == MAX_BATCH_SIZE
+
+
+def test_the_teacher_share_takes_what_the_budget_reads():
+    config = RecoveryConfig(max_tokens=256, teacher_text=0.25, **SMALL)  # 4 steps of 2 rows
+    plan = _teacher_rows(config, 0.25, user_rows=20, replicas=1)
+    assert (plan.train, plan.user, plan.heldout) == (2, 6, 1)
+    assert heldout_split(4, 0.5) == (2, 2) and heldout_split(4, 1.0) == (0, 4) and heldout_split(3, 0.1) == (2, 1)
+    with pytest.raises(ValueError, match="leaves 6 training rows"):
+        _teacher_rows(config, 0.25, user_rows=5, replicas=1)
+
+
+def test_a_mix_trains_on_both_parts_and_scores_each_part_held_out():
+    config = RecoveryConfig(mode="full", max_tokens=256, teacher_text=0.5, **SMALL)
+    _, log = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, tiny_models.sample_texts(), config,
+                     teacher=tiny_models.tiny_llama_gqa())  # fmt: skip
+    assert log["data_kind"] == "mixed" and log["rows"] == 8
+    assert (log["teacher_text"]["rows"], log["teacher_text"]["user_rows"], log["teacher_text"]["share"]) == (4, 4, 0.5)
+    parts = log["heldout_parts"]
+    assert log["heldout_rows"] == 4 and parts["user"]["rows"] == 2 and parts["teacher"]["rows"] == 2
+    for part in ("user", "teacher"):
+        assert set(parts[part]["before"]) == {"objective", "lm", "kl"} and set(parts[part]["after"]) == {
+            "objective", "lm", "kl"
+        }  # fmt: skip
+    mean = (parts["user"]["before"]["objective"] + parts["teacher"]["before"]["objective"]) / 2
+    assert log["heldout_before"]["objective"] == pytest.approx(mean, rel=1e-4)  # the gate's: both parts together
+
+
+def test_recover_on_the_teacher_text_alone_and_resumed_reads_the_cache(tmp_path):
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    config = RecoveryConfig(mode="full", max_tokens=256, checkpoint_dir=str(tmp_path / "ckpt"), **SMALL)
+    _, log = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", config, teacher=teacher)
+    record = log["teacher_text"]
+    assert log["data_kind"] == "teacher" and log["rows"] == 8 and log["steps"] == 4 and log["heldout_rows"] == 4
+    assert record["share"] == 1.0 and record["rows"] == 8 and record["heldout"]["rows"] == 4 and not record["cached"]
+    assert {"seconds", "tokens_per_second", "peak_memory_bytes", "seed", "temperature"} <= set(record)
+    assert "heldout_parts" not in log
+    assert (tmp_path / "ckpt" / "teacher_text" / "train.safetensors").is_file()
+    calls = teacher.generate_calls
+    _, again = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", config, teacher=teacher)
+    assert teacher.generate_calls == calls and again["teacher_text"]["cached"]
+    assert again["teacher_text"]["heldout"]["cached"]
+
+
+@pytest.mark.parametrize("teacher", [False, "none", None])
+def test_teacher_text_without_a_teacher_is_refused_before_any_weight_changes(teacher):
+    model = tiny_models.tiny_llama_gqa(seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="sampled from the teacher"):
+        recover(model, TOKENIZER, "teacher", RecoveryConfig(mode="full", max_tokens=256, **SMALL), teacher=teacher)
+    with pytest.raises(ValueError, match="sampled from the teacher"):
+        config = RecoveryConfig(mode="full", max_tokens=256, teacher_text=0.5, **SMALL)
+        recover(model, TOKENIZER, tiny_models.sample_texts(), config, teacher=teacher)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(teacher_text=1.5), "in \\[0, 1\\]"),
+        (dict(sampling_temperature=0.0), "sampling_temperature must be a positive"),
+        (dict(sampling_top_p=0.0), "sampling_top_p must be in"),
+        (dict(sampling_batch_size=0), "sampling_batch_size must be at least 1"),
+    ],
+)
+def test_sampling_options_out_of_range_are_refused_when_the_config_is_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        RecoveryConfig(**options)
+
+
+def test_teacher_dataset_with_a_share_to_mix_is_refused():
+    config = RecoveryConfig(max_tokens=256, teacher_text=0.5, **SMALL)
+    with pytest.raises(ValueError, match="no text to mix"):
+        recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", config, teacher=tiny_models.tiny_llama_gqa())
+
+
+def test_the_footprint_counts_one_sampling_batch_before_training():
+    model = tiny_models.tiny_llama_gqa()
+    plain = full_footprint(model, RecoveryConfig(seqlen=32))
+    sampled = full_footprint(model, RecoveryConfig(seqlen=32, teacher_text=1.0, sampling_batch_size=4))
+    assert plain.sampling == 0 and sampled.sampling == 4 * (kv_cache_bytes(model.config, 32, 4) + 12 * 96)
+    assert sampled.total == max(sampled.state + sampled.activations, sampled.sampling)
+
+
+def test_cli_recover_on_the_teacher_text(tmp_path, capsys):
+    tokenizer = tiny_models.tiny_hf_tokenizer()
+    dense = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense)
+    tokenizer.save_pretrained(dense)
+    model = tiny_models.tiny_llama_gqa()
+    compressed = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2).save(model, tmp_path / "c", tokenizer)
+    out = tmp_path / "healed"
+    code = main([
+        "recover", str(compressed), "--teacher", str(dense), "--dataset", "teacher", "--output", str(out),
+        "--seqlen", "32", "--per-device-train-batch-size", "2", "--heldout-rows", "2", "--eval-every", "1",
+        "--max-tokens", "128", "--mode", "full", "--sampling-batch-size", "2", "--sampling-top-k", "0",
+    ])  # fmt: skip
+    assert code == 0
+    recovery = json.loads((out / "flatten_report.json").read_text())["recovery"]
+    assert recovery["data_kind"] == "teacher" and recovery["dataset"] == "teacher"
+    assert recovery["teacher_text"]["rows"] == 4 and recovery["teacher_text"]["batch_size"] == 2
+    assert recovery["teacher_text"]["top_k"] is None and "gate:" in capsys.readouterr().out
+
+
+def test_compress_heals_on_the_teacher_text_with_heal_dataset_teacher():
+    heal = {**SMALL, "heldout_rows": 2, "max_tokens": 128, "mode": "changed", "dataset": "teacher"}
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = compress(model, "flattengpt", TOKENIZER, num_layers_to_remove=2, heal=heal)
+    log = quantizer.report["recovery"]
+    assert log["data_kind"] == "teacher" and log["dataset"] == "teacher" and log["teacher_text"]["rows"] == 4
+    assert log["tokens_trained"] == 128
+
+
+def _sample_on_rank(rank: int, init: str, out: str) -> None:
+    """One rank of a 2-process gloo group: samples 5 rows (its share: 3 or 2) and saves what it ends up holding."""
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        rows, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3,
+                                           progress=False)  # fmt: skip
+        torch.save({"ids": _ids(rows), "processes": record["processes"]}, f"{out}/rank{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_under_torch_distributed_each_rank_samples_its_share_and_all_hold_every_row(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sample_on_rank, args=(f"file://{tmp_path}/init", str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert torch.equal(ranks[0]["ids"], ranks[1]["ids"]) and ranks[0]["ids"].shape == (5, 16)
+    assert ranks[0]["processes"] == 2
+    # Rank 0's share (3 rows, one batch) is the first batch one process samples with the same seed.
+    alone, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3, progress=False)
+    assert torch.equal(ranks[0]["ids"][:3], _ids(alone)[:3]) and not torch.equal(ranks[0]["ids"][3:], _ids(alone)[3:])
