@@ -207,6 +207,9 @@ def main() -> None:
         metavar="SHARE",
         help="share (0..1) of the training rows the dense model samples itself (needs --kd); 1.0 reads no speech",
     )
+    parser.add_argument(
+        "--optim", default=None, help="TrainingArguments.optim (e.g. adafactor); default: the Trainer's AdamW"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -297,6 +300,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""
+    suffix += f"_optim{args.optim}" if getattr(args, "optim", None) else ""
     suffix += f"_seq{args.seqlen}" if args.seqlen != DEFAULT_ROWS["seqlen"] else ""
     suffix += f"_batch{args.batch_size}" if args.batch_size != DEFAULT_ROWS["batch_size"] else ""
     suffix += f"_lr{args.learning_rate:g}" if args.learning_rate is not None and not args.sweep_learning_rates else ""
@@ -342,7 +346,8 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         per_device_train_batch_size=args.batch_size,
         logging_steps=max(1, args.eval_every),
         seed=args.seed,
-        extra_training_args={"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {},  # a float: a ratio
+        extra_training_args=({"warmup_steps": args.warmup_ratio} if args.warmup_ratio else {})  # a float: a ratio
+        | ({"optim": args.optim} if getattr(args, "optim", None) else {}),
         checkpoint_dir=getattr(args, "checkpoint_dir", None),
         save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
         teacher_text=args.teacher_text if args.teacher_text < 1.0 else 0.0,  # 1.0: the dataset says "teacher"

@@ -314,13 +314,15 @@ def test_without_embeddings_drops_a_tied_table_once_and_both_untied_ones():
 @pytest.mark.parametrize("train_embeddings", [None, True])
 def test_the_default_trains_full_with_frozen_embeddings_where_only_that_fits(compressed, monkeypatch, train_embeddings):
     """With memory between `full`'s footprint with and without the embeddings' state, the default mode is `full`
-    with the token table and the LM head frozen (the log and the card say why); asked to train them, it is `local`."""
+    with the token table and the LM head frozen (the log and the card say why); asked to train them with AdamW (an
+    optimiser given: no lean fallback), it is `local`."""
     from optimum_flatten.recovery import footprint
 
     dense = compressed[0]
     model = copy.deepcopy(dense)
     report = dict(compress(model, "replaceme", num_layers_to_remove=2).report)  # no merged layers: full stays full
-    config = _config(learning_rate=None, max_tokens=64, train_embeddings=train_embeddings)
+    adamw = {"disable_tqdm": True, "optim": "adamw_torch"}
+    config = _config(learning_rate=None, max_tokens=64, train_embeddings=train_embeddings, extra_training_args=adamw)
     trained, frozen = (
         footprint.full_footprint(model, RecoveryConfig(**{**vars(config), "train_embeddings": t})).total
         for t in (True, False)
@@ -347,3 +349,34 @@ def test_the_default_trains_full_with_frozen_embeddings_where_only_that_fits(com
     else:
         assert log["mode"] == "local" and "embeddings" not in log
         assert log["mode_chosen"].endswith("does not fit within 90% of it)")
+
+
+def test_where_adamw_does_not_fit_full_trains_with_adafactor_before_falling_back_to_local(compressed, monkeypatch):
+    """With memory between `full`'s footprint under Adafactor and under AdamW (embeddings frozen too), the default
+    is `full` with ``optim="adafactor"``, said in the log; with less than Adafactor needs, `local`."""
+    from optimum_flatten.recovery import footprint
+
+    dense = compressed[0]
+    model = copy.deepcopy(dense)
+    report = dict(compress(model, "replaceme", num_layers_to_remove=2).report)
+    config = _config(learning_rate=None, max_tokens=64, train_embeddings=True)
+    sized = {
+        optim: footprint.full_footprint(
+            model, RecoveryConfig(**{**vars(config), "extra_training_args": {"optim": optim}})
+        ).total
+        for optim in ("adamw_torch", "adafactor")
+    }
+    assert sized["adafactor"] < sized["adamw_torch"]
+    between = (sized["adamw_torch"] + sized["adafactor"]) / 2 / footprint.HEADROOM
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: between)
+    choice = footprint.ModeChoice(model, config, lambda: 0)
+    assert choice() and choice.optimiser == "adafactor" and not choice.freezes_embeddings
+    assert "with adafactor" in choice.line and choice.line.endswith("fits within 90% of it")
+    _, log = recover(
+        model, tiny_models.tiny_hf_tokenizer(), tiny_models.sample_texts(), config, teacher=copy.deepcopy(dense),
+        report=report,
+    )  # fmt: skip
+    assert log["mode"] == "full" and log["optimizer"] == "adafactor" and "with adafactor" in log["mode_chosen"]
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: sized["adafactor"] / 2)
+    choice = footprint.ModeChoice(model, config, lambda: 0)
+    assert not choice() and choice.optimiser is None

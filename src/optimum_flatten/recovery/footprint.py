@@ -40,8 +40,25 @@ from .selection import embedding_tables
 
 logger = logging.getLogger(__name__)
 
+
+def _variant(optim: str | None, train_embeddings: bool | None) -> str:
+    """How the log names a fallback of `ModeChoice.candidates`: ``with the token embeddings and the LM head frozen``,
+    ``with adafactor``, or both."""
+    parts = ([optim] if optim else []) + (
+        ["the token embeddings and the LM head frozen"] if train_embeddings is False else []
+    )
+    return "with " + " and ".join(parts)
+
+
 #: Bytes held beside the trained weights per byte of them (gradients, Adam's moments, the gate's copy, temporaries).
 STATE_FACTOR = 8
+#: The part of `STATE_FACTOR` that is AdamW's two moments (at the weights' dtype); another optimiser replaces it.
+ADAM_MOMENTS = 2
+#: Optimisers of the Trainer's own list (`TrainingArguments.optim`) that `full` may fall back to where AdamW's state
+#: does not fit, in order of preference, with their state per trained parameter in bytes: bitsandbytes' 8-bit AdamW
+#: keeps two 1-byte moments (it needs CUDA and bitsandbytes); Adafactor (without a first moment, the Trainer's
+#: setting) keeps a row and a column of second moments per matrix, nothing that grows with the matrix.
+LEAN_OPTIMISERS: dict[str, float] = {"adamw_bnb_8bit": 2.0, "adafactor": 0.0}
 #: Share of the free memory the estimate may take before `full` is said not to fit.
 HEADROOM = 0.9
 
@@ -101,6 +118,7 @@ def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: in
     """
     weights = weight_bytes(student) - (0 if config.trains_embeddings else embedding_bytes(student))
     element = next((p.element_size() for p in student.parameters() if p.is_floating_point()), 4)
+    state_factor = optimiser_state_factor(str(config.extra_training_args.get("optim", "adamw_torch")), element)
     text = student.config.get_text_config()
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
@@ -109,7 +127,25 @@ def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: in
     tokens = config.per_device_train_batch_size * config.seqlen
     activations = tokens * int(text.num_hidden_layers) * per_token_layer * element
     sampling = sampling_bytes(student, config) if config.teacher_text > 0 else 0
-    return FullFootprint(STATE_FACTOR * weights, activations, int(teacher_bytes), sampling)
+    return FullFootprint(math.ceil(state_factor * weights), activations, int(teacher_bytes), sampling)
+
+
+def optimiser_state_factor(optim: str, element: int) -> float:
+    """`STATE_FACTOR` for the Trainer's optimiser `optim` (AdamW's unless it is one of `LEAN_OPTIMISERS`), per byte
+    of trained weights of `element` bytes each."""
+    if optim not in LEAN_OPTIMISERS:
+        return float(STATE_FACTOR)
+    return STATE_FACTOR - ADAM_MOMENTS + LEAN_OPTIMISERS[optim] / element
+
+
+def lean_optimisers() -> list[str]:
+    """The `LEAN_OPTIMISERS` this machine can run: 8-bit AdamW only with CUDA and bitsandbytes installed."""
+    import importlib.util
+
+    import torch
+
+    usable = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
+    return [name for name in LEAN_OPTIMISERS if name != "adamw_bnb_8bit" or usable]
 
 
 def sampling_bytes(model: nn.Module, config: RecoveryConfig) -> int:
@@ -164,29 +200,53 @@ class ModeChoice:
         #: Set when `full` fits only with the embeddings frozen (`train_embeddings` left to None): `apply` freezes
         #: them, since `full` led every other mode measured and freezing them changed the model little.
         self.freezes_embeddings = False
+        #: Set when `full` fits only with a memory-lean optimiser (`LEAN_OPTIMISERS`, the optimiser left to the
+        #: default): `apply` asks the Trainer for it, rather than falling back to a mode that trains less.
+        self.optimiser: str | None = None
+
+    def candidates(self) -> list[tuple[str | None, bool | None]]:
+        """(optimiser, train_embeddings) to try for `full`, best first: as asked; then, each only where the user left
+        it to the default, the embeddings frozen, a lean optimiser, and both."""
+        optimisers = [None] + ([] if "optim" in self.config.extra_training_args else lean_optimisers())
+        embeddings = [self.config.train_embeddings] + ([False] if self.config.train_embeddings is None else [])
+        return [(optim, train) for optim in optimisers for train in embeddings]
 
     def __call__(self) -> bool:
-        """Whether `full` fits, on every rank of a launch of several processes (each checks its own device and
-        the ranks take the smallest answer, so that they train one mode together)."""
+        """Whether `full` fits with one of the `candidates`, on every rank of a launch of several processes (each
+        checks its own device and the ranks take the worst answer, so that they train one mode together)."""
         teacher = self.teacher_bytes()
-        available = available_bytes(next(self.student.parameters()).device)  # read once for both checks
-        fits, self.line = full_fits(self.student, self.config, teacher, available)
-        frozen = False
-        if not fits and self.config.train_embeddings is None:
-            frozen_config = dataclasses.replace(self.config, train_embeddings=False)
-            frozen, line = full_fits(self.student, frozen_config, teacher, available)
-            if frozen:
-                self.line = f"{self.line}; with the token embeddings and the LM head frozen, {line}"
-        # 2: fits as asked, 1: fits with the embeddings frozen, 0: does not fit; the smallest over the ranks wins.
-        agreed = all_ranks_min(2 if fits else (1 if frozen else 0))
-        if agreed < (2 if fits else (1 if frozen else 0)):
+        available = available_bytes(next(self.student.parameters()).device)  # read once for every check
+        candidates = self.candidates()
+        lines, chosen = [], len(candidates)
+        for index, (optim, train) in enumerate(candidates):
+            extra = {**self.config.extra_training_args, **({"optim": optim} if optim else {})}
+            config = dataclasses.replace(self.config, train_embeddings=train, extra_training_args=extra)
+            fits, line = full_fits(self.student, config, teacher, available)
+            lines.append(line if index == 0 else f"{_variant(optim, train)}, {line}")
+            if fits:
+                chosen = index
+                break
+        self.line = "; ".join(lines)
+        agreed = -all_ranks_min(-chosen)  # the worst rank's choice
+        if agreed > chosen:
             self.line = f"{self.line}; another rank has less memory"
-        self.freezes_embeddings = agreed == 1
-        return agreed > 0
+        if agreed == len(candidates):
+            return False
+        optim, train = candidates[agreed]
+        self.optimiser = optim
+        self.freezes_embeddings = train is False and self.config.train_embeddings is None
+        return True
 
     def apply(self, config: RecoveryConfig) -> RecoveryConfig:
-        """`config` (as `with_mode` resolved it) with the embeddings frozen where the memory check chose that."""
-        return dataclasses.replace(config, train_embeddings=False) if self.freezes_embeddings else config
+        """`config` (as `with_mode` resolved it) with the embeddings frozen and the lean optimiser where the memory
+        check chose them."""
+        if self.freezes_embeddings:
+            config = dataclasses.replace(config, train_embeddings=False)
+        if self.optimiser is not None:
+            config = dataclasses.replace(
+                config, extra_training_args={**config.extra_training_args, "optim": self.optimiser}
+            )
+        return config
 
     def describe(self, resolved: RecoveryConfig | None = None) -> str:
         """``given``, ``the default`` or ``the default (<the memory check>)``, for the log and the model card; with

@@ -706,6 +706,7 @@ def recover(
         "train_loss": first.result.training_loss,
         "loss_history": first.history,
         "learning_rate": config.rate_for(scale),  # the first phase's (a global phase after `local` has its own)
+        "optimizer": str(getattr(arguments.optim, "value", arguments.optim)),  # TrainingArguments.optim
         "weight_scale": scale,
         "train_seconds": sum(p.seconds for p in phases),
         # Where each phase continued from (None: from its start); the folder is not logged: reports keep no paths.
