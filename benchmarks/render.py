@@ -623,6 +623,8 @@ def _training_rows(run: dict) -> str:
     default = rows == RECOVERY_PROTOCOL.TRAINING_ROWS
     label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
     label += ", embeddings and LM head frozen" if RECOVERY_PROTOCOL.frozen_embeddings(settings) else ""
+    label += f", healed on {text}" if (text := RECOVERY_PROTOCOL.healing_text(settings)) else ""
+    label += f", optimiser {optim}" if (optim := RECOVERY_PROTOCOL.optimiser(settings)) else ""
     seed = RECOVERY_PROTOCOL.seed(settings)
     return label + (f", healing seed {seed}" if seed != RECOVERY_PROTOCOL.SEED else "")
 
@@ -673,6 +675,61 @@ def healing_table(paths: list[Path]) -> str:
             f"| {r['recovery']['gate']} | {r['heal_seconds'] / 60:.1f} | {r['peak_rss_mb']:.0f} |"
         )
     return header + "\n" + "\n".join(rows)
+
+
+def healing_text_table(paths: list[Path]) -> str:
+    """The healing text compared on the same compression, mode and budget (`benchmarks/recovery/run.py
+    --teacher-text`): the speeches, the dense model's own text and a mix, every healing seed a row, the default rows
+    and AdamW only, so that the rows differ by the text alone. Runs whose compression, mode or budget has a single
+    text are left out (the notebook's table has them)."""
+    groups: dict[tuple, list[dict]] = {}
+    for path in paths:
+        r = json.loads(path.read_text())
+        settings = r.get("settings", {})
+        rows = RECOVERY_PROTOCOL.training_rows(settings)
+        if rows != RECOVERY_PROTOCOL.TRAINING_ROWS or RECOVERY_PROTOCOL.frozen_embeddings(settings):
+            continue
+        if RECOVERY_PROTOCOL.optimiser(settings) or r["recovery"].get("global_phase") or r["loss"] != "distillation":
+            continue
+        if not _default_rate(r):
+            continue
+        groups.setdefault((r["method"], r["mode"], r["recovery"]["tokens_trained"]), []).append(r)
+    header = (
+        "| compressed by | trained, tokens | healing text | seed | PPL ratio SOTU ≥ 2000 | PPL ratio KJV | geo. mean | "
+        "KL SOTU / KJV | top-1 SOTU / KJV | sampling s | heal min | peak RSS MB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = []
+    for (method, mode, tokens), runs in sorted(groups.items()):
+        if len({RECOVERY_PROTOCOL.healing_text(r.get("settings", {})) for r in runs}) < 2:
+            continue
+        untrained = runs[0]["untrained"]
+        lines.append(
+            f"| {method} | untrained | – | – | {untrained['sotu_from_2000']['ppl_ratio']:.3f} "
+            f"| {untrained['bible_kjv']['ppl_ratio']:.3f} "
+            f"| {_geomean(untrained['sotu_from_2000']['ppl_ratio'], untrained['bible_kjv']['ppl_ratio']):.3f} "
+            f"| – | – | – | – | – |"
+        )
+        runs.sort(
+            key=lambda r: (
+                RECOVERY_PROTOCOL.healing_text(r.get("settings", {})),
+                RECOVERY_PROTOCOL.seed(r.get("settings", {})),
+            )
+        )
+        for r in runs:
+            settings = r.get("settings", {})
+            after = r["healed"]
+            sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
+            sampling = (r.get("teacher_text") or {}).get("seconds")
+            lines.append(
+                f"| {method} | {mode}, {tokens:,} | {RECOVERY_PROTOCOL.healing_text(settings) or 'the speeches'} "
+                f"| {RECOVERY_PROTOCOL.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "
+                f"| {_geomean(sotu['ppl_ratio'], kjv['ppl_ratio']):.3f} "
+                f"| {sotu['kl']:.3f} / {kjv['kl']:.3f} | {sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f} "
+                f"| {'' if sampling is None else f'{sampling:.0f}'} | {r['heal_seconds'] / 60:.1f} "
+                f"| {r['peak_rss_mb']:.0f} |"
+            )
+    return header + "\n" + "\n".join(lines)
 
 
 def footprint_table(paths: list[Path]) -> str:
@@ -734,6 +791,7 @@ def tables() -> dict[str, str]:
     for model in ("smollm2", "qwen2.5-0.5b", "gemma3-270m"):
         if healing := sorted(RESULTS.glob(f"recovery_{model}_*.json")):
             out[f"healing:{model}"] = healing_table(healing)
+            out[f"healing_text:{model}"] = healing_text_table(healing)
     if footprints := sorted(RESULTS.glob("footprint_*.json")):
         out["footprint"] = footprint_table(footprints)
     if (RESULTS / "clients.json").exists():

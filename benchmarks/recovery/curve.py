@@ -56,6 +56,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
             continue  # another healing seed, or the embeddings frozen: checks in the notebook, not points of a line
         rows = protocol.training_rows(settings)
         mode += f", rows {rows['seqlen']} × {rows['batch_size']}" if rows != protocol.TRAINING_ROWS else ""
+        mode += f", on {text}" if (text := protocol.healing_text(settings)) else ""  # one line per healing text
+        mode += f", {optim}" if (optim := protocol.optimiser(settings)) else ""
         default_tokens = protocol.EVAL_TOKENS[model]
         scored = int(run.get("eval_tokens", default_tokens))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != default_tokens else ""

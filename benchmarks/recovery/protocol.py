@@ -7,6 +7,9 @@ and the curves (`curve.py`): a run that departs from it writes a file of its own
   level with them within the spread of two healing seeds, benchmarks/NOTEBOOK.md).
 - The token embeddings and the LM head trained with the rest (`RecoveryConfig.train_embeddings`'s default); a run
   with them frozen (`--freeze-embeddings`) is a line of its own.
+- The healing text: the pre-2000 speeches outside the calibration windows. A run on the dense model's own text
+  (`--teacher-text 1.0`) or a mix (`--teacher-text 0.5`) is a line of its own, and so is a run with another
+  optimiser than the Trainer's AdamW (`--optim`).
 - The healing seed 0: it draws the gate's held-out rows and orders the training rows. A run with another seed measures
   the spread between runs; its gate held out other rows, so its objective ranks nothing beside seed 0's.
 """
@@ -38,6 +41,27 @@ def frozen_embeddings(settings: Mapping[str, Any]) -> bool:
 
 
 def is_default(settings: Mapping[str, Any]) -> bool:
-    """Whether a run trained on the default rows with the default seed, embeddings included: the runs the product
-    table and the curves rank and draw together."""
-    return training_rows(settings) == TRAINING_ROWS and seed(settings) == SEED and not frozen_embeddings(settings)
+    """Whether a run trained on the default rows with the default seed, embeddings included, on the speeches with
+    AdamW: the runs the product table and the curves rank and draw together (a gate's held-out objective ranks runs
+    only on the same held-out text)."""
+    return (
+        training_rows(settings) == TRAINING_ROWS
+        and seed(settings) == SEED
+        and not frozen_embeddings(settings)
+        and not healing_text(settings)
+        and not optimiser(settings)
+    )
+
+
+def healing_text(settings: Mapping[str, Any]) -> str:
+    """What a run healed on, as the pages and curves name it: ``""`` for the speeches (the default), else the share
+    of the rows the dense model sampled itself (runs from before the option healed on the speeches)."""
+    share = float(settings.get("teacher_text") or 0.0)
+    if share <= 0:
+        return ""
+    return "the dense model's own text" if share >= 1 else f"{share:.0%} the dense model's own text, the rest speeches"
+
+
+def optimiser(settings: Mapping[str, Any]) -> str:
+    """The Trainer optimiser a run asked for, ``""`` for the default AdamW (runs from before the option had it)."""
+    return str(settings.get("optim") or "")
