@@ -223,7 +223,9 @@ def test_the_footprint_counts_one_sampling_batch_before_training():
     assert sampled.total == max(sampled.state + sampled.activations, sampled.sampling)
 
 
-def test_cli_recover_on_the_teacher_text(tmp_path, capsys):
+@pytest.mark.parametrize("dataset", [["--dataset", "teacher"], []], ids=["given", "default"])
+def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset):
+    """`--dataset teacher`, and no `--dataset` at all: the dense model writes the healing text."""
     tokenizer = tiny_models.tiny_hf_tokenizer()
     dense = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(dense)
@@ -232,7 +234,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys):
     compressed = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2).save(model, tmp_path / "c", tokenizer)
     out = tmp_path / "healed"
     code = main([
-        "recover", str(compressed), "--teacher", str(dense), "--dataset", "teacher", "--output", str(out),
+        "recover", str(compressed), "--teacher", str(dense), *dataset, "--output", str(out),
         "--seqlen", "32", "--per-device-train-batch-size", "2", "--heldout-rows", "2", "--eval-every", "1",
         "--max-tokens", "128", "--mode", "full", "--sampling-batch-size", "2", "--sampling-top-k", "0",
     ])  # fmt: skip

@@ -381,9 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     recover_parser.add_argument(
         "--dataset",
-        required=True,
-        help="Alpaca-format .json/.jsonl, or any text source; 'teacher': text the teacher samples itself (with "
-        "--teacher-text SHARE, that share of a text's rows)",
+        default="teacher",
+        help="Alpaca-format .json/.jsonl, or any text source; 'teacher' (the default): text the teacher samples "
+        "itself (with a text and --teacher-text SHARE, that share of its rows)",
     )
     recover_parser.add_argument("--output", required=True)
     recover_parser.add_argument(
