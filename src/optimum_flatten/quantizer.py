@@ -200,8 +200,8 @@ class FlattenQuantizer(OptimumQuantizer):
         its memory fits beside the teacher copy still to be taken (the dense model, an upper bound of the student it
         will train)."""
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
+        from .recovery.arguments import fsdp_version
         from .recovery.footprint import ModeChoice, weight_bytes
-        from .recovery.trainer import fsdp_version
 
         heal = dict(self.config.heal or {})
         dataset = heal.get("dataset") if heal.get("dataset") is not None else self.config.calibration.dataset
@@ -230,7 +230,7 @@ class FlattenQuantizer(OptimumQuantizer):
 
         from .options.recovery import SPLIT_AFTER_MERGES, local_then_global, merges_layers
         from .recovery import recover
-        from .recovery.trainer import fsdp_version
+        from .recovery.arguments import fsdp_version
 
         dataset, column, config, chosen = checked.heal
         # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally.

@@ -5,7 +5,8 @@ Importing this package does not import peft or datasets; `recover` does.
 """
 
 from .data import load_recovery_texts
+from .rows import check_recovery_inputs
 from .selection import MODES
-from .trainer import RecoveryConfig, check_recovery_inputs, recover
+from .trainer import RecoveryConfig, recover
 
 __all__ = ["MODES", "RecoveryConfig", "check_recovery_inputs", "load_recovery_texts", "recover"]

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ..adapters import get_adapter
+from ..options.recovery import RecoveryConfig
 from ..plan import LayerPlan
 
 logger = logging.getLogger(__name__)
@@ -232,3 +233,31 @@ def freeze_all_but_(model: nn.Module, names: list[str]) -> int:
         parameter.requires_grad_(name in wanted)
         count += parameter.numel() if name in wanted else 0
     return count
+
+
+def trained_parameters_(
+    model: nn.Module, config: RecoveryConfig, report: Mapping[str, Any] | None, spans: list[Span], notes: list[str]
+) -> tuple[nn.Module, Any]:
+    """(the model the Trainer trains, its LoRA config or None): LoRA adapters around `model` for mode 'lora', else
+    `model` with every parameter but the mode's frozen (the embeddings too where `config` keeps them frozen). Notes
+    for the log are appended to `notes`."""
+    from .gate import is_main_process
+    from .lora import wrap_lora
+
+    if config.mode == "lora":
+        return wrap_lora(model, config)
+    if config.mode == "changed":
+        names = changed_parameter_names(model, report)
+    elif config.mode == "local":
+        names = span_parameter_names(model, spans)
+    elif config.mode == "last_k":
+        names, note = last_k_parameter_names(model, config.last_k)
+        notes += [note] if note and config.trains_embeddings else []
+    else:
+        names = [name for name, _ in model.named_parameters()]
+    if not config.trains_embeddings:
+        names = without_embeddings(model, names)
+    trainable = freeze_all_but_(model, names)
+    if is_main_process():
+        logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
+    return model, None

@@ -131,3 +131,35 @@ def check_source(teacher: nn.Module, report: Mapping[str, Any] | None) -> str | 
     warnings.warn(message, stacklevel=3)
     logger.warning(message)
     return message
+
+
+def _declines_teacher(teacher: Any) -> bool:
+    """Whether the caller asked for no teacher (``teacher=False``, or ``"none"`` from the command line)."""
+    return teacher is False or (isinstance(teacher, str) and teacher.lower() == "none")
+
+
+def _has_teacher(teacher: Any, report: Mapping[str, Any] | None) -> bool:
+    """Whether `_resolve_teacher` will load a teacher (nothing is loaded here): what the default mode depends on."""
+    from .teacher import default_teacher
+
+    if _declines_teacher(teacher):
+        return False
+    return teacher is not None or default_teacher(report) is not None
+
+
+def _resolve_teacher(
+    teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
+) -> tuple[nn.Module | None, Any | None, str | None]:
+    """(teacher model, its tokenizer, its public name), or Nones for the LM loss alone."""
+    from .gate import is_main_process
+    from .teacher import default_teacher, load_teacher
+
+    if _declines_teacher(teacher):
+        return None, None, None
+    if teacher is None:
+        teacher = default_teacher(report)
+        if teacher is None:
+            return None, None, None
+        if is_main_process():
+            logger.info("teacher: %s (the report's base model)", teacher)
+    return load_teacher(teacher, dtype)

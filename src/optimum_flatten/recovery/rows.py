@@ -1,0 +1,211 @@
+"""The rows a healing trains and gates on: the user's text cut into rows, the teacher's own text
+(`recovery.teacher_text`) for its share of them, and the gate's held-out rows of each part. A new source of healing
+text is a new way to fill `_planned_rows`' plan, sampled in `_sample_teacher_part`'s place."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..options.recovery import RecoveryConfig
+from ..utils.errors import CalibrationDataError
+from .arguments import _global_phase, _replicas, _steps_for_budget, check_fsdp, check_local_options, fsdp_version
+from .data import build_training_rows, load_recovery_texts
+from .phases import Objective
+from .resume import check_checkpoint_options
+from .selection import check_mode
+from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+
+logger = logging.getLogger(__name__)
+
+
+def _split_rows(
+    rows: list[dict[str, torch.Tensor]], heldout: int, seed: int
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(training rows, held-out rows): `heldout` rows drawn with the seed, disjoint from the rest."""
+    if heldout < 0:
+        raise ValueError(f"heldout_rows must be at least 0, got {heldout}.")
+    if heldout and heldout >= len(rows):
+        raise CalibrationDataError(
+            f"the recovery text gives {len(rows)} rows, not enough to hold out {heldout} and train on the rest; "
+            "give more text or lower heldout_rows."
+        )
+    chosen = set(random.Random(seed + 1).sample(range(len(rows)), heldout))
+    return [r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen]
+
+
+def teacher_share(dataset: Any, config: RecoveryConfig) -> float:
+    """The share of the training rows the teacher samples: 1 for ``dataset="teacher"`` (its text only), else
+    `RecoveryConfig.teacher_text`; refuses ``"teacher"`` with a share to mix, since there is no text to mix it with."""
+    if is_teacher_dataset(dataset):
+        if 0 < config.teacher_text < 1:
+            raise ValueError(
+                f"dataset='teacher' trains on the teacher's text only, so there is no text to mix teacher_text="
+                f"{config.teacher_text} with; give the text to mix as the dataset, or drop teacher_text."
+            )
+        return 1.0
+    return float(config.teacher_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TeacherRows:
+    """How many rows the teacher samples for a healing (`recovery.teacher_text`), and how many user rows it keeps.
+
+    Attributes:
+        share: The teacher's share of the training rows.
+        train: Training rows the teacher samples.
+        heldout: Held-out rows the teacher samples (another seed stream than the training rows).
+        user: The user's training rows kept (a seeded choice), so that the teacher's are `share` of them.
+    """
+
+    share: float
+    train: int
+    heldout: int
+    user: int
+
+
+def _rows_needed(config: RecoveryConfig, replicas: int) -> int | None:
+    """Training rows the schedule reads, every phase's budget counted (they read the same rows): what the teacher
+    needs to sample, since sampling costs; None when the budget is epochs over rows not known yet."""
+    phases = [config, *([_global_phase(config)] if config.local_then_global_tokens else [])]
+    counts = []
+    for phase in phases:
+        per_step = phase.rows_per_step() * replicas
+        if phase.max_tokens is not None:
+            counts.append(math.ceil(phase.max_tokens / (phase.tokens_per_step() * replicas)) * per_step)
+        elif phase.max_steps > 0:
+            counts.append(phase.max_steps * per_step)
+    if counts:
+        return max(counts)
+    return config.max_samples
+
+
+def _teacher_rows(config: RecoveryConfig, share: float, user_rows: int, replicas: int) -> _TeacherRows | None:
+    """The teacher's part of the training and held-out rows (None without teacher text): `share` of the rows the
+    budget reads (`_rows_needed`), never more; without a budget, `share` of the user's rows plus the teacher's."""
+    if share <= 0:
+        return None
+    needed = _rows_needed(config, replicas)
+    if needed is None:
+        if share >= 1:
+            raise ValueError(
+                "the teacher samples what the budget reads: give max_tokens (or max_steps, or max_samples) with "
+                "teacher text only."
+            )
+        teacher = round(share * user_rows / (1 - share))
+        needed = user_rows + teacher
+    else:
+        teacher = needed if share >= 1 else round(share * needed)
+    user = needed - teacher
+    if user > user_rows:
+        raise CalibrationDataError(
+            f"teacher_text={share} leaves {user} training rows of {config.seqlen} tokens to the given text, which "
+            f"holds {user_rows} after holding out the gate's rows; give more text, raise teacher_text or lower "
+            "max_tokens."
+        )
+    return _TeacherRows(share, teacher, heldout_split(config.heldout_rows, share)[1], user)
+
+
+def _training_text(
+    tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str
+) -> tuple[list[str], str, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """(texts, their kind, training rows, held-out rows), after the checks that need no model: the mode (and the
+    local mode's global phase), and, for LoRA, that peft is installed. With teacher text (`teacher_share`) the kind
+    is ``teacher`` (no text read) or ``mixed`` (the user's part of the held-out rows split off here)."""
+    check_mode(config.mode)
+    check_local_options(config)
+    check_checkpoint_options(config)
+    if config.mode == "lora":
+        try:
+            import peft  # noqa: F401
+        except ImportError as error:
+            raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
+    share = teacher_share(dataset, config)
+    if share >= 1:
+        return [], "teacher", [], []
+    texts, kind = load_recovery_texts(dataset, text_column)
+    rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
+    heldout = heldout_split(config.heldout_rows, share)[0]
+    return (texts, kind if share <= 0 else "mixed", *_split_rows(rows, heldout, config.seed))
+
+
+def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
+    """The checks of `recover` that need no model: the mode, peft for LoRA, the text and the token budget.
+
+    `FlattenConfig(heal=...)` runs them before the compression touches a weight, so that a heal that cannot run
+    is refused while the model is still the dense one.
+    """
+    check_fsdp(config, fsdp_version(config))
+    _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
+    planned = _planned_rows(config, teacher_share(dataset, config), train_rows, _replicas(config))[1]
+    _steps_for_budget(config, planned, _replicas(config))
+    if config.local_then_global_tokens:
+        _steps_for_budget(_global_phase(config), planned, _replicas(config))
+
+
+def _planned_rows(
+    config: RecoveryConfig, share: float, train_rows: list[dict[str, torch.Tensor]], replicas: int
+) -> tuple[_TeacherRows | None, range, list[dict[str, torch.Tensor]]]:
+    """(the teacher's part, as many placeholders as the training rows will be, the user's rows kept) for the
+    budget's checks before the teacher samples anything."""
+    plan = _teacher_rows(config, share, len(train_rows), replicas)
+    if plan is None:
+        return None, range(len(train_rows)), train_rows
+    kept = seeded_subset(train_rows, plan.user, config.seed + 2)
+    return plan, range(len(kept) + plan.train), kept
+
+
+def _cache_folder(config: RecoveryConfig) -> str | None:
+    """Where the teacher's rows are kept: `teacher_text_cache`, else a folder of `checkpoint_dir` (so that a resumed
+    healing reads them back), else nowhere."""
+    if config.teacher_text_cache:
+        return config.teacher_text_cache
+    return os.path.join(config.checkpoint_dir, "teacher_text") if config.checkpoint_dir else None
+
+
+def _sample_teacher_part(
+    teacher: nn.Module, tokenizer: Any, config: RecoveryConfig, plan: _TeacherRows, progress: bool
+) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], dict[str, Any]]:
+    """(training rows, held-out rows, record) the teacher samples for `plan`; the held-out rows come from another
+    seed stream, so they are never training rows."""
+    options = dict(
+        seed=config.seed,
+        temperature=config.sampling_temperature,
+        top_k=config.sampling_top_k,
+        top_p=config.sampling_top_p,
+        prompts=config.prompts,
+        prompt_tokens=config.teacher_prompt_tokens,
+        batch_size=config.sampling_batch_size,
+        cache_dir=_cache_folder(config),
+        progress=progress,
+    )
+    train, record = sample_teacher_rows(teacher, tokenizer, plan.train, config.seqlen, stream="train", **options)
+    heldout, held = [], None
+    if plan.heldout:
+        heldout, held = sample_teacher_rows(
+            teacher, tokenizer, plan.heldout, config.seqlen, stream="heldout", **options
+        )
+    record = {"share": plan.share, **record, "user_rows": plan.user}
+    if held is not None:
+        record["heldout"] = {k: held[k] for k in ("rows", "seconds", "tokens", "cached", "peak_memory_bytes")}
+    return train, heldout, record
+
+
+def _part_scores(
+    model: nn.Module, loss: Objective, parts: Mapping[str, list[dict[str, torch.Tensor]]], config: RecoveryConfig
+) -> dict[str, dict[str, float]]:
+    """The held-out objective, LM loss and KL of each part of the held-out rows (the user's text, the teacher's), for
+    the log: the gate decides on all rows together."""
+    from .gate import reshard_, score_rows
+
+    scores = {name: score_rows(model, loss, rows, config.per_device_train_batch_size) for name, rows in parts.items()}
+    reshard_(model)
+    return scores
