@@ -24,8 +24,9 @@ import torch
 
 import tiny_models
 from common import launch_two_gloo_processes
-from optimum_flatten.recovery import RecoveryConfig, check_recovery_inputs, recover
+from optimum_flatten.recovery import RecoveryConfig, recover
 from optimum_flatten.recovery.gate import IMPROVED, KEPT_INPUT
+from optimum_flatten.recovery.trainer import check_recovery_inputs
 
 from . import ddp_heal, fsdp_heal
 

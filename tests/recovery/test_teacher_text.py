@@ -15,7 +15,6 @@ from optimum_flatten.cli.main import main
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.recovery import recover
 from optimum_flatten.recovery.footprint import full_footprint
-from optimum_flatten.recovery.rows import _teacher_rows
 from optimum_flatten.recovery.teacher_text import (
     MAX_BATCH_SIZE,
     generation_config,
@@ -24,6 +23,7 @@ from optimum_flatten.recovery.teacher_text import (
     sample_teacher_rows,
     sampling_batch_size,
 )
+from optimum_flatten.recovery.trainer import _teacher_rows
 
 TOKENIZER = tiny_models.CharTokenizer()
 SMALL = dict(seqlen=32, per_device_train_batch_size=2, heldout_rows=4, eval_every=1, learning_rate=1e-3)

@@ -263,7 +263,7 @@ def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool =
     Otherwise LoRA, whose memory does not grow with the student either. Several processes do not read their memory
     (they must agree on the mode before they can talk), so a data-parallel launch without FSDP keeps LoRA; under FSDP,
     which shards exactly what `full` holds and under which neither `local` nor `lora` runs
-    (`recovery.trainer.check_fsdp`), the default is `full`.
+    (`recovery.arguments.check_fsdp`), the default is `full`.
     """
     if fsdp or (has_teacher and full_fits):
         return "full"

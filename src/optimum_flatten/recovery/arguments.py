@@ -1,6 +1,8 @@
-"""What a healing's budget becomes in the Trainer's terms: how many per-process batches a step reads (`_replicas`),
-the steps a token budget takes (`_steps_for_budget`), FSDP's version and what it supports, and the options of mode
-`local`'s global phase. Checked before any weight changes, so a budget the text cannot fill is refused early."""
+"""What a healing's budget becomes in the Trainer's terms (`healing_schedule`): the TrainingArguments, how many
+per-process batches a step reads (`_replicas`), the steps a token budget takes (`_steps_for_budget`), FSDP's version
+and what it supports, and the options of mode `local`'s global phase. Checked before any weight changes, so a budget
+the text cannot fill is refused early. A new Trainer option is an entry of `training_arguments` (or, for a user,
+`RecoveryConfig.extra_training_args`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from ..options.recovery import RecoveryConfig
 from ..utils.errors import CalibrationDataError
+from .resume import phase_folder
 
 logger = logging.getLogger(__name__)
 
@@ -191,3 +194,30 @@ def training_arguments(config: RecoveryConfig, scale: float, output_dir: str) ->
             **config.extra_training_args,
         },
     )
+
+
+@dataclasses.dataclass
+class Schedule:
+    """A healing's TrainingArguments and what they settle: the FSDP version asked for (None: none), the per-process
+    batches one step reads (`_replicas`), and mode 'local''s global phase's steps (0: no global phase)."""
+
+    arguments: Any
+    fsdp: int | None
+    replicas: int
+    global_steps: int = 0
+
+    def budget_(self, config: RecoveryConfig, planned: Sized) -> None:
+        """Sets the first phase's steps for the token budget over the `planned` training rows; refuses a budget they
+        cannot fill."""
+        self.arguments.max_steps = _steps_for_budget(config, planned, self.replicas)
+
+
+def healing_schedule(config: RecoveryConfig, scale: float, scratch: str) -> Schedule:
+    """The arguments (in phase 1's checkpoint folder with `checkpoint_dir`, else in `scratch`), then the FSDP checks.
+
+    Building the arguments joins the processes of a distributed launch, and the budget's steps depend on how many
+    there are, so this comes before the budget is checked (`Schedule.budget_`)."""
+    arguments = training_arguments(config, scale, phase_folder(config, 1) if config.checkpoint_dir else scratch)
+    fsdp = fsdp_version(config, arguments)
+    check_fsdp(config, fsdp)
+    return Schedule(arguments, fsdp, _replicas(config, arguments.world_size))

@@ -49,6 +49,10 @@ class LossParts:
     tokens: int
 
 
+#: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
+Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
+
+
 def scored_positions(
     attention_mask: torch.Tensor | None, labels: torch.Tensor | None, input_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,42 +288,3 @@ class DistillationLoss:
             total = self.kd_alpha * self.temperature**2 * kl + (1.0 - self.kd_alpha) * lm
         total = total + self.hidden_weight * hidden
         return LossParts(total, float(kl.detach()), float(lm.detach()), float(hidden.detach()), int(rows.numel()))
-
-
-def healing_losses(
-    student: nn.Module, teacher: nn.Module | None, config: Any, spans: list[Any], ends: list[int]
-) -> tuple[DistillationLoss, Any]:
-    """(the distillation loss the gate scores, mode 'local''s span loss or None): the KL to `teacher` (the LM loss
-    without one), with hidden-state terms at the original layers `ends` each student block stands for.
-
-    Raises:
-        ValueError: `ends` reaches past the teacher's blocks (another dense model than the one compressed).
-    """
-    from ..adapters import get_adapter
-
-    student_blocks: list[nn.Module] = []
-    teacher_blocks: list[nn.Module] = []
-    if config.hidden_weight > 0:
-        student_blocks = [b.module for b in get_adapter(student).blocks()]
-        originals = get_adapter(teacher).blocks()
-        if max(ends) >= len(originals):
-            raise ValueError(
-                f"the report's plan reaches original layer {max(ends)} but the teacher has {len(originals)} blocks; "
-                "give the dense model the checkpoint was compressed from."
-            )
-        teacher_blocks = [originals[e].module for e in ends]
-    healing_loss = DistillationLoss(
-        teacher=teacher,
-        temperature=config.temperature,
-        kd_alpha=config.kd_alpha,
-        hidden_weight=config.hidden_weight,
-        student_blocks=student_blocks,
-        teacher_blocks=teacher_blocks,
-        chunk_size=config.chunk_size,
-        state_loss=config.state_loss,
-    )
-    if config.mode != "local":
-        return healing_loss, None
-    from .local import LocalSpanLoss
-
-    return healing_loss, LocalSpanLoss(student, teacher, spans, config.state_loss)  # refuses a shallower teacher

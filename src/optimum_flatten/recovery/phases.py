@@ -1,61 +1,29 @@
-"""The phases of a healing: one Trainer run each (`_train_phase`), with the healing loss as the Trainer's loss, the
-held-out gate as its callback, and a record that a resumed healing replays (`recovery.resume`) instead of training
-a finished phase again. `recover` runs one phase, or two for `local` followed by the global loss."""
+"""The phases of a healing (`run_phases`): one Trainer run each (`_train_phase`), with the healing loss as the
+Trainer's loss (`distillation_trainer`), the held-out gate as its callback, and a record that a resumed healing
+replays (`recovery.resume`) instead of training a finished phase again. `recover` runs one phase, or two for `local`
+followed by the global loss; a new phase is one more `_train_phase` in `run_phases`, with its own `index` (and
+checkpoint folder) and its entry in `record`."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..options.recovery import RecoveryConfig
-from .distill import LossParts
+from .arguments import _global_phase
+from .distill import Objective
+from .distillation_trainer import _distillation_trainer_class, _Rows
 from .resume import CheckpointState, latest_checkpoint, phase_folder, read_checkpoint, read_phase, save_phase
+from .selection import freeze_all_but_, without_embeddings
+
+if TYPE_CHECKING:
+    from .healing_run import HealingRun
 
 logger = logging.getLogger(__name__)
-
-
-#: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
-Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
-
-
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.rows[index]
-
-
-def _distillation_trainer_class() -> type:
-    """A Trainer whose `compute_loss` is the healing loss (built lazily: importing this module imports no Trainer)."""
-    from transformers import Trainer
-
-    class DistillationTrainer(Trainer):
-        """transformers' Trainer with the healing loss; everything else (optimiser, schedule, devices) is the
-        library's."""
-
-        def __init__(self, *args: Any, healing_loss: Objective, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.healing_loss = healing_loss
-            # Our loss is a mean over the batch's scored tokens, not a sum the Trainer normalises by the items in
-            # the accumulated batch; so the Trainer divides it by the accumulation steps itself.
-            self.model_accepts_loss_kwargs = False
-
-        def compute_loss(
-            self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False, **_: Any
-        ) -> Any:
-            parts = self.healing_loss(model, inputs)
-            return (parts.total, None) if return_outputs else parts.total
-
-    return DistillationTrainer
 
 
 @dataclasses.dataclass
@@ -197,3 +165,33 @@ def _score(model: nn.Module, loss: Objective, rows: list[dict[str, torch.Tensor]
     if not rows:
         return float("nan")
     return score_rows(model, loss, rows, config.per_device_train_batch_size)["objective"]
+
+
+def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | None]:
+    """(the phases, mode 'local''s held-out span loss before and after its phase, or None without held-out rows or
+    outside mode 'local'): one phase on the healing loss, or in mode 'local' a phase on the span loss and, with
+    `local_then_global_tokens`, a global phase on the healing loss (every parameter with `global_scope='all'`).
+
+    Every phase's gate scores the healing loss: the local loss is a proxy (each span on the teacher's input), and
+    what must never get worse is the model's own output."""
+    from .gate import is_main_process
+
+    config, arguments, rows = run.config, run.schedule.arguments, run.rows
+    model, healing_loss, local_loss = run.objectives.trained, run.objectives.healing_loss, run.objectives.local_loss
+    if local_loss is None:
+        return [_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config)], None
+    model.to(arguments.device)
+    local_before = _score(model, local_loss, rows.heldout, config)
+    phases = [_train_phase(model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config)]
+    local_after = _score(model, local_loss, rows.heldout, config)
+    if run.schedule.global_steps:
+        arguments.max_steps = run.schedule.global_steps
+        arguments.learning_rate = _global_phase(config).rate_for(run.scale)
+        if config.global_scope == "all":
+            every = [name for name, _ in model.named_parameters()]
+            every = every if config.trains_embeddings else without_embeddings(model, every)
+            trainable = freeze_all_but_(model, every)
+            if is_main_process():
+                logger.info("global phase: training every parameter (%d)", trainable)
+        phases.append(_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2))
+    return phases, ((local_before, local_after) if rows.heldout else None)

@@ -4,90 +4,84 @@ its entry here rather than inside the training steps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from ..options.recovery import RecoveryConfig
-from .footprint import ModeChoice
+from .healing_run import HealingRun
 from .phases import _combined_decision, _Phase
-from .selection import Span
+from .rows import HealingRows
 
 
-@dataclass
-class HealingFacts:
-    """What the steps of `recover` settled, beside the phases: the inputs of `healing_log`."""
-
-    config: RecoveryConfig
-    choice: ModeChoice
-    teacher_name: str | None
-    has_teacher: bool
-    local: bool
-    kind: str
-    rows: int
-    world_size: int
-    replicas: int
-    scale: float
-    optimizer: str
-    global_learning_rate: float
-    notes: list[str]
-    teacher_record: dict[str, Any] | None
-    heldout_parts: dict[str, Any] | None
-    spans: list[Span]
-    local_scores: tuple[Any, Any] | None
-    lora: Any
+def heldout_parts(
+    rows: HealingRows, before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None
+) -> dict[str, Any] | None:
+    """Each held-out part's rows and scores before and after training (None without parts): the gate decides on
+    both together, the log says how each fared."""
+    if before is None or after is None:
+        return None
+    entry: dict[str, Any] = {
+        name: {"rows": len(part), "before": before[name], "after": after[name]} for name, part in rows.parts.items()
+    }
+    entry["gate_objective"] = "the objective over both parts together"
+    return entry
 
 
-def healing_log(facts: HealingFacts, phases: list[_Phase]) -> dict[str, Any]:
+def healing_log(
+    run: HealingRun,
+    phases: list[_Phase],
+    local_scores: tuple[float, float] | None,
+    parts: dict[str, Any] | None,
+) -> dict[str, Any]:
     """The healing's log: the first phase's training and gate, every phase's seconds and decisions, and the entries
-    of a local run (its spans, its global phase), LoRA, teacher text and frozen embeddings where they apply."""
-    config, first = facts.config, phases[0]
+    of a local run (its spans, its held-out span loss `local_scores`, its global phase), LoRA, teacher text, the
+    held-out `parts` and frozen embeddings where they apply."""
+    config, first, arguments = run.config, phases[0], run.schedule.arguments
+    local, lora = run.objectives.local_loss is not None, run.objectives.lora
     steps = sum(p.steps for p in phases)
     log = {
         "mode": config.mode,
-        "mode_chosen": facts.choice.describe(config),
-        "teacher": facts.teacher_name,
-        "loss": "lm" if not facts.has_teacher else ("local" if facts.local else "distillation"),
-        "temperature": config.temperature if facts.has_teacher else None,
-        "kd_alpha": config.kd_alpha if facts.has_teacher else None,
+        "mode_chosen": run.choice.describe(config),
+        "teacher": run.teacher_name,
+        "loss": "lm" if not run.has_teacher else ("local" if local else "distillation"),
+        "temperature": config.temperature if run.has_teacher else None,
+        "kd_alpha": config.kd_alpha if run.has_teacher else None,
         "hidden_weight": config.hidden_weight,
-        "state_loss": config.state_loss if facts.local or config.hidden_weight > 0 else None,
-        "data_kind": facts.kind,
-        "rows": facts.rows,
+        "state_loss": config.state_loss if local or config.hidden_weight > 0 else None,
+        "data_kind": run.rows.kind,
+        "rows": len(run.rows.train),
         "seqlen": config.seqlen,
         "rows_per_step": config.rows_per_step(),  # on each process; `tokens_trained` counts all of them
         "steps": steps,
-        "processes": facts.world_size,
+        "processes": arguments.world_size,
         "fsdp": 2 if first.sharded else None,
-        "tokens_trained": steps * config.tokens_per_step() * facts.replicas,
+        "tokens_trained": steps * config.tokens_per_step() * run.schedule.replicas,
         "train_loss": first.result.training_loss,
         "loss_history": first.history,
-        "learning_rate": config.rate_for(facts.scale),  # the first phase's (a global phase after `local` has its own)
-        "optimizer": facts.optimizer,  # TrainingArguments.optim
-        "weight_scale": facts.scale,
+        "learning_rate": config.rate_for(run.scale),  # the first phase's (a global phase after `local` has its own)
+        "optimizer": str(getattr(arguments.optim, "value", arguments.optim)),  # TrainingArguments.optim
+        "weight_scale": run.scale,
         "train_seconds": sum(p.seconds for p in phases),
         # Where each phase continued from (None: from its start); the folder is not logged: reports keep no paths.
         **({"resumed_from_step": [p.resumed_from for p in phases]} if config.checkpoint_dir else {}),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
-        **({"notes": facts.notes} if facts.notes else {}),
-        **({"teacher_text": facts.teacher_record} if facts.teacher_record is not None else {}),
-        **({"heldout_parts": facts.heldout_parts} if facts.heldout_parts else {}),
+        **({"notes": run.notes} if run.notes else {}),
+        **({"teacher_text": run.rows.record} if run.rows.record is not None else {}),
+        **({"heldout_parts": parts} if parts else {}),
         **({} if config.trains_embeddings else {"embeddings": "frozen (the token embeddings and the LM head)"}),
     }
-    if facts.local:
-        log.update(_local_entries(facts, phases))
-    if facts.lora is not None:
-        log["lora"] = {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(facts.lora.target_modules)}
+    if local:
+        log.update(_local_entries(run, phases, local_scores))
+    if lora is not None:
+        log["lora"] = {"r": config.r, "alpha": config.lora_alpha, "target_modules": sorted(lora.target_modules)}
     return log
 
 
-def _local_entries(facts: HealingFacts, phases: list[_Phase]) -> dict[str, Any]:
+def _local_entries(run: HealingRun, phases: list[_Phase], before_after: tuple[float, float] | None) -> dict[str, Any]:
     """A local run's spans and, after a global phase, that phase's record (and the held-out objective it ended on)."""
-    config, last = facts.config, phases[-1]
-    before_after = facts.local_scores
+    config, last = run.config, phases[-1]
     entries: dict[str, Any] = {
         "local": {
-            "spans": [{"block": s.block, "original_layers": [s.start, s.end - 1]} for s in facts.spans],
+            "spans": [{"block": s.block, "original_layers": [s.start, s.end - 1]} for s in run.spans],
             "trained": "every parameter of each span's student block",
             "gate_objective": "distillation (global)",
             **(
@@ -101,9 +95,9 @@ def _local_entries(facts: HealingFacts, phases: list[_Phase]) -> dict[str, Any]:
         entries["global_phase"] = {
             "loss": "distillation",
             "trained": "the same blocks" if config.global_scope == "spans" else "every parameter",
-            "learning_rate": facts.global_learning_rate,
+            "learning_rate": run.schedule.arguments.learning_rate,
             "steps": last.steps,
-            "tokens_trained": last.steps * config.tokens_per_step() * facts.replicas,
+            "tokens_trained": last.steps * config.tokens_per_step() * run.schedule.replicas,
             "train_loss": last.result.training_loss,
             "loss_history": last.history,
             "train_seconds": last.seconds,

@@ -1,6 +1,10 @@
-"""The rows a healing trains and gates on: the user's text cut into rows, the teacher's own text
-(`recovery.teacher_text`) for its share of them, and the gate's held-out rows of each part. A new source of healing
-text is a new way to fill `_planned_rows`' plan, sampled in `_sample_teacher_part`'s place."""
+"""The rows a healing trains and gates on (`HealingRows`): the user's text cut into rows, the teacher's own text
+(`recovery.teacher_text`) for its share of them, and the gate's held-out rows of each part, settled in three steps:
+read before the model is touched (`read_rows`), planned once the launch's processes are known (`HealingRows.plan_`),
+sampled once the teacher is on its device (`HealingRows.add_teacher_part_`).
+
+A new source of healing text is a new way to fill the plan (`_teacher_rows`) and a sampler in
+`_sample_teacher_part`'s place; the user's text formats register in `recovery.data`."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch
@@ -19,12 +23,16 @@ from ..options.recovery import RecoveryConfig
 from ..utils.errors import CalibrationDataError
 from .arguments import _global_phase, _replicas, _steps_for_budget, check_fsdp, check_local_options, fsdp_version
 from .data import build_training_rows, load_recovery_texts
-from .phases import Objective
+from .distill import Objective
 from .resume import check_checkpoint_options
 from .selection import check_mode
+from .teacher import _TEXT_NEEDS_TEACHER
 from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
 
 logger = logging.getLogger(__name__)
+
+#: One row of token ids (and its attention mask and labels), as `recovery.data.build_training_rows` cuts them.
+Row = dict[str, torch.Tensor]
 
 
 def _split_rows(
@@ -209,3 +217,72 @@ def _part_scores(
     scores = {name: score_rows(model, loss, rows, config.per_device_train_batch_size) for name, rows in parts.items()}
     reshard_(model)
     return scores
+
+
+def checked_share(dataset: Any, config: RecoveryConfig, has_teacher: bool) -> float:
+    """The teacher's share of the training rows (`teacher_share`); refuses teacher text without a teacher, before the
+    text is read."""
+    share = teacher_share(dataset, config)
+    if share > 0 and not has_teacher:
+        raise ValueError(_TEXT_NEEDS_TEACHER)
+    return share
+
+
+@dataclasses.dataclass
+class HealingRows:
+    """The healing's text and rows as the steps settle them.
+
+    Attributes:
+        texts: The user's texts (none for the teacher's text only): what the teacher's tokenizer is checked on.
+        kind: What the rows are (`load_recovery_texts`' kind, ``teacher`` or ``mixed``), for the log.
+        share: The teacher's share of the training rows.
+        train: The training rows (the user's kept, then the teacher's after `add_teacher_part_`).
+        heldout: The gate's held-out rows (both parts after `add_teacher_part_`).
+        plan: The teacher's part (None without teacher text), from `plan_`.
+        planned: As many placeholders as the training rows will be, for the budget's checks before sampling.
+        record: The teacher's sampling record for the log (None without teacher text).
+        parts: The held-out rows by part (``user``, ``teacher``) when both have some, scored apart for the log.
+    """
+
+    texts: list[str]
+    kind: str
+    share: float
+    train: list[Row]
+    heldout: list[Row]
+    plan: _TeacherRows | None = None
+    planned: Sized = range(0)
+    record: dict[str, Any] | None = None
+    parts: dict[str, list[Row]] = dataclasses.field(default_factory=dict)
+
+    def plan_(self, config: RecoveryConfig, replicas: int) -> None:
+        """Plans the teacher's part for a step reading `replicas` per-process batches, keeping a seeded choice of the
+        user's rows; refuses a share the user's rows cannot fill."""
+        self.plan, self.planned, self.train = _planned_rows(config, self.share, self.train, replicas)
+
+    def add_teacher_part_(
+        self, teacher: nn.Module | None, tokenizer: Any, config: RecoveryConfig, progress: bool
+    ) -> None:
+        """Samples the planned teacher rows (nothing without a plan) and adds them to the training and held-out rows."""
+        if self.plan is None:
+            return
+        sampled, sampled_heldout, self.record = _sample_teacher_part(teacher, tokenizer, config, self.plan, progress)
+        if self.heldout and sampled_heldout:
+            self.parts = {"user": self.heldout, "teacher": sampled_heldout}
+        self.train, self.heldout = [*self.train, *sampled], [*self.heldout, *sampled_heldout]
+
+    def part_scores(
+        self, model: nn.Module, loss: Objective, config: RecoveryConfig, device: Any = None
+    ) -> dict[str, dict[str, float]] | None:
+        """Each held-out part's scores (`_part_scores`; None without parts), the model first moved to `device` when
+        one is given."""
+        if not self.parts:
+            return None
+        if device is not None:
+            model.to(device)
+        return _part_scores(model, loss, self.parts, config)
+
+
+def read_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str, share: float) -> HealingRows:
+    """The user's text and rows (`_training_text`, with its checks that need no model), before any model changes."""
+    texts, kind, train, heldout = _training_text(tokenizer, dataset, config, text_column)
+    return HealingRows(texts, kind, share, train, heldout)

@@ -3,6 +3,9 @@
 A teacher is a loaded model, a checkpoint folder, a bundled name (``smollm2``) or a Hub id. By default it is the
 model the checkpoint was compressed from, when the compression report names it publicly (a bundled model's Hub
 name loads the bundled copy, never the Hub); a local source must be given, since reports keep no local paths.
+
+`recover` resolves and checks it in one step (`checked_teacher`), after every refusal that needs no teacher, so that
+a run that cannot start never loads one. A new kind of teacher source is a branch of `load_teacher`.
 """
 
 from __future__ import annotations
@@ -111,13 +114,14 @@ def check_compatible(
             )
 
 
-def check_source(teacher: nn.Module, report: Mapping[str, Any] | None) -> str | None:
+def check_source(teacher: nn.Module, report: Mapping[str, Any] | None, stacklevel: int = 3) -> str | None:
     """A warning (also returned for the log) when `teacher` is not the model the checkpoint was compressed from.
 
     The report keeps a fingerprint of the dense weights (`utils.fingerprint`), not their path; a teacher whose
     fingerprint differs is another model (another fine-tune, another size, the same name on another revision).
     Distilling from it is allowed, since it may be what the user wants, but it is said. None when the teacher
-    matches, or when the report has no fingerprint (a report written before it existed).
+    matches, or when the report has no fingerprint (a report written before it existed). `stacklevel` is the
+    warning's, counted from here: 3 names the caller of the function that called this one.
     """
     from ..utils.fingerprint import weights_fingerprint
 
@@ -128,9 +132,21 @@ def check_source(teacher: nn.Module, report: Mapping[str, Any] | None) -> str | 
         "the teacher is not the model this checkpoint was compressed from (its weights' fingerprint differs from "
         "the report's source_fingerprint); distilling from it anyway"
     )
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=stacklevel)
     logger.warning(message)
     return message
+
+
+#: Refusals of a healing that needs a teacher and has none, shared by the steps that find it out first.
+_TEXT_NEEDS_TEACHER = (
+    "teacher text (dataset='teacher' or teacher_text > 0) is sampled from the teacher, and no teacher was given (or "
+    "the report names none); give teacher=... (the dense model), or train on a text of your own."
+)
+
+_LOCAL_NEEDS_TEACHER = (
+    "mode='local' trains each changed span towards the teacher's states, and no teacher was given (or the report "
+    "names none); give teacher=... (the dense model), or pick mode 'changed', 'last_k', 'full' or 'lora'."
+)
 
 
 def _declines_teacher(teacher: Any) -> bool:
@@ -140,8 +156,6 @@ def _declines_teacher(teacher: Any) -> bool:
 
 def _has_teacher(teacher: Any, report: Mapping[str, Any] | None) -> bool:
     """Whether `_resolve_teacher` will load a teacher (nothing is loaded here): what the default mode depends on."""
-    from .teacher import default_teacher
-
     if _declines_teacher(teacher):
         return False
     return teacher is not None or default_teacher(report) is not None
@@ -152,7 +166,6 @@ def _resolve_teacher(
 ) -> tuple[nn.Module | None, Any | None, str | None]:
     """(teacher model, its tokenizer, its public name), or Nones for the LM loss alone."""
     from .gate import is_main_process
-    from .teacher import default_teacher, load_teacher
 
     if _declines_teacher(teacher):
         return None, None, None
@@ -163,3 +176,37 @@ def _resolve_teacher(
         if is_main_process():
             logger.info("teacher: %s (the report's base model)", teacher)
     return load_teacher(teacher, dtype)
+
+
+def checked_teacher(
+    student: nn.Module,
+    tokenizer: Any,
+    teacher: Any,
+    report: Mapping[str, Any] | None,
+    config: Any,
+    texts: list[str],
+    samples_text: bool,
+) -> tuple[nn.Module | None, str | None, list[str]]:
+    """The healing's teacher step: (teacher model or None, its public name, notes for the log), loaded in the
+    student's dtype once every check that needs no teacher has passed.
+
+    Refuses no teacher where mode 'local', teacher text (`samples_text`) or hidden-state terms need one, and a
+    teacher whose vocabulary or tokenizer differs from the student's; a teacher other than the model compressed is
+    allowed, with a warning and a note.
+    """
+    dtype = next(student.parameters()).dtype
+    model, teacher_tokenizer, name = _resolve_teacher(teacher, report, dtype)
+    if config.mode == "local" and model is None:
+        raise ValueError(_LOCAL_NEEDS_TEACHER)
+    if samples_text and model is None:
+        raise ValueError(_TEXT_NEEDS_TEACHER)
+    if config.hidden_weight > 0 and model is None:
+        raise ValueError(
+            "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
+        )
+    notes: list[str] = []
+    if model is not None:
+        check_compatible(student, model, tokenizer, teacher_tokenizer, texts)
+        mismatch = check_source(model, report, stacklevel=4)  # the warning names recover's caller
+        notes += [mismatch] if mismatch else []
+    return model, name, notes

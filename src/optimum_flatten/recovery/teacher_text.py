@@ -315,6 +315,29 @@ def _generate(
     return torch.cat(outputs) if outputs else torch.empty((0, seqlen), dtype=torch.long)
 
 
+def _settings(
+    seed: int,
+    stream: str,
+    temperature: float,
+    top_k: int,
+    top_p: float | None,
+    start_kind: str,
+    prompt_tokens: int,
+    prompted: bool,
+) -> dict[str, Any]:
+    """The sampling settings a record (and the cache key) holds: what makes another sample of the same rows."""
+    return {
+        "seed": int(seed),
+        "stream": stream,
+        "temperature": float(temperature),
+        "top_k": top_k or None,
+        "top_p": top_p if top_p is not None and top_p < 1.0 else None,
+        "start": "prompts" if prompted else start_kind,
+        "prompt_tokens": prompt_tokens if prompted else None,
+        "eos": "an ordinary token (rows run to seqlen)",
+    }
+
+
 def sample_teacher_rows(
     teacher_model: nn.Module,
     tokenizer: Any,
@@ -364,16 +387,9 @@ def sample_teacher_rows(
         raise ValueError(f"seqlen={seqlen} leaves no token to sample after the {prompt_length}-token start and prompt.")
     pad = getattr(tokenizer, "pad_token_id", None)
     kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, start if pad is None else int(pad))
-    settings = {
-        "seed": int(seed),
-        "stream": stream,
-        "temperature": float(temperature),
-        "top_k": kwargs["top_k"] or None,
-        "top_p": top_p if top_p is not None and top_p < 1.0 else None,
-        "start": "prompts" if prompt_list else start_kind,
-        "prompt_tokens": prompt_tokens if prompt_list else None,
-        "eos": "an ordinary token (rows run to seqlen)",
-    }
+    settings = _settings(
+        seed, stream, temperature, kwargs["top_k"], top_p, start_kind, prompt_tokens, bool(prompt_list)
+    )
     device = next(teacher_model.parameters()).device
     rank, world_size = _process()
     batch_size = batch_size or default_batch_size(teacher_model, seqlen)

@@ -1,0 +1,49 @@
+"""The first step of a healing: the mode it trains in, chosen where the caller left it to the default by what the run
+has (a teacher, a plan, FSDP, layers merged) and by whether whole-model training fits in memory (`footprint`).
+
+A new mode registers in `selection.MODES` (and `options.recovery.with_mode` where it can be a default); its memory,
+where it needs more than the weights, in `footprint.ModeChoice`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from ..options.recovery import RecoveryConfig, merges_layers, with_mode
+from ..utils.launch import join_launcher_group
+from ..utils.positions import check_sequence_length
+from .arguments import fsdp_version
+from .footprint import ModeChoice, teacher_bytes_to_load
+from .rows import teacher_share
+from .teacher import _has_teacher
+from .teacher_text import is_teacher_dataset
+
+
+def resolve_mode(
+    model: nn.Module, dataset: Any, config: RecoveryConfig, teacher: Any, report: Mapping[str, Any] | None
+) -> tuple[RecoveryConfig, Mapping[str, Any] | None, ModeChoice]:
+    """(the config with its mode settled, the report (``model.flatten_report`` when none was given), how the mode was
+    chosen), after refusing rows longer than the model's position table."""
+    if is_teacher_dataset(dataset):  # the teacher's text only: the log, the footprint and a resume see share 1
+        config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
+    # A row past a position table fails inside the first step; refused here, before anything is built or changed.
+    check_sequence_length(model, config.seqlen)
+    # Under torchrun / accelerate launch the ranks are joined first, so that they agree on the mode (each checks its
+    # own memory) before the Trainer wraps the model.
+    join_launcher_group()
+    if report is None:
+        report = getattr(model, "flatten_report", None)
+    choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report))
+    config = with_mode(
+        config,
+        has_teacher=_has_teacher(teacher, report),
+        has_plan=bool((report or {}).get("plan")),
+        fsdp=fsdp_version(config) is not None,
+        full_fits=choice,
+        merged=merges_layers((report or {}).get("plan")),
+    )
+    return choice.apply(config), report, choice
