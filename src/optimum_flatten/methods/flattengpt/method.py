@@ -53,12 +53,13 @@ from ...utils import flops
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import module_device
 from .attention_target import attention_writes_from_states, sequential_attention_writes, sequential_group_outputs
+from .choices import MLP_CROSS_CHUNK, cross_path
 from .compute import flattengpt_compute
 from .kv_groups import select_kv_groups_by_reconstruction
 from .loss_selection import groups_by_calibration_loss, install_prebuilt_
 from .resume import rebuild_group, selection_caches
 from .similarity import as_cached, similarity_matrix
-from .workspace import MLP_CROSS_CHUNK, cross_path, flattengpt_workspace
+from .workspace import flattengpt_workspace
 
 logger = logging.getLogger(__name__)
 
@@ -428,7 +429,7 @@ class FlattenGPTMethod(CompressionMethod):
         o_module = view.attention.o.module
         writes: list[torch.Tensor] = []
         heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
-        # One rule for the run and the memory model (`workspace.cross_path`).
+        # One rule for the run and the memory model (`choices.cross_path`).
         centred = cross_path(precision, str(view.attention.o.weight.dtype)) == "centred"
         cross = (
             CrossMoment(heads_width, hidden, device, split_bfloat16=split, centred_float32=centred)
