@@ -10,7 +10,8 @@ selection pass; `kv_groups.py`: KV groups kept by reconstruction; `attention_tar
 """
 
 from ...options.methods.flattengpt import FlattenGPTConfig
+from .flatten import fold_block_norms_
 from .kv_groups import select_kv_groups_by_reconstruction
-from .method import FlattenGPTMethod, fold_block_norms_
+from .method import FlattenGPTMethod
 
 __all__ = ["FlattenGPTConfig", "FlattenGPTMethod", "fold_block_norms_", "select_kv_groups_by_reconstruction"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...compression.workspace import WorkspaceSizes
+from ...options.methods.flattengpt import resolve_covariance_dtype
 
 #: The reconstruction search tries every subset of KV groups up to this many subsets, else eliminates greedily.
 MAX_EXHAUSTIVE_SUBSETS = 4096
@@ -23,6 +24,13 @@ def cross_path(precision: str, dtype: str) -> str:
     if precision == "bfloat16":
         return "split"
     return "centred" if precision in ("float32", "tf32") and dtype.removeprefix("torch.") == "float32" else "float64"
+
+
+def covariance_dtype(config: Any, weight: Any, device: Any, width: int) -> str:
+    """The precision of a statistic of `width` channels read from the input of `weight`'s projection (a tensor, on
+    `device`): the option, or for ``"auto"`` what `resolve_covariance_dtype` gives for the activations' dtype (the
+    weight's: the block computes in it) on that device. The models resolve "auto" as on a GPU (`workspace.py`)."""
+    return resolve_covariance_dtype(config.covariance_dtype, str(weight.dtype), device.type == "cuda", width)
 
 
 def group_size(n: int, num_layers: int, config: Any) -> int:
