@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from ...calibration.cross_moment import CrossMoment
 from ...calibration.partial import run_to_input
-from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
+from ...calibration.stats import CentredSecondMoment, SecondMoment
 from ...ops import (
     default_ridge_lambda,
     nystrom_down_correction,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...calibration.stats import SPLIT_GRAM_BAND
+from ...calibration.precision import SPLIT_GRAM_BAND
 from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
 from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, removal_chunks

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from ...calibration.cross_moment import CrossMoment
 from ...calibration.distributed import all_reduce_, all_reduce_sums, is_sharded
 from ...calibration.partial import run_to_input
-from ...calibration.stats import CrossMoment, SecondMoment
+from ...calibration.stats import SecondMoment
 from ...ops import (
     accumulate_head_importance,
     balanced_top_k,

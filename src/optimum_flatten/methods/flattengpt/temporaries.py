@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...calibration.stats import CROSS_BLOCK
+from ...calibration.cross_moment import CROSS_BLOCK
 from ...ops.block_elimination import removal_chunks
 from .choices import MAX_EXHAUSTIVE_SUBSETS
 

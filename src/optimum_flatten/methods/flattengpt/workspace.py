@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...calibration.stats import SPLIT_GRAM_BAND
+from ...calibration.precision import SPLIT_GRAM_BAND
 from ...compression.workspace import LEVERAGE_PANEL, Phase, Term, WorkspaceModel, WorkspaceSizes
 from ...ops.ridge import max_refined
 from ...options.methods.flattengpt import resolve_covariance_dtype
