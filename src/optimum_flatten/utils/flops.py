@@ -9,7 +9,8 @@ One mechanism serves every method: the functions in `ops/` and `calibration/` (s
 do the arithmetic call `record(flops, precision, kind)` with the floating-point operations their shapes imply (the
 formulas below, the same ones the estimate uses), and `MethodContext.timer(phase)` opens an `ArithmeticCount` phase
 while it times. So the count lands in the phases the report times, without a method writing any count of its own,
-and a session without a GPU sees the work the GPU will do. Counting costs a few integer products per call: nothing beside the work counted.
+and a session without a GPU sees the work the GPU will do. Counting costs a few integer products per call: nothing
+beside the work counted.
 
 Conventions (the usual LAPACK operation counts, multiply and add each one flop):
 
