@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ...calibration.cross_moment import CrossMoment
 from ...calibration.partial import run_to_input
@@ -116,12 +117,8 @@ def prune_channels(
 
 
 def _mlp_float64(
-    config: FlattenGPTConfig,
-    moment: SecondMoment,
-    down_rows: torch.Tensor,
-    num_keep: int,
-    target: torch.Tensor | None = None,
-) -> tuple[list[int], torch.Tensor, float]:
+    config: FlattenGPTConfig, moment: SecondMoment, down_rows: Tensor, num_keep: int, target: Tensor | None
+) -> tuple[list[int], Tensor, float]:
     """Leverage and Nyström (or the ridge refit towards `target`'s cross moment) on a float64 C with a full
     float64 factor (the reference path)."""
     second_moment = moment.finish()
@@ -137,12 +134,8 @@ def _mlp_float64(
 
 
 def _mlp_float32(
-    config: FlattenGPTConfig,
-    moment: CentredSecondMoment,
-    down_rows: torch.Tensor,
-    num_keep: int,
-    target: torch.Tensor | None = None,
-) -> tuple[list[int], torch.Tensor, float]:
+    config: FlattenGPTConfig, moment: CentredSecondMoment, down_rows: Tensor, num_keep: int, target: Tensor | None
+) -> tuple[list[int], Tensor, float]:
     """Leverage from a triangle-only float32 factor (the channels near the cut re-scored in float64, so the
     kept set is the float64 path's); the Nyström solve on the kept block in float64.
 

@@ -357,13 +357,7 @@ class FlattenGPTMethod(CompressionMethod):
         """The head step on the wide block (`head_pruning.prune_heads`)."""
         return prune_heads(self.config, group, target_kv, group_outputs, states)
 
-    def _prune_channels(
-        self,
-        group: WideBlock,
-        target_channels: int,
-        group_outputs: list[torch.Tensor] | None = None,
-        traced_outputs: list[torch.Tensor] | None = None,
-        states: dict[int, list[torch.Tensor]] | None = None,
-    ) -> dict[str, Any]:
-        """The MLP step on the wide block (`channel_pruning.prune_channels`)."""
-        return prune_channels(self.config, group, target_channels, group_outputs, traced_outputs, states)
+    def _prune_channels(self, group: WideBlock, target_channels: int, *sources: Any) -> dict[str, Any]:
+        """The MLP step on the wide block (`channel_pruning.prune_channels`; `sources`: where the sequential target
+        reads the group's outputs from)."""
+        return prune_channels(self.config, group, target_channels, *sources)
