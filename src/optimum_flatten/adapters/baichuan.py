@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,7 +39,10 @@ from .base import PRE_NORM_CAPABILITIES
 from .layout import AttentionLayout
 from .llama import LLAMA_LAYOUT, LlamaAdapter
 from .registry import register_adapter
-from .views import PackedLinearView
+from .views import BlockView, PackedLinearView
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +152,38 @@ class BaichuanAdapter(LlamaAdapter):
                 biases, or use different norm epsilons.
             UnsupportedArchitectureError: when the rotary frequencies are not plain RoPE with one base.
         """
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        base = self._inner_model()
         blocks = self.blocks()
+        num_heads, head_dim, intermediate_size = self._llama_shape(blocks)
+        llama_config = self._llama_config(blocks, num_heads, head_dim, intermediate_size)
+        # Built on the meta device so no weights are allocated or randomly initialised, then given the tensors.
+        with torch.device("meta"):
+            exported = LlamaForCausalLM(llama_config)
+        exported.load_state_dict(self._llama_state(blocks), strict=True, assign=True)
+        # The rotary frequencies are a non-persistent buffer (not in the state dict): rebuild them for real.
+        device = self.embeddings().weight.device
+        exported.model.rotary_emb = type(exported.model.rotary_emb)(config=exported.config).to(device)
+        left_on_meta = [n for n, t in [*exported.named_parameters(), *exported.named_buffers()] if t.is_meta]
+        if left_on_meta:
+            raise RuntimeError(f"LLaMA export left tensors without data: {left_on_meta}.")
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            exported.generation_config = copy.deepcopy(generation_config)
+        exported.train(self.model.training)
+        logger.info(
+            "exported Baichuan model as LlamaForCausalLM: %d layers, %d heads of %d, MLP width %d",
+            len(blocks),
+            num_heads,
+            head_dim,
+            intermediate_size,
+        )
+        return exported
+
+    @staticmethod
+    def _llama_shape(blocks: list[BlockView]) -> tuple[int, int, int]:
+        """(heads, head_dim, MLP width), the one shape every layer must share for LLaMA, whose projections must also
+        carry no bias (LLaMA's config has one of each and ``attention_bias=mlp_bias=False`` would drop a bias)."""
         shapes = {
             (b.attention.geometry.num_heads, b.attention.geometry.head_dim, b.mlp.intermediate_size) for b in blocks
         }
@@ -160,7 +192,6 @@ class BaichuanAdapter(LlamaAdapter):
                 f"export to LlamaForCausalLM needs every layer to have the same (heads, head_dim, intermediate size), "
                 f"got {sorted(shapes)}; LLaMA has one of each. Compress to a uniform shape first."
             )
-        num_heads, head_dim, intermediate_size = shapes.pop()
         biased = sorted(
             {
                 name
@@ -180,13 +211,21 @@ class BaichuanAdapter(LlamaAdapter):
                 f"Baichuan's projections have no biases, but {biased} carry one; the LLaMA export (attention_bias="
                 "False, mlp_bias=False) would drop it. Export a model whose projections have no bias."
             )
-        norms = [m for b in blocks for m in (b.attn_norm.module, b.mlp_norm.module)] + [base.norm]
+        return shapes.pop()
+
+    def _llama_config(
+        self, blocks: list[BlockView], num_heads: int, head_dim: int, intermediate_size: int
+    ) -> LlamaConfig:
+        """The `LlamaConfig` of the export: this model's sizes and token ids, plain RoPE, one norm epsilon (refused
+        when the norms differ), untied embeddings."""
+        from transformers import LlamaConfig
+
+        norms = [m for b in blocks for m in (b.attn_norm.module, b.mlp_norm.module)] + [self._inner_model().norm]
         epsilons = {self._norm_epsilon(m) for m in norms}
         if len(epsilons) != 1:
             raise ValueError(f"the RMSNorms use different epsilons {sorted(epsilons)}; LLaMA has one rms_norm_eps.")
         embed = self.embeddings()
-        dtype = embed.weight.dtype
-        llama_config = LlamaConfig(
+        return LlamaConfig(
             vocab_size=embed.weight.shape[0],
             hidden_size=embed.weight.shape[1],
             intermediate_size=intermediate_size,
@@ -205,11 +244,15 @@ class BaichuanAdapter(LlamaAdapter):
             pad_token_id=getattr(self.config, "pad_token_id", None),
             bos_token_id=getattr(self.config, "bos_token_id", None),
             eos_token_id=getattr(self.config, "eos_token_id", None),
-            dtype=dtype,
+            dtype=embed.weight.dtype,
         )
+
+    def _llama_state(self, blocks: list[BlockView]) -> dict[str, torch.Tensor]:
+        """The export's state dict under LLaMA's names: W_pack's q/k/v slices copied (safetensors refuses tensors
+        that share storage), the head normalised (`_effective_head_weight`), every other tensor shared."""
         state = {
-            "model.embed_tokens.weight": embed.weight.detach(),
-            "model.norm.weight": base.norm.weight.detach(),
+            "model.embed_tokens.weight": self.embeddings().weight.detach(),
+            "model.norm.weight": self._inner_model().norm.weight.detach(),
             "lm_head.weight": self._effective_head_weight(),
         }
         for i, block in enumerate(blocks):
@@ -217,34 +260,12 @@ class BaichuanAdapter(LlamaAdapter):
             att, mlp = block.attention, block.mlp
             state[prefix + "input_layernorm.weight"] = block.attn_norm.weight.detach()
             state[prefix + "post_attention_layernorm.weight"] = block.mlp_norm.weight.detach()
-            # Slices of W_pack are copied: safetensors refuses tensors that share storage.
             for name, view in (("q_proj", att.q), ("k_proj", att.k), ("v_proj", att.v)):
                 state[prefix + f"self_attn.{name}.weight"] = view.weight.detach().clone()
             state[prefix + "self_attn.o_proj.weight"] = att.o.weight.detach()
             for name, view in (("gate_proj", mlp.gate), ("up_proj", mlp.up), ("down_proj", mlp.down)):
                 state[prefix + f"mlp.{name}.weight"] = view.weight.detach()
-        # Built on the meta device so no weights are allocated or randomly initialised, then given the tensors.
-        with torch.device("meta"):
-            exported = LlamaForCausalLM(llama_config)
-        exported.load_state_dict(state, strict=True, assign=True)
-        # The rotary frequencies are a non-persistent buffer (not in the state dict): rebuild them for real.
-        device = embed.weight.device
-        exported.model.rotary_emb = type(exported.model.rotary_emb)(config=exported.config).to(device)
-        left_on_meta = [n for n, t in [*exported.named_parameters(), *exported.named_buffers()] if t.is_meta]
-        if left_on_meta:
-            raise RuntimeError(f"LLaMA export left tensors without data: {left_on_meta}.")
-        generation_config = getattr(self.model, "generation_config", None)
-        if generation_config is not None:
-            exported.generation_config = copy.deepcopy(generation_config)
-        exported.train(self.model.training)
-        logger.info(
-            "exported Baichuan model as LlamaForCausalLM: %d layers, %d heads of %d, MLP width %d",
-            len(blocks),
-            num_heads,
-            head_dim,
-            intermediate_size,
-        )
-        return exported
+        return state
 
     def _effective_head_weight(self) -> torch.Tensor:
         """The matrix the head really multiplies by: NormHead normalises each vocabulary row to unit L2 norm.

@@ -1,125 +1,55 @@
 """Running statistics over calibration tokens with padding masked: float64 sums, or a float32 centred scatter with
-its mean part exact in float64."""
+its mean part exact in float64.
+
+The second moments live here; the cross moment with a target in `cross_moment.py`, and the product arithmetic both
+rest on (TF32, split bfloat16, banded Gram products, float64 column sums and centring) in `precision.py`. Their names
+are re-exported here, where the callers have always imported them from."""
 
 from __future__ import annotations
-
-import functools
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import torch
 
 from ..utils import flops
+from .cross_moment import COLUMN_SUM_ROWS, CROSS_BLOCK, CrossMoment
 from .distributed import all_reduce_, all_reduce_sums, is_sharded, process_group
+from .precision import (
+    SPLIT_CHUNK_TOKENS,
+    SPLIT_GRAM_BAND,
+    add_lower_bands_,
+    add_lower_split_gram_,
+    batch_centre,
+    centred_float32,
+    exact_bfloat16_reduction,
+    float64_column_sum,
+    split_bfloat16,
+    split_cross,
+    tf32_matmul,
+)
 
-logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def tf32_matmul(enabled: bool) -> Iterator[None]:
-    """Within the block, CUDA float32 matrix products may use TF32 when `enabled`; the caller's precision is restored
-    after, so one statistic's choice never leaks into the user's model. torch's global precision switch is the one
-    that mixes safely with both of its flag APIs (the older `allow_tf32` and the newer `fp32_precision`)."""
-    if not enabled:
-        yield
-        return
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-@contextmanager
-def exact_bfloat16_reduction() -> Iterator[None]:
-    """Within the block, cuBLAS may not reduce a bfloat16 GEMM's split-K partial sums in reduced precision (torch's
-    default allows it): every partial sum stays float32, so a bfloat16 product accumulates as a float32 one does.
-    The caller's setting is restored after."""
-    matmul = torch.backends.cuda.matmul
-    before = matmul.allow_bf16_reduced_precision_reduction
-    matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        matmul.allow_bf16_reduced_precision_reduction = before
-
-
-def split_bfloat16(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) bfloat16 with hi + lo = y to 2⁻¹⁶ |y| (hi = y rounded, lo = the float32 remainder rounded; the
-    remainder is exact in float32). Exact when y has at most 16 significant bits, as the difference of two bfloat16
-    numbers within a factor 2⁷ of each other has (8 bits each, at most 7 apart, one more for a carry)."""
-    hi = y.bfloat16()
-    return hi, (y - hi.float()).bfloat16()
-
-
-def _float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b of bfloat16 `a` and `b` with float32 output and accumulation: on CUDA the tensor cores' bfloat16 GEMM
-    (``out_dtype=float32``, partial sums kept in float32); elsewhere the same arithmetic in a float32 GEMM (a product
-    of two bfloat16 numbers is exact in float32, so the two differ only in the order of the sums)."""
-    global _FLOAT32_OUTPUT_MISSING
-    if a.device.type == "cuda" and not _FLOAT32_OUTPUT_MISSING:
-        try:
-            with exact_bfloat16_reduction():
-                return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError) as error:  # a torch before `mm(..., out_dtype)` (2.8)
-            _FLOAT32_OUTPUT_MISSING = True
-            logger.warning(
-                "this torch has no bfloat16 GEMM with float32 output (%s); the split second moments run as float32 "
-                "GEMMs (the same sums, without the tensor cores' speed)",
-                error,
-            )
-    return a.float() @ b.float()
-
-
-#: Set once a CUDA `torch.mm(..., out_dtype=float32)` has failed: the split products then run in float32 GEMMs.
-_FLOAT32_OUTPUT_MISSING = False
-
-
-def add_lower_split_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None = None) -> torch.Tensor:
-    """out += yᵀ y of a float32 (tokens × dim) `y` on its lower block triangle only (bands of `band` columns, the
-    diagonal blocks whole; `mirror_lower_` with the same band fills the rest once), from bfloat16 GEMMs with exact
-    products and float32 sums. Returns `out` (float64 on the callers' paths: each band's float32 product is added
-    into it, so the float32 sums run over `y`'s rows only).
-
-    With (hi, lo) = `split_bfloat16(y)`, yᵀy = hiᵀhi + hiᵀlo + loᵀhi + (loᵀlo and the split's remainder, below
-    3·2⁻¹⁶ |y_i||y_j| per token together). The three terms are one symmetric GEMM, [hi; hi; lo]ᵀ [hi; lo; hi] (3n
-    rows), so each band takes only the rows from its first column on: (dim + band)/(2·dim) of the square's products
-    and of its float64 adds (0.55 at LLaMA-2-7B's merged MLP of 22,016 channels and bands of 2,048). Every entry
-    computed is within (3·2⁻¹⁶ + γ₃ₙ) Σ_tokens |y_i||y_j| of the exact one (γ: the float32 sums of the 3n-term dot
-    products), up to a (1 + 2⁻⁷) factor for lo's share of the sums.
-    """
-    n, dim = y.shape
-    band = band or SPLIT_GRAM_BAND
-    # One buffer [hi; hi; lo; hi] holds both sides: rows :3n are [hi; hi; lo], rows n: are [hi; lo; hi]. The parts
-    # are written into it in place, with no concatenation, and are the ones `split_bfloat16` gives, bit for bit (the
-    # copy into bfloat16 rounds as `.bfloat16()` does, and y − hi promotes hi exactly).
-    stacked = torch.empty(4 * n, dim, dtype=torch.bfloat16, device=y.device)
-    hi = stacked[:n]
-    hi.copy_(y)
-    stacked[2 * n : 3 * n].copy_(y - hi)
-    stacked[n : 2 * n].copy_(hi)
-    stacked[3 * n :].copy_(hi)
-    return _add_lower_bands_(
-        out, stacked[: 3 * n], stacked[n:], band, "bfloat16", lambda block, a, b: block.add_(_float32_product(a, b))
-    )
-
-
-def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """xᵀ y of float32 (tokens × dim) `x` and (tokens × out) `y` from one bfloat16 GEMM with exact products and
-    float32 sums: with (hi, lo) the `split_bfloat16` of each side, xᵀy = hiₓᵀhi_y + hiₓᵀlo_y + loₓᵀhi_y (+ loₓᵀlo_y and
-    the splits' remainders, below 3·2⁻¹⁶ |x_i||y_j| per token together), the three as [hiₓ; hiₓ; loₓ]ᵀ [hi_y; lo_y;
-    hi_y]. Each entry within (3·2⁻¹⁶ + γ₃ₙ) Σ_tokens |x_i||y_j| of the exact one."""
-    hi_x, lo_x = split_bfloat16(x)
-    left = torch.cat([hi_x, hi_x, lo_x])
-    del hi_x, lo_x
-    hi_y, lo_y = split_bfloat16(y)
-    right = torch.cat([hi_y, lo_y, hi_y])
-    del hi_y, lo_y
-    flops.record(flops.product(x.shape[1], left.shape[0], y.shape[1]), "bfloat16")
-    return _float32_product(left.T, right)
+__all__ = [
+    "COLUMN_SUM_ROWS",
+    "CROSS_BLOCK",
+    "GRAM_BAND",
+    "SPLIT_CHUNK_TOKENS",
+    "SPLIT_GRAM_BAND",
+    "TRIANGULAR_GRAM_DEVICES",
+    "CentredMoment",
+    "CentredSecondMoment",
+    "CrossMoment",
+    "SecondMoment",
+    "add_lower_gram_",
+    "add_lower_split_gram_",
+    "batch_centre",
+    "centred_float32",
+    "exact_bfloat16_reduction",
+    "float64_column_sum",
+    "mirror_lower_",
+    "real_rows",
+    "split_bfloat16",
+    "split_cross",
+    "tf32_matmul",
+    "triangular_gram",
+]
 
 
 #: Devices whose float32 Gram products (`add_lower_gram_`) take only the lower block triangle of yᵀy, a band of
@@ -128,16 +58,11 @@ def split_cross(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 #: lower triangle came out bit-identical to the full product's); on CUDA it is unmeasured, and the full product
 #: (one GEMM launch) stays.
 TRIANGULAR_GRAM_DEVICES = ("cpu",)
+
+
 #: Columns per band of `add_lower_gram_`: narrow enough to skip most of the upper triangle, wide enough that each
 #: band stays one efficient GEMM (384 to 768 timed within 5% of each other at 3,072 channels).
 GRAM_BAND = 384
-#: Columns per band of `add_lower_split_gram_` (the split bfloat16 path, on CUDA's tensor cores): each band's GEMM
-#: is at least 2,048 columns by 3 × 4,096 token rows, the size at which an H100's bfloat16 GEMMs run near their rate,
-#: and the skipped upper triangle is still 45% of the square at 22,016 channels (37.5% at 8,192).
-SPLIT_GRAM_BAND = 2048
-#: Tokens per split product: the float32 sums run over 3 × this many rows, and the stacked parts of one chunk
-#: (8 bytes a value) are the path's largest temporary.
-SPLIT_CHUNK_TOKENS = 4096
 
 
 def triangular_gram(device: torch.device) -> bool:
@@ -150,26 +75,7 @@ def add_lower_gram_(out: torch.Tensor, y: torch.Tensor, band: int | None = None)
     on (the diagonal block whole). Every entry computed is the dot product the full GEMM computes, with the same
     float32 sums; the entries above the diagonal blocks are left as they were, for `mirror_lower_` to fill once
     all the products are in (`band` None: `GRAM_BAND`, read at the call). Returns `out`."""
-    return _add_lower_bands_(out, y, y, band or GRAM_BAND, "float32", lambda block, a, b: block.addmm_(a, b))
-
-
-def _add_lower_bands_(
-    out: torch.Tensor,
-    left: torch.Tensor,
-    right: torch.Tensor,
-    band: int,
-    precision: str,
-    add: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
-) -> torch.Tensor:
-    """For each band of `band` columns, `add(block, a, b)` adds a @ b to out's block from the band's first row on,
-    with a = left[:, first:]ᵀ and b = right[:, band]: the lower block triangle of leftᵀ right, its diagonal blocks
-    whole (what `add_lower_gram_` and `add_lower_split_gram_` share; the flops recorded in `precision`)."""
-    dim = left.shape[1]
-    for start in range(0, dim, band):
-        stop = min(start + band, dim)
-        flops.record(flops.product(dim - start, left.shape[0], stop - start), precision)
-        add(out[start:, start:stop], left[:, start:].T, right[:, start:stop])
-    return out
+    return add_lower_bands_(out, y, y, band or GRAM_BAND, "float32", lambda block, a, b: block.addmm_(a, b))
 
 
 def mirror_lower_(matrix: torch.Tensor, band: int | None = None) -> torch.Tensor:
@@ -191,22 +97,6 @@ def mirror_lower_(matrix: torch.Tensor, band: int | None = None) -> torch.Tensor
     return matrix
 
 
-def float64_column_sum(flat: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
-    """Σ over rows in float64, `chunk_tokens` rows at a time: ``flat.sum(0, dtype=float64)`` casts the whole batch to
-    float64 first (8 bytes a value: 2.7 GiB for one batch of 8 x 2048 tokens at LLaMA-2-7B's merged MLP width),
-    where a chunk's cast is all the sum needs."""
-    total = torch.zeros(flat.shape[-1], dtype=torch.float64, device=flat.device)
-    for chunk in flat.split(chunk_tokens):
-        total.add_(chunk.sum(dim=0, dtype=torch.float64))
-    return total
-
-
-def centred_float32(chunk: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
-    """chunk.float() − centre (a float32 `centre`) in one pass where the chunk is a narrower float (the subtraction
-    promotes it exactly); a float64 chunk is rounded to float32 first, as `.float()` does."""
-    return chunk.float() - centre if chunk.dtype == torch.float64 else torch.sub(chunk, centre)
-
-
 def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The rows of `x` (batch, seq, dim) whose mask is 1, as (tokens, dim) on `device`: padding never reaches a sum.
 
@@ -219,13 +109,6 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor | None, device: torch.device) 
         if not bool(keep.all()):
             flat = flat[keep]
     return flat.to(device)
-
-
-def batch_centre(total: torch.Tensor, n: int, split: bool) -> torch.Tensor:
-    """The mean of `n` tokens summing to `total` in float32, rounded to bfloat16 on the split path (so that a bfloat16
-    activation less it is exact in `split_bfloat16`): the one rule every centred statistic here rounds by."""
-    centre = (total / n).float()
-    return centre.bfloat16().float() if split else centre
 
 
 class _MaskedMoment:
@@ -498,113 +381,3 @@ class CentredMoment:
 
     def release(self) -> None:
         self.scatter = None
-
-
-#: Output columns per float32 product of `CrossMoment`'s centred path: its temporary is the input width × this
-#: (59 MiB at LLaMA-2-70B's merged MLP of 57,344 channels), where the float64 path adds into its sum in place.
-CROSS_BLOCK = 256
-#: Rows per float64 cast in `CrossMoment`'s centred path's column sums.
-COLUMN_SUM_ROWS = 256
-
-
-class CrossMoment:
-    """S = E[x yᵀ] and E‖y‖² over valid tokens, from float64 running sums, a chunk of tokens at a time.
-
-    The partner of `SecondMoment` when a projection is refitted towards a target y that is not its own output
-    (`ops.ridge.ridge_refit_to_target`). Both widths are a layer's (heads × head_dim by hidden), so the float64
-    product costs what a second moment of the smaller width does and no centring is needed for the memory.
-
-    ``split_bfloat16=True`` (FlattenGPT's ``covariance_dtype="bfloat16"``) takes each chunk's product on the bfloat16
-    tensor cores instead, with the arithmetic of `split_cross`: both sides centred on the batch's means rounded to
-    bfloat16 (the mean part added back exactly in float64, as `SecondMoment` does), each entry of a chunk's product
-    within (3·2⁻¹⁶ + γ₃ₖ) Σ |x_i − c_i||y_j − e_j| of the float64 one (k = `chunk_tokens`), chunks summed in float64.
-
-    ``centred_float32=True`` (FlattenGPT's float32 and tf32 statistics of float32 activations) takes each chunk's
-    product in float32 on the same centred sides, the centres the batch's means rounded to float32 and the mean part
-    again added back in float64: each entry of a chunk's product within γₖ₊₂ Σ |x_i − c_i||y_j − e_j| of the float64
-    one (the centring's two float32 roundings and the float32 sums of one chunk), chunks summed in float64. Why: the
-    float64 products and the float64 copies of both sides were a quarter of FlattenGPT's CPU compression (a float64
-    GEMM runs at half the float32 rate there; on an H100 the two rates are the same), and centring removes the common
-    component that would make a float32 sum lose the small directions, as it does for `SecondMoment`. float64 inputs
-    keep the float64 path.
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        out_dim: int,
-        device: torch.device | str = "cpu",
-        chunk_tokens: int = 4096,
-        split_bfloat16: bool = False,
-        centred_float32: bool = False,
-    ) -> None:
-        if split_bfloat16 and centred_float32:
-            raise ValueError("CrossMoment takes split_bfloat16=True or centred_float32=True, not both.")
-        self.sum = torch.zeros(dim, out_dim, dtype=torch.float64, device=device)
-        self.energy = 0.0
-        self.count = 0
-        self.chunk_tokens = chunk_tokens
-        self.split = split_bfloat16
-        self.centred = centred_float32
-
-    def update(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """Adds the tokens of `x` (batch, seq, dim) and `y` (batch, seq, out_dim) whose mask is 1."""
-        xs, ys = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
-        if mask is not None:
-            keep = mask.reshape(-1).bool()
-            xs, ys = xs[keep.to(xs.device)], ys[keep.to(ys.device)]
-        if self.split or (self.centred and xs.dtype != torch.float64 and ys.dtype != torch.float64):
-            self._add_centred(xs, ys)
-            return
-        flops.record(flops.gram(xs.shape[0], xs.shape[1], ys.shape[1]), "float64")
-        for start in range(0, xs.shape[0], self.chunk_tokens):
-            a = xs[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
-            b = ys[start : start + self.chunk_tokens].to(self.sum.device, torch.float64)
-            self.sum.addmm_(a.T, b)
-            self.energy += float(b.square().sum())
-        self.count += xs.shape[0]
-
-    def _add_centred(self, xs: torch.Tensor, ys: torch.Tensor) -> None:
-        """One batch on a centred path: Σ x yᵀ = Σ (x − c)(y − e)ᵀ + c s_yᵀ + s_x eᵀ − n c eᵀ, with s the float64
-        column sums and c, e the batch's means rounded by `batch_centre` (to bfloat16 on the split path, float32 on
-        the centred float32 one), each chunk's product by `_add_chunk`; E‖y‖² from float64 copies of y's chunks."""
-        n = xs.shape[0]
-        if n == 0:
-            return
-        xs, ys = xs.to(self.sum.device), ys.to(self.sum.device)
-        # The centred float32 path sums a few rows at a time: its float64 casts stay small beside its float32 copies.
-        column_sum = (
-            float64_column_sum if self.split else functools.partial(float64_column_sum, chunk_tokens=COLUMN_SUM_ROWS)
-        )
-        sum_x, sum_y = column_sum(xs), column_sum(ys)
-        centre_x, centre_y = batch_centre(sum_x, n, self.split), batch_centre(sum_y, n, self.split)
-        if not self.split:  # `split_cross` records its own
-            flops.record(flops.gram(n, xs.shape[1], ys.shape[1]), "float32")
-        for start in range(0, n, self.chunk_tokens):
-            b = ys[start : start + self.chunk_tokens]
-            self._add_chunk(
-                centred_float32(xs[start : start + self.chunk_tokens], centre_x), centred_float32(b, centre_y)
-            )
-            self.energy += float(b.double().square().sum())
-        c, e = centre_x.double(), centre_y.double()
-        self.sum.addr_(c, sum_y).addr_(sum_x, e).addr_(c, e, alpha=-n)
-        self.count += n
-
-    def _add_chunk(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Adds aᵀ b of one chunk's centred float32 sides: `split_cross`'s bfloat16 GEMM, or float32 products by
-        blocks of `CROSS_BLOCK` output columns (the product's temporary stays dim × CROSS_BLOCK)."""
-        if self.split:
-            self.sum.add_(split_cross(a, b))
-            return
-        for j in range(0, b.shape[1], CROSS_BLOCK):
-            self.sum[:, j : j + CROSS_BLOCK].add_(a.T @ b[:, j : j + CROSS_BLOCK])
-
-    def finish(self) -> tuple[torch.Tensor, float]:
-        """(E[x yᵀ], E‖y‖²); the running sum is consumed. Under a sharded calibration, summed over the ranks first."""
-        if is_sharded():
-            all_reduce_(self.sum)
-            energy, count = all_reduce_sums(self.energy, self.count)
-            self.energy, self.count = energy, int(count)
-        if self.count == 0:
-            raise ValueError("no calibration token reached this statistic (are all tokens masked?)")
-        return self.sum.div_(self.count), self.energy / self.count

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..calibration.stats import SPLIT_CHUNK_TOKENS, SPLIT_GRAM_BAND
+from ..calibration.precision import SPLIT_CHUNK_TOKENS, SPLIT_GRAM_BAND
 from ..ops.ridge import ridge_leverage_scores
 
 #: Column panel of `ridge_leverage_scores` (its default), which sets the size of the solve's panel terms.

@@ -28,11 +28,10 @@ from ..calibration.states import CalibratedStates, HeldBlock, next_token_nll
 from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import bridge_fit_tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
-from ..compression.workspace import Phase, Term, WorkspaceModel, WorkspaceSizes
-from ..corrections.bridge_fit import LEAST_SQUARES_ESTIMATORS, BridgeFit, FilledBridge, fit_with_outputs
+from ..compression.workspace import WorkspaceModel, WorkspaceSizes
+from ..corrections.bridge_fit import BridgeFit, FilledBridge, fit_with_outputs
 from ..corrections.compensation import require_compensable
 from ..corrections.linear_bridge import bridged_apply_, require_bridgeable
-from ..ops.linear_map import UPDATE_CHUNK_ROWS
 from ..options.methods.replaceme import ReplaceMeConfig
 from ..plan import LayerPlan
 from ..registry import register_method
@@ -40,7 +39,8 @@ from ..utils.errors import UnsupportedArchitectureError
 from ..utils.offload import is_offloaded
 from ..utils.torch_utils import count_parameters
 from .replaceme_one_pass import walk_with_shortlist
-from .uidl import UIDLMethod, block_size, holds_within, select_blocks_holding
+from .replaceme_workspace import fit_reads_held_states, held_states, one_pass_starts, replaceme_workspace
+from .uidl import block_size, select_blocks_holding
 
 
 @register_method("replaceme")
@@ -64,169 +64,8 @@ class ReplaceMeMethod(CompressionMethod):
 
     @classmethod
     def workspace(cls, z: WorkspaceSizes, n: int, config: Any) -> WorkspaceModel:
-        """ReplaceMe: UIDL's selection, then the least-squares map of the removed block, streamed or held.
-
-        Streamed (one block, a least-squares estimator, no `correct_after`: `linear_bridge.streamed_span`): before
-        the layers are dropped, one walk of the dense stack a batch at a time up to the block's end, on the
-        selection's runner (`MethodContext.states_of_unchanged_model`: no second copy of the layer-0 states). At its
-        largest a batch holds, beside the float64 statistics (MᵀM and Mᵀ(L − Y), 2·8·d²; with ``"lstsq_gain"`` MᵀY
-        too, 8·d²), either a layer's run (its input, the captured M and Y and the block's temporaries: 3·T_b·d·b +
-        block) or the update (M, Y and the target with their masked copies, 6·T_b·d·b, and the float64 rows of one
-        chunk, C·d·8·(4 + 2 with a gain), C = min(T_b, 4096)); then the solve (the factor, 8·d²) and the fold (T,
-        8·d², and a float64 W_down with its product, 2·8·d·i). With ``"lstsq_down"`` the statistics are AᵀA and
-        Aᵀ(L − Y) over the MLP's intermediate width i (8·i² + 8·i·d, twice while the ridge is chosen on a held-out
-        batch), the captured A is T_b·i·b, and the solve holds the i × i factor, the prior, the right-hand side, the
-        solution and the held-out product (i × d each).
-        Cost: the selection walk (1) and the dense walk up to the block's end (≤ 1).
-
-        Held by the selection (the same case, with size + 4 copies of the calibration states within
-        `held_states_gb`: `held_states`): the selection walk keeps its last size + 2 boundaries whole and the pair
-        around the best block so far (`held_boundaries`: at the layer where the window and a pair it may have left
-        behind are most), beside the layer it runs; the fit then holds that pair (2·S) and runs the layer before the
-        block on it (its outputs, the captured MLP and the block's temporaries) beside the statistics. Cost: the
-        selection walk and one layer.
-
-        One pass (a window over `held_states_gb`, with at least one start's statistics within it: `one_pass_starts`):
-        the selection walks batch by batch (`replaceme_one_pass`) beside the runner's layer-0 states, holding the
-        last-token rows of every boundary, the statistics of the shortlisted starts, and for one batch the state
-        entering and leaving a layer, the captured M and Y of the shortlisted blocks it is inside and the layer's
-        temporaries or a block end's update; the fit is then a solve beside the chosen statistics, or, for a block off
-        the shortlist, the streamed fit above (its phase is that bound). Cost: the walk and the probe batch (1 + 1/B).
-
-        Held (otherwise): the selection's runner, the dense state at the end of every block (S each), the states
-        propagated on the compressed model (S) and a run's outputs; the statistics with one batch's update; the
-        solve and the fold as above. With estimator="cosine" the fit keeps M, Y and L of every token in float32
-        (3·N·d·4, on the CPU) and their concatenation (the same again). Cost (a bound: it depends on where the block
-        is): the selection walk (1), the dense walk up to the block's end (≤ 1), and the compressed model up to the
-        last bridged layer, that layer twice (≤ (L − n + blocks)/L).
-        """
-        L, d, i, b, tb = z.shape.num_layers, z.d, z.i, z.b, z.Tb
-        phases, _, _, _ = UIDLMethod.workspace(z, n, config)
-        held = held_states(z, n, config)
-        shortlisted = one_pass_starts(z, n, config)
-        if held:
-            size = n  # one block
-            alive = held_boundaries(L, size)
-            phases = [
-                Phase(
-                    "selection",
-                    (
-                        z.tokens(),
-                        *z.runners(1),
-                        Term(
-                            f"whole boundaries held beyond the layer-0 states ({alive})",
-                            alive * z.S,
-                            "the window of size + 2 and the best block's pair, at the worst layer for them",
-                        ),
-                        Term(
-                            "last-token rows of the distance window",
-                            (size + 1) * z.cal.nsamples * d * b,
-                            "one row a sequence",
-                        ),
-                        z.run_term(),
-                    ),
-                )
-            ]
-        blocks = max(config.num_blocks, 1)
-        chunk = min(tb, UPDATE_CHUNK_ROWS)
-        gain = config.estimator == "lstsq_gain"
-        statistics = fit_statistics_bytes(z, config)
-        update = 6 * tb * d * b + chunk * d * 8 * (4 + 2 * int(gain))
-        solve = 8 * d * d * (3 if gain else 1)
-        fold = 8 * d * d + 2 * 8 * d * i
-        captured = 2 * tb * d * b
-        if config.estimator == "lstsq_down":
-            # The update's float64 rows a chunk at a time; a solve holds the factor (the ridge and jitter go on the
-            # diagonal in place), the prior, the right-hand side, the solution and the held-out product (i × d each).
-            update = 2 * tb * i * b + 4 * tb * d * b + chunk * (i + 3 * d) * 8
-            solve, fold = 8 * i * i + 4 * 8 * i * d, 0
-            captured = tb * (i + d) * b
-        if held:
-            run = z.run_outputs() + captured + z.block_forward()
-            phases.append(
-                Phase(
-                    "linear_replacement",
-                    (
-                        z.tokens(),
-                        *z.runners(1),
-                        Term(
-                            "states held by the selection", 2 * z.S, "the bridged layer's input and the block's output"
-                        ),
-                        Term(
-                            "largest of: the layer's run or an update beside the statistics, the solve, the fold",
-                            max(statistics + max(run, update), statistics + solve, statistics + fold),
-                            "the float64 statistics; the layer's outputs so far and one batch's captured MLP",
-                        ),
-                    ),
-                )
-            )
-            return phases, 1.0 + 1 / L, False, []
-        if config.estimator in LEAST_SQUARES_ESTIMATORS and blocks == 1 and config.correct_after == 0:
-            walk = captured + tb * d * b + z.block_forward()
-            streamed = Phase(
-                "linear_replacement",
-                (
-                    z.tokens(),
-                    *z.runners(1),
-                    Term(
-                        "largest of: a batch's walk or update beside the statistics, the solve, the fold",
-                        max(statistics + max(walk, update), statistics + solve, statistics + fold),
-                        "the float64 statistics stream batch by batch: no calibration state is held",
-                    ),
-                ),
-            )
-            if shortlisted:
-                in_flight = min(shortlisted, n + 1) * captured  # a batch's M and Y of the blocks it is inside
-                batch = 2 * tb * d * b  # the batch entering the layer and leaving it
-                selection = Phase(
-                    "selection",
-                    (
-                        z.tokens(),
-                        *z.runners(1),
-                        Term(
-                            "last-token rows of every boundary", (L + 1) * z.cal.nsamples * d * b, "one row a sequence"
-                        ),
-                        Term(
-                            f"statistics of {shortlisted} shortlisted start{'s' if shortlisted > 1 else ''}",
-                            shortlisted * statistics,
-                            "float64, every batch added as it passes (methods/replaceme_one_pass.py)",
-                        ),
-                        Term(
-                            "one batch through a layer, or a block's end added to its statistics",
-                            batch + in_flight + max(z.block_forward(), update),
-                            "the captured M and Y of the shortlisted blocks the batch is inside",
-                        ),
-                    ),
-                )
-                passes = 1.0 + 1 / z.cal.batches  # the walk and the probe batch
-                note = "if the block chosen is not on the shortlist, its fit streams a walk up to its end (≤ 1 pass)"
-                # The fit is a solve beside the chosen statistics, or off the shortlist the streamed walk: its bound.
-                return [selection, streamed], passes, False, [note]
-            phases.append(streamed)
-            return phases, 2.0, True, ["stack passes are a bound: they depend on where the removed block lies"]
-        fit = max(z.run_outputs() + statistics + update + 3 * d * tb * b, statistics + solve, statistics + fold)
-        if config.estimator == "cosine":
-            fit = max(fit, 2 * 3 * z.N * d * 4 + 3 * 4 * d * d)
-        phases.append(
-            Phase(
-                "linear_replacement",
-                (
-                    z.tokens(),
-                    *z.runners(1),
-                    Term(
-                        "dense target states at the blocks' ends", blocks * z.S, "taken before the layers are dropped"
-                    ),
-                    Term("states propagated on the compressed model", z.S, ""),
-                    Term(
-                        "largest of: a layer run, the statistics with one batch's update, the solve, the fold",
-                        max(z.run_outputs() + z.block_forward(), fit),
-                        "MᵀM and Mᵀ(L − Y) in float64 (2·8·d²); Cholesky with jitter (8·d² more)",
-                    ),
-                ),
-            )
-        )
-        passes = 2.0 + (L - n + blocks) / L
-        return phases, passes, True, ["stack passes are a bound: they depend on where the removed block lies"]
+        """ReplaceMe's memory model (`replaceme_workspace`)."""
+        return replaceme_workspace(z, n, config)
 
     @classmethod
     def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
@@ -380,50 +219,3 @@ class ReplaceMeMethod(CompressionMethod):
             seed=self.config.seed,
             held=held[1] if held is not None and held[0] is context else None,
         )
-
-
-def fit_reads_held_states(config: Any) -> bool:
-    """Whether the fit can read states the selection walk holds: one block chosen by distance, fitted by least
-    squares with no later refit (the case whose fit streams a second walk otherwise)."""
-    if config.selection != "distance" or config.num_blocks != 1 or config.correct_after:
-        return False
-    return config.estimator in LEAST_SQUARES_ESTIMATORS
-
-
-def held_states(z: WorkspaceSizes, n: int, config: Any) -> bool:
-    """Whether the selection walk holds the states around the block for the fit (`ReplaceMeMethod.plan`), as the
-    estimate sees it: `fit_reads_held_states`, and the walk within `held_states_gb` (`holds_within`)."""
-    return fit_reads_held_states(config) and holds_within(n, z.S, getattr(config, "held_states_gb", 0.0) * 1e9)
-
-
-def fit_statistics_bytes(z: WorkspaceSizes, config: Any) -> int:
-    """Bytes of one bridge's float64 statistics (`BridgeFit.nbytes`): MᵀM and Mᵀ(L − Y), 2·8·d² (with
-    ``"lstsq_gain"`` MᵀY too); with ``"lstsq_down"`` AᵀA and Aᵀ(L − Y) over the intermediate width i, twice while
-    its ridge is chosen on a held-out batch."""
-    d, i = z.d, z.i
-    if config.estimator == "lstsq_down":
-        sets = 2 if config.down_ridge is None and z.cal.batches > 1 else 1
-        return sets * (8 * i * i + 8 * i * d)
-    return (2 + int(config.estimator == "lstsq_gain")) * 8 * d * d
-
-
-def one_pass_starts(z: WorkspaceSizes, n: int, config: Any) -> int:
-    """How many starts ReplaceMe's one-pass walk accumulates statistics for (`ReplaceMeMethod._may_walk_once`),
-    as the estimate sees it: 0 where the walk holds the window instead (`held_states`) or does not walk once."""
-    if held_states(z, n, config) or not fit_reads_held_states(config) or config.tokens != "last":
-        return 0
-    budget = getattr(config, "held_states_gb", 0.0) * 1e9
-    return max(0, min(config.fit_shortlist, int(budget // fit_statistics_bytes(z, config)), z.shape.num_layers - n))
-
-
-def held_boundaries(num_layers: int, size: int) -> int:
-    """The most whole boundaries a holding selection walk keeps beyond the runner's layer-0 states, while a layer
-    runs: its window (the last size + 2 boundaries up to the one entering the layer) and the pair around the best
-    start measured so far (entering layer start − 1, leaving the block), which may lie behind the window. The
-    worst over the layers and over which start is best (boundary 0 is the runner's own states)."""
-    most = 0
-    for i in range(num_layers):
-        window = set(range(max(0, i - size - 1), i + 1))
-        pairs = [{s - 1, s + size} for s in range(1, i - size + 1)] or [set()]
-        most = max(most, max(len((window | pair) - {0}) for pair in pairs))
-    return most

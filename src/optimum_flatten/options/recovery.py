@@ -230,40 +230,20 @@ class RecoveryConfig:
 
 
 def default_mode(has_teacher: bool, has_plan: bool, processes: int, fsdp: bool = False, full_fits: bool = False) -> str:
-    """The mode `RecoveryConfig(mode=None)` trains: ``full`` under FSDP, or with a teacher on one process where its
-    memory fits (`full_fits`, from `recovery.footprint`); else ``local`` with a teacher and the compression's plan on
-    one process; else ``lora``.
+    """The mode `RecoveryConfig(mode=None)` trains: ``full`` under FSDP, or with a teacher where its memory fits on
+    every rank (`full_fits`, from `recovery.footprint`); else, with a teacher and the compression's plan, ``local`` on
+    one process and ``full`` (sharded) on several; else ``lora``.
 
-    Measured (benchmarks/recovery; perplexity ratio to dense on the later speeches / the King James Bible), `full` was
-    first of the modes at every budget and on every model it ran on; only `local` followed by a global phase
-    (`local_then_global_tokens`) beat it, after FlattenGPT and not after ReplaceMe, so `with_mode` splits a default
-    `full` that way after a plan that merged layers (`local_then_global`):
-
-    - SmolLM2-135M, FlattenGPT 30 -> 24 (untrained 1.584 / 2.741), 64K tokens: full 1.363 / 2.335, local 1.425 /
-      2.402, changed 1.404 / 2.429, last_k 1.481 / 2.612, LoRA distilled 1.420 / 2.452, LoRA on the LM loss 1.366 /
-      2.509, local then global (32K + 32K) 1.317 / 2.244; at 256K tokens full 1.240 / 2.040, local 1.329 / 2.212,
-      local then global (128K + 128K) 1.225 / 2.028;
-    - SmolLM2-135M, ReplaceMe (one bridged block; untrained 1.345 / 2.006), 64K tokens: full 1.234 / 1.724 (at its
-      default rate; 1.258 / 1.785 at 2e-5), local 1.330 / 1.930, local then global 1.279 / 1.790, last_k 1.307 /
-      1.930, changed 1.325 / 1.973, LoRA on the LM loss 1.246 / 1.879; full 1.189 / 1.651 at 256K and 1.142 / 1.557
-      at 1M, local then global (128K + 128K) 1.238 / 1.693;
-    - Qwen2.5-0.5B, ReplaceMe (untrained 1.122 / 1.144): full 1.107 / 1.153 at 16K tokens and 1.096 / 1.146 at 64K
-      (at its rate scaled to Qwen's weights, `RecoveryConfig.rate_for`), while `local` never beat its input (the gate
-      kept it: a state loss is a weak proxy for the output there, benchmarks/NOTEBOOK.md);
-    - Qwen2.5-0.5B, FlattenGPT 24 -> 19 (untrained 1.267 / 1.930), 64K tokens: full 1.180 / 1.654 (held-out KL of
-      the training text 0.264, 72 minutes, 17.2 GB), local then global (32K + 32K) 1.186 / 1.601 (0.260, 33 minutes,
-      8.4 GB), local 1.215 / 1.660: the split ahead of `full` on the held-out rows, out of domain and on KL on both
-      texts (0.302 / 0.655 against 0.309 / 0.689), a hair behind by perplexity in domain.
-
-    But `full` holds the whole model's gradients and optimiser state (about 16 bytes a parameter beside the teacher:
-    no 7B model on one 80 GB GPU), so it is the default only where `recovery.footprint` says it fits the device's free
-    memory. Elsewhere `local` trains one changed block at a time on the teacher's states, with the least memory of
-    all modes; it needs a teacher, the report's plan (which blocks changed, and the spans they stand for) and one
-    process (its blocks run outside the model's forward, which a data-parallel wrapper would not synchronise).
-    Otherwise LoRA, whose memory does not grow with the student either. Several processes do not read their memory
-    (they must agree on the mode before they can talk), so a data-parallel launch without FSDP keeps LoRA; under FSDP,
-    which shards exactly what `full` holds and under which neither `local` nor `lora` runs
-    (`recovery.arguments.check_fsdp`), the default is `full`.
+    Why: `full` came first of the modes at every budget and on every model measured (only `local` followed by a
+    global phase beat it, after FlattenGPT: `with_mode`'s `local_then_global`), but it holds the model's gradients
+    and optimiser state (about 16 bytes a parameter beside the teacher), so it is the default only where that fits
+    (`recovery.footprint.ModeChoice` tries the embeddings frozen and a lean optimiser first). `local` needs the least
+    memory but a teacher, the plan and one process (its blocks run outside the model's forward, which a data-parallel
+    wrapper would not synchronise); LoRA's memory does not grow with the student either. Under several processes each
+    rank checks its own memory and the worst answer wins; where one process would train `local`, they train `full`
+    sharded with FSDP2 instead (`sharded_full`), never LoRA silently. FSDP shards what `full` holds and runs neither
+    `local` nor LoRA (`recovery.arguments.check_fsdp`).
+    The measurements: benchmarks/NOTEBOOK.md, "Healing: distillation from the dense model"; docs/workflows.md.
     """
     if fsdp or (has_teacher and full_fits):
         return "full"

@@ -5,11 +5,12 @@ computes *between* layer runs: the second moments and cross moments of activatio
 the head scores, the Cholesky factorisations and the triangular solves. At LLaMA-2-7B shape that is most of
 FlattenGPT's time on a GPU (issue 31), so a report that only gives stack passes hides the larger cost.
 
-One mechanism serves every method: the functions in `ops/` and `calibration/stats.py` that do the arithmetic call
-`record(flops, precision, kind)` with the floating-point operations their shapes imply (the formulas below, the same
-ones the estimate uses), and `MethodContext.timer(phase)` opens an `ArithmeticCount` phase while it times. So the
-count lands in the phases the report times, without a method writing any count of its own, and a session without a
-GPU sees the work the GPU will do. Counting costs a few integer products per call: nothing beside the work counted.
+One mechanism serves every method: the functions in `ops/` and `calibration/` (stats, precision, cross_moment) that
+do the arithmetic call `record(flops, precision, kind)` with the floating-point operations their shapes imply (the
+formulas below, the same ones the estimate uses), and `MethodContext.timer(phase)` opens an `ArithmeticCount` phase
+while it times. So the count lands in the phases the report times, without a method writing any count of its own,
+and a session without a GPU sees the work the GPU will do. Counting costs a few integer products per call: nothing
+beside the work counted.
 
 Conventions (the usual LAPACK operation counts, multiply and add each one flop):
 

@@ -12,14 +12,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...calibration.stats import SPLIT_GRAM_BAND
+from ...calibration.precision import SPLIT_GRAM_BAND
 from ...compression.compute import Arithmetic, ComputeModel, Tally
 from ...compression.workspace import LEVERAGE_PANEL, WorkspaceSizes
 from ...ops.block_elimination import DOWNDATE_LAUNCHES, REMOVAL_LAUNCHES, removal_chunks
 from ...ops.ridge import max_refined
 from ...options.methods.flattengpt import resolve_covariance_dtype
 from ...utils import flops
-from .workspace import MAX_EXHAUSTIVE_SUBSETS, cached_member_states, cross_path, member_runs, selection_cache_holds
+from .choices import (
+    MAX_EXHAUSTIVE_SUBSETS,
+    cached_member_states,
+    cross_path,
+    group_size,
+    member_runs,
+    selection_cache_holds,
+)
 
 
 def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str, float]:
@@ -41,7 +48,7 @@ def flattengpt_phase_passes(z: WorkspaceSizes, n: int, config: Any) -> dict[str,
     kind = getattr(config, "selection", "similarity")
     by_loss = kind in ("loss", "wide_loss")
     prebuilt = kind == "loss"
-    g = min(config.max_group_size, L) if prebuilt else min(config.max_group_size or n + 1, n + 1, L)
+    g = group_size(n, L, config)
     cached = selection_cache_holds(z, config)
     p_layer, p_att, p_mlp, p_norm = s.layer_weights, s.attention_weights, s.mlp_weights, s.norm_weights
     groups = n if g == 2 else math.ceil(n / (g - 1))
@@ -109,7 +116,7 @@ def flattengpt_arithmetic(z: WorkspaceSizes, n: int, config: Any, refined_channe
     L = s.num_layers
     kind = getattr(config, "selection", "similarity")
     prebuilt = kind == "loss"
-    g = min(config.max_group_size, L) if prebuilt else min(config.max_group_size or n + 1, n + 1, L)
+    g = group_size(n, L, config)
     groups = n if g == 2 else math.ceil(n / (g - 1))
     if prebuilt:
         groups = sum(L - size + 1 for size in range(2, g + 1))

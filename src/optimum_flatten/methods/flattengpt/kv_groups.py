@@ -14,7 +14,7 @@ from ...ops import ridge_reconstruction_error
 from ...ops.block_elimination import greedy_block_elimination
 from ...ops.ridge import ridge_target_error
 from ...utils import flops
-from .workspace import MAX_EXHAUSTIVE_SUBSETS
+from .choices import MAX_EXHAUSTIVE_SUBSETS
 
 
 def select_kv_groups_by_reconstruction(

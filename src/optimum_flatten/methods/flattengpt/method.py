@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -20,65 +18,22 @@ from torch import nn
 
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.capture import LayerwiseRunner
-from ...calibration.distributed import all_reduce_, all_reduce_sums, is_sharded
-from ...calibration.partial import run_to_input
-from ...calibration.stats import CentredSecondMoment, CrossMoment, SecondMoment
 from ...compression.compute import ComputeModel
 from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
 from ...compression.workspace import WorkspaceModel, WorkspaceSizes
-from ...ops import (
-    accumulate_head_importance,
-    balanced_top_k,
-    default_ridge_lambda,
-    fold_norm_into_linear,
-    greedy_adjacent_groups,
-    kv_group_scores,
-    nystrom_down_correction,
-    o_proj_column_norms,
-    ridge_leverage_scores,
-    top_k_indices,
-)
-from ...ops.ridge import (
-    kept_block,
-    kept_blocks,
-    nystrom_from_factor,
-    ridge_factor,
-    ridge_leverage_scores_packed,
-    ridge_refit_to_target,
-)
-from ...options.methods.flattengpt import FlattenGPTConfig, resolve_covariance_dtype
+from ...ops import greedy_adjacent_groups
+from ...options.methods.flattengpt import FlattenGPTConfig
 from ...plan import LayerPlan
 from ...registry import register_method
-from ...utils import flops
 from ...utils.offload import dispatch_like
-from ...utils.torch_utils import module_device
-from .attention_target import attention_writes_from_states, sequential_attention_writes, sequential_group_outputs
+from .channel_pruning import prune_channels
 from .compute import flattengpt_compute
-from .kv_groups import select_kv_groups_by_reconstruction
+from .flatten import WideBlock, flatten_group
+from .head_pruning import prune_heads
 from .loss_selection import groups_by_calibration_loss, install_prebuilt_
 from .resume import rebuild_group, selection_caches
 from .similarity import as_cached, similarity_matrix
-from .workspace import MLP_CROSS_CHUNK, cross_path, flattengpt_workspace
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _WideBlock:
-    """What the pruning steps of one merged group share: the wide block, the position it takes, the calibration
-    inputs it runs on, and the runner and context they run under."""
-
-    adapter: ArchitectureAdapter
-    runner: LayerwiseRunner
-    wide: nn.Module
-    indices: tuple[int, ...]
-    inputs: list[torch.Tensor]
-    context: MethodContext
-
-    @property
-    def first(self) -> int:
-        return self.indices[0]
-
+from .workspace import flattengpt_workspace
 
 #: The file the similarity heatmap is written to, beside the checkpoint.
 SIMILARITY_FIGURE = "similarity_heatmap.png"
@@ -363,7 +318,7 @@ class FlattenGPTMethod(CompressionMethod):
         first = adapter.block(context.stack, indices[0])  # shapes only: an offloaded layer's weights are on meta
         target_kv, target_channels = first.attention.geometry.num_kv_heads, first.mlp.intermediate_size
         wide = self._flatten(adapter, indices, context)
-        group = _WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
+        group = WideBlock(adapter, runner, wide, tuple(indices), inputs, context)
         # With both sequential targets, one run of the members gives the attention writes and the group's outputs;
         # with the states `member_states` names held, the targets read them and no member runs whole.
         both = self.config.attention_target == "sequential" and self.config.mlp_target == "sequential"
@@ -389,265 +344,20 @@ class FlattenGPTMethod(CompressionMethod):
         return wide, report, (list(heads["kept_kv_groups"]), list(channels["kept_channels"]))
 
     def _flatten(self, adapter: ArchitectureAdapter, indices: tuple[int, ...], context: MethodContext) -> nn.Module:
-        """The members' norm gains folded into copies of them, concatenated into one wide block (exact: the wide
-        block computes the members in parallel on one input)."""
-        with context.timer("flatten"):
-            members = [adapter.detached_block(context.stack, i) for i in indices]
-            for member in members:
-                fold_block_norms_(member)
-            return adapter.build_concat_block(members)
+        """The wide block of the members at `indices` (`flatten.flatten_group`)."""
+        return flatten_group(adapter, indices, context)
 
     def _prune_heads(
         self,
-        group: _WideBlock,
+        group: WideBlock,
         target_kv: int,
         group_outputs: list[torch.Tensor] | None = None,
         states: dict[int, list[torch.Tensor]] | None = None,
     ) -> dict[str, Any]:
-        """Keeps `target_kv` whole KV groups of the wide block, by f_i (eq. 12) or by reconstruction, and refits
-        o_proj on the kept heads when `attention_correction` asks (Nyström on the o_proj input's second moment).
+        """The head step on the wide block (`head_pruning.prune_heads`)."""
+        return prune_heads(self.config, group, target_kv, group_outputs, states)
 
-        Only the attention up to o_proj runs: the head scores and the o_proj moment read its input. With the
-        sequential target and `group_outputs` given, the members' run for their writes goes on to their outputs,
-        which `group_outputs` receives for the MLP's target. With `states` holding every later member's input, each
-        member runs only its attention, on its own input (`attention_writes_from_states`).
-        """
-        adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
-        view = adapter.block_view(wide, group.first)
-        geometry = view.attention.geometry
-        column_norms = o_proj_column_norms(view.attention.o.weight, geometry.num_heads)
-        head_sum = torch.zeros(geometry.num_heads, dtype=torch.float64)
-        head_count = 0
-        needs_o_moment = self.config.attention_correction or self.config.head_selection == "reconstruction"
-        device = module_device(wide)  # statistics and solves stay on the device the layer lives on
-        heads_width = geometry.num_heads * geometry.head_dim
-        precision = self._covariance_dtype(view.attention.o.weight, device, heads_width)
-        tf32, split = precision == "tf32", precision == "bfloat16"
-        o_moment = SecondMoment(heads_width, device, tf32, split_bfloat16=split) if needs_o_moment else None
-        sequential = self.config.attention_target == "sequential"
-        o_module = view.attention.o.module
-        writes: list[torch.Tensor] = []
-        heads_width, hidden = geometry.num_heads * geometry.head_dim, view.attention.o.weight.shape[0]
-        # One rule for the run and the memory model (`workspace.cross_path`).
-        centred = cross_path(precision, str(view.attention.o.weight.dtype)) == "centred"
-        cross = (
-            CrossMoment(heads_width, hidden, device, split_bfloat16=split, centred_float32=centred)
-            if sequential
-            else None
-        )
-        bias = None if getattr(o_module, "bias", None) is None else o_module.bias.detach().float()
-
-        def on_heads(b: int, x: torch.Tensor) -> None:
-            nonlocal head_sum, head_count
-            mask = runner.masks[b]
-            total, count = accumulate_head_importance(x, column_norms, mask)
-            head_sum += total.cpu()
-            head_count += count
-            if o_moment is not None:
-                o_moment.update(x, mask)
-            if cross is not None:  # the target less the bias o_proj keeps as it is
-                target = writes[b].to(x.device)
-                cross.update(x, target if bias is None else target - bias.to(x.device), mask)
-                writes[b] = None  # type: ignore[call-overload]
-
-        after_o = [o_module, view.mlp_norm.module, view.mlp.module]
-        with context.timer("head_scoring"):
-            if sequential and states:
-                later = [states.pop(i) for i in group.indices[1:]]  # read here only
-                writes = attention_writes_from_states(adapter, runner, context.stack, group.indices, [inputs, *later])
-                del later
-            elif sequential:
-                writes = sequential_attention_writes(
-                    adapter, runner, context.stack, group.indices, inputs, group_outputs
-                )
-            run_to_input(runner, wide, group.first, inputs, o_module, on_heads, after_o)
-        if is_sharded():  # the head sums of every rank's share, before they are used
-            all_reduce_(head_sum)
-            (count,) = all_reduce_sums(head_count)
-            head_count = int(count)
-        head_scores = head_sum / max(head_count, 1)
-        group_scores = kv_group_scores(head_scores, geometry.num_kv_heads)
-        o_weight = None
-        if self.config.head_selection == "balanced":
-            kept_kv = balanced_top_k(group_scores, target_kv, geometry.num_kv_heads // target_kv)
-        elif self.config.head_selection == "importance":
-            kept_kv = top_k_indices(group_scores, target_kv)
-        # "reconstruction" chooses below, from the o_proj moment it implies.
-        if o_moment is not None:
-            with context.timer("attention_solve"):
-                o_second_moment = o_moment.finish()
-                o_ratio = self.config.attention_ridge_ratio or self.config.ridge_ratio
-                o_lam = default_ridge_lambda(o_second_moment, o_ratio)
-                o_rows = view.attention.o.weight.T
-                target = cross.finish() if cross is not None else None
-                if self.config.head_selection == "reconstruction":
-                    kept_kv = select_kv_groups_by_reconstruction(
-                        o_second_moment, o_rows, geometry, target_kv, o_lam, target
-                    )
-                if self.config.attention_correction:
-                    channels = torch.tensor(geometry.head_channels(geometry.query_heads_of(kept_kv)))
-                    if target is None:
-                        o_weight = nystrom_down_correction(o_second_moment, o_rows, channels, o_lam).T
-                    else:
-                        o_weight = ridge_refit_to_target(o_second_moment, target[0], o_rows, channels, o_lam).T
-                del o_second_moment, o_rows, o_moment, target  # freed before the (larger) MLP statistics
-        adapter.keep_heads_(view, kept_kv, o_weight)
-        return {
-            "num_kv_groups": geometry.num_kv_heads,
-            "kv_group_scores": [round(float(s), 6) for s in group_scores],
-            "kept_kv_groups": kept_kv,
-        }
-
-    def _prune_channels(
-        self,
-        group: _WideBlock,
-        target_channels: int,
-        group_outputs: list[torch.Tensor] | None = None,
-        traced_outputs: list[torch.Tensor] | None = None,
-        states: dict[int, list[torch.Tensor]] | None = None,
-    ) -> dict[str, Any]:
-        """Keeps `target_channels` MLP channels by ridge leverage and refits the down projection on them (Nyström),
-        on the activations the pruned attention produces; the down projection, whose input is the statistic, does
-        not run. The sequential target reads the original group's outputs: the state entering the next layer when
-        `states` holds it, `traced_outputs` when the attention's run of the members already gave them, else the
-        members run once more."""
-        adapter, runner, wide, inputs, context = group.adapter, group.runner, group.wide, group.inputs, group.context
-        view = adapter.block_view(wide, group.first)
-        width = view.mlp.intermediate_size
-        device = module_device(wide)
-        precision = self._covariance_dtype(view.mlp.down.weight, device, width)
-        float64 = precision == "float64"
-        tf32, split = precision == "tf32", precision == "bfloat16"
-        moment = (
-            SecondMoment(width, device)
-            if float64
-            else CentredSecondMoment(width, device, tf32=tf32, split_bfloat16=split)
-        )
-        sequential = self.config.mlp_target == "sequential"  # the config refuses it without mlp_correction
-        down = view.mlp.down.module
-        # Chunks of 1,024 tokens: each takes a float64 copy of the wide activations (0.5 GiB at LLaMA-2-70B's 57,344).
-        hidden = view.mlp.down.weight.shape[0]
-        centred = cross_path(precision, str(view.mlp.down.weight.dtype)) == "centred"
-        cross = (
-            CrossMoment(width, hidden, device, MLP_CROSS_CHUNK, split_bfloat16=split, centred_float32=centred)
-            if sequential
-            else None
-        )
-        bias = None if getattr(down, "bias", None) is None else down.bias.detach().float()
-        outputs: list[torch.Tensor] = []
-        residual: list[torch.Tensor] = []  # the MLP norm's input of the batch running (read before its down input)
-
-        def on_mlp_norm(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            residual[:] = [args[0]]
-
-        def on_mlp(b: int, x: torch.Tensor) -> None:
-            mask = runner.masks[b]
-            moment.update(x, mask)
-            if cross is not None:  # what the block must still write, less the bias the projection keeps
-                target = outputs[b].to(x.device).float() - residual.pop().to(x.device).float()
-                cross.update(x, target if bias is None else target - bias.to(x.device), mask)
-                if group_outputs is None:  # else kept for the caller, who propagates them
-                    outputs[b] = None  # type: ignore[call-overload]
-
-        with context.timer("covariance"):
-            if sequential and states:  # `member_states` names the layer after the group with the MLP's target
-                outputs = states.pop(group.indices[-1] + 1)
-            elif sequential and traced_outputs is not None:
-                outputs = traced_outputs
-            elif sequential:
-                outputs = sequential_group_outputs(adapter, runner, context.stack, group.indices, inputs)
-            handle = view.mlp_norm.module.register_forward_pre_hook(on_mlp_norm) if sequential else None
-            try:
-                run_to_input(runner, wide, group.first, inputs, down, on_mlp, [down])
-            finally:
-                if handle is not None:
-                    handle.remove()
-            if group_outputs is not None:
-                group_outputs.extend(outputs)
-        with context.timer("solve"):
-            down_rows = view.mlp.down.weight.T
-            target = cross.finish()[0] if cross is not None else None
-            if float64:
-                kept_channels, corrected, lam = self._mlp_float64(moment, down_rows, target_channels, target)
-            else:
-                kept_channels, corrected, lam = self._mlp_float32(moment, down_rows, target_channels, target)
-            adapter.keep_mlp_channels_(view, kept_channels, corrected.T)
-        # Read after `finish`, which sums a sharded calibration's counts over the ranks.
-        return {
-            "kept_channels": kept_channels,
-            "ridge_lambda": lam,
-            "calibration_tokens": moment.count,
-            "covariance_dtype": precision,
-        }
-
-    def _covariance_dtype(self, weight: torch.Tensor, device: torch.device, width: int) -> str:
-        """The precision of a statistic of `width` channels read from the input of `weight`'s projection: the
-        option, or for ``"auto"`` what `resolve_covariance_dtype` gives for the activations' dtype (the weight's:
-        the block computes in it) on `device`."""
-        return resolve_covariance_dtype(self.config.covariance_dtype, str(weight.dtype), device.type == "cuda", width)
-
-    def _mlp_float64(
-        self, moment: SecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None
-    ) -> tuple[list[int], torch.Tensor, float]:
-        """Leverage and Nyström (or the ridge refit towards `target`'s cross moment) on a float64 C with a full
-        float64 factor (the reference path)."""
-        second_moment = moment.finish()
-        lam = default_ridge_lambda(second_moment, self.config.ridge_ratio)
-        kept_channels = top_k_indices(ridge_leverage_scores(second_moment, lam), num_keep)
-        if not self.config.mlp_correction:
-            return kept_channels, down_rows[torch.tensor(kept_channels, device=down_rows.device)], lam
-        keep = torch.tensor(kept_channels)
-        if target is not None:
-            return kept_channels, ridge_refit_to_target(second_moment, target, down_rows, keep, lam), lam
-        corrected = nystrom_down_correction(second_moment, down_rows, keep, lam)
-        return kept_channels, corrected, lam
-
-    def _mlp_float32(
-        self, moment: CentredSecondMoment, down_rows: torch.Tensor, num_keep: int, target: torch.Tensor | None = None
-    ) -> tuple[list[int], torch.Tensor, float]:
-        """Leverage from a triangle-only float32 factor (the channels near the cut re-scored in float64, so the
-        kept set is the float64 path's); the Nyström solve on the kept block in float64.
-
-        Holds at most the float32 scatter with either the factor's triangle or the float64 kept block and
-        C[K, R] W_D[R]; the scatter is dropped before the kept block is factorised, and the block once it is.
-        """
-        stats = moment.finish()
-        lam = self.config.ridge_ratio * stats.trace() / stats.dim
-        leverage = ridge_leverage_scores_packed(
-            lambda start, stop: stats.block(slice(start, None), slice(start, stop)),
-            stats.dim,
-            lam,
-            refine_top_k=num_keep,
-        )
-        kept_channels = top_k_indices(leverage, num_keep)
-        keep = torch.tensor(kept_channels, device=down_rows.device)
-        if not self.config.mlp_correction:
-            stats.release()
-            return kept_channels, down_rows[keep], lam
-        if target is None:
-            kept, cross = kept_blocks(stats.block, stats.dim, down_rows, keep)
-            stats.release()
-        else:  # S_K − C_KK W_K in place of Nyström's C_KR W_R (`ridge_refit_to_target`): C[K, R] is not read
-            kept = kept_block(stats.block, keep, down_rows.device)
-            stats.release()
-            flops.record(flops.product(keep.numel(), keep.numel(), down_rows.shape[1]), "float64")
-            cross = target[keep.to(target.device)].to(kept.device) - kept @ down_rows[keep].double()
-        factor = ridge_factor(kept, lam)
-        del kept  # the solve copies the factor once more (column-major): the block would be a third k x k
-        corrected = nystrom_from_factor(factor, cross, down_rows[keep])
-        return kept_channels, corrected, lam
-
-
-def fold_block_norms_(block: Any) -> None:
-    """Folds a pre-norm block's norm gains (and LayerNorm biases) into q/k/v and gate/up, leaving unit norms.
-
-    Function-preserving: the block computes the same outputs before and after.
-    """
-    attention_readers = [block.attention.q, block.attention.k, block.attention.v]
-    mlp_readers = [block.mlp.up] + ([block.mlp.gate] if block.mlp.gate is not None else [])
-    for norm, readers in ((block.attn_norm, attention_readers), (block.mlp_norm, mlp_readers)):
-        if norm.is_unit():
-            continue
-        for linear in readers:
-            linear.set_(*fold_norm_into_linear(linear.weight, linear.bias, norm.weight, norm.bias))
-        norm.set_unit_()
+    def _prune_channels(self, group: WideBlock, target_channels: int, *sources: Any) -> dict[str, Any]:
+        """The MLP step on the wide block (`channel_pruning.prune_channels`; `sources`: where the sequential target
+        reads the group's outputs from)."""
+        return prune_channels(self.config, group, target_channels, *sources)

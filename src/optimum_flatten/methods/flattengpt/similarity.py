@@ -15,7 +15,7 @@ from ...calibration.capture import LayerwiseRunner
 from ...calibration.distributed import all_reduce_, all_reduce_sums
 from ...compression.method import MethodContext
 from ...options.methods.flattengpt import FlattenGPTConfig
-from .workspace import band_size
+from .choices import band_size
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def similarity_matrix(
 
 
 def similarity_band(runner: LayerwiseRunner, num_layers: int, config: FlattenGPTConfig) -> int:
-    """`workspace.band_size` at this calibration's states (every rank's share under a sharded calibration: the ranks
+    """`choices.band_size` at this calibration's states (every rank's share under a sharded calibration: the ranks
     must choose one band, the one of one process)."""
     (copy_bytes,) = all_reduce_sums(sum(h.numel() * 4 for h in runner.inputs))
     band = band_size(int(copy_bytes), num_layers, config)
