@@ -208,6 +208,13 @@ def main() -> None:
         help="share (0..1) of the training rows the dense model samples itself (needs --kd); 1.0 reads no speech",
     )
     parser.add_argument(
+        "--teacher-text-cache",
+        default=None,
+        metavar="DIR",
+        help="folder the dense model's samples are kept in and read back from (the same rows for every method and "
+        "every rerun with the same teacher, seed and row count; default: none, or the checkpoint folder's)",
+    )
+    parser.add_argument(
         "--optim", default=None, help="TrainingArguments.optim (e.g. adafactor); default: the Trainer's AdamW"
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -351,6 +358,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         checkpoint_dir=getattr(args, "checkpoint_dir", None),
         save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
         teacher_text=args.teacher_text if args.teacher_text < 1.0 else 0.0,  # 1.0: the dataset says "teacher"
+        teacher_text_cache=getattr(args, "teacher_text_cache", None),
     )
 
 
