@@ -32,8 +32,8 @@ pytestmark = pytest.mark.slow
 
 #: Families the command line loads from a folder with a text calibration. Baichuan's modelling code ships with its
 #: checkpoints (remote code the tests cannot write), ViT calibrates on images, and Marian's two stacks need
-#: ``stacks=`` (an API option): the API tests below and tests/adapters cover them. StarCoder2 has no adapter: its
-#: refusal is tested below.
+#: ``--stacks`` (its own test below); the API tests below and tests/adapters cover them. StarCoder2 has no adapter:
+#: its refusal is tested below.
 CLI_FAMILIES = sorted(set(tiny_models.FACTORIES) - {"baichuan", "vit", "marian", "starcoder2"})
 #: Families whose model is a causal LM (what `evaluate` and `recover` take).
 CAUSAL_FAMILIES = sorted(set(CLI_FAMILIES) - {"bert"})
@@ -230,3 +230,70 @@ def test_flags_shared_by_the_verbs_are_accepted_by_each_where_they_mean_somethin
     expected |= {"--overwrite", "--seed"} if verb in ("compress", "recover", "layer-collapse") else set()
     expected |= {"--overwrite"} if verb == "demo" else set()
     assert expected <= flags, sorted(expected - flags)
+
+
+def _marian_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, decoder_input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize(
+    ("stacks", "method"),
+    [(["decoder"], "shortgpt"), (["encoder"], "shortgpt"), (["encoder", "decoder"], "ffn_merge")],
+)
+def test_marian_compresses_through_the_cli_with_stacks_as_through_the_api(stacks, method, text, tmp_path, capsys):
+    """``--stacks`` is the command line's spelling of ``FlattenConfig(stacks=...)``: without it a translation
+    model, whose two stacks the API asks the user to choose between, could not be compressed from the shell."""
+    from transformers import MarianMTModel
+
+    dense = _dense("marian", tmp_path / "dense")
+    options, flags = METHODS[method]
+    if len(stacks) > 1:  # both stacks at once: ffn_merge's paper setting, scored by the cosine of final states
+        options = {**options, "sync_stacks": True, "selection": "cosine"}
+        flags = [*flags, "--sync-stacks", "true", "--ffn-merge-selection", "cosine"]
+    out = tmp_path / "out"
+    arguments = ["compress", str(dense), "--method", method, "--dataset", str(text), "--no-progress", *flags]
+    arguments += ["--nsamples", "4", "--seqlen", "16", "--batch-size", "2", "--stacks", *stacks]
+    assert main([*arguments, "--output", str(out)]) == 0, capsys.readouterr().err[-3000:]
+    expected = MarianMTModel.from_pretrained(dense).eval()
+    config = FlattenConfig(method=method, dataset=str(text), stacks=stacks, **CALIBRATION, **options)
+    quantizer = FlattenQuantizer(config, progress=False)
+    quantizer.compress(expected, AutoTokenizer.from_pretrained(dense))
+    reloaded = MarianMTModel.from_pretrained(out).eval()
+    dense_config = MarianMTModel.from_pretrained(dense).config
+    report = json.loads((out / "flatten_report.json").read_text())
+    if method == "ffn_merge":  # shares the windows' FFNs in every stack named, the layers stay
+        assert sorted({group["stack"] for group in report["ffn_groups"]}) == sorted(stacks)
+    for stack in ("encoder", "decoder") if method != "ffn_merge" else ():
+        layers = len(getattr(reloaded.model, stack).layers)
+        full = dense_config.encoder_layers if stack == "encoder" else dense_config.decoder_layers
+        assert (layers < full) == (stack in stacks), (stack, layers, full)
+    torch.testing.assert_close(_marian_logits(reloaded, sample_ids()), _marian_logits(expected, sample_ids()))
+    assert report["plan"] == quantizer.report["plan"]
+
+
+@pytest.mark.parametrize("family", ["bert", "marian"])
+def test_recover_refuses_what_is_no_causal_lm_in_one_line_before_anything_loads_or_is_written(
+    family, text, tmp_path, capsys
+):
+    """`AutoModelForCausalLM` would load BERT as a BertLMHeadModel and Marian as a decoder without its encoder, and
+    healing would train them as what they are not: the command, the API and compress-then-heal refuse instead."""
+    from optimum_flatten.recovery import RecoveryConfig, recover
+
+    dense = _dense(family, tmp_path / "dense")
+    out = tmp_path / "healed"
+    code = main(["recover", str(dense), "--teacher", str(dense), "--dataset", str(text), "--seqlen", "16",
+                 "--max-steps", "1", "--no-progress", "--output", str(out)])  # fmt: skip
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "causal language models" in errors[0] and not out.exists()
+    model = tiny_models.FACTORIES[family]()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match="causal language models"):
+        recover(model, tiny_models.tiny_hf_tokenizer(), [str(text)], RecoveryConfig(max_steps=1, seqlen=16))
+    stacks = {"stacks": ["decoder"]} if family == "marian" else {}
+    config = FlattenConfig(
+        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), heal=8, **CALIBRATION, **stacks
+    )
+    with pytest.raises(ValueError, match="causal language models"):
+        FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

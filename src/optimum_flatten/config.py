@@ -232,7 +232,6 @@ _TOP_LEVEL_FIELDS = (
     *(f.name for f in dataclasses.fields(RequestOptions)),
     "heal",
     "method_args",
-    "stacks",
     "layer_plan",
     "tokenizer",
     "version",

@@ -26,6 +26,7 @@ from .plan import LayerPlan
 from .registry import get_method_class, registered_methods, require_capabilities
 from .report import CompressionReport
 from .utils import flops
+from .utils.causal_lm import check_causal_lm
 from .utils.fingerprint import weights_fingerprint
 from .utils.loading import public_base_name, public_dataset_name
 from .utils.positions import check_sequence_length
@@ -299,6 +300,7 @@ class FlattenQuantizer(OptimumQuantizer):
         if self.config.heal:
             from .recovery import check_recovery_inputs
 
+            check_causal_lm(model)  # healing would refuse it after the compression, whose work would be lost
             heal = self._heal_inputs(model)
             dataset, column, recovery, _ = heal
             check_sequence_length(model, recovery.seqlen, "the heal's seqlen")  # before the text is tokenised

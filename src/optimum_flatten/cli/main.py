@@ -168,11 +168,12 @@ def cmd_recover(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..calibration.distributed import is_writer
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
+    from ..utils.causal_lm import causal_lm_refusal
 
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -182,6 +183,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
     check_output_dir(args.output, args.overwrite, sources=[source])
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
+    refusal = causal_lm_refusal(AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code))
+    if refusal is not None:  # AutoModelForCausalLM would load BERT or Marian as something they are not
+        raise ValueError(refusal)
     model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)

@@ -195,6 +195,16 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
             if meta["exclusive"] not in groups:
                 groups[meta["exclusive"]] = parser.add_mutually_exclusive_group(required=False)
             where = groups[meta["exclusive"]]
+        if "nargs" in meta:  # a list of names (``--stacks encoder decoder``)
+            where.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                dest=f.name,
+                nargs=meta["nargs"],
+                metavar=f.name.upper().rstrip("S"),
+                default=argparse.SUPPRESS,
+                help=meta["help"],
+            )
+            continue
         convert, choices = option_converter(hints[f.name])
         if meta.get("choices") == "methods":
             convert, choices = str, registered_methods()

@@ -44,6 +44,14 @@ class RequestOptions:
             "into the embeddings and the output projections below it (shortgpt, sleb, uidl); default: none"
         },
     )
+    stacks: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "the block stacks to compress, by name (Marian: encoder, decoder, or both for ffn_merge with "
+            "--sync-stacks true); default: the model's one stack, or its decoder",
+            "nargs": "+",
+        },
+    )
     resume_dir: str | None = field(
         default=None,
         metadata={

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..options.recovery import RecoveryConfig, merges_layers, with_mode
+from ..utils.causal_lm import check_causal_lm
 from ..utils.launch import join_launcher_group
 from ..utils.positions import check_sequence_length
 from .arguments import fsdp_version
@@ -27,7 +28,8 @@ def resolve_mode(
     model: nn.Module, dataset: Any, config: RecoveryConfig, teacher: Any, report: Mapping[str, Any] | None
 ) -> tuple[RecoveryConfig, Mapping[str, Any] | None, ModeChoice]:
     """(the config with its mode settled, the report (``model.flatten_report`` when none was given), how the mode was
-    chosen), after refusing rows longer than the model's position table."""
+    chosen), after refusing a model that is no causal LM and rows longer than the model's position table."""
+    check_causal_lm(model)
     if is_teacher_dataset(dataset):  # the teacher's text only: the log, the footprint and a resume see share 1
         config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
     # A row past a position table fails inside the first step; refused here, before anything is built or changed.
