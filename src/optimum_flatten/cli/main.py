@@ -6,13 +6,13 @@ import argparse
 import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
-from ..options.corrections import COMPENSATIONS, ESTIMATORS
 from ..registry import get_config_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
@@ -20,6 +20,7 @@ from .demo import cmd_demo
 from .evaluate import cmd_evaluate
 from .options import (
     add_config_arguments,
+    add_declared_arguments,
     add_heal_arguments,
     add_method_arguments,
     add_recovery_arguments,
@@ -30,12 +31,16 @@ from .options import (
 )
 from .sources import check_source, checkpoint_path
 from .summary import bundled_license, compression_summary, report_warnings, text_table
+from .verbs import (
+    CompressArguments,
+    DemoArguments,
+    EstimateArguments,
+    EvaluateArguments,
+    LayerCollapseArguments,
+    RecoverArguments,
+)
 
 logger = logging.getLogger(__name__)
-
-DTYPES = ("float32", "bfloat16", "float16")
-#: `optimum_flatten.roofline.DEVICES`, named here so that the parser does not import it.
-DEVICE_PRESETS = ("a100", "h100", "h200")
 
 
 class FlattenArgumentParser(argparse.ArgumentParser):
@@ -284,234 +289,78 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Verb:
+    """A verb of the command line: its declared arguments, the option groups it shares, and the command it runs."""
+
+    name: str
+    help: str
+    arguments: type
+    command: Callable[[argparse.Namespace], int]
+    shared: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+    #: Whether the command joins the process group of torchrun / accelerate launch itself (`utils.launch`).
+    joins_launcher: bool = False
+
+
+def _estimate_method_options(parser: argparse.ArgumentParser) -> None:
+    """Every method's options, except the calibration sizes `estimate` declares with its own defaults."""
+    add_method_arguments(parser, registered_methods(), skip=("nsamples", "seqlen", "batch_size"))
+
+
+VERBS = (
+    Verb(
+        "compress",
+        "compress a checkpoint and save a plain one",
+        CompressArguments,
+        cmd_compress,
+        (add_config_arguments, add_heal_arguments),
+        joins_launcher=True,
+    ),
+    Verb(
+        "evaluate",
+        "perplexity and speed of a checkpoint, optionally against a baseline",
+        EvaluateArguments,
+        cmd_evaluate,
+    ),
+    Verb(
+        "recover",
+        "heal a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, or --mode "
+        "local: each changed block alone towards the dense model's states; behind a held-out gate) into a plain "
+        "checkpoint",
+        RecoverArguments,
+        cmd_recover,
+        (add_recovery_arguments,),
+        joins_launcher=True,
+    ),
+    Verb(
+        "estimate",
+        "memory per phase and stack passes a compression will need, from config.json alone (no weights)",
+        EstimateArguments,
+        cmd_estimate,
+        (_estimate_method_options,),
+    ),
+    Verb(
+        "layer-collapse",
+        "train the last MLPs of a causal LM to linear (AdamLC), collapse them, and save",
+        LayerCollapseArguments,
+        cmd_layer_collapse,
+        (add_schedule_arguments,),
+    ),
+    Verb("demo", "compress the bundled SmolLM2-135M and compare it with the dense model", DemoArguments, cmd_demo),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every verb: its declaration (`cli.verbs`), then the option groups it shares."""
     parser = FlattenArgumentParser(prog="optimum-flatten", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     verbs = parser.add_subparsers(dest="verb", required=True)
-
-    compress = verbs.add_parser("compress", help="compress a checkpoint and save a plain one")
-    compress.add_argument(
-        "model", help="checkpoint directory or hub name, or a bundled model: smollm2, qwen2.5-0.5b, gemma3-270m"
-    )
-    compress.add_argument(
-        "--output",
-        required=True,
-        help="directory to write (absent or empty, or a checkpoint to replace with --overwrite)",
-    )
-    compress.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
-    )
-    compress.add_argument("--dtype", default="float32", choices=DTYPES)
-    compress.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    compress.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
-    )
-    compress.add_argument("--push-to-hub", metavar="REPO", default=None, help="also upload the result to this Hub repo")
-    add_config_arguments(compress)
-    add_heal_arguments(compress)
-    compress.set_defaults(func=cmd_compress, joins_launcher=True)
-
-    evaluate = verbs.add_parser("evaluate", help="perplexity and speed of a checkpoint, optionally against a baseline")
-    evaluate.add_argument(
-        "model", help="checkpoint directory, hub name, or a bundled model: smollm2, qwen2.5-0.5b, gemma3-270m"
-    )
-    evaluate.add_argument(
-        "--baseline", default=None, help="checkpoint to compare with (e.g. the dense model; a bundled name works too)"
-    )
-    evaluate.add_argument(
-        "--allow-different-tokenizers",
-        action="store_true",
-        help="compare a baseline whose tokenizer encodes the text differently, by bits per byte on the same text "
-        "(no perplexity ratio, KL or top-1 agreement)",
-    )
-    evaluate.add_argument("--dataset", default="sotu:from-2000", help="evaluation text (same forms as calibration)")
-    evaluate.add_argument("--seqlen", type=int, default=512)
-    evaluate.add_argument("--stride", type=int, default=None, help="window step (default: seqlen)")
-    evaluate.add_argument("--max-tokens", type=int, default=16384, help="tokens of the stream scored at most")
-    evaluate.add_argument("--dtype", default="float32", choices=DTYPES)
-    evaluate.add_argument(
-        "--device", default="cpu", help="where to load and run the models: cpu (default), cuda, cuda:N, or auto"
-    )
-    evaluate.add_argument("--no-speed", action="store_true", help="skip the prefill/decode timing")
-    evaluate.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    evaluate.add_argument(
-        "--speed-rounds",
-        type=int,
-        default=5,
-        help="timed runs per model (with --baseline: rounds alternating baseline and model)",
-    )
-    evaluate.add_argument(
-        "--no-fidelity",
-        action="store_true",
-        help="with --baseline, skip KL and top-1 agreement (they load both models at once)",
-    )
-    evaluate.add_argument(
-        "--no-generation",
-        action="store_true",
-        help="with --baseline, skip the greedy-continuation agreement (16 prompts of 64 tokens, 32 generated each)",
-    )
-    evaluate.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
-    )
-    evaluate.add_argument(
-        "--lm-eval-tasks",
-        default=None,
-        help="comma-separated lm-eval tasks, e.g. winogrande,hellaswag,piqa,arc_easy,arc_challenge (need the network) "
-        "or local_text_perplexity (offline, over --dataset)",
-    )
-    evaluate.add_argument("--lm-eval-limit", type=int, default=None, help="documents per lm-eval task at most")
-    evaluate.add_argument("--plot", default=None, help="write a PNG comparison figure here")
-    evaluate.add_argument("--json", default=None, help="write the measurements here")
-    evaluate.set_defaults(func=cmd_evaluate)
-
-    recover_parser = verbs.add_parser(
-        "recover",
-        help="heal a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, or "
-        "--mode local: each changed block alone towards the dense model's states; behind a held-out gate) into a "
-        "plain checkpoint",
-    )
-    recover_parser.add_argument("model", help="compressed checkpoint directory")
-    recover_parser.add_argument(
-        "--teacher",
-        default=None,
-        help="the dense model to distil from: a checkpoint folder, a bundled name (smollm2) or a Hub id; default: the "
-        "base model flatten_report.json names, when it is bundled or on the Hub; 'none' trains on the LM loss alone",
-    )
-    recover_parser.add_argument(
-        "--dataset",
-        default="teacher",
-        help="Alpaca-format .json/.jsonl, or any text source; 'teacher' (the default): text the teacher samples "
-        "itself (with a text and --teacher-text SHARE, that share of its rows)",
-    )
-    recover_parser.add_argument("--output", required=True)
-    recover_parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
-    )
-    recover_parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)",
-    )
-    recover_parser.add_argument("--no-progress", action="store_true", help="hide progress bars (the Trainer's too)")
-    add_recovery_arguments(recover_parser)
-    recover_parser.set_defaults(func=cmd_recover, joins_launcher=True)
-
-    estimate = verbs.add_parser(
-        "estimate",
-        help="memory per phase and stack passes a compression will need, from config.json alone (no weights)",
-    )
-    estimate.add_argument("model", help="checkpoint directory, hub name (config.json only), or a bundled model")
-    # Every method's name and options parse here (they are known without importing a method); whether the method
-    # states a memory model is asked in cmd_estimate, which imports the methods anyway.
-    estimate.add_argument(
-        "--method",
-        default="flattengpt",
-        choices=registered_methods(),
-        help="compression method (one that states a memory model; another is refused with the list of those)",
-    )
-    estimate.add_argument("--num-layers-to-remove", type=int, required=True)
-    estimate.add_argument("--nsamples", type=int, default=128, help="calibration sequences (default: 128)")
-    estimate.add_argument("--seqlen", type=int, default=2048, help="tokens per calibration sequence (default: 2048)")
-    estimate.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward (default: 8)")
-    estimate.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype the model is loaded in")
-    estimate.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
-    estimate.add_argument(
-        "--heal",
-        action="store_true",
-        help="with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher",
-    )
-    estimate.add_argument(
-        "--linear-replacement",
-        choices=ESTIMATORS,
-        default=None,
-        help="count a linear bridge fitted at every cut, as compress --linear-replacement fits it",
-    )
-    estimate.add_argument(
-        "--compensation",
-        choices=COMPENSATIONS,
-        default=None,
-        help="count a compensation measured at every cut, as compress --compensation measures it",
-    )
-    estimate.add_argument(
-        "--trust-remote-code", action="store_true", help="build the checkpoint's own modelling code (on meta)"
-    )
-    estimate.add_argument(
-        "--device",
-        choices=DEVICE_PRESETS,
-        default=None,
-        help="predict the seconds of each phase on this device (dense peaks and memory bandwidth of its datasheet; "
-        "see optimum_flatten.roofline)",
-    )
-    estimate.add_argument(
-        "--peak-tflops",
-        default=None,
-        help="the device's dense peak in TFLOPS: one number for every precision, or pairs such as "
-        "bfloat16=989,tf32=495,float32=67,float64=67 (with --device: replaces those figures)",
-    )
-    estimate.add_argument(
-        "--bandwidth-gbs", type=float, default=None, help="the device's memory bandwidth in GB/s (with --peak-tflops)"
-    )
-    add_method_arguments(estimate, registered_methods(), skip=("nsamples", "seqlen", "batch_size"))
-    estimate.set_defaults(func=cmd_estimate)
-
-    collapse = verbs.add_parser(
-        "layer-collapse", help="train the last MLPs of a causal LM to linear (AdamLC), collapse them, and save"
-    )
-    collapse.add_argument("model", help="checkpoint directory, hub name, or a remote-code LayerCollapse checkpoint")
-    collapse.add_argument("--dataset", required=True, help="training and calibration text (same forms as compress)")
-    collapse.add_argument(
-        "--output",
-        required=True,
-        help="directory to write (absent or empty, or a checkpoint to replace with --overwrite)",
-    )
-    collapse.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
-    )
-    which = collapse.add_mutually_exclusive_group()
-    which.add_argument("--num-mlps", type=int, default=None, help="collapse the last K MLPs not collapsed yet")
-    which.add_argument("--mlp-fraction", type=float, default=None, help="the same as a fraction of the layers")
-    collapse.add_argument("--seqlen", type=int, default=256, help="tokens per training row and calibration sequence")
-    collapse.add_argument("--max-samples", type=int, default=None, help="training rows at most (default: all)")
-    collapse.add_argument("--nsamples", type=int, default=8, help="calibration sequences for the error report")
-    collapse.add_argument("--threshold", type=float, default=1e-4, help="collapse only when |1 - alpha| < this")
-    collapse.add_argument("--dtype", default="float32", choices=DTYPES)
-    collapse.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    add_schedule_arguments(collapse)
-    collapse.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the modelling code shipped with the checkpoint (a LayerCollapse checkpoint saved mid-training)",
-    )
-    collapse.set_defaults(func=cmd_layer_collapse)
-
-    demo = verbs.add_parser("demo", help="compress the bundled SmolLM2-135M and compare it with the dense model")
-    demo.add_argument("--method", default="flattengpt", choices=registered_methods(), help="compression method")
-    demo.add_argument("--num-layers-to-remove", type=int, default=6)
-    demo.add_argument("--nsamples", type=int, default=32)
-    demo.add_argument("--seqlen", type=int, default=512)
-    demo.add_argument("--eval-tokens", type=int, default=16384, help="held-out tokens scored")
-    demo.add_argument("--eval-seqlen", type=int, default=512)
-    demo.add_argument(
-        "--speed-rounds", type=int, default=5, help="prefill timing rounds, alternating dense and compressed"
-    )
-    demo.add_argument("--output", default=None, help="also save the compressed checkpoint here")
-    demo.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the checkpoint files of an existing checkpoint folder (other files are kept)",
-    )
-    demo.add_argument("--no-progress", action="store_true")
-    demo.set_defaults(func=cmd_demo)
+    for verb in VERBS:
+        sub = verbs.add_parser(verb.name, help=verb.help)
+        add_declared_arguments(sub, verb.arguments)
+        for add in verb.shared:
+            add(sub)
+        sub.set_defaults(func=verb.command, **({"joins_launcher": True} if verb.joins_launcher else {}))
     return parser
 
 

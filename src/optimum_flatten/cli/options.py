@@ -171,6 +171,39 @@ def resolve_namespaced_options(args: argparse.Namespace) -> None:
         setattr(args, option, value)
 
 
+def _scalar_type(hint: Any) -> type | None:
+    """The converter of a flag declared as `hint` (``int``, ``float | None``, ...); None for text, as argparse's."""
+    kinds = [kind for kind in typing.get_args(hint) or (hint,) if kind is not type(None)]
+    return kinds[0] if kinds and kinds[0] in (int, float) else None
+
+
+def add_declared_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One argument per field of `cls`, a verb's declaration (`cli.verbs`, whose docstring lists the metadata), in
+    declaration order: a positional for ``positional``, a switch for a ``bool``, else a flag with the field's
+    default, converter, choices and help."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if meta.get("positional"):
+            parser.add_argument(f.name, help=meta.get("help"))
+            continue
+        where: Any = parser
+        if "exclusive" in meta:
+            if meta["exclusive"] not in groups:
+                groups[meta["exclusive"]] = parser.add_mutually_exclusive_group()
+            where = groups[meta["exclusive"]]
+        flag = f"--{f.name.replace('_', '-')}"
+        if hints[f.name] is bool:
+            where.add_argument(flag, action="store_true", help=meta.get("help"))
+            continue
+        choices = registered_methods() if meta.get("choices") == "methods" else meta.get("choices")
+        spelled = {key: meta[key] for key in ("required", "metavar") if key in meta}
+        where.add_argument(
+            flag, type=_scalar_type(hints[f.name]), default=f.default, choices=choices, help=meta.get("help"), **spelled
+        )
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the request's options (`RequestOptions`), every calibration field and every method option."""
     add_request_arguments(parser)
