@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from .sources import checkpoint_path
@@ -12,45 +13,77 @@ from .summary import text_table
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Evaluation:
+    """What `evaluate` measured: one entry per model (the baseline first), and which comparisons ran."""
+
+    entries: list[dict[str, Any]]
+    #: Bits per byte on a common text, when the tokenizers differ (`_per_byte_comparison`); else None.
+    per_byte: dict[str, Any] | None
+    #: Prefill and decode timed alternately against the baseline; None without one or with --no-speed.
+    speed: dict[str, Any] | None
+    #: Whether KL / top-1 agreement and greedy agreement were measured (same tokens, not switched off).
+    compare: bool
+    generative: bool
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
-    import json
-    import math
+    if args.speed_rounds < 1:
+        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
+    evaluation = measure(args)
+    print(text_table(*_table(evaluation, args)))
+    for line in _protocol_lines(evaluation, args):
+        print(line)
+    _write_outputs(evaluation, args)
+    return 0
 
+
+def measure(args: argparse.Namespace) -> Evaluation:
+    """Every measurement the command line asks for: perplexity of each model, then, against a baseline, the
+    interleaved speed and the agreement measures (KL, top-1, greedy) on the baseline's tokens."""
     import torch
 
-    from ..evaluation.compare import (
-        evaluate_checkpoint,
-        fidelity_to_baseline,
-        generation_against_baseline,
-        plot_comparison,
-        speed_against_baseline,
-    )
-    from ..evaluation.speed import describe_environment
-    from ..evaluation.tokenization import bits_per_byte
     from ..utils.torch_utils import resolve_device
 
     device = resolve_device(args.device)
-    if args.speed_rounds < 1:
-        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
     names = ([args.baseline] if args.baseline else []) + [args.model]
     # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
     # line, before either model loads.
     paths = [checkpoint_path(name) for name in names]
     for path in paths:
         _check_positions(path, args.seqlen, args.trust_remote_code)
-    dataset, max_tokens, per_byte = args.dataset, args.max_tokens, None
-    if args.baseline:
-        per_byte = _per_byte_comparison(paths[0], paths[-1], args)
-        if per_byte is not None:
-            # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
-            dataset, max_tokens = per_byte["texts"], None
+    per_byte = _per_byte_comparison(paths[0], paths[-1], args) if args.baseline else None
     # How every checkpoint is loaded, by each evaluation below: the same dtype, device and code for all of them.
     loading: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype),
         "trust_remote_code": args.trust_remote_code,
         "device": device,
     }
+    entries = _perplexities(paths, names, per_byte, loading, args)
+    speed = _interleaved_speed(paths, entries, loading, args) if args.baseline and not args.no_speed else None
+    # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
+    # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the dataset.
+    same_tokens = bool(args.baseline) and per_byte is None
+    compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
+    _agreements(paths, entries[-1], compare, generative, loading, args)
+    return Evaluation(entries, per_byte, speed, compare, generative)
+
+
+def _perplexities(
+    paths: list[str], names: list[str], per_byte: dict[str, Any] | None, loading: dict[str, Any], args: Any
+) -> list[dict[str, Any]]:
+    """Each model's perplexity (and its own timing without a baseline, and lm-eval tasks); with tokenizers that
+    differ, on the common text, with bits per byte."""
+    import math
+
+    from ..evaluation.compare import evaluate_checkpoint
+    from ..evaluation.tokenization import bits_per_byte
+
+    dataset, max_tokens = args.dataset, args.max_tokens
+    if per_byte is not None:
+        # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
+        dataset, max_tokens = per_byte["texts"], None
     entries = [
         evaluate_checkpoint(
             p,
@@ -70,30 +103,41 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         entry["path"] = name
         if per_byte is not None:
             entry["bits_per_byte"] = bits_per_byte(math.log(entry["perplexity"]), per_byte["tokens"][name], dataset)
-    base = entries[0]
-    speed = None
-    if args.baseline and not args.no_speed:
-        speed = speed_against_baseline(
-            paths[0],
-            paths[-1],
-            seqlen=args.seqlen,
-            rounds=args.speed_rounds,
-            **loading,
-        )
-        for kind, comparison in speed.items():
-            base[kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
-            entries[-1][f"{kind}_comparison"] = comparison.to_dict()
-    # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
-    # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the dataset.
-    same_tokens = bool(args.baseline) and per_byte is None
-    compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
+    return entries
+
+
+def _interleaved_speed(
+    paths: list[str], entries: list[dict[str, Any]], loading: dict[str, Any], args: Any
+) -> dict[str, Any]:
+    """Prefill and decode of the baseline and the model timed in alternating rounds, each side in its entry."""
+    from ..evaluation.compare import speed_against_baseline
+
+    speed = speed_against_baseline(paths[0], paths[-1], seqlen=args.seqlen, rounds=args.speed_rounds, **loading)
+    for kind, comparison in speed.items():
+        entries[0][kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
+        entries[-1][f"{kind}_comparison"] = comparison.to_dict()
+    return speed
+
+
+def _agreements(
+    paths: list[str], entry: dict[str, Any], compare: bool, generative: bool, loading: dict[str, Any], args: Any
+) -> None:
+    """KL and top-1 agreement on the perplexity's windows, and greedy agreement, into the model's `entry`."""
+    from ..evaluation.compare import fidelity_to_baseline, generation_against_baseline
+
     window = {"seqlen": args.seqlen, "stride": args.stride, "max_tokens": args.max_tokens}
     for key, wanted, against, options in (
         ("fidelity", compare, fidelity_to_baseline, window),
         ("generation", generative, generation_against_baseline, {}),
     ):
         if wanted:
-            entries[-1][key] = against(paths[0], paths[-1], args.dataset, **options, **loading)
+            entry[key] = against(paths[0], paths[-1], args.dataset, **options, **loading)
+
+
+def _table(evaluation: Evaluation, args: Any) -> tuple[list[list[Any]], list[str]]:
+    """(rows, header) of the printed table: one row a model, a column a measurement that ran."""
+    entries, per_byte, speed = evaluation.entries, evaluation.per_byte, evaluation.speed
+    base = entries[0]
     rows = []
     for entry in entries:
         row = [entry["path"], entry["layers"], f"{entry['perplexity']:.3f}"]
@@ -101,10 +145,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             row.append(f"{entry['perplexity'] / base['perplexity']:.3f}")
         else:
             row += [f"{entry['bits_per_byte']:.4f}", f"{entry['bits_per_byte'] / base['bits_per_byte']:.3f}"]
-        if compare:
+        if evaluation.compare:
             measured = entry.get("fidelity")
             row += [f"{measured['kl']:.4f}", f"{measured['top1_agreement']:.4f}"] if measured else ["-", "-"]
-        if generative:
+        if evaluation.generative:
             measured = entry.get("generation")
             row += [f"{measured['token_agreement']:.3f}"] if measured else ["-"]
         if not args.no_speed:
@@ -116,30 +160,38 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     header = ["model", "layers", "perplexity"] + (
         ["ppl ratio"] if per_byte is None else ["bits/byte", "bits/byte ratio"]
     )
-    header += ["KL vs baseline", "top-1 agreement"] if compare else []
-    header += ["greedy agreement"] if generative else []
+    header += ["KL vs baseline", "top-1 agreement"] if evaluation.compare else []
+    header += ["greedy agreement"] if evaluation.generative else []
     header += [] if args.no_speed else ["prefill tok/s (IQR)", "decode tok/s (IQR)"]
     header += ["prefill ratio", "decode ratio"] if speed else []
-    print(text_table(rows, header))
+    return rows, header
+
+
+def _protocol_lines(evaluation: Evaluation, args: Any) -> list[str]:
+    """The lines under the table saying how each measurement was taken (and the lm-eval scores)."""
+    from ..evaluation.speed import describe_environment
+
+    entries, per_byte, speed = evaluation.entries, evaluation.per_byte, evaluation.speed
+    base = entries[0]
+    lines = []
     if per_byte is None:
-        print(f"perplexity: {args.dataset}, {base['protocol']}")
+        lines.append(f"perplexity: {args.dataset}, {base['protocol']}")
     else:
-        print(
+        lines.append(
             f"bits per byte: both models on the same {per_byte['bytes']} UTF-8 bytes of {args.dataset} (the text the "
             f"baseline's first {args.max_tokens} tokens cover), each in its own tokens; the tokenizers differ "
             f"({per_byte['difference']}), so perplexities are per different tokens and are not compared, and KL and "
             "top-1 agreement are not measured"
         )
-        for entry in entries:
-            print(f"perplexity [{entry['path']}]: {entry['protocol']}")
-    if compare:
-        print(
+        lines += [f"perplexity [{entry['path']}]: {entry['protocol']}" for entry in entries]
+    if evaluation.compare:
+        lines.append(
             "fidelity: mean per-token KL(baseline ‖ model) in nats and share of tokens whose most likely next token "
             "is the baseline's, on the same windows and tokens as the perplexity"
         )
-    if generative:
+    if evaluation.generative:
         measured = entries[-1]["generation"]
-        print(
+        lines.append(
             f"greedy agreement: share of generated tokens equal to the baseline's ({measured['protocol']}); "
             f"agreeing prefix {measured['mean_agreeing_prefix']:.1f} of {measured['new_tokens']} tokens on average, "
             f"{measured['exact']:.0%} of continuations identical"
@@ -147,34 +199,41 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     for entry in entries:
         for task, metrics in (entry.get("lm_eval") or {}).items():
             shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)}
-            print(f"lm-eval {task} [{entry['path']}]: {shown}")
+            lines.append(f"lm-eval {task} [{entry['path']}]: {shown}")
     if speed:
-        for comparison in speed.values():
-            print(comparison.describe())
-        print(
+        lines += [comparison.describe() for comparison in speed.values()]
+        lines.append(
             "speed: baseline and model timed alternately, synchronised; tok/s are medians with the interquartile "
             "range over the median in brackets; a ratio is the median of the per-round ratios, 'noisy, not reported' "
             "when their spread is wider than the effect, '(!)' when beyond L/L' x (1 + spread)"
         )
     elif not args.no_speed:
         p, d = base["prefill"], base["decode"]
-        print(
+        lines.append(
             f"speed on {describe_environment(p)}: prefill batch {p['batch_size']} x {p['seqlen']} tokens, no cache; "
             f"decode batch {d['batch_size']}, prompt {d['prompt_length']}, {d['new_tokens']} generated tokens, "
             f"KV cache; medians of {p['repeats']} synchronised runs after 1 warm-up, interquartile range over the "
             "median in brackets"
         )
+    return lines
+
+
+def _write_outputs(evaluation: Evaluation, args: Any) -> None:
+    """The figure (--plot) and the measurements as JSON (--json), without the reports they carry."""
+    import json
+
+    from ..evaluation.compare import plot_comparison
+
     if args.plot:
-        print(f"plot: {plot_comparison(entries, args.plot)}")
+        print(f"plot: {plot_comparison(evaluation.entries, args.plot)}")
     if args.json:
-        slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in entries]
-        measured = {"dataset": str(args.dataset), "models": slim}
-        if per_byte is not None:
-            measured["comparison"] = {"measure": "bits_per_byte", "bytes": per_byte["bytes"]}
-            measured["tokenizers_differ"] = per_byte["difference"]
+        slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in evaluation.entries]
+        measured: dict[str, Any] = {"dataset": str(args.dataset), "models": slim}
+        if evaluation.per_byte is not None:
+            measured["comparison"] = {"measure": "bits_per_byte", "bytes": evaluation.per_byte["bytes"]}
+            measured["tokenizers_differ"] = evaluation.per_byte["difference"]
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(measured, handle, indent=2)
-    return 0
 
 
 def _check_positions(path: str, seqlen: int, trust_remote_code: bool) -> None:
