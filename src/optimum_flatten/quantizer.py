@@ -15,7 +15,7 @@ from torch import nn
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
-from .calibration.distributed import all_reduce_sums, is_writer, process_group, shard_range, sharded_calibration
+from .calibration.distributed import all_reduce_sums, shard_range, sharded_calibration
 from .compression import pipeline
 from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
@@ -28,6 +28,7 @@ from .report import CompressionReport
 from .utils import flops
 from .utils.causal_lm import check_causal_lm
 from .utils.fingerprint import weights_fingerprint
+from .utils.launch import is_writer, process_group
 from .utils.loading import public_base_name, public_dataset_name
 from .utils.positions import check_sequence_length
 from .utils.torch_utils import count_parameters, synchronize

@@ -6,7 +6,7 @@ gives every rank a disjoint, contiguous share of the calibration batches (`shard
 it is used (`all_reduce_`, `all_reduce_sums`): a float64 moment in its `finish`, a least-squares bridge's normal
 equations before the solve, the sums and counts of a mean cosine or angle. Every rank then holds the same numbers,
 makes the same decisions and writes the same weights; those equal a single process's on all the batches up to the
-order of the float sums. Rank 0 alone writes a checkpoint (`is_writer`).
+order of the float sums. Rank 0 alone writes a checkpoint (`utils.launch.is_writer`).
 
 Outside `sharded_calibration` (one process, or a compression that was not sharded) the helpers do nothing, so code
 that also runs on one rank alone (an evaluation on rank 0) never waits on a collective. Which methods are covered is
@@ -21,16 +21,9 @@ from contextvars import ContextVar
 
 import torch
 
+from ..utils.launch import collective_device, process_group
+
 _SHARDED: ContextVar[bool] = ContextVar("optimum_flatten_sharded_calibration", default=False)
-
-
-def process_group() -> tuple[int, int]:
-    """(rank, world size) of the initialised torch.distributed process group; (0, 1) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def shard_range(num_batches: int, rank: int, world_size: int) -> range:
@@ -68,7 +61,7 @@ def all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     if tensor.device == device and tensor.is_contiguous():
         dist.all_reduce(tensor)
         return tensor
@@ -98,11 +91,6 @@ def global_batches(num_local: int) -> tuple[range, int]:
     all_reduce_(counts)
     start = int(counts[:rank].sum())
     return range(start, start + num_local), int(counts.sum())
-
-
-def is_writer() -> bool:
-    """Whether this process writes files: rank 0 of a process group, or a process without one."""
-    return process_group()[0] == 0
 
 
 def barrier() -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..utils import flops
+from ..utils.launch import process_group
 from .cross_moment import COLUMN_SUM_ROWS, CROSS_BLOCK, CrossMoment
-from .distributed import all_reduce_, all_reduce_sums, is_sharded, process_group
+from .distributed import all_reduce_, all_reduce_sums, is_sharded
 from .precision import (
     SPLIT_CHUNK_TOKENS,
     SPLIT_GRAM_BAND,

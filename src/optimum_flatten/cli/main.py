@@ -137,10 +137,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_method_options(args)
     check_declared_options(args)
 
-    from ..calibration.distributed import is_writer
     from ..config import FlattenConfig
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
+    from ..utils.launch import is_writer
 
     config = FlattenConfig(**config_kwargs(args))
     _check_dataset(config.calibration.dataset, config.calibration.text_column)
@@ -149,10 +149,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     quantizer.compress(model, tokenizer)
-    report = quantizer.report
-    extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
     if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
         return 0
+    report = quantizer.report
+    extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
     print(compression_summary(report))
     for warning in report_warnings(report):
         print(f"warning: {warning}", file=sys.stderr)
@@ -175,10 +175,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from ..calibration.distributed import is_writer
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
     from ..utils.causal_lm import causal_lm_refusal
+    from ..utils.launch import is_writer
 
     names = {f.name for f in dataclasses.fields(RecoveryConfig)}
     config = RecoveryConfig(**{k: v for k, v in vars(args).items() if k in names})

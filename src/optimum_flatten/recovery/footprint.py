@@ -34,7 +34,7 @@ from torch import nn
 
 from ..options.recovery import SHARDED_ACROSS_RANKS, SPLIT_AFTER_MERGES, RecoveryConfig
 from ..plan import LayerPlan
-from ..utils.launch import all_ranks_min
+from ..utils.launch import all_ranks_max
 from ..utils.memory import available_bytes
 from .selection import embedding_tables
 
@@ -227,7 +227,7 @@ class ModeChoice:
                 chosen = index
                 break
         self.line = "; ".join(lines)
-        agreed = -all_ranks_min(-chosen)  # the worst rank's choice
+        agreed = all_ranks_max(chosen)  # the worst rank's choice: the leanest candidate any rank needs
         if agreed > chosen:
             self.line = f"{self.line}; another rank has less memory"
         if agreed == len(candidates):

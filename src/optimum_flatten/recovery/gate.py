@@ -36,19 +36,13 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..utils.launch import is_writer
 from .distill import LossParts
 
 logger = logging.getLogger(__name__)
 
 KEPT_INPUT = "kept input weights"
 IMPROVED = "kept the best trained state"
-
-
-def is_main_process() -> bool:
-    """True outside a distributed launch, and on rank 0 inside one (the process that logs)."""
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or (
-        torch.distributed.get_rank() == 0
-    )
 
 
 def _dtensor() -> type | None:
@@ -241,7 +235,7 @@ class HeldOutGate(TrainerCallback):
         """Scores the held-out rows at `step`; returns True when training should stop."""
         scores = self._score()
         self.history.append({"step": step, **scores})
-        if is_main_process():
+        if is_writer():
             logger.info(
                 "held-out at step %d: objective %.4f (best %.4f)", step, scores["objective"], self.best["objective"]
             )

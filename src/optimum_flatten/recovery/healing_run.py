@@ -52,9 +52,9 @@ class HealingRun:
 
     def note_sharding_(self, first: _Phase) -> None:
         """Notes (and logs) that FSDP was asked for but the Trainer did not shard (on a CPU it runs DDP)."""
-        from .gate import is_main_process
+        from ..utils.launch import is_writer
 
         if self.schedule.fsdp is not None and not first.sharded:
             self.notes.append(_NOT_SHARDED)
-            if is_main_process():
+            if is_writer():
                 logger.info(_NOT_SHARDED)

@@ -106,7 +106,8 @@ def _train_phase(
     With `config.checkpoint_dir` the phase (`index`) trains in its own folder, checkpointed with the gate's state
     (`recovery.resume`): a phase the folder records as finished is replayed from its record, an unfinished one
     continues from its newest complete checkpoint."""
-    from .gate import is_main_process, trainable_state
+    from ..utils.launch import is_writer
+    from .gate import trainable_state
 
     folder = phase_folder(config, index) if config.checkpoint_dir else None
     if folder is not None and (done := read_phase(folder, config)) is not None:
@@ -132,7 +133,7 @@ def _train_phase(
         trainer.add_callback(gate)
     clock = None
     if folder is not None:
-        clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_main_process())
+        clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_writer())
         trainer.add_callback(clock)
     result = trainer.train(resume_from_checkpoint=checkpoint)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -144,7 +145,7 @@ def _train_phase(
     )  # fmt: skip
     if folder is not None:
         trained = trainable_state(model)
-        if is_main_process():
+        if is_writer():
             save_phase(folder, config, phase.record(), trained)
     return phase
 
@@ -174,7 +175,7 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
 
     Every phase's gate scores the healing loss: the local loss is a proxy (each span on the teacher's input), and
     what must never get worse is the model's own output."""
-    from .gate import is_main_process
+    from ..utils.launch import is_writer
 
     config, arguments, rows = run.config, run.schedule.arguments, run.rows
     model, healing_loss, local_loss = run.objectives.trained, run.objectives.healing_loss, run.objectives.local_loss
@@ -191,7 +192,7 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
             every = [name for name, _ in model.named_parameters()]
             every = every if config.trains_embeddings else without_embeddings(model, every)
             trainable = freeze_all_but_(model, every)
-            if is_main_process():
+            if is_writer():
                 logger.info("global phase: training every parameter (%d)", trainable)
         phases.append(_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2))
     return phases, ((local_before, local_after) if rows.heldout else None)

@@ -241,7 +241,7 @@ def trained_parameters_(
     """(the model the Trainer trains, its LoRA config or None): LoRA adapters around `model` for mode 'lora', else
     `model` with every parameter but the mode's frozen (the embeddings too where `config` keeps them frozen). Notes
     for the log are appended to `notes`."""
-    from .gate import is_main_process
+    from ..utils.launch import is_writer
     from .lora import wrap_lora
 
     if config.mode == "lora":
@@ -258,6 +258,6 @@ def trained_parameters_(
     if not config.trains_embeddings:
         names = without_embeddings(model, names)
     trainable = freeze_all_but_(model, names)
-    if is_main_process():
+    if is_writer():
         logger.info("mode %s: training %d parameters in %d tensors", config.mode, trainable, len(names))
     return model, None

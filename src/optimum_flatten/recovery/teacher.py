@@ -165,7 +165,7 @@ def _resolve_teacher(
     teacher: Any, report: Mapping[str, Any] | None, dtype: torch.dtype
 ) -> tuple[nn.Module | None, Any | None, str | None]:
     """(teacher model, its tokenizer, its public name), or Nones for the LM loss alone."""
-    from .gate import is_main_process
+    from ..utils.launch import is_writer
 
     if _declines_teacher(teacher):
         return None, None, None
@@ -173,7 +173,7 @@ def _resolve_teacher(
         teacher = default_teacher(report)
         if teacher is None:
             return None, None, None
-        if is_main_process():
+        if is_writer():
             logger.info("teacher: %s (the report's base model)", teacher)
     return load_teacher(teacher, dtype)
 

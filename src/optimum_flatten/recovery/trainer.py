@@ -77,7 +77,7 @@ def recover(
             teacher or under a data-parallel launch, FSDP1, 'local' or 'lora' under FSDP (`check_fsdp`).
         ImportError: when peft is missing for mode='lora' (``pip install optimum-flatten[recovery]``).
     """
-    from .gate import is_main_process
+    from ..utils.launch import is_writer
 
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
     share = checked_share(dataset, config, _has_teacher(teacher, report))
@@ -94,13 +94,13 @@ def recover(
     ends = hidden_state_ends(model, report, config)
     dense, name, notes = checked_teacher(model, tokenizer, teacher, report, config, rows.texts, rows.plan is not None)
     objectives = healing_objectives(model, dense, config, report, spans, ends, notes)
-    for note in notes if is_main_process() else ():
+    for note in notes if is_writer() else ():
         logger.info(note)
     run = HealingRun(config, choice, scale, rows, schedule, spans, name, dense is not None, notes, objectives)
     with scratch_dir:
         if dense is not None:
             dense.to(schedule.arguments.device)
-        rows.add_teacher_part_(dense, tokenizer, config, is_main_process())
+        rows.add_teacher_part_(dense, tokenizer, config, is_writer())
         device = schedule.arguments.device
         parts_before = rows.part_scores(objectives.trained, objectives.healing_loss, config, device)
         phases, local_scores = run_phases(run)
@@ -108,7 +108,7 @@ def recover(
     trained_model = objectives.release_()
     parts_after = rows.part_scores(trained_model, objectives.healing_loss, config)
     log = healing_log(run, phases, local_scores, heldout_parts(rows, parts_before, parts_after))
-    if phases[0].gate is not None and is_main_process():
+    if phases[0].gate is not None and is_writer():
         before, after = phases[0].gate.start["objective"], log["heldout_after"]["objective"]
         logger.info("gate: %s (held-out objective %.4f -> %.4f)", log["gate"], before, after)
     return trained_model, log

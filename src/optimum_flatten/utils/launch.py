@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,46 @@ def launcher_process_group() -> Iterator[None]:
                 dist.destroy_process_group()
 
 
-def all_ranks_min(value: int) -> int:
-    """The smallest of `value` over the ranks of an initialised process group (`value` itself without one): how the
-    ranks agree on a choice each makes from its own device, such as whether a training mode fits its memory."""
+def process_group() -> tuple[int, int]:
+    """(rank, world size) of the initialised torch.distributed process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_writer() -> bool:
+    """Whether this process writes files and logs what every rank would: rank 0 of a process group, or a process
+    without one (the one answer the compression, the healing and the command line all ask)."""
+    return process_group()[0] == 0
+
+
+def collective_device() -> Any:
+    """Where a collective runs: the current CUDA device under NCCL, the CPU under gloo (its tensors must be there)."""
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _all_ranks(value: int, op: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    if process_group()[1] == 1:
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    packed = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(packed, op=dist.ReduceOp.MIN)
+    packed = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(packed, op=getattr(dist.ReduceOp, op))
     return int(packed.item())
+
+
+def all_ranks_min(value: int) -> int:
+    """The smallest of `value` over the ranks of an initialised process group (`value` itself without one)."""
+    return _all_ranks(value, "MIN")
+
+
+def all_ranks_max(value: int) -> int:
+    """The largest of `value` over the ranks (`value` itself without a group): how the ranks agree on a choice
+    each makes from its own device, such as how lean a training mode must be to fit its memory."""
+    return _all_ranks(value, "MAX")
