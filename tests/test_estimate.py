@@ -536,6 +536,16 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     # The note names the batch it was sized at, the healing's own defaults (not a copy of them that could drift).
     assert f"at {defaults.per_device_train_batch_size} x {defaults.seqlen} tokens a step" in note
     assert "heal_full_bytes" not in plain
+    # Every fallback the default mode tries before `local`, in its order, each what `full_footprint` gives it.
+    fallbacks = healed["heal_fallbacks"]["full_bytes"]
+    assert list(fallbacks)[0] == "as asked" and fallbacks["as asked"] == full.state + full.activations
+    frozen = RecoveryConfig(train_embeddings=False)
+    lean = RecoveryConfig(extra_training_args={"optim": "adafactor"})
+    for name, config in (("the token embeddings and the LM head frozen", frozen), ("adafactor", lean)):
+        expected = full_footprint(meta_model(str(tmp_path)), config)
+        assert fallbacks[f"with {name}"] == expected.state + expected.activations < fallbacks["as asked"]
+    assert len(fallbacks) == 6 and "adamw_bnb_8bit" in " ".join(fallbacks)
+    assert healed["heal_fallbacks"]["sampling_bytes"] > 0 and "heal_fallbacks" not in plain
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

@@ -199,6 +199,8 @@ class MemoryEstimate:
     prediction: TimePrediction | None = None
     #: With ``heal=``: what ``mode='full'`` healing adds beside the teacher copy (`recovery.footprint`), in bytes.
     heal_full: dict[str, int] | None = None
+    #: With ``heal=``: what each fallback of the default mode adds, and the teacher text's sampling batch, in bytes.
+    heal_fallbacks: dict[str, Any] | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -246,6 +248,7 @@ class MemoryEstimate:
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
             **({"heal_full_bytes": self.heal_full} if self.heal_full is not None else {}),
+            **({"heal_fallbacks": self.heal_fallbacks} if self.heal_fallbacks is not None else {}),
             **self._compute_dict(),
         }
 
@@ -273,6 +276,21 @@ class MemoryEstimate:
         )
         full_bytes = {"state": full.state, "activations": full.activations}
         return dataclasses.replace(self, phases=phases, notes=[*self.notes, note], heal_full=full_bytes)
+
+    def with_heal_fallbacks(self, candidates: list[tuple[str, FullFootprint]], sampling: int) -> MemoryEstimate:
+        """The estimate with what each fallback of the default healing mode adds (`recovery.footprint.ModeChoice`:
+        AdamW as asked, the embeddings frozen, a lean optimiser, both), and the teacher's text sampling, which runs
+        first and is freed before training, so it adds only where it is larger than the training step."""
+        listed = "; ".join(f"{name} {_gib(full.state + full.activations)}" for name, full in candidates)
+        note = (
+            f"heal: mode='full' adds, by the default's fallbacks in order: {listed} (8-bit AdamW only with CUDA and "
+            f"bitsandbytes); sampling the teacher's own text first (recover's default text) holds "
+            f"{_gib(sampling)} for one batch"
+        )
+        fallbacks = {name: full.state + full.activations for name, full in candidates}
+        return dataclasses.replace(
+            self, notes=[*self.notes, note], heal_fallbacks={"full_bytes": fallbacks, "sampling_bytes": sampling}
+        )
 
     def describe(self) -> str:
         """A table of the phases, the peak with its largest terms, and the stack passes (what the CLI prints)."""
@@ -514,11 +532,12 @@ def estimate_checkpoint(
     result.source = source
     if heal:
         from .recovery import RecoveryConfig
-        from .recovery.footprint import full_footprint
+        from .recovery.footprint import candidate_footprints, full_footprint, sampling_bytes
 
         healing = RecoveryConfig()
         step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
         result = result.with_heal_teacher(full_footprint(model, healing), step)
+        result = result.with_heal_fallbacks(candidate_footprints(model, healing), sampling_bytes(model, healing))
     return result if device is None else result.with_device(device)
 
 

@@ -159,6 +159,28 @@ def sampling_bytes(model: nn.Module, config: RecoveryConfig) -> int:
     return rows * (kv_cache_bytes(model.config, config.seqlen, element) + LOGIT_BYTES * vocab)
 
 
+def full_candidates(config: RecoveryConfig, optimisers: list[str]) -> list[tuple[str | None, bool | None]]:
+    """(optimiser, train_embeddings) to try for `full`, best first: as asked; then, each only where the user left
+    it to the default, the embeddings frozen, a lean optimiser of `optimisers`, and both."""
+    optimisers_tried = [None] + ([] if "optim" in config.extra_training_args else list(optimisers))
+    embeddings = [config.train_embeddings] + ([False] if config.train_embeddings is None else [])
+    return [(optim, train) for optim in optimisers_tried for train in embeddings]
+
+
+def candidate_footprints(
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0
+) -> list[tuple[str, FullFootprint]]:
+    """`full_footprint` of every candidate the default mode tries, in its order, with every lean optimiser whether
+    this machine could run it or not (an estimate is read for another machine): (how the log names it, footprint)."""
+    named = []
+    for optim, train in full_candidates(config, list(LEAN_OPTIMISERS)):
+        extra = {**config.extra_training_args, **({"optim": optim} if optim else {})}
+        variant = dataclasses.replace(config, train_embeddings=train, extra_training_args=extra)
+        name = "as asked" if optim is None and train == config.train_embeddings else _variant(optim, train)
+        named.append((name, full_footprint(student, variant, teacher_bytes)))
+    return named
+
+
 def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str, Any] | None) -> int:
     """Bytes of the teacher `recover` will still load: 0 for a loaded model (already resident); else the student's
     weights scaled by the plan's original over kept layers (an upper estimate: the embeddings do not grow), or twice
@@ -205,11 +227,8 @@ class ModeChoice:
         self.optimiser: str | None = None
 
     def candidates(self) -> list[tuple[str | None, bool | None]]:
-        """(optimiser, train_embeddings) to try for `full`, best first: as asked; then, each only where the user left
-        it to the default, the embeddings frozen, a lean optimiser, and both."""
-        optimisers = [None] + ([] if "optim" in self.config.extra_training_args else lean_optimisers())
-        embeddings = [self.config.train_embeddings] + ([False] if self.config.train_embeddings is None else [])
-        return [(optim, train) for optim in optimisers for train in embeddings]
+        """`full_candidates` with the lean optimisers this machine can run."""
+        return full_candidates(self.config, lean_optimisers())
 
     def __call__(self) -> bool:
         """Whether `full` fits with one of the `candidates`, on every rank of a launch of several processes (each
