@@ -525,27 +525,33 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     assert healed["peak_bytes"] == plain["peak_bytes"] + weights
     note = next(note for note in healed["notes"] if "teacher copy" in note)
     assert "GiB GiB" not in note and "mode='full'" in note
-    # What full healing adds: the footprint the default mode follows, of the dense (meta) model at the default batch.
-    from optimum_flatten.estimate import meta_model
+    # What full healing adds: the footprint the default mode follows, of the compressed shape at the default batch.
+    from optimum_flatten.estimate import compressed_shape_, meta_model
     from optimum_flatten.recovery import RecoveryConfig
-    from optimum_flatten.recovery.footprint import full_footprint
+    from optimum_flatten.recovery.footprint import full_footprint, sampling_bytes
 
     defaults = RecoveryConfig()
-    full = full_footprint(meta_model(str(tmp_path)), defaults)
+    student = compressed_shape_(meta_model(str(tmp_path)), 2)  # the healing trains the compressed shape
+    dense = meta_model(str(tmp_path))
+    layer = sum(p.numel() for p in dense.model.layers[0].parameters())
+    assert sum(p.numel() for p in student.parameters()) == sum(p.numel() for p in dense.parameters()) - 2 * layer
+    full = full_footprint(student, defaults)
+    assert full.state + full.activations < sum(vars(full_footprint(dense, defaults)).values())
     assert healed["heal_full_bytes"] == {"state": full.state, "activations": full.activations}
     # The note names the batch it was sized at, the healing's own defaults (not a copy of them that could drift).
     assert f"at {defaults.per_device_train_batch_size} x {defaults.seqlen} tokens a step" in note
     assert "heal_full_bytes" not in plain
     # Every fallback the default mode tries before `local`, in its order, each what `full_footprint` gives it.
     fallbacks = healed["heal_fallbacks"]["full_bytes"]
-    assert list(fallbacks)[0] == "as asked" and fallbacks["as asked"] == full.state + full.activations
+    assert next(iter(fallbacks)) == "as asked" and fallbacks["as asked"] == full.state + full.activations
     frozen = RecoveryConfig(train_embeddings=False)
     lean = RecoveryConfig(extra_training_args={"optim": "adafactor"})
     for name, config in (("the token embeddings and the LM head frozen", frozen), ("adafactor", lean)):
-        expected = full_footprint(meta_model(str(tmp_path)), config)
+        expected = full_footprint(student, config)
         assert fallbacks[f"with {name}"] == expected.state + expected.activations < fallbacks["as asked"]
     assert len(fallbacks) == 6 and "adamw_bnb_8bit" in " ".join(fallbacks)
-    assert healed["heal_fallbacks"]["sampling_bytes"] > 0 and "heal_fallbacks" not in plain
+    assert healed["heal_fallbacks"]["sampling_bytes"] == sampling_bytes(dense, defaults)  # the dense teacher's
+    assert "heal_fallbacks" not in plain
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

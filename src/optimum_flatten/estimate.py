@@ -259,7 +259,7 @@ class MemoryEstimate:
         """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
         before the first weight changes and held until the healing ends, so every phase holds one more model's
         weights. The healing's own training state comes after the compression, so it is no phase here: `full`
-        (`recovery.footprint.full_footprint` of the dense model, an upper bound of the student's) goes into a note
+        (`recovery.footprint.full_footprint` of the compressed shape, `compressed_shape_`) goes into a note
         saying what ``mode='full'`` adds, which decides the default mode; `step` names the batch it was sized at
         ("rows x tokens"), read from the same `RecoveryConfig`, so the note cannot drift from the defaults."""
         copy = Term(
@@ -536,8 +536,10 @@ def estimate_checkpoint(
 
         healing = RecoveryConfig()
         step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
-        result = result.with_heal_teacher(full_footprint(model, healing), step)
-        result = result.with_heal_fallbacks(candidate_footprints(model, healing), sampling_bytes(model, healing))
+        sampling = sampling_bytes(model, healing)  # the dense teacher samples
+        student = compressed_shape_(model, num_layers_to_remove)  # (the meta model itself, its estimate taken)
+        result = result.with_heal_teacher(full_footprint(student, healing), step)
+        result = result.with_heal_fallbacks(candidate_footprints(student, healing), sampling)
     return result if device is None else result.with_device(device)
 
 
@@ -579,6 +581,18 @@ def meta_model(source: str, dtype: str = "float32", trust_remote_code: bool = Fa
             build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # Auto class or concrete
             model = build(config, dtype=getattr(torch, dtype))
     return model.eval()
+
+
+def compressed_shape_(model: nn.Module, num_layers_to_remove: int) -> nn.Module:
+    """`model` (on meta) with the last `num_layers_to_remove` layers of its one stack dropped, its config saying so:
+    the shape the healing trains. Every method keeps the blocks' widths (a drop, a merge, a fold into a projection),
+    so the count of layers is what the healing's state and activations follow, not which layers went."""
+    adapter = get_adapter(model)
+    stack = _single_stack(adapter)
+    layers = len(adapter.layers(stack))
+    adapter.delete_layers_(stack, range(layers - num_layers_to_remove, layers))
+    model.config.get_text_config().num_hidden_layers = layers - num_layers_to_remove
+    return model
 
 
 def read_config(source: str, trust_remote_code: bool = False) -> Any:
