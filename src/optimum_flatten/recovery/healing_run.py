@@ -4,22 +4,13 @@ is written from it, so that a step added to `recover` adds a field here rather t
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from ..options.recovery import RecoveryConfig
 from .arguments import Schedule
 from .footprint import ModeChoice
 from .objectives import Objectives
-from .phases import _Phase
 from .rows import HealingRows
 from .selection import Span
-
-logger = logging.getLogger(__name__)
-
-_NOT_SHARDED = (
-    "FSDP was asked for, but accelerate shards only on accelerators (CUDA, XPU, NPU...): this run was "
-    "data-parallel (DDP), every process holding the whole model"
-)
 
 
 @dataclasses.dataclass
@@ -49,12 +40,3 @@ class HealingRun:
     has_teacher: bool
     notes: list[str]
     objectives: Objectives
-
-    def note_sharding_(self, first: _Phase) -> None:
-        """Notes (and logs) that FSDP was asked for but the Trainer did not shard (on a CPU it runs DDP)."""
-        from ..utils.launch import is_writer
-
-        if self.schedule.fsdp is not None and not first.sharded:
-            self.notes.append(_NOT_SHARDED)
-            if is_writer():
-                logger.info(_NOT_SHARDED)

@@ -196,3 +196,19 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
                 logger.info("global phase: training every parameter (%d)", trainable)
         phases.append(_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2))
     return phases, ((local_before, local_after) if rows.heldout else None)
+
+
+_NOT_SHARDED = (
+    "FSDP was asked for, but accelerate shards only on accelerators (CUDA, XPU, NPU...): this run was "
+    "data-parallel (DDP), every process holding the whole model"
+)
+
+
+def note_sharding_(run: HealingRun, first: _Phase) -> None:
+    """Notes (and logs) that FSDP was asked for but the Trainer did not shard (on a CPU it runs DDP)."""
+    from ..utils.launch import is_writer
+
+    if run.schedule.fsdp is not None and not first.sharded:
+        run.notes.append(_NOT_SHARDED)
+        if is_writer():
+            logger.info(_NOT_SHARDED)

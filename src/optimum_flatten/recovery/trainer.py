@@ -23,7 +23,7 @@ from .arguments import check_fsdp, fsdp_version, healing_schedule
 from .healing_run import HealingRun
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
-from .phases import run_phases
+from .phases import note_sharding_, run_phases
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
 from .rows import _teacher_rows, check_recovery_inputs, checked_share, read_rows
@@ -104,7 +104,7 @@ def recover(
         device = schedule.arguments.device
         parts_before = rows.part_scores(objectives.trained, objectives.healing_loss, config, device)
         phases, local_scores = run_phases(run)
-    run.note_sharding_(phases[0])
+    note_sharding_(run, phases[0])
     trained_model = objectives.release_()
     parts_after = rows.part_scores(trained_model, objectives.healing_loss, config)
     log = healing_log(run, phases, local_scores, heldout_parts(rows, parts_before, parts_after))
