@@ -14,16 +14,10 @@ from ..utils.errors import reject_unknown_keys
 from .hints import check_option_types
 
 #: The learning rate of each mode unless one is given, at the weight scale they were chosen on
-#: (`SWEPT_WEIGHT_SCALE`): LoRA's is the FlattenGPT paper's (1e-4); 'local' trains one block alone towards a state,
-#: and 1e-3 was the best of 3e-5/1e-4/3e-4/1e-3 on the gate's held-out KL of the training text
-#: (benchmarks/results/lrsweep_smollm2_flattengpt_local_kd_16384.json); 'full' 6e-5, the best of 2e-5/6e-5/2e-4 the
-#: same way after ReplaceMe (KL 0.263 / 0.255 / 0.265 from 0.288 at 16K tokens,
-#: lrsweep_smollm2_replaceme_lstsq_down_full_kd_16384.json); 'changed' 2e-4, the best of 6e-6/2e-5/6e-5/2e-4/6e-4 the
-#: same way after FlattenGPT (KL 0.394 / 0.375 / 0.354 / 0.351 / 0.412 from 0.418 at 16K tokens,
-#: lrsweep_smollm2_flattengpt_changed_kd_16384.json; 2e-5 before); 'last_k' 2e-4, the best of the same five the same
-#: way (KL 0.415 / 0.410 / 0.403 / 0.397 / 0.405 from 0.418, lrsweep_smollm2_flattengpt_last_k_kd_16384.json; the
-#: usual full fine-tuning rate, 2e-5, before). The modes of `WEIGHT_SCALED_MODES` scale theirs to the model
-#: (`RecoveryConfig.rate_for`).
+#: (`SWEPT_WEIGHT_SCALE`): LoRA's is the FlattenGPT paper's; every other one the best of a sweep at 16K tokens on
+#: SmolLM2-135M, scored by the gate's held-out KL of the *training* text (the evaluation texts not loaded). The sweeps
+#: are benchmarks/results/lrsweep_smollm2_*_16384.json, read in NOTEBOOK.md ("Healing", "The protocol"). The modes
+#: of `WEIGHT_SCALED_MODES` scale theirs to the model (`RecoveryConfig.rate_for`).
 DEFAULT_LEARNING_RATES: dict[str, float] = {"lora": 1e-4, "local": 1e-3, "changed": 2e-4, "last_k": 2e-4, "full": 6e-5}
 
 #: The weight scale the default rates were swept at: the median root-mean-square entry of SmolLM2-135M's weight
@@ -266,19 +260,13 @@ def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
     """`full` chosen by default after a compression that merged layers becomes `local` for half the token budget,
     then the global loss on the same blocks for the other half (`local_then_global_tokens`).
 
-    Measured after FlattenGPT on SmolLM2-135M (30 -> 24; benchmarks/recovery; later speeches / King James Bible, and
-    the gate's held-out KL on the training text): at 64K tokens 1.317 / 2.244 (0.292) against `full`'s 1.363 / 2.335
-    (0.324), at 256K 1.225 / 2.028 (0.228) against 1.240 / 2.040 (0.249), in 38 minutes of one CPU thread against 56,
-    and training the changed blocks only in both phases (less memory than `full`); after FlattenGPT on Qwen2.5-0.5B
-    (24 -> 19) at 64K, 1.186 / 1.601 (0.260) against `full`'s 1.180 / 1.654 (0.264), at half its time and memory.
-    Training every weight in the global phase (`global_scope="all"`) was ahead of the same blocks by 0.002-0.02 on
-    SmolLM2 at both budgets but behind on Qwen2.5 out of domain and on the held-out rows (1.179 / 1.606, 0.263), at
-    `full`'s memory on both, so the split keeps the same blocks. After ReplaceMe, whose one bridged
-    block leaves the local phase little to fix, `full` stays ahead at both budgets (1.234 / 1.724 against 1.279 /
-    1.790; 1.189 / 1.651 against 1.238 / 1.693), so a plan without merged blocks keeps `full`. A budget given as
-    epochs (no `max_tokens`) keeps `full` too: there is no budget to split. Out of domain, single runs after
-    FlattenGPT differ by less than two healing seeds of one run do (the split at 256K: 2.028, 1.991 and 2.009,
-    benchmarks/NOTEBOOK.md); the choice rests on the in-domain ratios and the held-out rows, which move less."""
+    Why: after a merge, the merged blocks start far from what they replace, and a phase that trains each one alone
+    towards the dense model's state first beat `full` after FlattenGPT, on both texts on SmolLM2-135M and out of
+    domain on Qwen2.5-0.5B (level in domain), at less time and memory; training the same blocks in the global phase,
+    not every weight, was within 0.02 on SmolLM2 and ahead out of domain on Qwen2.5. After ReplaceMe, whose one bridged block leaves the local phase little to
+    fix, `full` stayed ahead, so a plan without merged blocks keeps it; so does a budget given as epochs (there is
+    no budget to split). The rows, and the seeds that bound how far they can be read: benchmarks/NOTEBOOK.md,
+    "Healing" (`local` then the global loss)."""
     if config.mode != "full" or config.max_tokens is None or config.local_then_global_tokens is not None:
         return config
     global_tokens = config.max_tokens // 2

@@ -149,13 +149,10 @@ GLOBAL_SCOPES: dict[str, str] = {"spans": "changed", "all": "full"}
 
 def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
     """The options of mode 'local''s global phase: its own token budget and, unless one was given, the learning rate
-    of the mode that trains what it trains (`GLOBAL_SCOPES`). The local rate (1e-3) was chosen for a block's own
-    state loss; on the global distillation loss it is 5× the rate 'changed' was swept to (measured after FlattenGPT
-    on SmolLM2: 32K local then 32K global tokens at the local rate gave 1.467 / 2.503, behind 64K of `local` alone,
-    1.425 / 2.402). A rate of the phase's own (`global_learning_rate`) was swept there too: half of `changed`'s was
-    ahead on the held-out rows at 32K + 32K and behind them and on both evaluation texts at 128K + 128K (1.234 /
-    2.048 against 1.225 / 2.028), and behind on Qwen2.5-0.5B at 32K + 32K (1.196 / 1.643 against 1.186 / 1.601), so
-    the default stays `changed`'s."""
+    of the mode that trains what it trains (`GLOBAL_SCOPES`). The local rate was chosen for a block's own state
+    loss and is too large for the global distillation loss (the split trained at it fell behind `local` alone); a
+    rate of the phase's own was swept and did not beat the trained mode's on both models. The runs:
+    benchmarks/NOTEBOOK.md, "Healing" (the global phase's rate)."""
     rate: dict[str, Any] = {"mode": GLOBAL_SCOPES[config.global_scope]}  # that mode's default rate, scaled
     if config.global_learning_rate is not None:
         rate = {"learning_rate": config.global_learning_rate}
