@@ -263,10 +263,10 @@ def local_then_global(config: RecoveryConfig) -> RecoveryConfig:
     Why: after a merge, the merged blocks start far from what they replace, and a phase that trains each one alone
     towards the dense model's state first beat `full` after FlattenGPT, on both texts on SmolLM2-135M and out of
     domain on Qwen2.5-0.5B (level in domain), at less time and memory; training the same blocks in the global phase,
-    not every weight, was within 0.02 on SmolLM2 and ahead out of domain on Qwen2.5. After ReplaceMe, whose one bridged block leaves the local phase little to
-    fix, `full` stayed ahead, so a plan without merged blocks keeps it; so does a budget given as epochs (there is
-    no budget to split). The rows, and the seeds that bound how far they can be read: benchmarks/NOTEBOOK.md,
-    "Healing" (`local` then the global loss)."""
+    not every weight, was within 0.02 on SmolLM2 and ahead out of domain on Qwen2.5. After ReplaceMe, whose one
+    bridged block leaves the local phase little to fix, `full` stayed ahead, so a plan without merged blocks keeps
+    it; so does a budget given as epochs (there is no budget to split). The rows, and the seeds that bound how far
+    they can be read: benchmarks/NOTEBOOK.md, "Healing" (`local` then the global loss)."""
     if config.mode != "full" or config.max_tokens is None or config.local_then_global_tokens is not None:
         return config
     global_tokens = config.max_tokens // 2
