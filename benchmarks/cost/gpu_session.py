@@ -30,12 +30,12 @@ unmeasured before). 8 files come back: 5 rows, this search, the log, the summary
 
 Protocol per row: `gpu_shape.py`'s (random bf16 weights, 128 × 2048 calibration tokens in batches of 8, one dense
 forward after a warm-up, `--repeats 1` to save the session's minutes, per-phase peaks). Copy the JSON files into
-benchmarks/results as ``cost_gpu_<shape>_<label>.json`` and run `python benchmarks/render.py --write`.
+benchmarks/results as ``cost_gpu_<shape>_<label>.json`` and run `python -m benchmarks.render --write`.
 
 On a CPU the same driver runs at the tiny shape in seconds (``--tiny``), which is how it is checked before a
-session: ``python benchmarks/cost/gpu_session.py --tiny --out-dir /tmp/gpu_session``.
+session: ``python -m benchmarks.cost.gpu_session --tiny --out-dir /tmp/gpu_session``.
 
-Usage on the device (src on PYTHONPATH): ``python benchmarks/cost/gpu_session.py --out-dir "$OUT"``. The device's
+Usage on the device (src on PYTHONPATH): ``python -m benchmarks.cost.gpu_session --out-dir "$OUT"``. The device's
 image has no optimum, which `optimum_flatten.quantizer` imports: carry its wheel (here, once: ``pip download --no-deps
 optimum==2.3.0 -d .whl``, ``.whl`` ignored by git; name ``.whl`` in the call's carry) and install it into a folder on
 PYTHONPATH first (``pip install --no-index --no-deps --target /tmp/site .whl/*.whl``). The driver checks that import
@@ -53,8 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+#: The repository root: every step runs there, as ``python -m benchmarks.cost.<script>``, with its src on PYTHONPATH.
+ROOT = Path(__file__).resolve().parents[2]
 
 #: (label, gpu_shape.py arguments, seconds allowed), most wanted first.
 ROWS: list[tuple[str, list[str], int]] = [
@@ -92,7 +92,7 @@ def host_copy(tiny: bool, started: float, budget: float, log: Path) -> dict:
     shape = ["--device", "cpu", "--gib", "0.01", "--hidden", "64", "--intermediate", "172", "--tokens", "256"]
     with tempfile.TemporaryDirectory() as scratch:
         target = Path(scratch) / "host_copy.json"
-        command = [sys.executable, str(HERE / "host_copy.py"), *(shape if tiny else []), "--out", str(target)]
+        command = [sys.executable, "-m", "benchmarks.cost.host_copy", *(shape if tiny else []), "--out", str(target)]
         step = run(command, remaining(40, started, budget), log, "host_copy")
         if target.exists():
             step["result"] = json.loads(target.read_text())
@@ -151,7 +151,7 @@ def main() -> None:
             row_args += ["--phase-peaks"]
         shape = row_args[row_args.index("--shape") + 1]
         target = out / f"cost_gpu_{shape}_{label}.json"
-        command = [sys.executable, str(HERE / "gpu_shape.py"), *row_args, "--repeats", "1", "--label", label]
+        command = [sys.executable, "-m", "benchmarks.cost.gpu_shape", *row_args, "--repeats", "1", "--label", label]
         allowed = remaining(limit, started, args.budget)
         if allowed < 30:
             steps[label] = {"status": f"not run: {allowed} s of the budget left"}
@@ -168,8 +168,8 @@ def main() -> None:
         if allowed < 20:
             steps["kv_search"] = {"status": f"not run: {allowed} s of the budget left"}
         else:
-            command = [sys.executable, str(HERE / "kv_search.py"), *shape, "--skip-per-candidate", "--out", str(target)]
-            steps["kv_search"] = run(command, allowed, log, "kv_search")
+            command = [sys.executable, "-m", "benchmarks.cost.kv_search", *shape, "--skip-per-candidate"]
+            steps["kv_search"] = run([*command, "--out", str(target)], allowed, log, "kv_search")
             steps["kv_search"]["written"] = target.exists()
         print("kv_search:", steps["kv_search"], flush=True)
     (out / "session.json").write_text(json.dumps(steps, indent=2) + "\n")

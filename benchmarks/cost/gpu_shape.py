@@ -20,7 +20,7 @@ number written is measured here, in this run):
 - prefill (`--prefill`): 1 x `--prefill-length` random tokens, no cache, median of 5 synchronised forwards after a
   warm-up, dense before and compressed after the compression (not interleaved: the two models are not held at once).
 
-Usage (on a GPU): python benchmarks/cost/gpu_shape.py --shape llama-2-7b --num-layers-to-remove 7 --out cost_7b.json
+Usage (on a GPU): python -m benchmarks.cost.gpu_shape --shape llama-2-7b --num-layers-to-remove 7 --out cost_7b.json
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from run import cost_fields  # benchmarks/cost/run.py, beside this script
 
+    from benchmarks.cost.run import cost_fields
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.calibration import build_calibration_batches
     from optimum_flatten.estimate import estimate_memory, modelled_methods

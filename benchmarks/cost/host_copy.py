@@ -15,7 +15,7 @@ almost entirely, and if pinning that much host memory is cheap. This measures ex
 
 The window is 7 + 2 boundaries at 7 removed: 18 GiB of pinned host memory for the run. On the CPU (`--device cpu`,
 no pinning, the copy a clone) it runs at any size, which is how the script is checked before a device session:
-``PYTHONPATH=src python benchmarks/cost/host_copy.py --device cpu --gib 0.01 --hidden 64 --intermediate 172
+``PYTHONPATH=src python -m benchmarks.cost.host_copy --device cpu --gib 0.01 --hidden 64 --intermediate 172
 --tokens 256``.
 """
 

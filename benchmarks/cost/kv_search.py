@@ -11,7 +11,7 @@ target's form (S = E[a tᵀ], E‖t‖²). Each search runs once, timed with `ti
 they must keep the same groups. LLaMA-2-7B is 32 heads of 128 channels, hidden 4096: the per-candidate search
 took about 50 s a pair on an H200 there; on 2 CPU cores this runs reduced shapes.
 
-Usage: python benchmarks/cost/kv_search.py [--heads 16] [--head-dim 64] [--hidden 1024] [--skip-per-candidate]
+Usage: python -m benchmarks.cost.kv_search [--heads 16] [--head-dim 64] [--hidden 1024] [--skip-per-candidate]
        [--out FILE] [--label L]
 """
 

@@ -11,7 +11,7 @@ keeping each boundary's last-token rows per batch (the distance ReplaceMe's sele
 each number of removed layers, the distances over all batches (the plan's: `mean_angle_of_rows`) and over each batch
 alone, and the rank (1 = nearest, starts from 1 as ReplaceMe's) of the chosen block under each batch's.
 
-Usage: python benchmarks/cost/replaceme_probe.py --model smollm2 [--removed 2,4,6,8] [--out FILE]
+Usage: python -m benchmarks.cost.replaceme_probe --model smollm2 [--removed 2,4,6,8] [--out FILE]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Protocol (every number written is measured here, in this run):
   compares this run's with a stored one (same plan, kept KV groups and channels; max abs and max relative weight
   difference, relative to each tensor's largest entry), which is how a faster code path is checked against the old.
 
-Usage: python benchmarks/cost/run.py [--model smollm2] [--method flattengpt] [--threads 1]
+Usage: python -m benchmarks.cost.run [--model smollm2] [--method flattengpt] [--threads 1]
 Writes benchmarks/results/cost_<model>.json (FlattenGPT) or cost_<model>_<method>.json unless --out is given.
 """
 

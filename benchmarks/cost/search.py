@@ -15,10 +15,10 @@ Protocol (every number written is measured in this run):
   recomputed each step), computed from the shapes: the cost of the code before the early exit, exactly.
 
 Each run is stored under `--label` (e.g. "before" / "after", with the code that ran it) in `--out`, so that runs
-of two code versions (``PYTHONPATH=<old checkout>/src python benchmarks/cost/search.py --label before``) end up
+of two code versions (``PYTHONPATH=<old checkout>/src python -m benchmarks.cost.search --label before``) end up
 side by side in one file, each with its plan: the plans must be equal.
 
-Usage: python benchmarks/cost/search.py --method sleb --label after --out benchmarks/results/search_sleb_smollm2.json
+Usage: python -m benchmarks.cost.search --method sleb --label after --out benchmarks/results/search_sleb_smollm2.json
 (results files are named search_<method>_<model>.json: `benchmarks/render.py` renders each as one table)
 """
 
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run import add_run_arguments, cpu_run_header
+from benchmarks.cost.run import add_run_arguments, cpu_run_header
 
 #: Report entries of each method worth keeping beside the cost (what it chose, and what the search skipped).
 METHOD_ENTRIES = {

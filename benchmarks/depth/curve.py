@@ -1,8 +1,8 @@
 """Quality against depth: perplexity ratio to dense vs layers removed, one line per method, in and out of domain.
 
 Usage:
-    python benchmarks/depth/curve.py run  [--model smollm2] [--removed 4,8,10] [--eval-tokens 16384] [--threads 2]
-    python benchmarks/depth/curve.py plot [--model smollm2]
+    python -m benchmarks.depth.curve run  [--model smollm2] [--removed 4,8,10] [--eval-tokens 16384] [--threads 2]
+    python -m benchmarks.depth.curve plot [--model smollm2]
 
 `run` calls run.py once per depth with the curve's variants (same calibration, evaluation and protocol as the main
 table; results in benchmarks/results/curve_<model>_<N>.json, resumable). The main table's JSON
@@ -111,7 +111,8 @@ def main() -> None:
     for removed in (int(n) for n in args.removed.split(",")):
         command = [
             sys.executable,
-            str(Path(__file__).with_name("run.py")),
+            "-m",
+            "benchmarks.depth.run",
             f"--model={args.model}",
             f"--num-layers-to-remove={removed}",
             f"--variants={args.variants}",

@@ -1,6 +1,6 @@
 """Merges rows of separate run.py outputs into one table file, refusing runs measured under another protocol.
 
-Usage: python benchmarks/depth/merge.py benchmarks/results/quality_smollm2.json /tmp/run_a.json /tmp/run_b.json
+Usage: python -m benchmarks.depth.merge benchmarks/results/quality_smollm2.json /tmp/run_a.json /tmp/run_b.json
 
 Variants run in separate processes (to use idle cores, or added later) are only comparable when the model, the
 calibration windows, the evaluation windows and the depth are the same; the dense rows must also agree (the same

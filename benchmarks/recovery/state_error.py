@@ -10,7 +10,7 @@ student block the dense model's state entering the span and compare its output w
   softmax), as it is and with the block's output perturbed by random directions of relative size eps per position,
   at the sink only or at every other position (seeded), to compare with what the block's own error costs.
 
-Usage: python benchmarks/recovery/state_error.py --model qwen2.5-0.5b --method replaceme_lstsq_down
+Usage: python -m benchmarks.recovery.state_error --model qwen2.5-0.5b --method replaceme_lstsq_down
 Writes benchmarks/results/state_error_<model>_<method>.json.
 """
 
@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run  # (benchmarks/recovery/run.py: the same compression, calibration and healing text)
+from benchmarks.recovery import run  # (benchmarks/recovery/run.py: the same compression, calibration and healing text)
 
 EPSILONS = (0.001, 0.01, 0.1)
 

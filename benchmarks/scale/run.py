@@ -18,7 +18,7 @@ Protocol (every number printed is measured here, in this run, unless marked as e
   second-moment products (tokens x (2 d_int)^2) and solves ((2 d_int)^3), fitted on this run, and evaluated for
   LLaMA-2 7B and 70B shapes at the paper's 20% of layers.
 
-Usage: python benchmarks/scale/run.py [--model qwen2.5-0.5b] [--budget-gb 1] [--threads 2]
+Usage: python -m benchmarks.scale.run [--model qwen2.5-0.5b] [--budget-gb 1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def main() -> None:
     runs = {}
     try:
         for name in ("in_memory", "offloaded"):
-            command = [sys.executable, __file__, "--one", name, "--save-dir", str(work / name)] + [
+            command = [sys.executable, "-m", "benchmarks.scale.run", "--one", name, "--save-dir", str(work / name)] + [
                 f"--{k.replace('_', '-')}={v}"
                 for k, v in vars(args).items()
                 if k not in ("one", "out", "save_dir") and v is not None

@@ -19,7 +19,7 @@ Presets (explicit flags override them):
 
 Every result records the device (name), dtype, shapes and threads.
 
-Usage: python benchmarks/speed/run.py --model smollm2 --num-layers-to-remove 6 [--preset gpu]
+Usage: python -m benchmarks.speed.run --model smollm2 --num-layers-to-remove 6 [--preset gpu]
 """
 
 from __future__ import annotations

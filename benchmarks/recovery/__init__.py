@@ -1,0 +1,1 @@
+"""Healing after compression: the runs, their default protocol, curves and probes."""

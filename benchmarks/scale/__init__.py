@@ -1,0 +1,1 @@
+"""Models larger than memory: in-memory and offloaded compression compared."""

@@ -1,0 +1,1 @@
+"""Inference speed of dense and compressed models."""
