@@ -51,7 +51,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "optimum_flatten"
 def _driver_modules() -> list[Path]:
     """The orchestrator, compress-on-load, the memory estimate and the generic exporter (every module of export/: a
     method's own export code lives in the method's package, as LayerCollapse's does)."""
-    return [SRC / "quantizer.py", SRC / "integration.py", SRC / "estimate.py", *sorted((SRC / "export").glob("*.py"))]
+    drivers = [SRC / "quantizer.py", SRC / "integration.py", *sorted((SRC / "estimate").glob("*.py"))]
+    return [*drivers, *sorted((SRC / "export").glob("*.py"))]
 
 
 def _method_mentions(text: str, names: list[str]) -> list[str]:

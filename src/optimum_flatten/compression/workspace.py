@@ -2,8 +2,8 @@
 of one (model, calibration) pair, in bytes.
 
 Each method that has a memory model states it as `CompressionMethod.workspace`, next to the code whose allocations
-it describes; `estimate.py` (the driver) builds the sizes from a model's shape and asks the method. The symbols and
-the terms every method shares are documented in `optimum_flatten.estimate`.
+it describes; `optimum_flatten.estimate` (the driver) builds the sizes from a model's shape and asks the method. The
+symbols and the terms every method shares are documented there.
 """
 
 from __future__ import annotations

@@ -47,27 +47,25 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
-from .adapters import get_adapter
-from .adapters.base import ArchitectureAdapter
-from .compression.compute import ComputeModel
-from .compression.correction_workspace import with_correction, with_correction_compute
-from .compression.method import CompressionMethod
-from .compression.pipeline import Corrections, preflight
-from .compression.workspace import Phase, Refusal, Term, WorkspaceSizes
-from .registry import get_method_class, registered_methods, require_capabilities
-from .roofline import DeviceSpec, TimePrediction, predict
-from .utils import flops
-from .utils.errors import UnsupportedArchitectureError
-from .utils.loading import model_class_for, one_line, resolve_model_source
+from ..adapters import get_adapter
+from ..adapters.base import ArchitectureAdapter
+from ..compression.compute import ComputeModel
+from ..compression.correction_workspace import with_correction, with_correction_compute
+from ..compression.method import CompressionMethod
+from ..compression.pipeline import Corrections, preflight
+from ..compression.workspace import Phase, Refusal, Term, WorkspaceSizes
+from ..registry import get_method_class, registered_methods, require_capabilities
+from ..roofline import DeviceSpec, TimePrediction, predict
+from ..utils import flops
+from ..utils.errors import UnsupportedArchitectureError
+from .meta import compressed_shape_, meta_model, single_stack
 
 if TYPE_CHECKING:
-    from .recovery.footprint import FullFootprint
+    from ..recovery.footprint import FullFootprint
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ class ModelShape:
     def of(cls, model: nn.Module, stack: str | None = None) -> ModelShape:
         """Reads the shape of `model` through its architecture adapter (so every supported family works)."""
         adapter = get_adapter(model)
-        stack = stack or _single_stack(adapter)
+        stack = stack or single_stack(adapter)
         block = adapter.block(stack, 0)
         attention, mlp = block.attention, block.mlp
         if "dense_mlp" in adapter.capabilities:
@@ -407,16 +405,6 @@ def _unique_bytes(model: nn.Module) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
-def _single_stack(adapter: ArchitectureAdapter) -> str:
-    stacks = adapter.stacks()
-    if len(stacks) != 1:
-        raise ValueError(
-            f"this {type(adapter.model).__name__} has the stacks {stacks}; say which one the estimate is for "
-            "(stack=...), as the compression compresses one at a time."
-        )
-    return stacks[0]
-
-
 def _gib(value: int) -> str:
     return f"{value / GIB:.2f} GiB"
 
@@ -452,12 +440,12 @@ def estimate_memory(
     calibration = CalibrationShape(nsamples, seqlen, batch_size)
     method_class = get_method_class(method)
     config = method_class.config_class(**(method_args or {}))
-    from .config import check_corrections  # FlattenConfig's own refusals of a correction
+    from ..config import check_corrections  # FlattenConfig's own refusals of a correction
 
     check_corrections(corrections.linear_replacement, corrections.compensation, method, method_class)
     adapter = get_adapter(model)
     require_capabilities(adapter, method)
-    stack = stack or _single_stack(adapter)
+    stack = stack or single_stack(adapter)
     preflight(adapter, method_class(config), stack, corrections)
     shape = ModelShape.of(model, stack)
     if (
@@ -531,8 +519,8 @@ def estimate_checkpoint(
     )
     result.source = source
     if heal:
-        from .recovery import RecoveryConfig
-        from .recovery.footprint import candidate_footprints, full_footprint, sampling_bytes
+        from ..recovery import RecoveryConfig
+        from ..recovery.footprint import candidate_footprints, full_footprint, sampling_bytes
 
         healing = RecoveryConfig()
         step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
@@ -560,51 +548,3 @@ def arithmetic_flops(kinds: dict[str, dict[str, float]]) -> float:
 
 def _precision(dtype: str) -> str:
     return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "float64": "float64"}.get(dtype, dtype)
-
-
-def meta_model(source: str, dtype: str = "float32", trust_remote_code: bool = False) -> nn.Module:
-    """The model of `source` built from its config on the meta device: every shape, no storage, nothing read but
-    config.json (a bundled model's config comes from its cached conversion or its GGUF metadata)."""
-    import transformers
-
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}.")
-    config = read_config(source, trust_remote_code)
-    auto_map = getattr(config, "auto_map", None) or {}
-    with torch.device("meta"):
-        if trust_remote_code and auto_map:
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=getattr(torch, dtype), trust_remote_code=True
-            )
-        else:
-            cls = model_class_for(config)
-            build = cls.from_config if hasattr(cls, "from_config") else cls._from_config  # Auto class or concrete
-            model = build(config, dtype=getattr(torch, dtype))
-    return model.eval()
-
-
-def compressed_shape_(model: nn.Module, num_layers_to_remove: int) -> nn.Module:
-    """`model` (on meta) with the last `num_layers_to_remove` layers of its one stack dropped, its config saying so:
-    the shape the healing trains. Every method keeps the blocks' widths (a drop, a merge, a fold into a projection),
-    so the count of layers is what the healing's state and activations follow, not which layers went."""
-    adapter = get_adapter(model)
-    stack = _single_stack(adapter)
-    layers = len(adapter.layers(stack))
-    adapter.delete_layers_(stack, range(layers - num_layers_to_remove, layers))
-    model.config.get_text_config().num_hidden_layers = layers - num_layers_to_remove
-    return model
-
-
-def read_config(source: str, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a folder, Hub id or bundled name (one-line errors, as the other commands)."""
-    import transformers
-
-    from . import bundled
-
-    if source in bundled.BUNDLED_MODELS:
-        return bundled.bundled_config(source)
-    path = resolve_model_source(source)
-    try:
-        return transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"cannot read the config of {source!r}: {one_line(error)}") from error
