@@ -718,6 +718,23 @@ def healing_text_table(paths: list[Path]) -> str:
     return header + "\n" + "\n".join(lines)
 
 
+def makeup_table(paths: list[Path]) -> str:
+    """`benchmarks/recovery/teacher_text_makeup.py`: what the dense model wrote, its training rows counted by script
+    (the module's docstring states the rule)."""
+    header = "| teacher | started from | rows | prose | code or markup | CJK |\n|---|---|---|---|---|---|"
+    rows = []
+    for path in paths:
+        run = json.loads(path.read_text())
+        start = "the BOS token" if not run["sampling"].get("prompts") else "the speeches' paragraphs"
+        counts = run["counts"]
+        rows.append(
+            f"| {run['teacher']} | {start} | {run['rows']} | "
+            + " | ".join(str(counts.get(k, 0)) for k in ("prose", "code or markup", "CJK"))
+            + " |"
+        )
+    return header + "\n" + "\n".join(rows)
+
+
 def footprint_table(paths: list[Path]) -> str:
     """`benchmarks/recovery/footprint.py`: what `mode='full'` added to the process's memory against the estimate the
     default mode follows (`recovery.footprint`), one row per model, dtype and batch."""
@@ -778,6 +795,8 @@ def tables() -> dict[str, str]:
         if healing := sorted(RESULTS.glob(f"recovery_{model}_*.json")):
             out[f"healing:{model}"] = healing_table(healing)
             out[f"healing_text:{model}"] = healing_text_table(healing)
+    if makeups := sorted(RESULTS.glob("teacher_text_makeup_*.json")):
+        out["teacher_text_makeup"] = makeup_table(makeups)
     if footprints := sorted(RESULTS.glob("footprint_*.json")):
         out["footprint"] = footprint_table(footprints)
     if (RESULTS / "clients.json").exists():

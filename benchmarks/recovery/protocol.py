@@ -55,11 +55,15 @@ def is_default(settings: Mapping[str, Any]) -> bool:
 
 def healing_text(settings: Mapping[str, Any]) -> str:
     """What a run healed on, as the pages and curves name it: ``""`` for the speeches (the default), else the share
-    of the rows the dense model sampled itself (runs from before the option healed on the speeches)."""
+    of the rows the dense model sampled itself and what it started from (runs from before the options healed on the
+    speeches, and sampled from the BOS token)."""
     share = float(settings.get("teacher_text") or 0.0)
     if share <= 0:
         return ""
-    return "the dense model's own text" if share >= 1 else f"{share:.0%} the dense model's own text, the rest speeches"
+    own = "the dense model's own text"
+    if settings.get("teacher_prompts"):
+        own += " continuing the speeches' paragraphs"
+    return own if share >= 1 else f"{share:.0%} {own}, the rest speeches"
 
 
 def optimiser(settings: Mapping[str, Any]) -> str:

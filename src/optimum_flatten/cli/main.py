@@ -188,10 +188,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
     check_output_dir(args.output, args.overwrite, sources=[source])
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
-    refusal = causal_lm_refusal(AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code))
+    model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    refusal = causal_lm_refusal(model_config)
     if refusal is not None:  # AutoModelForCausalLM would load BERT or Marian as something they are not
         raise ValueError(refusal)
-    model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(source, config=model_config, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)
     if not is_writer():  # the ranks of a data-parallel launch end on the same weights; rank 0 writes them

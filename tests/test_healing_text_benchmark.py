@@ -1,0 +1,50 @@
+"""The healing-text benchmark's own rules: how a run's healing text is named on the pages (so that a prompted run
+never shares a row label with a run from the BOS token), and the script rule that counts what a teacher wrote."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_each_healing_text_has_its_own_label():
+    from benchmarks.recovery import protocol
+
+    labels = {
+        protocol.healing_text({}),
+        protocol.healing_text({"teacher_text": 1.0}),
+        protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": True}),
+        protocol.healing_text({"teacher_text": 0.5}),
+        protocol.healing_text({"teacher_text": 0.5, "teacher_prompts": True}),
+    }
+    assert len(labels) == 5
+    assert protocol.healing_text({}) == ""  # the speeches: the label older runs had
+    assert protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": False}) == "the dense model's own text"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "It is manifest that these causes are daily losing their effect, and that these new States are settling.",
+            "prose",
+        ),
+        ("def flatten(nested):\n    return [x for xs in nested for x in xs]  # {}[]", "code or markup"),
+        ("<div class='a'>{{ value }}</div><br/>", "code or markup"),
+        ("执行 Sql Script时，可以在脚本开始时连接到数据库进行插入操作", "CJK"),
+        ("", "prose"),
+    ],
+)
+def test_makeup_rule(text, expected):
+    from benchmarks.recovery.teacher_text_makeup import kind
+
+    assert kind(text) == expected
+
+
+def test_makeup_counts_and_examples():
+    from benchmarks.recovery.teacher_text_makeup import makeup
+
+    texts = ["plain words here"] * 3 + ["{}();{}();"] * 2
+    result = makeup(texts, examples=1)
+    assert result["rows"] == 5
+    assert result["counts"] == {"prose": 3, "code or markup": 2}
+    assert result["examples"] == {"prose": ["plain words here"], "code or markup": ["{}();{}();"]}
