@@ -56,6 +56,7 @@ def test_rows_are_seqlen_tokens_from_bos_labelled_and_reproducible_by_seed():
     assert record["rows"] == 5 and record["tokens"] == 120 and record["cached"] is False
     assert record["start"] == "bos" and record["temperature"] == 1.0 and record["top_k"] is None
     assert record["peak_memory_bytes"] > 0 and record["seconds"] >= 0
+    assert record["excerpts"] == []  # this tokenizer cannot decode
     # The same seed gives the same rows whatever the process's random state did in between.
     torch.manual_seed(1234)
     torch.rand(100)
@@ -64,6 +65,14 @@ def test_rows_are_seqlen_tokens_from_bos_labelled_and_reproducible_by_seed():
     other, _ = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=4, batch_size=2, progress=False)
     held, _ = sample_teacher_rows(teacher, TOKENIZER, 5, 24, seed=3, batch_size=2, progress=False, stream="heldout")
     assert not torch.equal(_ids(other), ids) and not torch.equal(_ids(held), ids)
+
+
+def test_the_record_quotes_what_the_teacher_wrote():
+    """The first tokens of the first rows, decoded, so that a person reads in the log what healing trained on."""
+    tokenizer = tiny_models.tiny_hf_tokenizer()
+    rows, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), tokenizer, 3, 60, seed=0, progress=False)
+    expected = [tokenizer.decode(row["input_ids"][:48].tolist(), skip_special_tokens=True) for row in rows[:2]]
+    assert record["excerpts"] == expected and all(expected)
 
 
 def test_no_top_k_or_top_p_applies_whatever_the_models_generation_config_says():
@@ -242,7 +251,9 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset):
     recovery = json.loads((out / "flatten_report.json").read_text())["recovery"]
     assert recovery["data_kind"] == "teacher" and recovery["dataset"] == "teacher"
     assert recovery["teacher_text"]["rows"] == 4 and recovery["teacher_text"]["batch_size"] == 2
-    assert recovery["teacher_text"]["top_k"] is None and "gate:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert recovery["teacher_text"]["top_k"] is None and "gate:" in printed
+    assert f"the teacher's own text began: {recovery['teacher_text']['excerpts'][0][:160]!r}" in printed
 
 
 def test_compress_heals_on_the_teacher_text_with_heal_dataset_teacher():

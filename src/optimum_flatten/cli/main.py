@@ -205,6 +205,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         f"recovered ({log['mode']}, {log['loss']} loss, teacher {log['teacher'] or 'none'}) for {log['steps']} steps, "
         f"{log['tokens_trained']} tokens{heldout}; gate: {log['gate']}; saved to {path}"
     )
+    if excerpts := (log.get("teacher_text") or {}).get("excerpts"):  # what healing trained on, for a person to judge
+        print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     return 0
 
 

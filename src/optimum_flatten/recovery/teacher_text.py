@@ -430,15 +430,31 @@ def sample_teacher_rows(
         "tokens_per_second": round(generated / seconds, 1) if seconds > 0 and not cached else None,
         "peak_memory_bytes": peak,
         "peak_memory": measured,
+        "excerpts": excerpts(tokenizer, ids),
     }
+    if record["excerpts"]:
+        logger.info("the teacher's text (%s rows), its first row begins: %r", stream, record["excerpts"][0])
     rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
     return rows, record
 
 
+#: Rows, and tokens of each, the record quotes.
+EXCERPT_ROWS, EXCERPT_TOKENS = 2, 48
+
+
+def excerpts(tokenizer: Any, ids: torch.Tensor) -> list[str]:
+    """The first tokens of the first rows, decoded: what the teacher wrote, for a person to read in the log. A
+    model's own text is its distribution, whatever that is (a coder model writes code, a multilingual one other
+    languages), and that decides what healing on it can teach. None from a tokenizer that cannot decode."""
+    if not callable(getattr(tokenizer, "decode", None)):
+        return []
+    return [tokenizer.decode(row[:EXCERPT_TOKENS].tolist(), skip_special_tokens=True) for row in ids[:EXCERPT_ROWS]]
+
+
 def is_teacher_dataset(dataset: Any) -> bool:
     """Whether `dataset` asks for the teacher's own text only: ``"teacher"`` (the command line's default ``--dataset
-    teacher``), or None (no text given: the dense model writes its own, which beat the untrained model on both
-    evaluation texts where the speeches were measured, benchmarks/RESULTS.md)."""
+    teacher``), or None (no text given: the dense model writes its own; benchmarks/RESULTS.md says where that helped
+    and where it did not)."""
     return dataset is None or (isinstance(dataset, str) and dataset.strip().lower() == "teacher")
 
 
