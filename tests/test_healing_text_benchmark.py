@@ -15,10 +15,13 @@ def test_each_healing_text_has_its_own_label():
         protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": True}),
         protocol.healing_text({"teacher_text": 0.5}),
         protocol.healing_text({"teacher_text": 0.5, "teacher_prompts": True}),
+        protocol.healing_text({"teacher_text": 1.0, "sampling_start": "chat"}),
     }
-    assert len(labels) == 5
+    assert len(labels) == 6
     assert protocol.healing_text({}) == ""  # the speeches: the label older runs had
-    assert protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": False}) == "the dense model's own text"
+    assert protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": False, "sampling_start": "bos"}) == (
+        "the dense model's own text"
+    )
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,8 @@ def healing_text(settings: Mapping[str, Any]) -> str:
     if share <= 0:
         return ""
     own = "the dense model's own text"
+    if settings.get("sampling_start") == "chat":
+        own += " as a chat assistant"
     if settings.get("teacher_prompts"):
         own += " continuing the speeches' paragraphs"
     return own if share >= 1 else f"{share:.0%} {own}, the rest speeches"

@@ -211,6 +211,13 @@ def main() -> None:
         "of the pre-2000 speeches outside calibration's windows), not a bare start token",
     )
     parser.add_argument(
+        "--sampling-start",
+        choices=("bos", "chat"),
+        default="bos",
+        help="RecoveryConfig.sampling_start: the BOS token, or the chat template's assistant turn after a user turn "
+        "holding the prompt (empty without one)",
+    )
+    parser.add_argument(
         "--optim", default=None, help="TrainingArguments.optim (e.g. adafactor); default: the Trainer's AdamW"
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -229,8 +236,8 @@ def main() -> None:
         raise SystemExit(f"--teacher-text is a share of the training rows, in [0, 1], got {args.teacher_text}")
     if args.teacher_text and not args.kd:
         raise SystemExit("--teacher-text samples the dense model's text and distils from it: add --kd")
-    if args.teacher_prompts and not args.teacher_text:
-        raise SystemExit("--teacher-prompts starts the dense model's samples: add --teacher-text SHARE")
+    if (args.teacher_prompts or args.sampling_start != "bos") and not args.teacher_text:
+        raise SystemExit("--teacher-prompts and --sampling-start start the dense model's samples: add --teacher-text")
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -314,6 +321,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
     suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
     suffix += "_prompted" if getattr(args, "teacher_prompts", False) else ""
+    suffix += "_chat" if getattr(args, "sampling_start", "bos") == "chat" else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
@@ -336,6 +344,8 @@ def _prompts_described(args: argparse.Namespace) -> str:
             f"the first {PROMPT_TOKENS} tokens of each paragraph of the pre-2000 speeches outside calibration's "
             "windows (one prompt a line, cycled in a seeded order)"
         )
+    if getattr(args, "sampling_start", "bos") == "chat":
+        return "none: the chat template's assistant turn, after an empty user turn"
     return "none (the BOS token)"
 
 
@@ -382,6 +392,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         teacher_text_cache=getattr(args, "teacher_text_cache", None),
         prompts=getattr(args, "prompt_texts", None),
         teacher_prompt_tokens=PROMPT_TOKENS,
+        sampling_start=getattr(args, "sampling_start", "bos"),
     )
 
 

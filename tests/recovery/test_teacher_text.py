@@ -124,6 +124,71 @@ def test_prompts_start_the_rows_with_the_first_tokens_of_each_document(tmp_path)
     assert {tuple(r[1:7].tolist()) for r in _ids(rows)} == starts  # both cycled, "short" (too short) left out
 
 
+#: A ChatML template, as Qwen2.5's and SmolLM2's tokenizers carry one (with a default system turn).
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chat_tokenizer():
+    tokenizer = tiny_models.tiny_hf_tokenizer()
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def test_a_chat_start_opens_the_assistants_turn_after_the_template_and_its_prompt(tmp_path):
+    """`start="chat"`: each row is the template's user turn holding the prompt (empty without one), then the
+    assistant's turn the teacher writes; the rendered template, tokenised, is each row's beginning."""
+    tokenizer = _chat_tokenizer()
+    teacher = tiny_models.tiny_llama_gqa()
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    bare = encode(tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True,
+                                                tokenize=False))  # fmt: skip
+    rows, record = sample_teacher_rows(teacher, tokenizer, 3, len(bare) + 8, seed=0, start="chat", progress=False)
+    assert record["start"] == "chat" and record["start_tokens"]
+    for row in _ids(rows):
+        assert row[: len(bare)].tolist() == bare
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("the state of the union is strong\n")
+    rows, record = sample_teacher_rows(teacher, tokenizer, 2, len(bare) + 14, seed=0, start="chat",
+                                       prompts=str(path), prompt_tokens=4, progress=False)  # fmt: skip
+    # A character-level tokenizer: the prompt's first 4 tokens are the text "the ", and the template rendered
+    # around it tokenises to the same ids as its parts.
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "the "}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    assert record["start"] == "chat" and record["prompt_tokens"] == 4
+    for row in _ids(rows):
+        assert row[: len(bare) + 4].tolist() == encode(rendered)
+
+
+def test_a_chat_start_without_a_chat_template_is_refused_in_one_line():
+    from optimum_flatten.utils.errors import CalibrationDataError
+
+    with pytest.raises(CalibrationDataError, match="needs a tokenizer with a chat template") as refused:
+        sample_teacher_rows(tiny_models.tiny_llama_gqa(), tiny_models.tiny_hf_tokenizer(), 2, 24, seed=0,
+                            start="chat", progress=False)  # fmt: skip
+    assert "\n" not in str(refused.value)
+
+
+def test_compress_refuses_a_chat_start_without_a_template_before_the_compression():
+    """`FlattenConfig(heal=...)` checks the healing's inputs first: the dense model is left as it was."""
+    from optimum_flatten.utils.errors import CalibrationDataError
+
+    heal = {**SMALL, "heldout_rows": 2, "max_tokens": 128, "mode": "full", "dataset": "teacher",
+            "sampling_start": "chat"}  # fmt: skip
+    model = tiny_models.tiny_llama_gqa()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CalibrationDataError, match="chat template"):
+        compress(model, "flattengpt", tiny_models.tiny_hf_tokenizer(), num_layers_to_remove=2, heal=heal)
+    assert len(model.model.layers) == 6 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_path):
     teacher = _counting(tiny_models.tiny_llama_gqa())
     options = dict(seed=0, batch_size=4, cache_dir=tmp_path, progress=False)
@@ -211,6 +276,7 @@ def test_teacher_text_without_a_teacher_is_refused_before_any_weight_changes(tea
         (dict(sampling_temperature=0.0), "sampling_temperature must be a positive"),
         (dict(sampling_top_p=0.0), "sampling_top_p must be in"),
         (dict(sampling_batch_size=0), "sampling_batch_size must be at least 1"),
+        (dict(sampling_start="assistant"), "sampling_start is 'bos' or 'chat'"),
     ],
 )
 def test_sampling_options_out_of_range_are_refused_when_the_config_is_made(options, message):

@@ -112,6 +112,10 @@ class RecoveryConfig:
         prompts: Documents whose first `teacher_prompt_tokens` tokens start the teacher's rows (a file with one
             prompt a line, or any text source `calibration.data.load_texts` reads); None starts every row from the
             tokenizer's BOS token (its EOS without one).
+        sampling_start: ``"bos"`` starts each row from the BOS token (then the prompt, if any); ``"chat"`` from the
+            tokenizer's chat template, a user turn holding the prompt (empty without one) and the assistant's turn
+            opened, so that an instruct model writes what it writes as an assistant rather than from a bare token
+            it was not tuned to continue (see `recovery.teacher_text`).
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
@@ -166,6 +170,7 @@ class RecoveryConfig:
     sampling_batch_size: int | None = field(default=None, metadata={"default": "8 on a CPU, the free memory's on CUDA"})
     teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
     prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
+    sampling_start: Literal["bos", "chat"] = "bos"
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,6 +186,8 @@ class RecoveryConfig:
             raise ValueError(f"sampling_top_p must be in (0, 1] (1 or None: no cut), got {self.sampling_top_p}.")
         if self.sampling_batch_size is not None and self.sampling_batch_size < 1:
             raise ValueError(f"sampling_batch_size must be at least 1 row, got {self.sampling_batch_size}.")
+        if self.sampling_start not in ("bos", "chat"):
+            raise ValueError(f"sampling_start is 'bos' or 'chat', got {self.sampling_start!r}.")
         if self.teacher_prompt_tokens < 1:
             raise ValueError(f"teacher_prompt_tokens must be at least 1, got {self.teacher_prompt_tokens}.")
 

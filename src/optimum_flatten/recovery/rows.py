@@ -27,7 +27,7 @@ from .distill import Objective
 from .resume import check_checkpoint_options
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
-from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+from .teacher_text import heldout_split, is_teacher_dataset, row_start, sample_teacher_rows, seeded_subset
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +152,8 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     is refused while the model is still the dense one.
     """
     check_fsdp(config, fsdp_version(config))
+    if teacher_share(dataset, config) > 0:
+        row_start(tokenizer, config.sampling_start)  # a chat start needs the tokenizer's chat template
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     planned = _planned_rows(config, teacher_share(dataset, config), train_rows, _replicas(config))[1]
     _steps_for_budget(config, planned, _replicas(config))
@@ -191,6 +193,7 @@ def _sample_teacher_part(
         top_p=config.sampling_top_p,
         prompts=config.prompts,
         prompt_tokens=config.teacher_prompt_tokens,
+        start=config.sampling_start,
         batch_size=config.sampling_batch_size,
         cache_dir=_cache_folder(config),
         progress=progress,

@@ -12,10 +12,13 @@ How the rows are sampled, and why:
   and ``max_new_tokens`` are both the rest of the row, and **EOS is an ordinary token** (``eos_token_id=None`` for
   the generation, so nothing stops a row and nothing is suppressed): after an EOS the teacher starts a new document,
   as in the packed, EOS-separated rows of `recovery.data.build_training_rows`.
-- **The start** is the tokenizer's BOS token, or its EOS token (a document separator) when it has no BOS: sampling
-  from it draws from the model's unconditional distribution. No chat template is applied, even for a chat model
-  such as the bundled SmolLM2-Instruct: the rows are plain continuations, whatever the model makes of a bare start.
-  With prompts, the first `prompt_tokens` tokens of each document follow the start token (the documents cycled in a
+- **The start** (``start="bos"``, the default) is the tokenizer's BOS token, or its EOS token (a document separator)
+  when it has no BOS: sampling from it draws from the model's unconditional distribution, whatever the model makes
+  of a bare start. An instruct model was tuned to answer, not to continue a bare token: the bundled
+  Qwen2.5-Coder-Instruct writes looping code and Chinese from it. ``start="chat"`` applies the tokenizer's chat
+  template instead: a user turn holding the prompt (empty without one), then the assistant's turn opened, which the
+  teacher writes (Thangarasa et al. regenerate the answers of an instruction set this way). With prompts, the first
+  `prompt_tokens` tokens of each document follow the start token, or fill the user turn (the documents cycled in a
   seeded order).
 - **Labels** are the ids at every position, the prompt's included (they are the user's text, and the KL on them is
   still the teacher's distribution); the attention mask is all ones.
@@ -154,6 +157,35 @@ def start_token(tokenizer: Any) -> tuple[int, str]:
     )
 
 
+#: What stands for the prompt while the chat template is rendered: private-use characters no template writes.
+_PROMPT_MARK = "\ue000prompt\ue000"
+
+
+def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
+    """(tokens before each row's prompt, tokens after it, the start's name). ``"bos"``: the start token, nothing
+    after. ``"chat"``: the tokenizer's chat template around a user turn holding the prompt, its generation prompt
+    opening the assistant's turn, so that an instruct model writes as it was tuned to (with its default system
+    turn, if the template has one)."""
+    if start != "chat":
+        token, kind = start_token(tokenizer)
+        return [token], [], kind
+    if not getattr(tokenizer, "chat_template", None):
+        raise CalibrationDataError(
+            "sampling_start='chat' needs a tokenizer with a chat template, and this one has none; use 'bos'."
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _PROMPT_MARK}], add_generation_prompt=True, tokenize=False
+    )
+    if not isinstance(text, str) or text.count(_PROMPT_MARK) != 1:
+        raise CalibrationDataError("the tokenizer's chat template does not write the user's message once; use 'bos'.")
+    before, after = text.split(_PROMPT_MARK)
+
+    def encode(part: str) -> list[int]:
+        return list(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else []
+
+    return encode(before), encode(after), "chat"
+
+
 def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str = "text") -> list[list[int]]:
     """The first `prompt_tokens` tokens of each prompt document long enough to hold them.
 
@@ -225,18 +257,25 @@ def _peak_memory(device: torch.device) -> tuple[int, str]:
 
 
 def _starts(
-    n_rows: int, start: int, prompts: list[list[int]] | None, seed: int, rank: int, world_size: int
+    n_rows: int,
+    start: tuple[list[int], list[int]],
+    prompts: list[list[int]] | None,
+    seed: int,
+    rank: int,
+    world_size: int,
 ) -> torch.Tensor:
-    """This rank's rows' beginnings: the start token, then its prompt (the prompts cycled in a seeded order, the
+    """This rank's rows' beginnings: the start's tokens around its prompt (the prompts cycled in a seeded order, the
     whole run's rows dealt to the ranks in turn so that the prompts do not depend on the world size's split)."""
+    before, after = start
     first = sum(_share(n_rows, r, world_size) for r in range(rank))
     count = _share(n_rows, rank, world_size)
     if not prompts:
-        return torch.full((count, 1), start, dtype=torch.long)
+        return torch.tensor([*before, *after], dtype=torch.long).repeat(count, 1)
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     chosen = [prompts[order[(first + i) % len(order)]] for i in range(count)]
-    return torch.tensor([[start, *ids] for ids in chosen], dtype=torch.long)
+    width = len(before) + len(prompts[0]) + len(after)
+    return torch.tensor([[*before, *ids, *after] for ids in chosen], dtype=torch.long).view(count, width)
 
 
 def cache_key(
@@ -332,7 +371,7 @@ def _settings(
         "temperature": float(temperature),
         "top_k": top_k or None,
         "top_p": top_p if top_p is not None and top_p < 1.0 else None,
-        "start": "prompts" if prompted else start_kind,
+        "start": "prompts" if prompted and start_kind != "chat" else start_kind,
         "prompt_tokens": prompt_tokens if prompted else None,
         "eos": "an ordinary token (rows run to seqlen)",
     }
@@ -350,6 +389,7 @@ def sample_teacher_rows(
     top_p: float | None = None,
     prompts: Any = None,
     prompt_tokens: int = 32,
+    start: str = "bos",
     batch_size: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     stream: str = "train",
@@ -366,6 +406,7 @@ def sample_teacher_rows(
         temperature, top_k, top_p: Sampling (defaults: temperature 1, no cut).
         prompts: None (every row from the start token), a list of texts, or a file / text source.
         prompt_tokens: Tokens of each prompt document kept.
+        start: ``"bos"`` or ``"chat"`` (`row_start`).
         batch_size: Rows a ``generate`` call; None: `default_batch_size`.
         cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
@@ -380,16 +421,18 @@ def sample_teacher_rows(
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
         ValueError: a row too short for its start token and prompt.
     """
-    start, start_kind = start_token(tokenizer)
+    before, after, start_kind = row_start(tokenizer, start)
     prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
-    prompt_length = 1 + (prompt_tokens if prompt_list else 0)
+    prompt_length = len(before) + len(after) + (prompt_tokens if prompt_list else 0)
     if seqlen <= prompt_length:
         raise ValueError(f"seqlen={seqlen} leaves no token to sample after the {prompt_length}-token start and prompt.")
     pad = getattr(tokenizer, "pad_token_id", None)
-    kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, start if pad is None else int(pad))
+    kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, before[0] if pad is None else int(pad))
     settings = _settings(
         seed, stream, temperature, kwargs["top_k"], top_p, start_kind, prompt_tokens, bool(prompt_list)
     )
+    if start_kind == "chat":  # another template writes other rows
+        settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
     rank, world_size = _process()
     batch_size = batch_size or default_batch_size(teacher_model, seqlen)
@@ -403,7 +446,7 @@ def sample_teacher_rows(
         ids = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
     cached = ids is not None
     if ids is None:
-        starts = _starts(n_rows, start, prompt_list, seed, rank, world_size)
+        starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
         was_training = teacher_model.training
         teacher_model.eval()
         try:
