@@ -189,6 +189,16 @@ def test_compress_refuses_a_chat_start_without_a_template_before_the_compression
     assert len(model.model.layers) == 6 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_compress_refuses_rows_too_short_for_the_chat_start_before_the_compression():
+    heal = {**SMALL, "heldout_rows": 2, "max_tokens": 128, "mode": "full", "dataset": "teacher",
+            "sampling_start": "chat"}  # fmt: skip
+    model = tiny_models.tiny_llama_gqa()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="leaves no token to sample after the 88-token start"):
+        compress(model, "flattengpt", _chat_tokenizer(), num_layers_to_remove=2, heal=heal)
+    assert len(model.model.layers) == 6 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_path):
     teacher = _counting(tiny_models.tiny_llama_gqa())
     options = dict(seed=0, batch_size=4, cache_dir=tmp_path, progress=False)
@@ -298,10 +308,16 @@ def test_the_footprint_counts_one_sampling_batch_before_training():
     assert sampled.total == max(sampled.state + sampled.activations, sampled.sampling)
 
 
-@pytest.mark.parametrize("dataset", [["--dataset", "teacher"], []], ids=["given", "default"])
-def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset):
-    """`--dataset teacher`, and no `--dataset` at all: the dense model writes the healing text."""
+@pytest.mark.parametrize(
+    "dataset, seqlen",
+    [(["--dataset", "teacher"], 32), ([], 32), (["--sampling-start", "chat"], 128)],
+    ids=["given", "default", "chat"],
+)
+def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
+    """`--dataset teacher`, no `--dataset` at all, and the chat template's assistant turn: the dense model writes
+    the healing text."""
     tokenizer = tiny_models.tiny_hf_tokenizer()
+    tokenizer.chat_template = CHATML  # saved with the checkpoint, read back by the command
     dense = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(dense)
     tokenizer.save_pretrained(dense)
@@ -310,8 +326,8 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset):
     out = tmp_path / "healed"
     code = main([
         "recover", str(compressed), "--teacher", str(dense), *dataset, "--output", str(out),
-        "--seqlen", "32", "--per-device-train-batch-size", "2", "--heldout-rows", "2", "--eval-every", "1",
-        "--max-tokens", "128", "--mode", "full", "--sampling-batch-size", "2", "--sampling-top-k", "0",
+        "--seqlen", str(seqlen), "--per-device-train-batch-size", "2", "--heldout-rows", "2", "--eval-every", "1",
+        "--max-tokens", str(4 * seqlen), "--mode", "full", "--sampling-batch-size", "2", "--sampling-top-k", "0",
     ])  # fmt: skip
     assert code == 0
     recovery = json.loads((out / "flatten_report.json").read_text())["recovery"]
@@ -319,6 +335,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset):
     assert recovery["teacher_text"]["rows"] == 4 and recovery["teacher_text"]["batch_size"] == 2
     printed = capsys.readouterr().out
     assert recovery["teacher_text"]["top_k"] is None and "gate:" in printed
+    assert recovery["teacher_text"]["start"] == ("chat" if "chat" in dataset else "bos")
     assert f"the teacher's own text began: {recovery['teacher_text']['excerpts'][0][:160]!r}" in printed
 
 

@@ -186,6 +186,15 @@ def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
     return encode(before), encode(after), "chat"
 
 
+def check_room(seqlen: int, start_length: int) -> None:
+    """Refuses rows with no token left to sample after their start and prompt (one line)."""
+    if seqlen <= start_length:
+        raise ValueError(
+            f"seqlen={seqlen} leaves no token to sample after the {start_length}-token start and prompt; "
+            "raise seqlen or shorten the prompt."
+        )
+
+
 def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str = "text") -> list[list[int]]:
     """The first `prompt_tokens` tokens of each prompt document long enough to hold them.
 
@@ -424,8 +433,7 @@ def sample_teacher_rows(
     before, after, start_kind = row_start(tokenizer, start)
     prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
     prompt_length = len(before) + len(after) + (prompt_tokens if prompt_list else 0)
-    if seqlen <= prompt_length:
-        raise ValueError(f"seqlen={seqlen} leaves no token to sample after the {prompt_length}-token start and prompt.")
+    check_room(seqlen, prompt_length)
     pad = getattr(tokenizer, "pad_token_id", None)
     kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, before[0] if pad is None else int(pad))
     settings = _settings(
