@@ -725,7 +725,9 @@ def makeup_table(paths: list[Path]) -> str:
     rows = []
     for path in paths:
         run = json.loads(path.read_text())
-        start = "the BOS token" if not run["sampling"].get("prompts") else "the speeches' paragraphs"
+        sampling = run["sampling"]
+        start = "the chat template's assistant turn" if sampling.get("start") == "chat" else "the BOS token"
+        start = f"{start}, then the speeches' paragraphs" if sampling.get("prompts") else start
         counts = run["counts"]
         rows.append(
             f"| {run['teacher']} | {start} | {run['rows']} | "
