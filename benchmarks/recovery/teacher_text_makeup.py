@@ -63,6 +63,7 @@ def makeup(texts: list[str], examples: int = 2) -> dict:
 
 def main() -> None:
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from optimum_flatten import bundled
 
@@ -75,8 +76,6 @@ def main() -> None:
     folder = Path(args.cache)
     ids = load_file(str(folder / "train.safetensors"))["input_ids"]
     key = json.loads((folder / "train.json").read_text())
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(bundled.bundled_model_path(args.model))
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids.tolist()]
     result = {

@@ -27,14 +27,7 @@ from .distill import Objective
 from .resume import check_checkpoint_options
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
-from .teacher_text import (
-    check_room,
-    heldout_split,
-    is_teacher_dataset,
-    row_start,
-    sample_teacher_rows,
-    seeded_subset,
-)
+from .teacher_text import checked_start, heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
 
 logger = logging.getLogger(__name__)
 
@@ -159,11 +152,13 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     is refused while the model is still the dense one.
     """
     check_fsdp(config, fsdp_version(config))
-    if teacher_share(dataset, config) > 0:  # a chat start needs a chat template, and every row a token to sample
-        before, after, _ = row_start(tokenizer, config.sampling_start)
-        check_room(config.seqlen, len(before) + len(after) + (config.teacher_prompt_tokens if config.prompts else 0))
+    share = teacher_share(dataset, config)
+    if share > 0:  # a chat start needs a chat template, and every row a token to sample
+        checked_start(
+            tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, config.prompts is not None
+        )
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
-    planned = _planned_rows(config, teacher_share(dataset, config), train_rows, _replicas(config))[1]
+    planned = _planned_rows(config, share, train_rows, _replicas(config))[1]
     _steps_for_budget(config, planned, _replicas(config))
     if config.local_then_global_tokens:
         _steps_for_budget(_global_phase(config), planned, _replicas(config))

@@ -186,13 +186,19 @@ def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
     return encode(before), encode(after), "chat"
 
 
-def check_room(seqlen: int, start_length: int) -> None:
-    """Refuses rows with no token left to sample after their start and prompt (one line)."""
-    if seqlen <= start_length:
+def checked_start(
+    tokenizer: Any, start: str, seqlen: int, prompt_tokens: int, prompted: bool
+) -> tuple[list[int], list[int], str, int]:
+    """`row_start` and the tokens each row holds before the teacher samples (the start's and the prompt's), refusing
+    rows with no token left to sample (one line). The healing's preflight and the sampling both ask this."""
+    before, after, kind = row_start(tokenizer, start)
+    length = len(before) + len(after) + (prompt_tokens if prompted else 0)
+    if seqlen <= length:
         raise ValueError(
-            f"seqlen={seqlen} leaves no token to sample after the {start_length}-token start and prompt; "
+            f"seqlen={seqlen} leaves no token to sample after the {length}-token start and prompt; "
             "raise seqlen or shorten the prompt."
         )
+    return before, after, kind, length
 
 
 def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str = "text") -> list[list[int]]:
@@ -430,10 +436,8 @@ def sample_teacher_rows(
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
         ValueError: a row too short for its start token and prompt.
     """
-    before, after, start_kind = row_start(tokenizer, start)
     prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
-    prompt_length = len(before) + len(after) + (prompt_tokens if prompt_list else 0)
-    check_room(seqlen, prompt_length)
+    before, after, start_kind, prompt_length = checked_start(tokenizer, start, seqlen, prompt_tokens, bool(prompt_list))
     pad = getattr(tokenizer, "pad_token_id", None)
     kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, before[0] if pad is None else int(pad))
     settings = _settings(
@@ -496,7 +500,7 @@ EXCERPT_ROWS, EXCERPT_TOKENS = 2, 48
 def excerpts(tokenizer: Any, ids: torch.Tensor) -> list[str]:
     """The first tokens of the first rows, decoded: what the teacher wrote, for a person to read in the log. A
     model's own text is its distribution, whatever that is (a coder model writes code, a multilingual one other
-    languages), and that decides what healing on it can teach. None from a tokenizer that cannot decode."""
+    languages), and that decides what healing on it can teach. Nothing from a tokenizer that cannot decode."""
     if not callable(getattr(tokenizer, "decode", None)):
         return []
     return [tokenizer.decode(row[:EXCERPT_TOKENS].tolist(), skip_special_tokens=True) for row in ids[:EXCERPT_ROWS]]
