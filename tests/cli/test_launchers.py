@@ -1,7 +1,7 @@
 """The command line under the launchers users run: ``torchrun --nproc-per-node 2 -m optimum_flatten compress`` and
 ``... recover`` on 2 CPU processes (gloo) write the weights one process writes, rank 0 alone writes, and both ranks
-exit 0; a method that cannot calibrate across ranks is refused on every rank in one line, before anything is
-written."""
+exit 0; a method that cannot calibrate across ranks is refused in one line, before anything is written (every
+rank refuses; torchrun may stop the slower one before it prints)."""
 
 from __future__ import annotations
 
@@ -67,8 +67,15 @@ def test_a_method_that_cannot_shard_is_refused_on_every_rank_before_anything_is_
     arguments = ["compress", str(model), "--method", "laco", "--dataset", str(text), *COMPRESS, "--output", str(out)]
     done = torchrun_two_cpu_processes(["-m", "optimum_flatten", *arguments], timeout=600, cwd=tmp_path)
     assert done.returncode != 0
+    # Each rank refuses on its own, but torchrun stops the other worker as soon as one exits non-zero, so the
+    # slower rank's line may never be printed: one or two refusal lines, and no other error or traceback.
     refusals = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(refusals) == 2 and all("cannot calibrate across processes" in line for line in refusals), refusals
+    assert 1 <= len(refusals) <= 2, done.stderr[-3000:]
+    assert all("cannot calibrate across processes" in line for line in refusals), refusals
+    frames = [
+        line for line in done.stderr.splitlines() if line.strip().startswith("File ") and "optimum_flatten" in line
+    ]
+    assert not frames, frames  # torchrun's own traceback follows; no rank's
     assert not out.exists()
 
 
