@@ -23,6 +23,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 TEXTS = (("sotu_from_2000", "SOTU from 2000 on (in domain)"), ("bible_kjv", "King James Bible (out of domain)"))
 
 
+def _runs(model: str, method: str) -> list[dict]:
+    """The healing runs of `method` on `model` in the results folder, in file-name order."""
+    runs = [json.loads(path.read_text()) for path in sorted(RESULTS.glob(f"recovery_{model}_{method}_*_*.json"))]
+    return [run for run in runs if run.get("method") == method and "healed" in run]
+
+
 def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, float]]]:
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
     model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
@@ -33,10 +39,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
     before it had a rate of its own (it took the local one; the table has it), are skipped."""
     points: dict[str, dict[int, tuple[float, float]]] = {}
-    for path in sorted(RESULTS.glob(f"recovery_{model}_{method}_*_*.json")):
-        run = json.loads(path.read_text())
-        if run.get("method") != method or "healed" not in run:
-            continue
+    runs: list[tuple[str, int, float, dict]] = []
+    for run in _runs(model, method):
         recovery = run.get("recovery", {})
         state = recovery.get("state_loss")
         phase = recovery.get("global_phase")
@@ -60,9 +64,18 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
         default_tokens = protocol.EVAL_TOKENS[model]
         scored = int(run.get("eval_tokens", default_tokens))
         scored_on = f" ({scored // 1024}K evaluation tokens)" if scored != default_tokens else ""
-        line = points.setdefault(f"{mode}, {run['loss']}{scored_on}", {})
+        tokens, rate = int(run["recovery"]["tokens_trained"]), float(run["recovery"]["learning_rate"])
+        runs.append((f"{mode}, {run['loss']}{scored_on}", tokens, rate, run))
+    # Where two runs of a line share a budget at different rates (a default rate that changed since, or a rate given
+    # by hand), each rate is a line of its own: otherwise the file sorted last would silently replace the other.
+    rates: dict[tuple[str, int], set[str]] = {}
+    for label, tokens, rate, _ in runs:
+        rates.setdefault((label, tokens), set()).add(f"{rate:.2g}")
+    split = {label for (label, _), seen in rates.items() if len(seen) > 1}
+    for label, tokens, rate, run in runs:
+        line = points.setdefault(f"{label} at lr {rate:.2g}" if label in split else label, {})
         line[0] = tuple(run["untrained"][text]["ppl_ratio"] for text, _ in TEXTS)
-        line[int(run["recovery"]["tokens_trained"])] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)
+        line[tokens] = tuple(run["healed"][text]["ppl_ratio"] for text, _ in TEXTS)
     return points
 
 
@@ -87,7 +100,9 @@ def plot(model: str, method: str) -> Path:
     axes[0].set_ylabel("perplexity / dense perplexity")
     # Beside the panels, not over them: with a dozen lines a legend inside hides the points it names.
     handles, labels = axes[1].get_legend_handles_labels()
-    figure.suptitle(f"{model}, {method} (6 of 30 removed), healed on pre-2000 speeches outside calibration")
+    plans = {run["plan"] for run in _runs(model, method)}
+    removed = next(iter(plans)).split(";")[0] if len(plans) == 1 else "plans differ"  # e.g. "30 -> 24 layers"
+    figure.suptitle(f"{model}, {method} ({removed}), healed on pre-2000 speeches outside calibration unless named")
     figure.tight_layout()
     figure.legend(
         handles, labels, fontsize=8, title="what is trained, loss", loc="center left", bbox_to_anchor=(1, 0.5)
