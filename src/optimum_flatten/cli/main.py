@@ -205,6 +205,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
         f"recovered ({log['mode']}, {log['loss']} loss, teacher {log['teacher'] or 'none'}) for {log['steps']} steps, "
         f"{log['tokens_trained']} tokens{heldout}; gate: {log['gate']}; saved to {path}"
     )
+    if guard := log.get("guard"):  # the text the healing was not allowed to make worse
+        refused = (
+            f", {len(guard['refused_steps'])} better held-out states refused for it" if guard["refused_steps"] else ""
+        )
+        print(f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}{refused}")
     if excerpts := (log.get("teacher_text") or {}).get("excerpts"):  # what healing trained on, for a person to judge
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     return 0

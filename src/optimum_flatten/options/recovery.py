@@ -116,6 +116,10 @@ class RecoveryConfig:
             tokenizer's chat template, a user turn holding the prompt (empty without one) and the assistant's turn
             opened, so that an instruct model writes what it writes as an assistant rather than from a bare token
             it was not tuned to continue (see `recovery.teacher_text`).
+        guard_text: A text the healing must not make worse (a file or any source `load_recovery_texts` reads):
+            `heldout_rows` rows of it, never trained on, are scored at every evaluation of the gate, which keeps a
+            trained state only where their objective is no higher than the input's (`recovery.gate`). None guards a
+            mix (0 < `teacher_text` < 1) with the user's own held-out rows, and nothing else.
     """
 
     mode: Literal["lora", "changed", "local", "last_k", "full"] | None = field(
@@ -171,6 +175,7 @@ class RecoveryConfig:
     teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
     prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
     sampling_start: Literal["bos", "chat"] = "bos"
+    guard_text: str | None = field(default=None, metadata={"default": "in a mix, the user's held-out rows; else none"})
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

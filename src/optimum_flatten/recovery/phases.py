@@ -100,6 +100,7 @@ def _train_phase(
     gate_loss: Objective,
     config: RecoveryConfig,
     index: int = 1,
+    guard: list[dict[str, torch.Tensor]] | None = None,
 ) -> _Phase:
     """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored.
 
@@ -129,6 +130,7 @@ def _train_phase(
             config.patience,
             config.per_device_train_batch_size,
             state=saved["gate"] if saved is not None else None,
+            guard=guard,
         )
         trainer.add_callback(gate)
     clock = None
@@ -180,10 +182,12 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
     config, arguments, rows = run.config, run.schedule.arguments, run.rows
     model, healing_loss, local_loss = run.objectives.trained, run.objectives.healing_loss, run.objectives.local_loss
     if local_loss is None:
-        return [_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config)], None
+        return [
+            _train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 1, rows.guard)
+        ], None
     model.to(arguments.device)
     local_before = _score(model, local_loss, rows.heldout, config)
-    phases = [_train_phase(model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config)]
+    phases = [_train_phase(model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config, 1, rows.guard)]
     local_after = _score(model, local_loss, rows.heldout, config)
     if run.schedule.global_steps:
         arguments.max_steps = run.schedule.global_steps
@@ -194,7 +198,9 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
             trainable = freeze_all_but_(model, every)
             if is_writer():
                 logger.info("global phase: training every parameter (%d)", trainable)
-        phases.append(_train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2))
+        phases.append(
+            _train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2, rows.guard)
+        )
     return phases, ((local_before, local_after) if rows.heldout else None)
 
 

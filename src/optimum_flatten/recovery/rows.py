@@ -145,6 +145,31 @@ def _training_text(
     return (texts, kind if share <= 0 else "mixed", *_split_rows(rows, heldout, config.seed))
 
 
+def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str) -> list[Row]:
+    """`heldout_rows` rows of `config.guard_text` (a seeded choice), the gate's guard (`recovery.gate`); none
+    without one. Refuses a guard without the gate, the training text given again as its own guard, and a guard
+    text too short for one row, before any model changes."""
+    if config.guard_text is None:
+        return []
+    if config.heldout_rows < 1:
+        raise ValueError("guard_text is scored by the gate: give heldout_rows of at least 1 (0 turns the gate off).")
+    if isinstance(dataset, (str, os.PathLike)) and os.fspath(dataset) == os.fspath(config.guard_text):
+        raise ValueError(
+            "guard_text is the training text itself, so its rows would be trained on; give a text the healing does "
+            "not train on (in a mix, the training text's held-out rows guard it already)."
+        )
+    texts, kind = load_recovery_texts(config.guard_text, text_column)
+    try:
+        rows = build_training_rows(tokenizer, texts, kind, config.seqlen, None, config.seed)
+    except CalibrationDataError:
+        rows = []
+    if not rows:
+        raise CalibrationDataError(
+            f"guard_text holds no row of {config.seqlen} tokens; give a longer text or lower seqlen."
+        ) from None
+    return seeded_subset(rows, config.heldout_rows, config.seed + 3)
+
+
 def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str = "text") -> None:
     """The checks of `recover` that need no model: the mode, peft for LoRA, the text and the token budget.
 
@@ -158,6 +183,7 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
             tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, config.prompts is not None
         )
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
+    _guard_rows(tokenizer, dataset, config, text_column)
     planned = _planned_rows(config, share, train_rows, _replicas(config))[1]
     _steps_for_budget(config, planned, _replicas(config))
     if config.local_then_global_tokens:
@@ -248,6 +274,7 @@ class HealingRows:
         planned: As many placeholders as the training rows will be, for the budget's checks before sampling.
         record: The teacher's sampling record for the log (None without teacher text).
         parts: The held-out rows by part (``user``, ``teacher``) when both have some, scored apart for the log.
+        guard: Rows the gate may not let get worse (`guard_text`'s, else in a mix the user's held-out part).
     """
 
     texts: list[str]
@@ -259,6 +286,7 @@ class HealingRows:
     planned: Sized = range(0)
     record: dict[str, Any] | None = None
     parts: dict[str, list[Row]] = dataclasses.field(default_factory=dict)
+    guard: list[Row] = dataclasses.field(default_factory=list)
 
     def plan_(self, config: RecoveryConfig, replicas: int) -> None:
         """Plans the teacher's part for a step reading `replicas` per-process batches, keeping a seeded choice of the
@@ -274,6 +302,7 @@ class HealingRows:
         sampled, sampled_heldout, self.record = _sample_teacher_part(teacher, tokenizer, config, self.plan, progress)
         if self.heldout and sampled_heldout:
             self.parts = {"user": self.heldout, "teacher": sampled_heldout}
+            self.guard = self.guard or list(self.heldout)  # the user's text, which a mix must not make worse
         self.train, self.heldout = [*self.train, *sampled], [*self.heldout, *sampled_heldout]
 
     def part_scores(
@@ -291,4 +320,5 @@ class HealingRows:
 def read_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str, share: float) -> HealingRows:
     """The user's text and rows (`_training_text`, with its checks that need no model), before any model changes."""
     texts, kind, train, heldout = _training_text(tokenizer, dataset, config, text_column)
-    return HealingRows(texts, kind, share, train, heldout)
+    guard = _guard_rows(tokenizer, dataset, config, text_column)
+    return HealingRows(texts, kind, share, train, heldout, guard=guard)
