@@ -16,8 +16,9 @@ def test_each_healing_text_has_its_own_label():
         protocol.healing_text({"teacher_text": 0.5}),
         protocol.healing_text({"teacher_text": 0.5, "teacher_prompts": True}),
         protocol.healing_text({"teacher_text": 1.0, "sampling_start": "chat"}),
+        protocol.healing_text({"teacher_text": 1.0, "guard_speeches": True}),
     }
-    assert len(labels) == 6
+    assert len(labels) == 7
     assert protocol.healing_text({}) == ""  # the speeches: the label older runs had
     assert protocol.healing_text({"teacher_text": 1.0, "teacher_prompts": False, "sampling_start": "bos"}) == (
         "the dense model's own text"

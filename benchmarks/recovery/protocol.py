@@ -9,7 +9,8 @@ and the curves (`curve.py`): a run that departs from it writes a file of its own
   with them frozen (`--freeze-embeddings`) is a line of its own.
 - The healing text: the pre-2000 speeches outside the calibration windows. A run on the dense model's own text
   (`--teacher-text 1.0`) or a mix (`--teacher-text 0.5`) is a line of its own, and so is a run with another
-  optimiser than the Trainer's AdamW (`--optim`).
+  optimiser than the Trainer's AdamW (`--optim`). A run on the dense model's text whose gate is guarded by held-out
+  speeches (`--guard-speeches`) is one too.
 - The healing seed 0: it draws the gate's held-out rows and orders the training rows. A run with another seed measures
   the spread between runs; its gate held out other rows, so its objective ranks nothing beside seed 0's.
 """
@@ -65,6 +66,8 @@ def healing_text(settings: Mapping[str, Any]) -> str:
         own += " as a chat assistant"
     if settings.get("teacher_prompts"):
         own += " continuing the speeches' paragraphs"
+    if settings.get("guard_speeches"):
+        own += ", guarded by held-out speeches"
     return own if share >= 1 else f"{share:.0%} {own}, the rest speeches"
 
 

@@ -68,6 +68,7 @@ DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = protocol.EVAL_TOKENS, protocol.TRAINING_ROWS, protocol.SEED
 #: Tokens of each paragraph the dense model continues with --teacher-prompts (RecoveryConfig's default).
 PROMPT_TOKENS = 32
+UNRECORDED_ARGUMENTS = ("out", "threads", "checkpoint_dir", "save_every", "prompt_texts", "guard_texts")
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
@@ -218,6 +219,12 @@ def main() -> None:
         "holding the prompt (empty without one)",
     )
     parser.add_argument(
+        "--guard-speeches",
+        action="store_true",
+        help="with --teacher-text 1.0: the gate's guard (RecoveryConfig.guard_text) is held-out rows of the healing "
+        "speeches, never trained on; no state that makes them worse is kept",
+    )
+    parser.add_argument(
         "--optim", default=None, help="TrainingArguments.optim (e.g. adafactor); default: the Trainer's AdamW"
     )
     parser.add_argument("--threads", type=int, default=2)
@@ -236,6 +243,8 @@ def main() -> None:
         raise SystemExit(f"--teacher-text is a share of the training rows, in [0, 1], got {args.teacher_text}")
     if args.teacher_text and not args.kd:
         raise SystemExit("--teacher-text samples the dense model's text and distils from it: add --kd")
+    if args.guard_speeches and args.teacher_text < 1.0:
+        raise SystemExit("--guard-speeches guards a healing on the dense model's own text: add --teacher-text 1.0")
     if (args.teacher_prompts or args.sampling_start != "bos") and not args.teacher_text:
         raise SystemExit("--teacher-prompts and --sampling-start start the dense model's samples: add --teacher-text")
     if args.mode == "local" and not args.kd:
@@ -262,6 +271,7 @@ def main() -> None:
 
     texts, training_text = healing_text(args, tokenizer)
     args.prompt_texts = teacher_prompts(tokenizer) if args.teacher_prompts else None
+    args.guard_texts = training_texts(tokenizer)[0] if args.guard_speeches else None
     # None: the mode's default, scaled to the model's weights
     config = recovery_config(args, args.learning_rate, args.global_learning_rate)
     start = time.perf_counter()
@@ -280,8 +290,9 @@ def main() -> None:
         "mode": args.mode,
         "loss": "distillation" if args.kd else "lm",
         "max_tokens": args.max_tokens,
-        # Where the checkpoints went and how often is not the protocol (a resumed run ends on the same weights).
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "threads", "checkpoint_dir", "save_every")}
+        # Where the checkpoints went and how often is not the protocol (a resumed run ends on the same weights);
+        # the prompts' and the guard's texts are the speeches themselves, described in `training_text`.
+        "settings": {k: v for k, v in vars(args).items() if k not in UNRECORDED_ARGUMENTS}
         | {"lr": log["learning_rate"]},
         "training_text": training_text,
         "teacher_text": log.get("teacher_text"),
@@ -322,6 +333,7 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
     suffix += "_prompted" if getattr(args, "teacher_prompts", False) else ""
     suffix += "_chat" if getattr(args, "sampling_start", "bos") == "chat" else ""
+    suffix += "_guarded" if getattr(args, "guard_speeches", False) else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
@@ -393,6 +405,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         prompts=getattr(args, "prompt_texts", None),
         teacher_prompt_tokens=PROMPT_TOKENS,
         sampling_start=getattr(args, "sampling_start", "bos"),
+        guard_text=getattr(args, "guard_texts", None),
     )
 
 

@@ -161,3 +161,10 @@ def test_cli_recover_prints_and_records_the_guard(tmp_path, capsys):
     assert guard["rows"] == 2 and str(guard_text) not in json.dumps(guard)  # reports keep no paths
     printed = capsys.readouterr().out
     assert f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}" in printed
+
+
+def test_the_training_texts_given_again_as_the_guard_are_refused():
+    texts = tiny_models.sample_texts()
+    config = RecoveryConfig(mode="full", max_tokens=128, guard_text=list(texts), **SMALL)
+    with pytest.raises(ValueError, match="guard_text is the training text itself"):
+        recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, texts, config, teacher=tiny_models.tiny_llama_gqa())

@@ -145,6 +145,13 @@ def _training_text(
     return (texts, kind if share <= 0 else "mixed", *_split_rows(rows, heldout, config.seed))
 
 
+def _same_source(dataset: Any, guard: Any) -> bool:
+    """Whether the guard is the training text itself: the same path, or the same list of texts."""
+    if isinstance(dataset, (str, os.PathLike)) and isinstance(guard, (str, os.PathLike)):
+        return os.path.abspath(os.fspath(dataset)) == os.path.abspath(os.fspath(guard))
+    return isinstance(dataset, (list, tuple)) and isinstance(guard, (list, tuple)) and list(dataset) == list(guard)
+
+
 def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str) -> list[Row]:
     """`heldout_rows` rows of `config.guard_text` (a seeded choice), the gate's guard (`recovery.gate`); none
     without one. Refuses a guard without the gate, the training text given again as its own guard, and a guard
@@ -153,7 +160,7 @@ def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_colum
         return []
     if config.heldout_rows < 1:
         raise ValueError("guard_text is scored by the gate: give heldout_rows of at least 1 (0 turns the gate off).")
-    if isinstance(dataset, (str, os.PathLike)) and os.fspath(dataset) == os.fspath(config.guard_text):
+    if _same_source(dataset, config.guard_text):
         raise ValueError(
             "guard_text is the training text itself, so its rows would be trained on; give a text the healing does "
             "not train on (in a mix, the training text's held-out rows guard it already)."
