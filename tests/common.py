@@ -103,6 +103,17 @@ def compress(
     return quantizer
 
 
+def dense_and_compressed_on_disk(folder: Path, tokenizer: Any) -> tuple[Path, Path]:
+    """(dense, compressed): a tiny LLaMA and `tokenizer` written as a user's dense checkpoint, and the same model
+    compressed by FlattenGPT (2 layers) and written by `FlattenQuantizer.save`: what ``recover --teacher`` reads."""
+    dense = folder / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(dense)
+    tokenizer.save_pretrained(dense)
+    model = tiny_models.tiny_llama_gqa()
+    compressed = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2).save(model, folder / "c", tokenizer)
+    return dense, Path(compressed)
+
+
 def sample_ids(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, length), generator=generator)

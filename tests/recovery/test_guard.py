@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress
+from common import compress, dense_and_compressed_on_disk
 from optimum_flatten.cli.main import main
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.recovery import recover
@@ -143,12 +143,7 @@ def test_a_guard_that_cannot_work_is_refused_before_the_compression_touches_a_we
 
 
 def test_cli_recover_prints_and_records_the_guard(tmp_path, capsys):
-    tokenizer = tiny_models.tiny_hf_tokenizer()
-    dense = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(dense)
-    tokenizer.save_pretrained(dense)
-    model = tiny_models.tiny_llama_gqa()
-    compressed = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2).save(model, tmp_path / "c", tokenizer)
+    dense, compressed = dense_and_compressed_on_disk(tmp_path, tiny_models.tiny_hf_tokenizer())
     guard_text = tmp_path / "guard.txt"
     guard_text.write_text("\n".join(tiny_models.sample_texts(30, seed=7)))
     code = main([

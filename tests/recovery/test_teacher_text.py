@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress
+from common import compress, dense_and_compressed_on_disk
 from optimum_flatten.cli.main import main
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.recovery import recover
@@ -314,11 +314,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
     the healing text."""
     tokenizer = tiny_models.tiny_hf_tokenizer()
     tokenizer.chat_template = CHATML  # saved with the checkpoint, read back by the command
-    dense = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(dense)
-    tokenizer.save_pretrained(dense)
-    model = tiny_models.tiny_llama_gqa()
-    compressed = compress(model, "flattengpt", tokenizer, num_layers_to_remove=2).save(model, tmp_path / "c", tokenizer)
+    dense, compressed = dense_and_compressed_on_disk(tmp_path, tokenizer)
     out = tmp_path / "healed"
     code = main([
         "recover", str(compressed), "--teacher", str(dense), *dataset, "--output", str(out),
