@@ -707,15 +707,15 @@ def healing_text_table(paths: list[Path]) -> str:
             after = r["healed"]
             sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
             sampled = r.get("teacher_text") or {}
+            seconds = sampled.get("seconds")
             # Rows read back from a cache folder took no sampling in this run: say so rather than print 0 seconds.
-            sampling = "cached" if sampled.get("cached") else sampled.get("seconds")
+            sampling = "cached" if sampled.get("cached") else "" if seconds is None else f"{seconds:.0f}"
             lines.append(
                 f"| {method} | {mode}, {tokens:,} | {recovery_protocol.healing_text(settings) or 'the speeches'} "
                 f"| {recovery_protocol.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "
                 f"| {_geomean(sotu['ppl_ratio'], kjv['ppl_ratio']):.3f} "
                 f"| {sotu['kl']:.3f} / {kjv['kl']:.3f} | {sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f} "
-                f"| {'' if sampling is None else sampling if isinstance(sampling, str) else f'{sampling:.0f}'} "
-                f"| {r['heal_seconds'] / 60:.1f} "
+                f"| {sampling} | {r['heal_seconds'] / 60:.1f} "
                 f"| {r['peak_rss_mb']:.0f} |"
             )
     return header + "\n" + "\n".join(lines)

@@ -270,8 +270,10 @@ def main() -> None:
     untrained = measure(dense, model, streams, args.eval_tokens)
 
     texts, training_text = healing_text(args, tokenizer)
-    args.prompt_texts = teacher_prompts(tokenizer) if args.teacher_prompts else None
-    args.guard_texts = training_texts(tokenizer)[0] if args.guard_speeches else None
+    # The healing speeches, read once for whichever of the prompts and the guard asks for them.
+    speeches = training_texts(tokenizer)[0] if args.teacher_prompts or args.guard_speeches else None
+    args.prompt_texts = teacher_prompts(tokenizer, speeches) if args.teacher_prompts else None
+    args.guard_texts = speeches if args.guard_speeches else None
     # None: the mode's default, scaled to the model's weights
     config = recovery_config(args, args.learning_rate, args.global_learning_rate)
     start = time.perf_counter()
@@ -361,13 +363,12 @@ def _prompts_described(args: argparse.Namespace) -> str:
     return "none (the BOS token)"
 
 
-def teacher_prompts(tokenizer: object) -> list[str]:
-    """The healing speeches' paragraphs, each long enough to hold a prompt: what a user with a folder of their own
-    documents gives as ``--prompts FILE`` (one document a line). They come from the same text as the healing rows,
-    so no evaluation text ever becomes a prompt."""
+def teacher_prompts(tokenizer: object, texts: list[str]) -> list[str]:
+    """The paragraphs of `texts` (the healing speeches, `training_texts`), each long enough to hold a prompt: what a
+    user with a folder of their own documents gives as ``--prompts FILE`` (one document a line). They come from the
+    same text as the healing rows, so no evaluation text ever becomes a prompt."""
     from optimum_flatten.evaluation import tokenize_corpus
 
-    texts, _ = training_texts(tokenizer)
     lines = [line.strip() for text in texts for line in text.splitlines() if line.strip()]
     return [line for line in lines if tokenize_corpus(tokenizer, [line]).numel() >= PROMPT_TOKENS]
 
