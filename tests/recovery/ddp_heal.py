@@ -3,7 +3,8 @@ tests/recovery/test_ddp.py, imported by the test for its one-process reference.
 
 Every process builds the same tiny Llama from the same seed, compresses it with FlattenGPT 6 -> 4 (deterministic
 given the weights and the text) and heals it from a copy of the dense weights. Rank 0 writes the healed state_dict
-and the log of each mode to ``OUT/<mode>.pt``.
+and the log of each mode to ``OUT/<mode>.pt``, of a guarded `full` run to ``OUT/guarded.pt`` and of a stopped and
+resumed one to ``OUT/resumed.pt``.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/recovery/ddp_heal.py OUT
 """
@@ -38,6 +39,11 @@ LEARNING_RATE = 5e-3
 #: process, the N per-process batches of one step are N consecutive batches of the one seeded order); `changed`
 #: sets split_batches (the batch size is global, each step's batch is cut in N).
 MODES: dict[str, bool] = {"full": False, "changed": True}
+
+#: A guard (`RecoveryConfig.guard_text`) unlike the training text: at `LEARNING_RATE` its objective is below the
+#: start's up to step 2 and above it at steps 3 and 4, while the training text's held-out objective falls at every
+#: step, so the guarded gate keeps step 2 where an unguarded one keeps step 4.
+GUARD = ["0123456789 ABCDEFGHIJ !?#%&" * 4] * 8
 
 #: FSDP2 with each decoder layer its own unit (accelerate adds the embedding, the final norm with the LM head, and
 #: the root).
@@ -140,6 +146,9 @@ def main(out: str) -> None:
         before, after, log = heal(mode, processes)
         if main_process:
             torch.save({"before": before, "after": after, "log": log}, Path(out) / f"{mode}.pt")
+    before, after, log = heal("full", processes, guard_text=GUARD)
+    if main_process:
+        torch.save({"before": before, "after": after, "log": log}, Path(out) / "guarded.pt")
     before, after, log = heal_stopped_then_resumed(processes, Path(out) / "checkpoints")
     if main_process:
         torch.save({"before": before, "after": after, "log": log}, Path(out) / "resumed.pt")

@@ -34,13 +34,16 @@ from recovery import ddp_heal  # noqa: E402
 #: `changed` split ones (as in `ddp_heal.MODES`); at these rates every evaluation improves, so the gate keeps the
 #: last step. `restored` overshoots (rate 0.1): the held-out objective is best at step 2 of 4, and the
 #: gate must cut that gathered snapshot back into the shards. `kept_input` diverges (rate 0.3, patience 2): it stops
-#: after step 2 and restores the snapshot taken before the Trainer sharded the model.
+#: after step 2 and restores the snapshot taken before the Trainer sharded the model. `guarded` heals with
+#: `ddp_heal.GUARD` as the gate's guard: the guard's rows are scored on the sharded model, which refuses steps 3
+#: and 4, so the gate restores step 2 into the shards.
 RUNS: dict[str, dict[str, Any]] = {
     "full": {"mode": "full", "split": False},
     "changed": {"mode": "changed", "split": True},
     "last_k": {"mode": "last_k", "split": False},
     "restored": {"mode": "full", "split": False, "learning_rate": 0.1},
     "kept_input": {"mode": "full", "split": False, "learning_rate": 0.3, "patience": 2},
+    "guarded": {"mode": "full", "split": False, "guard_text": ddp_heal.GUARD},
 }
 
 

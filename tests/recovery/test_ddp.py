@@ -58,6 +58,23 @@ def test_two_processes_heal_to_the_weights_of_one(two_processes, mode):
         )
 
 
+def test_two_processes_guarded_refuse_the_steps_one_refuses_and_keep_its_weights(two_processes):
+    """The guard's rows are scored on every rank and agreed as the held-out objective is: the same guard scores, the
+    same refused evaluations, the same kept step and weights as one process."""
+    guarded = torch.load(two_processes / "guarded.pt")
+    _, after, log = ddp_heal.heal("full", processes=1, guard_text=ddp_heal.GUARD)
+    theirs = guarded["log"]
+    assert theirs["processes"] == 2 and log["processes"] == 1
+    # The guard changed the choice: the held-out objective fell at every step, yet step 2 is kept.
+    assert log["guard"]["refused_steps"] == theirs["guard"]["refused_steps"] == [3, 4]
+    assert log["best_step"] == theirs["best_step"] == 2 and theirs["gate"] == log["gate"]
+    ours = torch.tensor([h["guard_objective"] for h in log["heldout_history"]])
+    torch.testing.assert_close(torch.tensor([h["guard_objective"] for h in theirs["heldout_history"]]), ours)
+    assert bool((ours[3:] > ours[0]).all()) and bool((ours[1:3] <= ours[0]).all())
+    for name, tensor in after.items():
+        torch.testing.assert_close(guarded["after"][name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_two_processes_stopped_and_resumed_heal_to_the_weights_of_one_uninterrupted(two_processes):
     """A 2-process healing checkpointed every 2 steps, stopped at step 3 and resumed from step 2's checkpoint (rank 0
     wrote it; both read it, each its own random state) ends where one process trained without a stop does."""

@@ -109,7 +109,17 @@ def test_fsdp2_heals_to_the_weights_of_one_process(two_processes, name):
         return
     assert log["gate"] == IMPROVED and changed
     assert max(float((after[k] - before[k]).abs().max()) for k in changed) > 1e-3
-    if name == "restored":
+    if name == "guarded":
+        # The guard refused the last two evaluations on the sharded model as in one process.
+        assert log["guard"]["refused_steps"] == theirs["guard"]["refused_steps"] == [3, 4]
+        assert log["best_step"] == 2 and log["steps"] == ddp_heal.STEPS
+        torch.testing.assert_close(
+            torch.tensor([h["guard_objective"] for h in theirs["heldout_history"]]),
+            torch.tensor([h["guard_objective"] for h in log["heldout_history"]]),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    elif name == "restored":
         # The best state is not the last one: the restore, not the last step, set these weights.
         assert log["best_step"] == 2 and log["steps"] == ddp_heal.STEPS
         assert bool((ours[3:] > ours[2]).all())
