@@ -68,6 +68,8 @@ def test_two_processes_guarded_refuse_the_steps_one_refuses_and_keep_its_weights
     # The guard changed the choice: the held-out objective fell at every step, yet step 2 is kept.
     assert log["guard"]["refused_steps"] == theirs["guard"]["refused_steps"] == [3, 4]
     assert log["best_step"] == theirs["best_step"] == 2 and theirs["gate"] == log["gate"]
+    objective = torch.tensor([h["objective"] for h in log["heldout_history"]])
+    assert bool((objective.diff() < 0).all())
     ours = torch.tensor([h["guard_objective"] for h in log["heldout_history"]])
     torch.testing.assert_close(torch.tensor([h["guard_objective"] for h in theirs["heldout_history"]]), ours)
     assert bool((ours[3:] > ours[0]).all()) and bool((ours[1:3] <= ours[0]).all())
