@@ -156,6 +156,7 @@ def test_cli_recover_prints_and_records_the_guard(tmp_path, capsys):
     assert guard["rows"] == 2 and str(guard_text) not in json.dumps(guard)  # reports keep no paths
     printed = capsys.readouterr().out
     assert f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}" in printed
+    assert "unguarded" not in printed
 
 
 def test_the_training_texts_given_again_as_the_guard_are_refused():

@@ -329,6 +329,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
     assert recovery["teacher_text"]["top_k"] is None and "gate:" in printed
     assert recovery["teacher_text"]["start"] == ("chat" if "chat" in dataset else "bos")
     assert f"the teacher's own text began: {recovery['teacher_text']['excerpts'][0][:160]!r}" in printed
+    assert "unguarded: the gate scored the teacher's own rows only" in printed  # and how to guard
 
 
 def test_compress_heals_on_the_teacher_text_with_heal_dataset_teacher():
