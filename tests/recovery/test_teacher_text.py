@@ -15,6 +15,7 @@ from optimum_flatten.cli.main import main
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.recovery import recover
 from optimum_flatten.recovery.footprint import full_footprint
+from optimum_flatten.recovery.rows import UNGUARDED_NOTE
 from optimum_flatten.recovery.teacher_text import (
     MAX_BATCH_SIZE,
     generation_config,
@@ -245,6 +246,7 @@ def test_a_mix_trains_on_both_parts_and_scores_each_part_held_out():
         }  # fmt: skip
     mean = (parts["user"]["before"]["objective"] + parts["teacher"]["before"]["objective"]) / 2
     assert log["heldout_before"]["objective"] == pytest.approx(mean, rel=1e-4)  # the gate's: both parts together
+    assert UNGUARDED_NOTE not in log.get("notes", ())  # a mix is guarded by its user part
 
 
 def test_recover_on_the_teacher_text_alone_and_resumed_reads_the_cache(tmp_path):
@@ -255,7 +257,7 @@ def test_recover_on_the_teacher_text_alone_and_resumed_reads_the_cache(tmp_path)
     assert log["data_kind"] == "teacher" and log["rows"] == 8 and log["steps"] == 4 and log["heldout_rows"] == 4
     assert record["share"] == 1.0 and record["rows"] == 8 and record["heldout"]["rows"] == 4 and not record["cached"]
     assert {"seconds", "tokens_per_second", "peak_memory_bytes", "seed", "temperature"} <= set(record)
-    assert "heldout_parts" not in log
+    assert "heldout_parts" not in log and log["notes"] == [UNGUARDED_NOTE]
     assert (tmp_path / "ckpt" / "teacher_text" / "train.safetensors").is_file()
     calls = teacher.generate_calls
     _, again = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", config, teacher=teacher)

@@ -177,6 +177,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
+    from ..recovery.rows import UNGUARDED_NOTE
     from ..utils.causal_lm import causal_lm_refusal
     from ..utils.launch import is_writer
 
@@ -212,12 +213,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print(f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}{refused}")
     if excerpts := (log.get("teacher_text") or {}).get("excerpts"):  # what healing trained on, for a person to judge
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
-    if (log.get("teacher_text") or {}).get("share") == 1.0 and log.get("heldout_rows") and "guard" not in log:
-        # Measured on Qwen2.5-Coder: the teacher rows' held-out KL fell while real prose got worse (NOTEBOOK.md).
-        print(
-            "unguarded: the gate scored the teacher's own rows only, which can improve while real text gets worse; "
-            "--guard-text FILE keeps no state that makes your text worse"
-        )
+    if UNGUARDED_NOTE in log.get("notes", ()):  # the gate saw only the teacher's rows (`recovery.rows`)
+        print(UNGUARDED_NOTE)
     return 0
 
 

@@ -267,6 +267,20 @@ def checked_share(dataset: Any, config: RecoveryConfig, has_teacher: bool) -> fl
     return share
 
 
+#: The log's note (printed by `recover`) for a healing on the teacher's text alone with the gate on and no guard: the
+#: gate then scores only the teacher's own rows, whose objective fell on Qwen2.5-Coder while real prose got worse
+#: (benchmarks/NOTEBOOK.md, "A guard for the text a user cares about").
+UNGUARDED_NOTE = (
+    "unguarded: the gate scored the teacher's own rows only, which can improve while real text gets worse; "
+    "guard_text (--guard-text FILE) keeps no state that makes your text worse"
+)
+
+
+def unguarded_notes(config: RecoveryConfig, share: float) -> list[str]:
+    """`UNGUARDED_NOTE` where it applies (a mix is guarded by the user's own held-out rows), else nothing."""
+    return [UNGUARDED_NOTE] if share == 1.0 and config.heldout_rows and config.guard_text is None else []
+
+
 @dataclasses.dataclass
 class HealingRows:
     """The healing's text and rows as the steps settle them.

@@ -26,7 +26,7 @@ from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
-from .rows import _teacher_rows, check_recovery_inputs, checked_share, read_rows
+from .rows import _teacher_rows, check_recovery_inputs, checked_share, read_rows, unguarded_notes
 from .teacher import _has_teacher, checked_teacher
 
 # Importable from here as before the steps had modules of their own (`quantizer`, tests, other branches).
@@ -94,6 +94,7 @@ def recover(
     ends = hidden_state_ends(model, report, config)
     dense, name, notes = checked_teacher(model, tokenizer, teacher, report, config, rows.texts, rows.plan is not None)
     objectives = healing_objectives(model, dense, config, report, spans, ends, notes)
+    notes += unguarded_notes(config, share)
     for note in notes if is_writer() else ():
         logger.info(note)
     run = HealingRun(config, choice, scale, rows, schedule, spans, name, dense is not None, notes, objectives)
