@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -60,7 +61,10 @@ def test_a_better_state_whose_guard_got_worse_is_not_kept():
     guard = gate.summary()["guard"]
     assert guard == {"rows": 1, "before": guard["before"], "after": guard["after"], "refused_steps": [2, 3]}
     assert (guard["before"]["objective"], guard["after"]["objective"]) == (1.0, 1.0)
-    assert [entry["guard_objective"] for entry in gate.summary()["heldout_history"]] == [1.0, 1.0, 6.25, 4.0, 0.25]
+    history = gate.summary()["heldout_history"]
+    assert [entry["guard_objective"] for entry in history] == [1.0, 1.0, 6.25, 4.0, 0.25]
+    assert [entry["guard_lm"] for entry in history] == [1.0, 1.0, 6.25, 4.0, 0.25]  # `_loss` puts it in `lm`
+    assert all(entry["guard_kl"] == 0.0 for entry in history)
 
     unguarded_model = _linear(5.0)  # the same walk without a guard keeps the state the guard refused
     unguarded = HeldOutGate(unguarded_model, _loss, _rows(OBJECTIVE_ROW), 1, 3, 1)
@@ -117,6 +121,7 @@ def test_guard_text_guards_a_healing_on_the_teacher_text_alone(tmp_path):
     assert (log["best_step"], guard["refused_steps"]) == (best_step, refused)
     kept = next(entry for entry in history if entry["step"] == best_step)
     assert kept["guard_objective"] == guard["after"]["objective"] <= guard["before"]["objective"]
+    assert (history[0]["guard_lm"], kept["guard_lm"]) == (guard["before"]["lm"], guard["after"]["lm"])
 
 
 @pytest.mark.parametrize(
@@ -155,7 +160,9 @@ def test_cli_recover_prints_and_records_the_guard(tmp_path, capsys):
     guard = json.loads((tmp_path / "healed" / "flatten_report.json").read_text())["recovery"]["guard"]
     assert guard["rows"] == 2 and str(guard_text) not in json.dumps(guard)  # reports keep no paths
     printed = capsys.readouterr().out
-    assert f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}" in printed
+    start, kept = guard["before"], guard["after"]
+    assert f"guard: objective {start['objective']:.4f} -> {kept['objective']:.4f}" in printed
+    assert f"(perplexity {math.exp(start['lm']):.2f} -> {math.exp(kept['lm']):.2f})" in printed
     assert "unguarded" not in printed
 
 

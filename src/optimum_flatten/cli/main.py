@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,7 +211,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
         refused = (
             f", {len(guard['refused_steps'])} better held-out states refused for it" if guard["refused_steps"] else ""
         )
-        print(f"guard: objective {guard['before']['objective']:.4f} -> {guard['after']['objective']:.4f}{refused}")
+        start, kept = guard["before"], guard["after"]
+        print(
+            f"guard: objective {start['objective']:.4f} -> {kept['objective']:.4f} "
+            f"(perplexity {math.exp(start['lm']):.2f} -> {math.exp(kept['lm']):.2f}){refused}"
+        )
     if excerpts := (log.get("teacher_text") or {}).get("excerpts"):  # what healing trained on, for a person to judge
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     if UNGUARDED_NOTE in log.get("notes", ()):  # the gate saw only the teacher's rows (`recovery.rows`)

@@ -256,7 +256,11 @@ class HeldOutGate(TrainerCallback):
 
     @staticmethod
     def _guard_entry(scores: Mapping[str, float] | None) -> dict[str, float]:
-        return {} if scores is None else {"guard_objective": scores["objective"]}
+        """The guard's scores for the history. Its LM loss is kept beside the objective because the two can part:
+        on Qwen2.5-Coder the KL of real text fell while its perplexity rose (NOTEBOOK.md, "A guard")."""
+        if scores is None:
+            return {}
+        return {"guard_objective": scores["objective"], "guard_lm": scores["lm"], "guard_kl": scores["kl"]}
 
     def evaluate(self, step: int) -> bool:
         """Scores the held-out rows (and the guard's) at `step`; returns True when training should stop."""
