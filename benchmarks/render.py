@@ -708,8 +708,11 @@ def healing_text_table(paths: list[Path]) -> str:
             sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
             sampled = r.get("teacher_text") or {}
             seconds = sampled.get("seconds")
-            # Rows read back from a cache folder took no sampling in this run: say so rather than print 0 seconds.
-            sampling = "cached" if sampled.get("cached") else "" if seconds is None else f"{seconds:.0f}"
+            # Rows read back from a cache folder took no sampling in this run: the seconds of the run that wrote them
+            # where the cache kept them, else say so rather than print 0 seconds.
+            first = (sampled.get("sampled") or {}).get("seconds")
+            sampling = f"{first:.0f} (cached)" if first is not None else "cached" if sampled.get("cached") else ""
+            sampling = sampling or ("" if seconds is None else f"{seconds:.0f}")
             lines.append(
                 f"| {method} | {mode}, {tokens:,} | {recovery_protocol.healing_text(settings) or 'the speeches'} "
                 f"| {recovery_protocol.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import tiny_models
 from common import compress, dense_and_compressed_on_disk
@@ -200,10 +201,16 @@ def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_
     teacher = _counting(tiny_models.tiny_llama_gqa())
     options = dict(seed=0, batch_size=4, cache_dir=tmp_path, progress=False)
     first, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
-    assert teacher.generate_calls == 2 and not record["cached"]
+    assert teacher.generate_calls == 2 and not record["cached"] and "sampled" not in record
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.json", "train.safetensors"]
-    second, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
-    assert teacher.generate_calls == 2 and record["cached"] and torch.equal(_ids(first), _ids(second))
+    second, again = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
+    assert teacher.generate_calls == 2 and again["cached"] and torch.equal(_ids(first), _ids(second))
+    sampled = again["sampled"]  # what the first run's sampling cost, kept with the rows
+    assert 0 < sampled["seconds"] <= record["seconds"] and sampled["peak_memory"] == record["peak_memory"]
+    assert sampled["tokens_per_second"] == pytest.approx(record["generated_tokens"] / sampled["seconds"], rel=1e-2)
+    save_file({"input_ids": _ids(first)}, str(tmp_path / "train.safetensors"))  # a cache from before the cost was kept
+    _, older = sample_teacher_rows(teacher, TOKENIZER, 6, 16, **options)
+    assert teacher.generate_calls == 2 and older["cached"] and "sampled" not in older
     _, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, temperature=2.0, **options)
     assert teacher.generate_calls == 4 and not record["cached"]
     assert json.loads((tmp_path / "train.json").read_text())["temperature"] == 2.0
@@ -348,7 +355,7 @@ def _sample_on_rank(rank: int, init: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         rows, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3,
-                                           progress=False)  # fmt: skip
+                                           progress=False, cache_dir=f"{out}/cache")  # fmt: skip
         torch.save({"ids": _ids(rows), "processes": record["processes"]}, f"{out}/rank{rank}.pt")
     finally:
         torch.distributed.destroy_process_group()
@@ -361,6 +368,9 @@ def test_under_torch_distributed_each_rank_samples_its_share_and_all_hold_every_
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert torch.equal(ranks[0]["ids"], ranks[1]["ids"]) and ranks[0]["ids"].shape == (5, 16)
     assert ranks[0]["processes"] == 2
+    again, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3,
+                                        progress=False, cache_dir=tmp_path / "cache")  # fmt: skip
+    assert record["cached"] and record["sampled"]["processes"] == 2 and torch.equal(_ids(again), ranks[0]["ids"])
     # Rank 0's share (3 rows, one batch) is the first batch one process samples with the same seed.
     alone, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3, progress=False)
     assert torch.equal(ranks[0]["ids"][:3], _ids(alone)[:3]) and not torch.equal(ranks[0]["ids"][3:], _ids(alone)[3:])

@@ -312,8 +312,9 @@ def cache_key(
     }
 
 
-def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> torch.Tensor | None:
-    """The cached rows when the folder holds them under the same key, else None."""
+def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any] | None] | None:
+    """The cached rows and what sampling them cost (None in a cache written before that was kept) when the folder
+    holds them under the same key, else None."""
     key_path, rows_path = folder / f"{name}.json", folder / f"{name}.safetensors"
     if not (key_path.is_file() and rows_path.is_file()):
         return None
@@ -324,17 +325,25 @@ def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> torch.Tensor | 
     if saved != json.loads(json.dumps(key)):
         logger.info("teacher text cache %s: another key, sampling again", key_path)
         return None
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
-    ids = load_file(str(rows_path))["input_ids"]
-    return ids if tuple(ids.shape) == (key["n_rows"], key["seqlen"]) else None
+    with safe_open(str(rows_path), framework="pt") as rows:
+        ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+    if tuple(ids.shape) != (key["n_rows"], key["seqlen"]):
+        return None
+    return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
 
 
-def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor) -> None:
-    """The rows, then their key (written last: a key names complete rows), each atomically."""
+def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
+    """The rows with what sampling them cost (in the file's metadata, so that a healing resumed from the cache still
+    reports the generation's seconds and memory), then their key (written last: a key names complete rows), each
+    atomically."""
     from safetensors.torch import save_file
 
-    write_atomically(folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path)))
+    metadata = {"sampling": json.dumps(sampling)}
+    write_atomically(
+        folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata)
+    )
     write_bytes_atomically(folder / f"{name}.json", json.dumps(key, indent=1, sort_keys=True).encode())
 
 
@@ -453,10 +462,12 @@ def sample_teacher_rows(
     began = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ids = _read_cache(folder, stream, key) if folder is not None and key is not None else None
-    if world_size > 1 and not _everyone(ids is not None, device):
-        ids = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
-    cached = ids is not None
+    found = _read_cache(folder, stream, key) if folder is not None and key is not None else None
+    if world_size > 1 and not _everyone(found is not None, device):
+        found = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
+    cached = found is not None
+    ids, sampled = found if found is not None else (None, None)
+    generated = n_rows * (seqlen - prompt_length)
     if ids is None:
         starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
         was_training = teacher_model.training
@@ -467,11 +478,14 @@ def sample_teacher_rows(
             teacher_model.train(was_training)
         ids = _gather(mine, n_rows, world_size, device)
         if folder is not None and key is not None and rank == 0:
-            _write_cache(folder, stream, key, ids)
+            sampling_seconds = time.perf_counter() - began
+            peak, measured = _peak_memory(device)
+            cost = {"seconds": round(sampling_seconds, 3), "tokens_per_second": round(generated / sampling_seconds, 1),
+                    "peak_memory_bytes": peak, "peak_memory": measured, "processes": world_size}  # fmt: skip
+            _write_cache(folder, stream, key, ids, cost)
     seconds = time.perf_counter() - began
     peak, measured = _peak_memory(device)
     tokens = int(ids.numel())
-    generated = int(ids.shape[0]) * (seqlen - prompt_length)
     record = {
         "rows": int(ids.shape[0]),
         "seqlen": int(seqlen),
@@ -487,6 +501,8 @@ def sample_teacher_rows(
         "peak_memory": measured,
         "excerpts": excerpts(tokenizer, ids),
     }
+    if sampled is not None:  # this run read the rows: what sampling them cost, for the log and the report
+        record["sampled"] = sampled
     if record["excerpts"]:
         logger.info("the teacher's text (%s rows), its first row begins: %r", stream, record["excerpts"][0])
     rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
