@@ -334,6 +334,25 @@ def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Ten
     return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
 
 
+def _cached_rows(
+    folder: Path | None, stream: str, key: dict[str, Any] | None, world_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
+    """(rows, what sampling them cost) from the cache, or (None, None) where this process must sample: no cache, or
+    under torch.distributed a rank without it (another node's folder), since the others must then sample with it."""
+    found = _read_cache(folder, stream, key) if folder is not None and key is not None else None
+    if world_size > 1 and not _everyone(found is not None, device):
+        found = None
+    return found if found is not None else (None, None)
+
+
+def _sampling_cost(began: float, generated: int, device: torch.device, processes: int) -> dict[str, Any]:
+    """What the sampling since `began` cost, as the cache keeps it beside the rows."""
+    seconds = time.perf_counter() - began
+    peak, measured = _peak_memory(device)
+    return {"seconds": round(seconds, 3), "tokens_per_second": round(generated / seconds, 1),
+            "peak_memory_bytes": peak, "peak_memory": measured, "processes": processes}  # fmt: skip
+
+
 def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
     """The rows with what sampling them cost (in the file's metadata, so that a healing resumed from the cache still
     reports the generation's seconds and memory), then their key (written last: a key names complete rows), each
@@ -439,7 +458,7 @@ def sample_teacher_rows(
     Returns:
         (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), generated
         tokens a second, peak memory and what it measures, rows, seed, sampling settings, start, batch size, whether
-        the rows came from the cache).
+        the rows came from the cache, and for cached rows what sampling them cost, ``sampled``).
 
     Raises:
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
@@ -462,11 +481,8 @@ def sample_teacher_rows(
     began = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    found = _read_cache(folder, stream, key) if folder is not None and key is not None else None
-    if world_size > 1 and not _everyone(found is not None, device):
-        found = None  # a rank without the cache (another node's folder) samples, and the others must sample with it
-    cached = found is not None
-    ids, sampled = found if found is not None else (None, None)
+    ids, sampled = _cached_rows(folder, stream, key, world_size, device)
+    cached = ids is not None
     generated = n_rows * (seqlen - prompt_length)
     if ids is None:
         starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
@@ -478,11 +494,7 @@ def sample_teacher_rows(
             teacher_model.train(was_training)
         ids = _gather(mine, n_rows, world_size, device)
         if folder is not None and key is not None and rank == 0:
-            sampling_seconds = time.perf_counter() - began
-            peak, measured = _peak_memory(device)
-            cost = {"seconds": round(sampling_seconds, 3), "tokens_per_second": round(generated / sampling_seconds, 1),
-                    "peak_memory_bytes": peak, "peak_memory": measured, "processes": world_size}  # fmt: skip
-            _write_cache(folder, stream, key, ids, cost)
+            _write_cache(folder, stream, key, ids, _sampling_cost(began, generated, device, world_size))
     seconds = time.perf_counter() - began
     peak, measured = _peak_memory(device)
     tokens = int(ids.numel())
