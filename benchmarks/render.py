@@ -663,6 +663,15 @@ def healing_table(paths: list[Path]) -> str:
     return header + "\n" + "\n".join(rows)
 
 
+def sampling_cell(record: dict) -> str:
+    """The seconds a run's teacher text took to sample. Rows read back from a cache took none in that run: the seconds
+    of the run that wrote them where the cache kept them, else "cached" rather than 0; empty without teacher text."""
+    if record.get("cached"):
+        first = (record.get("sampled") or {}).get("seconds")
+        return "cached" if first is None else f"{first:.0f} (cached)"
+    return "" if record.get("seconds") is None else f"{record['seconds']:.0f}"
+
+
 def healing_text_table(paths: list[Path]) -> str:
     """The healing text compared on the same compression, mode and budget (`benchmarks/recovery/run.py
     --teacher-text`): the speeches, the dense model's own text and a mix, every healing seed a row, the default rows
@@ -706,13 +715,7 @@ def healing_text_table(paths: list[Path]) -> str:
             settings = r.get("settings", {})
             after = r["healed"]
             sotu, kjv = after["sotu_from_2000"], after["bible_kjv"]
-            sampled = r.get("teacher_text") or {}
-            seconds = sampled.get("seconds")
-            # Rows read back from a cache folder took no sampling in this run: the seconds of the run that wrote them
-            # where the cache kept them, else say so rather than print 0 seconds.
-            first = (sampled.get("sampled") or {}).get("seconds")
-            sampling = f"{first:.0f} (cached)" if first is not None else "cached" if sampled.get("cached") else ""
-            sampling = sampling or ("" if seconds is None else f"{seconds:.0f}")
+            sampling = sampling_cell(r.get("teacher_text") or {})
             lines.append(
                 f"| {method} | {mode}, {tokens:,} | {recovery_protocol.healing_text(settings) or 'the speeches'} "
                 f"| {recovery_protocol.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "

@@ -1,5 +1,6 @@
 """The healing-text benchmark's own rules: how a run's healing text is named on the pages (so that a prompted run
-never shares a row label with a run from the BOS token), and the script rule that counts what a teacher wrote."""
+never shares a row label with a run from the BOS token), the script rule that counts what a teacher wrote, and
+the sampling seconds shown for rows read from a cache."""
 
 from __future__ import annotations
 
@@ -52,3 +53,12 @@ def test_makeup_counts_and_examples():
     assert result["rows"] == 5
     assert result["counts"] == {"prose": 3, "code or markup": 2}
     assert result["examples"] == {"prose": ["plain words here"], "code or markup": ["{}();{}();"]}
+
+
+def test_the_sampling_cell_says_what_cached_rows_cost_when_they_were_written():
+    from benchmarks.render import sampling_cell
+
+    assert sampling_cell({}) == ""
+    assert sampling_cell({"cached": False, "seconds": 1506.7}) == "1507"
+    assert sampling_cell({"cached": True, "seconds": 0.001}) == "cached"
+    assert sampling_cell({"cached": True, "seconds": 0.001, "sampled": {"seconds": 1572.4}}) == "1572 (cached)"
