@@ -346,11 +346,12 @@ def _cached_rows(
 
 
 def _sampling_cost(began: float, generated: int, device: torch.device, processes: int) -> dict[str, Any]:
-    """What the sampling since `began` cost, as the cache keeps it beside the rows."""
+    """What the sampling since `began` cost: measured once, for the record and for the cache beside the rows."""
     seconds = time.perf_counter() - began
     peak, measured = _peak_memory(device)
-    return {"seconds": round(seconds, 3), "tokens_per_second": round(generated / seconds, 1),
-            "peak_memory_bytes": peak, "peak_memory": measured, "processes": processes}  # fmt: skip
+    return {"processes": processes, "seconds": round(seconds, 3),
+            "tokens_per_second": round(generated / seconds, 1) if seconds > 0 else None,
+            "peak_memory_bytes": peak, "peak_memory": measured}  # fmt: skip
 
 
 def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
@@ -493,24 +494,19 @@ def sample_teacher_rows(
         finally:
             teacher_model.train(was_training)
         ids = _gather(mine, n_rows, world_size, device)
-        if folder is not None and key is not None and rank == 0:
-            _write_cache(folder, stream, key, ids, _sampling_cost(began, generated, device, world_size))
-    seconds = time.perf_counter() - began
-    peak, measured = _peak_memory(device)
-    tokens = int(ids.numel())
+    cost = _sampling_cost(began, generated, device, world_size)
+    if not cached and folder is not None and key is not None and rank == 0:
+        _write_cache(folder, stream, key, ids, cost)
     record = {
         "rows": int(ids.shape[0]),
         "seqlen": int(seqlen),
         **settings,
         "batch_size": int(batch_size),
-        "processes": world_size,
         "cached": cached,
-        "seconds": round(seconds, 3),
-        "tokens": tokens,
+        **cost,
+        "tokens_per_second": None if cached else cost["tokens_per_second"],  # reading rows back generates none
+        "tokens": int(ids.numel()),
         "generated_tokens": generated,
-        "tokens_per_second": round(generated / seconds, 1) if seconds > 0 and not cached else None,
-        "peak_memory_bytes": peak,
-        "peak_memory": measured,
         "excerpts": excerpts(tokenizer, ids),
     }
     if sampled is not None:  # this run read the rows: what sampling them cost, for the log and the report
