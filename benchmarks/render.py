@@ -729,19 +729,29 @@ def healing_text_table(paths: list[Path]) -> str:
 
 def makeup_table(paths: list[Path]) -> str:
     """`benchmarks/recovery/teacher_text_makeup.py`: what the dense model wrote, its training rows counted by script
-    (the module's docstring states the rule)."""
-    header = "| teacher | started from | rows | prose | code or markup | CJK |\n|---|---|---|---|---|---|"
+    (the module's docstring states the rule) and by how much they repeat themselves, the healing speeches last for
+    comparison."""
+    header = (
+        "| teacher | started from | rows | prose | code or markup | CJK | repeated 4-grams, median | rows looping |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     rows = []
-    for path in paths:
+    for path in sorted(paths, key=lambda p: json.loads(p.read_text())["teacher"] is None):
         run = json.loads(path.read_text())
         sampling = run["sampling"]
-        start = "the chat template's assistant turn" if sampling.get("start") == "chat" else "the BOS token"
-        start = f"{start}, then the speeches' paragraphs" if sampling.get("prompts") else start
+        if run["teacher"] is None:
+            teacher, start = f"– (the healing speeches, {run['model']}'s tokens)", "–"
+        else:
+            teacher = run["teacher"]
+            start = "the chat template's assistant turn" if sampling.get("start") == "chat" else "the BOS token"
+            start = f"{start}, then the speeches' paragraphs" if sampling.get("prompts") else start
         counts = run["counts"]
+        repetition = run.get("repetition")
+        repeated = f"{repetition['median']:.1%} | {repetition['looping_rows']}" if repetition else "– | –"
         rows.append(
-            f"| {run['teacher']} | {start} | {run['rows']} | "
+            f"| {teacher} | {start} | {run['rows']} | "
             + " | ".join(str(counts.get(k, 0)) for k in ("prose", "code or markup", "CJK"))
-            + " |"
+            + f" | {repeated} |"
         )
     return header + "\n" + "\n".join(rows)
 

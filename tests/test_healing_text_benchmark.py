@@ -62,3 +62,46 @@ def test_the_sampling_cell_says_what_cached_rows_cost_when_they_were_written():
     assert sampling_cell({"cached": False, "seconds": 1506.7}) == "1507"
     assert sampling_cell({"cached": True, "seconds": 0.001}) == "cached"
     assert sampling_cell({"cached": True, "seconds": 0.001, "sampled": {"seconds": 1572.4}}) == "1572 (cached)"
+
+
+def test_a_caches_repetition_is_measured_after_the_start_the_sampling_skipped(tmp_path):
+    """The makeup reads a cache's rows and skips the tokens `sample_teacher_rows` skipped for its record (the start
+    token, and a prompt's tokens), so that the page's figure is the one `recover` printed."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    import tiny_models
+    from benchmarks.recovery.teacher_text_makeup import cached_rows
+
+    tokenizer = tiny_models.CharTokenizer()
+    ids = torch.randint(0, 20, (3, 40))
+    save_file({"input_ids": ids}, str(tmp_path / "train.safetensors"))
+    for prompts, prompt_tokens, skip in ((None, None, 1), ("abc123", 6, 7)):
+        key = {
+            "seqlen": 40,
+            "start": "prompts" if prompts else "bos",
+            "prompts": prompts,
+            "prompt_tokens": prompt_tokens,
+        }
+        (tmp_path / "train.json").write_text(json.dumps(key))
+        read, _, skipped = cached_rows(tmp_path, tokenizer)
+        assert torch.equal(read, ids) and skipped == skip
+
+
+def test_the_makeup_table_puts_the_speeches_last_and_shows_the_repetition(tmp_path):
+    import json
+
+    from benchmarks.render import makeup_table
+
+    common = {"rows": 4, "counts": {"prose": 4}, "sampling": {"start": "bos", "prompts": None}}
+    speeches = {**common, "model": "m", "teacher": None, "repetition": {"median": 0.004, "looping_rows": 0}}
+    teacher = {**common, "model": "m", "teacher": "T", "repetition": {"median": 0.4722, "looping_rows": 3}}
+    older = {**common, "model": "m", "teacher": "U"}  # written before the figure existed
+    for name, run in (("a", speeches), ("b", teacher), ("c", older)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    lines = makeup_table(sorted(tmp_path.glob("*.json"))).splitlines()[2:]
+    assert lines[0] == "| T | the BOS token | 4 | 4 | 0 | 0 | 47.2% | 3 |"
+    assert lines[1] == "| U | the BOS token | 4 | 4 | 0 | 0 | – | – |"
+    assert lines[2] == "| – (the healing speeches, m's tokens) | – | 4 | 4 | 0 | 0 | 0.4% | 0 |"

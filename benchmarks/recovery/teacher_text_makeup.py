@@ -14,7 +14,14 @@ Each row (``train.safetensors`` of a `--teacher-text-cache` folder, decoded with
 The thresholds are a reading aid stated here, not a tuned classifier; a few decoded rows of each kind are written to
 the JSON so that anyone can check the split by eye.
 
+Beside the kinds, how much the rows repeat themselves: the figure `recover` prints for its teacher's text
+(`optimum_flatten.recovery.text_repetition`: the share of a row's 4-grams, after its start and prompt, that stood
+earlier in the row; a row over 25% loops). `--speeches` measures the same on the healing speeches themselves (the
+pre-2000 speeches outside calibration's windows, in rows of 256 tokens of the model's tokenizer): written text's
+figure, for comparison.
+
     python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --cache DIR [--label prompted]
+    python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --speeches
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+
+import torch
 
 CJK_SHARE = 0.10
 CODE_SHARE = 0.04
@@ -61,35 +70,65 @@ def makeup(texts: list[str], examples: int = 2) -> dict:
     return {"rows": len(texts), "counts": dict(Counter(kinds)), "examples": shown}
 
 
-def main() -> None:
+def cached_rows(folder: Path, tokenizer: object) -> tuple[torch.Tensor, dict, int]:
+    """A teacher-text cache's training rows, its key, and the tokens each row held before the teacher sampled (its
+    start and prompt, as `sample_teacher_rows` counts them)."""
     from safetensors.torch import load_file
+
+    from optimum_flatten.recovery.teacher_text import checked_start
+
+    ids = load_file(str(folder / "train.safetensors"))["input_ids"]
+    key = json.loads((folder / "train.json").read_text())
+    prompted = bool(key.get("prompts"))
+    start = "chat" if key.get("start") == "chat" else "bos"
+    skip = checked_start(tokenizer, start, int(key["seqlen"]), int(key.get("prompt_tokens") or 0), prompted)[3]
+    return ids, key, skip
+
+
+def speech_rows(tokenizer: object, seqlen: int = 256) -> torch.Tensor:
+    """The healing speeches (`run.training_texts`) as consecutive rows of `seqlen` tokens."""
+    from benchmarks.recovery.run import training_texts
+    from optimum_flatten.evaluation import tokenize_corpus
+
+    stream = tokenize_corpus(tokenizer, training_texts(tokenizer)[0])
+    return stream[: (stream.numel() // seqlen) * seqlen].view(-1, seqlen)
+
+
+def main() -> None:
     from transformers import AutoTokenizer
 
     from optimum_flatten import bundled
+    from optimum_flatten.recovery.text_repetition import repetition_summary
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(bundled.BUNDLED_MODELS))
-    parser.add_argument("--cache", required=True, help="a --teacher-text-cache folder (train.safetensors, train.json)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--cache", help="a --teacher-text-cache folder (train.safetensors, train.json)")
+    source.add_argument("--speeches", action="store_true", help="the healing speeches, for comparison")
     parser.add_argument("--label", default="", help="a suffix for the result's file name (e.g. prompted)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    folder = Path(args.cache)
-    ids = load_file(str(folder / "train.safetensors"))["input_ids"]
-    key = json.loads((folder / "train.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(bundled.bundled_model_path(args.model))
+    if args.speeches:
+        ids, key, skip = speech_rows(tokenizer), {"teacher": None}, 0
+        args.label = args.label or "speeches"
+    else:
+        ids, key, skip = cached_rows(Path(args.cache), tokenizer)
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids.tolist()]
     result = {
         "model": args.model,
         "teacher": key.get("teacher"),
+        "text": "the healing speeches" if args.speeches else "the teacher's samples",
         "sampling": {k: key.get(k) for k in ("seed", "seqlen", "temperature", "top_k", "top_p", "start", "prompts")},
         "rule": f"CJK: >= {CJK_SHARE:.0%} of non-space characters; else code or markup: >= {CODE_SHARE:.0%} code "
         "punctuation; else prose",
         **makeup(texts),
+        "repetition": {**repetition_summary(ids, skip=skip), "skipped_tokens": skip},
     }
     suffix = f"_{args.label}" if args.label else ""
     out = Path(args.out or f"benchmarks/results/teacher_text_makeup_{args.model}{suffix}.json")
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-    print(json.dumps({k: result[k] for k in ("teacher", "rows", "counts")}), f"-> {out}")
+    print(json.dumps({k: result[k] for k in ("teacher", "rows", "counts", "repetition")}), f"-> {out}")
 
 
 if __name__ == "__main__":

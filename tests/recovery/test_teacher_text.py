@@ -25,6 +25,7 @@ from optimum_flatten.recovery.teacher_text import (
     sample_teacher_rows,
     sampling_batch_size,
 )
+from optimum_flatten.recovery.text_repetition import describe, repetition_summary
 from optimum_flatten.recovery.trainer import _teacher_rows
 
 TOKENIZER = tiny_models.CharTokenizer()
@@ -59,6 +60,7 @@ def test_rows_are_seqlen_tokens_from_bos_labelled_and_reproducible_by_seed():
     assert record["start"] == "bos" and record["temperature"] == 1.0 and record["top_k"] is None
     assert record["peak_memory_bytes"] > 0 and record["seconds"] >= 0
     assert record["excerpts"] == []  # this tokenizer cannot decode
+    assert record["repetition"] == repetition_summary(ids, skip=1)  # what the teacher wrote after its start token
     # The same seed gives the same rows whatever the process's random state did in between.
     torch.manual_seed(1234)
     torch.rand(100)
@@ -124,6 +126,7 @@ def test_prompts_start_the_rows_with_the_first_tokens_of_each_document(tmp_path)
     for row in _ids(rows):
         assert row[0] == TOKENIZER.bos_token_id and tuple(row[1:7].tolist()) in starts
     assert {tuple(r[1:7].tolist()) for r in _ids(rows)} == starts  # both cycled, "short" (too short) left out
+    assert record["repetition"] == repetition_summary(_ids(rows), skip=7)  # the prompts repeat each other: skipped
 
 
 #: A ChatML template, as Qwen2.5's and SmolLM2's tokenizers carry one (with a default system turn).
@@ -338,6 +341,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
     assert recovery["teacher_text"]["top_k"] is None and "gate:" in printed
     assert recovery["teacher_text"]["start"] == ("chat" if "chat" in dataset else "bos")
     assert f"the teacher's own text began: {recovery['teacher_text']['excerpts'][0][:160]!r}" in printed
+    assert f"the teacher's own text: {describe(recovery['teacher_text']['repetition'])}" in printed
     assert "unguarded: the gate scored the teacher's own rows only" in printed  # and how to guard
 
 

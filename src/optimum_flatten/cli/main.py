@@ -179,6 +179,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
     from ..recovery.rows import UNGUARDED_NOTE
+    from ..recovery.text_repetition import describe as describe_repetition
     from ..utils.causal_lm import causal_lm_refusal
     from ..utils.launch import is_writer
 
@@ -216,8 +217,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
             f"guard: objective {start['objective']:.4f} -> {kept['objective']:.4f} "
             f"(perplexity {math.exp(start['lm']):.2f} -> {math.exp(kept['lm']):.2f}){refused}"
         )
-    if excerpts := (log.get("teacher_text") or {}).get("excerpts"):  # what healing trained on, for a person to judge
+    teacher_text = log.get("teacher_text") or {}
+    if excerpts := teacher_text.get("excerpts"):  # what healing trained on, for a person to judge
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
+    if repetition := teacher_text.get("repetition"):
+        print(f"the teacher's own text: {describe_repetition(repetition)}")
     if UNGUARDED_NOTE in log.get("notes", ()):  # the gate saw only the teacher's rows (`recovery.rows`)
         print(UNGUARDED_NOTE)
     return 0

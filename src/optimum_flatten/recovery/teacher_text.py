@@ -52,6 +52,7 @@ from torch import nn
 
 from ..utils.errors import CalibrationDataError
 from ..utils.files import write_atomically, write_bytes_atomically
+from .text_repetition import repetition_summary
 
 logger = logging.getLogger(__name__)
 
@@ -508,6 +509,7 @@ def sample_teacher_rows(
         "tokens": int(ids.numel()),
         "generated_tokens": generated,
         "excerpts": excerpts(tokenizer, ids),
+        "repetition": repetition_summary(ids, skip=prompt_length),
     }
     if sampled is not None:  # this run read the rows: what sampling them cost, for the log and the report
         record["sampled"] = sampled
