@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,8 @@ def test_a_finished_healing_resumed_replays_its_record_without_training(compress
     for name, tensor in again.state_dict().items():
         assert torch.equal(tensor, healed.state_dict()[name]), name
     assert replayed["heldout_history"] == log["heldout_history"] and replayed["steps"] == log["steps"]
+    on_disk = sum(path.stat().st_size for path in Path(folder).rglob("*") if path.is_file())
+    assert log["checkpoint_bytes"] == replayed["checkpoint_bytes"] == on_disk > 0  # what is left to remove
 
 
 @pytest.mark.parametrize(

@@ -222,6 +222,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     if repetition := teacher_text.get("repetition"):
         print(f"the teacher's own text: {describe_repetition(repetition)}")
+    if log.get("checkpoint_bytes"):  # up to two checkpoints a phase, optimiser state included: often GBs
+        print(
+            f"checkpoints: {log['checkpoint_bytes'] / 2**30:.2f} GiB left in {args.checkpoint_dir}, needed only to "
+            "resume this healing; remove the folder once the healed model is saved"
+        )
     if UNGUARDED_NOTE in log.get("notes", ()):  # the gate saw only the teacher's rows (`recovery.rows`)
         print(UNGUARDED_NOTE)
     return 0

@@ -8,6 +8,7 @@ from typing import Any
 
 from .healing_run import HealingRun
 from .phases import _combined_decision, _Phase
+from .resume import folder_bytes
 from .rows import HealingRows
 
 
@@ -60,8 +61,16 @@ def healing_log(
         "optimizer": str(getattr(arguments.optim, "value", arguments.optim)),  # TrainingArguments.optim
         "weight_scale": run.scale,
         "train_seconds": sum(p.seconds for p in phases),
-        # Where each phase continued from (None: from its start); the folder is not logged: reports keep no paths.
-        **({"resumed_from_step": [p.resumed_from for p in phases]} if config.checkpoint_dir else {}),
+        # Where each phase continued from (None: from its start) and the bytes the checkpoints still hold; the folder is
+        # not logged: reports keep no paths.
+        **(
+            {
+                "resumed_from_step": [p.resumed_from for p in phases],
+                "checkpoint_bytes": folder_bytes(config.checkpoint_dir),
+            }
+            if config.checkpoint_dir
+            else {}
+        ),
         "gate": _combined_decision([p.decision for p in phases]),
         **(first.gate.summary() if first.gate is not None else {}),
         **({"notes": run.notes} if run.notes else {}),

@@ -72,6 +72,13 @@ def options_fingerprint(config: RecoveryConfig) -> dict[str, Any]:
     return json.loads(json.dumps(options, sort_keys=True, default=str))
 
 
+def folder_bytes(folder: str | os.PathLike[str]) -> int:
+    """Bytes of every file below `folder` (0 when there is none): what a finished healing's checkpoints still hold
+    on disk (up to two of each phase, weights and optimiser state), told to the user so they can free it."""
+    root = Path(folder)
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) if root.is_dir() else 0
+
+
 def latest_checkpoint(folder: str) -> str | None:
     """The newest complete checkpoint of a phase's folder (one that holds `HEALING_STATE`), or None."""
     path = Path(folder)
