@@ -51,7 +51,7 @@ def repetition_summary(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> dict
 def describe(summary: dict[str, Any]) -> str:
     """One line for a person: the median and the looping rows, with written text's figure beside them."""
     line = (
-        f"{summary['median']:.1%} of a row's {summary['ngram']}-grams repeat one before them (median; written "
+        f"{summary['median']:.1%} of a row's {summary['ngram']}-grams repeat one before them (median; English "
         f"speeches: 0.4%); {summary['looping_rows']} of {summary['rows']} rows loop (over "
         f"{summary['looping_share']:.0%})"
     )
