@@ -105,3 +105,25 @@ def test_the_makeup_table_puts_the_speeches_last_and_shows_the_repetition(tmp_pa
     assert lines[0] == "| T | the BOS token | 4 | 4 | 0 | 0 | 47.2% | 3 |"
     assert lines[1] == "| U | the BOS token | 4 | 4 | 0 | 0 | – | – |"
     assert lines[2] == "| – (the healing speeches, m's tokens) | – | 4 | 4 | 0 | 0 | 0.4% | 0 |"
+
+
+def test_a_resumed_benchmark_reads_the_untrained_scores_its_first_attempt_measured(tmp_path):
+    import argparse
+
+    from benchmarks.recovery.run import untrained_scores
+
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"sotu_from_2000": {"ppl_ratio": 1.25 + len(calls)}}
+
+    args = argparse.Namespace(checkpoint_dir=str(tmp_path), model="smollm2", method="replaceme", eval_tokens=64)
+    first = untrained_scores(args, measure)
+    assert untrained_scores(args, measure) == first and len(calls) == 1  # read back, not measured again
+    other = argparse.Namespace(**{**vars(args), "eval_tokens": 128})
+    assert untrained_scores(other, measure) != first and len(calls) == 2  # another budget measures afresh
+    unkept = argparse.Namespace(**{**vars(args), "checkpoint_dir": None})
+    untrained_scores(unkept, measure)
+    untrained_scores(unkept, measure)
+    assert len(calls) == 4  # nothing kept without a checkpoint folder
