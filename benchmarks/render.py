@@ -736,8 +736,8 @@ def makeup_table(paths: list[Path]) -> str:
         "|---|---|---|---|---|---|---|---|"
     )
     rows = []
-    for path in sorted(paths, key=lambda p: json.loads(p.read_text())["teacher"] is None):
-        run = json.loads(path.read_text())
+    runs = [json.loads(path.read_text()) for path in paths]
+    for run in sorted(runs, key=lambda run: run["teacher"] is None):  # stable: the teachers in file order first
         sampling = run["sampling"]
         if run["teacher"] is None:
             teacher, start = f"– (the healing speeches, {run['model']}'s tokens)", "–"

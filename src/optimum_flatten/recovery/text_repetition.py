@@ -11,6 +11,7 @@ is measured in benchmarks/RESULTS.md, not assumed here.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
@@ -34,15 +35,11 @@ def repeated_shares(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> list[fl
 
 def repetition_summary(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> dict[str, Any]:
     """The rows' median share of repeated n-grams and how many rows loop (`repeated_shares`), for a record."""
-    shares = sorted(repeated_shares(ids, skip, n))
-    if not shares:
-        return {"ngram": n, "rows": 0, "median": 0.0, "looping_rows": 0, "looping_share": LOOPING_SHARE}
-    middle = len(shares) // 2
-    median = shares[middle] if len(shares) % 2 else (shares[middle - 1] + shares[middle]) / 2
+    shares = repeated_shares(ids, skip, n)
     return {
         "ngram": n,
         "rows": len(shares),
-        "median": round(median, 4),
+        "median": round(statistics.median(shares), 4) if shares else 0.0,
         "looping_rows": sum(share > LOOPING_SHARE for share in shares),
         "looping_share": LOOPING_SHARE,
     }
