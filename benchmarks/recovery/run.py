@@ -48,6 +48,7 @@ import json
 import math
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def training_texts(tokenizer: object) -> tuple[list[str], dict]:
     return texts, excluded
 
 
-def untrained_scores(args: argparse.Namespace, measure_untrained: Any) -> dict:
+def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], dict]) -> dict:
     """The compressed, untrained model's scores (`measure_untrained()`). With --checkpoint-dir they are kept there
     (``untrained.json``) and read back by a resumed run, which compresses the same model again (the compression is
     seeded) but skips its evaluation: 10-15 minutes of a Qwen2.5 resume on busy cores. Another model, method or
