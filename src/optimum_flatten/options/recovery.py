@@ -106,7 +106,9 @@ class RecoveryConfig:
         sampling_temperature, sampling_top_k, sampling_top_p: How the teacher samples: temperature 1 and no top-k
             or top-p cut by default, so that the rows follow the teacher's own distribution (whatever its
             generation_config.json says); see `recovery.teacher_text`.
-        sampling_batch_size: Rows generated at a time; None: 8 on a CPU, sized to the free memory on CUDA.
+        sampling_batch_size: Rows generated at a time; None: 64 on a CPU, sized to the free memory on CUDA.
+        sampling_backend: Who samples: ``"transformers"`` (``generate``), or ``"vllm"`` where it is installed
+            (faster on a GPU; the teacher is loaded again from its path in a child process, `recovery.vllm_sampling`).
         teacher_text_cache: Folder the teacher's rows are kept in, so that a resumed healing reads them back instead
             of sampling again; None: ``<checkpoint_dir>/teacher_text`` when `checkpoint_dir` is set, else none.
         prompts: Documents whose first `teacher_prompt_tokens` tokens start the teacher's rows (a file with one
@@ -171,7 +173,10 @@ class RecoveryConfig:
     sampling_temperature: float = 1.0
     sampling_top_k: int | None = field(default=None, metadata={"default": "no top-k cut"})
     sampling_top_p: float | None = field(default=None, metadata={"default": "no top-p cut"})
-    sampling_batch_size: int | None = field(default=None, metadata={"default": "8 on a CPU, the free memory's on CUDA"})
+    sampling_batch_size: int | None = field(
+        default=None, metadata={"default": "64 on a CPU, the free memory's on CUDA"}
+    )
+    sampling_backend: Literal["transformers", "vllm"] = "transformers"
     teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
     prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
     sampling_start: Literal["bos", "chat"] = "bos"
@@ -191,6 +196,8 @@ class RecoveryConfig:
             raise ValueError(f"sampling_top_p must be in (0, 1] (1 or None: no cut), got {self.sampling_top_p}.")
         if self.sampling_batch_size is not None and self.sampling_batch_size < 1:
             raise ValueError(f"sampling_batch_size must be at least 1 row, got {self.sampling_batch_size}.")
+        if self.sampling_backend not in ("transformers", "vllm"):
+            raise ValueError(f"sampling_backend is 'transformers' or 'vllm', got {self.sampling_backend!r}.")
         if self.sampling_start not in ("bos", "chat"):
             raise ValueError(f"sampling_start is 'bos' or 'chat', got {self.sampling_start!r}.")
         if self.teacher_prompt_tokens < 1:

@@ -150,8 +150,12 @@ def lean_optimisers() -> list[str]:
 
 def sampling_bytes(model: nn.Module, config: RecoveryConfig) -> int:
     """One sampling batch of the teacher's text (`recovery.teacher_text`): its rows' KV caches at `seqlen` and their
-    next-token logits, at the configured batch or the CPU default (`model`'s config stands for the teacher's)."""
+    next-token logits, at the configured batch or the CPU default (`model`'s config stands for the teacher's). None
+    with vLLM: it samples in its own process, with a share of what is free then, and gives it back before training."""
     from .teacher_text import CPU_BATCH_SIZE, LOGIT_BYTES, kv_cache_bytes
+
+    if config.sampling_backend == "vllm":
+        return 0
 
     element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     rows = config.sampling_batch_size or CPU_BATCH_SIZE

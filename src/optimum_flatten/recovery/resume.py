@@ -47,6 +47,9 @@ PHASE_STATE = "phase_state.safetensors"
 #: The options that say where and how often to checkpoint (and where the teacher's sampled rows are kept), not what
 #: is trained: they may differ on resume.
 CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every", "teacher_text_cache")
+#: Options added after healings were first checkpointed, with the value that held before each existed: a checkpoint
+#: that does not name one was written at that value, and resumes under it.
+ADDED_OPTIONS: dict[str, Any] = {"sampling_backend": "transformers"}
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -106,6 +109,7 @@ def read_checkpoint(checkpoint: str, config: RecoveryConfig) -> dict[str, Any]:
 
 def _check_same_options(saved: Mapping[str, Any], config: RecoveryConfig, where: str) -> None:
     now = options_fingerprint(config)
+    saved = {**ADDED_OPTIONS, **saved}
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])

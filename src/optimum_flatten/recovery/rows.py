@@ -28,6 +28,7 @@ from .resume import check_checkpoint_options
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
 from .teacher_text import checked_start, heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+from .vllm_sampling import require_vllm
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +186,9 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     """
     check_fsdp(config, fsdp_version(config))
     share = teacher_share(dataset, config)
-    if share > 0:  # a chat start needs a chat template, and every row a token to sample
+    if share > 0:  # a chat start needs a chat template, every row a token to sample, and vLLM to be there
+        if config.sampling_backend == "vllm":
+            require_vllm()
         checked_start(
             tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, config.prompts is not None
         )
@@ -233,6 +236,7 @@ def _sample_teacher_part(
         batch_size=config.sampling_batch_size,
         cache_dir=_cache_folder(config),
         progress=progress,
+        backend=config.sampling_backend,
     )
     train, record = sample_teacher_rows(teacher, tokenizer, plan.train, config.seqlen, stream="train", **options)
     heldout, held = [], None

@@ -31,8 +31,9 @@ How the rows are sampled, and why:
 - **Under torch.distributed** each rank samples its own share of the rows (its seeds mix in its rank), and the
   shares are gathered so that every rank holds all rows, in rank order, as the Trainer expects.
 
-vLLM would sample faster on a GPU; it is left out (an optional dependency, another loader and another sampler to
-keep equal to transformers'), so sampling is transformers' ``generate`` with the KV cache.
+- **The sampler** is transformers' ``generate`` with the KV cache by default; ``backend="vllm"`` hands this rank's
+  rows to vLLM in a child process where it is installed (`recovery.vllm_sampling`: faster on a GPU, the same rows'
+  shape and distribution, another random draw, so the backend is part of the cache key).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from torch import nn
 from ..utils.errors import CalibrationDataError
 from ..utils.files import write_atomically, write_bytes_atomically
 from .text_repetition import repetition_summary
+from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ SAMPLING_HEADROOM = 0.5
 MAX_BATCH_SIZE = 256
 #: Bytes a row's next-token step holds per vocabulary entry: the float32 logits, the processed scores, the softmax.
 LOGIT_BYTES = 3 * 4
+
+#: Who samples the rows: transformers' ``generate`` (always there), or vLLM where installed.
+SAMPLING_BACKENDS = ("transformers", "vllm")
 
 Row = dict[str, torch.Tensor]
 
@@ -346,10 +351,15 @@ def _cached_rows(
     return found if found is not None else (None, None)
 
 
-def _sampling_cost(began: float, generated: int, device: torch.device, processes: int) -> dict[str, Any]:
-    """What the sampling since `began` cost: measured once, for the record and for the cache beside the rows."""
+def _sampling_cost(
+    began: float, generated: int, device: torch.device, processes: int, vllm_bytes: int | None = None
+) -> dict[str, Any]:
+    """What the sampling since `began` cost: measured once, for the record and for the cache beside the rows. With
+    vLLM (`vllm_bytes`: what it was given) the memory is that budget: its own processes' peak is not visible here."""
     seconds = time.perf_counter() - began
     peak, measured = _peak_memory(device)
+    if vllm_bytes is not None:
+        peak, measured = vllm_bytes, "the memory vLLM was given (gpu_memory_utilization); its peak is not measured"
     return {"processes": processes, "seconds": round(seconds, 3),
             "tokens_per_second": round(generated / seconds, 1) if seconds > 0 else None,
             "peak_memory_bytes": peak, "peak_memory": measured}  # fmt: skip
@@ -408,9 +418,13 @@ def _settings(
     start_kind: str,
     prompt_tokens: int,
     prompted: bool,
+    backend: str = "transformers",
 ) -> dict[str, Any]:
-    """The sampling settings a record (and the cache key) holds: what makes another sample of the same rows."""
+    """The sampling settings a record (and the cache key) holds: what makes another sample of the same rows. The
+    backend is named only when it is not transformers', so that caches written before vLLM was offered stay valid."""
+    backend_entry = {} if backend == "transformers" else {"backend": backend}
     return {
+        **backend_entry,
         "seed": int(seed),
         "stream": stream,
         "temperature": float(temperature),
@@ -439,6 +453,7 @@ def sample_teacher_rows(
     cache_dir: str | os.PathLike[str] | None = None,
     stream: str = "train",
     progress: bool = True,
+    backend: str = "transformers",
 ) -> tuple[list[Row], dict[str, Any]]:
     """`n_rows` training rows of `seqlen` tokens sampled from `teacher_model` (see the module docstring), and a
     record of the sampling.
@@ -452,10 +467,11 @@ def sample_teacher_rows(
         prompts: None (every row from the start token), a list of texts, or a file / text source.
         prompt_tokens: Tokens of each prompt document kept.
         start: ``"bos"`` or ``"chat"`` (`row_start`).
-        batch_size: Rows a ``generate`` call; None: `default_batch_size`.
+        batch_size: Rows a ``generate`` call; None: `default_batch_size` (vLLM batches its own rows).
         cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
         progress: Show a progress bar in tokens.
+        backend: ``"transformers"`` (``generate``) or ``"vllm"`` (`recovery.vllm_sampling`, where installed).
 
     Returns:
         (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), generated
@@ -464,45 +480,60 @@ def sample_teacher_rows(
 
     Raises:
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
-        ValueError: a row too short for its start token and prompt.
+        ValueError: a row too short for its start token and prompt, an unknown backend, or vLLM with a teacher
+            that has no path to load from.
+        ImportError: ``backend="vllm"`` where vLLM is not installed.
     """
+    if backend not in SAMPLING_BACKENDS:
+        raise ValueError(f"sampling backend is one of {', '.join(SAMPLING_BACKENDS)}, got {backend!r}.")
+    if backend == "vllm":
+        require_vllm()
+        teacher_source(teacher_model)
     prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
     before, after, start_kind, prompt_length = checked_start(tokenizer, start, seqlen, prompt_tokens, bool(prompt_list))
     pad = getattr(tokenizer, "pad_token_id", None)
     kwargs = sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, before[0] if pad is None else int(pad))
     settings = _settings(
-        seed, stream, temperature, kwargs["top_k"], top_p, start_kind, prompt_tokens, bool(prompt_list)
+        seed, stream, temperature, kwargs["top_k"], top_p, start_kind, prompt_tokens, bool(prompt_list), backend
     )
     if start_kind == "chat":  # another template writes other rows
         settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
     rank, world_size = _process()
-    batch_size = batch_size or default_batch_size(teacher_model, seqlen)
+    if backend == "transformers":
+        batch_size = batch_size or default_batch_size(teacher_model, seqlen)
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
     began = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size, device)
-    cached = ids is not None
+    cached, vllm_bytes = ids is not None, None
     generated = n_rows * (seqlen - prompt_length)
     if ids is None:
         starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
-        was_training = teacher_model.training
-        teacher_model.eval()
-        try:
-            mine = _generate(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
-        finally:
-            teacher_model.train(was_training)
+        if backend == "vllm":
+            seeds = [batch_seed(seed, stream, rank, row) for row in range(starts.shape[0])]
+            mine, vllm_bytes = sample_with_vllm(
+                teacher_model, starts, seqlen, seeds,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, progress=progress,
+            )  # fmt: skip
+        else:
+            was_training = teacher_model.training
+            teacher_model.eval()
+            try:
+                mine = _generate(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
+            finally:
+                teacher_model.train(was_training)
         ids = _gather(mine, n_rows, world_size, device)
-    cost = _sampling_cost(began, generated, device, world_size)
+    cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
     if not cached and folder is not None and key is not None and rank == 0:
         _write_cache(folder, stream, key, ids, cost)
     record = {
         "rows": int(ids.shape[0]),
         "seqlen": int(seqlen),
         **settings,
-        "batch_size": int(batch_size),
+        "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows
         "cached": cached,
         **cost,
         "tokens_per_second": None if cached else cost["tokens_per_second"],  # reading rows back generates none
