@@ -745,6 +745,7 @@ def makeup_table(paths: list[Path]) -> str:
             teacher = run["teacher"]
             start = "the chat template's assistant turn" if sampling.get("start") == "chat" else "the BOS token"
             start = f"{start}, then the speeches' paragraphs" if sampling.get("prompts") else start
+            start = f"{start}, top-p {sampling['top_p']}" if sampling.get("top_p") else start
         counts = run["counts"]
         repetition = run.get("repetition")
         repeated = f"{repetition['median']:.1%} | {repetition['looping_rows']}" if repetition else "– | –"

@@ -20,14 +20,21 @@ earlier in the row; a row over 25% loops). `--speeches` measures the same on the
 pre-2000 speeches outside calibration's windows, in rows of 256 tokens of the model's tokenizer): written text's
 figure, for comparison.
 
+`--sample N` has the dense model write N rows here (seed 0 unless `--seed`, rows of 256 tokens, from `--start`, with
+a `--top-p` cut if asked; `recovery.teacher_text.sample_teacher_rows`, kept in `--sample-cache` when given, so that
+the same command reads them back): what a sampling setting would give, before any healing is run on it.
+
     python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --cache DIR [--label prompted]
     python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --speeches
+    python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --sample 32 --start chat --top-p 0.9 \
+        --label chat_top_p0.9
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -85,6 +92,20 @@ def cached_rows(folder: Path, tokenizer: object) -> tuple[torch.Tensor, dict, in
     return ids, key, skip
 
 
+def sampled_rows(model_key: str, rows: int, start: str, top_p: float | None, seed: int, folder: Path) -> None:
+    """`rows` rows of 256 tokens the bundled dense model writes into the cache `folder` (read back when its key
+    matches), 32 a batch on one thread."""
+    from optimum_flatten import bundled
+    from optimum_flatten.recovery.teacher_text import sample_teacher_rows
+
+    torch.set_num_threads(1)
+    model, tokenizer = bundled.load_bundled(model_key)
+    sample_teacher_rows(
+        model, tokenizer, rows, 256, seed=seed, top_p=top_p, start=start, batch_size=32, cache_dir=folder,
+        progress=False,
+    )  # fmt: skip
+
+
 def speech_rows(tokenizer: object, seqlen: int = 256) -> torch.Tensor:
     """The healing speeches (`run.training_texts`) as consecutive rows of `seqlen` tokens."""
     from benchmarks.recovery.run import training_texts
@@ -105,6 +126,11 @@ def main() -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--cache", help="a --teacher-text-cache folder (train.safetensors, train.json)")
     source.add_argument("--speeches", action="store_true", help="the healing speeches, for comparison")
+    source.add_argument("--sample", type=int, metavar="N", help="rows the dense model writes here")
+    parser.add_argument("--start", choices=["bos", "chat"], default="bos", help="with --sample")
+    parser.add_argument("--top-p", type=float, default=None, help="with --sample: a top-p cut (default none)")
+    parser.add_argument("--seed", type=int, default=0, help="with --sample")
+    parser.add_argument("--sample-cache", default=None, help="with --sample: keep the rows here")
     parser.add_argument("--label", default="", help="a suffix for the result's file name (e.g. prompted)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -112,6 +138,10 @@ def main() -> None:
     if args.speeches:
         ids, key, skip = speech_rows(tokenizer), {"teacher": None}, 0
         args.label = args.label or "speeches"
+    elif args.sample:
+        folder = Path(args.sample_cache or tempfile.mkdtemp(prefix="makeup-"))
+        sampled_rows(args.model, args.sample, args.start, args.top_p, args.seed, folder)
+        ids, key, skip = cached_rows(folder, tokenizer)
     else:
         ids, key, skip = cached_rows(Path(args.cache), tokenizer)
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids.tolist()]

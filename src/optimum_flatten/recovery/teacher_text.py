@@ -409,6 +409,33 @@ def _generate(
     return torch.cat(outputs) if outputs else torch.empty((0, seqlen), dtype=torch.long)
 
 
+def _continue(
+    teacher: nn.Module,
+    starts: torch.Tensor,
+    seqlen: int,
+    kwargs: dict[str, Any],
+    batch_size: int | None,
+    seed: int,
+    stream: str,
+    rank: int,
+    progress: bool,
+) -> tuple[torch.Tensor, int | None]:
+    """(this rank's `starts` continued to `seqlen` tokens, the bytes vLLM was given or None): by ``generate`` in
+    batches (`batch_size` given), else by vLLM with one seed a row (`kwargs` hold the sampling either way)."""
+    if batch_size is None:
+        seeds = [batch_seed(seed, stream, rank, row) for row in range(starts.shape[0])]
+        return sample_with_vllm(
+            teacher, starts, seqlen, seeds, temperature=kwargs["temperature"], top_k=kwargs["top_k"],
+            top_p=kwargs["top_p"], seed=seed, progress=progress,
+        )  # fmt: skip
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        return _generate(teacher, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress), None
+    finally:
+        teacher.train(was_training)
+
+
 def _settings(
     seed: int,
     stream: str,
@@ -500,8 +527,7 @@ def sample_teacher_rows(
         settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
     rank, world_size = _process()
-    if backend == "transformers":
-        batch_size = batch_size or default_batch_size(teacher_model, seqlen)
+    batch_size = (batch_size or default_batch_size(teacher_model, seqlen)) if backend == "transformers" else None
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
     began = time.perf_counter()
@@ -512,19 +538,7 @@ def sample_teacher_rows(
     generated = n_rows * (seqlen - prompt_length)
     if ids is None:
         starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
-        if backend == "vllm":
-            seeds = [batch_seed(seed, stream, rank, row) for row in range(starts.shape[0])]
-            mine, vllm_bytes = sample_with_vllm(
-                teacher_model, starts, seqlen, seeds,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, progress=progress,
-            )  # fmt: skip
-        else:
-            was_training = teacher_model.training
-            teacher_model.eval()
-            try:
-                mine = _generate(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
-            finally:
-                teacher_model.train(was_training)
+        mine, vllm_bytes = _continue(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
     if not cached and folder is not None and key is not None and rank == 0:

@@ -18,7 +18,9 @@ Why, and what is kept equal to the transformers path (`recovery.teacher_text`):
   freeing an engine inside a process that then trains is not reliable. So a spawned child loads the teacher *from
   its path* (vLLM has its own loader; the in-memory module is not shared), samples every row of this rank, writes
   them to a temporary file and exits, and the memory is the trainer's again. The child sees only the teacher's GPU
-  and none of torchrun's variables, so under torch.distributed each rank runs its own engine on its own device.
+  and none of torchrun's variables, so under torch.distributed each rank runs its own engine on its own device. It
+  is spawned (CUDA cannot be forked), which imports the calling script again: a script keeps its work under
+  ``if __name__ == "__main__":``, as vLLM asks of its own.
 - **Memory**: vLLM is given `VLLM_MEMORY_SHARE` of the memory free on the teacher's device when it starts (as a
   fraction of the device's total, which is how ``gpu_memory_utilization`` is read). What its processes peak at is not
   visible from here; the record says so and gives that budget.
