@@ -66,6 +66,8 @@ def healing_text(settings: Mapping[str, Any]) -> str:
         own += " as a chat assistant"
     if settings.get("teacher_prompts"):
         own += " continuing the speeches' paragraphs"
+    if (temperature := float(settings.get("sampling_temperature") or 1.0)) != 1.0:
+        own += f" sampled at temperature {temperature:g}"
     if settings.get("guard_speeches"):
         own += ", guarded by held-out speeches"
     return own if share >= 1 else f"{share:.0%} {own}, the rest speeches"

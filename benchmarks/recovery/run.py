@@ -20,9 +20,10 @@ Protocol (one run = one method x mode x loss x budget):
   tokens); healing wall time and the process's peak RSS.
 
 Teacher text. `--teacher-text SHARE` (needs `--kd`) trains on rows the dense model samples itself (self-data
-distillation, `recovery.teacher_text`: temperature 1, no top-k or top-p cut, from the BOS token, never from the
-evaluation texts) for that share of the training rows, the rest from the speeches; 1.0 reads no speech at all. The
-sampling's record (seconds, peak memory, tokens/s) is in the result, and the file name ends in ``_teacher<SHARE>``.
+distillation, `recovery.teacher_text`: temperature 1 unless `--sampling-temperature`, no top-k or top-p cut, from
+the BOS token, never from the evaluation texts) for that share of the training rows, the rest from the speeches;
+1.0 reads no speech at all. The sampling's record (seconds, peak memory, tokens/s) is in the result, and the file
+name ends in ``_teacher<SHARE>``.
 
 Learning rate. `--sweep-learning-rates 1e-4 3e-4 ...` compresses once, then heals a copy at each rate and records
 only the gate's held-out objective *of the training text* (its held-out rows; the evaluation texts are not even
@@ -241,6 +242,13 @@ def main() -> None:
         "holding the prompt (empty without one)",
     )
     parser.add_argument(
+        "--sampling-temperature",
+        type=float,
+        default=1.0,
+        help="RecoveryConfig.sampling_temperature: the temperature the dense model samples its rows at (default 1, "
+        "its own distribution)",
+    )
+    parser.add_argument(
         "--guard-speeches",
         action="store_true",
         help="with --teacher-text 1.0: the gate's guard (RecoveryConfig.guard_text) is held-out rows of the healing "
@@ -267,8 +275,13 @@ def main() -> None:
         raise SystemExit("--teacher-text samples the dense model's text and distils from it: add --kd")
     if args.guard_speeches and args.teacher_text < 1.0:
         raise SystemExit("--guard-speeches guards a healing on the dense model's own text: add --teacher-text 1.0")
-    if (args.teacher_prompts or args.sampling_start != "bos") and not args.teacher_text:
-        raise SystemExit("--teacher-prompts and --sampling-start start the dense model's samples: add --teacher-text")
+    if (
+        args.teacher_prompts or args.sampling_start != "bos" or args.sampling_temperature != 1.0
+    ) and not args.teacher_text:
+        raise SystemExit(
+            "--teacher-prompts, --sampling-start and --sampling-temperature shape the dense model's samples: "
+            "add --teacher-text"
+        )
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
     torch.set_num_threads(args.threads)
@@ -357,6 +370,8 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
     suffix += "_prompted" if getattr(args, "teacher_prompts", False) else ""
     suffix += "_chat" if getattr(args, "sampling_start", "bos") == "chat" else ""
+    sampling_temperature = getattr(args, "sampling_temperature", 1.0)
+    suffix += f"_sampledat{sampling_temperature:g}" if sampling_temperature != 1.0 else ""
     suffix += "_guarded" if getattr(args, "guard_speeches", False) else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
@@ -428,6 +443,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         prompts=getattr(args, "prompt_texts", None),
         teacher_prompt_tokens=PROMPT_TOKENS,
         sampling_start=getattr(args, "sampling_start", "bos"),
+        sampling_temperature=getattr(args, "sampling_temperature", 1.0),
         guard_text=getattr(args, "guard_texts", None),
     )
 
