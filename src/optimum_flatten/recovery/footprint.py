@@ -150,7 +150,7 @@ def lean_optimisers() -> list[str]:
 
 def sampling_bytes(model: nn.Module, config: RecoveryConfig) -> int:
     """One sampling batch of the teacher's text (`recovery.teacher_text`): its rows' KV caches at `seqlen` and their
-    next-token logits, at the configured batch or the CPU default (`model`'s config stands for the teacher's). None
+    next-token logits, at the configured batch or the CPU default (`model`'s config stands for the teacher's). Zero
     with vLLM: it samples in its own process, with a share of what is free then, and gives it back before training."""
     from .teacher_text import CPU_BATCH_SIZE, LOGIT_BYTES, kv_cache_bytes
 
