@@ -25,9 +25,10 @@ How the rows are sampled, and why:
 - **Seeded**: each batch forks torch's random state and seeds it from (seed, stream, rank, batch), so the same seed
   gives the same rows whatever ran before in the process (on the same device, with the same batch size), and the
   gate's held-out rows (another stream) are never training rows.
-- **Cached**: with a cache folder, the rows are written once (atomically, with a JSON key: the teacher's weights
-  fingerprint, vocabulary, rows, seqlen, seed, sampling settings and prompts) and read back while the key matches,
-  so a resumed healing does not sample again; another key samples again and replaces them.
+- **Cached** (`recovery.teacher_text_cache`): with a cache folder, the rows are written once (atomically, with a
+  JSON key: the teacher's weights fingerprint, vocabulary, rows, seqlen, seed, sampling settings and prompts) and
+  read back while the key matches, so a resumed healing does not sample again; another key samples again and
+  replaces them.
 - **Under torch.distributed** each rank samples its own share of the rows (its seeds mix in its rank), and the
   shares are gathered so that every rank holds all rows, in rank order, as the Trainer expects.
 
@@ -52,7 +53,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import CalibrationDataError
-from ..utils.files import write_atomically, write_bytes_atomically
+from .teacher_text_cache import cache_key, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
 
@@ -299,53 +300,12 @@ def _starts(
     return torch.tensor([[*before, *ids, *after] for ids in chosen], dtype=torch.long).view(count, width)
 
 
-def cache_key(
-    teacher: nn.Module, tokenizer: Any, n_rows: int, seqlen: int, settings: dict[str, Any], prompts: Any
-) -> dict[str, Any]:
-    """What the cached rows depend on: the teacher (its weights' fingerprint and name), the vocabulary, the rows'
-    count and length, and the sampling settings and prompts (hashed)."""
-    from ..utils.fingerprint import weights_fingerprint
-
-    config = getattr(teacher, "config", None)
-    return {
-        "teacher": str(getattr(config, "_name_or_path", "") or ""),
-        "teacher_fingerprint": weights_fingerprint(teacher),
-        "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
-        "n_rows": int(n_rows),
-        "seqlen": int(seqlen),
-        **settings,
-        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest() if prompts else None,
-    }
-
-
-def _read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any] | None] | None:
-    """The cached rows and what sampling them cost (None in a cache written before that was kept) when the folder
-    holds them under the same key, else None."""
-    key_path, rows_path = folder / f"{name}.json", folder / f"{name}.safetensors"
-    if not (key_path.is_file() and rows_path.is_file()):
-        return None
-    try:
-        saved = json.loads(key_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return None
-    if saved != json.loads(json.dumps(key)):
-        logger.info("teacher text cache %s: another key, sampling again", key_path)
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(rows_path), framework="pt") as rows:
-        ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
-    if tuple(ids.shape) != (key["n_rows"], key["seqlen"]):
-        return None
-    return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
-
-
 def _cached_rows(
     folder: Path | None, stream: str, key: dict[str, Any] | None, world_size: int, device: torch.device
 ) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
     """(rows, what sampling them cost) from the cache, or (None, None) where this process must sample: no cache, or
     under torch.distributed a rank without it (another node's folder), since the others must then sample with it."""
-    found = _read_cache(folder, stream, key) if folder is not None and key is not None else None
+    found = read_cache(folder, stream, key) if folder is not None and key is not None else None
     if world_size > 1 and not _everyone(found is not None, device):
         found = None
     return found if found is not None else (None, None)
@@ -363,19 +323,6 @@ def _sampling_cost(
     return {"processes": processes, "seconds": round(seconds, 3),
             "tokens_per_second": round(generated / seconds, 1) if seconds > 0 else None,
             "peak_memory_bytes": peak, "peak_memory": measured}  # fmt: skip
-
-
-def _write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
-    """The rows with what sampling them cost (in the file's metadata, so that a healing resumed from the cache still
-    reports the generation's seconds and memory), then their key (written last: a key names complete rows), each
-    atomically."""
-    from safetensors.torch import save_file
-
-    metadata = {"sampling": json.dumps(sampling)}
-    write_atomically(
-        folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata)
-    )
-    write_bytes_atomically(folder / f"{name}.json", json.dumps(key, indent=1, sort_keys=True).encode())
 
 
 def _generate(
@@ -542,7 +489,7 @@ def sample_teacher_rows(
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
     if not cached and folder is not None and key is not None and rank == 0:
-        _write_cache(folder, stream, key, ids, cost)
+        write_cache(folder, stream, key, ids, cost)
     record = {
         "rows": int(ids.shape[0]),
         "seqlen": int(seqlen),

@@ -1,0 +1,76 @@
+"""The teacher's sampled rows kept on disk (`recovery.teacher_text`): what they depend on (the key), and writing and
+reading them back, so that a resumed healing does not sample again and another key samples again.
+
+One job apart from the sampling itself: the key is JSON beside a safetensors file of the rows, whose metadata keeps
+what sampling them cost; the rows are written first and the key last, each atomically, so a key always names
+complete rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..utils.files import write_atomically, write_bytes_atomically
+
+logger = logging.getLogger(__name__)
+
+
+def cache_key(
+    teacher: nn.Module, tokenizer: Any, n_rows: int, seqlen: int, settings: dict[str, Any], prompts: Any
+) -> dict[str, Any]:
+    """What the cached rows depend on: the teacher (its weights' fingerprint and name), the vocabulary, the rows'
+    count and length, and the sampling settings and prompts (hashed)."""
+    from ..utils.fingerprint import weights_fingerprint
+
+    config = getattr(teacher, "config", None)
+    return {
+        "teacher": str(getattr(config, "_name_or_path", "") or ""),
+        "teacher_fingerprint": weights_fingerprint(teacher),
+        "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+        "n_rows": int(n_rows),
+        "seqlen": int(seqlen),
+        **settings,
+        "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest() if prompts else None,
+    }
+
+
+def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any] | None] | None:
+    """The cached rows and what sampling them cost (None in a cache written before that was kept) when the folder
+    holds them under the same key, else None."""
+    key_path, rows_path = folder / f"{name}.json", folder / f"{name}.safetensors"
+    if not (key_path.is_file() and rows_path.is_file()):
+        return None
+    try:
+        saved = json.loads(key_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+    if saved != json.loads(json.dumps(key)):
+        logger.info("teacher text cache %s: another key, sampling again", key_path)
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(rows_path), framework="pt") as rows:
+        ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+    if tuple(ids.shape) != (key["n_rows"], key["seqlen"]):
+        return None
+    return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
+
+
+def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
+    """The rows with what sampling them cost (in the file's metadata, so that a healing resumed from the cache still
+    reports the generation's seconds and memory), then their key (written last: a key names complete rows), each
+    atomically."""
+    from safetensors.torch import save_file
+
+    metadata = {"sampling": json.dumps(sampling)}
+    write_atomically(
+        folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata)
+    )
+    write_bytes_atomically(folder / f"{name}.json", json.dumps(key, indent=1, sort_keys=True).encode())
