@@ -64,6 +64,8 @@ def healing_text(settings: Mapping[str, Any]) -> str:
     own = "the dense model's own text"
     if settings.get("sampling_start") == "chat":
         own += " as a chat assistant"
+    if settings.get("sampling_start") == "random":
+        own += " from a random first token"
     if settings.get("teacher_prompts"):
         own += " continuing the speeches' paragraphs"
     if (temperature := float(settings.get("sampling_temperature") or 1.0)) != 1.0:

@@ -236,10 +236,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--sampling-start",
-        choices=("bos", "chat"),
+        choices=("bos", "chat", "random"),
         default="bos",
-        help="RecoveryConfig.sampling_start: the BOS token, or the chat template's assistant turn after a user turn "
-        "holding the prompt (empty without one)",
+        help="RecoveryConfig.sampling_start: the BOS token, the chat template's assistant turn after a user turn "
+        "holding the prompt (empty without one), or the BOS token and a first token drawn from the vocabulary",
     )
     parser.add_argument(
         "--sampling-temperature",
@@ -369,7 +369,8 @@ def _variant(args: argparse.Namespace) -> str:
     suffix += f"_seed{args.seed}" if args.seed != DEFAULT_SEED else ""
     suffix += f"_teacher{args.teacher_text}" if args.teacher_text else ""
     suffix += "_prompted" if getattr(args, "teacher_prompts", False) else ""
-    suffix += "_chat" if getattr(args, "sampling_start", "bos") == "chat" else ""
+    start = getattr(args, "sampling_start", "bos")
+    suffix += f"_{start}" if start != "bos" else ""
     sampling_temperature = getattr(args, "sampling_temperature", 1.0)
     suffix += f"_sampledat{sampling_temperature:g}" if sampling_temperature != 1.0 else ""
     suffix += "_guarded" if getattr(args, "guard_speeches", False) else ""
@@ -397,6 +398,8 @@ def _prompts_described(args: argparse.Namespace) -> str:
         )
     if getattr(args, "sampling_start", "bos") == "chat":
         return "none: the chat template's assistant turn, after an empty user turn"
+    if getattr(args, "sampling_start", "bos") == "random":
+        return "none: the BOS token, then a first token drawn uniformly from the ordinary vocabulary for each row"
     return "none (the BOS token)"
 
 

@@ -87,7 +87,7 @@ def cached_rows(folder: Path, tokenizer: object) -> tuple[torch.Tensor, dict, in
     ids = load_file(str(folder / "train.safetensors"))["input_ids"]
     key = json.loads((folder / "train.json").read_text())
     prompted = bool(key.get("prompts"))
-    start = "chat" if key.get("start") == "chat" else "bos"
+    start = key.get("start") if key.get("start") in ("chat", "random") else "bos"
     skip = checked_start(tokenizer, start, int(key["seqlen"]), int(key.get("prompt_tokens") or 0), prompted)[3]
     return ids, key, skip
 
@@ -127,7 +127,7 @@ def main() -> None:
     source.add_argument("--cache", help="a --teacher-text-cache folder (train.safetensors, train.json)")
     source.add_argument("--speeches", action="store_true", help="the healing speeches, for comparison")
     source.add_argument("--sample", type=int, metavar="N", help="rows the dense model writes here")
-    parser.add_argument("--start", choices=["bos", "chat"], default="bos", help="with --sample")
+    parser.add_argument("--start", choices=["bos", "chat", "random"], default="bos", help="with --sample")
     parser.add_argument("--top-p", type=float, default=None, help="with --sample: a top-p cut (default none)")
     parser.add_argument("--seed", type=int, default=0, help="with --sample")
     parser.add_argument("--sample-cache", default=None, help="with --sample: keep the rows here")

@@ -294,7 +294,7 @@ def test_teacher_text_without_a_teacher_is_refused_before_any_weight_changes(tea
         (dict(sampling_temperature=0.0), "sampling_temperature must be a positive"),
         (dict(sampling_top_p=0.0), "sampling_top_p must be in"),
         (dict(sampling_batch_size=0), "sampling_batch_size must be at least 1"),
-        (dict(sampling_start="assistant"), "sampling_start is 'bos' or 'chat'"),
+        (dict(sampling_start="assistant"), "sampling_start is 'bos', 'chat' or 'random'"),
     ],
 )
 def test_sampling_options_out_of_range_are_refused_when_the_config_is_made(options, message):
@@ -318,12 +318,17 @@ def test_the_footprint_counts_one_sampling_batch_before_training():
 
 @pytest.mark.parametrize(
     "dataset, seqlen",
-    [(["--dataset", "teacher"], 32), ([], 32), (["--sampling-start", "chat"], 128)],
-    ids=["given", "default", "chat"],
+    [
+        (["--dataset", "teacher"], 32),
+        ([], 32),
+        (["--sampling-start", "chat"], 128),
+        (["--sampling-start", "random"], 32),
+    ],
+    ids=["given", "default", "chat", "random"],
 )
 def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
-    """`--dataset teacher`, no `--dataset` at all, and the chat template's assistant turn: the dense model writes
-    the healing text."""
+    """`--dataset teacher`, no `--dataset` at all, the chat template's assistant turn and a drawn first word: the
+    dense model writes the healing text."""
     tokenizer = tiny_models.tiny_hf_tokenizer()
     tokenizer.chat_template = CHATML  # saved with the checkpoint, read back by the command
     dense, compressed = dense_and_compressed_on_disk(tmp_path, tokenizer)
@@ -339,7 +344,7 @@ def test_cli_recover_on_the_teacher_text(tmp_path, capsys, dataset, seqlen):
     assert recovery["teacher_text"]["rows"] == 4 and recovery["teacher_text"]["batch_size"] == 2
     printed = capsys.readouterr().out
     assert recovery["teacher_text"]["top_k"] is None and "gate:" in printed
-    assert recovery["teacher_text"]["start"] == ("chat" if "chat" in dataset else "bos")
+    assert recovery["teacher_text"]["start"] == (dataset[1] if "--sampling-start" in dataset else "bos")
     assert f"the teacher's own text began: {recovery['teacher_text']['excerpts'][0][:160]!r}" in printed
     assert f"the teacher's own text: {describe(recovery['teacher_text']['repetition'])}" in printed
     assert "unguarded: the gate scored the teacher's own rows only" in printed  # and how to guard

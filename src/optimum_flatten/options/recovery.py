@@ -117,7 +117,8 @@ class RecoveryConfig:
         sampling_start: ``"bos"`` starts each row from the BOS token (then the prompt, if any); ``"chat"`` from the
             tokenizer's chat template, a user turn holding the prompt (empty without one) and the assistant's turn
             opened, so that an instruct model writes what it writes as an assistant rather than from a bare token
-            it was not tuned to continue (see `recovery.teacher_text`).
+            it was not tuned to continue; ``"random"`` from the BOS token and a first token drawn uniformly from the
+            ordinary vocabulary for each row (LLM-QAT's data-free start; no prompts) (see `recovery.teacher_text`).
         guard_text: A text the healing must not make worse (a file or any source `load_recovery_texts` reads):
             `heldout_rows` rows of it, never trained on, are scored at every evaluation of the gate, which keeps a
             trained state only where their objective is no higher than the input's (`recovery.gate`). None guards a
@@ -179,7 +180,7 @@ class RecoveryConfig:
     sampling_backend: Literal["transformers", "vllm"] = "transformers"
     teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
     prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
-    sampling_start: Literal["bos", "chat"] = "bos"
+    sampling_start: Literal["bos", "chat", "random"] = "bos"
     guard_text: str | None = field(default=None, metadata={"default": "in a mix, the user's held-out rows; else none"})
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
@@ -198,8 +199,8 @@ class RecoveryConfig:
             raise ValueError(f"sampling_batch_size must be at least 1 row, got {self.sampling_batch_size}.")
         if self.sampling_backend not in ("transformers", "vllm"):
             raise ValueError(f"sampling_backend is 'transformers' or 'vllm', got {self.sampling_backend!r}.")
-        if self.sampling_start not in ("bos", "chat"):
-            raise ValueError(f"sampling_start is 'bos' or 'chat', got {self.sampling_start!r}.")
+        if self.sampling_start not in ("bos", "chat", "random"):
+            raise ValueError(f"sampling_start is 'bos', 'chat' or 'random', got {self.sampling_start!r}.")
         if self.teacher_prompt_tokens < 1:
             raise ValueError(f"teacher_prompt_tokens must be at least 1, got {self.teacher_prompt_tokens}.")
 

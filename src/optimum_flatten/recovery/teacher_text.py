@@ -19,7 +19,8 @@ How the rows are sampled, and why:
   template instead: a user turn holding the prompt (empty without one), then the assistant's turn opened, which the
   teacher writes (Thangarasa et al. regenerate the answers of an instruction set this way). With prompts, the first
   `prompt_tokens` tokens of each document follow the start token, or fill the user turn (the documents cycled in a
-  seeded order).
+  seeded order). ``start="random"`` opens each row on a word drawn from the whole vocabulary, then the teacher's
+  greedy next words, as LLM-QAT's data-free distillation does (`recovery.random_start`).
 - **Labels** are the ids at every position, the prompt's included (they are the user's text, and the KL on them is
   still the teacher's distribution); the attention mask is all ones.
 - **Seeded**: each batch forks torch's random state and seeds it from (seed, stream, rank, batch), so the same seed
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import CalibrationDataError
+from .random_start import GREEDY_TOKENS, OPENING_TOKENS, random_starts
 from .teacher_text_cache import cache_key, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
@@ -173,6 +175,8 @@ def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
     after. ``"chat"``: the tokenizer's chat template around a user turn holding the prompt, its generation prompt
     opening the assistant's turn, so that an instruct model writes as it was tuned to (with its default system
     turn, if the template has one)."""
+    if start == "random":  # the start token; `random_start.random_starts` writes each row's first words
+        return [start_token(tokenizer)[0]], [], "random"
     if start != "chat":
         token, kind = start_token(tokenizer)
         return [token], [], kind
@@ -198,8 +202,13 @@ def checked_start(
 ) -> tuple[list[int], list[int], str, int]:
     """`row_start` and the tokens each row holds before the teacher samples (the start's and the prompt's), refusing
     rows with no token left to sample (one line). The healing's preflight and the sampling both ask this."""
+    if start == "random" and prompted:
+        raise ValueError(
+            "sampling_start='random' draws each row's first token itself and takes no prompts; start prompts "
+            "with 'bos' or 'chat'."
+        )
     before, after, kind = row_start(tokenizer, start)
-    length = len(before) + len(after) + (prompt_tokens if prompted else 0)
+    length = len(before) + len(after) + (prompt_tokens if prompted else 0) + (OPENING_TOKENS if kind == "random" else 0)
     if seqlen <= length:
         raise ValueError(
             f"seqlen={seqlen} leaves no token to sample after the {length}-token start and prompt; "
@@ -247,6 +256,11 @@ def _share(n_rows: int, rank: int, world_size: int) -> int:
     return n_rows // world_size + (1 if rank < n_rows % world_size else 0)
 
 
+def _rank_rows(n_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(the index of rank `rank`'s first row among all ranks' rows, how many it samples)."""
+    return sum(_share(n_rows, r, world_size) for r in range(rank)), _share(n_rows, rank, world_size)
+
+
 def _gather(ids: torch.Tensor, n_rows: int, world_size: int, device: torch.device) -> torch.Tensor:
     """Every rank's rows, in rank order, on every rank (shares padded to the largest for all_gather; NCCL moves
     CUDA tensors only, so they travel on the teacher's device)."""
@@ -289,8 +303,7 @@ def _starts(
     """This rank's rows' beginnings: the start's tokens around its prompt (the prompts cycled in a seeded order, the
     whole run's rows dealt to the ranks in turn so that the prompts do not depend on the world size's split)."""
     before, after = start
-    first = sum(_share(n_rows, r, world_size) for r in range(rank))
-    count = _share(n_rows, rank, world_size)
+    first, count = _rank_rows(n_rows, rank, world_size)
     if not prompts:
         return torch.tensor([*before, *after], dtype=torch.long).repeat(count, 1)
     order = list(range(len(prompts)))
@@ -440,7 +453,7 @@ def sample_teacher_rows(
         temperature, top_k, top_p: Sampling (defaults: temperature 1, no cut).
         prompts: None (every row from the start token), a list of texts, or a file / text source.
         prompt_tokens: Tokens of each prompt document kept.
-        start: ``"bos"`` or ``"chat"`` (`row_start`).
+        start: ``"bos"``, ``"chat"`` (`row_start`) or ``"random"`` (`recovery.random_start`; no prompts).
         batch_size: Rows a ``generate`` call; None: `default_batch_size` (vLLM batches its own rows).
         cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
@@ -482,9 +495,16 @@ def sample_teacher_rows(
         torch.cuda.reset_peak_memory_stats(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size, device)
     cached, vllm_bytes = ids is not None, None
-    generated = n_rows * (seqlen - prompt_length)
+    generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
-        starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
+        if start_kind == "random":
+            starts = random_starts(
+                teacher_model, tokenizer, before, n_rows, _rank_rows(n_rows, rank, world_size),
+                seed=batch_seed(seed, f"{stream}:first-token", 0, 0), batch_size=batch_size or
+                default_batch_size(teacher_model, seqlen), generate_kwargs=kwargs,
+            )  # fmt: skip
+        else:
+            starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
         mine, vllm_bytes = _continue(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)

@@ -1,0 +1,94 @@
+"""Rows that open on the whole vocabulary: LLM-QAT's start for data-free distillation (Liu et al. 2023, arXiv
+2305.17888, §2.1), ``RecoveryConfig.sampling_start="random"``.
+
+From a bare start token a model writes from the few openings it favours: SmolLM2-Instruct tells stories,
+Qwen2.5-Coder-Instruct writes code and Chinese (benchmarks/NOTEBOOK.md). LLM-QAT draws each sequence's first token
+uniformly from the vocabulary, so that the generated set spreads over what the model knows, then takes the model's
+top-1 next token for the following few tokens (it reports 3 to 5) and samples the rest: sampling straight after a
+random word wanders off, while a few greedy words give the row a coherent opening the sampling then continues. Here
+the rows are the start token, the drawn word, `GREEDY_TOKENS` greedy tokens, then the same plain sampling as every
+other start (`recovery.teacher_text`).
+
+The draws of all rows come from one seeded stream and are dealt to the ranks as the rows are, so the rows do not
+depend on how many processes sample them; the greedy words are deterministic.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..utils.errors import CalibrationDataError
+
+#: The teacher's top-1 tokens after the drawn one (LLM-QAT: "3 to 5"; the middle).
+GREEDY_TOKENS = 4
+#: Tokens a random start adds after the start token: the drawn one and the greedy ones (none sampled).
+OPENING_TOKENS = 1 + GREEDY_TOKENS
+#: The sampling's settings a greedy step has no use for (transformers warns where they are given).
+_SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+
+
+def first_tokens(tokenizer: Any, vocab_size: int) -> list[int]:
+    """The ids a row may open with: every id below `vocab_size` (the model's embedding rows) and the tokenizer's
+    length but its special and added tokens (BOS, EOS, padding, chat markers), which the model reads as a document's
+    or a turn's boundary rather than as a word."""
+    size = min(vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else vocab_size
+    special = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or []}
+    special |= {int(i) for i in getattr(tokenizer, "added_tokens_decoder", None) or {}}
+    special |= {getattr(tokenizer, f"{kind}_token_id", None) for kind in ("bos", "eos", "pad", "unk")}
+    ids = [i for i in range(size) if i not in special]
+    if not ids:
+        raise CalibrationDataError("the tokenizer has no ordinary token to open a row with; use sampling_start='bos'.")
+    return ids
+
+
+def drawn_tokens(candidates: list[int], n_rows: int, rows: tuple[int, int], seed: int) -> list[int]:
+    """The first tokens of rows ``rows = (first, count)`` of `n_rows`: all `n_rows` drawn uniformly, with
+    replacement, from one stream seeded by `seed`, then sliced, so a rank's rows are those of a single process."""
+    first, count = rows
+    return random.Random(seed).choices(candidates, k=n_rows)[first : first + count]
+
+
+@torch.no_grad()
+def random_starts(
+    teacher: nn.Module,
+    tokenizer: Any,
+    before: list[int],
+    n_rows: int,
+    rows: tuple[int, int],
+    *,
+    seed: int,
+    batch_size: int,
+    generate_kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """This rank's rows' openings, ``before`` (the start token), a drawn token and `GREEDY_TOKENS` top-1 tokens of
+    `teacher`: a ``(count, len(before) + OPENING_TOKENS)`` tensor on the CPU, `batch_size` rows a ``generate``.
+
+    `generate_kwargs` are the sampling's own (`teacher_text.sampling_kwargs`: no penalty, EOS an ordinary token,
+    whatever the model's generation_config.json says); the cuts and the sampling are dropped, the length set here."""
+    greedy = {key: value for key, value in generate_kwargs.items() if key not in _SAMPLING_ONLY}
+    greedy.update(do_sample=False, min_new_tokens=GREEDY_TOKENS, max_new_tokens=GREEDY_TOKENS)
+    candidates = first_tokens(tokenizer, teacher.get_input_embeddings().num_embeddings)
+    drawn = drawn_tokens(candidates, n_rows, rows, seed)
+    width = len(before) + OPENING_TOKENS
+    if not drawn:
+        return torch.empty((0, width), dtype=torch.long)
+    starts = torch.tensor([[*before, token] for token in drawn], dtype=torch.long)
+    device = next(teacher.parameters()).device
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        parts = []
+        for first in range(0, starts.shape[0], batch_size):
+            batch = starts[first : first + batch_size].to(device)
+            out = teacher.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **greedy)
+            parts.append(out.cpu())
+    finally:
+        teacher.train(was_training)
+    opened = torch.cat(parts)
+    if opened.shape[1] != width:
+        raise RuntimeError(f"the teacher's greedy opening returned rows of {opened.shape[1]} tokens, not {width}.")
+    return opened
