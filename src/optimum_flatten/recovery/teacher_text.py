@@ -511,20 +511,14 @@ def sample_teacher_rows(
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
     record = {
-        "rows": int(ids.shape[0]),
-        "seqlen": int(seqlen),
-        **settings,
+        "rows": int(ids.shape[0]), "seqlen": int(seqlen), **settings,
         "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows
-        "cached": cached,
-        **cost,
+        "cached": cached, **cost,
         "tokens_per_second": None if cached else cost["tokens_per_second"],  # reading rows back generates none
-        "tokens": int(ids.numel()),
-        "generated_tokens": generated,
-        "excerpts": excerpts(tokenizer, ids),
+        "tokens": int(ids.numel()), "generated_tokens": generated, "excerpts": excerpts(tokenizer, ids),
         "repetition": repetition_summary(ids, skip=prompt_length),
-    }
-    if sampled is not None:  # this run read the rows: what sampling them cost, for the log and the report
-        record["sampled"] = sampled
+        **({"sampled": sampled} if sampled is not None else {}),  # read back: what sampling them cost
+    }  # fmt: skip
     if record["excerpts"]:
         logger.info("the teacher's text (%s rows), its first row begins: %r", stream, record["excerpts"][0])
     rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
