@@ -99,6 +99,24 @@ def run_capturing_mlp(
         runner.run(module, position, inputs, on_batch=lambda b: state.update(batch=b))
 
 
+@dataclass(frozen=True)
+class LayerRun:
+    """One run of a bridged layer over held states, towards held targets: what every least-squares fit of a bridge
+    reads. `module` is the layer at `position`, `runner` runs it batch by batch over `inputs` (and holds each batch's
+    mask), and ``targets[b]`` is the dense state batch b should reach."""
+
+    adapter: ArchitectureAdapter
+    runner: Any
+    module: torch.nn.Module
+    position: int
+    inputs: Sequence[torch.Tensor]
+    targets: Sequence[torch.Tensor]
+
+    def capture(self, on_batch: Any, read: Literal["output", "down_input"] = "output") -> None:
+        """Runs the layer over every batch with `capture_mlp` open (`run_capturing_mlp`)."""
+        run_capturing_mlp(self.adapter, self.runner, self.module, self.position, self.inputs, on_batch, read=read)
+
+
 class BridgeFit:
     """The float64 statistics of one least-squares bridge, filled a batch at a time, then solved and folded once.
 
@@ -167,26 +185,11 @@ class BridgeFit:
         into = self.held_out if batch == self.held_out_batch and self.held_out is not None else self.fit
         into.update(x, target, mask, stream=y if into.with_gain else None, offset=y)
 
-    def add_run(
-        self,
-        adapter: ArchitectureAdapter,
-        runner: Any,
-        module: torch.nn.Module,
-        position: int,
-        inputs: Sequence[torch.Tensor],
-        targets: Sequence[torch.Tensor],
-    ) -> None:
-        """Adds every batch from one run of the bridged layer `module` (at `position`) over held `inputs`, towards
-        the held `targets`: the held path's walk (`linear_bridge.fit_and_fold_`, or states a selection held)."""
-        run_capturing_mlp(
-            adapter,
-            runner,
-            module,
-            position,
-            inputs,
-            lambda b, x, y: self.add(b, x, y, targets[b], runner.masks[b]),
-            read=self.read,
-        )
+    def add_run(self, run: LayerRun) -> None:
+        """Adds every batch of `run`, the bridged layer over held inputs towards held targets: the held path's walk
+        (`linear_bridge.fit_and_fold_`, or states a selection held)."""
+        masks = run.runner.masks
+        run.capture(lambda b, x, y: self.add(b, x, y, run.targets[b], masks[b]), read=self.read)
 
     def fold_(self, adapter: ArchitectureAdapter, stack: str, k: int) -> dict[str, Any]:
         """Solves once and folds into output layer k of `stack` (the plan applied); returns the report entry.
@@ -303,17 +306,8 @@ def fold_into_down_(adapter: ArchitectureAdapter, stack: str, index: int, transf
     )
 
 
-def fit_with_outputs(
-    adapter: ArchitectureAdapter,
-    runner: Any,
-    module: torch.nn.Module,
-    position: int,
-    inputs: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor],
-    limit: int,
-    estimator: str = "lstsq",
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """T fitted on every batch for the layer at `position`, and that layer's output with T on the first `limit` batches.
+def fit_with_outputs(run: LayerRun, limit: int, estimator: str = "lstsq") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """T fitted on every batch of `run`, and its layer's output with T on the first `limit` batches.
 
     What a search needs to score a replacement without touching the layer: T with ``M T + Y ≈ target`` from one run
     of the layer over every batch, M and Y reduced to float64 statistics batch by batch (no token matrix outlives its
@@ -325,22 +319,21 @@ def fit_with_outputs(
     if estimator not in ("lstsq", "lstsq_gain", "diagonal"):
         raise ValueError(f"a search fits T by 'lstsq', 'lstsq_gain' or 'diagonal', not {estimator!r}.")
     with_gain = estimator == "lstsq_gain"
-    width = adapter.mlp_output_width(module, position)
-    stats = LinearMapStatistics(width, device=inputs[0].device, with_gain=with_gain)
+    width = run.adapter.mlp_output_width(run.module, run.position)
+    device = run.inputs[0].device
+    stats = LinearMapStatistics(width, device=device, with_gain=with_gain)
     captured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def on_batch(b: int, m: torch.Tensor, y: torch.Tensor) -> None:
-        stats.update(m, targets[b], runner.masks[b], stream=y, offset=y)
+        stats.update(m, run.targets[b], run.runner.masks[b], stream=y, offset=y)
         if b < limit:
             captured.append((m, y))
 
-    run_capturing_mlp(adapter, runner, module, position, inputs, on_batch)
+    run.capture(on_batch)
     if with_gain:
         transform, gain, _ = solve_least_squares_with_gain(stats)
     else:
         transform, _ = (solve_diagonal if estimator == "diagonal" else solve_least_squares)(stats)
         gain = 1.0
-    outputs = [
-        (gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(inputs[0].device) for m, y in captured
-    ]
+    outputs = [(gain * y.double() + m.double() @ transform.to(m.device)).to(y.dtype).to(device) for m, y in captured]
     return transform, outputs

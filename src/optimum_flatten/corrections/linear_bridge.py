@@ -32,6 +32,7 @@ from .bridge_fit import (
     LEAST_SQUARES_ESTIMATORS,
     BridgeFit,
     FilledBridge,
+    LayerRun,
     capture_mlp,
     fold_into_down_,
     run_capturing_mlp,
@@ -156,7 +157,7 @@ def _fit_one(
         # One walk of layer k accumulating `BridgeFit`'s float64 statistics towards `target`, then its solve and fold
         # into layer k (the least-squares estimators, ReplaceMe's T or the down refit alike).
         fit = BridgeFit(adapter, module, k, options, runner.num_batches, inputs[0].device)
-        fit.add_run(adapter, runner, module, position, inputs, target)
+        fit.add_run(LayerRun(adapter, runner, module, position, inputs, target))
         return fit.fold_(adapter, stack, k)
     dim = adapter.mlp_output_width(module, k)
     ms: list[torch.Tensor] = []
@@ -289,7 +290,7 @@ def bridged_apply_(
             fit = BridgeFit(adapter, states.layers[k], k, options, runner.num_batches, runner.inputs[0].device)
             with context.timer("linear_replacement"):
                 if from_held:  # the layer before the block on its held input, towards the held output
-                    fit.add_run(adapter, runner, states.layers[k], k, held.before, held.after)
+                    fit.add_run(LayerRun(adapter, runner, states.layers[k], k, held.before, held.after))
                 else:
                     with context.progress_bar(runner.num_batches, "linear replacement: streamed fit") as bar:
                         stream_bridge_statistics_(adapter, states, k, end, fit, on_batch=lambda _b: bar.update())

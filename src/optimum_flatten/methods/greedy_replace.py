@@ -34,7 +34,7 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import mean_angle, next_token_nll
 from ..compression.method import CompressionMethod, MethodContext
-from ..corrections.bridge_fit import fit_with_outputs, fold_into_down_
+from ..corrections.bridge_fit import LayerRun, fit_with_outputs, fold_into_down_
 from ..corrections.linear_bridge import require_bridgeable
 from ..options.methods.greedy_replace import GreedyReplaceConfig
 from ..plan import LayerPlan
@@ -183,9 +183,8 @@ class GreedyReplaceMethod(CompressionMethod):
             if position > 0:
                 previous = kept[position - 1]
                 module = current.layer(previous)
-                transform, start = fit_with_outputs(
-                    adapter, runner, module, previous, states[position - 1], states[position + 1], limit
-                )
+                run = LayerRun(adapter, runner, module, previous, states[position - 1], states[position + 1])
+                transform, start = fit_with_outputs(run, limit)
                 yield "replace", position, index, transform, start
 
     def _flattenable(self, current: _Current, position: int) -> bool:

@@ -29,7 +29,7 @@ from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import bridge_fit_tally
 from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import WorkspaceModel, WorkspaceSizes
-from ..corrections.bridge_fit import BridgeFit, FilledBridge, fit_with_outputs
+from ..corrections.bridge_fit import BridgeFit, FilledBridge, LayerRun, fit_with_outputs
 from ..corrections.compensation import require_compensable
 from ..corrections.linear_bridge import bridged_apply_, require_bridgeable
 from ..options.methods.replaceme import ReplaceMeConfig
@@ -194,9 +194,8 @@ class ReplaceMeMethod(CompressionMethod):
                 start = index + 1 - size  # the block [start, index] ends here; window[-1] leaves it
                 if start < 1 or len(window) < size + 2:
                     continue
-                _, current = fit_with_outputs(
-                    adapter, runner, layers[start - 1], start - 1, window[0], window[-1], limit, search
-                )
+                run = LayerRun(adapter, runner, layers[start - 1], start - 1, window[0], window[-1])
+                _, current = fit_with_outputs(run, limit, search)
                 for later in range(index + 1, num_layers):
                     current = runner.run(layers[later], later, current)
                 losses[start] = next_token_nll(adapter, current, scored, context.stack)
