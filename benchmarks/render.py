@@ -743,7 +743,10 @@ def makeup_table(paths: list[Path]) -> str:
             teacher, start = f"– (the healing speeches, {run['model']}'s tokens)", "–"
         else:
             teacher = run["teacher"]
-            start = "the chat template's assistant turn" if sampling.get("start") == "chat" else "the BOS token"
+            start = {
+                "chat": "the chat template's assistant turn",
+                "random": "the BOS token, a word drawn from the vocabulary, 4 greedy words",
+            }.get(sampling.get("start"), "the BOS token")
             start = f"{start}, then the speeches' paragraphs" if sampling.get("prompts") else start
             start = f"{start}, top-p {sampling['top_p']}" if sampling.get("top_p") else start
         counts = run["counts"]
