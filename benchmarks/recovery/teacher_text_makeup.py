@@ -28,6 +28,9 @@ the same command reads them back): what a sampling setting would give, before an
     python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --speeches
     python -m benchmarks.recovery.teacher_text_makeup --model qwen2.5-0.5b --sample 32 --start chat --top-p 0.9 \
         --label chat_top_p0.9
+
+`--score N` has the dense model score the first N rows it wrote, with full forwards and no KV cache: whether its
+loops are what the model predicts, or what a wrong sampler wrote (`sampled_probability`).
 """
 
 from __future__ import annotations
@@ -106,6 +109,55 @@ def sampled_rows(model_key: str, rows: int, start: str, top_p: float | None, see
     )  # fmt: skip
 
 
+def repeating_positions(ids: torch.Tensor, n: int = 4) -> torch.Tensor:
+    """A mask over `ids` (rows × tokens): True where the n-gram ending at that token already stood earlier in the row
+    (the token continues a loop, as `text_repetition` counts repeats)."""
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for r, row in enumerate(ids.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for end in range(n - 1, len(row)):
+            gram = tuple(row[end - n + 1 : end + 1])
+            mask[r, end] = gram in seen
+            seen.add(gram)
+    return mask
+
+
+@torch.no_grad()
+def sampled_probability(model_key: str, ids: torch.Tensor, skip: int, batch_size: int = 4) -> dict:
+    """How likely the dense model finds the tokens it sampled, each row scored by one full forward with no KV cache
+    (not the path ``generate`` took): the mean probability of the sampled tokens after the row's opening, of those
+    that continue a repeated 4-gram (the loops) and of the rest. Had the sampler's cached path disagreed with the
+    model, what it wrote would be unlikely under the full forward; a model that loops gives its loops a high
+    probability. Also whether greedy decoding from the first row's opening is the same with and without the cache."""
+    from optimum_flatten import bundled
+
+    model, _ = bundled.load_bundled(model_key)
+    model.eval()
+    probabilities = []
+    for first in range(0, ids.shape[0], batch_size):
+        rows = ids[first : first + batch_size]
+        logits = model(input_ids=rows, use_cache=False).logits[:, :-1].float()
+        probabilities.append(torch.softmax(logits, -1).gather(-1, rows[:, 1:, None])[..., 0])
+    p = torch.cat(probabilities)[:, skip - 1 :]  # column i: the token at i + 1; the sampled ones from `skip` on
+    loops = repeating_positions(ids)[:, skip:]
+    opening = ids[:1, : max(skip, 1)]
+    cached, uncached = (
+        model.generate(input_ids=opening, attention_mask=torch.ones_like(opening), do_sample=False, max_new_tokens=32,
+                       min_new_tokens=32, eos_token_id=None, use_cache=flag)
+        for flag in (True, False)
+    )  # fmt: skip
+    return {
+        "rows_scored": int(ids.shape[0]),
+        "protocol": "one forward a row without a KV cache, float32; the probability of each sampled token after the "
+        "opening; a loop token ends a 4-gram already in its row",
+        "mean": round(float(p.mean()), 4),
+        "loop_tokens": int(loops.sum()),
+        "mean_in_loops": round(float(p[loops].mean()), 4) if loops.any() else None,
+        "mean_elsewhere": round(float(p[~loops].mean()), 4) if (~loops).any() else None,
+        "greedy_cached_equals_uncached": bool(torch.equal(cached, uncached)),
+    }
+
+
 def speech_rows(tokenizer: object, seqlen: int = 256) -> torch.Tensor:
     """The healing speeches (`run.training_texts`) as consecutive rows of `seqlen` tokens."""
     from benchmarks.recovery.run import training_texts
@@ -131,6 +183,10 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=None, help="with --sample: a top-p cut (default none)")
     parser.add_argument("--seed", type=int, default=0, help="with --sample")
     parser.add_argument("--sample-cache", default=None, help="with --sample: keep the rows here")
+    parser.add_argument(
+        "--score", type=int, default=0, metavar="N",
+        help="score the first N rows with the dense model (`sampled_probability`; not with --speeches)",
+    )  # fmt: skip
     parser.add_argument("--label", default="", help="a suffix for the result's file name (e.g. prompted)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -155,6 +211,8 @@ def main() -> None:
         **makeup(texts),
         "repetition": {**repetition_summary(ids, skip=skip), "skipped_tokens": skip},
     }
+    if args.score and not args.speeches:
+        result["sampled_probability"] = sampled_probability(args.model, ids[: args.score], skip)
     suffix = f"_{args.label}" if args.label else ""
     out = Path(args.out or f"benchmarks/results/teacher_text_makeup_{args.model}{suffix}.json")
     out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
