@@ -3,11 +3,12 @@
 
 From a bare start token a model writes from the few openings it favours: SmolLM2-Instruct tells stories,
 Qwen2.5-Coder-Instruct writes code and Chinese (benchmarks/NOTEBOOK.md). LLM-QAT draws each sequence's first token
-uniformly from the vocabulary, so that the generated set spreads over what the model knows, then takes the model's
-top-1 next token for the following few tokens (it reports 3 to 5) and samples the rest: sampling straight after a
-random word wanders off, while a few greedy words give the row a coherent opening the sampling then continues. Here
-the rows are the start token, the drawn word, `GREEDY_TOKENS` greedy tokens, then the same plain sampling as every
-other start (`recovery.teacher_text`).
+uniformly from the vocabulary, so that the generated set spreads over what the model knows, takes the model's top-1
+next token for the following few (3 to 5), and samples the rest; the paper reports this mix above sampling or greedy
+decoding throughout. A few greedy words give the row a coherent opening after a random word, which the sampling then
+continues (on SmolLM2, sampling straight after the drawn word wrote fragments of URLs and code). Here the rows are
+the start token, the drawn word, `GREEDY_TOKENS` greedy tokens, then the same plain sampling as every other start
+(`recovery.teacher_text`).
 
 The draws of all rows come from one seeded stream and are dealt to the ranks as the rows are, so the rows do not
 depend on how many processes sample them; the greedy words are deterministic.
