@@ -109,19 +109,6 @@ def sampled_rows(model_key: str, rows: int, start: str, top_p: float | None, see
     )  # fmt: skip
 
 
-def repeating_positions(ids: torch.Tensor, n: int = 4) -> torch.Tensor:
-    """A mask over `ids` (rows × tokens): True where the n-gram ending at that token already stood earlier in the row
-    (the token continues a loop, as `text_repetition` counts repeats)."""
-    mask = torch.zeros_like(ids, dtype=torch.bool)
-    for r, row in enumerate(ids.tolist()):
-        seen: set[tuple[int, ...]] = set()
-        for end in range(n - 1, len(row)):
-            gram = tuple(row[end - n + 1 : end + 1])
-            mask[r, end] = gram in seen
-            seen.add(gram)
-    return mask
-
-
 @torch.no_grad()
 def sampled_probability(model_key: str, ids: torch.Tensor, skip: int, batch_size: int = 4) -> dict:
     """How likely the dense model finds the tokens it sampled, each row scored by one full forward with no KV cache
@@ -130,6 +117,7 @@ def sampled_probability(model_key: str, ids: torch.Tensor, skip: int, batch_size
     model, what it wrote would be unlikely under the full forward; a model that loops gives its loops a high
     probability. Also whether greedy decoding from the first row's opening is the same with and without the cache."""
     from optimum_flatten import bundled
+    from optimum_flatten.recovery.text_repetition import repeated_mask
 
     model, _ = bundled.load_bundled(model_key)
     model.eval()
@@ -139,7 +127,7 @@ def sampled_probability(model_key: str, ids: torch.Tensor, skip: int, batch_size
         logits = model(input_ids=rows, use_cache=False).logits[:, :-1].float()
         probabilities.append(torch.softmax(logits, -1).gather(-1, rows[:, 1:, None])[..., 0])
     p = torch.cat(probabilities)[:, skip - 1 :]  # column i: the token at i + 1; the sampled ones from `skip` on
-    loops = repeating_positions(ids)[:, skip:]
+    loops = repeated_mask(ids)[:, skip:]  # a repeat may reach back into the opening, as scored when measured
     opening = ids[:1, : max(skip, 1)]
     cached, uncached = (
         model.generate(input_ids=opening, attention_mask=torch.ones_like(opening), do_sample=False, max_new_tokens=32,

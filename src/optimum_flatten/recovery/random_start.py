@@ -20,7 +20,6 @@ import random
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..utils.errors import CalibrationDataError
 
@@ -53,43 +52,18 @@ def drawn_tokens(candidates: list[int], n_rows: int, rows: tuple[int, int], seed
     return random.Random(seed).choices(candidates, k=n_rows)[first : first + count]
 
 
-@torch.no_grad()
-def random_starts(
-    teacher: nn.Module,
-    tokenizer: Any,
-    before: list[int],
-    n_rows: int,
-    rows: tuple[int, int],
-    *,
-    seed: int,
-    batch_size: int,
-    generate_kwargs: dict[str, Any],
+def drawn_starts(
+    before: list[int], candidates: list[int], n_rows: int, rows: tuple[int, int], seed: int
 ) -> torch.Tensor:
-    """This rank's rows' openings, ``before`` (the start token), a drawn token and `GREEDY_TOKENS` top-1 tokens of
-    `teacher`: a ``(count, len(before) + OPENING_TOKENS)`` tensor on the CPU, `batch_size` rows a ``generate``.
-
-    `generate_kwargs` are the sampling's own (`teacher_text.sampling_kwargs`: no penalty, EOS an ordinary token,
-    whatever the model's generation_config.json says); the cuts and the sampling are dropped, the length set here."""
-    greedy = {key: value for key, value in generate_kwargs.items() if key not in _SAMPLING_ONLY}
-    greedy.update(do_sample=False, min_new_tokens=GREEDY_TOKENS, max_new_tokens=GREEDY_TOKENS)
-    candidates = first_tokens(tokenizer, teacher.get_input_embeddings().num_embeddings)
+    """This rank's rows' beginnings before the greedy words: ``before`` (the start token) and a drawn token each, a
+    ``(count, len(before) + 1)`` tensor (`drawn_tokens`)."""
     drawn = drawn_tokens(candidates, n_rows, rows, seed)
-    width = len(before) + OPENING_TOKENS
-    if not drawn:
-        return torch.empty((0, width), dtype=torch.long)
-    starts = torch.tensor([[*before, token] for token in drawn], dtype=torch.long)
-    device = next(teacher.parameters()).device
-    was_training = teacher.training
-    teacher.eval()
-    try:
-        parts = []
-        for first in range(0, starts.shape[0], batch_size):
-            batch = starts[first : first + batch_size].to(device)
-            out = teacher.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **greedy)
-            parts.append(out.cpu())
-    finally:
-        teacher.train(was_training)
-    opened = torch.cat(parts)
-    if opened.shape[1] != width:
-        raise RuntimeError(f"the teacher's greedy opening returned rows of {opened.shape[1]} tokens, not {width}.")
-    return opened
+    return torch.tensor([[*before, token] for token in drawn], dtype=torch.long).view(len(drawn), len(before) + 1)
+
+
+def greedy_kwargs(generate_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``generate`` is given for the greedy words: the sampling's own settings (`teacher_text.sampling_kwargs`:
+    no penalty, EOS an ordinary token, whatever the model's generation_config.json says) without the sampling and
+    its cuts, for `GREEDY_TOKENS` new tokens."""
+    greedy = {key: value for key, value in generate_kwargs.items() if key not in _SAMPLING_ONLY}
+    return {**greedy, "do_sample": False, "min_new_tokens": GREEDY_TOKENS, "max_new_tokens": GREEDY_TOKENS}

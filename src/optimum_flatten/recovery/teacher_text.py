@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from ..utils.errors import CalibrationDataError
-from .random_start import GREEDY_TOKENS, OPENING_TOKENS, random_starts
+from .random_start import GREEDY_TOKENS, OPENING_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_text_cache import cache_key, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
@@ -175,7 +175,7 @@ def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
     after. ``"chat"``: the tokenizer's chat template around a user turn holding the prompt, its generation prompt
     opening the assistant's turn, so that an instruct model writes as it was tuned to (with its default system
     turn, if the template has one)."""
-    if start == "random":  # the start token; `random_start.random_starts` writes each row's first words
+    if start == "random":  # the start token; `sample_teacher_rows` draws each row's word and greedy words
         return [start_token(tokenizer)[0]], [], "random"
     if start != "chat":
         token, kind = start_token(tokenizer)
@@ -497,12 +497,13 @@ def sample_teacher_rows(
     cached, vllm_bytes = ids is not None, None
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
-        if start_kind == "random":
-            starts = random_starts(
-                teacher_model, tokenizer, before, n_rows, _rank_rows(n_rows, rank, world_size),
-                seed=batch_seed(seed, f"{stream}:first-token", 0, 0), batch_size=batch_size or
-                default_batch_size(teacher_model, seqlen), generate_kwargs=kwargs,
-            )  # fmt: skip
+        if start_kind == "random":  # a drawn word, then the teacher's greedy words (`generate`, whatever backend)
+            candidates = first_tokens(tokenizer, teacher_model.get_input_embeddings().num_embeddings)
+            drawn = drawn_starts(before, candidates, n_rows, _rank_rows(n_rows, rank, world_size),
+                                 seed=batch_seed(seed, f"{stream}:first-token", 0, 0))  # fmt: skip
+            greedy_batch = batch_size or default_batch_size(teacher_model, seqlen)
+            starts, _ = _continue(teacher_model, drawn, drawn.shape[1] + GREEDY_TOKENS, greedy_kwargs(kwargs),
+                                  greedy_batch, seed, stream, rank, progress=False)  # fmt: skip
         else:
             starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
         mine, vllm_bytes = _continue(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)

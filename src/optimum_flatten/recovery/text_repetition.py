@@ -22,15 +22,28 @@ NGRAM = 4
 LOOPING_SHARE = 0.25
 
 
+def repeated_mask(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> torch.Tensor:
+    """A mask over ``ids[:, skip:]`` (rows × tokens): True at each token that ends an n-gram equal to one ending
+    earlier in the same row, counted from token `skip` on (the token continues a repeat)."""
+    rows = ids[:, skip:]
+    mask = torch.zeros(rows.shape, dtype=torch.bool)
+    for r, row in enumerate(rows.tolist()):
+        seen: set[tuple[int, ...]] = set()
+        for end in range(n - 1, len(row)):
+            gram = tuple(row[end - n + 1 : end + 1])
+            mask[r, end] = gram in seen
+            seen.add(gram)
+    return mask
+
+
 def repeated_shares(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> list[float]:
     """Per row of `ids` (rows × tokens), the share of its n-grams from token `skip` on (what the model wrote, not
-    the start and prompt it was given) that equal an n-gram earlier in that row; 0 for a row with fewer than n
-    tokens after `skip`."""
-    shares = []
-    for row in ids[:, skip:].tolist():
-        grams = [tuple(row[i : i + n]) for i in range(len(row) - n + 1)]
-        shares.append(1.0 - len(set(grams)) / len(grams) if grams else 0.0)
-    return shares
+    the start and prompt it was given) that equal an n-gram earlier in that row (`repeated_mask`); 0 for a row with
+    fewer than n tokens after `skip`."""
+    grams = ids.shape[1] - skip - n + 1
+    if grams <= 0:
+        return [0.0] * ids.shape[0]
+    return [int(count) / grams for count in repeated_mask(ids, skip, n).sum(dim=1)]
 
 
 def repetition_summary(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> dict[str, Any]:
