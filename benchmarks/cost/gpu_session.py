@@ -5,28 +5,24 @@ most wanted first, each in its own process with its own time limit (so one slow 
 written to `--out-dir` as soon as it exists (a call cut short keeps what finished). The device returns at most 8 files,
 so every step's output goes to one ``session.log`` (6 JSON files + the log + ``session.json``), and `--budget` caps
 the whole call: a step gets at most what is left of it, so ``session.json`` is written before the device's limit.
-Rows:
+Steps, most wanted first (`--rows` picks some; the files come back in this order of need):
 
-1. ``defaults``: FlattenGPT's defaults at LLaMA-2-7B, 7 of 32 removed, with the prefill speed-up;
-2. ``replaceme``: ReplaceMe's defaults at the same shape: over the default budget for the window, the selection
-   walks once batch by batch with the statistics of 4 shortlisted starts (never timed on a GPU; estimated 1.25x one
-   dense forward and 5.56 GiB, the issue's two goals at once; the report's ``one_pass`` says whether the block was
-   on the shortlist);
-3. ``replaceme_held``: ReplaceMe with ``held_states_gb=24``: the selection walk holds the states around the block
-   (7 + 4 copies of 2 GiB) and the fit runs one layer on them (1.18-1.19x at 23 GiB on the H100 and the H200);
-4. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged (the 40 GiB workspace goal, now
-   that the sequential targets hold the selection's cached states);
-5. ``profile``: FlattenGPT's defaults at LLaMA-2-7B widths, 8 layers built, 2 removed, under `torch.profiler`
-   (diagnostic: where each phase's time goes on the device, the operators and the host synchronisations; the last
-   profile predates the split bfloat16 moments and the cached targets). The ``bfloat16`` row left the call: since
-   ``covariance_dtype="auto"`` resolves to it at 7B widths it measured the defaults twice;
+1. ``replaceme``: ReplaceMe's defaults at LLaMA-2-7B, 7 of 32 removed: over the default budget for the window, the
+   selection walks once batch by batch with the statistics of 4 shortlisted starts (estimated 1.25x one dense forward
+   and 5.16 GiB; the report's ``one_pass`` says whether the block was on the shortlist);
+2. ``heal``: `heal_shape.py`, what healing costs at LLaMA-2-7B shape: each mode's peak memory and training tokens a
+   second with the teacher held, the mode the default picks on an 80 and a 141 GiB device, the footprint estimate
+   against the measured rise, and the teacher's sampling speed from a random first token;
+3. ``defaults``: FlattenGPT's defaults at the same shape, with the prefill speed-up;
+4. ``replaceme_held``: ReplaceMe with ``held_states_gb=24`` (1.18-1.19x at 23 GiB on the H100 and the H200);
+5. ``70b``: FlattenGPT's defaults at 70B widths, 4 layers built, one pair merged (the 40 GiB workspace goal);
+6. ``profile``: FlattenGPT's defaults at LLaMA-2-7B widths, 8 layers built, 2 removed, under `torch.profiler`
+   (diagnostic: where each phase's time goes on the device, the operators and the host synchronisations);
 
 after the tests `host_copy.py` (``host_copy``: pinning 2 GiB of host memory, one device-to-host copy of it, and how
-much of that copy a layer's worth of bfloat16 products hides: whether ReplaceMe's window can live in host memory;
-its figures go into ``session.json``, not a file of their own), and at the end `kv_search.py` at LLaMA-2-7B widths
-on the GPU (``kv_search``: FlattenGPT's KV-group search alone, downdated and with one factorisation a step), which
-checks the search's removal scoring on the accelerator (its inner products as a product and a sum since 2026-11-27,
-unmeasured before). 8 files come back: 5 rows, this search, the log, the summary.
+much of that copy a layer's worth of bfloat16 products hides; its figures go into ``session.json``), and at the end
+`kv_search.py` at LLaMA-2-7B widths on the GPU (``kv_search``: FlattenGPT's KV-group search alone). Every step
+together would bring back 9 files, one over the device's 8: a call names the rows it runs.
 
 Protocol per row: `gpu_shape.py`'s (random bf16 weights, 128 × 2048 calibration tokens in batches of 8, one dense
 forward after a warm-up, `--repeats 1` to save the session's minutes, per-phase peaks). Copy the JSON files into
@@ -56,15 +52,19 @@ from pathlib import Path
 #: The repository root: every step runs there, as ``python -m benchmarks.cost.<script>``, with its src on PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[2]
 
-#: (label, gpu_shape.py arguments, seconds allowed), most wanted first.
+#: (label, gpu_shape.py arguments, seconds allowed), most wanted first (`HEAL` runs after the first of them).
 ROWS: list[tuple[str, list[str], int]] = [
-    ("defaults", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--prefill"], 170),
     ("replaceme", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme"], 80),
+    ("defaults", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--prefill"], 170),
     ("replaceme_held", ["--shape", "llama-2-7b", "--num-layers-to-remove", "7", "--method", "replaceme",
                         "--method-args", '{"held_states_gb": 24}'], 80),
     ("70b", ["--shape", "llama-2-70b", "--layers", "4", "--num-layers-to-remove", "1"], 100),
     ("profile", ["--shape", "llama-2-7b", "--layers", "8", "--num-layers-to-remove", "2", "--profile"], 100),
 ]  # fmt: skip
+#: `heal_shape.py`'s step: (label, arguments, arguments at the tiny shape on the CPU, seconds allowed).
+HEAL = ("heal", ["--shape", "llama-2-7b"], ["--shape", "tiny", "--device", "cpu", "--dtype", "float32",
+        "--num-layers-to-remove", "2", "--steps", "1", "--sample-seqlen", "32", "--modes", "full", "local"],
+        220)  # fmt: skip
 
 
 def run(command: list[str], limit: int, log: Path, title: str) -> dict:
@@ -96,6 +96,20 @@ def host_copy(tiny: bool, started: float, budget: float, log: Path) -> dict:
         step = run(command, remaining(40, started, budget), log, "host_copy")
         if target.exists():
             step["result"] = json.loads(target.read_text())
+    return step
+
+
+def heal(tiny: bool, started: float, budget: float, out: Path, log: Path) -> dict:
+    """`heal_shape.py`'s step: each healing mode's peak and speed at 7B, the default's choice, the teacher's
+    sampling speed (its JSON is written row by row, so a step cut short keeps the modes that finished)."""
+    label, full_args, tiny_args, limit = HEAL
+    allowed = remaining(limit, started, budget)
+    if allowed < 30:
+        return {"status": f"not run: {allowed} s of the budget left"}
+    target = out / "heal_gpu_llama-2-7b.json" if not tiny else out / "heal_tiny.json"
+    command = [sys.executable, "-m", "benchmarks.cost.heal_shape", *(tiny_args if tiny else full_args)]
+    step = run([*command, "--out", str(target)], allowed, log, label)
+    step["written"] = target.exists()
     return step
 
 
@@ -134,7 +148,10 @@ def main() -> None:
     if not args.rows or "host_copy" in args.rows:
         steps["host_copy"] = host_copy(args.tiny, started, args.budget, log)
         print("host_copy:", steps["host_copy"], flush=True)
-    for label, row_args, limit in ROWS:
+    for index, (label, row_args, limit) in enumerate(ROWS):
+        if index == 1 and (not args.rows or HEAL[0] in args.rows):
+            steps[HEAL[0]] = heal(args.tiny, started, args.budget, out, log)
+            print(f"{HEAL[0]}:", steps[HEAL[0]], flush=True)
         if args.rows and label not in args.rows:
             continue
         row_args = list(row_args)
