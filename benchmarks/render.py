@@ -782,6 +782,61 @@ def footprint_table(paths: list[Path]) -> str:
     return header + "\n" + "\n".join(rows)
 
 
+def heal_gpu_table(paths: list[Path]) -> str:
+    """`benchmarks/cost/heal_shape.py`: what each healing mode held and how fast it trained at a real model shape on a
+    GPU, with the footprint the default mode follows as the code estimates it today (`footprint_today`), and the
+    teacher's sampling speed where the run measured it."""
+    from benchmarks.cost.heal_shape import default_today, footprint_today
+
+    header = (
+        "| run | device | dtype | student | rows × tokens a step | mode | optimiser | embeddings | steps | train tok/s "
+        "| rise GiB: allocated / reserved | estimate today GiB (state + activations) | estimate / reserved |\n"
+        + "|---" * 13
+        + "|"
+    )
+    rows, sampling, defaults = [], [], []
+    for path in paths:
+        run = json.loads(path.read_text())
+        shapes = run["shapes"]
+        name = path.stem.removeprefix("heal_gpu_")
+        student = f"{shapes['student_layers']} of {shapes['num_hidden_layers']} layers, {run['student_gib']:.1f} GiB"
+        for label, mode in run["modes"].items():
+            reserved = mode.get("reserved_rise_gib")
+            estimate = ratio = "–"
+            if mode["mode"] == "full":
+                today = footprint_today(run, label)
+                estimate = f"{(today.state + today.activations) / 2**30:.1f} ({today.state / 2**30:.1f} + "
+                estimate += f"{today.activations / 2**30:.1f})"
+                if reserved:
+                    ratio = f"{(today.state + today.activations) / 2**30 / reserved:.2f}"
+            rows.append(
+                f"| {name} | {run['device']} | {run['dtype']} | {student} | {shapes['rows_per_step']} × "
+                f"{shapes['seqlen']} | {mode['mode']} | {mode['optimizer']} | {mode['embeddings'].split(' ')[0]} | "
+                f"{mode['steps']} | {mode['train_tokens_per_second']:.0f} | {mode['rise_gib']:.1f} / "
+                f"{f'{reserved:.1f}' if reserved else '–'} | {estimate} | {ratio} |"
+            )
+        if run.get("sampling"):
+            got = run["sampling"]
+            sampling.append(
+                f"{name}: {got['rows']} rows of {got['seqlen']} tokens from a random first token in one batch, "
+                f"{got['seconds']:.1f} s, {got['generated_tokens_per_second']:.0f} generated tokens/s, "
+                f"{got['rise_gib']:.1f} GiB above the teacher"
+            )
+        if not defaults:  # at the default batch whatever the run's, so one reading: the shapes are the same
+            defaults = [f"{total} GiB → {default_today(run, total)}" for total in (80, 141)]
+    return (
+        header
+        + "\n"
+        + "\n".join(rows)
+        + "\n\nThe teacher's sampling (`sample_teacher_rows`, the batch sized to the free memory): "
+        + "; ".join(sampling)
+        + ".\n\nThe mode `recover` picks by default today (4 rows of 256 tokens a step) on a device that holds the "
+        + "teacher and the student: "
+        + "; ".join(defaults)
+        + "."
+    )
+
+
 def tables() -> dict[str, str]:
     """Every table, by the marker name that `RESULTS.template.md` uses (``<!-- table:NAME -->``)."""
     renderers = {"depth": depth_table, "quality": depth_table, "speed": speed_table, "scale": scale_table}
@@ -822,6 +877,8 @@ def tables() -> dict[str, str]:
             out[f"healing_text:{model}"] = healing_text_table(healing)
     if makeups := sorted(RESULTS.glob("teacher_text_makeup_*.json")):
         out["teacher_text_makeup"] = makeup_table(makeups)
+    if heals := sorted(RESULTS.glob("heal_gpu_*.json")):
+        out["heal:gpu"] = heal_gpu_table(heals)
     if footprints := sorted(RESULTS.glob("footprint_*.json")):
         out["footprint"] = footprint_table(footprints)
     if (RESULTS / "clients.json").exists():

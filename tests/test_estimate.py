@@ -554,6 +554,23 @@ def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
     assert "heal_fallbacks" not in plain
 
 
+def test_heal_on_a_named_gpu_counts_the_allocators_state(tmp_path, capsys):
+    """`estimate --heal --device h100`: the healing's state is what a CUDA device holds (`ACCELERATOR_STATE_FACTOR`),
+    the host's larger factor only without a device."""
+    from optimum_flatten.estimate import compressed_shape_, meta_model
+    from optimum_flatten.recovery import RecoveryConfig
+    from optimum_flatten.recovery.footprint import full_footprint
+
+    _write_config(tmp_path)
+    command = ["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json", "--heal"]
+    assert main([*command, "--device", "h100"]) == 0
+    on_gpu = json.loads(capsys.readouterr().out)
+    student = compressed_shape_(meta_model(str(tmp_path)), 2)
+    expected = full_footprint(student, RecoveryConfig(), accelerator=True)
+    assert on_gpu["heal_full_bytes"] == {"state": expected.state, "activations": expected.activations}
+    assert expected.state < full_footprint(student, RecoveryConfig()).state
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_a_mixture_of_experts_is_estimated_with_every_expert_held(family, tmp_path, capsys):
     """The shape of a mixture: all experts' weights (memory holds them whether a token is routed or not), the

@@ -310,6 +310,12 @@ H100_KNOWN_GAPS = {
 #: the H100 table but the float32 and tf32 ones, which "auto" replaced as the default): the same chip's arithmetic
 #: with faster memory, so the same model with the H200's bandwidth must predict them as it predicts the H100's.
 H200_ROWS = [(f"{row[0]}_h200", *row[1:]) for row in H100_ROWS_TODAY if not row[0].endswith(("float32", "tf32"))]
+#: The call of 2026-11-30 on an H200 (code of ccd70be) measured ReplaceMe's one-walk default, which the row of that name
+#: now holds (so predicted with the default options); the streamed row it replaced keeps its file and its options.
+H200_ROWS = [
+    (name, *rest) if name != "cost_gpu_llama-2-7b_replaceme_h200" else (name, rest[0], rest[1], rest[2], {})
+    for name, *rest in H200_ROWS
+] + [("cost_gpu_llama-2-7b_replaceme_h200_before_one_walk", {}, "replaceme", 7, {"fit_shortlist": 0})]
 #: The H100's known gaps as they stand on the H200 (measured / predicted s): attention solve 3.97 / 2.72, solve 3.88 /
 #: 2.38; the same launch-bound panels and float64 products, so the same strict expected failures.
 H200_KNOWN_GAPS = {(f"{name}_h200", phase) for name, phase in H100_KNOWN_GAPS if "defaults" in name}

@@ -15,7 +15,8 @@ this run, except the mode choice, which is the library's own memory check read a
   through the tiny character tokenizer (`utils.tiny`; the vocabulary's size is the model's, so the logits and the
   loss are full size), the gate's 8 held-out rows scored before and after;
 - per mode: ``torch.cuda.max_memory_allocated`` over `recover` (reset before it) less what was allocated before it
-  (teacher, the compressed student kept to copy from, the mode's copy), training tokens a second from the log's
+  (teacher, the compressed student kept to copy from, the mode's copy), the same for the allocator's reserved memory
+  (the cache emptied before), training tokens a second from the log's
   ``train_seconds``, and for `full` `recovery.footprint.full_footprint`'s estimate of the same run (its state and
   activation terms: the teacher is resident) against the measured rise;
 - the default mode (`ModeChoice`, the library's check) with the free memory of an 80 GiB and a 141 GiB device that
@@ -80,6 +81,52 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
+def meta_student(result: dict[str, Any]):
+    """The measured student's shape on the meta device (the layers ReplaceMe kept, its dtype, SDPA attention as
+    measured): what today's footprint is read from when a page is rendered, so the page compares the measurement with
+    the estimate the code makes now, not the one it made then."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shapes = result["shapes"]
+    sizes = {key: shapes[key] for key in SHAPES[shapes["shape"]] if key != "num_hidden_layers"}
+    config = LlamaConfig(vocab_size=shapes["vocab_size"], num_hidden_layers=shapes["student_layers"], **sizes)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, result["dtype"]))
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def footprint_today(result: dict[str, Any], label: str):
+    """`full_footprint` on a CUDA device, as the code estimates it now, of mode `label`'s run in `result`."""
+    from optimum_flatten.recovery import RecoveryConfig
+    from optimum_flatten.recovery.footprint import full_footprint
+
+    shapes = result["shapes"]
+    overrides = dict(MODES)[label]
+    config = RecoveryConfig(per_device_train_batch_size=shapes["rows_per_step"], seqlen=shapes["seqlen"], **overrides)
+    return full_footprint(meta_student(result), config, accelerator=True)
+
+
+def default_today(result: dict[str, Any], total_gib: int) -> str:
+    """The mode the default picks today (`ModeChoice`'s order, without bitsandbytes) on a CUDA device of `total_gib`
+    holding the measured teacher and student."""
+    from optimum_flatten.recovery import RecoveryConfig
+    from optimum_flatten.recovery.footprint import HEADROOM, candidate_footprints
+
+    free = (total_gib - result["teacher_gib"] - result["student_gib"]) * GIB
+    candidates = candidate_footprints(meta_student(result), RecoveryConfig(), accelerator=True)
+    for name, footprint in candidates:
+        if "adamw_bnb_8bit" not in name and footprint.total <= HEADROOM * free:
+            return "full" if name == "as asked" else f"full {name}"
+    return "local"
+
+
 def compressed_student(teacher, tokenizer, texts: list[str], layers: int):
     """A copy of `teacher` compressed by ReplaceMe with its defaults, and the report `local` reads its spans from."""
     from optimum_flatten import FlattenConfig, FlattenQuantizer
@@ -133,11 +180,13 @@ def heal_once(student, teacher, tokenizer, texts, report, overrides, args, devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = _allocated(device)
+    reserved_before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     start = time.perf_counter()
     _, log = recover(student, tokenizer, texts, config, teacher=teacher, report=report)
     _synchronise(device)
     wall = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    reserved = torch.cuda.max_memory_reserved(device) - reserved_before if device.type == "cuda" else 0
     row = {
         "mode": log["mode"],
         "optimizer": log["optimizer"],
@@ -150,6 +199,8 @@ def heal_once(student, teacher, tokenizer, texts, report, overrides, args, devic
         "allocated_before_gib": before / GIB,
         "peak_allocated_gib": peak / GIB,
         "rise_gib": (peak - before) / GIB,
+        # What the caching allocator took from the device (allocations and its fragmentation): what must be free.
+        "reserved_rise_gib": reserved / GIB,
         "gate": log["gate"],
     }
     if estimate is not None:
@@ -160,6 +211,7 @@ def heal_once(student, teacher, tokenizer, texts, report, overrides, args, devic
             "total_gib": total / GIB,
             # Above (positive) or below (negative) the measured rise, as a share of it; a CPU has no such reading.
             "over_measured": total / (peak - before) - 1 if peak > before else None,
+            "over_reserved": total / reserved - 1 if reserved > 0 else None,
         }
     return row
 
@@ -265,6 +317,7 @@ def main() -> None:
         if args.modes and label not in args.modes:
             continue
         student = copy.deepcopy(base).requires_grad_(True)
+        _free(device)  # the reserved memory's rise starts from an emptied cache
         try:
             row = heal_once(student, teacher, tokenizer, texts, report, overrides, args, device)
         except torch.OutOfMemoryError as error:

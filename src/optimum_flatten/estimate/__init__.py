@@ -526,8 +526,9 @@ def estimate_checkpoint(
         step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
         sampling = sampling_bytes(model, healing)  # the dense teacher samples
         student = compressed_shape_(model, num_layers_to_remove)  # (the meta model itself, its estimate taken)
-        result = result.with_heal_teacher(full_footprint(student, healing), step)
-        result = result.with_heal_fallbacks(candidate_footprints(student, healing), sampling)
+        accelerator = device is not None  # the presets are GPUs; without one, the host's (larger) state factor
+        result = result.with_heal_teacher(full_footprint(student, healing, accelerator=accelerator), step)
+        result = result.with_heal_fallbacks(candidate_footprints(student, healing, accelerator=accelerator), sampling)
     return result if device is None else result.with_device(device)
 
 

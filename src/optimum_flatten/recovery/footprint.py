@@ -4,17 +4,20 @@
 
 `full` was the best mode at every budget measured (benchmarks/recovery: SmolLM2-135M after FlattenGPT and after
 ReplaceMe, Qwen2.5-0.5B after ReplaceMe, where `local` never beat its input), but it holds the whole student's
-gradients and optimiser state: about 16 bytes a parameter at float32, so no 7B model on one 80 GB GPU. The bound here is
-meant to be safe rather than tight, since a wrong "fits" fails a run mid-way and a wrong "does not fit" only picks the
-second-best mode:
+gradients and optimiser state: 3 times the trained weights and more (at LLaMA-2-7B shape in bfloat16, 30 GiB above
+the 22 GiB of teacher and student, measured on an H200). The bound here is meant to be safe rather than tight, since a
+wrong "fits" fails a run mid-way and a wrong "does not fit" only picks the second-best mode:
 
 - the trained weights' gradients and Adam's two moments (3 × their bytes, in their dtype, as torch keeps them), the
   gate's copy of the best state (1 ×, on the host) and the optimiser step's temporaries and the allocator's slack
-  (4 ×): ``STATE_FACTOR`` = 8 times the trained weights. Measured as peak resident memory above what was loaded
-  (benchmarks/recovery/footprint.py): 7.0 × on SmolLM2-135M in float32, 4.5 × on Qwen2.5-0.5B in bfloat16;
+  (4 ×): ``STATE_FACTOR`` = 8 times the trained weights in host memory. Measured as peak resident memory above what
+  was loaded (benchmarks/recovery/footprint.py): 7.0 × on SmolLM2-135M in float32, 4.5 × on Qwen2.5-0.5B in bfloat16.
+  On a CUDA device the gate's copy is not on the device and the caching allocator's peak has no resident-memory
+  slack: ``ACCELERATOR_STATE_FACTOR`` = 4 (measured 3.0 × at LLaMA-2-7B shape, benchmarks/cost/heal_shape.py);
 - activations kept for the backward pass, per token and layer ``16·hidden + 4·intermediate + 2·heads·seqlen``
   elements (the residual stream's norms, projections and their inputs; the MLP's up, gate and activation; attention's
-  probabilities), at the weights' dtype;
+  probabilities, only with eager attention: SDPA and flash kernels recompute them), at the weights' dtype. At
+  LLaMA-2-7B shape with SDPA, 4 rows of 2048 tokens measured 58 GiB reserved against this bound's 81;
 - the teacher's weights when it is still to be loaded;
 - with teacher text (`RecoveryConfig.teacher_text`), one sampling batch's KV cache and next-token logits
   (`recovery.teacher_text`), held before training starts, so it counts against the training state, not beside it (the
@@ -50,8 +53,14 @@ def _variant(optim: str | None, train_embeddings: bool | None) -> str:
     return "with " + " and ".join(parts)
 
 
-#: Bytes held beside the trained weights per byte of them (gradients, Adam's moments, the gate's copy, temporaries).
+#: Bytes held beside the trained weights per byte of them where the peak is the process's resident memory (a CPU):
+#: gradients, Adam's moments, the gate's copy, temporaries and the allocator's slack.
 STATE_FACTOR = 8
+#: The same on a CUDA device, where the peak is the caching allocator's: gradients and AdamW's two moments, and one
+#: more for the optimiser step's temporaries and the allocator's fragmentation. The gate keeps its copy of the best
+#: state in host memory, not on the device. Measured at LLaMA-2-7B shape in bfloat16 on an H200: 3.0x the trained
+#: weights with AdamW, 1.2x with Adafactor (benchmarks/cost/heal_shape.py; NOTEBOOK.md, "Healing at 7B").
+ACCELERATOR_STATE_FACTOR = 4
 #: The part of `STATE_FACTOR` that is AdamW's two moments (at the weights' dtype); another optimiser replaces it.
 ADAM_MOMENTS = 2
 #: Optimisers of the Trainer's own list (`TrainingArguments.optim`) that `full` may fall back to where AdamW's state
@@ -108,34 +117,48 @@ def embedding_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in embedding_tables(model))
 
 
-def full_footprint(student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0) -> FullFootprint:
+def full_footprint(
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0, accelerator: bool | None = None
+) -> FullFootprint:
     """The upper estimate of what training every parameter of `student` with `config`'s batch adds (module docstring).
 
     Args:
         student: The model to be healed (its parameters' dtype is the state's).
         config: The batch shape (rows per device, accumulation, seqlen), and whether the embeddings are trained.
         teacher_bytes: Bytes of a teacher not loaded yet (0: already resident, or none).
+        accelerator: Whether it trains on a CUDA device (`ACCELERATOR_STATE_FACTOR`) rather than in host memory
+            (`STATE_FACTOR`); None: where the student's parameters are.
     """
     weights = weight_bytes(student) - (0 if config.trains_embeddings else embedding_bytes(student))
-    element = next((p.element_size() for p in student.parameters() if p.is_floating_point()), 4)
-    state_factor = optimiser_state_factor(str(config.extra_training_args.get("optim", "adamw_torch")), element)
+    parameter = next((p for p in student.parameters() if p.is_floating_point()), None)
+    element = parameter.element_size() if parameter is not None else 4
+    if accelerator is None:
+        accelerator = parameter is not None and parameter.device.type == "cuda"
+    state_factor = optimiser_state_factor(
+        str(config.extra_training_args.get("optim", "adamw_torch")),
+        element,
+        ACCELERATOR_STATE_FACTOR if accelerator else STATE_FACTOR,
+    )
     text = student.config.get_text_config()
     hidden = int(text.hidden_size)
     intermediate = int(getattr(text, "intermediate_size", None) or 4 * hidden)
     heads = int(text.num_attention_heads)
-    per_token_layer = 16 * hidden + 4 * intermediate + 2 * heads * config.seqlen
+    per_token_layer = 16 * hidden + 4 * intermediate
+    if getattr(text, "_attn_implementation", None) in (None, "eager"):  # SDPA and flash kernels keep no probabilities
+        per_token_layer += 2 * heads * config.seqlen
     tokens = config.per_device_train_batch_size * config.seqlen
     activations = tokens * int(text.num_hidden_layers) * per_token_layer * element
     sampling = sampling_bytes(student, config) if config.teacher_text > 0 else 0
     return FullFootprint(math.ceil(state_factor * weights), activations, int(teacher_bytes), sampling)
 
 
-def optimiser_state_factor(optim: str, element: int) -> float:
-    """`STATE_FACTOR` for the Trainer's optimiser `optim` (AdamW's unless it is one of `LEAN_OPTIMISERS`), per byte
-    of trained weights of `element` bytes each."""
+def optimiser_state_factor(optim: str, element: int, adamw_factor: float = STATE_FACTOR) -> float:
+    """The state factor (`adamw_factor`: `STATE_FACTOR` or `ACCELERATOR_STATE_FACTOR`, both AdamW's) for the
+    Trainer's optimiser `optim` (AdamW's unless it is one of `LEAN_OPTIMISERS`), per byte of trained weights of
+    `element` bytes each."""
     if optim not in LEAN_OPTIMISERS:
-        return float(STATE_FACTOR)
-    return STATE_FACTOR - ADAM_MOMENTS + LEAN_OPTIMISERS[optim] / element
+        return float(adamw_factor)
+    return adamw_factor - ADAM_MOMENTS + LEAN_OPTIMISERS[optim] / element
 
 
 def lean_optimisers() -> list[str]:
@@ -172,7 +195,7 @@ def full_candidates(config: RecoveryConfig, optimisers: list[str]) -> list[tuple
 
 
 def candidate_footprints(
-    student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int = 0, accelerator: bool | None = None
 ) -> list[tuple[str, FullFootprint]]:
     """`full_footprint` of every candidate the default mode tries, in its order, with every lean optimiser whether
     this machine could run it or not (an estimate is read for another machine): (how the log names it, footprint)."""
@@ -181,7 +204,7 @@ def candidate_footprints(
         extra = {**config.extra_training_args, **({"optim": optim} if optim else {})}
         variant = dataclasses.replace(config, train_embeddings=train, extra_training_args=extra)
         name = "as asked" if optim is None and train == config.train_embeddings else _variant(optim, train)
-        named.append((name, full_footprint(student, variant, teacher_bytes)))
+        named.append((name, full_footprint(student, variant, teacher_bytes, accelerator)))
     return named
 
 
