@@ -38,6 +38,7 @@ from ..utils.torch_utils import input_device
 from .base import ArchitectureAdapter
 from .checks import check_encoder_forward
 from .layout import AttentionLayout, BlockLayout, MlpLayout
+from .post_ln import post_ln_reasons
 from .registry import register_adapter
 
 #: The BertLayer. Post-LN: ``attn_norm`` follows the attention residual add, ``mlp_norm`` the MLP residual add. 5.23
@@ -86,14 +87,9 @@ class BertAdapter(ArchitectureAdapter):
     capabilities = frozenset({"head_geometry", "layer_drop", "parameter_merge", "dense_mlp"})
     #: ``BertForMaskedLM``/``BertForPreTraining``'s ``cls.predictions.transform`` reads ``hidden_act`` (5.23).
     activation_config_readers = ("transform_act_fn",)
-    missing_capability_reasons: ClassVar[dict[str, str]] = {
-        "pre_norm": "BERT is post-LN: each LayerNorm normalises the sum of a block's input and update, so norm gains "
-        "cannot be folded into the projections and blocks cannot run in parallel on one normalised input; use "
-        "shortgpt, laco or sliding_window on BERT",
-        "concat_heads": "post-LN BERT blocks cannot be concatenated into one wider block exactly (the LayerNorm after "
-        "each residual add is not additive across blocks)",
-        "gated_mlp": "BERT's MLP is intermediate.dense -> GELU -> output.dense without a gate projection",
-    }
+    missing_capability_reasons: ClassVar[dict[str, str]] = post_ln_reasons(
+        "BERT", "intermediate.dense -> GELU -> output.dense", advice="use shortgpt, laco or sliding_window on BERT"
+    )
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)

@@ -43,6 +43,7 @@ from ..utils.torch_utils import first_output, input_device, model_dtype
 from .base import ArchitectureAdapter
 from .checks import CACHE_CHECK_TOLERANCE, compare_cached_steps
 from .layout import AttentionLayout, BlockLayout, MlpLayout
+from .post_ln import post_ln_reasons
 from .registry import register_adapter
 from .views import BlockView, NormView
 
@@ -158,13 +159,7 @@ class MarianAdapter(ArchitectureAdapter):
     model_types = ("marian",)
     layouts = (MARIAN_ENCODER_LAYOUT, MARIAN_DECODER_LAYOUT)
     capabilities = frozenset({"head_geometry", "layer_drop", "parameter_merge", "dense_mlp"})
-    missing_capability_reasons: ClassVar[dict[str, str]] = {
-        "pre_norm": "Marian blocks are post-LN: each LayerNorm follows a residual add, so its gain and bias act on "
-        "the residual stream itself and cannot be folded into the projections that read it",
-        "concat_heads": "two post-LN blocks cannot run in parallel on one input: each block's output is normalised "
-        "as a whole, so the members' attention and MLP outputs cannot be summed into one wider block",
-        "gated_mlp": "Marian's MLP is fc1 -> activation -> fc2 without a gate projection",
-    }
+    missing_capability_reasons: ClassVar[dict[str, str]] = post_ln_reasons("Marian", "fc1 -> activation -> fc2")
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
