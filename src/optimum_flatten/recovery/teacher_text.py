@@ -423,6 +423,37 @@ def _settings(
     }
 
 
+def _check_backend(backend: str, teacher_model: nn.Module) -> None:
+    """Refuses an unknown sampling backend, and vLLM where it is not installed or the teacher has no folder to load
+    from (before anything is sampled)."""
+    if backend not in SAMPLING_BACKENDS:
+        raise ValueError(f"sampling backend is one of {', '.join(SAMPLING_BACKENDS)}, got {backend!r}.")
+    if backend == "vllm":
+        require_vllm()
+        teacher_source(teacher_model)
+
+
+def _random_starts(
+    teacher_model: nn.Module,
+    tokenizer: Any,
+    before: list[int],
+    n_rows: int,
+    kwargs: dict[str, Any],
+    batch_size: int,
+    seed: int,
+    stream: str,
+) -> torch.Tensor:
+    """This rank's rows of the random start (`recovery.random_start`): a drawn word after `before`, then the teacher's
+    `GREEDY_TOKENS` greedy words, through `generate` whatever the backend that samples the rest."""
+    rank, world_size = _process()
+    candidates = first_tokens(tokenizer, teacher_model.get_input_embeddings().num_embeddings)
+    drawn = drawn_starts(before, candidates, n_rows, _rank_rows(n_rows, rank, world_size),
+                         seed=batch_seed(seed, f"{stream}:first-token", 0, 0))  # fmt: skip
+    length = drawn.shape[1] + GREEDY_TOKENS
+    starts, _ = _continue(teacher_model, drawn, length, greedy_kwargs(kwargs), batch_size, seed, stream, rank, False)
+    return starts
+
+
 def sample_teacher_rows(
     teacher_model: nn.Module,
     tokenizer: Any,
@@ -471,11 +502,7 @@ def sample_teacher_rows(
             that has no path to load from.
         ImportError: ``backend="vllm"`` where vLLM is not installed.
     """
-    if backend not in SAMPLING_BACKENDS:
-        raise ValueError(f"sampling backend is one of {', '.join(SAMPLING_BACKENDS)}, got {backend!r}.")
-    if backend == "vllm":
-        require_vllm()
-        teacher_source(teacher_model)
+    _check_backend(backend, teacher_model)
     prompt_list = prompt_ids(tokenizer, prompts, prompt_tokens) if prompts is not None else None
     before, after, start_kind, prompt_length = checked_start(tokenizer, start, seqlen, prompt_tokens, bool(prompt_list))
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -497,13 +524,9 @@ def sample_teacher_rows(
     cached, vllm_bytes = ids is not None, None
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
-        if start_kind == "random":  # a drawn word, then the teacher's greedy words (`generate`, whatever backend)
-            candidates = first_tokens(tokenizer, teacher_model.get_input_embeddings().num_embeddings)
-            drawn = drawn_starts(before, candidates, n_rows, _rank_rows(n_rows, rank, world_size),
-                                 seed=batch_seed(seed, f"{stream}:first-token", 0, 0))  # fmt: skip
+        if start_kind == "random":
             greedy_batch = batch_size or default_batch_size(teacher_model, seqlen)
-            starts, _ = _continue(teacher_model, drawn, drawn.shape[1] + GREEDY_TOKENS, greedy_kwargs(kwargs),
-                                  greedy_batch, seed, stream, rank, progress=False)  # fmt: skip
+            starts = _random_starts(teacher_model, tokenizer, before, n_rows, kwargs, greedy_batch, seed, stream)
         else:
             starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
         mine, vllm_bytes = _continue(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
