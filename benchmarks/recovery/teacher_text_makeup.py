@@ -85,7 +85,7 @@ def cached_rows(folder: Path, tokenizer: object) -> tuple[torch.Tensor, dict, in
     start and prompt, as `sample_teacher_rows` counts them)."""
     from safetensors.torch import load_file
 
-    from optimum_flatten.recovery.teacher_text import checked_start
+    from optimum_flatten.recovery.teacher_start import checked_start
 
     ids = load_file(str(folder / "train.safetensors"))["input_ids"]
     key = json.loads((folder / "train.json").read_text())

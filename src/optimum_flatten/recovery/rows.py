@@ -27,7 +27,8 @@ from .distill import Objective
 from .resume import check_checkpoint_options
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
-from .teacher_text import checked_start, heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+from .teacher_start import checked_start
+from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
 from .vllm_sampling import require_vllm
 
 logger = logging.getLogger(__name__)

@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils.errors import CalibrationDataError
-from .random_start import GREEDY_TOKENS, OPENING_TOKENS, drawn_starts, first_tokens, greedy_kwargs
+from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
+from .teacher_start import checked_start, prompt_ids
 from .teacher_text_cache import cache_key, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
@@ -152,89 +152,6 @@ def generation_config(
     config = GenerationConfig(**sampling_kwargs(seqlen, prompt_length, temperature, top_k, top_p, pad_token_id))
     config.validate(strict=True)
     return config
-
-
-def start_token(tokenizer: Any) -> tuple[int, str]:
-    """(token id, ``"bos"`` or ``"eos"``) every row starts with: the BOS token, else EOS as a document separator."""
-    for kind in ("bos", "eos"):
-        token = getattr(tokenizer, f"{kind}_token_id", None)
-        if token is not None:
-            return int(token), kind
-    raise CalibrationDataError(
-        "sampling the teacher's text needs a start token, and the tokenizer has neither a BOS nor an EOS token; "
-        "give prompts=... (documents whose first tokens start the rows)."
-    )
-
-
-#: What stands for the prompt while the chat template is rendered: private-use characters no template writes.
-_PROMPT_MARK = "\ue000prompt\ue000"
-
-
-def row_start(tokenizer: Any, start: str) -> tuple[list[int], list[int], str]:
-    """(tokens before each row's prompt, tokens after it, the start's name). ``"bos"``: the start token, nothing
-    after. ``"chat"``: the tokenizer's chat template around a user turn holding the prompt, its generation prompt
-    opening the assistant's turn, so that an instruct model writes as it was tuned to (with its default system
-    turn, if the template has one)."""
-    if start == "random":  # the start token; `sample_teacher_rows` draws each row's word and greedy words
-        return [start_token(tokenizer)[0]], [], "random"
-    if start != "chat":
-        token, kind = start_token(tokenizer)
-        return [token], [], kind
-    if not getattr(tokenizer, "chat_template", None):
-        raise CalibrationDataError(
-            "sampling_start='chat' needs a tokenizer with a chat template, and this one has none; use 'bos'."
-        )
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _PROMPT_MARK}], add_generation_prompt=True, tokenize=False
-    )
-    if not isinstance(text, str) or text.count(_PROMPT_MARK) != 1:
-        raise CalibrationDataError("the tokenizer's chat template does not write the user's message once; use 'bos'.")
-    before, after = text.split(_PROMPT_MARK)
-
-    def encode(part: str) -> list[int]:
-        return list(tokenizer(part, add_special_tokens=False)["input_ids"]) if part else []
-
-    return encode(before), encode(after), "chat"
-
-
-def checked_start(
-    tokenizer: Any, start: str, seqlen: int, prompt_tokens: int, prompted: bool
-) -> tuple[list[int], list[int], str, int]:
-    """`row_start` and the tokens each row holds before the teacher samples (the start's and the prompt's), refusing
-    rows with no token left to sample (one line). The healing's preflight and the sampling both ask this."""
-    if start == "random" and prompted:
-        raise ValueError(
-            "sampling_start='random' draws each row's first token itself and takes no prompts; start prompts "
-            "with 'bos' or 'chat'."
-        )
-    before, after, kind = row_start(tokenizer, start)
-    length = len(before) + len(after) + (prompt_tokens if prompted else 0) + (OPENING_TOKENS if kind == "random" else 0)
-    if seqlen <= length:
-        raise ValueError(
-            f"seqlen={seqlen} leaves no token to sample after the {length}-token start and prompt; "
-            "raise seqlen or shorten the prompt."
-        )
-    return before, after, kind, length
-
-
-def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str = "text") -> list[list[int]]:
-    """The first `prompt_tokens` tokens of each prompt document long enough to hold them.
-
-    `prompts` is a list of texts, or a file / any source `calibration.data.load_texts` reads; a ``.txt`` file is one
-    prompt a line (not one text, as calibration reads it), since a prompt list is written that way."""
-    from ..calibration.data import load_texts, tokenize_texts
-
-    if isinstance(prompts, (str, os.PathLike)) and Path(prompts).is_file() and Path(prompts).suffix.lower() == ".txt":
-        texts = [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
-    else:
-        texts = load_texts(prompts, text_column)
-    ids = [tokens[:prompt_tokens] for tokens in tokenize_texts(tokenizer, texts) if len(tokens) >= prompt_tokens]
-    if not ids:
-        raise CalibrationDataError(
-            f"no prompt holds {prompt_tokens} tokens (of {len(texts)} given); give longer prompts or lower "
-            "teacher_prompt_tokens."
-        )
-    return ids
 
 
 def batch_seed(seed: int, stream: str, rank: int, index: int) -> int:
@@ -484,7 +401,7 @@ def sample_teacher_rows(
         temperature, top_k, top_p: Sampling (defaults: temperature 1, no cut).
         prompts: None (every row from the start token), a list of texts, or a file / text source.
         prompt_tokens: Tokens of each prompt document kept.
-        start: ``"bos"``, ``"chat"`` (`row_start`) or ``"random"`` (`recovery.random_start`; no prompts).
+        start: ``"bos"``, ``"chat"`` (`teacher_start.row_start`) or ``"random"`` (`recovery.random_start`; no prompts).
         batch_size: Rows a ``generate`` call; None: `default_batch_size` (vLLM batches its own rows).
         cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
