@@ -70,6 +70,8 @@ def healing_text(settings: Mapping[str, Any]) -> str:
         own += " continuing the speeches' paragraphs"
     if (temperature := float(settings.get("sampling_temperature") or 1.0)) != 1.0:
         own += f" sampled at temperature {temperature:g}"
+    if settings.get("teacher_text_loops") == "mask":
+        own += ", its repeats left out of the loss"
     if settings.get("guard_speeches"):
         own += ", guarded by held-out speeches"
     return own if share >= 1 else f"{share:.0%} {own}, the rest speeches"

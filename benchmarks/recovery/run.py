@@ -242,6 +242,13 @@ def main() -> None:
         "holding the prompt (empty without one), or the BOS token and a first token drawn from the vocabulary",
     )
     parser.add_argument(
+        "--teacher-text-loops",
+        choices=("train", "mask"),
+        default="train",
+        help="RecoveryConfig.teacher_text_loops: train on every token of the dense model's text, or leave out of the "
+        "loss each token that repeats a 4-gram earlier in its row",
+    )
+    parser.add_argument(
         "--sampling-temperature",
         type=float,
         default=1.0,
@@ -276,11 +283,14 @@ def main() -> None:
     if args.guard_speeches and args.teacher_text < 1.0:
         raise SystemExit("--guard-speeches guards a healing on the dense model's own text: add --teacher-text 1.0")
     if (
-        args.teacher_prompts or args.sampling_start != "bos" or args.sampling_temperature != 1.0
+        args.teacher_prompts
+        or args.sampling_start != "bos"
+        or args.sampling_temperature != 1.0
+        or args.teacher_text_loops != "train"
     ) and not args.teacher_text:
         raise SystemExit(
-            "--teacher-prompts, --sampling-start and --sampling-temperature shape the dense model's samples: "
-            "add --teacher-text"
+            "--teacher-prompts, --sampling-start, --sampling-temperature and --teacher-text-loops shape the dense "
+            "model's samples: add --teacher-text"
         )
     if args.mode == "local" and not args.kd:
         raise SystemExit("--mode local trains each span towards the dense model's states: add --kd")
@@ -374,6 +384,7 @@ def _variant(args: argparse.Namespace) -> str:
     sampling_temperature = getattr(args, "sampling_temperature", 1.0)
     suffix += f"_sampledat{sampling_temperature:g}" if sampling_temperature != 1.0 else ""
     suffix += "_guarded" if getattr(args, "guard_speeches", False) else ""
+    suffix += "_loopsmasked" if getattr(args, "teacher_text_loops", "train") == "mask" else ""
     if args.sweep_global_learning_rates:
         return suffix + "_globalrates"
     return suffix + (f"_globallr{args.global_learning_rate:g}" if args.global_learning_rate is not None else "")
@@ -447,6 +458,7 @@ def recovery_config(args: argparse.Namespace, learning_rate: float | None, globa
         teacher_prompt_tokens=PROMPT_TOKENS,
         sampling_start=getattr(args, "sampling_start", "bos"),
         sampling_temperature=getattr(args, "sampling_temperature", 1.0),
+        teacher_text_loops=getattr(args, "teacher_text_loops", "train"),
         guard_text=getattr(args, "guard_texts", None),
     )
 

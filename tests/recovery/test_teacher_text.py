@@ -275,6 +275,42 @@ def test_recover_on_the_teacher_text_alone_and_resumed_reads_the_cache(tmp_path)
     assert again["teacher_text"]["heldout"]["cached"]
 
 
+def test_masked_loops_leave_the_repeats_out_of_the_loss_in_training_and_held_out_rows_alike(tmp_path):
+    """``teacher_text_loops="mask"``: the rows the healing trains and gates on are the sampled rows with the label of
+    every repeating token at -100 (`text_repetition.mask_repeats`, checked against a naive count there), the inputs
+    untouched; the cache keeps the rows as sampled; the record counts the masked labels; the loss then differs from
+    training on every token (the masked positions are not scored)."""
+    from optimum_flatten.recovery.rows import _sample_teacher_part, _TeacherRows
+    from optimum_flatten.recovery.text_repetition import repeated_mask
+
+    teacher = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():  # each token's successor a sharp function of it alone: a teacher that loops, as Qwen's does
+        for layer in teacher.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        teacher.lm_head.weight.mul_(200)
+    options = dict(SMALL, teacher_text_cache=str(tmp_path))
+    plan = _TeacherRows(share=1.0, train=6, heldout=4, user=0)
+    plain, plain_held, _ = _sample_teacher_part(teacher, TOKENIZER, RecoveryConfig(**options), plan, False)
+    config = RecoveryConfig(teacher_text_loops="mask", **options)
+    train, heldout, record = _sample_teacher_part(teacher, TOKENIZER, config, plan, False)
+    assert record["cached"]  # the same rows, read back: the mask is not part of what is sampled
+    masked = 0
+    for rows, reference in ((train, plain), (heldout, plain_held)):
+        for row, before in zip(rows, reference, strict=True):
+            assert torch.equal(row["input_ids"], before["input_ids"])
+            repeats = repeated_mask(before["input_ids"].unsqueeze(0))[0]
+            assert torch.equal(row["labels"], before["labels"].masked_fill(repeats, -100))
+            masked += int(repeats.sum())
+    assert record["loops_masked"]["tokens"] == masked > 0
+    trained = RecoveryConfig(mode="full", max_tokens=192, teacher_text_loops="mask", **options)
+    _, log = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", trained, teacher=teacher)
+    _, unmasked = recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, "teacher", trained.__class__(
+        **{**vars(trained), "teacher_text_loops": "train"}), teacher=teacher)  # fmt: skip
+    assert log["teacher_text"]["loops_masked"]["tokens"] > 0 and "loops_masked" not in unmasked["teacher_text"]
+    assert log["heldout_before"] != unmasked["heldout_before"]
+
+
 @pytest.mark.parametrize("teacher", [False, "none", None])
 def test_teacher_text_without_a_teacher_is_refused_before_any_weight_changes(teacher):
     model = tiny_models.tiny_llama_gqa(seed=1)
@@ -295,6 +331,7 @@ def test_teacher_text_without_a_teacher_is_refused_before_any_weight_changes(tea
         (dict(sampling_top_p=0.0), "sampling_top_p must be in"),
         (dict(sampling_batch_size=0), "sampling_batch_size must be at least 1"),
         (dict(sampling_start="assistant"), "sampling_start is 'bos', 'chat' or 'random'"),
+        (dict(teacher_text_loops="drop"), "teacher_text_loops is 'train' or 'mask'"),
     ],
 )
 def test_sampling_options_out_of_range_are_refused_when_the_config_is_made(options, message):

@@ -8,6 +8,7 @@ import torch
 from optimum_flatten.recovery.text_repetition import (
     LOOPING_SHARE,
     describe,
+    mask_repeats,
     repeated_shares,
     repetition_summary,
 )
@@ -45,3 +46,28 @@ def test_the_line_warns_only_when_most_rows_loop():
     clean = {**looping, "median": 0.01, "looping_rows": 0}
     assert describe(looping).startswith("47.0% of a row's 4-grams repeat") and "3 of 4 rows loop" in describe(looping)
     assert "most of this text is loops" in describe(looping) and "most of this text" not in describe(clean)
+
+
+def test_masked_repeats_are_the_tokens_a_naive_count_finds_and_nothing_else():
+    """`mask_repeats` sets to -100 the label of each token that ends an n-gram seen earlier in its row (counted
+    naively, n-gram against every earlier one), keeps every other label and every input, leaves a label already -100
+    as it was, and returns the labels it masked."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 4, (5, 30), generator=generator)
+    rows = [{"input_ids": row.clone(), "labels": row.clone()} for row in ids]
+    rows[0]["labels"][:3] = -100  # a label masked before (a prompt's): stays, and is not counted again
+    for n in (4, 2):
+        copies = [{k: v.clone() for k, v in row.items()} for row in rows]
+        masked = mask_repeats(copies, n=n)
+        expected = 0
+        for before, after in zip(rows, copies, strict=True):
+            tokens = before["input_ids"].tolist()
+            assert torch.equal(after["input_ids"], before["input_ids"])
+            for end, token in enumerate(tokens):
+                repeat = end >= n - 1 and any(
+                    tokens[j - n + 1 : j + 1] == tokens[end - n + 1 : end + 1] for j in range(n - 1, end)
+                )
+                want = -100 if repeat or before["labels"][end] == -100 else token
+                assert after["labels"][end] == want
+                expected += repeat and before["labels"][end] != -100
+        assert masked == expected > 0

@@ -119,6 +119,11 @@ class RecoveryConfig:
             opened, so that an instruct model writes what it writes as an assistant rather than from a bare token
             it was not tuned to continue; ``"random"`` from the BOS token and a first token drawn uniformly from the
             ordinary vocabulary for each row (LLM-QAT's data-free start; no prompts) (see `recovery.teacher_text`).
+        teacher_text_loops: ``"train"`` trains on every token of the teacher's text; ``"mask"`` leaves out of the
+            loss each token that repeats a 4-gram earlier in its row (`recovery.text_repetition`): the loop stays as
+            context, but the student is not taught to continue it. For a teacher whose own text loops (the bundled
+            Qwen2.5-Coder's: about half its tokens); the held-out rows are masked alike, so the gate scores what
+            trains.
         guard_text: A text the healing must not make worse (a file or any source `load_recovery_texts` reads):
             `heldout_rows` rows of it, never trained on, are scored at every evaluation of the gate, which keeps a
             trained state only where their objective is no higher than the input's (`recovery.gate`). None guards a
@@ -181,6 +186,7 @@ class RecoveryConfig:
     teacher_text_cache: str | None = field(default=None, metadata={"default": "<checkpoint_dir>/teacher_text if set"})
     prompts: str | None = field(default=None, metadata={"default": "the BOS token (EOS without one)"})
     sampling_start: Literal["bos", "chat", "random"] = "bos"
+    teacher_text_loops: Literal["train", "mask"] = "train"
     guard_text: str | None = field(default=None, metadata={"default": "in a mix, the user's held-out rows; else none"})
     extra_training_args: dict[str, Any] = field(default_factory=dict)
 
@@ -201,6 +207,8 @@ class RecoveryConfig:
             raise ValueError(f"sampling_backend is 'transformers' or 'vllm', got {self.sampling_backend!r}.")
         if self.sampling_start not in ("bos", "chat", "random"):
             raise ValueError(f"sampling_start is 'bos', 'chat' or 'random', got {self.sampling_start!r}.")
+        if self.teacher_text_loops not in ("train", "mask"):
+            raise ValueError(f"teacher_text_loops is 'train' or 'mask', got {self.teacher_text_loops!r}.")
         if self.teacher_prompt_tokens < 1:
             raise ValueError(f"teacher_prompt_tokens must be at least 1, got {self.teacher_prompt_tokens}.")
 

@@ -29,6 +29,7 @@ from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
 from .teacher_start import checked_start
 from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+from .text_repetition import mask_repeats
 from .vllm_sampling import require_vllm
 
 logger = logging.getLogger(__name__)
@@ -246,6 +247,10 @@ def _sample_teacher_part(
             teacher, tokenizer, plan.heldout, config.seqlen, stream="heldout", **options
         )
     record = {"share": plan.share, **record, "user_rows": plan.user}
+    if config.teacher_text_loops == "mask":  # the same mask on the held-out rows: the gate scores what trains
+        masked = mask_repeats(train) + mask_repeats(heldout)
+        tokens = sum(int(row["input_ids"].numel()) for row in (*train, *heldout))
+        record["loops_masked"] = {"tokens": masked, "share": round(masked / max(tokens, 1), 4)}
     if held is not None:
         record["heldout"] = {k: held[k] for k in ("rows", "seconds", "tokens", "cached", "peak_memory_bytes")}
     return train, heldout, record

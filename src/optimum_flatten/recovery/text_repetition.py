@@ -6,7 +6,8 @@ n-grams that already stood earlier in the same row. Written English sits near ze
 speeches in rows of 256 tokens have a median of 0.4% repeated 4-grams, and 6 of about 8,600 rows exceed
 `LOOPING_SHARE` (Qwen2.5's and SmolLM2's tokenizers alike; `benchmarks/recovery/teacher_text_makeup.py --speeches`),
 so rows above it are counted as looping. The figure is reported, never used to select rows: which rows help healing
-is measured in benchmarks/RESULTS.md, not assumed here.
+is measured in benchmarks/RESULTS.md, not assumed here. With ``RecoveryConfig.teacher_text_loops="mask"`` the same
+mask takes the repeating tokens out of the loss (`mask_repeats`): every row is kept, and so is its context.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def repeated_mask(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> torch.Ten
             mask[r, end] = gram in seen
             seen.add(gram)
     return mask
+
+
+def mask_repeats(rows: list[dict[str, torch.Tensor]], n: int = NGRAM) -> int:
+    """Sets the label of every token of `rows` (training rows: ``input_ids``, ``labels``) that repeats an n-gram
+    earlier in its row (`repeated_mask`) to -100, which the healing's losses skip (the prediction of that token is not
+    trained; it stays in the input). Returns how many labels it masked."""
+    masked = 0
+    for row in rows:
+        repeats = repeated_mask(row["input_ids"].unsqueeze(0), n=n)[0].to(row["labels"].device)
+        masked += int((repeats & (row["labels"] != -100)).sum())
+        row["labels"] = row["labels"].masked_fill(repeats, -100)
+    return masked
 
 
 def repeated_shares(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> list[float]:
