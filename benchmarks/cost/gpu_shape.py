@@ -170,6 +170,15 @@ def summarise_profile(profile, top: int = 12) -> dict:
     return phases
 
 
+def run_header(device, dtype: str, shapes: dict) -> dict:
+    """What every GPU-shape result opens with: the device by name, the dtype, torch's version and the shapes."""
+    import torch
+
+    from optimum_flatten.evaluation.speed import device_name
+
+    return {"device": device_name(device), "dtype": dtype, "torch": torch.__version__, "shapes": shapes}
+
+
 def build_model(shape: str, layers: int | None, dtype, device):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -216,7 +225,7 @@ def main() -> None:
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.calibration import build_calibration_batches
     from optimum_flatten.estimate import estimate_memory, modelled_methods
-    from optimum_flatten.evaluation.speed import device_name, prefill_tokens_per_second, sample_seconds
+    from optimum_flatten.evaluation.speed import prefill_tokens_per_second, sample_seconds
 
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
@@ -292,17 +301,10 @@ def main() -> None:
             memory["phase_workspace_gib"] = {k: (v - allocated_before) / 2**30 for k, v in phase_peaks.items()}
     prefill_compressed = prefill_tokens_per_second(model, args.prefill_length, repeats=5) if args.prefill else None
     sizes = dict(SHAPES[args.shape], num_hidden_layers=args.layers or SHAPES[args.shape]["num_hidden_layers"])
+    calibration = f"{args.nsamples} x {args.seqlen} tokens, batches of {args.batch_size}"
+    shapes = {"shape": args.shape, **sizes, "vocab_size": VOCAB, "calibration": calibration}
     result = {
-        "device": device_name(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "shapes": {
-            "shape": args.shape,
-            **sizes,
-            "vocab_size": VOCAB,
-            "calibration": f"{args.nsamples} x {args.seqlen} tokens, batches of {args.batch_size}",
-            "tokens": report["calibration"]["tokens"],
-        },
+        **run_header(device, args.dtype, {**shapes, "tokens": report["calibration"]["tokens"]}),
         "protocol": {
             "weights": "random init (std 0.02), built from the config on the device",
             "calibration": "random words through a byte tokenizer",

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cost.gpu_shape import SHAPES, VOCAB, build_model
+from benchmarks.cost.gpu_shape import SHAPES, VOCAB, build_model, run_header
 
 #: (label, RecoveryConfig overrides): the modes of `recovery.selection.MODES` a user picks at this size, most wanted
 #: first (a step cut short keeps the rows before it).
@@ -86,18 +86,9 @@ def meta_student(result: dict[str, Any]):
     measured): what today's footprint is read from when a page is rendered, so the page compares the measurement with
     the estimate the code makes now, not the one it made then."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     shapes = result["shapes"]
-    sizes = {key: shapes[key] for key in SHAPES[shapes["shape"]] if key != "num_hidden_layers"}
-    config = LlamaConfig(vocab_size=shapes["vocab_size"], num_hidden_layers=shapes["student_layers"], **sizes)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, result["dtype"]))
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
+    model = build_model(shapes["shape"], shapes["student_layers"], getattr(torch, result["dtype"]), "meta")
     model.config._attn_implementation = "sdpa"
     return model
 
@@ -263,7 +254,6 @@ def main() -> None:
 
     import torch
 
-    from optimum_flatten.evaluation.speed import device_name
     from optimum_flatten.recovery import RecoveryConfig
     from optimum_flatten.utils.tiny import tiny_texts, tiny_tokenizer
 
@@ -283,19 +273,11 @@ def main() -> None:
     base.requires_grad_(False)
     resident = sum(p.numel() * p.element_size() for m in (teacher, base) for p in m.parameters())
     default_config = RecoveryConfig(max_tokens=args.steps * args.rows * args.seqlen, seed=0)
+    shapes = {"shape": args.shape, **SHAPES[args.shape], "vocab_size": VOCAB, "student_layers": len(base.model.layers)}
     result: dict[str, Any] = {
-        "device": device_name(device),
-        "dtype": args.dtype,
-        "torch": torch.__version__,
-        "shapes": {
-            "shape": args.shape,
-            **SHAPES[args.shape],
-            "vocab_size": VOCAB,
-            "student_layers": len(base.model.layers),
-            "rows_per_step": args.rows,
-            "seqlen": args.seqlen,
-            "steps": args.steps,
-        },
+        **run_header(
+            device, args.dtype, {**shapes, "rows_per_step": args.rows, "seqlen": args.seqlen, "steps": args.steps}
+        ),
         "protocol": {
             "weights": "random init (std 0.02), built from the config on the device",
             "student": f"ReplaceMe defaults, {args.num_layers_to_remove} layers removed, 16 x 256 calibration tokens",
