@@ -108,12 +108,12 @@ def default_today(result: dict[str, Any], total_gib: int) -> str:
     """The mode the default picks today (`ModeChoice`'s order, without bitsandbytes) on a CUDA device of `total_gib`
     holding the measured teacher and student."""
     from optimum_flatten.recovery import RecoveryConfig
-    from optimum_flatten.recovery.footprint import HEADROOM, candidate_footprints
+    from optimum_flatten.recovery.footprint import candidate_footprints
 
     free = (total_gib - result["teacher_gib"] - result["student_gib"]) * GIB
     candidates = candidate_footprints(meta_student(result), RecoveryConfig(), accelerator=True)
     for name, footprint in candidates:
-        if "adamw_bnb_8bit" not in name and footprint.total <= HEADROOM * free:
+        if "adamw_bnb_8bit" not in name and footprint.fits(free):
             return "full" if name == "as asked" else f"full {name}"
     return "local"
 
@@ -225,7 +225,7 @@ def sampling_speed(teacher, tokenizer, seqlen: int, device) -> dict[str, Any]:
     _synchronise(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    generated = record.get("generated_tokens", rows * seqlen)
+    generated = record["generated_tokens"]
     return {
         "rows": len(sampled),
         "batch_size": record.get("batch_size"),
