@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -204,6 +205,8 @@ class FlattenQuantizer(OptimumQuantizer):
         from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
         from .recovery.arguments import fsdp_version
         from .recovery.footprint import ModeChoice, weight_bytes
+        from .recovery.rows import teacher_share
+        from .recovery.teacher_text import is_teacher_dataset
 
         heal = dict(self.config.heal or {})
         dataset = heal.get("dataset") if heal.get("dataset") is not None else self.config.calibration.dataset
@@ -211,6 +214,8 @@ class FlattenQuantizer(OptimumQuantizer):
         settings = {k: v for k, v in heal.items() if k not in HEAL_EXTRA_KEYS}
         # The dense model teaches, and the compression about to run gives the plan.
         config = RecoveryConfig(**settings)
+        if is_teacher_dataset(dataset):  # the teacher's text only: the footprint counts its sampling, as recover's
+            config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
         fsdp = fsdp_version(config) is not None
         choice = ModeChoice(model, config, lambda: weight_bytes(model))  # the teacher copy still to be taken
         config = choice.apply(with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice))

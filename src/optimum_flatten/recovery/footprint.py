@@ -29,10 +29,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..options.recovery import SHARDED_ACROSS_RANKS, SPLIT_AFTER_MERGES, RecoveryConfig
@@ -81,16 +83,18 @@ class FullFootprint:
         activations: What one step's forward keeps for its backward pass.
         teacher: The teacher's weights still to be loaded (0 when it is given loaded).
         sampling: One batch of the teacher's text sampling (0 without teacher text): freed before training.
+        moved: The student's weights, where the Trainer moves them onto the device it trains on (`moved_bytes`).
     """
 
     state: int
     activations: int
     teacher: int
     sampling: int = 0
+    moved: int = 0
 
     @property
     def total(self) -> int:
-        return max(self.state + self.activations, self.sampling) + self.teacher
+        return max(self.state + self.activations, self.sampling) + self.teacher + self.moved
 
     def fits(self, available: int) -> bool:
         """Whether the footprint takes at most `HEADROOM` of `available` bytes."""
@@ -101,7 +105,8 @@ class FullFootprint:
         return (
             f"full healing adds about {self.total / gib:.1f} GiB (training state {self.state / gib:.1f}, activations "
             f"{self.activations / gib:.1f}, teacher {self.teacher / gib:.1f}"
-            + (f"; sampling the teacher's text first {self.sampling / gib:.1f})" if self.sampling else ")")
+            + (f"; sampling the teacher's text first {self.sampling / gib:.1f}" if self.sampling else "")
+            + (f"; the student's weights moved there {self.moved / gib:.1f})" if self.moved else ")")
         )
 
 
@@ -208,12 +213,16 @@ def candidate_footprints(
     return named
 
 
-def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str, Any] | None) -> int:
-    """Bytes of the teacher `recover` will still load: 0 for a loaded model (already resident); else the student's
-    weights scaled by the plan's original over kept layers (an upper estimate: the embeddings do not grow), or twice
-    the student's weights without a plan."""
+def teacher_bytes_to_load(
+    student: nn.Module, teacher: Any, report: Mapping[str, Any] | None, device: torch.device | None = None
+) -> int:
+    """Bytes of the teacher `recover` will still load onto the training `device`: for a loaded model, 0 where it is
+    on that device already (resident), its weights where `recover` moves it there; else the student's weights scaled
+    by the plan's original over kept layers (an upper estimate: the embeddings do not grow), or twice the student's
+    weights without a plan."""
     if isinstance(teacher, nn.Module):
-        return 0
+        elsewhere = device is not None and next(teacher.parameters()).device != device
+        return weight_bytes(teacher) if elsewhere else 0
     weights = weight_bytes(student)
     plan = (report or {}).get("plan")
     if not plan:
@@ -222,13 +231,34 @@ def teacher_bytes_to_load(student: nn.Module, teacher: Any, report: Mapping[str,
     return math.ceil(weights * layer_plan.num_layers / max(1, layer_plan.num_output_layers))
 
 
+def training_device(student: nn.Module, config: RecoveryConfig) -> torch.device:
+    """The device the Trainer trains `student` on, whose free memory `full` must fit: where its weights are, unless
+    they sit in host memory on a machine with CUDA and the run does not ask for the CPU (``use_cpu``). The Trainer then
+    moves the model onto this process's GPU (``LOCAL_RANK``'s under a launch), as it does for a model that
+    ``optimum-flatten recover`` loaded on the CPU; a model dispatched over devices (``hf_device_map``) stays put."""
+    device = next(student.parameters()).device
+    extra = config.extra_training_args
+    stays = device.type != "cpu" or getattr(student, "hf_device_map", None) or extra.get("use_cpu")
+    if stays or not torch.cuda.is_available():
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def moved_bytes(student: nn.Module, config: RecoveryConfig) -> int:
+    """The student's weights when the Trainer moves them onto another device (`training_device`), where they then
+    take memory beside the footprint; 0 where they already are."""
+    return weight_bytes(student) if training_device(student, config) != next(student.parameters()).device else 0
+
+
 def full_fits(
     student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None = None
 ) -> tuple[bool, str]:
-    """Whether `full_footprint` fits the free memory of the device the student's weights are on (`available`, read
-    now when None), and a line saying so (logged, and kept in the healing's log, since the default mode follows it)."""
-    footprint = full_footprint(student, config, teacher_bytes)
-    device = next(student.parameters()).device
+    """Whether `full_footprint` fits the free memory of the device the student trains on (`training_device`;
+    `available`, read now when None), with its weights where the Trainer moves them there, and a line saying so
+    (logged, and kept in the healing's log, since the default mode follows it)."""
+    device = training_device(student, config)
+    footprint = full_footprint(student, config, teacher_bytes, device.type == "cuda")
+    footprint = dataclasses.replace(footprint, moved=moved_bytes(student, config))
     available = available_bytes(device) if available is None else available
     fits = footprint.fits(available)
     line = (
@@ -261,7 +291,7 @@ class ModeChoice:
         """Whether `full` fits with one of the `candidates`, on every rank of a launch of several processes (each
         checks its own device and the ranks take the worst answer, so that they train one mode together)."""
         teacher = self.teacher_bytes()
-        available = available_bytes(next(self.student.parameters()).device)  # read once for every check
+        available = available_bytes(training_device(self.student, self.config))  # read once for every check
         candidates = self.candidates()
         lines, chosen = [], len(candidates)
         for index, (optim, train) in enumerate(candidates):

@@ -18,7 +18,7 @@ from ..utils.causal_lm import check_causal_lm
 from ..utils.launch import join_launcher_group
 from ..utils.positions import check_sequence_length
 from .arguments import fsdp_version
-from .footprint import ModeChoice, teacher_bytes_to_load
+from .footprint import ModeChoice, teacher_bytes_to_load, training_device
 from .rows import teacher_share
 from .teacher import _has_teacher
 from .teacher_text import is_teacher_dataset
@@ -39,7 +39,8 @@ def resolve_mode(
     join_launcher_group()
     if report is None:
         report = getattr(model, "flatten_report", None)
-    choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report))
+    device = training_device(model, config)
+    choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report, device))
     config = with_mode(
         config,
         has_teacher=_has_teacher(teacher, report),

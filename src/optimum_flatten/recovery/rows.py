@@ -27,7 +27,7 @@ from .distill import Objective
 from .resume import check_checkpoint_options
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
-from .teacher_start import checked_start
+from .teacher_start import checked_start, mask_opening, prompt_ids, split_prompts
 from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
 from .text_repetition import mask_repeats
 from .vllm_sampling import require_vllm
@@ -125,6 +125,32 @@ def _teacher_rows(config: RecoveryConfig, share: float, user_rows: int, replicas
     return _TeacherRows(share, teacher, heldout_split(config.heldout_rows, share)[1], user)
 
 
+def check_teacher_text_options(tokenizer: Any, config: RecoveryConfig, share: float) -> None:
+    """The teacher text's checks that need no model, so that `recover` and `FlattenConfig(heal=...)` refuse them (one
+    line each) before any weight changes: vLLM where it samples, a start that leaves tokens to sample (a chat
+    template where the chat turn starts the rows), prompts that hold `teacher_prompt_tokens` tokens, and the loops'
+    mask only where it has teacher text to mask and a loss that reads it."""
+    if share <= 0:
+        if config.teacher_text_loops == "mask":
+            raise ValueError(
+                "teacher_text_loops='mask' masks the teacher's own text, and this healing samples none; give "
+                "teacher_text > 0 (or dataset='teacher'), or leave teacher_text_loops='train'."
+            )
+        return
+    if config.sampling_backend == "vllm":
+        require_vllm()
+    prompted = config.prompts is not None
+    checked_start(tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, prompted)
+    if prompted:
+        prompt_ids(tokenizer, config.prompts, config.teacher_prompt_tokens)
+    if config.teacher_text_loops == "mask" and (config.mode == "local" or config.hidden_weight):
+        raise ValueError(
+            "teacher_text_loops='mask' leaves tokens out of the next-token losses, but mode 'local' and the hidden-"
+            "state terms compare states at every position and would still learn the loops; heal with mode='full' "
+            "and hidden_weight=0, or leave teacher_text_loops='train'."
+        )
+
+
 def _training_text(
     tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str
 ) -> tuple[list[str], str, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
@@ -140,6 +166,7 @@ def _training_text(
         except ImportError as error:
             raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
     share = teacher_share(dataset, config)
+    check_teacher_text_options(tokenizer, config, share)
     if share >= 1:
         return [], "teacher", [], []
     texts, kind = load_recovery_texts(dataset, text_column)
@@ -188,12 +215,6 @@ def check_recovery_inputs(tokenizer: Any, dataset: Any, config: RecoveryConfig, 
     """
     check_fsdp(config, fsdp_version(config))
     share = teacher_share(dataset, config)
-    if share > 0:  # a chat start needs a chat template, every row a token to sample, and vLLM to be there
-        if config.sampling_backend == "vllm":
-            require_vllm()
-        checked_start(
-            tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, config.prompts is not None
-        )
     _, _, train_rows, _ = _training_text(tokenizer, dataset, config, text_column)
     _guard_rows(tokenizer, dataset, config, text_column)
     planned = _planned_rows(config, share, train_rows, _replicas(config))[1]
@@ -226,13 +247,12 @@ def _sample_teacher_part(
     teacher: nn.Module, tokenizer: Any, config: RecoveryConfig, plan: _TeacherRows, progress: bool
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], dict[str, Any]]:
     """(training rows, held-out rows, record) the teacher samples for `plan`; the held-out rows come from another
-    seed stream, so they are never training rows."""
+    seed stream and other prompts, so they are never training rows, and they score only what the teacher wrote."""
     options = dict(
         seed=config.seed,
         temperature=config.sampling_temperature,
         top_k=config.sampling_top_k,
         top_p=config.sampling_top_p,
-        prompts=config.prompts,
         prompt_tokens=config.teacher_prompt_tokens,
         start=config.sampling_start,
         batch_size=config.sampling_batch_size,
@@ -240,12 +260,20 @@ def _sample_teacher_part(
         progress=progress,
         backend=config.sampling_backend,
     )
-    train, record = sample_teacher_rows(teacher, tokenizer, plan.train, config.seqlen, stream="train", **options)
+    train_prompts = heldout_prompts = config.prompts
+    if config.prompts is not None and plan.heldout:  # held-out rows continue prompts no training row continues
+        train_prompts, heldout_prompts = split_prompts(
+            tokenizer, config.prompts, config.teacher_prompt_tokens, plan.heldout, config.seed
+        )
+    train, record = sample_teacher_rows(
+        teacher, tokenizer, plan.train, config.seqlen, stream="train", prompts=train_prompts, **options
+    )
     heldout, held = [], None
     if plan.heldout:
         heldout, held = sample_teacher_rows(
-            teacher, tokenizer, plan.heldout, config.seqlen, stream="heldout", **options
+            teacher, tokenizer, plan.heldout, config.seqlen, stream="heldout", prompts=heldout_prompts, **options
         )
+        mask_opening(heldout, held["opening_tokens"])
     record = {"share": plan.share, **record, "user_rows": plan.user}
     if config.teacher_text_loops == "mask":  # the same mask on the held-out rows: the gate scores what trains
         masked = mask_repeats(train) + mask_repeats(heldout)
@@ -287,8 +315,11 @@ UNGUARDED_NOTE = (
 
 
 def unguarded_notes(config: RecoveryConfig, share: float) -> list[str]:
-    """`UNGUARDED_NOTE` where it applies (a mix is guarded by the user's own held-out rows), else nothing."""
-    return [UNGUARDED_NOTE] if share == 1.0 and config.heldout_rows and config.guard_text is None else []
+    """`UNGUARDED_NOTE` where it applies: a gate that holds out none of the user's rows (the teacher's text only, or a
+    mix whose held-out rows are all the teacher's) and no guard; else nothing."""
+    user_heldout = heldout_split(config.heldout_rows, share)[0]
+    unguarded = share > 0 and config.heldout_rows > 0 and user_heldout == 0 and config.guard_text is None
+    return [UNGUARDED_NOTE] if unguarded else []
 
 
 @dataclasses.dataclass

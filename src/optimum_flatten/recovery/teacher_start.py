@@ -6,8 +6,11 @@ check, shared by the healing's preflight and the sampling, that a row leaves tok
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..utils.errors import CalibrationDataError
 from .random_start import OPENING_TOKENS
@@ -81,16 +84,47 @@ def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: st
 
     `prompts` is a list of texts, or a file / any source `calibration.data.load_texts` reads; a ``.txt`` file is one
     prompt a line (not one text, as calibration reads it), since a prompt list is written that way."""
+    return [ids for _, ids in _usable_prompts(tokenizer, prompts, prompt_tokens, text_column)]
+
+
+def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str) -> list[tuple[str, list[int]]]:
+    """(text, its first `prompt_tokens` tokens) of each prompt document long enough to hold them; refuses none."""
     from ..calibration.data import load_texts, tokenize_texts
 
     if isinstance(prompts, (str, os.PathLike)) and Path(prompts).is_file() and Path(prompts).suffix.lower() == ".txt":
         texts = [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
         texts = load_texts(prompts, text_column)
-    ids = [tokens[:prompt_tokens] for tokens in tokenize_texts(tokenizer, texts) if len(tokens) >= prompt_tokens]
-    if not ids:
+    usable = [
+        (text, tokens[:prompt_tokens])
+        for text, tokens in zip(texts, tokenize_texts(tokenizer, texts), strict=True)
+        if len(tokens) >= prompt_tokens
+    ]
+    if not usable:
         raise CalibrationDataError(
             f"no prompt holds {prompt_tokens} tokens (of {len(texts)} given); give longer prompts or lower "
             "teacher_prompt_tokens."
         )
-    return ids
+    return usable
+
+
+def split_prompts(
+    tokenizer: Any, prompts: Any, prompt_tokens: int, heldout_rows: int, seed: int
+) -> tuple[list[str], list[str]]:
+    """(the training rows' prompts, the held-out rows'): a seeded choice of up to `heldout_rows` prompts, at most half
+    of them, that only held-out rows continue. A prompt's tokens are trained on as part of its rows, so a held-out row
+    continuing a training row's prompt would be partly trained text; with a single prompt both parts take it (and
+    `mask_opening` keeps the gate off its tokens)."""
+    texts = [text for text, _ in _usable_prompts(tokenizer, prompts, prompt_tokens, "text")]
+    held = min(heldout_rows, len(texts) // 2)
+    if held == 0:
+        return texts, texts
+    chosen = set(random.Random(seed + 4).sample(range(len(texts)), held))
+    return [t for i, t in enumerate(texts) if i not in chosen], [t for i, t in enumerate(texts) if i in chosen]
+
+
+def mask_opening(rows: list[dict[str, torch.Tensor]], opening: int) -> None:
+    """Leaves each row's first `opening` tokens (its start and prompt, which the teacher did not write) out of the
+    losses (labels -100), in place: what the gate's held-out rows score is then only what the teacher sampled."""
+    for row in rows:
+        row["labels"][:opening] = -100

@@ -409,9 +409,10 @@ def sample_teacher_rows(
         backend: ``"transformers"`` (``generate``) or ``"vllm"`` (`recovery.vllm_sampling`, where installed).
 
     Returns:
-        (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), generated
-        tokens a second, peak memory and what it measures, rows, seed, sampling settings, start, batch size, whether
-        the rows came from the cache, and for cached rows what sampling them cost, ``sampled``).
+        (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), the tokens each
+        row holds before the teacher samples (``opening_tokens``: start and prompt), generated tokens a second, peak
+        memory and what it measures, rows, seed, sampling settings, start, batch size, whether the rows came from the
+        cache, and for cached rows what sampling them cost, ``sampled``).
 
     Raises:
         CalibrationDataError: no start token and no prompts, or no prompt long enough.
@@ -456,7 +457,8 @@ def sample_teacher_rows(
         "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows
         "cached": cached, **cost,
         "tokens_per_second": None if cached else cost["tokens_per_second"],  # reading rows back generates none
-        "tokens": int(ids.numel()), "generated_tokens": generated, "excerpts": excerpts(tokenizer, ids),
+        "tokens": int(ids.numel()), "generated_tokens": generated, "opening_tokens": prompt_length,
+        "excerpts": excerpts(tokenizer, ids),
         "repetition": repetition_summary(ids, skip=prompt_length),
         **({"sampled": sampled} if sampled is not None else {}),  # read back: what sampling them cost
     }  # fmt: skip
