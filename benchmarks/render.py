@@ -672,11 +672,18 @@ def sampling_cell(record: dict) -> str:
     return "" if record.get("seconds") is None else f"{record['seconds']:.0f}"
 
 
+def _kl_removed(run: dict, text: str) -> str:
+    """The share of the untrained model's KL on `text` that the healing of `run` removed, as a percentage."""
+    return f"{1 - run['healed'][text]['kl'] / run['untrained'][text]['kl']:.0%}"
+
+
 def healing_text_table(paths: list[Path]) -> str:
     """The healing text compared on the same compression, mode and budget (`benchmarks/recovery/run.py
     --teacher-text`): the speeches, the dense model's own text and a mix, every healing seed a row, the default rows
     and AdamW only, so that the rows differ by the text alone. Runs whose compression, mode or budget has a single
-    text are left out (the notebook's table has them)."""
+    text are left out (the notebook's table has them). "KL removed" is the share of the untrained model's KL to the
+    dense model that the healing took away on each text: how far it moved the student towards the teacher there,
+    whatever the text's distance to start with."""
     groups: dict[tuple, list[dict]] = {}
     for path in paths:
         r = json.loads(path.read_text())
@@ -691,8 +698,8 @@ def healing_text_table(paths: list[Path]) -> str:
         groups.setdefault((r["method"], r["mode"], r["recovery"]["tokens_trained"]), []).append(r)
     header = (
         "| compressed by | trained, tokens | healing text | seed | PPL ratio SOTU ≥ 2000 | PPL ratio KJV | geo. mean | "
-        "KL SOTU / KJV | top-1 SOTU / KJV | sampling s | heal min | peak RSS MB |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "KL SOTU / KJV | KL removed SOTU / KJV | top-1 SOTU / KJV | sampling s | heal min | peak RSS MB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = []
     for (method, mode, tokens), runs in sorted(groups.items()):
@@ -703,7 +710,7 @@ def healing_text_table(paths: list[Path]) -> str:
             f"| {method} | untrained | – | – | {untrained['sotu_from_2000']['ppl_ratio']:.3f} "
             f"| {untrained['bible_kjv']['ppl_ratio']:.3f} "
             f"| {_geomean(untrained['sotu_from_2000']['ppl_ratio'], untrained['bible_kjv']['ppl_ratio']):.3f} "
-            f"| – | – | – | – | – |"
+            f"| {untrained['sotu_from_2000']['kl']:.3f} / {untrained['bible_kjv']['kl']:.3f} | – | – | – | – | – |"
         )
         runs.sort(
             key=lambda r: (
@@ -720,7 +727,9 @@ def healing_text_table(paths: list[Path]) -> str:
                 f"| {method} | {mode}, {tokens:,} | {recovery_protocol.healing_text(settings) or 'the speeches'} "
                 f"| {recovery_protocol.seed(settings)} | {sotu['ppl_ratio']:.3f} | {kjv['ppl_ratio']:.3f} "
                 f"| {_geomean(sotu['ppl_ratio'], kjv['ppl_ratio']):.3f} "
-                f"| {sotu['kl']:.3f} / {kjv['kl']:.3f} | {sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f} "
+                f"| {sotu['kl']:.3f} / {kjv['kl']:.3f} "
+                f"| {_kl_removed(r, 'sotu_from_2000')} / {_kl_removed(r, 'bible_kjv')} "
+                f"| {sotu['top1_agreement']:.3f} / {kjv['top1_agreement']:.3f} "
                 f"| {sampling} | {r['heal_seconds'] / 60:.1f} "
                 f"| {r['peak_rss_mb']:.0f} |"
             )
