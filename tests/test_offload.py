@@ -156,3 +156,52 @@ def test_cpu_offloaded_model_compresses_like_in_memory(dense_dir):
     assert all(is_offloaded(layer) for layer in offloaded.model.layers)
     ids = sample_ids()
     assert_close(logits(offloaded, ids), logits(in_memory, ids))
+
+
+def test_the_weights_fingerprint_reads_offloaded_layers_so_a_resume_knows_the_model_whatever_the_device_map(
+    dense_dir, tmp_path
+):
+    """Resume and the teacher check recognise a model by `weights_fingerprint`: an offloaded layer's parameters sit
+    on the meta device, and counting them by shape alone let another model's state be resumed when its differing
+    layers were offloaded, and refused the same model loaded with another device map."""
+    from optimum_flatten.utils.fingerprint import weights_fingerprint
+
+    in_memory = AutoModelForCausalLM.from_pretrained(dense_dir)
+    offloaded = _offloaded(dense_dir, tmp_path)
+    assert any(p.device.type == "meta" for p in offloaded.parameters())  # some layers are on disk
+    assert weights_fingerprint(offloaded) == weights_fingerprint(in_memory)
+    other = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        for parameter in other.model.layers[min(DISK_LAYERS)].parameters():  # a layer the map puts on disk
+            parameter.add_(0.05)
+    other.save_pretrained(tmp_path / "other")
+    changed = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "other", device_map=_device_map(), offload_folder=tmp_path / "off_other"
+    )
+    assert weights_fingerprint(changed) != weights_fingerprint(offloaded)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_offloaded_weight_is_sampled_from_its_leading_rows_as_read_whole(tmp_path, dtype):
+    """A `.dat` file (accelerate's own offload) and a safetensors file: the rows read give the same first values as
+    the weight read whole, for a matrix whose rows are shorter than the sample, a vector and a scalar."""
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset, offload_state_dict
+    from safetensors.torch import save_file
+
+    from optimum_flatten.utils.fingerprint import SAMPLE, _leading_values
+
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        "block.narrow": torch.randn(50, 3, generator=generator).to(dtype),
+        "block.vector": torch.randn(100, generator=generator).to(dtype),
+        "block.scalar": torch.tensor(2.5).to(dtype),
+    }
+    offload_state_dict(str(tmp_path / "dat"), state)
+    save_file(state, str(tmp_path / "weights.safetensors"))
+    index = {name: {"safetensors_file": str(tmp_path / "weights.safetensors"), "weight_name": name} for name in state}
+    for loader in (OffloadedWeightsLoader(save_folder=str(tmp_path / "dat")), OffloadedWeightsLoader(index=index)):
+        weights = PrefixedDataset(loader, "block.")
+        for name, tensor in state.items():
+            got = _leading_values(weights, name.removeprefix("block."))
+            assert got.dtype == dtype and torch.equal(got.reshape(-1)[:SAMPLE], tensor.reshape(-1)[:SAMPLE])
+            assert got.numel() <= max(SAMPLE + 3, 1)  # the leading rows, not the whole weight

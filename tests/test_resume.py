@@ -159,6 +159,27 @@ def test_a_folder_of_other_files_is_refused(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "no metadata"])
+def test_a_damaged_group_file_is_refused_before_any_change(tmp_path, damage):
+    """Found when the folder is opened, not when its group's turn comes with the groups before it in the model."""
+    from safetensors.torch import save_file
+
+    compress(tiny_models.tiny_llama_gqa(), "flattengpt", resume_dir=str(tmp_path), **OPTIONS)
+    groups = sorted(tmp_path.glob("group-*.safetensors"))
+    assert len(groups) >= 2
+    if damage == "truncated":
+        data = groups[-1].read_bytes()
+        groups[-1].write_bytes(data[: len(data) // 2])
+    else:
+        save_file({"weight": torch.zeros(2)}, str(groups[-1]))
+    model = tiny_models.tiny_llama_gqa()
+    weights = _state(model)
+    with pytest.raises(ValueError, match=f"the finished group {groups[-1].name} cannot be read back") as refused:
+        compress(model, "flattengpt", resume_dir=str(tmp_path), **OPTIONS)
+    assert "\n" not in str(refused.value)
+    _assert_same_weights(model, _Module(weights))
+
+
 @pytest.mark.parametrize(
     ("method", "options", "message"),
     [

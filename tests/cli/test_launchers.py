@@ -99,3 +99,35 @@ def test_recover_under_torchrun_trains_one_model_with_the_mode_one_process_picks
     _assert_same_weights(trained, expected)
     untrained = _weights(compressed)
     assert max((trained[k] - untrained[k]).abs().max().item() for k in untrained) > 1e-4  # it did train
+
+
+#: Run by `torch.distributed.run`: the command line with the group's timeout cut to 3 s and rank 0's save made 8 s
+#: slower, as a large model's save or upload outlasts the real timeout (10 minutes under NCCL, 30 under gloo).
+SLOW_SAVE = """
+import datetime, sys, time
+import torch.distributed as dist
+join = dist.init_process_group
+dist.init_process_group = lambda *a, **k: join(*a, **{**k, "timeout": datetime.timedelta(seconds=3)})
+from optimum_flatten.quantizer import FlattenQuantizer
+save = FlattenQuantizer.save
+def slow_save(self, *a, **k):
+    time.sleep(8)
+    return save(self, *a, **k)
+FlattenQuantizer.save = slow_save
+from optimum_flatten.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_save_longer_than_the_groups_timeout_finishes_under_torchrun(dense, tmp_path):
+    """The ranks that do not write leave the group at once instead of waiting for rank 0 at a barrier, which timed
+    out, failed them, and had torchrun stop rank 0 mid-save."""
+    model, text = dense
+    script = tmp_path / "slow_save.py"
+    script.write_text(SLOW_SAVE)
+    out = tmp_path / "saved"
+    arguments = ["compress", str(model), "--method", "shortgpt", "--dataset", str(text), *COMPRESS]
+    done = torchrun_two_cpu_processes([str(script), *arguments, "--output", str(out)], timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.stdout.count("saved to") == 1 and (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]

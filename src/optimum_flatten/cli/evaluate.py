@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .sources import checkpoint_path
@@ -31,6 +33,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
     if args.speed_rounds < 1:
         raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2 (a token is scored after one), got {args.max_tokens}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        check_output_file(path, option)  # before the measurements, which a bad path would otherwise lose
     evaluation = measure(args)
     print(text_table(*_table(evaluation, args)))
     for line in _protocol_lines(evaluation, args):
@@ -216,6 +222,21 @@ def _protocol_lines(evaluation: Evaluation, args: Any) -> list[str]:
             "median in brackets"
         )
     return lines
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """Refuses a file path `option` cannot write (a folder, a parent folder that does not exist or is not writable),
+    in one line, before any model loads."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ValueError(f"{option} {path!r} is a folder; give a file path.")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path!r}: its folder {str(parent)!r} does not exist; create it or give another.")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path!r} is not writable; give another path.")
 
 
 def _write_outputs(evaluation: Evaluation, args: Any) -> None:

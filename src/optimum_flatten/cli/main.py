@@ -30,7 +30,7 @@ from .options import (
     check_method_options,
     config_kwargs,
 )
-from .sources import check_source, checkpoint_path
+from .sources import check_source, check_state_folder, checkpoint_path
 from .summary import bundled_license, compression_summary, report_warnings, text_table
 from .verbs import (
     CompressArguments,
@@ -147,6 +147,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     _check_dataset(config.calibration.dataset, config.calibration.text_column)
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
+    check_state_folder(args.output, config.resume_dir, "--resume-dir")
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     quantizer.compress(model, tokenizer)
@@ -188,7 +189,10 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if args.no_progress:
         config = dataclasses.replace(config, extra_training_args={"disable_tqdm": True, **config.extra_training_args})
     source = checkpoint_path(args.model)
-    check_output_dir(args.output, args.overwrite, sources=[source])
+    # The dense teacher's folder is a source too: overwriting it would lose the model the healing learns from.
+    check_output_dir(args.output, args.overwrite, sources=[source, args.teacher])
+    check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir")
+    check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache")
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
@@ -275,7 +279,11 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     from ..methods.layer_collapse import LinearisationSchedule, prepare_layer_collapse_, train_to_linear
     from ..quantizer import FlattenQuantizer
     from ..recovery.data import build_training_rows, load_recovery_texts
+    from ..utils.launch import launched_world_size
+    from ..utils.positions import check_sequence_length
 
+    if launched_world_size() > 1:  # its collapse calibrates in one process: refused before either rank trains
+        raise ValueError("layer-collapse trains and collapses in one process; run it without torchrun or a launcher.")
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])
     selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
@@ -283,18 +291,23 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
         raise ValueError("say which MLPs to collapse: --num-mlps K (the last K not collapsed yet) or --mlp-fraction F.")
     names = {f.name for f in dataclasses.fields(LinearisationSchedule)}
     schedule = LinearisationSchedule(**{k: v for k, v in vars(args).items() if k in names})
+    if args.no_progress:  # the Trainer's bars too, as `recover` does
+        extra = {"disable_tqdm": True, **schedule.extra_training_args}
+        schedule = dataclasses.replace(schedule, extra_training_args=extra)
+    # The collapse's options are checked before the training, whose work a refusal afterwards would lose.
+    calibration = {"dataset": args.dataset, "nsamples": args.nsamples, "seqlen": args.seqlen}
+    config = FlattenConfig(method="layer_collapse", threshold=args.threshold, **calibration)
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     if get_adapter(model).lm_head() is None:
         raise ValueError(
             f"the layer-collapse command trains on the next-token loss, and this {type(model).__name__} has no causal "
             "LM head; for an encoder, train with your own loss through the Python API (see examples/layer_collapse)."
         )
+    check_sequence_length(model, args.seqlen)
     texts, kind = load_recovery_texts(args.dataset)
     rows = build_training_rows(tokenizer, texts, kind, args.seqlen, args.max_samples, schedule.seed)
     prepared = sorted(prepare_layer_collapse_(model, **selection))
     log = train_to_linear(model, rows, schedule)
-    calibration = {"dataset": args.dataset, "nsamples": args.nsamples, "seqlen": args.seqlen}
-    config = FlattenConfig(method="layer_collapse", threshold=args.threshold, **calibration)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"training": log})

@@ -1,6 +1,9 @@
-"""Where a command's MODEL argument points: refused early when it cannot be a model, resolved to a folder."""
+"""Where a command's MODEL argument points: refused early when it cannot be a model, resolved to a folder; and a
+run's own state folder kept apart from its output."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from ..utils.loading import resolve_model_source
 
@@ -22,3 +25,17 @@ def checkpoint_path(name: str) -> str:
     if name in bundled.BUNDLED_MODELS:
         return str(bundled.bundled_model_path(name))
     return resolve_model_source(name)
+
+
+def check_state_folder(output: str, state: str | None, option: str) -> None:
+    """Refuses a folder where a run keeps its state (`option`: ``--resume-dir``, ``--checkpoint-dir``) that is the
+    output folder or inside it, before any work: the save would find the state's files there and refuse to write
+    into a folder that holds no checkpoint, after the whole run."""
+    if state is None:
+        return
+    out, kept = Path(output).expanduser().resolve(), Path(state).expanduser().resolve()
+    if kept == out or out in kept.parents:
+        raise ValueError(
+            f"{option} {state!r} is {'the output folder' if kept == out else 'inside the output folder'} "
+            f"{output!r}, where the save must write the checkpoint alone; keep the run's state in another folder."
+        )

@@ -146,6 +146,7 @@ class ResumeState:
                 "run's); rerun with that job's model, options and calibration, or give a new folder (nothing was "
                 "changed or deleted)."
             )
+        _check_groups(path)
         return cls(path, identity, manifest)
 
     # ------------------------------------------------------------------ plan
@@ -220,6 +221,33 @@ class ResumeState:
 
     def _write(self, name: str, data: bytes) -> None:
         write_bytes_atomically(self.directory / name, data)
+
+
+#: What every finished group's file says of itself (`ResumeState.save_group`), read back by `load_group`.
+GROUP_METADATA = ("indices", "kept_kv_groups", "kept_channels", "report")
+
+
+def _check_groups(directory: Path) -> None:
+    """Refuses a resume folder with a finished group's file that cannot be read back (truncated, overwritten, its
+    metadata incomplete), in one line, when the folder is opened: found only when its group's turn came, it would
+    fail the run with the groups before it already in the model."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(directory.glob("group-*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                for name in handle.keys():
+                    handle.get_slice(name)
+            missing = [key for key in GROUP_METADATA if key not in metadata]
+            if missing:
+                raise ValueError(f"no {', '.join(missing)} in its metadata")
+            json.loads(metadata["indices"])
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ValueError(
+                f"resume_dir {str(directory)!r}: the finished group {path.name} cannot be read back ({error}); give "
+                "a new folder (nothing was changed)."
+            ) from None
 
 
 def _group_name(indices: Sequence[int]) -> str:

@@ -27,7 +27,7 @@ from torch import nn
 
 from ..utils.lm_head import states_and_head
 from ..utils.torch_utils import input_device
-from .perplexity import evaluation_windows, window_batches
+from .perplexity import evaluation_windows, scored_stream, window_batches
 
 
 @dataclass
@@ -108,7 +108,7 @@ def fidelity(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}.")
     stride = seqlen if stride is None else stride
-    stream = tokens if max_tokens is None else tokens[:max_tokens]
+    stream = scored_stream(tokens, max_tokens)
     windows = evaluation_windows(stream.numel(), seqlen, stride, bos=bos_token_id is not None)
     if not windows:
         raise ValueError("the token stream is empty: nothing to compare.")

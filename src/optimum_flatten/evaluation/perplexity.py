@@ -52,6 +52,14 @@ def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
 
 
+def scored_stream(tokens: torch.Tensor, max_tokens: int | None) -> torch.Tensor:
+    """The first `max_tokens` tokens of the stream (all with None), refusing a budget that scores nothing: a token is
+    scored from the one before it, so fewer than 2 leave no prediction (a negative count would slice from the end)."""
+    if max_tokens is not None and max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2 (a token is scored from the one before it), got {max_tokens}.")
+    return tokens if max_tokens is None else tokens[:max_tokens]
+
+
 def evaluation_windows(num_tokens: int, seqlen: int, stride: int, bos: bool) -> list[tuple[int, int, int]]:
     """The windows of the evaluation protocol, as (start, end, first scored offset) over the stream.
 
@@ -124,7 +132,7 @@ def perplexity(
         bos_token_id: prepended to every window when given (then windows hold seqlen - 1 stream tokens).
     """
     stride = seqlen if stride is None else stride
-    stream = tokens if max_tokens is None else tokens[:max_tokens]
+    stream = scored_stream(tokens, max_tokens)
     windows = evaluation_windows(stream.numel(), seqlen, stride, bos=bos_token_id is not None)
     device = input_device(model)
     was_training = model.training
@@ -141,6 +149,8 @@ def perplexity(
             total_nll += float(nll.double())
             total_count += int(keep.sum())
     model.train(was_training)
+    if total_count == 0:
+        raise ValueError(f"no token was scored: the stream holds {stream.numel()} tokens; give a longer text.")
     mean = total_nll / total_count
     return PerplexityResult(
         perplexity=math.exp(mean),

@@ -1,9 +1,13 @@
-"""Writing a folder so that it appears complete or not at all, beside the folder it replaces.
+"""Writing a folder so that it appears complete or not at all, without a rename that leaves its filesystem.
 
-A save writes into a hidden sibling (``.NAME.partial-PID-HEX``) and then renames it into place; over an existing
-folder, the files it replaces are renamed into another sibling (``.NAME.old-PID-HEX``) and back on an error. Nothing
-here knows what a checkpoint is: `move_into_place` is told which existing files are the writer's to replace.
-`export.checkpoint` uses it for compressed checkpoints.
+A save writes into a hidden folder (``.NAME.partial-PID-HEX``) and then renames it into place; over an existing
+folder, the files it replaces are renamed into another hidden folder (``.NAME.old-PID-HEX``) and back on an error.
+Both hidden folders are made where every rename stays on the output's filesystem (`hidden_folder_parent`): beside a
+new output folder, inside an existing one. An existing output folder may be a mount point (a Docker ``-v`` volume, a
+Kubernetes PVC) whose parent is another filesystem, often read-only: a rename from there fails with "Invalid
+cross-device link", and only after the whole compression ran. Nothing here knows what a checkpoint is:
+`move_into_place` is told which existing files are the writer's to replace. `export.checkpoint` uses it for
+compressed checkpoints.
 """
 
 from __future__ import annotations
@@ -23,40 +27,59 @@ from ..utils.errors import OutputDirectoryError
 
 logger = logging.getLogger(__name__)
 
-#: Hidden siblings of an output folder: ``.NAME.partial-PID-HEX`` (a save being written) and ``.NAME.old-PID-HEX``
-#: (the replaced files while they are swapped). A save killed mid-way leaves them; the next save removes those
-#: whose process is gone.
+#: Hidden folders of a save to an output folder NAME: ``.NAME.partial-PID-HEX`` (a save being written) and
+#: ``.NAME.old-PID-HEX`` (the replaced files while they are swapped), beside a new output folder or inside an
+#: existing one. A save killed mid-way leaves them; the next save removes those whose process is gone.
 STAGING, BACKUP = "partial", "old"
+
+
+def hidden_folder_parent(path: Path) -> Path:
+    """Where a save to `path` makes its hidden folders: inside `path` when it is an existing folder, else beside it.
+
+    Inside an existing folder every rename of the save (staged file in, replaced file out and back) stays in that
+    folder, so on its filesystem even when `path` is a mount point; beside a new one, the one rename (the staging
+    folder becoming `path`) stays in the parent, which is where `path` is created.
+    """
+    return path if path.is_dir() else path.parent
 
 
 def check_writable(path: Path) -> None:
     """Refuses an output path the save could not write, so that it is found before the compression runs.
 
-    The save writes a hidden sibling of `path` (in its parent, created if missing) and, over an existing folder,
-    renames files inside `path`. Both are tried with a probe folder made and removed at once: permission bits alone
-    do not tell (root ignores them; a read-only mount or an ACL refuses anyway).
+    Tried where the save writes (`hidden_folder_parent`): inside an existing folder, which may be a writable mount
+    under a read-only parent, or else in the nearest existing ancestor of a new one (the save creates the missing
+    folders). A probe folder is made and removed at once: permission bits alone do not tell (root ignores them; a
+    read-only mount or an ACL refuses anyway).
 
     Raises:
         OutputDirectoryError: naming the folder that cannot be written and what to do.
     """
     import tempfile
 
+    folder = nearest_existing_folder(path)
+    if not folder.is_dir():
+        raise OutputDirectoryError(
+            f"cannot create the output folder {str(path)!r}: {str(folder)!r} is a file; choose another path."
+        )
+    try:
+        probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.probe-", dir=folder)
+    except OSError as error:
+        raise OutputDirectoryError(
+            f"cannot write the output folder {str(path)!r}: {str(folder)!r} is not writable "
+            f"({error.strerror or error}); choose an output folder where you can write, or fix the permissions."
+        ) from error
+    os.rmdir(probe)
+
+
+def nearest_existing_folder(path: Path) -> Path:
+    """`path` when it is an existing folder, else its nearest existing ancestor: where the save's files land first,
+    so the folder whose permissions and free space count (it may be a file, which `check_writable` refuses)."""
+    if path.is_dir():
+        return path
     ancestor = path.parent if str(path.parent) else Path(".")
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise OutputDirectoryError(
-            f"cannot create the output folder {str(path)!r}: {str(ancestor)!r} is a file; choose another path."
-        )
-    for folder in (ancestor, path) if path.is_dir() else (ancestor,):
-        try:
-            probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.probe-", dir=folder)
-        except OSError as error:
-            raise OutputDirectoryError(
-                f"cannot write the output folder {str(path)!r}: {str(folder)!r} is not writable "
-                f"({error.strerror or error}); choose an output folder where you can write, or fix the permissions."
-            ) from error
-        os.rmdir(probe)
+    return ancestor
 
 
 def is_disk_full(error: BaseException) -> bool:
@@ -72,20 +95,22 @@ def is_disk_full(error: BaseException) -> bool:
 def disk_full_message(path: Path, needed: int, existed: bool) -> str:
     """One line for a save that ran out of space: what happened, what is on disk now, and how much to free.
 
-    The save writes into a hidden sibling first and removed it on the error, so the folder is exactly as it was:
-    the checkpoint that was there is intact, or nothing was written.
+    The save writes into a hidden folder first and removed it on the error, so the folder is exactly as it was:
+    the checkpoint that was there is intact, or nothing was written. The free space is that of the filesystem the
+    save writes to (the output folder itself when it exists: a mount point has its own).
     """
-    free = shutil.disk_usage(path.parent if path.parent.exists() else Path.cwd()).free
+    free = shutil.disk_usage(nearest_existing_folder(path)).free
     state = f"the checkpoint already in {str(path)!r} is intact" if existed else f"nothing was written to {str(path)!r}"
     return (
         f"the disk filled up while the checkpoint was written (No space left on device); {state}. The new "
-        f"checkpoint needs about {needed / 2**30:.2f} GiB of free space beside it ({free / 2**30:.2f} GiB free "
+        f"checkpoint needs about {needed / 2**30:.2f} GiB of free space on its disk ({free / 2**30:.2f} GiB free "
         "now): free that much, or pass an --output on another disk, and save again."
     )
 
 
 def remove_leftovers(path: str | Path) -> list[Path]:
-    """Removes the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` siblings that saves to `path` killed mid-way left.
+    """Removes the hidden ``.NAME.partial-*`` / ``.NAME.old-*`` folders that saves to `path` killed mid-way left
+    (beside `path` or inside it, see `hidden_folder_parent`).
 
     Those of a save still running (its process is alive) are kept. Returns what was removed (also logged: a killed
     save of a large model leaves gigabytes).
@@ -104,9 +129,16 @@ def remove_leftovers(path: str | Path) -> list[Path]:
 
 
 def leftovers(path: Path, kind: str) -> list[Path]:
-    if not path.parent.is_dir():
-        return []
-    return sorted(p for p in path.parent.glob(f".{glob_escape(path.name)}.{kind}-*") if p.is_dir())
+    """The hidden ``.NAME.KIND-*`` folders of saves to `path`, in both places a save makes them: beside `path` (it
+    was new then) and inside it (it existed)."""
+    pattern = f".{glob_escape(path.name)}.{kind}-*"
+    places = [place for place in dict.fromkeys((path.parent, path)) if place.is_dir()]
+    return sorted(p for place in places for p in place.glob(pattern) if p.is_dir())
+
+
+def is_hidden_folder(path: Path, name: str) -> bool:
+    """Whether `name`, found inside `path`, is a hidden folder of a save to `path` (never a checkpoint file)."""
+    return re.fullmatch(rf"\.{re.escape(path.name)}\.(?:{STAGING}|{BACKUP})-.*", name) is not None
 
 
 def glob_escape(name: str) -> str:
@@ -115,13 +147,13 @@ def glob_escape(name: str) -> str:
 
 
 def _owner_alive(name: str) -> bool:
-    """Whether the process that made the hidden sibling `name` (``.NAME.KIND-PID-HEX``) still runs."""
+    """Whether the process that made the hidden folder `name` (``.NAME.KIND-PID-HEX``) still runs."""
     match = re.search(r"\.(?:partial|old)-(\d+)-[0-9a-f]+$", name)
     if match is None or os.name != "posix":  # an older layout, or no signal 0 to ask with
         return False
     pid = int(match.group(1))
     if pid == os.getpid():
-        return False  # this process runs one save at a time per path: a sibling of ours is an old failure
+        return False  # this process runs one save at a time per path: a folder of ours is an old failure
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -131,14 +163,16 @@ def _owner_alive(name: str) -> bool:
     return True
 
 
-def make_sibling(path: Path, kind: str) -> Path:
-    """Creates the hidden folder ``.NAME.KIND-PID-HEX`` next to `path`, with the umask's mode (0755 under 022):
-    it becomes the output folder itself when `path` is new, and a save_pretrained folder has that mode."""
+def make_hidden_folder(path: Path, kind: str) -> Path:
+    """Creates the hidden folder ``.NAME.KIND-PID-HEX`` of a save to `path` where its renames stay on one filesystem
+    (`hidden_folder_parent`), with the umask's mode (0755 under 022): it becomes the output folder itself when `path`
+    is new, and a save_pretrained folder has that mode."""
+    parent = hidden_folder_parent(path)
     while True:
-        sibling = path.parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+        folder = parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            sibling.mkdir(mode=0o777)
-            return sibling
+            folder.mkdir(mode=0o777)
+            return folder
         except FileExistsError:
             continue
 
@@ -159,24 +193,32 @@ def follow_umask(staging: Path) -> None:
             item.chmod(wanted)
 
 
-def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool]) -> None:
+def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool]) -> list[str]:
     """Makes the written checkpoint in `staging` the content of `path`, keeping `path`'s other files.
 
     A new `path` is `staging` renamed: it appears complete or not at all. In an existing one each checkpoint file is
     moved to a hidden backup and the new one renamed in, config.json last so that the folder keeps a config while
     files are swapped; an error puts the old files back. Existing files the save does not write are removed when
     `replaceable(name)` says they are the writer's (they would describe another model); every other file is kept.
+    The backup is made inside `path` (`make_hidden_folder`), as `staging` was, so no rename leaves its filesystem.
+
+    Returns:
+        The names now in `path` that the save wrote (its top-level files and folders), sorted.
     """
+    new = sorted(p.name for p in staging.iterdir())
     if not path.exists():
         staging.rename(path)
-        return
-    new = sorted(p.name for p in staging.iterdir())
+        return new
     new.sort(key=lambda name: name == "config.json")  # a reader (or the next save) keeps finding a config.json
-    stale = sorted(p.name for p in path.iterdir() if p.name not in new and replaceable(p.name))
+    stale = sorted(
+        p.name
+        for p in path.iterdir()
+        if p.name not in new and not is_hidden_folder(path, p.name) and replaceable(p.name)
+    )
     try:
-        backup = make_sibling(path, BACKUP)
+        backup = make_hidden_folder(path, BACKUP)
     except OSError as error:
-        raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
+        raise OutputDirectoryError(f"cannot write in {str(path)!r}: {error.strerror or error}.") from error
     moved_out: list[str] = []
     moved_in: list[str] = []
     try:
@@ -202,3 +244,4 @@ def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool
         raise
     shutil.rmtree(backup, ignore_errors=True)
     staging.rmdir()
+    return sorted(new)

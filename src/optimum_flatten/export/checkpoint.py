@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +30,7 @@ from .atomic import (
     follow_umask,
     is_disk_full,
     leftovers,
-    make_sibling,
+    make_hidden_folder,
     move_into_place,
     remove_leftovers,
 )
@@ -97,10 +98,13 @@ def method_checkpoint_files() -> tuple[str, ...]:
 def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[str | Path | None] = ()) -> Path:
     """Refuses an output folder where a save would lose data; call it before expensive work so nothing is wasted.
 
-    An absent or empty folder is always accepted. A non-empty one is accepted only with `overwrite` and only when
-    it holds a checkpoint (config.json) that is not the current directory, a home folder, or one of `sources`
-    (the folders the model was loaded from): `overwrite` replaces checkpoint files in place, so those folders
-    would keep a mix of the user's files and ours, or lose the original model.
+    An absent or empty folder is always accepted (the staging folder of an interrupted save inside it counts as
+    nothing: it holds none of the user's files, and the save removes it). A non-empty one is accepted only with
+    `overwrite` and only when it holds a checkpoint (config.json) that is not the current directory, a home folder,
+    or one of `sources` (the folders the model was loaded from): `overwrite` replaces checkpoint files in place, so
+    those folders would keep a mix of the user's files and ours, or lose the original model. Writability is tried
+    where the save writes (`atomic.check_writable`): inside an existing folder, which may be a writable mount point
+    under a read-only parent.
 
     Args:
         output_dir: The folder to save to.
@@ -117,7 +121,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
     if path.exists() and not path.is_dir():
         raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
     check_writable(path)
-    if not path.is_dir() or not any(path.iterdir()):
+    if not path.is_dir() or not _holds_files(path):
         return path
     reason = _refusal(path.resolve(), sources)
     if reason:
@@ -130,6 +134,13 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
             "overwrite=True (--overwrite on the command line) to replace its checkpoint files (other files are kept)."
         )
     return path
+
+
+def _holds_files(path: Path) -> bool:
+    """Whether the existing folder `path` holds anything but staging folders of saves to it. A save to an existing
+    folder stages inside it, so a killed save to a fresh mount point leaves one there; the folder is still empty."""
+    staged = set(leftovers(path, STAGING))
+    return any(item not in staged for item in path.iterdir())
 
 
 def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:
@@ -190,11 +201,13 @@ def save_compressed(
 ) -> Path:
     """Saves weights (safetensors), config, tokenizer, flatten_report.json, README.md and the heatmap.
 
-    Everything is written into a hidden sibling folder first, so an error or a kill never leaves a half-written
-    checkpoint: a new `output_dir` is that folder renamed into place; an existing one (`overwrite`, see
-    `check_output_dir`) gets its checkpoint files replaced one rename each and keeps every other file, as
-    `save_pretrained` does. On an error the replaced files are put back. Leftovers of an interrupted earlier save
-    to the same path are removed first. Folders and files follow the umask.
+    Everything is written into a hidden folder first, so an error or a kill never leaves a half-written
+    checkpoint: a new `output_dir` is that folder (made beside it) renamed into place. An existing one (an empty
+    folder, a mount point, or a checkpoint with `overwrite`, see `check_output_dir`) has the hidden folder made
+    inside it, so that no rename leaves its filesystem (a Docker volume's parent is another one), and gets its
+    checkpoint files replaced one rename each, keeping every other file, as `save_pretrained` does. On an error the
+    replaced files are put back and the hidden folder is removed. Leftovers of an interrupted earlier save to the
+    same path are removed first. Folders and files follow the umask.
 
     A model that a method left in a state ``save_pretrained`` cannot describe is written by the writer that method
     names (`CompressionMethod.checkpoint_writer`, asked of every registered method), with the report entries it
@@ -206,6 +219,28 @@ def save_compressed(
     (see `add_v4_compat`), so that clients pinned below 5 load the same model; None writes the files as
     transformers 5 does.
     """
+    return save_checkpoint(model, output_dir, tokenizer, report, overwrite, writer, compat).path
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A finished save: its folder, and the names in it that the save wrote. With `overwrite` the folder may also
+    hold the user's files, which the save kept but which are no part of the checkpoint (nor of an upload of it)."""
+
+    path: Path
+    files: tuple[str, ...]
+
+
+def save_checkpoint(
+    model: nn.Module,
+    output_dir: str | Path,
+    tokenizer: Any = None,
+    report: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    writer: Callable[..., str] | None = None,
+    compat: Literal["v4"] | None = "v4",
+) -> SavedCheckpoint:
+    """`save_compressed`, also saying which files it wrote: what `export.hub` uploads, and nothing else."""
     if compat not in ("v4", None):
         raise ValueError(f"compat must be 'v4' or None, got {compat!r}.")
     from .plots import plot_layer_matrix  # matplotlib: imported only when a checkpoint is written
@@ -216,9 +251,10 @@ def save_compressed(
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_leftovers(path)
-        staging = make_sibling(path, STAGING)
+        staging = make_hidden_folder(path, STAGING)
     except OSError as error:
-        raise OutputDirectoryError(f"cannot write next to {str(path)!r}: {error.strerror or error}.") from error
+        reason = error.strerror or error
+        raise OutputDirectoryError(f"cannot write the output folder {str(path)!r}: {reason}.") from error
     from ..adapters import get_adapter
 
     try:
@@ -247,7 +283,7 @@ def save_compressed(
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
         follow_umask(staging)
-        move_into_place(staging, path, is_checkpoint_file)
+        files = move_into_place(staging, path, is_checkpoint_file)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         if is_disk_full(error):
@@ -259,7 +295,7 @@ def save_compressed(
     set_name_or_path(model, str(path))
     model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
-    return path
+    return SavedCheckpoint(path, tuple(files))
 
 
 def exported_bytes(model: nn.Module) -> int:

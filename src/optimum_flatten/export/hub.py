@@ -1,4 +1,8 @@
-"""Publishing a compressed checkpoint on the Hugging Face Hub: save locally first, then upload the folder."""
+"""Publishing a compressed checkpoint on the Hugging Face Hub: save locally first, then upload what the save wrote.
+
+Only the checkpoint's own files are uploaded: with ``overwrite`` the local folder also keeps the user's files (notes,
+an ``.env``, evaluation results), and those are not ours to publish.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoint import save_compressed
+from .atomic import glob_escape
+from .checkpoint import SavedCheckpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,8 @@ def push_to_hub(
     """Saves the plain checkpoint (weights, tokenizer, flatten_report.json, heatmap, model card) and uploads it.
 
     The folder is written (atomically) before anything touches the network, so an offline or unauthenticated
-    upload loses nothing: the error names the folder and how to upload it later.
+    upload loses nothing: the error names the folder and how to upload it later. Only the files the save wrote are
+    uploaded (`upload_patterns`); other files that ``overwrite`` kept in the folder stay local.
 
     Args:
         model: The compressed model.
@@ -53,9 +59,10 @@ def push_to_hub(
         HubUploadError: when creating the repo or uploading fails.
     """
     report = dict(report or {})
-    folder = save_compressed(
+    saved = save_checkpoint(
         model, local_dir or Path(repo_id.split("/")[-1]), tokenizer=tokenizer, report=report, overwrite=overwrite
     )
+    folder = saved.path
     if api is None:
         from huggingface_hub import HfApi
 
@@ -64,7 +71,9 @@ def push_to_hub(
     message = commit_message or f"optimum-flatten: {summary}"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=message)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), commit_message=message, allow_patterns=upload_patterns(saved)
+        )
     except Exception as error:  # network, auth and HTTP errors come in many types
         raise HubUploadError(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
@@ -74,3 +83,10 @@ def push_to_hub(
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
     return url
+
+
+def upload_patterns(saved: SavedCheckpoint) -> list[str]:
+    """``allow_patterns`` for `upload_folder` that match exactly what the save wrote: each file by its name, each
+    folder (e.g. ``additional_chat_templates``) with everything under it. Names are escaped, since the Hub client
+    reads the patterns as globs; without them it would upload every file in the folder."""
+    return [glob_escape(name) + ("/*" if (saved.path / name).is_dir() else "") for name in saved.files]

@@ -12,15 +12,23 @@ from ..options.recovery import RecoveryConfig
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
-    """Names (last path component) of the projections the adapter exposes in the first block."""
+    """Names (last path component) of the projections the adapter exposes in every block: attention's q, k, v and o,
+    and the MLP's up, gate and down. On a model with a mixture-of-experts block, attention's only: its experts are
+    no single projection (transformers 5 fuses them into 3-D parameters), and peft maps every target named like an
+    MLP projection onto those fused parameters (its v4-to-v5 conversion), which it adapts only without dropout."""
     adapter = get_adapter(model)
-    block = adapter.blocks()[0]
-    views = [block.attention.q, block.attention.k, block.attention.v, block.attention.o, block.mlp.up, block.mlp.down]
-    if block.mlp.gate is not None:
-        views.append(block.mlp.gate)
-    wanted = {id(v.module) for v in views}
-    names = {name.split(".")[-1] for name, module in block.module.named_modules() if id(module) in wanted}
-    return sorted(names)
+    attention, mlp, mixture = set(), set(), False
+    for block in adapter.blocks():
+        attention.update(id(getattr(block.attention, name).module) for name in ("q", "k", "v", "o"))
+        for name in ("up", "gate", "down"):
+            try:
+                view = getattr(block.mlp, name)
+                if view is not None:
+                    mlp.add(id(view.module))
+            except AttributeError:  # a mixture-of-experts block
+                mixture = True
+    wanted = attention if mixture else attention | mlp
+    return sorted({name.split(".")[-1] for name, module in model.named_modules() if id(module) in wanted})
 
 
 def wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:

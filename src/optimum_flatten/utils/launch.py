@@ -55,14 +55,13 @@ def join_launcher_group() -> bool:
 @contextlib.contextmanager
 def launcher_process_group() -> Iterator[None]:
     """Within the block, the launcher's process group is up (see `join_launcher_group`); a group this block
-    created is left at its end (after a barrier, so that no rank leaves while rank 0 still writes)."""
+    created is left at its end by each rank on its own, with no barrier. What runs after the last collective is
+    rank 0's alone (the save, an upload to the Hub), and may outlast the group's timeout (10 minutes under NCCL, 30
+    under gloo): ranks waiting for it at a barrier would time out, fail, and have the launcher stop rank 0 mid-write.
+    The launcher waits for every rank to end, so leaving first loses nothing."""
     created = join_launcher_group()
     try:
         yield
-        if created:
-            import torch.distributed as dist
-
-            dist.barrier()
     finally:
         if created:
             import torch.distributed as dist
