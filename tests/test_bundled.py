@@ -57,3 +57,24 @@ def test_missing_data_file_names_the_pip_command(fake_bible):
 def test_unknown_corpus_lists_the_available_ones():
     with pytest.raises(ValueError, match="bible:kjv"):
         bundled.load_corpus("bible:vulgate")
+
+
+def _checkpoint(folder, marker: str):
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_text(marker)
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+def test_a_conversion_finished_first_by_another_rank_is_kept_not_replaced(tmp_path):
+    """Two ranks of a launch may convert a bundled model at once: the first rename wins, and the second leaves the
+    winner's checkpoint as it is (the first rank may be reading it), instead of deleting it to put its own."""
+    target = tmp_path / "cache" / "smollm2"
+    target.parent.mkdir()  # as the conversion makes it
+    bundled._publish(_checkpoint(tmp_path / "a" / "checkpoint", "a"), target)
+    assert (target / "model.safetensors").read_text() == "a"
+    bundled._publish(_checkpoint(tmp_path / "b" / "checkpoint", "b"), target)
+    assert (target / "model.safetensors").read_text() == "a"
+    (target / "tokenizer_config.json").unlink()  # an incomplete folder is not silently taken for a conversion
+    with pytest.raises(RuntimeError, match="holds an incomplete one"):
+        bundled._publish(_checkpoint(tmp_path / "c" / "checkpoint", "c"), target)

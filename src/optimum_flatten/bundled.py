@@ -113,7 +113,7 @@ def bundled_model_path(key: str) -> Path:
         raise ValueError(f"unknown bundled model {key!r}; available: {sorted(BUNDLED_MODELS)}.")
     spec = BUNDLED_MODELS[key]
     target = cache_dir() / spec.name
-    if (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists():
+    if _converted(target):
         return target
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -150,12 +150,29 @@ def bundled_model_path(key: str) -> Path:
         checkpoint = staging / "checkpoint"
         clean.save_pretrained(checkpoint)
         tokenizer.save_pretrained(checkpoint)
-        if target.exists():
-            shutil.rmtree(target)
-        checkpoint.rename(target)
+        _publish(checkpoint, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _publish(checkpoint: Path, target: Path) -> None:
+    """Renames the converted `checkpoint` to `target` (atomic: it appears complete or not at all). Where another
+    process, such as another rank of the same launch, converted it first, its checkpoint is the same and may be read
+    already: it is kept, never replaced, and this one is left to be removed with its staging folder."""
+    try:
+        checkpoint.rename(target)
+    except OSError:
+        if not _converted(target):
+            raise RuntimeError(
+                f"cannot put the converted checkpoint in {str(target)!r}, which holds an incomplete one; remove that "
+                "folder and run again."
+            ) from None
+
+
+def _converted(target: Path) -> bool:
+    """Whether `target` holds a finished conversion (its weights and its tokenizer)."""
+    return (target / "model.safetensors").exists() and (target / "tokenizer_config.json").exists()
 
 
 def load_bundled(key: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
