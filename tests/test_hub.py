@@ -70,6 +70,8 @@ def test_offline_upload_fails_clearly_and_keeps_the_local_save(tmp_path):
     with pytest.raises(HubUploadError, match=r"could not upload to the Hub repo 'me/flat'.*saved at") as info:
         quantizer.push_to_hub(model, "me/flat", local_dir=tmp_path / "flat", api=api)
     assert str(tmp_path / "flat") in str(info.value)
+    # The retry it suggests uploads the checkpoint's files only, not what else the folder may keep.
+    assert "--include config.json" in str(info.value) and "--include model.safetensors" in str(info.value)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "flat")
     assert_close(logits(reloaded, sample_ids()), logits(model, sample_ids()))
 

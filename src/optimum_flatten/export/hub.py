@@ -78,7 +78,7 @@ def push_to_hub(
         raise HubUploadError(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
             f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then upload "
-            f"that folder with `hf upload {repo_id} {folder}`."
+            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(saved)}`."
         ) from error
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
@@ -90,3 +90,11 @@ def upload_patterns(saved: SavedCheckpoint) -> list[str]:
     folder (e.g. ``additional_chat_templates``) with everything under it. Names are escaped, since the Hub client
     reads the patterns as globs; without them it would upload every file in the folder."""
     return [glob_escape(name) + ("/*" if (saved.path / name).is_dir() else "") for name in saved.files]
+
+
+def _include_options(saved: SavedCheckpoint) -> str:
+    """``--include`` options of ``hf upload`` for what the save wrote (`upload_patterns`), so that a retry by hand
+    publishes the checkpoint and not the other files the folder keeps."""
+    import shlex
+
+    return " ".join(f"--include {shlex.quote(pattern)}" for pattern in upload_patterns(saved))
