@@ -23,7 +23,7 @@ from huggingface_hub.utils import filter_repo_objects
 import tiny_models
 from common import compress
 from optimum_flatten.export.atomic import remove_leftovers
-from optimum_flatten.export.checkpoint import SavedCheckpoint, check_output_dir
+from optimum_flatten.export.checkpoint import check_output_dir
 from optimum_flatten.export.hub import upload_patterns
 from optimum_flatten.utils.errors import OutputDirectoryError
 
@@ -248,13 +248,13 @@ def test_push_uploads_only_the_files_the_save_wrote(tmp_path, compressed):
     assert {"config.json", "model.safetensors", "flatten_report.json", "README.md"} <= set(api.uploaded)
 
 
-def test_upload_patterns_match_the_written_names_literally_and_whole_folders(tmp_path):
+def test_upload_patterns_match_the_checkpoint_files_and_whole_folders_and_nothing_else(tmp_path):
     (tmp_path / "additional_chat_templates" / "tools").mkdir(parents=True)
     (tmp_path / "additional_chat_templates" / "tools" / "t.jinja").write_text("{{ x }}")
-    for name in ("run[1].json", "runX.json", "model.safetensors", "notes.env"):
+    for name in ("model-00001-of-00002.safetensors", "model[1].safetensors", "config.json", "notes.env"):
         (tmp_path / name).write_text(name)
-    saved = SavedCheckpoint(tmp_path, ("additional_chat_templates", "model.safetensors", "run[1].json"))
 
-    chosen = filter_repo_objects(sorted(_tree(tmp_path)), allow_patterns=upload_patterns(saved))
+    chosen = filter_repo_objects(sorted(_tree(tmp_path)), allow_patterns=upload_patterns(tmp_path))
 
-    assert list(chosen) == ["additional_chat_templates/tools/t.jinja", "model.safetensors", "run[1].json"]
+    expected = ["additional_chat_templates/tools/t.jinja", "config.json", "model-00001-of-00002.safetensors"]
+    assert list(chosen) == expected

@@ -165,7 +165,10 @@ def test_the_memory_check_reads_the_gpu_the_trainer_will_move_a_cpu_model_onto(m
     expected = full_footprint(model, config, 0, accelerator=True)
     assert fits and read == [torch.device("cuda", 0)] and "free on cuda:0" in line
     assert expected.state == ACCELERATOR_STATE_FACTOR * weight_bytes(model)
-    assert f"the student's weights moved there {weight_bytes(model) / 2**30:.1f}" in line
+    assert f"{weight_bytes(model) / 2**30:.1f} of it for the student's weights moved there" in line
+    moved = weight_bytes(model)  # with just that much free beyond the footprint's share, it does not fit
+    assert not full_fits(model, config, 0, available=int(expected.total / 0.9) + moved - 1)[0]
+    assert full_fits(model, config, 0, available=int(expected.total / 0.9) + moved + 16)[0]
     teacher = tiny_models.tiny_llama_gqa()
     assert teacher_bytes_to_load(model, teacher, None, torch.device("cuda", 0)) == weight_bytes(teacher)
     assert teacher_bytes_to_load(model, teacher, None, torch.device("cpu")) == 0

@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -219,28 +218,6 @@ def save_compressed(
     (see `add_v4_compat`), so that clients pinned below 5 load the same model; None writes the files as
     transformers 5 does.
     """
-    return save_checkpoint(model, output_dir, tokenizer, report, overwrite, writer, compat).path
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """A finished save: its folder, and the names in it that the save wrote. With `overwrite` the folder may also
-    hold the user's files, which the save kept but which are no part of the checkpoint (nor of an upload of it)."""
-
-    path: Path
-    files: tuple[str, ...]
-
-
-def save_checkpoint(
-    model: nn.Module,
-    output_dir: str | Path,
-    tokenizer: Any = None,
-    report: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    writer: Callable[..., str] | None = None,
-    compat: Literal["v4"] | None = "v4",
-) -> SavedCheckpoint:
-    """`save_compressed`, also saying which files it wrote: what `export.hub` uploads, and nothing else."""
     if compat not in ("v4", None):
         raise ValueError(f"compat must be 'v4' or None, got {compat!r}.")
     from .plots import plot_layer_matrix  # matplotlib: imported only when a checkpoint is written
@@ -283,7 +260,7 @@ def save_checkpoint(
         (staging / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         (staging / CARD_NAME).write_text(render_model_card(report), encoding="utf-8")
         follow_umask(staging)
-        files = move_into_place(staging, path, is_checkpoint_file)
+        move_into_place(staging, path, is_checkpoint_file)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         if is_disk_full(error):
@@ -295,7 +272,7 @@ def save_checkpoint(
     set_name_or_path(model, str(path))
     model._optimum_flatten_saved_to = str(path)  # a later save here replaces our copy, not the model's source
     logger.info("saved compressed model to %s", path)
-    return SavedCheckpoint(path, tuple(files))
+    return path
 
 
 def exported_bytes(model: nn.Module) -> int:

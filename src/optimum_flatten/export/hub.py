@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from .atomic import glob_escape
-from .checkpoint import SavedCheckpoint, save_checkpoint
+from .checkpoint import is_checkpoint_file, save_compressed
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,9 @@ def push_to_hub(
         HubUploadError: when creating the repo or uploading fails.
     """
     report = dict(report or {})
-    saved = save_checkpoint(
+    folder = save_compressed(
         model, local_dir or Path(repo_id.split("/")[-1]), tokenizer=tokenizer, report=report, overwrite=overwrite
     )
-    folder = saved.path
     if api is None:
         from huggingface_hub import HfApi
 
@@ -72,29 +71,31 @@ def push_to_hub(
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), commit_message=message, allow_patterns=upload_patterns(saved)
+            repo_id=repo_id, folder_path=str(folder), commit_message=message, allow_patterns=upload_patterns(folder)
         )
     except Exception as error:  # network, auth and HTTP errors come in many types
         raise HubUploadError(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
             f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then upload "
-            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(saved)}`."
+            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(folder)}`."
         ) from error
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
     return url
 
 
-def upload_patterns(saved: SavedCheckpoint) -> list[str]:
-    """``allow_patterns`` for `upload_folder` that match exactly what the save wrote: each file by its name, each
-    folder (e.g. ``additional_chat_templates``) with everything under it. Names are escaped, since the Hub client
-    reads the patterns as globs; without them it would upload every file in the folder."""
-    return [glob_escape(name) + ("/*" if (saved.path / name).is_dir() else "") for name in saved.files]
+def upload_patterns(folder: Path) -> list[str]:
+    """``allow_patterns`` for `upload_folder` that match the checkpoint in `folder` and nothing else: each of its
+    names that is part of a checkpoint (`is_checkpoint_file`: a save removes those it did not write, so these are what
+    it wrote), a folder (``additional_chat_templates``) with everything under it. Names are escaped, since the Hub
+    client reads the patterns as globs; without them it would upload every file in the folder."""
+    names = sorted(p.name for p in Path(folder).iterdir() if is_checkpoint_file(p.name))
+    return [glob_escape(name) + ("/*" if (Path(folder) / name).is_dir() else "") for name in names]
 
 
-def _include_options(saved: SavedCheckpoint) -> str:
-    """``--include`` options of ``hf upload`` for what the save wrote (`upload_patterns`), so that a retry by hand
-    publishes the checkpoint and not the other files the folder keeps."""
+def _include_options(folder: Path) -> str:
+    """``--include`` options of ``hf upload`` for the checkpoint in `folder` (`upload_patterns`), so that a retry by
+    hand publishes the checkpoint and not the other files the folder keeps."""
     import shlex
 
-    return " ".join(f"--include {shlex.quote(pattern)}" for pattern in upload_patterns(saved))
+    return " ".join(f"--include {shlex.quote(pattern)}" for pattern in upload_patterns(folder))

@@ -83,18 +83,16 @@ class FullFootprint:
         activations: What one step's forward keeps for its backward pass.
         teacher: The teacher's weights still to be loaded (0 when it is given loaded).
         sampling: One batch of the teacher's text sampling (0 without teacher text): freed before training.
-        moved: The student's weights, where the Trainer moves them onto the device it trains on (`moved_bytes`).
     """
 
     state: int
     activations: int
     teacher: int
     sampling: int = 0
-    moved: int = 0
 
     @property
     def total(self) -> int:
-        return max(self.state + self.activations, self.sampling) + self.teacher + self.moved
+        return max(self.state + self.activations, self.sampling) + self.teacher
 
     def fits(self, available: int) -> bool:
         """Whether the footprint takes at most `HEADROOM` of `available` bytes."""
@@ -105,8 +103,7 @@ class FullFootprint:
         return (
             f"full healing adds about {self.total / gib:.1f} GiB (training state {self.state / gib:.1f}, activations "
             f"{self.activations / gib:.1f}, teacher {self.teacher / gib:.1f}"
-            + (f"; sampling the teacher's text first {self.sampling / gib:.1f}" if self.sampling else "")
-            + (f"; the student's weights moved there {self.moved / gib:.1f})" if self.moved else ")")
+            + (f"; sampling the teacher's text first {self.sampling / gib:.1f})" if self.sampling else ")")
         )
 
 
@@ -258,12 +255,13 @@ def full_fits(
     (logged, and kept in the healing's log, since the default mode follows it)."""
     device = training_device(student, config)
     footprint = full_footprint(student, config, teacher_bytes, device.type == "cuda")
-    footprint = dataclasses.replace(footprint, moved=moved_bytes(student, config))
-    available = available_bytes(device) if available is None else available
-    fits = footprint.fits(available)
+    free = available_bytes(device) if available is None else available
+    moved = moved_bytes(student, config)  # the student's weights take their share of the free memory first
+    fits = footprint.fits(free - moved)
     line = (
-        f"{footprint.describe()}; {available / 2**30:.1f} GiB free on {device}: "
-        f"{'fits' if fits else 'does not fit'} within {HEADROOM:.0%} of it"
+        f"{footprint.describe()}; {free / 2**30:.1f} GiB free on {device}"
+        + (f", {moved / 2**30:.1f} of it for the student's weights moved there" if moved else "")
+        + f": {'fits' if fits else 'does not fit'} within {HEADROOM:.0%} of it"
     )
     logger.info(line)
     return fits, line
