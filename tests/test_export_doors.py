@@ -226,7 +226,7 @@ class FilteringApi:
         return f"https://huggingface.co/{repo_id}"
 
     def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, ignore_patterns=None, **kwargs):
-        self.allow_patterns = allow_patterns
+        self.allow_patterns, self.delete_patterns = allow_patterns, kwargs.get("delete_patterns")
         files = _tree(Path(folder_path))
         chosen = filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
         self.uploaded = {name: files[name] for name in chosen}
@@ -246,6 +246,8 @@ def test_push_uploads_only_the_files_the_save_wrote(tmp_path, compressed):
     assert {name: (out / name).read_text() for name in USER_FILES} == USER_FILES  # kept locally, not published
     assert set(api.uploaded) == set(_tree(out)) - set(USER_FILES)
     assert {"config.json", "model.safetensors", "flatten_report.json", "README.md"} <= set(api.uploaded)
+    # An earlier upload's shards and index are deleted on the Hub in the same commit (re-uploaded files are kept).
+    assert {"model-*-of-*.safetensors", "model.safetensors.index.json"} <= set(api.delete_patterns)
 
 
 def test_upload_patterns_match_the_checkpoint_files_and_whole_folders_and_nothing_else(tmp_path):

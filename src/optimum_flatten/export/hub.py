@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from .atomic import glob_escape
-from .checkpoint import is_checkpoint_file, save_compressed
+from .checkpoint import CHECKPOINT_PATTERNS, is_checkpoint_file, method_checkpoint_files, save_compressed
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,13 @@ def push_to_hub(
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), commit_message=message, allow_patterns=upload_patterns(folder)
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=message,
+            allow_patterns=upload_patterns(folder),
+            # A repo holding an earlier upload (3 shards and their index, say) would otherwise keep the files this
+            # checkpoint does not have, and load as a mix of two models.
+            delete_patterns=list(CHECKPOINT_PATTERNS + method_checkpoint_files()),
         )
     except Exception as error:  # network, auth and HTTP errors come in many types
         raise HubUploadError(
