@@ -241,12 +241,6 @@ def training_device(student: nn.Module, config: RecoveryConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def moved_bytes(student: nn.Module, config: RecoveryConfig) -> int:
-    """The student's weights when the Trainer moves them onto another device (`training_device`), where they then
-    take memory beside the footprint; 0 where they already are."""
-    return weight_bytes(student) if training_device(student, config) != next(student.parameters()).device else 0
-
-
 def full_fits(
     student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None = None
 ) -> tuple[bool, str]:
@@ -256,7 +250,8 @@ def full_fits(
     device = training_device(student, config)
     footprint = full_footprint(student, config, teacher_bytes, device.type == "cuda")
     free = available_bytes(device) if available is None else available
-    moved = moved_bytes(student, config)  # the student's weights take their share of the free memory first
+    # Weights the Trainer moves onto `device` take their share of its free memory first.
+    moved = weight_bytes(student) if device != next(student.parameters()).device else 0
     fits = footprint.fits(free - moved)
     line = (
         f"{footprint.describe()}; {free / 2**30:.1f} GiB free on {device}"
