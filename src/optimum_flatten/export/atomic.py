@@ -193,7 +193,7 @@ def follow_umask(staging: Path) -> None:
             item.chmod(wanted)
 
 
-def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool]) -> list[str]:
+def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool]) -> None:
     """Makes the written checkpoint in `staging` the content of `path`, keeping `path`'s other files.
 
     A new `path` is `staging` renamed: it appears complete or not at all. In an existing one each checkpoint file is
@@ -201,14 +201,11 @@ def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool
     files are swapped; an error puts the old files back. Existing files the save does not write are removed when
     `replaceable(name)` says they are the writer's (they would describe another model); every other file is kept.
     The backup is made inside `path` (`make_hidden_folder`), as `staging` was, so no rename leaves its filesystem.
-
-    Returns:
-        The names now in `path` that the save wrote (its top-level files and folders), sorted.
     """
-    new = sorted(p.name for p in staging.iterdir())
     if not path.exists():
         staging.rename(path)
-        return new
+        return
+    new = sorted(p.name for p in staging.iterdir())
     new.sort(key=lambda name: name == "config.json")  # a reader (or the next save) keeps finding a config.json
     stale = sorted(
         p.name
@@ -244,4 +241,3 @@ def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool
         raise
     shutil.rmtree(backup, ignore_errors=True)
     staging.rmdir()
-    return sorted(new)
