@@ -59,6 +59,10 @@ TINY_CALIBRATION: dict[str, Any] = {"nsamples": 8, "seqlen": 24}
 _CHAR_TOKENIZER = object()  # sentinel: "the character tokenizer", so that None can still mean "no tokenizer"
 
 
+#: The small healing the teacher-text tests run: rows of 32 tokens (characters), 4 of them held out, a gate each step.
+SMALL_HEALING = dict(seqlen=32, per_device_train_batch_size=2, heldout_rows=4, eval_every=1, learning_rate=1e-3)
+
+
 def tiny_config(method: str, **options: Any) -> FlattenConfig:
     """A FlattenConfig for `method` calibrated on the tiny sample texts; `options` override or add to the defaults."""
     return FlattenConfig(method=method, **{"dataset": tiny_models.sample_texts(), **TINY_CALIBRATION, **options})

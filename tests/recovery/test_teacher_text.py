@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import tiny_models
+from common import SMALL_HEALING as SMALL
 from common import compress, dense_and_compressed_on_disk
 from optimum_flatten.cli.main import main
 from optimum_flatten.options.recovery import RecoveryConfig
@@ -29,7 +30,6 @@ from optimum_flatten.recovery.text_repetition import describe, repetition_summar
 from optimum_flatten.recovery.trainer import _teacher_rows
 
 TOKENIZER = tiny_models.CharTokenizer()
-SMALL = dict(seqlen=32, per_device_train_batch_size=2, heldout_rows=4, eval_every=1, learning_rate=1e-3)
 
 
 def _ids(rows):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiny_models
+from common import SMALL_HEALING as SMALL
 from common import compress, tiny_config
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.quantizer import FlattenQuantizer
@@ -31,7 +32,6 @@ from optimum_flatten.recovery.rows import (
 from optimum_flatten.utils.errors import CalibrationDataError
 
 TOKENIZER = tiny_models.CharTokenizer()
-SMALL = dict(seqlen=32, per_device_train_batch_size=2, heldout_rows=4, eval_every=1, learning_rate=1e-3)
 #: Documents of 20 characters and more (the tiny tokenizer's tokens are characters), each its own opening.
 PROMPTS = [f"{word} of the union is strong and free" for word in ("state", "peace", "work", "bread", "law", "land")]
 

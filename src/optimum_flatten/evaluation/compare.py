@@ -89,12 +89,7 @@ def fidelity_to_baseline(
     Both checkpoints are loaded at once (the comparison needs both distributions for the same positions), so this
     needs the memory of the two models; the text is tokenised with the baseline's tokenizer, as for its perplexity.
     """
-    from transformers import AutoTokenizer
-
-    dense = _load_model(baseline, dtype, device, trust_remote_code)
-    model = _load_model(path, dtype, device, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=trust_remote_code)
-    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    dense, model, stream = _pair_on_text(baseline, path, dataset, dtype, device, trust_remote_code)
     return fidelity(dense, model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens).to_dict()
 
 
@@ -111,14 +106,9 @@ def generation_against_baseline(
 ) -> dict[str, Any]:
     """`generation_agreement` of the checkpoint at `path` with `baseline`, on prompts cut from `dataset` (tokenised
     with the baseline's tokenizer); the protocol is in the result."""
-    from transformers import AutoTokenizer
-
     from .generation import generation_agreement
 
-    dense = _load_model(baseline, dtype, device, trust_remote_code)
-    model = _load_model(path, dtype, device, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=trust_remote_code)
-    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    dense, model, stream = _pair_on_text(baseline, path, dataset, dtype, device, trust_remote_code)
     result = generation_agreement(dense, model, stream, prompts, prompt_length, new_tokens)
     return {**result.to_dict(), "protocol": result.protocol()}
 
@@ -147,6 +137,19 @@ def _load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+def _pair_on_text(
+    baseline: str | Path, path: str | Path, dataset: Any, dtype: torch.dtype, device: str | torch.device, remote: bool
+) -> tuple[Any, Any, torch.Tensor]:
+    """(the baseline, the model at `path`, `dataset` tokenised with the baseline's tokenizer): what every comparison
+    on text loads, both models at once since it needs both distributions at the same positions."""
+    from transformers import AutoTokenizer
+
+    dense = _load_model(baseline, dtype, device, remote)
+    model = _load_model(path, dtype, device, remote)
+    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=remote)
+    return dense, model, tokenize_corpus(tokenizer, load_texts(dataset))
 
 
 def _layer_figures(report: dict[str, Any]) -> list[Any]:

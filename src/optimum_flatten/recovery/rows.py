@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import math
 import os
-import random
 from collections.abc import Mapping, Sized
 from typing import Any
 
@@ -25,10 +24,11 @@ from .arguments import _global_phase, _replicas, _steps_for_budget, check_fsdp, 
 from .data import build_training_rows, load_recovery_texts
 from .distill import Objective
 from .resume import check_checkpoint_options
+from .seeded import seeded_split, seeded_subset
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
 from .teacher_start import checked_start, mask_opening, prompt_ids, split_prompts
-from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows, seeded_subset
+from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows
 from .text_repetition import mask_repeats
 from .vllm_sampling import require_vllm
 
@@ -49,8 +49,7 @@ def _split_rows(
             f"the recovery text gives {len(rows)} rows, not enough to hold out {heldout} and train on the rest; "
             "give more text or lower heldout_rows."
         )
-    chosen = set(random.Random(seed + 1).sample(range(len(rows)), heldout))
-    return [r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen]
+    return seeded_split(rows, heldout, seed + 1)
 
 
 def teacher_share(dataset: Any, config: RecoveryConfig) -> float:

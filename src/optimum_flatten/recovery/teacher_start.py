@@ -6,7 +6,6 @@ check, shared by the healing's preflight and the sampling, that a row leaves tok
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from ..utils.errors import CalibrationDataError
 from .random_start import OPENING_TOKENS
+from .seeded import seeded_split
 
 
 def start_token(tokenizer: Any) -> tuple[int, str]:
@@ -119,8 +119,7 @@ def split_prompts(
     held = min(heldout_rows, len(texts) // 2)
     if held == 0:
         return texts, texts
-    chosen = set(random.Random(seed + 4).sample(range(len(texts)), held))
-    return [t for i, t in enumerate(texts) if i not in chosen], [t for i, t in enumerate(texts) if i in chosen]
+    return seeded_split(texts, held, seed + 4)
 
 
 def mask_opening(rows: list[dict[str, torch.Tensor]], opening: int) -> None:

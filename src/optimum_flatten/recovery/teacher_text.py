@@ -46,7 +46,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -499,10 +498,3 @@ def heldout_split(heldout_rows: int, share: float) -> tuple[int, int]:
     if heldout_rows >= 2:
         teacher = min(max(teacher, 1), heldout_rows - 1)
     return heldout_rows - teacher, teacher
-
-
-def seeded_subset(rows: Sequence[Row], count: int, seed: int) -> list[Row]:
-    """`count` of `rows`, a seeded choice kept in order (all of them when there are no more)."""
-    if count >= len(rows):
-        return list(rows)
-    return [rows[i] for i in sorted(random.Random(seed).sample(range(len(rows)), count))]
