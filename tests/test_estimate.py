@@ -177,6 +177,22 @@ def test_estimate_matches_the_measured_peak_of_a_real_compression(method, monkey
     _check(estimate, _measure(model, method, monkeypatch, **calibration), per_phase=method != "auto")
 
 
+@pytest.mark.parametrize("compensation", [None, "scale"])
+def test_iterative_shortgpt_estimates_a_walk_a_round(compensation, monkeypatch):
+    """Prune&Comp's loop walks the kept layers once a round: removing 3 of 6, 6 + 5 + 4 layers, 2.5 passes (one pass
+    was estimated whatever `iterative` said); its memory is the one walk's. Compensated, the loop measures the
+    factors itself, so the compensation walks nothing of its own (`measures_compensation`)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=6)
+    corrections = Corrections(compensation=compensation)
+    estimate = estimate_memory(model, "shortgpt", 3, method_args={"iterative": True}, corrections=corrections,
+                               **calibration)  # fmt: skip
+    assert estimate.stack_passes == pytest.approx(2.5) and not estimate.stack_passes_is_bound
+    measured = _measure(model, "shortgpt", monkeypatch, removed=3, iterative=True, compensation=compensation,
+                        **calibration)  # fmt: skip
+    _check(estimate, measured)
+
+
 @pytest.mark.parametrize("method", ["uidl", "replaceme"])
 def test_a_block_selection_keeps_last_token_rows_not_whole_boundaries(method, monkeypatch):
     """Removing 4 of 6 layers, the distance walk keeps the last-token rows of its 5 boundaries, not the boundaries:

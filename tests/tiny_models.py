@@ -89,7 +89,7 @@ def tiny_gpt2(seed: int = 0, **overrides):
     """
     config = GPT2Config(
         vocab_size=VOCAB,
-        n_positions=128,
+        n_positions=overrides.pop("n_positions", 128),
         n_embd=32,
         n_layer=6,
         n_head=4,

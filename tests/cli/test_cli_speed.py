@@ -59,8 +59,10 @@ def test_evaluate_refuses_a_device_or_rounds_it_cannot_use_in_one_line(tiny_dir,
     assert main(["evaluate", str(dense), "--dataset", str(data), "--device", "cuda"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: device 'cuda': no CUDA device") and error.count("\n") == 1
-    assert main(["evaluate", str(dense), "--dataset", str(data), "--speed-rounds", "0"]) == 2
-    assert "--speed-rounds must be at least 1" in capsys.readouterr().err
+    for rounds in ("0", "1"):  # one round has no spread: its speed-up could not be told from noise
+        assert main(["evaluate", str(dense), "--dataset", str(data), "--speed-rounds", rounds]) == 2
+        assert "--speed-rounds must be at least 2" in capsys.readouterr().err
+    assert main(["evaluate", str(dense), "--dataset", str(data), "--speed-rounds", "1", "--no-speed"]) == 0
 
 
 def _synthetic(candidate: list[float]) -> SpeedComparison:

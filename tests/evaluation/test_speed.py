@@ -199,6 +199,8 @@ def test_comparisons_on_synthetic_timings_print_value_spread_shapes_and_device()
 def test_comparison_rejects_unpaired_timings():
     with pytest.raises(ValueError, match="same positive number of rounds"):
         synthetic([1.0, 1.0], [1.0])
+    with pytest.raises(ValueError, match="at least 2"):  # one round has no spread to judge its ratio by
+        synthetic([1.0], [0.5])
 
 
 def test_resolve_device_refuses_what_this_torch_cannot_use(monkeypatch):

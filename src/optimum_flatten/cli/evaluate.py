@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from .evaluate_checks import check_arguments, check_models, check_text
 from .sources import checkpoint_path
 from .summary import text_table
 
@@ -31,12 +30,7 @@ class Evaluation:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Perplexity and speed of a checkpoint; with a baseline, side by side and with KL and top-1 agreement to it."""
-    if args.speed_rounds < 1:
-        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
-    if args.max_tokens is not None and args.max_tokens < 2:
-        raise ValueError(f"--max-tokens must be at least 2 (a token is scored after one), got {args.max_tokens}")
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        check_output_file(path, option)  # before the measurements, which a bad path would otherwise lose
+    check_arguments(args)  # before the measurements, which a bad option or path would otherwise lose
     evaluation = measure(args)
     print(text_table(*_table(evaluation, args)))
     for line in _protocol_lines(evaluation, args):
@@ -50,34 +44,41 @@ def measure(args: argparse.Namespace) -> Evaluation:
     interleaved speed and the agreement measures (KL, top-1, greedy) on the baseline's tokens."""
     import torch
 
+    from ..calibration.data import load_texts
     from ..utils.torch_utils import resolve_device
 
     device = resolve_device(args.device)
     names = ([args.baseline] if args.baseline else []) + [args.model]
     # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
-    # line, before either model loads.
+    # line, before either model loads, as is everything else the configs, the tokenizers and the text can say.
     paths = [checkpoint_path(name) for name in names]
-    for path in paths:
-        _check_positions(path, args.seqlen, args.trust_remote_code)
-    per_byte = _per_byte_comparison(paths[0], paths[-1], args) if args.baseline else None
+    check_models(paths, args, compare=not (args.no_fidelity and args.no_generation))
+    texts = load_texts(args.dataset, args.text_column)  # read once; every measurement scores these texts
+    per_byte = _per_byte_comparison(paths[0], paths[-1], texts, args) if args.baseline else None
+    same_tokens = bool(args.baseline) and per_byte is None
+    compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
+    check_text(paths[0], texts, args, generative)
     # How every checkpoint is loaded, by each evaluation below: the same dtype, device and code for all of them.
     loading: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype),
         "trust_remote_code": args.trust_remote_code,
         "device": device,
     }
-    entries = _perplexities(paths, names, per_byte, loading, args)
+    entries = _perplexities(paths, names, texts, per_byte, loading, args)
     speed = _interleaved_speed(paths, entries, loading, args) if args.baseline and not args.no_speed else None
     # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
-    # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the dataset.
-    same_tokens = bool(args.baseline) and per_byte is None
-    compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
-    _agreements(paths, entries[-1], compare, generative, loading, args)
+    # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the texts.
+    _agreements(paths, entries[-1], texts, compare, generative, loading, args)
     return Evaluation(entries, per_byte, speed, compare, generative)
 
 
 def _perplexities(
-    paths: list[str], names: list[str], per_byte: dict[str, Any] | None, loading: dict[str, Any], args: Any
+    paths: list[str],
+    names: list[str],
+    texts: list[str],
+    per_byte: dict[str, Any] | None,
+    loading: dict[str, Any],
+    args: Any,
 ) -> list[dict[str, Any]]:
     """Each model's perplexity (and its own timing without a baseline, and lm-eval tasks); with tokenizers that
     differ, on the common text, with bits per byte."""
@@ -86,7 +87,7 @@ def _perplexities(
     from ..evaluation.compare import evaluate_checkpoint
     from ..evaluation.tokenization import bits_per_byte
 
-    dataset, max_tokens = args.dataset, args.max_tokens
+    dataset, max_tokens = texts, args.max_tokens
     if per_byte is not None:
         # Both models score the same text (the one the baseline's token budget covers), each in its own tokens.
         dataset, max_tokens = per_byte["texts"], None
@@ -126,7 +127,13 @@ def _interleaved_speed(
 
 
 def _agreements(
-    paths: list[str], entry: dict[str, Any], compare: bool, generative: bool, loading: dict[str, Any], args: Any
+    paths: list[str],
+    entry: dict[str, Any],
+    texts: list[str],
+    compare: bool,
+    generative: bool,
+    loading: dict[str, Any],
+    args: Any,
 ) -> None:
     """KL and top-1 agreement on the perplexity's windows, and greedy agreement, into the model's `entry`."""
     from ..evaluation.compare import fidelity_to_baseline, generation_against_baseline
@@ -137,7 +144,7 @@ def _agreements(
         ("generation", generative, generation_against_baseline, {}),
     ):
         if wanted:
-            entry[key] = against(paths[0], paths[-1], args.dataset, **options, **loading)
+            entry[key] = against(paths[0], paths[-1], texts, **options, **loading)
 
 
 def _table(evaluation: Evaluation, args: Any) -> tuple[list[list[Any]], list[str]]:
@@ -224,60 +231,39 @@ def _protocol_lines(evaluation: Evaluation, args: Any) -> list[str]:
     return lines
 
 
-def check_output_file(path: str | None, option: str) -> None:
-    """Refuses a file path `option` cannot write (a folder, a parent folder that does not exist or is not writable),
-    in one line, before any model loads."""
-    if path is None:
-        return
-    target = Path(path).expanduser()
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise ValueError(f"{option} {path!r} is a folder; give a file path.")
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path!r}: its folder {str(parent)!r} does not exist; create it or give another.")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{option} {path!r} is not writable; give another path.")
-
-
 def _write_outputs(evaluation: Evaluation, args: Any) -> None:
-    """The figure (--plot) and the measurements as JSON (--json), without the reports they carry."""
+    """The measurements as JSON (--json), without the reports they carry, then the figure (--plot): the numbers
+    first, so that a figure that fails loses nothing measured. Each file is written whole or not at all."""
     import json
 
     from ..evaluation.compare import plot_comparison
+    from ..utils.files import write_atomically
 
-    if args.plot:
-        print(f"plot: {plot_comparison(evaluation.entries, args.plot)}")
     if args.json:
         slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in evaluation.entries]
         measured: dict[str, Any] = {"dataset": str(args.dataset), "models": slim}
         if evaluation.per_byte is not None:
             measured["comparison"] = {"measure": "bits_per_byte", "bytes": evaluation.per_byte["bytes"]}
             measured["tokenizers_differ"] = evaluation.per_byte["difference"]
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(measured, handle, indent=2)
+        text = json.dumps(measured, indent=2)
+        write_atomically(args.json, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+        print(f"json: {args.json}")
+    if args.plot:
+        print(f"plot: {plot_comparison(evaluation.entries, args.plot)}")
 
 
-def _check_positions(path: str, seqlen: int, trust_remote_code: bool) -> None:
-    """Refuses a --seqlen past a position table (warns past RoPE's trained length) from the config alone."""
-    from transformers import AutoConfig
-
-    from ..utils.positions import check_sequence_length
-
-    check_sequence_length(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), seqlen, "--seqlen")
-
-
-def _per_byte_comparison(baseline: str, model: str, args: argparse.Namespace) -> dict[str, Any] | None:
+def _per_byte_comparison(
+    baseline: str, model: str, texts: list[str], args: argparse.Namespace
+) -> dict[str, Any] | None:
     """None when both tokenizers encode the evaluation text alike; else, with --allow-different-tokenizers, the
     common text and each model's token count on it, for bits per byte (refused without the flag)."""
     from transformers import AutoTokenizer
 
-    from ..calibration.data import load_texts
     from ..evaluation.perplexity import tokenize_corpus
     from ..evaluation.tokenization import first_difference, text_budget
 
     remote = args.trust_remote_code
     tokenizers = [AutoTokenizer.from_pretrained(p, trust_remote_code=remote) for p in (baseline, model)]
-    texts = load_texts(args.dataset)
     difference = first_difference(tokenizers[0], tokenizers[1], texts, args.max_tokens)
     if difference is None:
         return None

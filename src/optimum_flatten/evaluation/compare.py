@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..calibration.data import load_texts
+from ..utils.files import write_atomically
 from .fidelity import fidelity
 from .perplexity import perplexity, tokenize_corpus
 from .speed import SpeedComparison, compare_decode, compare_prefill, decode_tokens_per_second, prefill_tokens_per_second
@@ -165,6 +166,13 @@ def _layer_figures(report: dict[str, Any]) -> list[Any]:
     return list(section.figures) if section is not None else []
 
 
+def bar_names(entries: Sequence[dict[str, Any]]) -> list[str]:
+    """Each model's bar label: its folder's name, or its path where two folders share a name (dense/ and
+    run2/dense/), whose bars would otherwise stand on one tick."""
+    names = [Path(e["path"]).name for e in entries]
+    return names if len(set(names)) == len(names) else [str(e["path"]) for e in entries]
+
+
 def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """Two panels: adjacent-layer input similarity from the compression report, and perplexity per model."""
     import matplotlib
@@ -187,12 +195,14 @@ def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path
     left.set_title("Adjacent layers (merged groups shaded)")
     if left.lines:
         left.legend()
-    names = [Path(e["path"]).name for e in entries]
+    names = bar_names(entries)
     right.bar(names, [e["perplexity"] for e in entries], color=["grey", "tab:blue", "tab:orange"][: len(entries)])
     right.set_ylabel("perplexity")
     right.set_title("Held-out perplexity")
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        write_atomically(path, fig.savefig)  # whole or not at all: a failed figure leaves the last one in place
+    finally:
+        plt.close(fig)
     return path

@@ -152,6 +152,8 @@ def fidelity(
     finally:
         dense.train(modes[0])
         compressed.train(modes[1])
+    if count == 0:
+        raise ValueError(f"no token was scored: the stream holds {stream.numel()} tokens; give a longer text.")
     return FidelityResult(
         kl=kl_sum / count,
         top1_agreement=agree / count,

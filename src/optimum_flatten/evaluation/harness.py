@@ -27,6 +27,28 @@ def _require_lm_eval():
     return lm_eval
 
 
+def check_tasks(tasks: Sequence[str], limit: int | float | None = None) -> None:
+    """Refuses, before any model loads, what `run_lm_eval` would refuse only after the model's other measurements:
+    lm-eval missing, a limit that leaves no document, and a task lm-eval does not know (the offline
+    ``local_text_perplexity`` is built from the evaluation text, so it is always known)."""
+    import difflib
+
+    _require_lm_eval()
+    if limit is not None and limit <= 0:
+        raise ValueError(f"the lm-eval limit must leave at least one document per task, got {limit}.")
+    wanted = [task for task in tasks if task != "local_text_perplexity"]
+    if not wanted:
+        return
+    from lm_eval.tasks import TaskManager
+
+    known = set(TaskManager().all_tasks)
+    for task in wanted:
+        if task not in known:
+            close = difflib.get_close_matches(task, [*known, "local_text_perplexity"], n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"lm-eval has no task {task!r}{hint}")
+
+
 def local_text_task(texts: Sequence[str], directory: str | Path, name: str = "local_text_perplexity") -> Path:
     """Writes an lm-eval task (YAML + JSONL documents) over `texts` into `directory` and returns the directory.
 

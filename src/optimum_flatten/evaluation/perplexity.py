@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,11 +53,19 @@ def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
 
 
+#: The largest x whose exp(x) a float holds (math.exp raises OverflowError past it).
+_LARGEST_EXPONENT = math.log(sys.float_info.max)
+
+
 def scored_stream(tokens: torch.Tensor, max_tokens: int | None) -> torch.Tensor:
     """The first `max_tokens` tokens of the stream (all with None), refusing a budget that scores nothing: a token is
     scored from the one before it, so fewer than 2 leave no prediction (a negative count would slice from the end)."""
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2 (a token is scored from the one before it), got {max_tokens}.")
+    if tokens.dim() == 2 and tokens.shape[0] == 1:  # a tokenizer's return_tensors="pt" ids: one row, the stream
+        tokens = tokens[0]
+    if tokens.dim() != 1:
+        raise ValueError(f"the token stream must be 1-D (or one row), got shape {tuple(tokens.shape)}.")
     return tokens if max_tokens is None else tokens[:max_tokens]
 
 
@@ -153,7 +162,7 @@ def perplexity(
         raise ValueError(f"no token was scored: the stream holds {stream.numel()} tokens; give a longer text.")
     mean = total_nll / total_count
     return PerplexityResult(
-        perplexity=math.exp(mean),
+        perplexity=math.exp(mean) if mean < _LARGEST_EXPONENT else math.inf,  # a broken model: past a float's range
         nll=mean,
         scored_tokens=total_count,
         seqlen=seqlen,

@@ -271,8 +271,9 @@ class SpeedComparison:
     ratios: tuple[float, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        if len(self.baseline_seconds) != len(self.candidate_seconds) or not self.baseline_seconds:
-            raise ValueError("a comparison needs the same positive number of rounds for both models")
+        if len(self.baseline_seconds) != len(self.candidate_seconds) or len(self.baseline_seconds) < 2:
+            # One round has no spread, so no verdict could tell its ratio from noise.
+            raise ValueError("a comparison needs the same positive number of rounds for both models, at least 2")
         ratios = tuple(b / c for b, c in zip(self.baseline_seconds, self.candidate_seconds, strict=True))
         object.__setattr__(self, "ratios", ratios)
 

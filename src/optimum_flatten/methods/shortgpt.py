@@ -91,6 +91,8 @@ class ShortGPTMethod(CompressionMethod):
         - selection: the runner (S); the walk's previous boundary, which the caller's loop variable still holds, and its
           current one (2S); the boundary being computed (run); or, between runs, the float64 cosine of one batch
           (`cosine_rows` over every token: two float64 copies, their masked copies and a product, 40·T_b·d).
+        Cost: one pass; ``iterative=True`` walks the kept layers once a round, L − k layers in round k, so
+        Σ_{k<n} (L − k) / L passes (its α and its stream scaling hold no more than the walk's two boundaries).
         """
         selection = Phase(
             "selection",
@@ -101,7 +103,14 @@ class ShortGPTMethod(CompressionMethod):
                 per_batch_term(z, 40 * z.Tb * z.d, "float64 cosine over every token"),
             ),
         )
-        return [selection], 1.0, False, []
+        L = z.shape.num_layers
+        passes = sum(L - k for k in range(n)) / L if config.iterative else 1.0
+        return [selection], passes, False, []
+
+    @classmethod
+    def measures_compensation(cls, config: Any) -> bool:
+        """The iterative loop measures each dropped layer's α as it drops it (`iterative_plan`)."""
+        return bool(config.iterative)
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         if self.config.iterative:

@@ -28,9 +28,9 @@ def is_causal_architecture(name: str) -> bool:
     return name.endswith(_CAUSAL_ENDINGS) or name in _causal_class_names()
 
 
-def causal_lm_refusal(config: Any, architecture: str | None = None) -> str | None:
-    """Why a model with `config` (saved as `architecture`, else the config's first ``architectures`` entry) is not
-    a causal LM that healing can train, as one line; None when it is one or when nothing says otherwise.
+def non_causal_description(config: Any, architecture: str | None = None) -> str | None:
+    """What a model with `config` (saved as `architecture`, else the config's first ``architectures`` entry) is when it
+    is not a causal LM (``"an encoder-decoder model (MarianMTModel)"``); None when it is one or nothing says otherwise.
 
     A config naming no architecture, or a remote-code one whose ``auto_map`` offers `AutoModelForCausalLM`, passes:
     refusing a model that would have worked is the worse mistake.
@@ -38,12 +38,19 @@ def causal_lm_refusal(config: Any, architecture: str | None = None) -> str | Non
     names = [architecture] if architecture else list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "is_encoder_decoder", False):
-        what = f"an encoder-decoder model ({names[0] if names else model_type})"
-    elif names and not any(is_causal_architecture(name) for name in names):
+        return f"an encoder-decoder model ({names[0] if names else model_type})"
+    if names and not any(is_causal_architecture(name) for name in names):
         if "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
             return None
-        what = f"a {names[0]}, not a causal language model"
-    else:
+        return f"a {names[0]}, not a causal language model"
+    return None
+
+
+def causal_lm_refusal(config: Any, architecture: str | None = None) -> str | None:
+    """Why a model with `config` is not a causal LM that healing can train (`non_causal_description`), as one line;
+    None when it is one or when nothing says otherwise."""
+    what = non_causal_description(config, architecture)
+    if what is None:
         return None
     return (
         f"healing trains causal language models (the next token from those before it), and this checkpoint is {what}; "

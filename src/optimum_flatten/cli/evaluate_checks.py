@@ -1,0 +1,140 @@
+"""What `optimum-flatten evaluate` refuses before any model loads, each in one line.
+
+Every measurement loads one or two models and runs for minutes; a refusal that the arguments, the configs or the
+tokenizer could have given earlier would lose that work (and the --json the user asked for). So everything knowable
+without the weights is checked here first: the options, the output files, that both checkpoints are causal LMs with
+positions for every sequence the measurements run, that the models compared position by position share a vocabulary,
+that the text holds the greedy prompts, and that lm-eval and its tasks exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+#: Rounds a speed needs for a spread: with one, the interquartile range is not defined, and a ratio of two single
+#: timings would be printed as a measured speed-up.
+MIN_SPEED_ROUNDS = 2
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The options alone: the budgets, the output files (and the figure's format) and lm-eval's tasks."""
+    if args.speed_rounds < 1 or (args.speed_rounds < MIN_SPEED_ROUNDS and not args.no_speed):
+        raise ValueError(
+            f"--speed-rounds must be at least {MIN_SPEED_ROUNDS} (a median needs a spread to be trusted), got "
+            f"{args.speed_rounds}; or pass --no-speed."
+        )
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError(f"--max-tokens must be at least 2 (a token is scored after one), got {args.max_tokens}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        check_output_file(path, option)
+    if args.plot:
+        check_figure_format(args.plot)
+    tasks = [t for t in (args.lm_eval_tasks or "").split(",") if t]
+    if tasks:
+        from ..evaluation.harness import check_tasks
+
+        check_tasks(tasks, args.lm_eval_limit)
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """Refuses a file path `option` cannot write (a folder, a parent folder that does not exist or is not writable),
+    in one line, before any model loads."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ValueError(f"{option} {path!r} is a folder; give a file path.")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path!r}: its folder {str(parent)!r} does not exist; create it or give another.")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path!r} is not writable; give another path.")
+
+
+def check_figure_format(path: str) -> None:
+    """Refuses a --plot whose suffix matplotlib cannot write (``fig.txt``), which it would refuse only at the end."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        written = ", ".join(sorted(formats))
+        raise ValueError(f"--plot {path!r}: matplotlib writes {written}, not {suffix or 'a file without a suffix'!r}.")
+
+
+def check_models(paths: list[str], args: argparse.Namespace, compare: bool) -> None:
+    """From the configs: each checkpoint is a causal LM with positions for every sequence run, and the two models
+    compared token by token (`compare`: KL, top-1 and greedy agreement) predict over the same vocabulary."""
+    from transformers import AutoConfig
+
+    from ..utils.causal_lm import non_causal_description
+    from ..utils.positions import check_sequence_length
+
+    configs = [AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code) for path in paths]
+    for path, config in zip(paths, configs, strict=True):
+        what = non_causal_description(config)
+        if what is not None:
+            raise ValueError(
+                f"evaluate scores causal language models (each token from those before it), and {path} is {what}: "
+                "loaded as a causal LM its perplexity would mean nothing."
+            )
+        check_sequence_length(config, args.seqlen, "--seqlen")
+        _check_fixed_lengths(path, config, args)
+    if compare and len(configs) == 2:
+        sizes = [config.get_text_config().vocab_size for config in configs]
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"the baseline predicts over {sizes[0]} tokens and {paths[-1]} over {sizes[1]}, so KL, top-1 and "
+                "greedy agreement cannot compare them position by position; pass --no-fidelity --no-generation."
+            )
+
+
+def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> None:
+    """Refuses a learned position table shorter than the decode timing's or the greedy agreement's sequences, which
+    run fixed prompts and new tokens whatever --seqlen says."""
+    from ..evaluation.compare import generation_against_baseline
+    from ..evaluation.speed import decode_tokens_per_second
+    from ..utils.positions import position_limit
+
+    runs = []
+    if not args.no_speed:
+        runs.append(("the decode timing", _length(decode_tokens_per_second), "--no-speed"))
+    if args.baseline and not args.no_generation:
+        runs.append(("the greedy agreement", _length(generation_against_baseline), "--no-generation"))
+    limit = position_limit(config)
+    for what, (prompt, new), switch in runs:
+        if limit is not None and limit[2] and prompt + new > limit[0]:
+            raise ValueError(
+                f"{what} runs {prompt}-token prompts and {new} new tokens ({prompt + new} positions), past the "
+                f"{limit[0]} positions of {path} (config.{limit[1]}); pass {switch}."
+            )
+
+
+def _length(measure: Any) -> tuple[int, int]:
+    """(prompt tokens, new tokens) a measurement runs by default: read from its signature, its one source."""
+    parameters = inspect.signature(measure).parameters
+    return int(parameters["prompt_length"].default), int(parameters["new_tokens"].default)
+
+
+def check_text(baseline: str, texts: list[str], args: argparse.Namespace, generative: bool) -> None:
+    """Refuses a text too short for the greedy agreement's prompts, tokenised as that measurement will tokenise it."""
+    if not generative:
+        return
+    from transformers import AutoTokenizer
+
+    from ..evaluation.compare import generation_against_baseline
+    from ..evaluation.perplexity import tokenize_corpus
+
+    parameters = inspect.signature(generation_against_baseline).parameters
+    prompts, prompt_length = int(parameters["prompts"].default), int(parameters["prompt_length"].default)
+    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=args.trust_remote_code)
+    tokens = int(tokenize_corpus(tokenizer, texts).numel())
+    if tokens < prompts * prompt_length:
+        raise ValueError(
+            f"the evaluation text has {tokens} tokens, fewer than the greedy agreement's {prompts} prompts of "
+            f"{prompt_length} need; give a longer text or pass --no-generation."
+        )

@@ -1,0 +1,144 @@
+"""`optimum-flatten evaluate` refuses what the configs, the tokenizer and the text can tell before any model loads
+(an encoder, vocabularies that cannot be compared, positions the fixed-length measurements run past, a text too short
+for the greedy prompts, a figure format matplotlib cannot write, a single speed round), reads the text column it is
+given, and writes its JSON whole, before the figure."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import tiny_models
+from optimum_flatten.cli.main import main
+from optimum_flatten.evaluation.fidelity import fidelity
+from optimum_flatten.evaluation.perplexity import perplexity
+from optimum_flatten.utils.files import TEMPORARY_PREFIX
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """(a tiny LLaMA with its tokenizer, a text of 60 documents): what `evaluate` reads."""
+    path = tmp_path / "dense"
+    tiny_models.tiny_llama_gqa().save_pretrained(path)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(tiny_models.sample_texts(60)))
+    return path, text
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Makes loading a model fail the test: what is refused must be refused before."""
+    import optimum_flatten.evaluation.compare as compare
+
+    monkeypatch.setattr(compare, "_load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+
+
+def _save(model, folder):
+    model.save_pretrained(folder)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("build", [tiny_models.tiny_bert, tiny_models.tiny_marian], ids=["encoder", "encoder-decoder"])
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_it_loads(build, on_disk, tmp_path, capsys, no_loading):
+    _, text = on_disk
+    model = _save(build(), tmp_path / "model")
+    assert main(["evaluate", str(model), "--dataset", str(text), "--no-speed"]) == 2
+    assert "evaluate scores causal language models" in _error(capsys)
+
+
+def test_models_over_different_vocabularies_are_not_compared_token_by_token(on_disk, tmp_path, capsys, no_loading):
+    dense, text = on_disk
+    model = tiny_models.tiny_llama_gqa()
+    model.resize_token_embeddings(model.config.vocab_size + 32)
+    resized = _save(model, tmp_path / "resized")
+    argv = ["evaluate", str(resized), "--baseline", str(dense), "--dataset", str(text), "--no-speed"]
+    assert main(argv) == 2 and "--no-fidelity --no-generation" in _error(capsys)
+
+
+def test_positions_the_fixed_length_measurements_run_past_are_refused(tmp_path, on_disk, capsys, no_loading):
+    _, text = on_disk
+    gpt2 = _save(tiny_models.tiny_gpt2(n_positions=64), tmp_path / "gpt2")
+    common = ["evaluate", str(gpt2), "--dataset", str(text), "--seqlen", "32"]
+    assert main(common) == 2 and "--no-speed" in _error(capsys)  # decode timing: 64 + 32 positions
+    assert main([*common, "--baseline", str(gpt2), "--no-speed"]) == 2 and "--no-generation" in _error(capsys)
+
+
+def test_a_text_too_short_for_the_greedy_prompts_is_refused_before_measuring(on_disk, tmp_path, capsys, no_loading):
+    dense, _ = on_disk
+    short = tmp_path / "short.txt"
+    short.write_text("a few words, far fewer than sixteen prompts of sixty-four tokens")
+    argv = ["evaluate", str(dense), "--baseline", str(dense), "--dataset", str(short), "--no-speed", "--no-fidelity"]
+    assert main(argv) == 2 and "--no-generation" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--plot", "{folder}/figure.txt"], "matplotlib writes"),
+        (["--speed-rounds", "1"], "at least 2"),
+        (["--lm-eval-tasks", "local_text_perplexity", "--lm-eval-limit", "0"], "at least one document"),
+    ],
+    ids=["figure format", "one speed round", "lm-eval limit"],
+)
+def test_options_that_would_fail_at_the_end_are_refused_first(on_disk, tmp_path, capsys, monkeypatch, options, message):
+    import optimum_flatten.cli.evaluate as evaluate
+
+    if "--lm-eval-tasks" in options:
+        pytest.importorskip("lm_eval")
+    monkeypatch.setattr(evaluate, "measure", lambda args: pytest.fail("measured before refusing"))
+    dense, text = on_disk
+    filled = [o.format(folder=tmp_path) for o in options]
+    assert main(["evaluate", str(dense), "--dataset", str(text), *filled]) == 2 and message in _error(capsys)
+
+
+def test_the_text_column_is_read_and_the_json_is_written_whole_before_the_figure(on_disk, tmp_path, monkeypatch):
+    dense, _ = on_disk
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"content": t}) + "\n" for t in tiny_models.sample_texts(60)))
+    out, figure = tmp_path / "eval.json", tmp_path / "figure.png"
+    out.write_text('{"an earlier": "run"}')
+    import optimum_flatten.evaluation.compare as compare
+
+    def failing(entries, path):
+        raise OSError("the disk is full")
+
+    monkeypatch.setattr(compare, "plot_comparison", failing)
+    argv = ["evaluate", str(dense), "--dataset", str(rows), "--text-column", "content", "--no-speed", "--seqlen", "32",
+            "--max-tokens", "256", "--json", str(out), "--plot", str(figure)]  # fmt: skip
+    assert main(argv) == 2  # the figure failed ...
+    measured = json.loads(out.read_text())  # ... after the numbers were written whole, over the earlier run's
+    assert measured["models"][0]["perplexity"] > 1 and measured["models"][0]["protocol"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(TEMPORARY_PREFIX)] == []
+
+
+def test_folders_of_the_same_name_get_bars_of_their_own():
+    from optimum_flatten.evaluation.compare import bar_names
+
+    assert bar_names([{"path": "runs/a/dense"}, {"path": "runs/b/small"}]) == ["dense", "small"]
+    assert bar_names([{"path": "runs/a/dense"}, {"path": "runs/b/dense"}]) == ["runs/a/dense", "runs/b/dense"]
+
+
+def test_a_model_past_a_floats_range_scores_infinity_and_fidelity_refuses_an_empty_stream():
+    model = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)  # logits of ~1e4: a mean NLL far past exp's range
+    assert perplexity(model, torch.arange(3, 40), seqlen=16).perplexity == math.inf
+    row = torch.arange(3, 40)[None]  # what tokenizer(..., return_tensors="pt").input_ids gives
+    assert perplexity(tiny_models.tiny_llama_gqa(), row, seqlen=16) == perplexity(
+        tiny_models.tiny_llama_gqa(), row[0], seqlen=16
+    )
+    dense = tiny_models.tiny_llama_gqa()
+    with pytest.raises(ValueError, match="no token was scored"):
+        fidelity(dense, dense, torch.arange(3, 4), seqlen=16)
