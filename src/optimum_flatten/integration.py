@@ -59,16 +59,22 @@ class FlattenHfQuantizer(HfQuantizer):
         from .quantizer import FlattenQuantizer
 
         tokenizer = self.quantization_config.tokenizer
-        if tokenizer is None or isinstance(tokenizer, str):
+        if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer or model.name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        elif tokenizer is None:  # the checkpoint's own: a tokenizer, an image processor (ViT), or none it needs
+            from .utils.loading import load_processor
+
+            tokenizer = load_processor(model.name_or_path)
+        # From here on the model is an ordinary one being compressed: transformers marked it quantized before this
+        # step, and a model marked quantized is one the Trainer refuses to train (`FlattenConfig(heal=...)`).
+        self.remove_quantization_config(model)
         quantizer = FlattenQuantizer(self.quantization_config)
         quantizer.compress(model, tokenizer)
         self.report = quantizer.report
         model.flatten_report = quantizer.report
         _renumber_device_map(model, quantizer.plan)
-        self.remove_quantization_config(model)
         return model
 
     @property

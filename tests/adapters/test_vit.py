@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForImageClassification, ViTForImageClassification, ViTModel
 
 import tiny_models
-from common import assert_close, compress
+from common import assert_close, compress, tiny_config
 from optimum_flatten import FlattenQuantizer, get_adapter
 from optimum_flatten.adapters.vit import ViTAdapter
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner, build_calibration_batches
@@ -367,3 +367,21 @@ def test_sleb_is_refused_and_leaves_the_model_untouched(model):
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert model.config.num_hidden_layers == len(model.vit.layers) == LAYERS
+
+
+def test_compress_on_load_calibrated_on_pixels_needs_no_tokenizer(tmp_path):
+    """``from_pretrained(..., quantization_config=FlattenConfig(dataset=pixels))`` on a ViT saved without a tokenizer
+    loads what the checkpoint has (nothing here; an image processor where saved) instead of failing on a tokenizer it
+    does not need, and compresses as `FlattenQuantizer.compress` does."""
+    tiny_models.tiny_vit().save_pretrained(tmp_path / "dense")
+    options = dict(num_layers_to_remove=2, dataset=tiny_models.sample_pixel_values(12, seed=1), batch_size=4)
+    on_load = AutoModelForImageClassification.from_pretrained(
+        tmp_path / "dense", quantization_config=tiny_config("shortgpt", **options)
+    )
+    explicit = AutoModelForImageClassification.from_pretrained(tmp_path / "dense")
+    _compress(explicit, "shortgpt")
+    pixels = tiny_models.sample_pixel_values(3, seed=5)
+    assert on_load.config.num_hidden_layers == explicit.config.num_hidden_layers == len(on_load.vit.layers)
+    assert_close(vit_outputs(on_load, pixels), vit_outputs(explicit, pixels))
+    on_load.save_pretrained(tmp_path / "out")
+    _check_reload(on_load, tmp_path / "out")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, sample_ids
+from common import compress, sample_ids, tiny_config
 from optimum_flatten.cli.main import main
 from optimum_flatten.recovery import RecoveryConfig, recover
 
@@ -49,6 +49,30 @@ def test_compress_with_heal_equals_compress_then_recover_from_the_dense_model():
     ids = sample_ids()
     with torch.no_grad():
         torch.testing.assert_close(one_line(ids).logits, healed(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["changed", "lora"])
+def test_compress_and_heal_on_load_equals_the_quantizers_own_call(tmp_path, mode):
+    """``from_pretrained(..., quantization_config=FlattenConfig(heal=...))`` heals as `FlattenQuantizer.compress` does
+    (transformers marked the model quantized before compressing it, which the Trainer refused to train), and the
+    healed model saves and reloads as a plain checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_models.tiny_llama_gqa().save_pretrained(tmp_path / "dense")
+    options = dict(num_layers_to_remove=2, heal={**HEAL, "mode": mode})
+    torch.manual_seed(0)
+    config = tiny_config("flattengpt", **options, tokenizer=tiny_models.CharTokenizer())
+    on_load = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=config)
+    assert on_load.flatten_report["recovery"]["mode"] == mode and not getattr(on_load, "is_quantized", False)
+    explicit = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    torch.manual_seed(0)
+    compress(explicit, "flattengpt", **options)
+    ids = sample_ids()
+    on_load.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(on_load(ids).logits, explicit(ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(reloaded(ids).logits, on_load(ids).logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
