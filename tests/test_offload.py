@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import tiny_models
 from common import assert_close, logits, sample_ids
 from optimum_flatten import FlattenConfig, FlattenQuantizer
+from optimum_flatten.utils.errors import UnsupportedArchitectureError
 from optimum_flatten.utils.offload import detached_copy, dispatch_like, is_offloaded
 
 NUM_LAYERS = 6
@@ -205,3 +206,32 @@ def test_an_offloaded_weight_is_sampled_from_its_leading_rows_as_read_whole(tmp_
             got = _leading_values(weights, name.removeprefix("block."))
             assert got.dtype == dtype and torch.equal(got.reshape(-1)[:SAMPLE], tensor.reshape(-1)[:SAMPLE])
             assert got.numel() <= max(SAMPLE + 3, 1)  # the leading rows, not the whole weight
+
+
+@pytest.mark.parametrize("correction", ["shortgpt+scale", "replaceme/estimator=lstsq_gain"])
+@pytest.mark.parametrize("held", ["model.embed_tokens", "model.norm"])
+def test_a_fold_into_offloaded_embeddings_is_refused_before_any_change(dense_dir, tmp_path, correction, held):
+    """Compensation and a bridge's stream gain scale the embeddings (and, tied, the final norm) in place; offloaded,
+    those writes were lost while the layers kept theirs, and the model computed another function. Refused first.
+    The tiny LLaMA's embeddings are untied, so its final norm offloaded alone is not refused."""
+    device_map = _device_map() | {held: "disk"}
+    model = AutoModelForCausalLM.from_pretrained(dense_dir, device_map=device_map, offload_folder=tmp_path / "off")
+    before = {k: v.clone() for k, v in model.state_dict().items() if v.device.type != "meta"}
+    quantizer = FlattenQuantizer(_config(correction), progress=False)
+    if held == "model.norm":
+        quantizer.compress(model, tiny_models.CharTokenizer())
+        assert model.config.num_hidden_layers == NUM_LAYERS - 2
+        return
+    with pytest.raises(UnsupportedArchitectureError, match=r"model\.embed_tokens, which this model keeps offloaded"):
+        quantizer.compress(model, tiny_models.CharTokenizer())
+    assert model.config.num_hidden_layers == NUM_LAYERS
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_tied_final_norm_offloaded_is_refused_for_a_fold(tmp_path):
+    tiny_models.tiny_gpt2().save_pretrained(tmp_path / "gpt2")
+    device_map = {"transformer.wte": "cpu", "transformer.wpe": "cpu", "transformer.h": "cpu", "lm_head": "cpu"}
+    device_map["transformer.ln_f"] = "disk"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", device_map=device_map, offload_folder=tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match=r"transformer\.ln_f"):
+        FlattenQuantizer(_config("shortgpt+scale"), progress=False).compress(model, tiny_models.CharTokenizer())

@@ -28,7 +28,7 @@ import torch
 from ..adapters.base import ArchitectureAdapter
 from ..plan import LayerPlan
 from ..utils.errors import UnsupportedArchitectureError
-from ..utils.offload import edit_block_
+from ..utils.offload import edit_block_, is_offloaded
 
 
 def _stream_sources(adapter: ArchitectureAdapter) -> list[torch.nn.Module]:
@@ -72,6 +72,26 @@ def require_compensable(adapter: ArchitectureAdapter, stack: str) -> None:
                 f"compensation='scale' folds into embedding tables, and this {type(adapter.model).__name__} writes "
                 f"its stream with a {type(source).__name__} (patches or scaled embeddings); drop compensation."
             )
+    _require_sources_in_memory(adapter, stack)
+
+
+def _require_sources_in_memory(adapter: ArchitectureAdapter, stack: str) -> None:
+    """Refuses embeddings (or, tied, the final norm) that accelerate keeps offloaded: the fold writes into their
+    weights in place (`fold_stream_scales_`), and an offloaded module's weights are placeholders its hook refills,
+    so the factor would be lost from the model and its checkpoint while the layers kept theirs."""
+    names = {module: name for name, module in adapter.model.named_modules()}
+    modules = list(_stream_sources(adapter))
+    head, norm = adapter.lm_head(stack), adapter.final_norm(stack)
+    tied = head is not None and any(getattr(head, "weight", None) is source.weight for source in modules)
+    if norm is not None and (tied or getattr(adapter.config, "tie_word_embeddings", False)):
+        modules.append(norm)
+    held = [names.get(module, type(module).__name__) for module in modules if is_offloaded(module)]
+    if held:
+        raise UnsupportedArchitectureError(
+            f"folding a factor into the stream (compensation='scale', or a bridge's stream gain) writes into "
+            f"{', '.join(held)}, which this model keeps offloaded (device_map), so the factor would be lost; load "
+            "them on a device (device_map placing them on 'cpu' or a GPU), or drop the compensation or the gain."
+        )
 
 
 @torch.no_grad()
