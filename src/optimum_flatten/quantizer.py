@@ -311,6 +311,17 @@ class FlattenQuantizer(OptimumQuantizer):
             dataset, column, recovery, _ = heal
             check_sequence_length(model, recovery.seqlen, "the heal's seqlen")  # before the text is tokenised
             check_recovery_inputs(tokenizer, dataset, recovery, column)
+            kept = num_layers - num_to_remove
+            if recovery.mode == "last_k" and recovery.last_k > kept:  # the compressed model's blocks, not these
+                raise ValueError(
+                    f"heal mode 'last_k' trains the last {recovery.last_k} blocks, and the compressed model keeps "
+                    f"{kept}; lower last_k to at most {kept}."
+                )
+            if recovery.mode == "changed" and method.keeps_depth:
+                raise ValueError(
+                    f"heal mode 'changed' trains the layers a depth compression merged or bridged, and "
+                    f"{self.config.method} keeps every layer; heal with mode 'full', 'last_k' or 'lora'."
+                )
             drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
             if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:
                 # A method that only drops whole layers, uncorrected, leaves nothing that 'changed' could train;

@@ -115,6 +115,9 @@ def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_
         ({**HEAL, "mode": "everything"}, "everything"),
         ({**HEAL, "modes": "changed"}, "Did you mean 'mode'"),
         (0, "positive training-token budget"),
+        ({**HEAL, "mode": "last_k", "last_k": 5}, "the compressed model keeps 4; lower last_k"),
+        ({**HEAL, "mode": "last_k", "last_k": 0}, "last_k must be a whole number of at least 1"),
+        ({**HEAL, "per_device_train_batch_size": 0}, "per_device_train_batch_size must be"),
     ],
 )
 def test_a_heal_that_cannot_run_is_refused_before_any_weight_changes(heal, message):
@@ -131,6 +134,15 @@ def test_heal_changed_after_a_plain_layer_drop_is_refused_before_compressing():
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match="only drops whole layers"):
         compress(model, "shortgpt", num_layers_to_remove=2, heal=HEAL)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_heal_changed_after_a_method_that_keeps_every_layer_is_refused_without_advice_it_would_refuse():
+    model = tiny_models.tiny_llama_gqa()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="ffn_merge keeps every layer; heal with mode 'full'") as refused:
+        compress(model, "ffn_merge", heal=HEAL)
+    assert "linear_replacement" not in str(refused.value)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 

@@ -211,6 +211,10 @@ class RecoveryConfig:
             raise ValueError(f"teacher_text_loops is 'train' or 'mask', got {self.teacher_text_loops!r}.")
         if self.teacher_prompt_tokens < 1:
             raise ValueError(f"teacher_prompt_tokens must be at least 1, got {self.teacher_prompt_tokens}.")
+        for name in ("last_k", "per_device_train_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}.")
 
     @property
     def trains_embeddings(self) -> bool:
