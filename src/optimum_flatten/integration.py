@@ -67,6 +67,16 @@ class FlattenHfQuantizer(HfQuantizer):
             from .utils.loading import load_processor
 
             tokenizer = load_processor(model.name_or_path)
+        adapter = get_adapter(model)
+        if adapter.exports_another_model():
+            # transformers' save_pretrained would write the loaded class (remote code): only FlattenQuantizer.save
+            # writes the stock equivalent, so the compression is refused before it runs rather than saved wrong.
+            raise ValueError(
+                f"a compressed {type(model).__name__} is saved as a stock model only by FlattenQuantizer.save, and "
+                "compress-on-load hands back the loaded class, whose save_pretrained writes remote code; load it "
+                "without quantization_config, then FlattenQuantizer(config).compress(model, tokenizer) and "
+                ".save(model, folder, tokenizer), or run `optimum-flatten compress`."
+            )
         # From here on the model is an ordinary one being compressed: transformers marked it quantized before this
         # step, and a model marked quantized is one the Trainer refuses to train (`FlattenConfig(heal=...)`).
         self.remove_quantization_config(model)

@@ -187,3 +187,19 @@ def test_other_baichuan_architectures_are_refused(model):
     model.config.architectures = ["BaiChuanForCausalLM"]  # Baichuan-1 7B's remote class
     with pytest.raises(UnsupportedArchitectureError, match=r"BaichuanForCausalLM.*got architectures"):
         get_adapter(model)
+
+
+def test_compress_on_load_refuses_a_family_only_the_quantizers_save_writes_as_a_stock_model():
+    """Compress-on-load hands back the loaded remote-code class, whose save_pretrained writes remote code, while
+    only `FlattenQuantizer.save` writes the stock LlamaForCausalLM; refused before the compression, weights kept.
+    Called at the step from_pretrained calls after the weights load (the tiny remote code is not on disk here)."""
+    from common import tiny_config
+    from optimum_flatten.integration import FlattenHfQuantizer
+
+    model = tiny_baichuan.tiny_baichuan()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = tiny_config("shortgpt", num_layers_to_remove=2, tokenizer=tiny_models.CharTokenizer())
+    with pytest.raises(ValueError, match=r"only by FlattenQuantizer\.save"):
+        FlattenHfQuantizer(config)._process_model_after_weight_loading(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not get_adapter(tiny_models.tiny_llama_gqa()).exports_another_model()

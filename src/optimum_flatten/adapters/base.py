@@ -546,6 +546,11 @@ class ArchitectureAdapter(AdapterValidation, MlpOutput, ABC):
         """
         return self.model
 
+    def exports_another_model(self) -> bool:
+        """Whether `export_model` saves a model of another class (a remote-code family's stock equivalent), which only
+        the quantizer's own save writes: transformers' save_pretrained would write the class that was loaded."""
+        return type(self).export_model is not ArchitectureAdapter.export_model
+
     # ----------------------------------------------------------------- helpers
     def _copy_block(self, module: nn.Module) -> nn.Module:
         """An in-memory, hook-free deep copy of a block that keeps its reference to the model config shared
