@@ -370,6 +370,34 @@ def test_cli_estimate_refusals_are_one_line(tmp_path, capsys, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "build, argv, message",
+    [
+        ("bert", ["--heal"], "healing trains causal language models"),
+        ("bert", ["--method", "sleb"], "method 'sleb' scores layer removals"),
+        ("gpt2", ["--seqlen", "2048"], "seqlen=2048 is longer than the 128 positions"),
+        ("marian", [], "estimate --stack"),
+        ("marian", ["--stack", "nowhere"], "not 'nowhere'"),
+    ],
+    ids=["heal an encoder", "sleb without an LM head", "rows past the positions", "two stacks", "no such stack"],
+)
+def test_cli_estimate_refuses_what_compress_refuses(tmp_path, capsys, build, argv, message):
+    """`estimate` printed a full estimate of compressions `compress` refuses before loading anything."""
+    getattr(tiny_models, f"tiny_{build}")().save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    method = [] if "--method" in argv else ["--method", "shortgpt"]
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--seqlen", "32", *method, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_estimate_models_the_stack_it_is_given(tmp_path, capsys):
+    tiny_models.tiny_marian().save_pretrained(tmp_path)
+    argv = ["estimate", str(tmp_path), "--num-layers-to-remove", "1", "--seqlen", "32", "--method", "shortgpt"]
+    assert main([*argv, "--stack", "encoder", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] > 0
+
+
 def test_cli_estimate_refuses_what_the_method_refuses(tmp_path, capsys):
     """Qwen3 is refused by FlattenGPT (as compress refuses it), with the methods that apply."""
     _write_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8)

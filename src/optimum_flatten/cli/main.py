@@ -263,6 +263,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         device=device,
         heal=args.heal,
         corrections=Corrections(linear_replacement=args.linear_replacement, compensation=args.compensation),
+        stack=args.stack,
     )
     print(result.to_json() if args.json else result.describe())
     return 0

@@ -357,8 +357,8 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         "--heal-mode",
         choices=modes,
         default=argparse.SUPPRESS,
-        help="what is trained (default: local, one changed block at a time against the dense model's states, on "
-        "one process; lora under a data-parallel launch; see docs/workflows.md)",
+        help="what is trained (default: full where its memory fits, after merged layers local then the global "
+        "loss; else full with the embeddings frozen or Adafactor, then local; see docs/workflows.md)",
     )
     group.add_argument(
         "--heal-dataset",

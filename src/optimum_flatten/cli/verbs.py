@@ -129,6 +129,7 @@ class EstimateArguments:
     seqlen: int = _arg(2048, "tokens per calibration sequence (default: 2048)")
     batch_size: int = _arg(8, "calibration sequences per forward (default: 8)")
     dtype: str = _arg("float32", "dtype the model is loaded in", choices=DTYPES)
+    stack: str | None = _arg(None, "the stack to model on a model with several (encoder, decoder); default: its only")
     json: bool = _switch("print the estimate as one JSON object")
     heal: bool = _switch(
         "with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher"

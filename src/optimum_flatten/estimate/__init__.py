@@ -60,6 +60,7 @@ from ..registry import get_method_class, registered_methods, require_capabilitie
 from ..roofline import DeviceSpec, TimePrediction, predict
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
+from ..utils.positions import check_sequence_length
 from .meta import compressed_shape_, meta_model, single_stack
 
 if TYPE_CHECKING:
@@ -445,6 +446,8 @@ def estimate_memory(
     check_corrections(corrections.linear_replacement, corrections.compensation, method, method_class)
     adapter = get_adapter(model)
     require_capabilities(adapter, method)
+    if stack is not None and stack not in adapter.stacks():
+        raise ValueError(f"this {type(model).__name__} has the stacks {adapter.stacks()}, not {stack!r}.")
     stack = stack or single_stack(adapter)
     preflight(adapter, method_class(config), stack, corrections)
     shape = ModelShape.of(model, stack)
@@ -457,6 +460,7 @@ def estimate_memory(
             f"num_layers_to_remove must be between 1 and {shape.num_layers - 1} for a stack of {shape.num_layers} "
             f"layers, got {num_layers_to_remove!r}."
         )
+    check_sequence_length(model, seqlen)  # a position table shorter than the rows: compress refuses it too
     sizes = WorkspaceSizes(shape, calibration, refusal_of(adapter, stack))
     if method_class.measures_compensation(config):  # the factors come from the method's loop: no walk of their own
         corrections = dataclasses.replace(corrections, compensation=None)
@@ -511,13 +515,18 @@ def estimate_checkpoint(
     device: DeviceSpec | None = None,
     heal: bool = False,
     corrections: Corrections | None = None,
+    stack: str | None = None,
 ) -> MemoryEstimate:
     """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
     with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s (`with_heal_teacher`,
     the default healing batch)."""
     model = meta_model(source, dtype, trust_remote_code)
+    if heal:  # the refusal `compress --heal-tokens` gives before it loads anything
+        from ..utils.causal_lm import check_causal_lm
+
+        check_causal_lm(model)
     result = estimate_memory(
-        model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args, corrections=corrections
+        model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args, stack, corrections
     )
     result.source = source
     if heal:

@@ -24,7 +24,7 @@ def single_stack(adapter: ArchitectureAdapter) -> str:
     if len(stacks) != 1:
         raise ValueError(
             f"this {type(adapter.model).__name__} has the stacks {stacks}; say which one the estimate is for "
-            "(stack=...), as the compression compresses one at a time."
+            "(stack=..., estimate --stack), as the compression compresses one at a time."
         )
     return stacks[0]
 

@@ -273,14 +273,17 @@ class SLEBMethod(CompressionMethod):
         work = sum(k + k * (k - 1) / 2 + k * s.head_weights / s.layer_weights for k in steps)
         return [selection], fraction * work / L, True, []
 
-    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        if adapter.lm_head(context.stack) is None:
+    def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
+        """Refuses a stack no LM head reads, before calibration (and in `estimate`, which runs the same preflight)."""
+        if adapter.lm_head(stack) is None:
             raise UnsupportedArchitectureError(
                 f"method 'sleb' scores layer removals by the next-token negative log-likelihood of a causal LM head "
-                f"reading the {context.stack!r} stack, and this {type(adapter.model).__name__} has none there "
+                f"reading the {stack!r} stack, and this {type(adapter.model).__name__} has none there "
                 "(lm_head() is None). Methods that compare the stack's own states apply: shortgpt, laco, "
                 "sliding_window (and flattengpt on pre-norm stacks)."
             )
+
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         num_layers = adapter.num_layers(context.stack)
         protected = {0} if self.config.protect_first else set()
         if self.config.protect_last:
