@@ -223,3 +223,23 @@ def test_the_request_options_are_declared_once_for_the_config_and_the_command_li
     }
     config = FlattenConfig(**kwargs, dataset=["text"])
     assert (config.method, config.target_sparsity, config.compensation) == ("shortgpt", 0.2, "scale")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"method_args": {"iterative": True}, "iterative": False}, r"iterative is given twice"),
+        ({"calibration": {"nsamples": 4}, "nsamples": 8}, r"nsamples is given twice"),
+        ({"packing": "false"}, r"packing must be True or False"),
+        ({"seed": "0"}, r"seed must be an integer"),
+        ({"text_column": 3}, r"text_column must be a string"),
+    ],
+    ids=["method option twice", "calibration option twice", "packing as text", "seed as text", "column as a number"],
+)
+def test_an_option_given_twice_or_as_the_wrong_type_is_refused_not_dropped(options, message):
+    """Each of these used to run: the keyword silently won over the group, a string 'false' packed, a string seed
+    drew other windows than the integer."""
+    with pytest.raises((ValueError, TypeError), match=message):
+        FlattenConfig(method="shortgpt", num_layers_to_remove=1, **options)
+    same = FlattenConfig(method="shortgpt", num_layers_to_remove=1, method_args={"iterative": True}, iterative=True)
+    assert same.method_config.iterative is True

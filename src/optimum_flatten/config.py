@@ -114,14 +114,15 @@ class FlattenConfig(QuantizationConfigMixin):
             calibration = dataclasses.asdict(calibration)
         if calibration:
             reject_unknown_keys(calibration, _CALIBRATION_FIELDS, "calibration")
+            _refuse_two_values(calibration, calibration_kwargs, "calibration")
             calibration_kwargs = {**calibration, **calibration_kwargs}
         self.calibration = CalibrationConfig(**calibration_kwargs)
 
         method_fields = {f.name for f in dataclasses.fields(method_class.config_class)}
         merged_args = dict(method_args or {})
-        for key in list(kwargs):
-            if key in method_fields:
-                merged_args[key] = kwargs.pop(key)
+        flat_args = {key: kwargs.pop(key) for key in list(kwargs) if key in method_fields}
+        _refuse_two_values(merged_args, flat_args, "method_args")
+        merged_args.update(flat_args)
         if kwargs:
             allowed = set(_CALIBRATION_FIELDS) | method_fields | set(_TOP_LEVEL_FIELDS)
             unknown = sorted(kwargs)
@@ -298,3 +299,19 @@ __all__ = [
     "option_converter",
     "parse_method_options",
 ]
+
+
+def _refuse_two_values(grouped: dict[str, Any], flat: dict[str, Any], group: str) -> None:
+    """Refuses an option given both in `group` (``method_args=``, ``calibration=``) and as a keyword, with two
+    values: one of them would be dropped without a word. The same value twice is accepted."""
+    for key in sorted(grouped.keys() & flat.keys()):
+        same = grouped[key] is flat[key]
+        if not same:
+            try:
+                same = bool(grouped[key] == flat[key])
+            except Exception:  # values without a plain equality (a dataset object): two objects are two values
+                same = False
+        if not same:
+            raise ValueError(
+                f"{key} is given twice, as {group}[{key!r}]={grouped[key]!r} and {key}={flat[key]!r}; give it once."
+            )

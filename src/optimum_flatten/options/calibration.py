@@ -33,6 +33,10 @@ class CalibrationConfig:
     text_column: str = "text"
 
     def __post_init__(self) -> None:
+        from .hints import check_option_types
+
+        # By the hints (dataset is any source): a string "false" for packing would pack, a string seed another draw.
+        check_option_types(CalibrationConfig, {k: v for k, v in vars(self).items() if k != "dataset"})
         for name in ("nsamples", "seqlen", "batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
