@@ -442,3 +442,15 @@ def test_apply_refuses_a_plan_it_did_not_build():
     with pytest.raises(ValueError, match="builds its merged layers while planning"):
         CoMeMethod(CoMeConfig()).apply_(get_adapter(model), plan, MethodContext(batches=[], progress=False))
     assert model.config.num_hidden_layers == 6 and _unchanged(model, state)
+
+
+@pytest.mark.parametrize("removed", [1, 2])
+def test_the_planner_merges_only_layers_of_one_kind(removed):
+    """SmolLM3 with NoPE on layers 2 and 5: CoMe chose among every adjacent pair and then had its plan refused for
+    merging a RoPE layer with a NoPE one, though (0, 1) and (3, 4) were there to merge. It now chooses among the
+    pairs of one kind, and the model saves with the per-layer list kept right."""
+    model = tiny_models.tiny_smollm3()
+    quantizer = compress(model, "come", num_layers_to_remove=removed)
+    groups = [g for g in quantizer.plan.group_lists() if len(g) > 1]
+    assert groups and all(set(g) <= {0, 1} or set(g) <= {3, 4} for g in groups)
+    assert model.config.no_rope_layers == [1, 0, 1, 0] if removed == 2 else len(model.config.no_rope_layers) == 5

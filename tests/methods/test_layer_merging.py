@@ -72,16 +72,34 @@ def test_merge_equals_naive_reference_from_copies(factory, rule):
     assert torch.equal(with_cache, without_cache)
 
 
-def test_a_merge_across_attention_types_is_refused_before_any_change():
+def test_a_merge_across_attention_types_is_never_planned_and_refused_before_any_change():
+    """LaCo's only window in layers 1-3 mixes full and sliding attention: the search passes over it (it planned it
+    and had the plan refused before), so the target is out of reach; a plan that mixes them is still refused."""
     from optimum_flatten.adapters.per_layer import LayerKindMergeError
 
     model = tiny_models.tiny_qwen2()  # layers 0-2 full attention, 3-5 sliding
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = tiny_config("laco", num_layers_to_remove=2, window_size=3, threshold=0.01, min_layer=1, max_layer=3)
-    with pytest.raises(LayerKindMergeError, match=r"cannot merge layers \[1, 2, 3\].*'layer_types'.*sliding"):
+    with pytest.raises(ValueError, match=r"could not remove 2 layers at threshold=0\.01"):
         compress(model, config)
+    with pytest.raises(LayerKindMergeError, match=r"cannot merge layers \[1, 2, 3\].*'layer_types'.*sliding"):
+        get_adapter(model).check_plan_config("decoder", [[0], [1, 2, 3], [4], [5]])
     assert model.config.num_hidden_layers == 6 and len(model.model.layers) == 6
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("method", "removed", "options"), [("laco", 1, {"window_size": 2}), ("sliding_window", 2, {"min_layer": 0})]
+)
+def test_the_searches_merge_only_layers_of_one_kind(method, removed, options):
+    """SmolLM3 with NoPE on layers 2 and 5: every window the searches took across a NoPE layer had the whole run
+    refused, though windows of one kind were there ((3, 4), and (0, 1) from layer 0); they now pass over the mixed
+    ones."""
+    model = tiny_models.tiny_smollm3()
+    config = tiny_config(method, num_layers_to_remove=removed, threshold=None, search_steps=4, **options)
+    quantizer = compress(model, config)
+    merged = [g for g in quantizer.plan.group_lists() if len(g) > 1]
+    assert merged and all(2 not in g and 5 not in g for g in merged)
 
 
 def test_merging_a_window_of_one_is_identity():

@@ -22,6 +22,7 @@ from .mlp_output import MlpOutput
 from .per_layer import (
     check_groups_share_layer_kind,
     rewrite_per_layer_config_,
+    share_layer_kind,
     stack_config,
 )
 from .validation import AdapterValidation
@@ -516,6 +517,11 @@ class ArchitectureAdapter(AdapterValidation, MlpOutput, ABC):
         config = self.stack_config(stack)
         num_layers = getattr(config, self.layout(stack).layer_count_key)
         check_groups_share_layer_kind(config, num_layers, groups)
+
+    def shares_layer_kind(self, stack: str, group: Sequence[int]) -> bool:
+        """Whether the original layers `group` are of one kind by the config (`check_plan_config` would pass them)."""
+        config = self.stack_config(stack)
+        return share_layer_kind(config, getattr(config, self.layout(stack).layer_count_key), group)
 
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The block parameters a parameter merge combines (attention and MLP), by state-dict name.

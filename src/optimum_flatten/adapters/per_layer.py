@@ -99,6 +99,13 @@ def layer_kinds(config: Any, num_layers: int) -> list[dict[str, Any]]:
     return kinds
 
 
+def share_layer_kind(config: Any, num_layers: int, group: Sequence[int]) -> bool:
+    """Whether the config describes the layers of `group` alike (`layer_kinds`), so they may be merged: what a
+    planner asks of its candidates, and `check_groups_share_layer_kind` of a finished plan."""
+    kinds = layer_kinds(config, num_layers)
+    return all(kinds[i] == kinds[group[0]] for i in group[1:])
+
+
 def check_groups_share_layer_kind(config: Any, num_layers: int, groups: Sequence[Sequence[int]]) -> None:
     """Refuses, before any weight changes, a merge group whose layers the config describes differently.
 

@@ -153,16 +153,19 @@ class CoMeMethod(CompressionMethod):
             for step in range(num_to_remove):
                 with context.timer("selection"):
                     measured = self._measure(adapter, states, entries)
+                chaining = self.config.allow_chaining
                 candidates = [
                     k
                     for k in range(len(entries) - 1)
-                    if self.config.allow_chaining or (len(entries[k].indices) == 1 and len(entries[k + 1].indices) == 1)
+                    if (chaining or (len(entries[k].indices) == 1 and len(entries[k + 1].indices) == 1))
+                    # Layers the config describes differently (sliding and full attention, NoPE) are never merged.
+                    and adapter.shares_layer_kind(stack, entries[k].indices + entries[k + 1].indices)
                 ]
                 if not candidates:
                     raise ValueError(
-                        f"after {step} merge(s) no two adjacent unmerged layers are left, and allow_chaining=False "
-                        f"forbids merging a merged layer again; requested {num_to_remove}. Allow chaining or remove "
-                        "fewer layers."
+                        f"after {step} merge(s) no two adjacent layers of one kind are left to merge (allow_chaining="
+                        f"{self.config.allow_chaining}); requested {num_to_remove}. Allow chaining or remove fewer "
+                        "layers."
                     )
                 # Smallest distance; ties to the lower position.
                 k = min(candidates, key=lambda c: (measured.distance[c], c))

@@ -43,7 +43,7 @@ class SlidingWindowMethod(ParameterMergeMethod):
                 if start < self.config.min_layer:
                     reached_bottom = True
                     break
-                if end - start > target - removed:
+                if end - start > target - removed or not evaluator.one_kind(stack, start, end):
                     break
                 score = evaluator.score(merge_positions(stack, start, end), self.config.similarity)
                 if not self.accepts(score, threshold):

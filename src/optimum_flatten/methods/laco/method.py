@@ -45,8 +45,9 @@ class LaCoMethod(ParameterMergeMethod):
             if size < 2:
                 start -= 1
                 continue
-            candidate = merge_positions(stack, start, start + size - 1)
-            if self.accepts(evaluator.score(candidate), threshold):
+            stop = start + size - 1
+            candidate = merge_positions(stack, start, stop)
+            if evaluator.one_kind(stack, start, stop) and self.accepts(evaluator.score(candidate), threshold):
                 stack, removed, top_position = candidate, removed + size - 1, top_position - (size - 1)
                 start -= self.config.interval
             else:

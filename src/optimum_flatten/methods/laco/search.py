@@ -76,6 +76,11 @@ class StackEvaluator:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def one_kind(self, stack: Sequence[Group], start: int, stop: int) -> bool:
+        """Whether the groups at positions start..stop may merge: layers the config describes alike (sliding and
+        full attention, NoPE layers never share a merged block); a window that mixes them is not a candidate."""
+        return self.adapter.shares_layer_kind(self.context.stack, merge_positions(stack, start, stop)[start])
+
     def block(self, group: Group) -> nn.Module:
         """The module for a group: the original layer, or the members merged by parameters (cached)."""
         if len(group) == 1:
