@@ -255,13 +255,8 @@ def test_push_to_hub_offline_reports_and_keeps_local_save(tiny_checkpoint, tmp_p
 
 
 @pytest.fixture
-def tiny_dir_with_tokenizer(tmp_path):
-    path = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(path)
-    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
-    data = tmp_path / "text.txt"
-    data.write_text("\n".join(tiny_models.sample_texts(60)))
-    return path, data
+def tiny_dir_with_tokenizer(llama_on_disk):
+    return llama_on_disk
 
 
 def test_compress_evaluate_recover_round_trip(tiny_dir_with_tokenizer, tmp_path, capsys):

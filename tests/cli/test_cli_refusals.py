@@ -35,13 +35,8 @@ def no_loading(monkeypatch):
 
 
 @pytest.fixture
-def dense(tmp_path):
-    path = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(path)
-    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
-    data = tmp_path / "text.txt"
-    data.write_text("\n".join(tiny_models.sample_texts(60)))
-    return path, data
+def dense(llama_on_disk):
+    return llama_on_disk
 
 
 def _error_line(capsys) -> str:

@@ -26,14 +26,8 @@ def _error(capsys) -> str:
 
 
 @pytest.fixture
-def on_disk(tmp_path):
-    """(a tiny LLaMA with its tokenizer, a text of 60 documents): what `evaluate` reads."""
-    path = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(path)
-    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(tiny_models.sample_texts(60)))
-    return path, text
+def on_disk(llama_on_disk):
+    return llama_on_disk
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tiny_models
 from common import torchrun_two_cpu_processes
 from optimum_flatten.cli.main import main
 
@@ -21,14 +20,8 @@ COMPRESS = ["--num-layers-to-remove", "2", "--nsamples", "8", "--seqlen", "32", 
 
 
 @pytest.fixture
-def dense(tmp_path):
-    """A tiny LLaMA with a real tokenizer and a text, written to disk as a user's checkpoint would be."""
-    path = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(path)
-    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(tiny_models.sample_texts(60)))
-    return path, text
+def dense(llama_on_disk):
+    return llama_on_disk
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:

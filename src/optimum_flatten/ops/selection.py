@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -47,7 +48,10 @@ def balanced_top_k(scores: torch.Tensor, k: int, parts: int) -> list[int]:
 
 
 def greedy_adjacent_groups(
-    similarity: torch.Tensor, num_to_remove: int, max_group_size: int | None = None
+    similarity: torch.Tensor,
+    num_to_remove: int,
+    max_group_size: int | None = None,
+    one_kind: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> list[tuple[int, ...]]:
     """FlattenGPT's greedy selection (Algorithm 1) with the row/column deletion rule.
 
@@ -61,6 +65,8 @@ def greedy_adjacent_groups(
             NaN entries (outside a computed band) are never chosen.
         num_to_remove: number of merges to perform.
         max_group_size: largest allowed group (None: no limit).
+        one_kind: whether a group's layers are of one kind (sliding and full attention, NoPE layers never share a
+            merged block); None: every group is.
 
     Returns:
         The groups as tuples of original indices, covering 0..L-1 in order.
@@ -75,7 +81,7 @@ def greedy_adjacent_groups(
         best, best_score = None, -math.inf
         for g in range(len(groups) - 1):
             a, b = groups[g], groups[g + 1]
-            if len(a) + len(b) > limit:
+            if len(a) + len(b) > limit or (one_kind is not None and not one_kind((*a, *b))):
                 continue
             score = float(similarity[a[0], b[-1]])
             if math.isnan(score):
@@ -84,8 +90,8 @@ def greedy_adjacent_groups(
                 best, best_score = g, score
         if best is None:
             raise ValueError(
-                f"after {step} merge(s) no adjacent groups can be merged within max_group_size={max_group_size}; "
-                f"requested {num_to_remove}. Raise max_group_size or remove fewer layers."
+                f"after {step} merge(s) no adjacent groups of one layer kind can be merged within max_group_size="
+                f"{max_group_size}; requested {num_to_remove}. Raise max_group_size or remove fewer layers."
             )
         groups[best : best + 2] = [groups[best] + groups[best + 1]]
     return [tuple(g) for g in groups]

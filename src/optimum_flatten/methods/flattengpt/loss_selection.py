@@ -65,6 +65,10 @@ def groups_by_calibration_loss(
     limit = max_group_size if max_group_size is not None else num_layers
     head_weights = count_parameters(adapter.lm_head(context.stack))
     groups: list[Group] = [(i,) for i in range(num_layers)]
+
+    def one_kind(group: Group) -> bool:
+        return adapter.shares_layer_kind(context.stack, group)
+
     blocks: dict[Group, nn.Module] = {}  # the blocks of the groups merged so far (candidate_block's)
 
     def run_group(group: Group, hidden: list[torch.Tensor], block: nn.Module | None = None) -> list[torch.Tensor]:
@@ -91,7 +95,10 @@ def groups_by_calibration_loss(
                 merged = groups[g] + groups[g + 1]
                 # A merge that leaves too few admissible merges for the target is not a candidate (with pairs,
                 # merging [1, 2] and [3, 4] of six layers would leave nothing to merge a third time).
-                if len(merged) > limit or max_merges([*groups[:g], merged, *groups[g + 2 :]], limit) < remaining:
+                # Nor is a merge across layer kinds (sliding and full attention, NoPE), which no merged block can be.
+                if not one_kind(merged) or len(merged) > limit:
+                    continue
+                if max_merges([*groups[:g], merged, *groups[g + 2 :]], limit, one_kind) < remaining:
                     continue
                 block = candidate_block(merged)
                 current = run_group(merged, bounds[g], block)
@@ -108,9 +115,9 @@ def groups_by_calibration_loss(
                 del block
             if best is None:
                 raise ValueError(
-                    f"{num_to_remove} merges cannot be made within max_group_size={max_group_size} in a stack of "
-                    f"{num_layers} layers (at most {max_merges(groups, limit)} after {step}); raise max_group_size or "
-                    "remove fewer layers."
+                    f"{num_to_remove} merges cannot be made within max_group_size={max_group_size} and one layer "
+                    f"kind in a stack of {num_layers} layers (at most {max_merges(groups, limit, one_kind)} after "
+                    f"{step}); raise max_group_size or remove fewer layers."
                 )
             nll, g, block = best
             best = None
@@ -135,12 +142,14 @@ def groups_by_calibration_loss(
     return groups, steps
 
 
-def max_merges(groups: list[Group], limit: int) -> int:
-    """The most merges still possible from `groups` when no group may exceed `limit` layers.
+def max_merges(groups: list[Group], limit: int, one_kind: Callable[[Group], bool] | None = None) -> int:
+    """The most merges still possible from `groups` when no group may exceed `limit` layers (nor, with `one_kind`,
+    join layers of different kinds).
 
     Merging only ever joins adjacent groups, so the best is a partition of the sequence into consecutive runs of
     total size at most `limit`, with as few runs as possible (each run of k groups is k − 1 merges): a shortest-path
-    recursion over the sequence, G × G at most.
+    recursion over the sequence, G × G at most. A run that mixes kinds stays mixed as it grows, as one too large stays
+    too large, so both end the inner loop.
     """
     sizes = [len(g) for g in groups]
     fewest = [0] + [len(sizes) + 1] * len(sizes)  # fewest[j]: fewest runs covering the first j groups
@@ -148,7 +157,7 @@ def max_merges(groups: list[Group], limit: int) -> int:
         total = 0
         for i in range(j - 1, -1, -1):
             total += sizes[i]
-            if total > limit:
+            if total > limit or (one_kind is not None and not one_kind(tuple(x for g in groups[i:j] for x in g))):
                 break
             fewest[j] = min(fewest[j], fewest[i] + 1)
     return len(sizes) - fewest[-1]

@@ -139,7 +139,12 @@ class FlattenGPTMethod(CompressionMethod):
                 num_layers=adapter.num_layers(context.stack), groups=groups, rule="flatten_prune", stack=context.stack
             )
         similarity = self.similarity_matrix(adapter, context)
-        groups = greedy_adjacent_groups(similarity, num_to_remove, self.config.max_group_size)
+        groups = greedy_adjacent_groups(
+            similarity,
+            num_to_remove,
+            self.config.max_group_size,
+            one_kind=lambda group: adapter.shares_layer_kind(context.stack, group),
+        )
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
         # Only the inputs of the layers that start a merged group are needed again, and those its sequential targets
         # read (`member_states`).
