@@ -17,6 +17,7 @@ on the scored tokens). The merged groups' blocks are held until the plan is made
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -65,10 +66,7 @@ def groups_by_calibration_loss(
     limit = max_group_size if max_group_size is not None else num_layers
     head_weights = count_parameters(adapter.lm_head(context.stack))
     groups: list[Group] = [(i,) for i in range(num_layers)]
-
-    def one_kind(group: Group) -> bool:
-        return adapter.shares_layer_kind(context.stack, group)
-
+    one_kind = functools.partial(adapter.shares_layer_kind, context.stack)
     blocks: dict[Group, nn.Module] = {}  # the blocks of the groups merged so far (candidate_block's)
 
     def run_group(group: Group, hidden: list[torch.Tensor], block: nn.Module | None = None) -> list[torch.Tensor]:
@@ -114,11 +112,8 @@ def groups_by_calibration_loss(
                     runner_up = (nll, g)
                 del block
             if best is None:
-                raise ValueError(
-                    f"{num_to_remove} merges cannot be made within max_group_size={max_group_size} and one layer "
-                    f"kind in a stack of {num_layers} layers (at most {max_merges(groups, limit, one_kind)} after "
-                    f"{step}); raise max_group_size or remove fewer layers."
-                )
+                possible = max_merges(groups, limit, one_kind)
+                raise ValueError(_STRANDED.format(num_to_remove, max_group_size, num_layers, possible, step))
             nll, g, block = best
             best = None
             merged = groups[g] + groups[g + 1]
@@ -140,6 +135,13 @@ def groups_by_calibration_loss(
             bar.set_description(f"step {step + 1}/{num_to_remove}: merged {list(merged)}")
             bar.update()
     return groups, steps
+
+
+#: The refusal when no admissible merge is left (the feasibility check makes it the target's, not the search's).
+_STRANDED = (
+    "{} merges cannot be made within max_group_size={} and one layer kind in a stack of {} layers (at most {} after "
+    "{}); raise max_group_size or remove fewer layers."
+)
 
 
 def max_merges(groups: list[Group], limit: int, one_kind: Callable[[Group], bool] | None = None) -> int:
