@@ -136,3 +136,19 @@ def test_a_model_past_a_floats_range_scores_infinity_and_fidelity_refuses_an_emp
     dense = tiny_models.tiny_llama_gqa()
     with pytest.raises(ValueError, match="no token was scored"):
         fidelity(dense, dense, torch.arange(3, 4), seqlen=16)
+
+
+def test_models_of_different_tokenizers_and_vocabularies_compare_by_bits_per_byte(on_disk, tmp_path):
+    """The vocabulary check guards only the token-by-token measures: two tokenizers compared by bits per byte may
+    predict over vocabularies of any size."""
+    from tests.cli.test_cli_refusals import _word_tokenizer
+
+    dense, text = on_disk
+    model = tiny_models.tiny_llama_gqa()
+    model.resize_token_embeddings(model.config.vocab_size + 32)
+    other = tmp_path / "other"
+    model.save_pretrained(other)
+    _word_tokenizer().save_pretrained(other)
+    argv = ["evaluate", str(dense), "--baseline", str(other), "--dataset", str(text), "--seqlen", "32", "--no-speed",
+            "--max-tokens", "256", "--allow-different-tokenizers"]  # fmt: skip
+    assert main(argv) == 0

@@ -66,16 +66,12 @@ def check_figure_format(path: str) -> None:
         raise ValueError(f"--plot {path!r}: matplotlib writes {written}, not {suffix or 'a file without a suffix'!r}.")
 
 
-def check_models(paths: list[str], args: argparse.Namespace, compare: bool) -> None:
-    """From the configs: each checkpoint is a causal LM with positions for every sequence run, and the two models
-    compared token by token (`compare`: KL, top-1 and greedy agreement) predict over the same vocabulary."""
-    from transformers import AutoConfig
-
+def check_models(paths: list[str], args: argparse.Namespace) -> None:
+    """From the configs: each checkpoint is a causal LM with positions for every sequence run."""
     from ..utils.causal_lm import non_causal_description
     from ..utils.positions import check_sequence_length
 
-    configs = [AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code) for path in paths]
-    for path, config in zip(paths, configs, strict=True):
+    for path, config in zip(paths, _configs(paths, args), strict=True):
         what = non_causal_description(config)
         if what is not None:
             raise ValueError(
@@ -84,13 +80,23 @@ def check_models(paths: list[str], args: argparse.Namespace, compare: bool) -> N
             )
         check_sequence_length(config, args.seqlen, "--seqlen")
         _check_fixed_lengths(path, config, args)
-    if compare and len(configs) == 2:
-        sizes = [config.get_text_config().vocab_size for config in configs]
-        if sizes[0] != sizes[1]:
-            raise ValueError(
-                f"the baseline predicts over {sizes[0]} tokens and {paths[-1]} over {sizes[1]}, so KL, top-1 and "
-                "greedy agreement cannot compare them position by position; pass --no-fidelity --no-generation."
-            )
+
+
+def check_vocabularies(paths: list[str], args: argparse.Namespace) -> None:
+    """The two models compared token by token (KL, top-1, greedy agreement: asked only where their tokenizers encode
+    the text alike) predict over the same vocabulary, read from their configs."""
+    sizes = [config.get_text_config().vocab_size for config in _configs(paths, args)]
+    if sizes[0] != sizes[-1]:
+        raise ValueError(
+            f"the baseline predicts over {sizes[0]} tokens and {paths[-1]} over {sizes[-1]}, so KL, top-1 and "
+            "greedy agreement cannot compare them position by position; pass --no-fidelity --no-generation."
+        )
+
+
+def _configs(paths: list[str], args: argparse.Namespace) -> list[Any]:
+    from transformers import AutoConfig
+
+    return [AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code) for path in paths]
 
 
 def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> None:
