@@ -13,13 +13,8 @@ from optimum_flatten.evaluation.speed import SpeedComparison, _cpu_name
 
 
 @pytest.fixture
-def tiny_dir(tmp_path):
-    path = tmp_path / "dense"
-    tiny_models.tiny_llama_gqa().save_pretrained(path)
-    tiny_models.tiny_hf_tokenizer().save_pretrained(path)
-    data = tmp_path / "text.txt"
-    data.write_text("\n".join(tiny_models.sample_texts(30)))
-    return path, data
+def tiny_dir(llama_on_disk):
+    return llama_on_disk
 
 
 def test_evaluate_against_a_baseline_interleaves_and_prints_the_context(tiny_dir, tmp_path, capsys):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,8 +21,8 @@ from .layout import AttentionLayout, BlockLayout
 from .mlp_output import MlpOutput
 from .per_layer import (
     check_groups_share_layer_kind,
+    one_kind_rule,
     rewrite_per_layer_config_,
-    share_layer_kind,
     stack_config,
 )
 from .validation import AdapterValidation
@@ -518,10 +518,11 @@ class ArchitectureAdapter(AdapterValidation, MlpOutput, ABC):
         num_layers = getattr(config, self.layout(stack).layer_count_key)
         check_groups_share_layer_kind(config, num_layers, groups)
 
-    def shares_layer_kind(self, stack: str, group: Sequence[int]) -> bool:
-        """Whether the original layers `group` are of one kind by the config (`check_plan_config` would pass them)."""
+    def layer_kind_rule(self, stack: str) -> Callable[[Sequence[int]], bool]:
+        """Whether a group of the stack's original layers is of one kind by the config (`check_plan_config` would
+        pass it): taken once by a planner before its search, and asked of every candidate."""
         config = self.stack_config(stack)
-        return share_layer_kind(config, getattr(config, self.layout(stack).layer_count_key), group)
+        return one_kind_rule(config, getattr(config, self.layout(stack).layer_count_key))
 
     def mergeable_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The block parameters a parameter merge combines (attention and MLP), by state-dict name.

@@ -27,7 +27,7 @@ model's nested ``text_config`` (`stack_config`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..utils.errors import UnsupportedArchitectureError
@@ -99,15 +99,25 @@ def layer_kinds(config: Any, num_layers: int) -> list[dict[str, Any]]:
     return kinds
 
 
-def share_layer_kind(config: Any, num_layers: int, group: Sequence[int]) -> bool:
-    """Whether the config describes the layers of `group` alike (`layer_kinds`), so they may be merged: what a
-    planner asks of its candidates, and `check_groups_share_layer_kind` of a finished plan."""
+def _differing_field(kinds: list[dict[str, Any]], group: Sequence[int]) -> str | None:
+    """The first field `layer_kinds` gives the layers of `group` differently; None when they are of one kind."""
+    for key in dict.fromkeys(k for i in group for k in kinds[i]):
+        values = [kinds[i].get(key) for i in group]
+        if any(v != values[0] for v in values[1:]):
+            return key
+    return None
+
+
+def one_kind_rule(config: Any, num_layers: int) -> Callable[[Sequence[int]], bool]:
+    """Whether a group of original layers may merge (the config describes them alike), with the kinds read once:
+    a planner asks it of every candidate, up to cubically many for FlattenGPT's loss selection."""
     kinds = layer_kinds(config, num_layers)
-    return all(kinds[i] == kinds[group[0]] for i in group[1:])
+    return lambda group: _differing_field(kinds, group) is None
 
 
 def check_groups_share_layer_kind(config: Any, num_layers: int, groups: Sequence[Sequence[int]]) -> None:
-    """Refuses, before any weight changes, a merge group whose layers the config describes differently.
+    """Refuses, before any weight changes, a merge group whose layers the config describes differently (the
+    planners' `one_kind_rule`, as a check of a finished plan).
 
     Raises:
         LayerKindMergeError: naming the group, the field and each member's value, and how to avoid it.
@@ -117,16 +127,16 @@ def check_groups_share_layer_kind(config: Any, num_layers: int, groups: Sequence
         return
     kinds = layer_kinds(config, num_layers)
     for group in merged:
-        for key in dict.fromkeys(k for i in group for k in kinds[i]):
-            values = [kinds[i].get(key) for i in group]
-            if any(v != values[0] for v in values[1:]):
-                shown = ", ".join(f"layer {i}: {v!r}" for i, v in zip(group, values, strict=True))
-                raise LayerKindMergeError(
-                    f"cannot merge layers {group}: the config gives them different {key!r} ({shown}), and one merged "
-                    f"layer has one entry. Only layers of one kind can be merged; narrow the merge range "
-                    f"(min_layer/max_layer, a smaller window) or use a layer-drop method (shortgpt, sleb, uidl). "
-                    "Nothing was changed."
-                )
+        key = _differing_field(kinds, group)
+        if key is None:
+            continue
+        shown = ", ".join(f"layer {i}: {kinds[i].get(key)!r}" for i in group)
+        raise LayerKindMergeError(
+            f"cannot merge layers {group}: the config gives them different {key!r} ({shown}), and one merged "
+            f"layer has one entry. Only layers of one kind can be merged; narrow the merge range "
+            f"(min_layer/max_layer, a smaller window) or use a layer-drop method (shortgpt, sleb, uidl). "
+            "Nothing was changed."
+        )
 
 
 def rewrite_per_layer_config_(config: Any, count_key: str, first_indices: Sequence[int]) -> dict[str, Any]:

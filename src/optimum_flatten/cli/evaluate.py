@@ -52,13 +52,13 @@ def measure(args: argparse.Namespace) -> Evaluation:
     # Bundled names become their converted folders; a missing folder or a corrupt config is refused here, in one
     # line, before either model loads, as is everything else the configs, the tokenizers and the text can say.
     paths = [checkpoint_path(name) for name in names]
-    check_models(paths, args)
+    configs = check_models(paths, args)
     texts = load_texts(args.dataset, args.text_column)  # read once; every measurement scores these texts
     per_byte = _per_byte_comparison(paths[0], paths[-1], texts, args) if args.baseline else None
     same_tokens = bool(args.baseline) and per_byte is None
     compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
     if compare or generative:
-        check_vocabularies(paths, args)
+        check_vocabularies(paths, configs)
     check_text(paths[0], texts, args, generative)
     # How every checkpoint is loaded, by each evaluation below: the same dtype, device and code for all of them.
     loading: dict[str, Any] = {

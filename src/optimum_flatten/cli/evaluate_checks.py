@@ -66,12 +66,16 @@ def check_figure_format(path: str) -> None:
         raise ValueError(f"--plot {path!r}: matplotlib writes {written}, not {suffix or 'a file without a suffix'!r}.")
 
 
-def check_models(paths: list[str], args: argparse.Namespace) -> None:
-    """From the configs: each checkpoint is a causal LM with positions for every sequence run."""
+def check_models(paths: list[str], args: argparse.Namespace) -> list[Any]:
+    """From the configs: each checkpoint is a causal LM with positions for every sequence run; returns the configs
+    (for `check_vocabularies`)."""
+    from transformers import AutoConfig
+
     from ..utils.causal_lm import non_causal_description
     from ..utils.positions import check_sequence_length
 
-    for path, config in zip(paths, _configs(paths, args), strict=True):
+    configs = [AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code) for path in paths]
+    for path, config in zip(paths, configs, strict=True):
         what = non_causal_description(config)
         if what is not None:
             raise ValueError(
@@ -80,23 +84,18 @@ def check_models(paths: list[str], args: argparse.Namespace) -> None:
             )
         check_sequence_length(config, args.seqlen, "--seqlen")
         _check_fixed_lengths(path, config, args)
+    return configs
 
 
-def check_vocabularies(paths: list[str], args: argparse.Namespace) -> None:
+def check_vocabularies(paths: list[str], configs: list[Any]) -> None:
     """The two models compared token by token (KL, top-1, greedy agreement: asked only where their tokenizers encode
     the text alike) predict over the same vocabulary, read from their configs."""
-    sizes = [config.get_text_config().vocab_size for config in _configs(paths, args)]
+    sizes = [config.get_text_config().vocab_size for config in configs]
     if sizes[0] != sizes[-1]:
         raise ValueError(
             f"the baseline predicts over {sizes[0]} tokens and {paths[-1]} over {sizes[-1]}, so KL, top-1 and "
             "greedy agreement cannot compare them position by position; pass --no-fidelity --no-generation."
         )
-
-
-def _configs(paths: list[str], args: argparse.Namespace) -> list[Any]:
-    from transformers import AutoConfig
-
-    return [AutoConfig.from_pretrained(path, trust_remote_code=args.trust_remote_code) for path in paths]
 
 
 def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> None:
@@ -108,11 +107,12 @@ def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> No
 
     runs = []
     if not args.no_speed:
-        runs.append(("the decode timing", _length(decode_tokens_per_second), "--no-speed"))
+        runs.append(("the decode timing", decode_tokens_per_second, "--no-speed"))
     if args.baseline and not args.no_generation:
-        runs.append(("the greedy agreement", _length(generation_against_baseline), "--no-generation"))
+        runs.append(("the greedy agreement", generation_against_baseline, "--no-generation"))
     limit = position_limit(config)
-    for what, (prompt, new), switch in runs:
+    for what, measure, switch in runs:
+        prompt, new = _defaults(measure, "prompt_length", "new_tokens")
         if limit is not None and limit[2] and prompt + new > limit[0]:
             raise ValueError(
                 f"{what} runs {prompt}-token prompts and {new} new tokens ({prompt + new} positions), past the "
@@ -120,10 +120,11 @@ def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> No
             )
 
 
-def _length(measure: Any) -> tuple[int, int]:
-    """(prompt tokens, new tokens) a measurement runs by default: read from its signature, its one source."""
+def _defaults(measure: Any, *names: str) -> tuple[int, ...]:
+    """The lengths a measurement runs by default (prompts, prompt tokens, new tokens): read from its signature,
+    their one source."""
     parameters = inspect.signature(measure).parameters
-    return int(parameters["prompt_length"].default), int(parameters["new_tokens"].default)
+    return tuple(int(parameters[name].default) for name in names)
 
 
 def check_text(baseline: str, texts: list[str], args: argparse.Namespace, generative: bool) -> None:
@@ -135,8 +136,7 @@ def check_text(baseline: str, texts: list[str], args: argparse.Namespace, genera
     from ..evaluation.compare import generation_against_baseline
     from ..evaluation.perplexity import tokenize_corpus
 
-    parameters = inspect.signature(generation_against_baseline).parameters
-    prompts, prompt_length = int(parameters["prompts"].default), int(parameters["prompt_length"].default)
+    prompts, prompt_length = _defaults(generation_against_baseline, "prompts", "prompt_length")
     tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=args.trust_remote_code)
     tokens = int(tokenize_corpus(tokenizer, texts).numel())
     if tokens < prompts * prompt_length:

@@ -149,6 +149,7 @@ class CoMeMethod(CompressionMethod):
         entries = [_Entry((i,), layer) for i, layer in enumerate(adapter.layers(stack))]
         merges: list[dict[str, Any]] = []
         self._built = {}
+        one_kind = adapter.layer_kind_rule(stack)
         with context.progress_bar(num_to_remove, "come") as bar:
             for step in range(num_to_remove):
                 with context.timer("selection"):
@@ -159,7 +160,7 @@ class CoMeMethod(CompressionMethod):
                     for k in range(len(entries) - 1)
                     if (chaining or (len(entries[k].indices) == 1 and len(entries[k + 1].indices) == 1))
                     # Layers the config describes differently (sliding and full attention, NoPE) are never merged.
-                    and adapter.shares_layer_kind(stack, entries[k].indices + entries[k + 1].indices)
+                    and one_kind(entries[k].indices + entries[k + 1].indices)
                 ]
                 if not candidates:
                     raise ValueError(

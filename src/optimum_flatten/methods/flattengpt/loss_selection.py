@@ -17,7 +17,6 @@ on the scored tokens). The merged groups' blocks are held until the plan is made
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,7 +65,7 @@ def groups_by_calibration_loss(
     limit = max_group_size if max_group_size is not None else num_layers
     head_weights = count_parameters(adapter.lm_head(context.stack))
     groups: list[Group] = [(i,) for i in range(num_layers)]
-    one_kind = functools.partial(adapter.shares_layer_kind, context.stack)
+    one_kind = adapter.layer_kind_rule(context.stack)
     blocks: dict[Group, nn.Module] = {}  # the blocks of the groups merged so far (candidate_block's)
 
     def run_group(group: Group, hidden: list[torch.Tensor], block: nn.Module | None = None) -> list[torch.Tensor]:

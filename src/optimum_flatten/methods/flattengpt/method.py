@@ -143,7 +143,7 @@ class FlattenGPTMethod(CompressionMethod):
             similarity,
             num_to_remove,
             self.config.max_group_size,
-            one_kind=lambda group: adapter.shares_layer_kind(context.stack, group),
+            one_kind=adapter.layer_kind_rule(context.stack),
         )
         context.report["similarity"] = [[None if v != v else round(float(v), 6) for v in row] for row in similarity]
         # Only the inputs of the layers that start a merged group are needed again, and those its sequential targets

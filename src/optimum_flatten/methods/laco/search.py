@@ -63,6 +63,7 @@ class StackEvaluator:
         self.runner = self.engine.runner
         self.layers = self.engine.layers
         self.masks = self.engine.masks
+        self._one_kind = adapter.layer_kind_rule(context.stack)
         self._merged_cache: dict[Group, nn.Module] = {}
         self._scores: dict[tuple[str, tuple[Group, ...]], float] = {}
         #: Every (candidate, score) asked for, in order (repeats included): what a refusal reports on.
@@ -79,7 +80,7 @@ class StackEvaluator:
     def one_kind(self, stack: Sequence[Group], start: int, stop: int) -> bool:
         """Whether the groups at positions start..stop may merge: layers the config describes alike (sliding and
         full attention, NoPE layers never share a merged block); a window that mixes them is not a candidate."""
-        return self.adapter.shares_layer_kind(self.context.stack, merge_positions(stack, start, stop)[start])
+        return self._one_kind(merge_positions(stack, start, stop)[start])
 
     def block(self, group: Group) -> nn.Module:
         """The module for a group: the original layer, or the members merged by parameters (cached)."""
