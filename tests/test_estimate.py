@@ -330,6 +330,10 @@ def test_cli_estimate_reads_config_json_only(tmp_path, capsys):
         "propagate",
     }
     assert result["peak_bytes"] == result["weights_bytes"] + workspace["peak"]
+    # A bfloat16 model's "auto" statistic is taken as a CUDA run takes it, and the estimate says so (a CPU's is less).
+    assert any("covariance_dtype='auto' taken as on a CUDA device" in note for note in result["notes"])
+    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--json"]) == 0  # float32: no split
+    assert not any("covariance_dtype" in note for note in json.loads(capsys.readouterr().out)["notes"])
     # The defaults' sequential targets run each merged pair's members whole once, for the attention writes and the
     # MLP's target together, and those outputs are also the pair's propagation here (no cached inputs at 7B): 2.345,
     # as much as the paper's targets (2.636 when the writes and the outputs were two runs). The issue measured 2.77

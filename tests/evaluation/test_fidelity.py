@@ -1,4 +1,5 @@
 import copy
+import itertools
 import math
 
 import pytest
@@ -57,6 +58,9 @@ def test_fidelity_equals_naive_full_vocabulary_reference(seqlen, stride, chunk_s
     assert (ppl.scored_tokens, ppl.windows) == (result.scored_tokens, result.windows)
     assert math.isclose(result.compressed_perplexity, ppl.perplexity, rel_tol=1e-6)
     assert result.protocol() == ppl.protocol()
+    # The step the windows took over the stream: a BOS window of 11 holds 10 stream tokens, so stride 11 steps by 10.
+    starts = [start for start, _, _ in evaluation_windows(stream.numel(), seqlen, stride, bos=bos is not None)]
+    assert {b - a for a, b in itertools.pairwise(starts)} == {result.stride} == {ppl.stride}
 
 
 def _count_forwards(model) -> list[int]:

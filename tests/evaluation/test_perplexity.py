@@ -47,7 +47,7 @@ def test_bos_prefix_scores_every_window_token():
         nll, _ = _naive_nll_sum(model, window, 1)
         total += nll
     assert math.isclose(result.perplexity, math.exp(total / 30), rel_tol=1e-5)
-    assert "30 scored tokens, 3 windows of 11, stride 11, BOS prepended" == result.protocol()
+    assert "30 scored tokens, 3 windows of 11, stride 10, BOS prepended" == result.protocol()  # 10 stream tokens each
 
 
 def test_tokenize_corpus_separates_texts_with_eos():

@@ -380,3 +380,24 @@ def test_where_adamw_does_not_fit_full_trains_with_adafactor_before_falling_back
     monkeypatch.setattr(footprint, "available_bytes", lambda device: sized["adafactor"] / 2)
     choice = footprint.ModeChoice(model, config, lambda: 0)
     assert not choice() and choice.optimiser is None
+
+
+def test_a_budget_that_is_not_whole_steps_says_how_many_tokens_train(compressed, caplog):
+    """A step reads a whole batch (2 rows of 32 here), so 100 tokens train 128: the log says so, and a budget of
+    whole steps says nothing."""
+    dense, model, report = compressed
+    rounded_up = "max_tokens=100 rounds up to 2 whole steps of 64 tokens: 128 tokens train."
+    for tokens, said in ((100, rounded_up), (128, None)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="optimum_flatten.recovery.arguments"):
+            _, log = recover(
+                copy.deepcopy(model),
+                tiny_models.CharTokenizer(),
+                tiny_models.sample_texts(),
+                _config(mode="full", max_tokens=tokens),
+                teacher=dense,
+                report=report,
+            )
+        rounded = [r.getMessage() for r in caplog.records if "rounds up" in r.getMessage()]
+        assert rounded == ([said] if said else [])
+        assert log["tokens_trained"] == 128

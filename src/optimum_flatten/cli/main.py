@@ -414,12 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     merge_logger = logging.getLogger("optimum_flatten.methods.laco.search")
     level = merge_logger.level
     merge_logger.setLevel(logging.ERROR)
-    quiet = getattr(args, "no_progress", False)
-    if quiet:  # the bars of loading and saving too, not only our own (restored below: main may run in-process)
-        from transformers.utils import logging as transformers_logging
+    hidden: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if getattr(args, "no_progress", False):  # the libraries' bars too (restored after: main may run in-process)
+        from ..utils.progress import progress_hidden
 
-        quiet = transformers_logging.is_progress_bar_enabled()
-        transformers_logging.disable_progress_bar()
+        hidden = progress_hidden(whole_process=argv is None)
     # Under torchrun / accelerate launch the verbs that calibrate or train join the ranks themselves (`launch`).
     launched = contextlib.nullcontext()
     if getattr(args, "joins_launcher", False):
@@ -427,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         launched = launcher_process_group()
     try:
-        with launched:
+        with hidden, launched:
             return args.func(args)
     except (ValueError, TypeError, ImportError, RuntimeError, OSError, SafetensorError) as error:
         # One line whatever raised it: transformers' and the Hub's messages span several.
@@ -435,8 +434,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         merge_logger.setLevel(level)
-        if quiet:
-            transformers_logging.enable_progress_bar()
 
 
 if __name__ == "__main__":

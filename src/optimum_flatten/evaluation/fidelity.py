@@ -27,7 +27,7 @@ from torch import nn
 
 from ..utils.lm_head import states_and_head
 from ..utils.torch_utils import input_device
-from .perplexity import evaluation_windows, scored_stream, window_batches
+from .perplexity import evaluation_windows, scored_stream, window_batches, window_step
 
 
 @dataclass
@@ -161,7 +161,7 @@ def fidelity(
         compressed_nll=nll_compressed / count,
         scored_tokens=count,
         seqlen=seqlen,
-        stride=stride,
+        stride=window_step(seqlen, stride, bos_token_id is not None),
         windows=len(windows),
         bos=bos_token_id is not None,
         chunk_size=chunk_size,

@@ -24,8 +24,8 @@ class PerplexityResult:
         nll: mean negative log-likelihood in nats.
         scored_tokens: tokens whose prediction was scored.
         seqlen: window length fed to the model.
-        stride: step between windows; with stride < seqlen only the last `stride` tokens of a window are scored
-            (the first window scores all but its first token).
+        stride: step between windows over the stream (with a BOS at most seqlen - 1); with stride < seqlen only
+            the last `stride` tokens of a window are scored (the first window scores all but its first token).
         windows: number of windows.
         bos: whether a BOS token was prepended to every window.
     """
@@ -69,6 +69,17 @@ def scored_stream(tokens: torch.Tensor, max_tokens: int | None) -> torch.Tensor:
     return tokens if max_tokens is None else tokens[:max_tokens]
 
 
+def window_step(seqlen: int, stride: int, bos: bool) -> int:
+    """How far the windows advance over the stream: `stride`, but at most the stream tokens a window holds (seqlen
+    - 1 with a BOS), so that no token goes unscored; the protocol reports this step, not the stride asked for."""
+    if not 0 < stride <= seqlen:
+        raise ValueError(f"stride must be in 1..seqlen={seqlen}, got {stride}.")
+    body = seqlen - (1 if bos else 0)
+    if body < 1:
+        raise ValueError(f"seqlen={seqlen} leaves no room for stream tokens.")
+    return min(stride, body)
+
+
 def evaluation_windows(num_tokens: int, seqlen: int, stride: int, bos: bool) -> list[tuple[int, int, int]]:
     """The windows of the evaluation protocol, as (start, end, first scored offset) over the stream.
 
@@ -76,13 +87,9 @@ def evaluation_windows(num_tokens: int, seqlen: int, stride: int, bos: bool) -> 
     perplexity beside it was. No token is scored twice; without a BOS a window's first token is only scored when an
     earlier window gave it context (stride < seqlen). With a BOS, windows hold seqlen - 1 stream tokens.
     """
-    if not 0 < stride <= seqlen:
-        raise ValueError(f"stride must be in 1..seqlen={seqlen}, got {stride}.")
     prefix = 1 if bos else 0
     body = seqlen - prefix
-    if body < 1:
-        raise ValueError(f"seqlen={seqlen} leaves no room for stream tokens.")
-    step = min(stride, body)
+    step = window_step(seqlen, stride, bos)
     windows: list[tuple[int, int, int]] = []
     previous_end = 0
     for start in range(0, num_tokens, step):
@@ -166,7 +173,7 @@ def perplexity(
         nll=mean,
         scored_tokens=total_count,
         seqlen=seqlen,
-        stride=stride,
+        stride=window_step(seqlen, stride, bos_token_id is not None),
         windows=len(windows),
         bos=bos_token_id is not None,
     )

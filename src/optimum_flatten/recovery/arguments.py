@@ -122,6 +122,23 @@ def _steps_for_budget(config: RecoveryConfig, rows: Sized, replicas: int = 1) ->
     return steps
 
 
+def warn_rounded_budget(config: RecoveryConfig, steps: int, replicas: int = 1) -> None:
+    """Says when whole steps train more tokens than `max_tokens` asked for: a step reads a whole batch, so a budget
+    that is not a multiple of one rounds up (256 tokens with batches of 1,024 train 1,024), and the record's count
+    would otherwise be the only place a user sees it."""
+    if config.max_tokens is None:
+        return
+    trained = steps * config.tokens_per_step() * replicas
+    if trained != config.max_tokens:
+        logger.warning(
+            "max_tokens=%d rounds up to %d whole steps of %d tokens: %d tokens train.",
+            config.max_tokens,
+            steps,
+            config.tokens_per_step() * replicas,
+            trained,
+        )
+
+
 def check_local_options(config: RecoveryConfig) -> None:
     """Refuses a global phase (`local_then_global_tokens`) outside mode 'local', a budget that is not positive, and
     an unknown `global_scope`."""
@@ -207,6 +224,7 @@ class Schedule:
         """Sets the first phase's steps for the token budget over the `planned` training rows; refuses a budget they
         cannot fill."""
         self.arguments.max_steps = _steps_for_budget(config, planned, self.replicas)
+        warn_rounded_budget(config, self.arguments.max_steps, self.replicas)
 
 
 def healing_schedule(config: RecoveryConfig, scale: float, scratch: str) -> Schedule:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..adapters import get_adapter
 from ..options.recovery import RecoveryConfig
-from .arguments import Schedule, _global_phase, _steps_for_budget
+from .arguments import Schedule, _global_phase, _steps_for_budget, warn_rounded_budget
 from .distill import DistillationLoss, Objective
 from .selection import Span, changed_spans, layer_map, trained_parameters_
 from .teacher import _LOCAL_NEEDS_TEACHER, _declines_teacher
@@ -51,6 +51,7 @@ def local_spans(
     spans = changed_spans(model, report)  # refuses without a plan or with nothing changed, before the teacher
     if config.local_then_global_tokens:
         schedule.global_steps = _steps_for_budget(_global_phase(config), planned, schedule.replicas)
+        warn_rounded_budget(_global_phase(config), schedule.global_steps, schedule.replicas)
     return spans
 
 

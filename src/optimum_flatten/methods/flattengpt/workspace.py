@@ -60,6 +60,11 @@ def flattengpt_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMod
         notes.append(f"groups of up to {f.g} layers assumed (max_group_size={config.max_group_size}): a bound")
     if f.reads_cache:
         notes.append("one merged group is assumed to end the stack, running its members whole (a bound)")
+    if config.covariance_dtype == "auto" and f.split:
+        notes.append(
+            "covariance_dtype='auto' taken as on a CUDA device (the bfloat16 split, a float64 scatter); a CPU run "
+            "takes float32 and holds less (a bound there; pass covariance_dtype='float32' for a CPU's figure)"
+        )
     return phases, stack_passes(f), f.g != 2 or f.by_loss or f.reads_cache, notes
 
 
