@@ -114,3 +114,19 @@ def test_card_of_an_older_report_with_an_absolute_path_shows_the_folder_name_onl
     assert "/home/someone" not in card and "base_model:" not in card and "`dense`" in card
     card = render_model_card({"base_model": "org/dense-model", "method": "shortgpt"})
     assert "base_model: org/dense-model" in card
+
+
+def test_the_card_names_the_text_a_healing_trained_on_the_teachers_included():
+    """A healing on the user's file, on the teacher's own text only (the file not read), and on a mix."""
+    from optimum_flatten.export.model_card import render_model_card
+
+    def healing(**recovery):
+        return render_model_card({"recovery": {"mode": "full", "tokens_trained": 64, "steps": 1, **recovery}})
+
+    sampled = {"share": 0.5, "start": "prompts"}
+    assert "on text.txt (64 tokens" in healing(dataset="text.txt", data_kind="text")
+    teacher = healing(dataset="text.txt", data_kind="teacher", teacher_text={**sampled, "share": 1.0})
+    assert "on the teacher's own text (continuing the user's prompts) (64 tokens" in teacher
+    assert "text.txt" not in teacher
+    mixed = healing(dataset="text.txt", data_kind="mixed", teacher_text={**sampled, "start": "bos"})
+    assert "on 50% the teacher's own text (from its start token), the rest text.txt (64 tokens" in mixed

@@ -164,6 +164,9 @@ def test_cli_recover_prints_and_records_the_guard(tmp_path, capsys):
     assert f"guard: objective {start['objective']:.4f} -> {kept['objective']:.4f}" in printed
     assert f"(perplexity {math.exp(start['lm']):.2f} -> {math.exp(kept['lm']):.2f})" in printed
     assert "unguarded" not in printed
+    card = (tmp_path / "healed" / "README.md").read_text()  # the teacher wrote the text: the card says so
+    assert "on the teacher's own text (from its start token) (128 tokens" in card
+    assert f"- Guard text (not allowed to get worse): objective {start['objective']:.4f} -> " in card
 
 
 def test_the_training_texts_given_again_as_the_guard_are_refused():

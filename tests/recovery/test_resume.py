@@ -3,6 +3,7 @@ uninterrupted run; the options that cannot work are refused before any weight ch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -148,6 +149,39 @@ def test_a_folder_holding_a_healing_with_other_options_is_refused_before_any_cha
     assert log["resumed_from_step"] == [2]
 
 
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "stopped"])
+def test_a_folder_holding_another_jobs_healing_is_refused_before_any_change(
+    compressed, tmp_path, monkeypatch, finished
+):
+    """The same options on another student or another text: the folder's finished phase (or its checkpoint) is
+    another model's, and replaying it would hand back the first healing's weights."""
+    dense, model, report = compressed
+    folder = str(tmp_path / "checkpoints")
+    base = {"mode": "full", "max_tokens": 256, "learning_rate": 1e-3, "heldout_rows": 2, "checkpoint_dir": folder}
+    with monkeypatch.context() as patch:
+        if not finished:
+            base["save_every"] = 1
+            _stop_at(patch, 1, 3)
+        with contextlib.nullcontext() if finished else pytest.raises(Stopped):
+            _heal(model, tiny_recovery_config(**base), dense, report)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    kept = {name: tensor.clone() for name, tensor in other.state_dict().items()}
+    texts = tiny_models.sample_texts()
+    for student, text, named in ((other, texts, "the model being healed"), (model, texts[::-1], "the training rows")):
+        target = copy.deepcopy(student)
+        before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
+        with pytest.raises(ValueError, match=f"holds the healing of another job \\({named}"):
+            recover(target, tiny_models.CharTokenizer(), text, tiny_recovery_config(**base), teacher=dense,
+                    report=report)  # fmt: skip
+        for name, tensor in target.state_dict().items():
+            assert torch.equal(tensor, before[name]), name
+    assert all(torch.equal(tensor, kept[name]) for name, tensor in other.state_dict().items())
+    _, log = _heal(model, tiny_recovery_config(**base), dense, report)  # the job it holds still resumes
+    assert log["resumed_from_step"] == [None if finished else 2]
+
+
 def test_a_checkpoint_without_the_healing_state_is_not_resumed_from(tmp_path):
     """The healing state is written last: a checkpoint folder without it (a process killed while saving) is passed
     over for the newest complete one."""
@@ -182,3 +216,32 @@ def test_a_healing_resumed_on_cuda_in_bfloat16_keeps_placement_dtype_and_the_gat
     assert [entry["step"] for entry in log["heldout_history"]] == [0, 2, 4, 6]
     for name, tensor in resumed.state_dict().items():
         torch.testing.assert_close(tensor, whole.state_dict()[name], atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_a_default_mode_healing_resumed_with_less_free_memory_keeps_the_mode_it_started_with(
+    compressed, tmp_path, monkeypatch
+):
+    """The default follows the memory free when asked: full fit (split into local then global after the merges)
+    when the healing started, and the resume finds less free (another job on the machine). The same line must
+    continue the same healing, not be refused for a mode the user never named."""
+    from optimum_flatten.recovery import footprint
+    from optimum_flatten.recovery.mode import AS_STARTED
+
+    dense, model, report = compressed
+    folder = str(tmp_path / "checkpoints")
+    base = {"mode": None, "max_tokens": 384, "learning_rate": 1e-3, "checkpoint_dir": folder, "save_every": 1}
+    whole, whole_log = _heal(model, tiny_recovery_config(**{**base, "checkpoint_dir": None, "save_every": 0}), dense,
+                             report)  # fmt: skip
+    assert whole_log["mode"] == "local" and "global_phase" in whole_log  # full fitted: split after the merges
+    with monkeypatch.context() as patch:
+        _stop_at(patch, 1, 3)
+        with pytest.raises(Stopped):
+            _heal(model, tiny_recovery_config(**base), dense, report)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: 1)  # now nothing fits
+    fresh = tiny_recovery_config(**{**base, "checkpoint_dir": str(tmp_path / "fresh")})
+    _, squeezed = _heal(model, fresh, dense, report)
+    assert "global_phase" not in squeezed  # a fresh run would choose otherwise now ...
+    resumed, log = _heal(model, tiny_recovery_config(**base), dense, report)  # ... the resumed one continues
+    assert log["resumed_from_step"] == [2, None] and AS_STARTED in log["mode_chosen"]
+    for name, tensor in resumed.state_dict().items():
+        assert torch.equal(tensor, whole.state_dict()[name]), name

@@ -420,3 +420,24 @@ def test_under_torch_distributed_each_rank_samples_its_share_and_all_hold_every_
     # Rank 0's share (3 rows, one batch) is the first batch one process samples with the same seed.
     alone, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 5, 16, seed=0, batch_size=3, progress=False)
     assert torch.equal(ranks[0]["ids"][:3], _ids(alone)[:3]) and not torch.equal(ranks[0]["ids"][3:], _ids(alone)[3:])
+
+
+def test_rows_of_a_run_stopped_while_writing_are_never_read_under_another_runs_key(tmp_path, monkeypatch):
+    """Run A cached its rows and key; run B (another temperature) wrote its rows and was killed before its key: A's
+    key now sits beside B's rows, and a resumed A must sample again, not train on B's rows."""
+    from optimum_flatten.recovery import teacher_text_cache as cache
+
+    key_a, key_b = {"n_rows": 2, "seqlen": 4, "temperature": 1.0}, {"n_rows": 2, "seqlen": 4, "temperature": 5.0}
+    rows_a, rows_b = torch.arange(8).reshape(2, 4), torch.arange(8, 16).reshape(2, 4)
+    cache.write_cache(tmp_path, "rows", key_a, rows_a, {"seconds": 1.0})
+    ids, sampling = cache.read_cache(tmp_path, "rows", key_a)
+    assert torch.equal(ids, rows_a) and sampling == {"seconds": 1.0}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the key")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "write_bytes_atomically", killed)
+        with pytest.raises(KeyboardInterrupt):
+            cache.write_cache(tmp_path, "rows", key_b, rows_b, {"seconds": 2.0})
+    assert cache.read_cache(tmp_path, "rows", key_a) is None and cache.read_cache(tmp_path, "rows", key_b) is None

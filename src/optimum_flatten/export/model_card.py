@@ -162,7 +162,7 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
     shape = f" of {rows} rows x {seqlen} tokens a process" if rows and seqlen else ""  # reports before it: no shape
     lines = [
         f"- Healing: mode `{recovery.get('mode', 'lora')}`{_chosen(recovery)}, {loss}, on "
-        f"{recovery.get('dataset', 'user text')} "
+        f"{_healing_text(recovery)} "
         f"({recovery.get('tokens_trained', '?')} tokens, {recovery.get('steps', '?')} steps{shape})"
         + ("; the token embeddings and the LM head were not trained" if recovery.get("embeddings") else "")
     ]
@@ -173,7 +173,36 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
             f"- Held-out loss of the training text: objective {before['objective']:.4f} -> {after['objective']:.4f}, "
             f"LM {before['lm']:.4f} -> {after['lm']:.4f}; gate: {recovery.get('gate')}"
         )
+    guard = recovery.get("guard")
+    if isinstance(guard, dict) and guard.get("before") and guard.get("after"):
+        lines.append(
+            f"- Guard text (not allowed to get worse): objective {guard['before']['objective']:.4f} -> "
+            f"{guard['after']['objective']:.4f}"
+        )
     return lines
+
+
+#: How the card says where the teacher's sampled rows start (`RecoveryConfig.sampling_start`, or prompts).
+_STARTS = {
+    "bos": "from its start token",
+    "prompts": "continuing the user's prompts",
+    "chat": "as a chat assistant",
+    "random": "from a random first token",
+}
+
+
+def _healing_text(recovery: dict[str, Any]) -> str:
+    """The text the healing trained on: the user's (by its public name), the teacher's own (how it started), or
+    a mix of both with the teacher's share; a text the teacher wrote whole is not named after the user's file."""
+    name = recovery.get("dataset", "user text")
+    sampled = recovery.get("teacher_text")
+    if not isinstance(sampled, dict) or recovery.get("data_kind") not in ("teacher", "mixed"):
+        return str(name)
+    start = _STARTS.get(str(sampled.get("start")), "")
+    teacher = "the teacher's own text" + (f" ({start})" if start else "")
+    if recovery.get("data_kind") == "teacher":
+        return teacher
+    return f"{float(sampled.get('share', 0)):.0%} {teacher}, the rest {name}"
 
 
 def _chosen(recovery: dict[str, Any]) -> str:

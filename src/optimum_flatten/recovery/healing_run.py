@@ -4,6 +4,7 @@ is written from it, so that a step added to `recover` adds a field here rather t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ..options.recovery import RecoveryConfig
 from .arguments import Schedule
@@ -28,6 +29,8 @@ class HealingRun:
         has_teacher: Whether a teacher was loaded.
         notes: What the log says beside the numbers (a teacher other than the model compressed, ...).
         objectives: The losses and the trained model (`objectives.Objectives`).
+        identity: The job a checkpoint folder must hold to be resumed (`resume.healing_identity`; None without a
+            folder).
     """
 
     config: RecoveryConfig
@@ -40,3 +43,4 @@ class HealingRun:
     has_teacher: bool
     notes: list[str]
     objectives: Objectives
+    identity: dict[str, Any] | None = None

@@ -13,12 +13,13 @@ from typing import Any
 
 from torch import nn
 
-from ..options.recovery import RecoveryConfig, merges_layers, with_mode
+from ..options.recovery import RecoveryConfig, local_then_global, merges_layers, with_mode
 from ..utils.causal_lm import check_causal_lm
 from ..utils.launch import join_launcher_group
 from ..utils.positions import check_sequence_length
 from .arguments import fsdp_version
 from .footprint import ModeChoice, teacher_bytes_to_load, training_device
+from .resume import same_options, started_options
 from .rows import teacher_share
 from .teacher import _has_teacher
 from .teacher_text import is_teacher_dataset
@@ -41,6 +42,10 @@ def resolve_mode(
         report = getattr(model, "flatten_report", None)
     device = training_device(model, config)
     choice = ModeChoice(model, config, lambda: teacher_bytes_to_load(model, teacher, report, device))
+    started = as_started(config)
+    if started is not None:
+        choice.line = AS_STARTED
+        return started, report, choice
     config = with_mode(
         config,
         has_teacher=_has_teacher(teacher, report),
@@ -50,3 +55,35 @@ def resolve_mode(
         merged=merges_layers((report or {}).get("plan")),
     )
     return choice.apply(config), report, choice
+
+
+#: How the log and the model card say that a resumed healing kept the mode its first attempt chose.
+AS_STARTED = "as the healing in checkpoint_dir chose it when it started"
+
+#: The training arguments the default's memory check may add (a lean optimiser, FSDP across ranks).
+CHOSEN_ARGUMENTS = ("optim", "fsdp", "fsdp_config")
+
+
+def as_started(config: RecoveryConfig) -> RecoveryConfig | None:
+    """`config` with what the default chose when the healing in its checkpoint folder started (the mode, a split
+    into local then global, frozen embeddings, a lean optimiser or FSDP), where the caller left them to the default
+    and the result is the options that healing was started with; else None (a fresh run, or other options, which the
+    resume then refuses naming what differs).
+
+    Why: the default follows the memory free when it is asked, and that changes between attempts on a shared
+    machine; the line that started the healing, run again, must continue it, not be refused for a mode it never
+    named."""
+    saved = started_options(config)
+    if saved is None or config.mode is not None:
+        return None
+    split = saved.get("mode") == "local" and saved.get("local_then_global_tokens") is not None
+    if split and config.local_then_global_tokens is None:
+        candidate = local_then_global(dataclasses.replace(config, mode="full"))
+    else:
+        candidate = dataclasses.replace(config, mode=saved.get("mode"))
+    if config.train_embeddings is None:
+        candidate = dataclasses.replace(candidate, train_embeddings=saved.get("train_embeddings"))
+    given = config.extra_training_args
+    chosen = {k: v for k, v in (saved.get("extra_training_args") or {}).items() if k in CHOSEN_ARGUMENTS}
+    candidate = dataclasses.replace(candidate, extra_training_args={**chosen, **given})
+    return candidate if same_options(saved, candidate) else None

@@ -101,20 +101,21 @@ def _train_phase(
     config: RecoveryConfig,
     index: int = 1,
     guard: list[dict[str, torch.Tensor]] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> _Phase:
     """Trains `model` on `loss` for `arguments.max_steps`, behind a gate scoring `gate_loss`, best state restored.
 
     With `config.checkpoint_dir` the phase (`index`) trains in its own folder, checkpointed with the gate's state
     (`recovery.resume`): a phase the folder records as finished is replayed from its record, an unfinished one
-    continues from its newest complete checkpoint."""
+    continues from its newest complete checkpoint; either only when the folder's job is `identity`."""
     from ..utils.launch import is_writer
     from .gate import trainable_state
 
     folder = phase_folder(config, index) if config.checkpoint_dir else None
-    if folder is not None and (done := read_phase(folder, config)) is not None:
+    if folder is not None and (done := read_phase(folder, config, identity)) is not None:
         return _replayed_phase(model, *done)
     checkpoint = latest_checkpoint(folder) if folder is not None else None
-    saved = read_checkpoint(checkpoint, config) if checkpoint is not None else None
+    saved = read_checkpoint(checkpoint, config, identity) if checkpoint is not None else None
     if folder is not None:
         arguments.output_dir = folder
     trainer = _distillation_trainer_class()(model=model, args=arguments, train_dataset=_Rows(rows), healing_loss=loss)
@@ -135,7 +136,7 @@ def _train_phase(
         trainer.add_callback(gate)
     clock = None
     if folder is not None:
-        clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_writer())
+        clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_writer(), identity)
         trainer.add_callback(clock)
     result = trainer.train(resume_from_checkpoint=checkpoint)
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -148,7 +149,7 @@ def _train_phase(
     if folder is not None:
         trained = trainable_state(model)
         if is_writer():
-            save_phase(folder, config, phase.record(), trained)
+            save_phase(folder, config, phase.record(), trained, identity)
     return phase
 
 
@@ -183,11 +184,26 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
     model, healing_loss, local_loss = run.objectives.trained, run.objectives.healing_loss, run.objectives.local_loss
     if local_loss is None:
         return [
-            _train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 1, rows.guard)
+            _train_phase(
+                model,
+                arguments,
+                rows.train,
+                rows.heldout,
+                healing_loss,
+                healing_loss,
+                config,
+                1,
+                rows.guard,
+                run.identity,
+            )
         ], None
     model.to(arguments.device)
     local_before = _score(model, local_loss, rows.heldout, config)
-    phases = [_train_phase(model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config, 1, rows.guard)]
+    phases = [
+        _train_phase(
+            model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config, 1, rows.guard, run.identity
+        )
+    ]
     local_after = _score(model, local_loss, rows.heldout, config)
     if run.schedule.global_steps:
         arguments.max_steps = run.schedule.global_steps
@@ -199,7 +215,18 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
             if is_writer():
                 logger.info("global phase: training every parameter (%d)", trainable)
         phases.append(
-            _train_phase(model, arguments, rows.train, rows.heldout, healing_loss, healing_loss, config, 2, rows.guard)
+            _train_phase(
+                model,
+                arguments,
+                rows.train,
+                rows.heldout,
+                healing_loss,
+                healing_loss,
+                config,
+                2,
+                rows.guard,
+                run.identity,
+            )
         )
     return phases, ((local_before, local_after) if rows.heldout else None)
 

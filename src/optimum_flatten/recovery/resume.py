@@ -16,13 +16,14 @@ from the newest complete checkpoint of the unfinished phase, as `FlattenConfig(r
 compression. The Trainer restores the optimiser, the schedule, the random states and the data order, and the gate
 continues from its saved state, so the run ends where one uninterrupted run ends (tested to the bit on the CPU,
 `tests/recovery/test_resume.py`, and on 2 processes against one, `tests/recovery/test_ddp.py`). A folder holding the
-checkpoints of a healing with other options (anything but the checkpointing options themselves) is refused before any
-weight changes, naming what differs.
+checkpoints of a healing with other options (anything but the checkpointing options themselves), or of another job
+(another student, teacher or text: `healing_identity`), is refused before any weight changes, naming what differs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -68,11 +69,45 @@ def phase_folder(config: RecoveryConfig, index: int) -> str:
     return os.path.join(str(config.checkpoint_dir), f"phase-{index}")
 
 
-def options_fingerprint(config: RecoveryConfig) -> dict[str, Any]:
+def options_fingerprint(config: RecoveryConfig, identity: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The options a resumed run must share with the run it continues: all but the checkpointing options, as JSON
-    (values that JSON cannot hold, such as a callable in `extra_training_args`, by their text)."""
+    (values that JSON cannot hold, such as a callable in `extra_training_args`, by their text), and the job's
+    `identity` (`healing_identity`) under ``job``."""
     options = {k: v for k, v in dataclasses.asdict(config).items() if k not in CHECKPOINT_OPTIONS}
+    if identity is not None:
+        options["job"] = dict(identity)
     return json.loads(json.dumps(options, sort_keys=True, default=str))
+
+
+#: What each field of `healing_identity` names in a refusal.
+_IDENTITY_NAMES = {
+    "student": "the model being healed",
+    "teacher": "the teacher",
+    "rows": "the training rows",
+    "heldout": "the held-out and guard rows",
+}
+
+
+def healing_identity(
+    student: str,
+    teacher: str | None,
+    train: list[Mapping[str, torch.Tensor]],
+    heldout: list[Mapping[str, torch.Tensor]],
+) -> dict[str, Any]:
+    """What a resumed healing must share with the run it continues besides its options: the student's and the
+    teacher's `utils.fingerprint.weights_fingerprint` (taken before training), and digests of the rows it trains and
+    is gated on (the teacher's sampled rows included, which a resume reads from its cache). Without it a folder
+    reused for another model or text would replay the first healing's finished state into this one."""
+    return {"student": student, "teacher": teacher, "rows": _rows_digest(train), "heldout": _rows_digest(heldout)}
+
+
+def _rows_digest(rows: list[Mapping[str, torch.Tensor]]) -> str:
+    digest = hashlib.sha256(str(len(rows)).encode())
+    for row in rows:
+        for key in sorted(row):
+            digest.update(key.encode())
+            digest.update(row[key].detach().to("cpu").contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
 
 
 def folder_bytes(folder: str | os.PathLike[str]) -> int:
@@ -95,11 +130,13 @@ def latest_checkpoint(folder: str) -> str | None:
     return str(max(steps)[1]) if steps else None
 
 
-def read_checkpoint(checkpoint: str, config: RecoveryConfig) -> dict[str, Any]:
+def read_checkpoint(
+    checkpoint: str, config: RecoveryConfig, identity: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The healing state saved in `checkpoint`, its gate's best state among it (``best_state``); refuses a
-    checkpoint written with other options."""
+    checkpoint written with other options or by another job (`identity`)."""
     state = json.loads((Path(checkpoint) / HEALING_STATE).read_text())
-    _check_same_options(state["options"], config, checkpoint)
+    _check_same_options(state["options"], config, checkpoint, identity)
     if state.get("gate") is not None:
         from safetensors.torch import load_file
 
@@ -107,9 +144,38 @@ def read_checkpoint(checkpoint: str, config: RecoveryConfig) -> dict[str, Any]:
     return state
 
 
-def _check_same_options(saved: Mapping[str, Any], config: RecoveryConfig, where: str) -> None:
-    now = options_fingerprint(config)
+def started_options(config: RecoveryConfig) -> dict[str, Any] | None:
+    """The options the healing in `config.checkpoint_dir` was started with (its first phase's record, or that
+    phase's newest complete checkpoint), None when the folder holds no healing."""
+    if not config.checkpoint_dir:
+        return None
+    folder = Path(phase_folder(config, 1))
+    if (folder / PHASE_DONE).is_file():
+        return json.loads((folder / PHASE_DONE).read_text())["options"]
+    checkpoint = latest_checkpoint(str(folder))
+    return json.loads((Path(checkpoint) / HEALING_STATE).read_text())["options"] if checkpoint else None
+
+
+def same_options(saved: Mapping[str, Any], config: RecoveryConfig) -> bool:
+    """Whether `config` is what the saved options (`options_fingerprint`, the job aside) were."""
     saved = {**ADDED_OPTIONS, **saved}
+    saved.pop("job", None)
+    return saved == options_fingerprint(config)
+
+
+def _check_same_options(
+    saved: Mapping[str, Any], config: RecoveryConfig, where: str, identity: Mapping[str, Any] | None = None
+) -> None:
+    saved = {**ADDED_OPTIONS, **saved}
+    job = saved.pop("job", None)  # absent: written before jobs were recorded, which can only be trusted
+    if job is not None and identity is not None:
+        other = [name for k, name in _IDENTITY_NAMES.items() if job.get(k) != identity.get(k)]
+        if other:
+            raise ValueError(
+                f"{where} holds the healing of another job ({', '.join(other)} differ); start it in an empty "
+                "checkpoint_dir, or resume with the model, teacher and text it was started with."
+            )
+    now = options_fingerprint(config)
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
@@ -136,13 +202,21 @@ class CheckpointState(TrainerCallback):
     Args:
         gate: The phase's `HeldOutGate`, or None without one.
         config: The healing options (their fingerprint is saved, and compared on resume).
+        identity: The job's `healing_identity`, saved with them.
         seconds_before: Training seconds of the attempts before this one.
         main: Whether this process writes (rank 0 of a distributed launch; every process saves the same state).
     """
 
-    def __init__(self, gate: Any, config: RecoveryConfig, seconds_before: float, main: bool) -> None:
+    def __init__(
+        self,
+        gate: Any,
+        config: RecoveryConfig,
+        seconds_before: float,
+        main: bool,
+        identity: Mapping[str, Any] | None = None,
+    ) -> None:
         self.gate, self.seconds_before, self.main = gate, seconds_before, main
-        self.options = options_fingerprint(config)
+        self.options = options_fingerprint(config, identity)
         self._began = time.perf_counter()
 
     def seconds(self) -> float:
@@ -167,22 +241,29 @@ class CheckpointState(TrainerCallback):
 
 
 def save_phase(
-    folder: str, config: RecoveryConfig, record: Mapping[str, Any], trained: Mapping[str, torch.Tensor]
+    folder: str,
+    config: RecoveryConfig,
+    record: Mapping[str, Any],
+    trained: Mapping[str, torch.Tensor],
+    identity: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes a finished phase's log (`record`) and the trainable state it ended on into its folder."""
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     _save_tensors(trained, path / PHASE_STATE)
-    _save_json({"options": options_fingerprint(config), **record}, path / PHASE_DONE)
+    _save_json({"options": options_fingerprint(config, identity), **record}, path / PHASE_DONE)
 
 
-def read_phase(folder: str, config: RecoveryConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
-    """A finished phase's log and trained state, or None when the phase has not finished."""
+def read_phase(
+    folder: str, config: RecoveryConfig, identity: Mapping[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """A finished phase's log and trained state, or None when the phase has not finished; refuses a phase of
+    other options or of another job (`identity`)."""
     path = Path(folder)
     if not (path / PHASE_DONE).exists():
         return None
     from safetensors.torch import load_file
 
     record = json.loads((path / PHASE_DONE).read_text())
-    _check_same_options(record.pop("options"), config, folder)
+    _check_same_options(record.pop("options"), config, folder, identity)
     return record, load_file(str(path / PHASE_STATE))

@@ -58,18 +58,23 @@ def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tens
 
     with safe_open(str(rows_path), framework="pt") as rows:
         ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+    if "key" in metadata and json.loads(metadata["key"]) != saved:  # rows of another run beside this key
+        logger.info(
+            "teacher text cache %s: rows of another key (a run stopped while writing), sampling again", rows_path
+        )
+        return None
     if tuple(ids.shape) != (key["n_rows"], key["seqlen"]):
         return None
     return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
 
 
 def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
-    """The rows with what sampling them cost (in the file's metadata, so that a healing resumed from the cache still
-    reports the generation's seconds and memory), then their key (written last: a key names complete rows), each
-    atomically."""
+    """The rows with what sampling them cost and their key (in the file's metadata: a healing resumed from the cache
+    still reports the generation's seconds and memory, and rows are never read under another run's key), then the
+    key beside them (written last: a key names complete rows), each atomically."""
     from safetensors.torch import save_file
 
-    metadata = {"sampling": json.dumps(sampling)}
+    metadata = {"sampling": json.dumps(sampling), "key": json.dumps(key, sort_keys=True)}
     write_atomically(
         folder / f"{name}.safetensors", lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata)
     )

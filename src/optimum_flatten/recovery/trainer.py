@@ -26,6 +26,7 @@ from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
+from .resume import healing_identity
 from .rows import _teacher_rows, check_recovery_inputs, checked_share, read_rows, unguarded_notes
 from .teacher import _has_teacher, checked_teacher
 
@@ -93,6 +94,7 @@ def recover(
     spans = local_spans(model, report, config, schedule, teacher, rows.planned)
     ends = hidden_state_ends(model, report, config)
     dense, name, notes = checked_teacher(model, tokenizer, teacher, report, config, rows.texts, rows.plan is not None)
+    weights = _weights_before(model, dense, config)  # before LoRA or a local span wraps the student
     objectives = healing_objectives(model, dense, config, report, spans, ends, notes)
     notes += unguarded_notes(config, share)
     for note in notes if is_writer() else ():
@@ -102,6 +104,8 @@ def recover(
         if dense is not None:
             dense.to(schedule.arguments.device)
         rows.add_teacher_part_(dense, tokenizer, config, is_writer())
+        if weights is not None:
+            run.identity = healing_identity(*weights, rows.train, [*rows.heldout, *rows.guard])
         device = schedule.arguments.device
         parts_before = rows.part_scores(objectives.trained, objectives.healing_loss, config, device)
         phases, local_scores = run_phases(run)
@@ -113,3 +117,15 @@ def recover(
         before, after = phases[0].gate.start["objective"], log["heldout_after"]["objective"]
         logger.info("gate: %s (held-out objective %.4f -> %.4f)", log["gate"], before, after)
     return trained_model, log
+
+
+def _weights_before(
+    model: nn.Module, teacher: nn.Module | None, config: RecoveryConfig
+) -> tuple[str, str | None] | None:
+    """The student's and the teacher's weights fingerprints before training, which a checkpoint folder records as
+    its job (`resume.healing_identity`); None without a folder."""
+    if not config.checkpoint_dir:
+        return None
+    from ..utils.fingerprint import weights_fingerprint
+
+    return weights_fingerprint(model), weights_fingerprint(teacher) if teacher is not None else None
