@@ -140,6 +140,25 @@ def test_overwrite_refuses_folders_where_it_would_lose_data(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
+def test_the_quantizers_save_refuses_the_folder_the_compressed_model_was_loaded_from(tmp_path):
+    """`compress` clears the config's record of where the model came from (a LoRA trained on the result must not
+    name the dense model as its base), and `FlattenQuantizer.save(..., overwrite=True)` then replaced the dense
+    checkpoint with the compressed one: the folder is still refused, by the name the compression kept."""
+    from transformers import AutoModelForCausalLM
+
+    source = tmp_path / "dense"
+    tiny_models.FACTORIES["llama_gqa"]().save_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    quantizer = compress(model, "shortgpt", num_layers_to_remove=2)
+    assert model.config._name_or_path == ""  # cleared, as before
+    before = _tree(source)
+    with pytest.raises(OutputDirectoryError, match="the folder the model was loaded from"):
+        quantizer.save(model, source, overwrite=True)
+    assert _tree(source) == before
+    out = quantizer.save(model, tmp_path / "out")  # anywhere else, as before; then again there
+    assert quantizer.save(model, out, overwrite=True) == out
+
+
 def test_cli_refuses_to_overwrite_the_model_it_compresses_before_loading_it(tmp_path, capsys, monkeypatch):
     source = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(source)

@@ -22,6 +22,7 @@ from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
 from .compression.resume import ResumeState, calibration_fingerprint, job_identity
 from .config import FlattenConfig
+from .export.checkpoint import COMPRESSED_FROM
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .plan import LayerPlan
 from .registry import get_method_class, registered_methods, require_capabilities
@@ -240,8 +241,11 @@ class FlattenQuantizer(OptimumQuantizer):
         from .recovery.arguments import fsdp_version
 
         dataset, column, config, chosen = checked.heal
-        # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally.
-        if chosen.startswith("the default") and fsdp_version(config) is None and merges_layers(self.plan.to_dict()):
+        # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally, on
+        # one process (`local` cannot run across ranks: under a launcher of several, `full` stays, as `with_mode`).
+        one_process = process_group()[1] == 1
+        merged = merges_layers(self.plan.to_dict())
+        if chosen.startswith("the default") and fsdp_version(config) is None and merged and one_process:
             resolved = local_then_global(config)
             if resolved is not config:
                 config = resolved
@@ -362,6 +366,8 @@ class FlattenQuantizer(OptimumQuantizer):
         # The model no longer is the checkpoint it was loaded from: a LoRA adapter trained on it must not record
         # that checkpoint as its base. `save` points it at the saved directory.
         set_name_or_path(model, "")
+        if source_name:  # still never written over (`export.checkpoint.COMPRESSED_FROM`)
+            setattr(model, COMPRESSED_FROM, source_name)
         return _Run(plan, context, params_before, stack_weights, source_name, masks, fingerprint, dense_flops)
 
     def _report(self, model: nn.Module, checked: Preflight, run: _Run, start: float) -> CompressionReport:

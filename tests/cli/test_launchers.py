@@ -54,6 +54,18 @@ def test_compress_under_torchrun_calibrates_across_ranks_and_writes_what_one_pro
     assert "processes" not in json.loads((tmp_path / "one" / "flatten_report.json").read_text())["calibration"]
 
 
+def test_compress_with_a_default_heal_under_torchrun_trains_full_after_a_merge(dense, tmp_path):
+    """After a plan that merged layers the default heal is `local` then global on one process; `local` cannot run
+    across ranks, so under torchrun the default stays `full` (it was chosen after the compression, and refused)."""
+    model, text = dense
+    arguments = ["compress", str(model), "--method", "flattengpt", "--dataset", str(text), *COMPRESS]
+    printed = _torchrun([*arguments, "--heal-tokens", "1024", "--output", str(tmp_path / "two")], cwd=tmp_path)
+    assert printed.count("saved to") == 1
+    report = json.loads((tmp_path / "two" / "flatten_report.json").read_text())
+    assert report["recovery"]["mode"] == "full" and report["recovery"]["processes"] == 2
+    assert report["recovery"]["mode_chosen"].startswith("the default") and "global_phase" not in report["recovery"]
+
+
 def test_a_method_that_cannot_shard_is_refused_on_every_rank_before_anything_is_written(dense, tmp_path):
     model, text = dense
     out = tmp_path / "refused"

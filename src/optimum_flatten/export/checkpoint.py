@@ -178,13 +178,20 @@ def _interrupted_swap(path: Path) -> bool:
     return any((leftover / "config.json").is_file() for leftover in leftovers(path, BACKUP))
 
 
+#: Where a compression records the checkpoint the model was loaded from (`FlattenQuantizer.compress` clears the
+#: config's own record, so that a LoRA adapter trained on the result does not name the dense model as its base).
+COMPRESSED_FROM = "_optimum_flatten_compressed_from"
+
+
 def _model_sources(model: nn.Module) -> list[str]:
-    """The folder(s) the model was loaded from, as transformers records them; not the folder of our own last save
-    (`save_compressed` records that name afterwards, and saving there again replaces a copy, not the original)."""
+    """The folder(s) the model was loaded from, as transformers records them or as the compression kept it
+    (`COMPRESSED_FROM`); not the folder of our own last save (`save_compressed` records that name afterwards, and
+    saving there again replaces a copy, not the original)."""
     saved = getattr(model, "_optimum_flatten_saved_to", None)
     names = {
         str(getattr(getattr(model, "config", None), "_name_or_path", "") or ""),
         str(getattr(model, "name_or_path", "") or ""),
+        str(getattr(model, COMPRESSED_FROM, "") or ""),
     }
     return [name for name in names if name and name != saved]
 

@@ -126,16 +126,19 @@ def warn_rounded_budget(config: RecoveryConfig, steps: int, replicas: int = 1) -
     """Says when whole steps train more tokens than `max_tokens` asked for: a step reads a whole batch, so a budget
     that is not a multiple of one rounds up (256 tokens with batches of 1,024 train 1,024), and the record's count
     would otherwise be the only place a user sees it."""
-    if config.max_tokens is None:
+    from ..utils.launch import is_writer
+
+    if config.max_tokens is None or not is_writer():
         return
-    trained = steps * config.tokens_per_step() * replicas
-    if trained != config.max_tokens:
+    per_step = config.tokens_per_step() * replicas
+    if steps * per_step != config.max_tokens:
         logger.warning(
-            "max_tokens=%d rounds up to %d whole steps of %d tokens: %d tokens train.",
+            "max_tokens=%d rounds up to %d whole step%s of %d tokens: %d tokens train.",
             config.max_tokens,
             steps,
-            config.tokens_per_step() * replicas,
-            trained,
+            "" if steps == 1 else "s",
+            per_step,
+            steps * per_step,
         )
 
 
