@@ -306,3 +306,36 @@ def test_collapse_without_calibration_data_when_not_measuring():
     records = quantizer.report["layer_collapse"]["collapsed"]
     assert [r["layer"] for r in records] == [4, 5] and all("error" not in r for r in records)
     assert_close(logits(model, ids), linearised)
+
+
+@pytest.mark.parametrize(("method", "options"), [("flattengpt", {"num_layers_to_remove": 2}), ("ffn_merge", {})])
+def test_methods_reading_the_mlps_projections_refuse_collapsed_mlps_before_any_change(method, options):
+    """FlattenGPT failed inside its application (an AttributeError on the identity down map) with the model half
+    changed; ffn_merge failed in its plan: both are refused first, naming the collapsed layers."""
+    model = tiny_models.tiny_gpt2()
+    for adapter in prepare_layer_collapse_(model, num_mlps=2).values():
+        adapter.alpha.data.fill_(1.0)
+    FlattenQuantizer(FlattenConfig(method="layer_collapse", measure_error=False)).compress(model)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    config = FlattenConfig(method=method, dataset=tiny_models.sample_texts(40), nsamples=8, seqlen=16, **options)
+    with pytest.raises(ValueError, match=rf"{method} reads each MLP's .* layers \[4, 5\] are single linear maps"):
+        FlattenQuantizer(config).compress(model, tiny_models.tiny_hf_tokenizer())
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+def test_the_cli_collapses_without_a_dataset_when_not_measuring(tmp_path):
+    """`compress --method layer_collapse --measure-error false` reads no text, as the API does: it was refused for
+    the missing --dataset before loading."""
+    from optimum_flatten.cli.main import main
+
+    model = tiny_models.tiny_gpt2()
+    for adapter in prepare_layer_collapse_(model, num_mlps=2).values():
+        adapter.alpha.data.fill_(1.0)
+    save_layer_collapse(model, tmp_path / "prepared", export_format="remote_code")
+    tiny_models.tiny_hf_tokenizer().save_pretrained(tmp_path / "prepared")
+    argv = ["compress", str(tmp_path / "prepared"), "--method", "layer_collapse", "--measure-error", "false",
+            "--trust-remote-code", "--no-progress", "--output", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
+    assert [r["layer"] for r in report["layer_collapse"]["collapsed"]] == [4, 5]

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from safetensors import SafetensorError
 
-from ..registry import get_config_class, registered_methods
+from ..registry import get_config_class, get_method_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
 from .demo import cmd_demo
@@ -144,7 +144,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from ..utils.launch import is_writer
 
     config = FlattenConfig(**config_kwargs(args))
-    _check_dataset(config.calibration.dataset, config.calibration.text_column)
+    if get_method_class(config.method)(config.method_config).requires_calibration or config.heal:
+        _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir")

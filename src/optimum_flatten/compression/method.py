@@ -199,6 +199,10 @@ class CompressionMethod(ABC):
     #: each rank takes its share of the batches and every statistic the method uses is summed over the ranks where
     #: it is complete. A method that says no is refused under a process group of more than one rank.
     shards_calibration: ClassVar[bool] = False
+    #: Whether the method reads each MLP's up and down projections (FlattenGPT prunes their channels, ffn_merge
+    #: shares them): an MLP LayerCollapse made one linear map has none, and such a model is refused before any
+    #: change (`compression.pipeline.preflight`), where the method would fail half-way through its changes.
+    reads_mlp_projections: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig) -> None:
         self.config = config

@@ -21,6 +21,8 @@ logger = logging.getLogger(__name__)
 def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
     """Every refusal that depends on the model, before calibration and before any weight changes."""
     method.preflight(adapter, stack)
+    if method.reads_mlp_projections:
+        require_whole_mlps(adapter, stack, method.name)
     if corrections.linear_replacement is not None:
         replacement = corrections.linear_replacement
         require_bridgeable(adapter, stack, f"linear_replacement={replacement!r}", replacement)
@@ -103,3 +105,15 @@ def apply_with_corrections_(
         )
     else:
         apply()
+
+
+def require_whole_mlps(adapter: ArchitectureAdapter, stack: str, method: str) -> None:
+    """Refuses a stack holding an MLP stored as one linear map (LayerCollapse's, `MlpView.is_single_map`) for a
+    method that reads the up and down projections, naming the layers."""
+    collapsed = [block.index for block in adapter.blocks(stack) if block.mlp.is_single_map]
+    if collapsed:
+        raise ValueError(
+            f"{method} reads each MLP's up and down projections, and the MLPs of layers {collapsed} are single linear "
+            f"maps (LayerCollapse collapsed them); run {method} before LayerCollapse, or remove layers from this model "
+            "with a layer drop (shortgpt, sleb)."
+        )

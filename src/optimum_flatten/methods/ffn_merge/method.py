@@ -97,6 +97,7 @@ class FfnMergeMethod(CompressionMethod):
     """Aligns, averages and ties the feed-forward sublayers of windows of adjacent layers; keeps every layer."""
 
     config_class = FfnMergeConfig
+    reads_mlp_projections = True
     requires_calibration = True
     #: Aligning and averaging feed-forward channels needs one dense MLP per layer (a mixture of experts has none).
     required_capabilities = frozenset({"dense_mlp"})

@@ -43,6 +43,7 @@ SIMILARITY_FIGURE = "similarity_heatmap.png"
 class FlattenGPTMethod(CompressionMethod):
     merges_layers = True
     config_class = FlattenGPTConfig
+    reads_mlp_projections = True
     requires_calibration = True
     required_capabilities = frozenset({"head_geometry", "pre_norm", "concat_heads"})
     config: FlattenGPTConfig
