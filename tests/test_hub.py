@@ -72,6 +72,8 @@ def test_offline_upload_fails_clearly_and_keeps_the_local_save(tmp_path):
     assert str(tmp_path / "flat") in str(info.value)
     # The retry it suggests uploads the checkpoint's files only, not what else the folder may keep.
     assert "--include config.json" in str(info.value) and "--include model.safetensors" in str(info.value)
+    # ... and clears the stale shards of an earlier upload, as the library's push does.
+    assert "--delete 'model-*-of-*.safetensors'" in str(info.value) and "upload upload" not in str(info.value)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "flat")
     assert_close(logits(reloaded, sample_ids()), logits(model, sample_ids()))
 

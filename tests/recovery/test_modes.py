@@ -131,6 +131,11 @@ def test_bad_input_is_refused_before_any_change(compressed, tmp_path):
     dense.save_pretrained(folder)
     tiny_models.tiny_hf_tokenizer().save_pretrained(folder)
     _refused(model, "tokenizer encodes the training text differently", config=_config(), teacher=str(folder))
+    # With no training text (the teacher writes it), the tokenizers are compared on a probe text.
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="tokenizer encodes a probe text differently"):
+        recover(model, tiny_models.CharTokenizer(), "teacher", _config(), teacher=str(folder))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():

@@ -94,10 +94,13 @@ def test_compress_refuses_prompts_too_short_before_the_compression(tmp_path):
         (dict(teacher_text_loops="mask"), 0.0, "samples none"),
         (dict(teacher_text_loops="mask", mode="local"), 1.0, "mode 'local' and the hidden-state terms"),
         (dict(teacher_text_loops="mask", mode="full", hidden_weight=1.0), 0.5, "hidden-state terms"),
+        # How the teacher samples, given where it samples nothing: ignored silently before.
+        (dict(prompts="missing.txt"), 0.0, "prompts='missing.txt' sets how the teacher samples .* samples none"),
+        (dict(sampling_temperature=0.7, sampling_start="random"), 0.0, "sampling_temperature=0.7, sampling_start="),
     ],
-    ids=["no teacher text", "local", "hidden terms"],
+    ids=["no teacher text", "local", "hidden terms", "prompts", "sampling"],
 )
-def test_the_loops_mask_is_refused_where_no_loss_would_read_it(options, share, message):
+def test_the_loops_mask_and_sampling_options_are_refused_where_nothing_would_read_them(options, share, message):
     with pytest.raises(ValueError, match=message) as refused:
         check_teacher_text_options(TOKENIZER, RecoveryConfig(**options), share)
     assert "\n" not in str(refused.value)

@@ -75,15 +75,14 @@ def push_to_hub(
             folder_path=str(folder),
             commit_message=message,
             allow_patterns=upload_patterns(folder),
-            # A repo holding an earlier upload (3 shards and their index, say) would otherwise keep the files this
-            # checkpoint does not have, and load as a mix of two models.
-            delete_patterns=list(CHECKPOINT_PATTERNS + method_checkpoint_files()),
+            delete_patterns=_stale_patterns(),
         )
     except Exception as error:  # network, auth and HTTP errors come in many types
         raise HubUploadError(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
-            f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then upload "
-            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(folder)}`."
+            f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then "
+            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(folder)} "
+            f"{_delete_options()}`."
         ) from error
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
@@ -105,3 +104,17 @@ def _include_options(folder: Path) -> str:
     import shlex
 
     return " ".join(f"--include {shlex.quote(pattern)}" for pattern in upload_patterns(folder))
+
+
+def _stale_patterns() -> list[str]:
+    """The checkpoint files an upload removes from the repo before adding its own: a repo holding an earlier upload
+    (3 shards and their index, say) would otherwise keep the files this checkpoint does not have, and load as a mix
+    of two models."""
+    return list(CHECKPOINT_PATTERNS + method_checkpoint_files())
+
+
+def _delete_options() -> str:
+    """``--delete`` options of ``hf upload`` for `_stale_patterns`: a retry by hand clears them as the upload does."""
+    import shlex
+
+    return " ".join(f"--delete {shlex.quote(pattern)}" for pattern in _stale_patterns())

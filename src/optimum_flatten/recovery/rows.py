@@ -124,16 +124,39 @@ def _teacher_rows(config: RecoveryConfig, share: float, user_rows: int, replicas
     return _TeacherRows(share, teacher, heldout_split(config.heldout_rows, share)[1], user)
 
 
+#: The options that only say how the teacher samples its own text (`RecoveryConfig`): given without any teacher
+#: text they would do nothing, so they are refused rather than ignored (teacher_text_cache and the checkpoint
+#: folder may stay: a line that heals on the user's text alone keeps them harmlessly).
+SAMPLING_OPTIONS = (
+    "prompts",
+    "teacher_prompt_tokens",
+    "sampling_temperature",
+    "sampling_top_k",
+    "sampling_top_p",
+    "sampling_batch_size",
+    "sampling_backend",
+    "sampling_start",
+    "teacher_text_loops",
+)
+
+
+def _sampling_options_given(config: RecoveryConfig) -> list[str]:
+    """The `SAMPLING_OPTIONS` set to other than their defaults, each as ``name=value``."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RecoveryConfig)}
+    return [f"{name}={getattr(config, name)!r}" for name in SAMPLING_OPTIONS if getattr(config, name) != defaults[name]]
+
+
 def check_teacher_text_options(tokenizer: Any, config: RecoveryConfig, share: float) -> None:
     """The teacher text's checks that need no model, so that `recover` and `FlattenConfig(heal=...)` refuse them (one
     line each) before any weight changes: vLLM where it samples, a start that leaves tokens to sample (a chat
     template where the chat turn starts the rows), prompts that hold `teacher_prompt_tokens` tokens, and the loops'
     mask only where it has teacher text to mask and a loss that reads it."""
     if share <= 0:
-        if config.teacher_text_loops == "mask":
+        if given := _sampling_options_given(config):
             raise ValueError(
-                "teacher_text_loops='mask' masks the teacher's own text, and this healing samples none; give "
-                "teacher_text > 0 (or dataset='teacher'), or leave teacher_text_loops='train'."
+                f"{', '.join(given)} set{'s' if len(given) == 1 else ''} how the teacher samples its own text, and "
+                "this healing samples none; give teacher_text > 0 (or dataset='teacher'), or drop "
+                f"{'it' if len(given) == 1 else 'them'}."
             )
         return
     if config.sampling_backend == "vllm":

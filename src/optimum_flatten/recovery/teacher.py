@@ -79,13 +79,23 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
     return model, tokenizer, name
 
 
+#: Text every teacher's tokenizer must encode as the student's does: letters, digits, punctuation, whitespace and
+#: common words, so that two tokenizers of one size but another order of their tokens differ on it.
+PROBE = (
+    "The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX, 0123456789!\n"
+    'It was the best of times; it was the worst of times? (And then: "what next" - said she.)\t'
+    "Mr. Smith's report, page 42: 3.14 + 2 = 5.14 & 100% of [items] {done} <ok> #tag @user ~/path_to/file.txt"
+)
+
+
 def check_compatible(
     student: nn.Module, teacher: nn.Module, tokenizer: Any, teacher_tokenizer: Any | None, texts: list[str]
 ) -> None:
     """Refuses a teacher whose logits do not index the student's tokens.
 
     The vocabulary sizes (the output embeddings' rows) must be equal, and when the teacher's tokenizer is known it
-    must encode the first training texts to the same ids.
+    must encode the first training texts, and `PROBE`, to the same ids: the probe is what a healing on the
+    teacher's own text (no training text) is checked on, where the teacher's ids become the student's rows.
 
     Raises:
         ValueError: one line naming what differs.
@@ -99,7 +109,7 @@ def check_compatible(
         )
     if teacher_tokenizer is None:
         return
-    for text in texts[:8]:
+    for text in [*texts[:8], PROBE]:
         sample = text[:2000]
         ours = list(tokenizer(sample, add_special_tokens=False)["input_ids"])
         theirs = list(teacher_tokenizer(sample, add_special_tokens=False)["input_ids"])
@@ -108,7 +118,8 @@ def check_compatible(
                 (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
             )
             raise ValueError(
-                f"the teacher's tokenizer encodes the training text differently from the student's (first difference "
+                f"the teacher's tokenizer encodes {'a probe' if text is PROBE else 'the training'} text differently "
+                f"from the student's (first difference "
                 f"at token {at}); distillation needs the same tokens: give the dense model the checkpoint was "
                 "compressed from as the teacher."
             )
