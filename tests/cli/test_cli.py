@@ -109,6 +109,7 @@ def test_layer_collapse_verb_trains_collapses_and_saves(tiny_checkpoint, tmp_pat
     assert report["parameters_after"] < report["parameters_before"]
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     assert type(reloaded).__name__ == "LayerCollapseGPT2LMHeadModel"
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True  # as the source's (the Trainer's False)
 
 
 def test_layer_collapse_verb_refuses_what_it_cannot_do(tiny_checkpoint, tmp_path, capsys):

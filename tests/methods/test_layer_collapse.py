@@ -339,3 +339,19 @@ def test_the_cli_collapses_without_a_dataset_when_not_measuring(tmp_path):
     assert main(argv) == 0
     report = json.loads((tmp_path / "out" / REPORT_NAME).read_text())
     assert [r["layer"] for r in report["layer_collapse"]["collapsed"]] == [4, 5]
+
+
+def test_alpha_stays_float32_when_a_half_precision_checkpoint_reloads(tmp_path):
+    """A bfloat16 model's alpha is trained in float32 (its stop at 1 - 1e-4 is not a bfloat16 value) and saved so:
+    reloading the remote code in bfloat16 rounded it (0.6 -> 0.6015625) for a resumed training."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models.tiny_gpt2().to(torch.bfloat16)
+    for adapter in prepare_layer_collapse_(model, num_mlps=2).values():
+        adapter.alpha.data.fill_(0.6)
+    save_layer_collapse(model, tmp_path / "partial", export_format="remote_code")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "partial", trust_remote_code=True)
+    get_adapter(reloaded)  # adopts the reloaded activations
+    alphas = [p for name, p in reloaded.named_parameters() if name.endswith("alpha")]
+    assert len(alphas) == 2 and all(a.dtype == torch.float32 and a.item() == torch.tensor(0.6).item() for a in alphas)
+    assert reloaded.transformer.h[0].mlp.c_fc.weight.dtype == torch.bfloat16  # the rest keeps the model's dtype

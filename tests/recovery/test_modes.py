@@ -98,6 +98,7 @@ def test_every_mode_saves_a_checkpoint_plain_transformers_reloads(compressed, tm
     healed.save_pretrained(tmp_path / mode)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / mode)
     assert reloaded.config.num_hidden_layers == 4
+    assert reloaded.config.use_cache is model.config.use_cache is True  # the Trainer had set it to False
     assert_close(logits(reloaded, sample_ids()), logits(healed, sample_ids()))
 
 

@@ -239,8 +239,8 @@ class CompressionMethod(ABC):
         """
         if len(requested) != 1:
             raise ValueError(
-                f"this version compresses one stack at a time, got stacks={list(requested)}; pass one of them"
-                f"{_multi_stack_hint()}."
+                f"this version compresses one stack at a time, got stacks={list(requested)} (every stack of the "
+                f"model when none is named); pass one of them with stacks= / --stacks{_multi_stack_hint()}."
             )
         return [requested[0]]
 

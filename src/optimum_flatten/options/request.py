@@ -48,7 +48,7 @@ class RequestOptions:
         default=None,
         metadata={
             "help": "the block stacks to compress, by name (Marian: encoder, decoder, or both for ffn_merge with "
-            "--sync-stacks true); default: the model's one stack, or its decoder",
+            "--sync-stacks true); default: the model's one stack (a model of several must name one)",
             "nargs": "+",
         },
     )

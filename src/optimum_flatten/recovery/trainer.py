@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..options.recovery import RecoveryConfig
+from ..utils.torch_utils import keeping_use_cache
 from .arguments import check_fsdp, fsdp_version, healing_schedule
 from .healing_run import HealingRun
 from .mode import resolve_mode
@@ -100,7 +101,7 @@ def recover(
     for note in notes if is_writer() else ():
         logger.info(note)
     run = HealingRun(config, choice, scale, rows, schedule, spans, name, dense is not None, notes, objectives)
-    with scratch_dir:
+    with scratch_dir, keeping_use_cache(model):  # the Trainer sets it to False
         if dense is not None:
             dense.to(schedule.arguments.device)
         rows.add_teacher_part_(dense, tokenizer, config, is_writer())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -105,3 +108,17 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     elif device.type not in ("cpu", "cuda", "mps", "xpu"):
         raise ValueError(f"device {str(name)!r}: use auto, cpu, cuda or cuda:N")
     return device
+
+
+@contextlib.contextmanager
+def keeping_use_cache(model: nn.Module) -> Iterator[None]:
+    """Puts back ``model.config.use_cache`` after the block: transformers' Trainer sets it to its
+    ``TrainingArguments.use_cache`` (False) when it is built, and a checkpoint saved after training would then say
+    ``"use_cache": false``, so that a plain forward of the reloaded model returns no cache."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "use_cache", None)
+    try:
+        yield
+    finally:
+        if config is not None and before is not None:
+            config.use_cache = before

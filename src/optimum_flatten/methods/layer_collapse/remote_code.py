@@ -271,6 +271,9 @@ def _replace(root, path, module):
 
 class {model_class}({stock_model_class}):
     config_class = {config_class}
+    # alpha stays float32 in a bfloat16 or float16 model: its training stops at 1 - 1e-4, which a half-precision
+    # alpha cannot hold (and the value saved is the float32 one).
+    _keep_in_fp32_modules_strict = sorted(set({stock_model_class}._keep_in_fp32_modules_strict or []) | {{"alpha"}})
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

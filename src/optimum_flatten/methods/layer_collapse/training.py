@@ -27,6 +27,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from ...options.methods.layer_collapse import LinearisationSchedule
+from ...utils.torch_utils import keeping_use_cache
 from .activation import CollapseAlpha, ParametricActivation, parametric_activations
 
 logger = logging.getLogger(__name__)
@@ -290,8 +291,9 @@ def train_to_linear(
                 remove_unused_columns=trained is None,
                 **{"dataloader_pin_memory": torch.cuda.is_available(), **schedule.extra_training_args},
             )
-            trainer = build_layer_collapse_trainer(trained or model, rows, args, lc=pull / (2 * lr), pull="adamlc")
-            result = trainer.train()
+            with keeping_use_cache(model):
+                trainer = build_layer_collapse_trainer(trained or model, rows, args, lc=pull / (2 * lr), pull="adamlc")
+                result = trainer.train()
         offset += steps
         log[phase] = {
             "steps": steps,
