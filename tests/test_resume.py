@@ -94,6 +94,12 @@ def test_a_killed_compression_resumes_and_writes_the_uninterrupted_checkpoint(tm
     assert resumed.report.method_entries["groups"] == expected.report.method_entries["groups"]
     for entry in ("similarity", "selection_steps"):  # the selection's report entries, kept with the plan
         assert resumed.report.method_entries.get(entry) == expected.report.method_entries.get(entry)
+    # The report counts the work the first attempt kept (its selection and first group), not this attempt's alone.
+    kept = resumed.report.method_entries["resumed"]
+    assert kept["stack_passes_before"] > 0 and kept["seconds_before"] > 0
+    assert resumed.report.cost["stack_passes"] > kept["stack_passes_before"]
+    assert resumed.report.total_seconds > kept["seconds_before"]
+    assert "resumed" not in expected.report.method_entries
 
     # The finished job's state stays; a rerun reproduces the checkpoint from it without compressing anything.
     with monkeypatch.context() as patch:

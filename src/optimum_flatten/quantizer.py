@@ -354,6 +354,8 @@ class FlattenQuantizer(OptimumQuantizer):
         masks = [adapter.token_mask(stack, b) for b in checked.batches]
         dense_flops = _dense_forward_flops(adapter, stack, stack_weights, masks)
         context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress, resume=checked.resume)
+        if checked.resume is not None:
+            checked.resume.begin(context)  # what this attempt spends, added to the earlier ones' in the folder
         was_training = model.training
         model.eval()
         with torch.no_grad(), sharded_calibration(checked.world_size):
@@ -378,6 +380,17 @@ class FlattenQuantizer(OptimumQuantizer):
         calibration = self.config.calibration
         with sharded_calibration(checked.world_size):  # the tokens of every rank's share
             (tokens,) = all_reduce_sums(sum(int(m.sum()) for m in masks))
+        before = checked.resume.before if checked.resume is not None else {"seconds": 0.0, "work": 0}
+        cost = compute_cost(
+            run.context, run.stack_weights, sum(int(m.numel()) for m in masks), run.dense_forward_flops, before["work"]
+        )
+        entries = dict(run.context.report)
+        if before["seconds"]:  # resumed: the seconds and stack passes count the earlier attempts' kept work too
+            entries["resumed"] = {
+                "seconds_before": before["seconds"],
+                "stack_passes_before": round(before["work"] / (run.stack_weights * tokens), 3) if tokens else 0.0,
+                "arithmetic": "this attempt's only",
+            }
         return CompressionReport(
             method=self.config.method,
             method_args=self.config.method_args,
@@ -403,12 +416,10 @@ class FlattenQuantizer(OptimumQuantizer):
                 **({"processes": checked.world_size} if checked.world_size > 1 else {}),
             },
             timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
-            cost=compute_cost(
-                run.context, run.stack_weights, sum(int(m.numel()) for m in masks), run.dense_forward_flops
-            ),
-            total_seconds=round(time.perf_counter() - start, 3),
+            cost=cost,
+            total_seconds=round(time.perf_counter() - start + before["seconds"], 3),
             source_fingerprint=run.source_fingerprint,
-            method_entries=dict(run.context.report),
+            method_entries=entries,
         )
 
     def save(
@@ -527,7 +538,7 @@ def check_shardable(method: CompressionMethod, corrections: Corrections, rank: i
 
 
 def compute_cost(
-    context: MethodContext, stack_weights: int, tokens: int, dense_forward_flops: float = 0.0
+    context: MethodContext, stack_weights: int, tokens: int, dense_forward_flops: float = 0.0, work_before: int = 0
 ) -> dict[str, Any]:
     """The compute a method spent, in two machine-free parts.
 
@@ -538,11 +549,12 @@ def compute_cost(
     (``dense_forward_flops``, attention's token-pair products included), with its total under ``total``: the phases
     nest as the timings do, so the total is the sum over the outermost phases, ``plan`` and ``apply``.
     Neither depends on the machine or on what else ran; `optimum-flatten estimate --device` turns them into seconds.
+    `work_before`: the work earlier attempts of a resumed compression kept (`ResumeState.before`).
     """
     if not tokens or not stack_weights:
         return {"stack_passes": 0.0, "unit": "no calibration"}
     cost: dict[str, Any] = {
-        "stack_passes": round(context.work / (stack_weights * tokens), 3),
+        "stack_passes": round((context.work + work_before) / (stack_weights * tokens), 3),
         "unit": f"one pass of {tokens} calibration tokens through the original stack ({stack_weights} weights)",
     }
     if dense_forward_flops:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,23 @@ class ResumeState:
         self.directory = directory
         self.identity = identity
         self._manifest = manifest
+        #: What the earlier attempts spent on the state kept here (`spent`): seconds and the context's work.
+        self.before: dict[str, float] = _spent_before(directory, manifest)
+        self._context: Any = None
+        self._began = time.perf_counter()
+
+    def begin(self, context: Any) -> None:
+        """Starts this attempt's count: its seconds from now, and `context`'s work (`MethodContext.work`)."""
+        self._context, self._began = context, time.perf_counter()
+
+    def spent(self) -> dict[str, float]:
+        """Seconds and work of every attempt so far: the earlier attempts' (up to their last write here) and this
+        one's, written with each plan and group so that the report of a resumed run counts the work it kept."""
+        work = int(getattr(self._context, "work", 0) or 0)
+        return {
+            "seconds": round(self.before["seconds"] + time.perf_counter() - self._began, 3),
+            "work": int(self.before["work"]) + work,
+        }
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str], identity: dict[str, Any]) -> ResumeState:
@@ -165,7 +183,12 @@ class ResumeState:
 
     def save_plan(self, plan: LayerPlan, report: Mapping[str, Any]) -> None:
         """Writes the manifest with `plan` and the selection's report entries `report` (JSON-able)."""
-        manifest = {"identity": self.identity, "plan": plan.to_dict(), "plan_report": dict(report)}
+        manifest = {
+            "identity": self.identity,
+            "plan": plan.to_dict(),
+            "plan_report": dict(report),
+            "spent": self.spent(),
+        }
         self._write(MANIFEST, json.dumps(manifest, indent=1).encode())
         self._manifest = manifest
 
@@ -213,6 +236,7 @@ class ResumeState:
             "kept_kv_groups": json.dumps([int(i) for i in kept_kv_groups]),
             "kept_channels": json.dumps([int(i) for i in kept_channels]),
             "report": json.dumps(dict(report)),
+            "spent": json.dumps(self.spent()),
         }
         write_atomically(
             self.directory / _group_name(indices),
@@ -248,6 +272,19 @@ def _check_groups(directory: Path) -> None:
                 f"resume_dir {str(directory)!r}: the finished group {path.name} cannot be read back ({error}); give "
                 "a new folder (nothing was changed)."
             ) from None
+
+
+def _spent_before(directory: Path, manifest: Mapping[str, Any] | None) -> dict[str, float]:
+    """The latest record of what the earlier attempts spent (`ResumeState.spent`): the manifest's or a finished
+    group's, whichever counts the most seconds; none (a new job, or state written before this was kept): zero."""
+    from safetensors import safe_open
+
+    records = [(manifest or {}).get("spent")]
+    for path in sorted(directory.glob("group-*.safetensors")) if directory.is_dir() else ():
+        with safe_open(str(path), framework="pt") as handle:
+            records.append(json.loads((handle.metadata() or {}).get("spent", "null")))
+    kept = [r for r in records if isinstance(r, dict)]
+    return max(kept, key=lambda r: r["seconds"]) if kept else {"seconds": 0.0, "work": 0}
 
 
 def _group_name(indices: Sequence[int]) -> str:
