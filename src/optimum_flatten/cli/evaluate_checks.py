@@ -138,7 +138,11 @@ def check_text(baseline: str, texts: list[str], args: argparse.Namespace, genera
 
     prompts, prompt_length = _defaults(generation_against_baseline, "prompts", "prompt_length")
     tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=args.trust_remote_code)
-    tokens = int(tokenize_corpus(tokenizer, texts).numel())
+    tokens = 0
+    for text in texts:  # the stream's tokens, text by text (EOS after each), only until the prompts are covered
+        tokens += int(tokenize_corpus(tokenizer, [text]).numel())
+        if tokens >= prompts * prompt_length:
+            return
     if tokens < prompts * prompt_length:
         raise ValueError(
             f"the evaluation text has {tokens} tokens, fewer than the greedy agreement's {prompts} prompts of "

@@ -182,28 +182,18 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
 
     config, arguments, rows = run.config, run.schedule.arguments, run.rows
     model, healing_loss, local_loss = run.objectives.trained, run.objectives.healing_loss, run.objectives.local_loss
+
+    def phase(loss: Objective, index: int) -> _Phase:  # every phase gated on the healing loss, checkpointed apart
+        guard, identity = rows.guard, run.identity
+        return _train_phase(
+            model, arguments, rows.train, rows.heldout, loss, healing_loss, config, index, guard, identity
+        )
+
     if local_loss is None:
-        return [
-            _train_phase(
-                model,
-                arguments,
-                rows.train,
-                rows.heldout,
-                healing_loss,
-                healing_loss,
-                config,
-                1,
-                rows.guard,
-                run.identity,
-            )
-        ], None
+        return [phase(healing_loss, 1)], None
     model.to(arguments.device)
     local_before = _score(model, local_loss, rows.heldout, config)
-    phases = [
-        _train_phase(
-            model, arguments, rows.train, rows.heldout, local_loss, healing_loss, config, 1, rows.guard, run.identity
-        )
-    ]
+    phases = [phase(local_loss, 1)]
     local_after = _score(model, local_loss, rows.heldout, config)
     if run.schedule.global_steps:
         arguments.max_steps = run.schedule.global_steps
@@ -214,20 +204,7 @@ def run_phases(run: HealingRun) -> tuple[list[_Phase], tuple[float, float] | Non
             trainable = freeze_all_but_(model, every)
             if is_writer():
                 logger.info("global phase: training every parameter (%d)", trainable)
-        phases.append(
-            _train_phase(
-                model,
-                arguments,
-                rows.train,
-                rows.heldout,
-                healing_loss,
-                healing_loss,
-                config,
-                2,
-                rows.guard,
-                run.identity,
-            )
-        )
+        phases.append(phase(healing_loss, 2))
     return phases, ((local_before, local_after) if rows.heldout else None)
 
 
