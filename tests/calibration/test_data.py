@@ -124,3 +124,66 @@ def test_a_fast_tokenizer_encodes_the_texts_in_chunks_to_the_same_stream_as_one_
     # A tokenizer not known to take a list is called once a text, with the same stream.
     char = CharTokenizer()
     assert data.token_stream(char, texts) == [i for t in texts for i in [*char(t)["input_ids"], char.eos_token_id]]
+
+
+def test_every_form_of_a_datasets_dataset_reads_its_text_column(tmp_path):
+    """What `load_dataset` gives a user: a Dataset, a DatasetDict (no split= given), a streamed IterableDataset and
+    one from a generator (no column names until read); a dict of several splits is refused, naming them."""
+    import datasets
+
+    from optimum_flatten.calibration.data import is_image_dataset
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"content": f"text {i}"}) + "\n" for i in range(3)))
+    expected = ["text 0", "text 1", "text 2"]
+    whole = datasets.load_dataset("json", data_files=str(path))
+    forms = {
+        "Dataset": whole["train"],
+        "DatasetDict": whole,
+        "streamed": datasets.load_dataset("json", data_files=str(path), split="train", streaming=True),
+        "generator": datasets.IterableDataset.from_generator(lambda: iter([{"content": t} for t in expected])),
+    }
+    for name, dataset in forms.items():
+        assert load_texts(dataset, text_column="content") == expected, name
+        assert not is_image_dataset(dataset, "content"), name
+    with pytest.raises(CalibrationDataError, match="a record in 'the dataset' has no field 'text'"):
+        load_texts(forms["generator"])
+    two = datasets.DatasetDict({"train": whole["train"], "test": whole["train"]})
+    with pytest.raises(CalibrationDataError, match=r"a DatasetDict with the splits \['test', 'train'\]; pass one"):
+        load_texts(two, text_column="content")
+
+
+def test_records_nulls_and_encodings_are_read_or_refused_in_one_line(tmp_path):
+    """A list of records reads its text field (it was taken for images); a parquet file without the column names
+    the columns, and its nulls are no text (they became the word 'None'); a .txt file that is not UTF-8 is refused
+    as a .jsonl one is (it was read with replacement characters)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from optimum_flatten.calibration.data import is_image_dataset
+
+    records = [{"text": "one"}, {"text": "two"}]
+    assert load_texts(records) == ["one", "two"] and not is_image_dataset(records)
+    with pytest.raises(CalibrationDataError, match="a record in 'the list' has no field 'body'"):
+        load_texts(records, text_column="body")
+    table = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"content": ["one", None, "two"]}), table)
+    assert load_texts(str(table), text_column="content") == ["one", "two"]
+    with pytest.raises(CalibrationDataError, match=r"has no column 'text' \(columns: \['content'\]\)"):
+        load_texts(str(table))
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(CalibrationDataError, match=r"latin\.txt.*is not UTF-8 text"):
+        load_texts(str(latin))
+
+
+def test_alpaca_records_are_checked_one_by_one_and_read_inside_a_data_field(tmp_path):
+    from optimum_flatten.recovery import load_recovery_texts
+
+    mixed = [{"instruction": "a", "output": "b"}, {"text": "plain"}]
+    with pytest.raises(CalibrationDataError, match="record 1 has no 'instruction' field"):
+        load_recovery_texts(mixed)
+    wrapped = tmp_path / "alpaca.json"
+    wrapped.write_text(json.dumps({"data": [{"instruction": "say hi", "output": "hi"}]}))
+    texts, kind = load_recovery_texts(str(wrapped))
+    assert kind == "alpaca" and "### Instruction:\nsay hi" in texts[0]

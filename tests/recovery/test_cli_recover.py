@@ -103,3 +103,22 @@ def test_recover_with_checkpoints_says_what_they_leave_on_disk(folders, tmp_path
     held = sum(path.stat().st_size for path in checkpoints.rglob("*") if path.is_file())
     assert recovery["checkpoint_bytes"] == held > 0 and str(checkpoints) not in json.dumps(recovery)  # no paths
     assert f"checkpoints: {held / 2**30:.2f} GiB left in {checkpoints}" in capsys.readouterr().out
+
+
+def test_recover_and_compress_read_the_text_column_they_are_given(folders, tmp_path):
+    """A .jsonl of another field: `recover --text-column` and `compress --heal-text-column` read it (the refusal
+    told the user to set text_column, which recover's command line had no flag for)."""
+    dense, _, data = folders
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"content": t}) + "\n" for t in data.read_text().splitlines()))
+    out = tmp_path / "healed"
+    arguments = _arguments(folders, out, "--max-tokens", "128", "--mode", "full")
+    arguments[arguments.index(str(data))] = str(rows)
+    assert main(arguments) == 2  # the field is 'content', not 'text'
+    assert main([*arguments, "--text-column", "content"]) == 0
+    assert json.loads((out / "flatten_report.json").read_text())["recovery"]["tokens_trained"] == 128
+    compress_argv = ["compress", str(dense), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset",
+                     str(data), "--nsamples", "4", "--seqlen", "32", "--heal-tokens", "128", "--heal-mode", "full",
+                     "--heal-dataset", str(rows), "--heal-text-column", "content", "--no-progress", "--output",
+                     str(tmp_path / "compressed")]  # fmt: skip
+    assert main(compress_argv) == 0

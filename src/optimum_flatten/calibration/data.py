@@ -73,17 +73,16 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
             "a folder of .txt), a datasets.Dataset, or a name such as 'wikitext2'."
         )
     if isinstance(dataset, (list, tuple)):
-        if not all(isinstance(t, str) for t in dataset):
-            raise CalibrationDataError("a calibration list must hold strings only.")
-        texts = list(dataset)
+        if dataset and all(isinstance(r, dict) for r in dataset):  # records, as a .jsonl file holds them
+            texts = [_field(r, text_column, "the list") for r in dataset]
+        elif not all(isinstance(t, str) for t in dataset):
+            raise CalibrationDataError("a calibration list must hold strings (or records with a text field) only.")
+        else:
+            texts = list(dataset)
     elif isinstance(dataset, (str, os.PathLike)):
         texts = _load_from_string(str(dataset), text_column)
     elif hasattr(dataset, "column_names"):
-        if text_column not in dataset.column_names:
-            raise CalibrationDataError(
-                f"the dataset has no column {text_column!r} (columns: {dataset.column_names}); set text_column."
-            )
-        texts = list(dataset[text_column])
+        texts = _dataset_texts(dataset, text_column)
     else:
         raise CalibrationDataError(
             f"unsupported calibration dataset of type {type(dataset).__name__}; pass a list of strings, a path, "
@@ -93,6 +92,31 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
     if not texts:
         raise CalibrationDataError(f"the calibration dataset {_describe(dataset)} holds no non-empty text.")
     return texts
+
+
+def single_split(dataset: Any) -> Any:
+    """A `datasets` DatasetDict's one split (``load_dataset`` without ``split=`` returns one), else `dataset`;
+    refuses a dict of several splits, naming them: which one is the calibration text is the user's choice."""
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, dict):
+        return dataset
+    if len(columns) != 1:
+        raise CalibrationDataError(
+            f"the dataset is a DatasetDict with the splits {sorted(columns)}; pass one of them (dataset['train'])."
+        )
+    return dataset[next(iter(columns))]
+
+
+def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
+    """The `text_column` of a `datasets` Dataset, IterableDataset (a generator's, whose columns are known only by
+    reading, row by row) or a DatasetDict's one split."""
+    dataset = single_split(dataset)
+    columns = dataset.column_names
+    if columns is None:  # an IterableDataset from a generator: its rows say what they hold
+        return [_field(row, text_column, "the dataset") for row in dataset]
+    if text_column not in columns:
+        raise CalibrationDataError(f"the dataset has no column {text_column!r} (columns: {columns}); set text_column.")
+    return list(dataset[text_column])
 
 
 def _load_from_string(value: str, text_column: str) -> list[str]:
@@ -105,11 +129,11 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
         files = sorted(path.glob("*.txt"))
         if not files:
             raise CalibrationDataError(f"folder {value!r} holds no .txt files.")
-        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+        return [read_text(f) for f in files]
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".txt":
-            return [path.read_text(encoding="utf-8", errors="replace")]
+            return [read_text(path)]
         if suffix == ".jsonl":
             return [_field(r, text_column, value) for r in read_jsonl(path)]
         if suffix == ".json":
@@ -123,14 +147,30 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
                 raise ImportError(
                     "reading .parquet calibration files needs pyarrow: pip install optimum-flatten[data]"
                 ) from error
+            columns = pq.read_schema(path).names
+            if text_column not in columns:
+                raise CalibrationDataError(
+                    f"{value!r} has no column {text_column!r} (columns: {columns}); set text_column."
+                )
             table = pq.read_table(path, columns=[text_column])
-            return [str(t) for t in table.column(text_column).to_pylist()]
+            return [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]  # nulls are no text
         raise CalibrationDataError(
             f"unsupported calibration file type {suffix!r}; use .txt, .jsonl, .json or .parquet."
         )
     if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".parquet"}:
         raise CalibrationDataError(f"calibration path {value!r} does not exist.")
     return _load_hub_dataset(value, text_column)
+
+
+def read_text(path: Path) -> str:
+    """A text file's content, or one line naming the file where it is not UTF-8 (as a .jsonl file is refused):
+    decoding with replacements would train and calibrate on U+FFFD where the user's characters were."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise CalibrationDataError(
+            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
+        ) from error
 
 
 def read_jsonl(path: Path) -> list[Any]:
@@ -333,10 +373,10 @@ def is_image_dataset(dataset: Any, text_column: str = "text") -> bool:
     """
     if isinstance(dataset, torch.Tensor):
         return True
-    if isinstance(dataset, (list, tuple)):
-        return bool(dataset) and not any(isinstance(item, str) for item in dataset)
+    if isinstance(dataset, (list, tuple)):  # records (dicts) are text, as load_texts reads them
+        return bool(dataset) and not any(isinstance(item, (str, dict)) for item in dataset)
     columns = getattr(dataset, "column_names", None)
-    if isinstance(columns, (list, tuple)) and len(dataset) > 0:
+    if isinstance(columns, (list, tuple)) and hasattr(dataset, "__len__") and len(dataset) > 0:
         if text_column in columns:
             return not isinstance(dataset[0][text_column], str)
         return any(c in columns for c in IMAGE_COLUMNS)

@@ -202,7 +202,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
         raise ValueError(refusal)
     model = AutoModelForCausalLM.from_pretrained(source, config=model_config, trust_remote_code=args.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    model, log = recover(model, tokenizer, args.dataset, config, teacher=args.teacher, report=report or None)
+    model, log = recover(
+        model, tokenizer, args.dataset, config, args.text_column, teacher=args.teacher, report=report or None
+    )
     if not is_writer():  # the ranks of a data-parallel launch end on the same weights; rank 0 writes them
         return 0
     report["recovery"] = {**log, "dataset": public_dataset_name(args.dataset)}

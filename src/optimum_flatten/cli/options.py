@@ -337,7 +337,12 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 #: ``--heal-<x>`` flag -> key of ``FlattenConfig(heal=...)``.
-HEAL_FLAGS = {"heal_tokens": "max_tokens", "heal_mode": "mode", "heal_dataset": "dataset"}
+HEAL_FLAGS = {
+    "heal_tokens": "max_tokens",
+    "heal_mode": "mode",
+    "heal_dataset": "dataset",
+    "heal_text_column": "text_column",
+}
 
 
 def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
@@ -365,6 +370,11 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="training text for the healing (default: --dataset, the calibration text)",
     )
+    group.add_argument(
+        "--heal-text-column",
+        default=argparse.SUPPRESS,
+        help="the field holding --heal-dataset's text in records and tables (default: --text-column)",
+    )
 
 
 def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -373,7 +383,9 @@ def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
     if not given:
         return None
     if "max_tokens" not in given:
-        raise ValueError("--heal-mode and --heal-dataset need --heal-tokens N, the training-token budget.")
+        raise ValueError(
+            "--heal-mode, --heal-dataset and --heal-text-column need --heal-tokens N, the training-token budget."
+        )
     return given
 
 

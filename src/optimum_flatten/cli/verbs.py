@@ -104,6 +104,8 @@ class RecoverArguments:
         "Alpaca-format .json/.jsonl, or any text source; 'teacher' (the default): text the teacher samples "
         "itself (with a text and --teacher-text SHARE, that share of its rows)",
     )
+    text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.parquet and datasets (--dataset's, "
+                            "--guard-text's)")  # fmt: skip
     output: str | None = _arg(None, required=True)
     overwrite: bool = _switch(_OVERWRITE)
     trust_remote_code: bool = _switch(_REMOTE_CODE)

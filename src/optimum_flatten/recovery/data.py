@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..calibration.data import load_texts, read_json, read_jsonl, token_stream, tokenize_texts
+from ..calibration.data import load_texts, read_json, read_jsonl, single_split, token_stream, tokenize_texts
 from ..utils.errors import CalibrationDataError
 
 ALPACA_WITH_INPUT = (
@@ -35,8 +35,24 @@ def _records(path: Path) -> list[dict[str, Any]] | None:
         return read_jsonl(path)
     if path.suffix.lower() == ".json":
         data = read_json(path)
+        if isinstance(data, dict):  # {"data": [...]}, as `load_texts` reads a .json file
+            data = data.get("data")
         return data if isinstance(data, list) else None
     return None
+
+
+def _alpaca(records: list[Any] | None) -> list[str] | None:
+    """The records formatted as Alpaca prompts when the first has an ``instruction`` (None otherwise); refuses a
+    later record without one, by its index, rather than failing on it half-way."""
+    if not records or not isinstance(records[0], dict) or "instruction" not in records[0]:
+        return None
+    lacking = next((i for i, r in enumerate(records) if not isinstance(r, dict) or "instruction" not in r), None)
+    if lacking is not None:
+        raise CalibrationDataError(
+            f"record {lacking} has no 'instruction' field, and record 0 is an Alpaca record: give every record one "
+            "(instruction, optional input, output), or none (plain text in a 'text' field)."
+        )
+    return [format_alpaca(r) for r in records]
 
 
 def load_recovery_texts(dataset: Any, text_column: str = "text") -> tuple[list[str], str]:
@@ -47,17 +63,16 @@ def load_recovery_texts(dataset: Any, text_column: str = "text") -> tuple[list[s
     (plain text files, bundled corpora, lists of strings) is used as plain text.
     """
     records = None
+    dataset = single_split(dataset)
     if isinstance(dataset, (str, Path)) and Path(dataset).is_file():
         records = _records(Path(dataset))
-    elif hasattr(dataset, "column_names") and "instruction" in dataset.column_names:
-        records = [
-            dict(zip(dataset.column_names, row, strict=True))
-            for row in zip(*(dataset[c] for c in dataset.column_names), strict=True)
-        ]
+    elif hasattr(dataset, "column_names") and "instruction" in (dataset.column_names or ()):
+        records = [dict(row) for row in dataset]  # a Dataset's rows, or an IterableDataset's as they stream
     elif isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
         records = list(dataset)
-    if records and isinstance(records[0], dict) and "instruction" in records[0]:
-        return [format_alpaca(r) for r in records], "alpaca"
+    alpaca = _alpaca(records)
+    if alpaca is not None:
+        return alpaca, "alpaca"
     return load_texts(dataset, text_column), "text"
 
 
