@@ -4,6 +4,7 @@ with the Trainer, and both export formats reloaded without optimum_flatten."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -308,17 +309,27 @@ def test_collapse_without_calibration_data_when_not_measuring():
     assert_close(logits(model, ids), linearised)
 
 
-@pytest.mark.parametrize(("method", "options"), [("flattengpt", {"num_layers_to_remove": 2}), ("ffn_merge", {})])
-def test_methods_reading_the_mlps_projections_refuse_collapsed_mlps_before_any_change(method, options):
-    """FlattenGPT failed inside its application (an AttributeError on the identity down map) with the model half
-    changed; ffn_merge failed in its plan: both are refused first, naming the collapsed layers."""
+@pytest.mark.parametrize(
+    ("method", "options", "what"),
+    [
+        ("flattengpt", {"num_layers_to_remove": 2}, "flattengpt"),
+        ("ffn_merge", {}, "ffn_merge"),
+        ("replaceme", {"num_layers_to_remove": 1}, "replaceme"),
+        ("shortgpt", {"num_layers_to_remove": 1, "linear_replacement": "lstsq"}, "linear_replacement='lstsq'"),
+        ("uidl", {"num_layers_to_remove": 1, "compensation": "scale"}, "compensation='scale'"),
+    ],
+)
+def test_methods_reading_the_mlps_projections_refuse_collapsed_mlps_before_any_change(method, options, what):
+    """FlattenGPT failed inside its application (an AttributeError on the identity down map), ReplaceMe and the
+    corrections at their fold, each with a layer already gone; ffn_merge failed in its plan: all are refused
+    first, naming the collapsed layers."""
     model = tiny_models.tiny_gpt2()
     for adapter in prepare_layer_collapse_(model, num_mlps=2).values():
         adapter.alpha.data.fill_(1.0)
     FlattenQuantizer(FlattenConfig(method="layer_collapse", measure_error=False)).compress(model)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     config = FlattenConfig(method=method, dataset=tiny_models.sample_texts(40), nsamples=8, seqlen=16, **options)
-    with pytest.raises(ValueError, match=rf"{method} reads each MLP's .* layers \[4, 5\] are single linear maps"):
+    with pytest.raises(ValueError, match=rf"{re.escape(what)} reads each MLP's .* layers \[4, 5\] are single linear"):
         FlattenQuantizer(config).compress(model, tiny_models.tiny_hf_tokenizer())
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())

@@ -23,6 +23,12 @@ def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: st
     method.preflight(adapter, stack)
     if method.reads_mlp_projections:
         require_whole_mlps(adapter, stack, method.name)
+    for option, value in (
+        ("linear_replacement", corrections.linear_replacement),
+        ("compensation", corrections.compensation),
+    ):
+        if value is not None:  # both fold into the projections of the layers around a cut
+            require_whole_mlps(adapter, stack, f"{option}={value!r}")
     if corrections.linear_replacement is not None:
         replacement = corrections.linear_replacement
         require_bridgeable(adapter, stack, f"linear_replacement={replacement!r}", replacement)
@@ -107,13 +113,14 @@ def apply_with_corrections_(
         apply()
 
 
-def require_whole_mlps(adapter: ArchitectureAdapter, stack: str, method: str) -> None:
+def require_whole_mlps(adapter: ArchitectureAdapter, stack: str, what: str) -> None:
     """Refuses a stack holding an MLP stored as one linear map (LayerCollapse's, `MlpView.is_single_map`) for a
-    method that reads the up and down projections, naming the layers."""
+    method or correction (`what`) that reads or folds into the up and down projections, naming the layers: found
+    at its fold, after the plan was applied, it failed with the model half changed."""
     collapsed = [block.index for block in adapter.blocks(stack) if block.mlp.is_single_map]
     if collapsed:
         raise ValueError(
-            f"{method} reads each MLP's up and down projections, and the MLPs of layers {collapsed} are single linear "
-            f"maps (LayerCollapse collapsed them); run {method} before LayerCollapse, or remove layers from this model "
-            "with a layer drop (shortgpt, sleb)."
+            f"{what} reads each MLP's up and down projections, and the MLPs of layers {collapsed} are single linear "
+            f"maps (LayerCollapse collapsed them); run it before LayerCollapse, or remove layers from this model "
+            "with a layer drop (shortgpt, sleb) and no correction."
         )

@@ -67,6 +67,7 @@ class _Current:
 @register_method("greedy_replace")
 class GreedyReplaceMethod(CompressionMethod):
     config_class = GreedyReplaceConfig
+    reads_mlp_projections = True  # its map is folded into a down projection
     required_capabilities = frozenset({"layer_drop"})
     #: Its replacements are linear replacements already.
     accepts_linear_replacement = False

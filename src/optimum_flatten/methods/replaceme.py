@@ -46,6 +46,7 @@ from .uidl import block_size, select_blocks_holding
 @register_method("replaceme")
 class ReplaceMeMethod(CompressionMethod):
     config_class = ReplaceMeConfig
+    reads_mlp_projections = True  # its map is folded into a down projection
     #: The map is folded after a layer's MLP output: into what writes it (`down_fold`), or, with estimator
     #: 'diagonal', into the gain of a norm after the MLP; `preflight` refuses a family that can hold neither.
     required_capabilities = frozenset({"layer_drop"})
