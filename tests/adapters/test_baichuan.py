@@ -146,12 +146,16 @@ def test_export_model_is_an_equivalent_llama(model):
     assert torch.equal(with_cache, without_cache)
 
 
-@pytest.mark.parametrize("method", ["flattengpt", "shortgpt"])
+@pytest.mark.parametrize("method", ["flattengpt", "shortgpt", "ffn_merge"])
 def test_compress_save_reload_as_plain_llama(tmp_path, model, method):
+    """ffn_merge keeps the depth and ties MLPs across layers: the export stores each layer's in full (the tie made
+    save_pretrained refuse the shared tensors)."""
     ids = sample_ids()
     original = logits(model, ids)
-    quantizer = compress(model, method, num_layers_to_remove=2)
-    assert model.config.num_hidden_layers == len(model.model.layers) == 4
+    target = {"window_size": 2, "num_windows": 1} if method == "ffn_merge" else {"num_layers_to_remove": 2}
+    quantizer = compress(model, method, **target)
+    depth = 6 if method == "ffn_merge" else 4
+    assert model.config.num_hidden_layers == len(model.model.layers) == depth
     compressed = logits(model, ids)
     assert not torch.allclose(compressed, original, atol=1e-3)  # the plan really changed the model
     out = quantizer.save(model, tmp_path / "compressed")
@@ -159,7 +163,7 @@ def test_compress_save_reload_as_plain_llama(tmp_path, model, method):
     assert '"model_type": "llama"' in saved and "auto_map" not in saved and "quantization_config" not in saved
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(reloaded) is LlamaForCausalLM
-    assert reloaded.config.num_hidden_layers == 4
+    assert reloaded.config.num_hidden_layers == depth
     assert_close(logits(reloaded, ids), compressed)
     with_cache, without_cache = greedy_generate_both_ways(reloaded, ids[:1, :5])
     assert torch.equal(with_cache, without_cache)

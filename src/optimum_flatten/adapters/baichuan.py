@@ -160,7 +160,7 @@ class BaichuanAdapter(LlamaAdapter):
         # Built on the meta device so no weights are allocated or randomly initialised, then given the tensors.
         with torch.device("meta"):
             exported = LlamaForCausalLM(llama_config)
-        exported.load_state_dict(self._llama_state(blocks), strict=True, assign=True)
+        exported.load_state_dict(_unshared(self._llama_state(blocks)), strict=True, assign=True)
         # The rotary frequencies are a non-persistent buffer (not in the state dict): rebuild them for real.
         device = self.embeddings().weight.device
         exported.model.rotary_emb = type(exported.model.rotary_emb)(config=exported.config).to(device)
@@ -304,3 +304,16 @@ class BaichuanAdapter(LlamaAdapter):
                     "export would change the outputs. Set config.rope_theta to the base the model uses."
                 )
         return theta
+
+
+def _unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with a tensor that shares its storage with an earlier one copied: a method that ties layers' weights
+    (ffn_merge) leaves one storage under several LLaMA names, which ``save_pretrained`` refuses outside the model's
+    declared ties; a stock LLaMA checkpoint stores each in full anyway."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in state.items():
+        storage = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return unshared
