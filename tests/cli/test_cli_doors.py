@@ -134,3 +134,17 @@ def test_perplexity_refuses_a_budget_that_scores_nothing(max_tokens):
     with pytest.raises(ValueError, match="at least 2"):
         perplexity(tiny_models.tiny_llama_gqa(), tokens, seqlen=16, max_tokens=max_tokens)
     assert perplexity(tiny_models.tiny_llama_gqa(), tokens, seqlen=16, max_tokens=2).scored_tokens == 1
+
+
+def test_compress_refuses_an_image_model_it_cannot_calibrate_with_advice_it_can_follow(tmp_path, capsys):
+    """A ViT calibrates on pixel values, which the command line cannot give: the refusal named the API's
+    arguments (a tokenizer, dataset= a tensor) as if they were flags."""
+    folder = tmp_path / "vit"
+    tiny_models.tiny_vit().save_pretrained(folder)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(tiny_models.sample_texts(8)))
+    code = main(["compress", str(folder), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset",
+                 str(text), "--output", str(tmp_path / "out")])  # fmt: skip
+    message = _error(capsys)
+    assert code == 2 and "calibrates on images, and the command line reads text" in message
+    assert not (tmp_path / "out").exists()

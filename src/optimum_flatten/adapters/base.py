@@ -75,6 +75,9 @@ class ArchitectureAdapter(AdapterValidation, MlpOutput, ABC):
     capabilities: ClassVar[frozenset[str]] = frozenset()
     #: Why a capability is missing, returned by `missing_capabilities` for the registry's refusal.
     missing_capability_reasons: ClassVar[dict[str, str]] = {}
+    #: What the family calibrates on: ``"text"`` (token batches), or ``"images"`` (pixel values, ViT), which only the
+    #: API can give (the command line reads text).
+    calibrates_on: ClassVar[str] = "text"
     #: Whether the model's layer loop expects each layer to return a tuple (transformers 4.x and remote code) rather
     #: than the bare hidden state (transformers 5): calibration stand-ins must answer in the same form.
     layer_output_is_tuple: ClassVar[bool] = False

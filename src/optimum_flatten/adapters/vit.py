@@ -73,6 +73,7 @@ class ViTAdapter(ArchitectureAdapter):
     model_types = ("vit",)
     layouts = (VIT_LAYOUT,)
     capabilities = PRE_NORM_CAPABILITIES
+    calibrates_on: ClassVar[str] = "images"
     missing_capability_reasons: ClassVar[dict[str, str]] = {
         "gated_mlp": "ViT's MLP is fc1 -> GELU -> fc2 without a gate projection",
     }

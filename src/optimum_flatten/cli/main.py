@@ -132,6 +132,24 @@ def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
     return model, load_processor(model_name, trust_remote_code=trust_remote_code)
 
 
+def _check_text_calibration(model: Any, config: Any) -> None:
+    """Refuses a family that calibrates on images (ViT) for a method that calibrates: the command line reads text,
+    and the API's advice (a tensor of pixel values as dataset=) cannot be followed on it."""
+    from ..adapters import get_adapter
+    from ..utils.errors import UnsupportedArchitectureError
+
+    try:
+        adapter = get_adapter(model)
+    except UnsupportedArchitectureError:
+        return  # the compression refuses it, naming the families
+    if adapter.calibrates_on != "text" and get_method_class(config.method)(config.method_config).requires_calibration:
+        raise ValueError(
+            f"this {type(model).__name__} calibrates on {adapter.calibrates_on}, and the command line reads text; "
+            "compress it with the API, FlattenConfig(dataset=a (N, C, H, W) tensor or a list of images) "
+            "(docs/adapters/vit.md)."
+        )
+
+
 def cmd_compress(args: argparse.Namespace) -> int:
     # The options are checked against their declarations first, before torch and transformers are imported: a
     # mistake is refused in a fraction of a second (FlattenConfig then checks them again, with the same code).
@@ -150,6 +168,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir")
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
+    _check_text_calibration(model, config)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     quantizer.compress(model, tokenizer)
     if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
