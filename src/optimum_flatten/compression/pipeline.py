@@ -117,6 +117,8 @@ def require_whole_mlps(adapter: ArchitectureAdapter, stack: str, what: str) -> N
     """Refuses a stack holding an MLP stored as one linear map (LayerCollapse's, `MlpView.is_single_map`) for a
     method or correction (`what`) that reads or folds into the up and down projections, naming the layers: found
     at its fold, after the plan was applied, it failed with the model half changed."""
+    if adapter.missing_capabilities({"dense_mlp"}):  # a mixture of experts, which LayerCollapse never collapses
+        return
     collapsed = [block.index for block in adapter.blocks(stack) if block.mlp.is_single_map]
     if collapsed:
         raise ValueError(
