@@ -1,9 +1,10 @@
 import math
 
+import pytest
 import torch
 
 import tiny_models
-from common import UNIT_ROUNDOFF, assert_close, assert_within, gamma, sample_ids
+from common import UNIT_ROUNDOFF, assert_close, assert_within, compress, gamma, sample_ids
 from optimum_flatten import get_adapter
 from optimum_flatten.calibration import CalibrationBatch, LayerwiseRunner, SecondMoment
 
@@ -121,3 +122,18 @@ def test_second_moment_of_float32_tokens_is_centred_so_small_directions_survive_
     naive_centred = naive - torch.outer(mean, mean)
     assert float((naive_centred - reference).abs().max()) > 1e3 * float(bound.max())
     assert u32 * largest > 1e3 * float(bound.max())  # even one float32 rounding of a term exceeds the bound
+
+
+@pytest.mark.parametrize("method", ["shortgpt", "replaceme", "flattengpt", "laco"])
+def test_states_that_are_not_finite_are_refused_naming_the_layer_before_any_change(method):
+    """One NaN weight made every method fail with another message (a tolerance of -nan in validation, a NaN
+    turned to an integer, FlattenGPT's advice to raise max_group_size): the runner says what is wrong, where."""
+    model = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight[0, 0] = float("nan")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the states after layer 2 are not finite \(NaN or Inf\)"):
+        compress(model, method, num_layers_to_remove=2)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(tensor.nan_to_num(), before[name].nan_to_num()) for name, tensor in after.items())

@@ -174,13 +174,21 @@ class LayerwiseRunner:
         device = module_device(module)
         weights = count_parameters(module)
         outputs = []
+        total = torch.zeros((), dtype=torch.float32, device=device)
         for b, hidden in enumerate(inputs):
             self.work += weights * hidden.shape[0] * hidden.shape[1]
             if on_batch is not None:
                 on_batch(b)
             kwargs = _to_device(self.layer_kwargs[position][b], device)
             out = first_output(module(hidden.to(device), **kwargs))
+            total += out.sum(dtype=torch.float32)  # NaN or Inf anywhere makes it so: one read back per layer
             outputs.append(out.to(hidden.device))
+        if not bool(torch.isfinite(total)):
+            raise ValueError(
+                f"the states after layer {position} are not finite (NaN or Inf) on the calibration text: the "
+                "checkpoint's weights or the dtype it is loaded in (float16 overflows where bfloat16 does not) "
+                "cannot be compressed as they are; check them, or load the model in bfloat16 or float32."
+            )
         return outputs
 
 

@@ -123,6 +123,11 @@ def namespaced_options(methods: Sequence[str]) -> frozenset[str]:
     return frozenset(namespaced)
 
 
+#: The helps a method's own field may take: not a calibration option's (a method's `seed` left to it where no
+#: calibration group took the flag, as in `estimate`, is the method's, not the calibration windows').
+_METHOD_HELP = {name: text for name, text in _HELP.items() if name not in _CALIBRATION_NAMES}
+
+
 def _add_method_groups(parser: argparse.ArgumentParser, methods: Sequence[str], seen: set[str]) -> None:
     """One group per method; namespaced options get ``--<method>-<option>`` and their plain spelling is kept only
     to be refused with the right flag named (`resolve_namespaced_options`)."""
@@ -131,7 +136,7 @@ def _add_method_groups(parser: argparse.ArgumentParser, methods: Sequence[str], 
     for name in methods:
         cls = get_config_class(name)
         _add_dataclass_fields(
-            parser.add_argument_group(f"{name} options"), cls, seen, shared, method=name, namespaced=namespaced
+            parser.add_argument_group(f"{name} options"), cls, seen, shared, _METHOD_HELP, name, namespaced
         )
     for option in sorted(namespaced - seen):
         parser.add_argument(
