@@ -381,14 +381,13 @@ class FlattenQuantizer(OptimumQuantizer):
         with sharded_calibration(checked.world_size):  # the tokens of every rank's share
             (tokens,) = all_reduce_sums(sum(int(m.sum()) for m in masks))
         before = checked.resume.before if checked.resume is not None else {"seconds": 0.0, "work": 0}
-        cost = compute_cost(
-            run.context, run.stack_weights, sum(int(m.numel()) for m in masks), run.dense_forward_flops, before["work"]
-        )
+        positions = sum(int(m.numel()) for m in masks)  # the unit of the stack passes, as `compute_cost` counts
+        cost = compute_cost(run.context, run.stack_weights, positions, run.dense_forward_flops, before["work"])
         entries = dict(run.context.report)
         if before["seconds"]:  # resumed: the seconds and stack passes count the earlier attempts' kept work too
             entries["resumed"] = {
                 "seconds_before": before["seconds"],
-                "stack_passes_before": round(before["work"] / (run.stack_weights * tokens), 3) if tokens else 0.0,
+                "stack_passes_before": round(before["work"] / (run.stack_weights * positions), 3) if positions else 0.0,
                 "arithmetic": "this attempt's only",
             }
         return CompressionReport(
