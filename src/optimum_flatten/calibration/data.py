@@ -168,9 +168,14 @@ def read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise CalibrationDataError(
-            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
-        ) from error
+        raise _not_utf8(path, error) from error
+
+
+def _not_utf8(path: Path, error: UnicodeDecodeError) -> CalibrationDataError:
+    """The one-line refusal of a file that is not UTF-8 text, naming it and the byte where decoding stopped."""
+    return CalibrationDataError(
+        f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
+    )
 
 
 def read_jsonl(path: Path) -> list[Any]:
@@ -194,24 +199,19 @@ def read_jsonl(path: Path) -> list[Any]:
                         f"{line.strip()[:80]!r}; fix or remove that line."
                     ) from error
     except UnicodeDecodeError as error:
-        raise CalibrationDataError(
-            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
-        ) from error
+        raise _not_utf8(path, error) from error
     return records
 
 
 def read_json(path: Path) -> Any:
     """A JSON file's content, or one line naming the file and where it stops being JSON."""
+    text = read_text(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(text)
     except json.JSONDecodeError as error:
         raise CalibrationDataError(
             f"{str(path)!r} is not valid JSON ({error.msg} at line {error.lineno}, column {error.colno}); fix the "
             "file, or use .jsonl with one record a line."
-        ) from error
-    except UnicodeDecodeError as error:
-        raise CalibrationDataError(
-            f"{str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8."
         ) from error
 
 

@@ -143,8 +143,7 @@ def check_text(baseline: str, texts: list[str], args: argparse.Namespace, genera
         tokens += int(tokenize_corpus(tokenizer, [text]).numel())
         if tokens >= prompts * prompt_length:
             return
-    if tokens < prompts * prompt_length:
-        raise ValueError(
-            f"the evaluation text has {tokens} tokens, fewer than the greedy agreement's {prompts} prompts of "
-            f"{prompt_length} need; give a longer text or pass --no-generation."
-        )
+    raise ValueError(
+        f"the evaluation text has {tokens} tokens, fewer than the greedy agreement's {prompts} prompts of "
+        f"{prompt_length} need; give a longer text or pass --no-generation."
+    )

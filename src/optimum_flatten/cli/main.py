@@ -132,8 +132,8 @@ def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
     return model, load_processor(model_name, trust_remote_code=trust_remote_code)
 
 
-def _check_text_calibration(model: Any, config: Any) -> None:
-    """Refuses a family that calibrates on images (ViT) for a method that calibrates: the command line reads text,
+def _check_text_calibration(model: Any) -> None:
+    """Refuses a family that calibrates on images (ViT), for a method that calibrates: the command line reads text,
     and the API's advice (a tensor of pixel values as dataset=) cannot be followed on it."""
     from ..adapters import get_adapter
     from ..utils.errors import UnsupportedArchitectureError
@@ -142,7 +142,7 @@ def _check_text_calibration(model: Any, config: Any) -> None:
         adapter = get_adapter(model)
     except UnsupportedArchitectureError:
         return  # the compression refuses it, naming the families
-    if adapter.calibrates_on != "text" and get_method_class(config.method)(config.method_config).requires_calibration:
+    if adapter.calibrates_on != "text":
         raise ValueError(
             f"this {type(model).__name__} calibrates on {adapter.calibrates_on}, and the command line reads text; "
             "compress it with the API, FlattenConfig(dataset=a (N, C, H, W) tensor or a list of images) "
@@ -162,13 +162,15 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from ..utils.launch import is_writer
 
     config = FlattenConfig(**config_kwargs(args))
-    if get_method_class(config.method)(config.method_config).requires_calibration or config.heal:
+    calibrates = get_method_class(config.method)(config.method_config).requires_calibration
+    if calibrates or config.heal:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir")
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
-    _check_text_calibration(model, config)
+    if calibrates:
+        _check_text_calibration(model)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     quantizer.compress(model, tokenizer)
     if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
