@@ -60,8 +60,8 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
 
     Args:
         dataset: A list of strings; a path to a .txt file (one text), a folder of .txt files, a .jsonl/.json file
-            of records, a .parquet file; a `datasets.Dataset`; the name of a bundled corpus (see
-            `optimum_flatten.bundled`); or a dataset name loaded through `datasets` (needs the network).
+            of records, a .csv file with a header line, a .parquet file; a `datasets.Dataset`; the name of a bundled
+            corpus (see `optimum_flatten.bundled`); or a dataset name loaded through `datasets` (needs the network).
         text_column: Field holding the text in records and tables.
 
     Raises:
@@ -69,7 +69,7 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
     """
     if dataset is None:
         raise CalibrationDataError(
-            "no calibration dataset given; pass dataset= a list of strings, a path (.txt/.jsonl/.json/.parquet or "
+            "no calibration dataset given; pass dataset= a list of strings, a path (.txt/.jsonl/.json/.csv/.parquet or "
             "a folder of .txt), a datasets.Dataset, or a name such as 'wikitext2'."
         )
     if isinstance(dataset, (list, tuple)):
@@ -140,6 +140,13 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
             data = read_json(path)
             records = data if isinstance(data, list) else data.get("data", data.get(text_column, []))
             return [r if isinstance(r, str) else _field(r, text_column, value) for r in records]
+        if suffix == ".csv":
+            records = read_csv(path)
+            if records and text_column not in records[0]:
+                raise CalibrationDataError(
+                    f"{value!r} has no column {text_column!r} (columns: {list(records[0])}); set text_column."
+                )
+            return [r[text_column] for r in records]
         if suffix == ".parquet":
             try:
                 import pyarrow.parquet as pq
@@ -155,9 +162,9 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
             table = pq.read_table(path, columns=[text_column])
             return [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]  # nulls are no text
         raise CalibrationDataError(
-            f"unsupported calibration file type {suffix!r}; use .txt, .jsonl, .json or .parquet."
+            f"unsupported calibration file type {suffix!r}; use .txt, .jsonl, .json, .csv or .parquet."
         )
-    if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".parquet"}:
+    if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".csv", ".parquet"}:
         raise CalibrationDataError(f"calibration path {value!r} does not exist.")
     return _load_hub_dataset(value, text_column)
 
@@ -203,6 +210,25 @@ def read_jsonl(path: Path) -> list[Any]:
     return records
 
 
+def read_csv(path: Path) -> list[dict[str, str]]:
+    """The rows of a CSV file with a header line, as records (what `datasets`' csv builder reads); one line naming
+    the file where it is not UTF-8 text or not CSV. An empty cell is an empty text, left out as any empty text is.
+    A cell may hold a whole document: the csv module's cap of 131,072 characters a field is lifted while reading."""
+    import csv
+
+    limit = csv.field_size_limit()
+    try:
+        csv.field_size_limit(2**31 - 1)
+        with path.open(encoding="utf-8", newline="") as handle:
+            return list(csv.DictReader(handle))
+    except UnicodeDecodeError as error:
+        raise _not_utf8(path, error) from error
+    except csv.Error as error:
+        raise CalibrationDataError(f"{str(path)!r} is not a CSV file csv can read ({error}); fix the file.") from error
+    finally:
+        csv.field_size_limit(limit)
+
+
 def read_json(path: Path) -> Any:
     """A JSON file's content, or one line naming the file and where it stops being JSON."""
     text = read_text(path)
@@ -235,6 +261,11 @@ def _load_hub_dataset(name: str, text_column: str) -> list[str]:
 
 
 def _field(record: Any, column: str, source: str) -> str:
+    if isinstance(record, dict) and column not in record and "messages" in record:
+        raise CalibrationDataError(
+            f"the records in {source!r} are chat 'messages', not text in a {column!r} field: healing and "
+            "layer-collapse render them with the tokenizer's chat template; for calibration give plain text."
+        )
     if not isinstance(record, dict) or column not in record:
         raise CalibrationDataError(f"a record in {source!r} has no field {column!r}; set text_column.")
     return record[column]

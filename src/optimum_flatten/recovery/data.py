@@ -1,4 +1,5 @@
-"""Recovery data: Alpaca-format instructions (the FlattenGPT paper's recipe) or plain text, as token rows."""
+"""Recovery data: Alpaca-format instructions (the FlattenGPT paper's recipe), chat conversations (TRL's
+conversational ``messages`` records, rendered with the tokenizer's chat template) or plain text, as token rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from typing import Any
 
 import torch
 
-from ..calibration.data import load_texts, read_json, read_jsonl, single_split, token_stream, tokenize_texts
+from ..calibration.data import (
+    load_texts,
+    read_csv,
+    read_json,
+    read_jsonl,
+    single_split,
+    token_stream,
+    tokenize_texts,
+)
 from ..utils.errors import CalibrationDataError
 
 ALPACA_WITH_INPUT = (
@@ -33,6 +42,8 @@ def format_alpaca(record: dict[str, Any]) -> str:
 def _records(path: Path) -> list[dict[str, Any]] | None:
     if path.suffix.lower() == ".jsonl":
         return read_jsonl(path)
+    if path.suffix.lower() == ".csv":
+        return read_csv(path)
     if path.suffix.lower() == ".json":
         data = read_json(path)
         if isinstance(data, dict):  # {"data": [...]}, as `load_texts` reads a .json file
@@ -55,24 +66,60 @@ def _alpaca(records: list[Any] | None) -> list[str] | None:
     return [format_alpaca(r) for r in records]
 
 
-def load_recovery_texts(dataset: Any, text_column: str = "text") -> tuple[list[str], str]:
-    """Texts to train on and their kind (``"alpaca"`` or ``"text"``).
+def _conversations(records: list[Any] | None) -> list[list[dict[str, Any]]] | None:
+    """The records' ``messages`` when the first holds one (None otherwise): TRL's conversational format, a list of
+    ``{"role", "content"}`` turns a record. A later record without such a list is refused by its index."""
+    if not records or not isinstance(records[0], dict) or "messages" not in records[0]:
+        return None
+    for index, record in enumerate(records):
+        turns = record.get("messages") if isinstance(record, dict) else None
+        if not (
+            isinstance(turns, list)
+            and turns
+            and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns)
+        ):
+            raise CalibrationDataError(
+                f"record {index} has no 'messages' list of {{'role', 'content'}} turns, and record 0 is a chat "
+                "record: give every record one, or none (plain text in a 'text' field)."
+            )
+    return [record["messages"] for record in records]
 
-    Records with an ``instruction`` field (a local .json/.jsonl file, or a `datasets` dataset such as
-    ``"yahma/alpaca-cleaned"`` when online) are formatted as Alpaca prompts; anything `load_texts` accepts
-    (plain text files, bundled corpora, lists of strings) is used as plain text.
+
+def render_chat(tokenizer: Any, conversations: list[list[dict[str, Any]]]) -> list[str]:
+    """Each conversation as the text its tokenizer's chat template writes (special tokens as text, which
+    `tokenize_texts` encodes to their ids without adding another BOS): the model trains on what it reads at
+    inference, not on a format of ours. A tokenizer without a template is refused before anything is read."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise CalibrationDataError(
+            "the records are chat 'messages', and the tokenizer has no chat template to write them with; give a "
+            "tokenizer that has one, or plain text in a 'text' field."
+        )
+    return [tokenizer.apply_chat_template(turns, tokenize=False) for turns in conversations]
+
+
+def load_recovery_texts(dataset: Any, text_column: str = "text", tokenizer: Any = None) -> tuple[list[str], str]:
+    """Texts to train on and their kind (``"alpaca"``, ``"chat"`` or ``"text"``).
+
+    Records with an ``instruction`` field (a local .json/.jsonl/.csv file, or a `datasets` dataset such as
+    ``"yahma/alpaca-cleaned"`` when online) are formatted as Alpaca prompts; records with ``messages`` (TRL's
+    conversational format) are written by `tokenizer`'s chat template (`render_chat`); anything `load_texts`
+    accepts (plain text files, bundled corpora, lists of strings) is used as plain text. Alpaca and chat records
+    are one training row each (`build_training_rows`).
     """
     records = None
     dataset = single_split(dataset)
     if isinstance(dataset, (str, Path)) and Path(dataset).is_file():
         records = _records(Path(dataset))
-    elif hasattr(dataset, "column_names") and "instruction" in (dataset.column_names or ()):
+    elif hasattr(dataset, "column_names") and {"instruction", "messages"} & set(dataset.column_names or ()):
         records = [dict(row) for row in dataset]  # a Dataset's rows, or an IterableDataset's as they stream
     elif isinstance(dataset, (list, tuple)) and dataset and isinstance(dataset[0], dict):
         records = list(dataset)
     alpaca = _alpaca(records)
     if alpaca is not None:
         return alpaca, "alpaca"
+    conversations = _conversations(records)
+    if conversations is not None:
+        return render_chat(tokenizer, conversations), "chat"
     return load_texts(dataset, text_column), "text"
 
 
@@ -81,8 +128,8 @@ def build_training_rows(
 ) -> list[dict[str, torch.Tensor]]:
     """Token rows for causal-LM training; labels are -100 on padding so it never contributes to the loss.
 
-    Plain text is concatenated (EOS-separated) and cut into `seqlen` windows; Alpaca examples are one row each,
-    truncated to `seqlen` and right-padded.
+    Plain text is concatenated (EOS-separated) and cut into `seqlen` windows; Alpaca examples and chat
+    conversations are one row each, truncated to `seqlen` and right-padded.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     pad = getattr(tokenizer, "pad_token_id", None)

@@ -191,7 +191,7 @@ def _training_text(
     check_teacher_text_options(tokenizer, config, share)
     if share >= 1:
         return [], "teacher", [], []
-    texts, kind = load_recovery_texts(dataset, text_column)
+    texts, kind = load_recovery_texts(dataset, text_column, tokenizer)
     rows = build_training_rows(tokenizer, texts, kind, config.seqlen, config.max_samples, config.seed)
     heldout = heldout_split(config.heldout_rows, share)[0]
     return (texts, kind if share <= 0 else "mixed", *_split_rows(rows, heldout, config.seed))
@@ -217,7 +217,7 @@ def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_colum
             "guard_text is the training text itself, so its rows would be trained on; give a text the healing does "
             "not train on (in a mix, the training text's held-out rows guard it already)."
         )
-    texts, kind = load_recovery_texts(config.guard_text, text_column)
+    texts, kind = load_recovery_texts(config.guard_text, text_column, tokenizer)
     try:
         rows = build_training_rows(tokenizer, texts, kind, config.seqlen, None, config.seed)
     except CalibrationDataError:
