@@ -609,6 +609,8 @@ def _training_rows(run: dict) -> str:
     default = rows == recovery_protocol.TRAINING_ROWS
     label = "" if default else f", rows of {rows['seqlen']} × {rows['batch_size']} a step"
     label += ", embeddings and LM head frozen" if recovery_protocol.frozen_embeddings(settings) else ""
+    hidden = settings.get("hidden_weight") or 0.0
+    label += f", hidden-state terms (weight {hidden:g}, each block against the teacher's state)" if hidden else ""
     label += f", healed on {text}" if (text := recovery_protocol.healing_text(settings)) else ""
     label += f", optimiser {optim}" if (optim := recovery_protocol.optimiser(settings)) else ""
     seed = recovery_protocol.seed(settings)
@@ -690,6 +692,8 @@ def healing_text_table(paths: list[Path]) -> str:
         settings = r.get("settings", {})
         rows = recovery_protocol.training_rows(settings)
         if rows != recovery_protocol.TRAINING_ROWS or recovery_protocol.frozen_embeddings(settings):
+            continue
+        if not recovery_protocol.default_loss(settings):
             continue
         if recovery_protocol.optimiser(settings) or r["recovery"].get("global_phase") or r["loss"] != "distillation":
             continue

@@ -461,6 +461,21 @@ def test_flattengpt_loss_selection_estimate(layers, selection, monkeypatch):
     assert estimate.stack_passes_is_bound
 
 
+@pytest.mark.parametrize("scoring_batches", [1, 4])
+def test_replaceme_loss_search_estimate(scoring_batches, monkeypatch):
+    """ReplaceMe's loss search (a fit and a suffix run with an LM head at every start) is modelled phase by phase,
+    its stack passes a bound the run does not exceed and that grows with the scored batches: it was estimated as
+    UIDL's distance walk (2 passes whatever the batches scored)."""
+    calibration = {"nsamples": 8, "seqlen": 128, "batch_size": 2}
+    model = _llama(layers=6)
+    options = {"selection": "loss", "scoring_batches": scoring_batches}
+    estimate = estimate_memory(model, "replaceme", 2, method_args=options, **calibration)
+    measured = _measure(model, "replaceme", monkeypatch, removed=2, **calibration, **options)
+    _check(estimate, measured)
+    assert estimate.stack_passes_is_bound and estimate.stack_passes > 2.0
+    assert estimate.stack_passes - measured["stack_passes"] < 1.0  # the bound is the fit's walk to the block's end
+
+
 @pytest.mark.parametrize(
     ("kv_heads", "options"),
     [

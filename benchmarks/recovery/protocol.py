@@ -41,12 +41,23 @@ def frozen_embeddings(settings: Mapping[str, Any]) -> bool:
     return bool(settings.get("freeze_embeddings", False))
 
 
+def default_loss(settings: Mapping[str, Any]) -> bool:
+    """Whether a run's loss is the default's: no hidden-state terms, the teacher at temperature 1, the KL alone
+    (runs from before the options had none)."""
+    return (
+        not settings.get("hidden_weight")
+        and float(settings.get("temperature", 1.0)) == 1.0
+        and float(settings.get("kd_alpha", 1.0)) == 1.0
+    )
+
+
 def is_default(settings: Mapping[str, Any]) -> bool:
     """Whether a run trained on the default rows with the default seed, embeddings included, on the speeches with
-    AdamW: the runs the product table and the curves rank and draw together (a gate's held-out objective ranks runs
-    only on the same held-out text)."""
+    AdamW and the default loss: the runs the product table and the curves rank and draw together (a gate's held-out
+    objective ranks runs only on the same held-out text)."""
     return (
-        training_rows(settings) == TRAINING_ROWS
+        default_loss(settings)
+        and training_rows(settings) == TRAINING_ROWS
         and seed(settings) == SEED
         and not frozen_embeddings(settings)
         and not healing_text(settings)

@@ -365,9 +365,13 @@ def main() -> None:
 
 def _variant(args: argparse.Namespace) -> str:
     """The file-name suffix of a run whose loss or schedule is not the default's (so it does not overwrite that run):
-    its state loss, a global phase after `local`, warm-up, training rows of another length or number per step, a
-    learning rate given by hand (the default follows the model's weights), and another healing seed."""
+    its state loss, hidden-state terms, a distillation temperature or mix of its own, a global phase after
+    `local`, warm-up, training rows of another length or number per step, a learning rate given by hand (the default
+    follows the model's weights), and another healing seed."""
     suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
+    suffix += f"_hidden{args.hidden_weight:g}" if args.hidden_weight else ""
+    suffix += f"_temperature{args.temperature:g}" if args.temperature != 1.0 else ""
+    suffix += f"_alpha{args.kd_alpha:g}" if args.kd_alpha != 1.0 else ""
     suffix += f"_global{args.local_then_global_tokens}" if args.local_then_global_tokens else ""
     suffix += "_all" if args.local_then_global_tokens and args.global_scope == "all" else ""
     suffix += f"_warmup{args.warmup_ratio:g}" if args.warmup_ratio else ""

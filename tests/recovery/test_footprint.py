@@ -31,11 +31,13 @@ def test_the_footprint_counts_the_state_activations_and_teacher_by_hand():
     footprint = full_footprint(model, config, teacher_bytes=1234)
     per_token_layer = 16 * text.hidden_size + 4 * text.intermediate_size + 2 * text.num_attention_heads * 32
     assert footprint.state == STATE_FACTOR * weights
-    assert footprint.activations == 3 * 32 * text.num_hidden_layers * per_token_layer * 4
+    layers = 3 * 32 * text.num_hidden_layers * per_token_layer * 4
+    logits = 6 * config.chunk_size * text.vocab_size * 4  # one loss chunk's float32 logits, six copies
+    assert footprint.activations == layers + logits
     assert footprint.teacher == 1234
     assert footprint.total == footprint.state + footprint.activations + 1234
     half = full_footprint(model.to(torch.bfloat16), config)
-    assert (half.state, half.activations, half.teacher) == (footprint.state // 2, footprint.activations // 2, 0)
+    assert (half.state, half.activations, half.teacher) == (footprint.state // 2, layers // 2 + logits, 0)
 
 
 def test_attention_probabilities_count_only_where_eager_attention_keeps_them():

@@ -76,7 +76,7 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
         if dataset and all(isinstance(r, dict) for r in dataset):  # records, as a .jsonl file holds them
             texts = [_field(r, text_column, "the list") for r in dataset]
         elif not all(isinstance(t, str) for t in dataset):
-            raise CalibrationDataError("a calibration list must hold strings (or records with a text field) only.")
+            raise CalibrationDataError("a dataset list must hold strings (or records with a text field) only.")
         else:
             texts = list(dataset)
     elif isinstance(dataset, (str, os.PathLike)):
@@ -85,12 +85,12 @@ def load_texts(dataset: Any, text_column: str = "text") -> list[str]:
         texts = _dataset_texts(dataset, text_column)
     else:
         raise CalibrationDataError(
-            f"unsupported calibration dataset of type {type(dataset).__name__}; pass a list of strings, a path, "
+            f"unsupported dataset of type {type(dataset).__name__}; pass a list of strings, a path, "
             "a datasets.Dataset or a dataset name."
         )
     texts = [t for t in texts if isinstance(t, str) and t.strip()]
     if not texts:
-        raise CalibrationDataError(f"the calibration dataset {_describe(dataset)} holds no non-empty text.")
+        raise CalibrationDataError(f"the dataset {_describe(dataset)} holds no non-empty text.")
     return texts
 
 
@@ -125,10 +125,15 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
     if value in bundled.CORPORA:
         return bundled.load_corpus(value)
     path = Path(value)
+    saved = load_saved_dataset(path)
+    if saved is not None:
+        return _dataset_texts(saved, text_column)
     if path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
-            raise CalibrationDataError(f"folder {value!r} holds no .txt files.")
+            raise CalibrationDataError(
+                f"folder {value!r} holds no .txt files and is not a dataset `datasets`' save_to_disk wrote."
+            )
         return [read_text(f) for f in files]
     if path.is_file():
         suffix = path.suffix.lower()
@@ -138,6 +143,11 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
             return [_field(r, text_column, value) for r in read_jsonl(path)]
         if suffix == ".json":
             data = read_json(path)
+            if isinstance(data, dict) and "data" not in data and text_column not in data:
+                raise CalibrationDataError(
+                    f"{value!r} holds an object with the keys {sorted(data)[:8]}, none of them 'data' (a list of "
+                    f"records) or {text_column!r}; set text_column or give a list of records."
+                )
             records = data if isinstance(data, list) else data.get("data", data.get(text_column, []))
             return [r if isinstance(r, str) else _field(r, text_column, value) for r in records]
         if suffix == ".csv":
@@ -162,11 +172,33 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
             table = pq.read_table(path, columns=[text_column])
             return [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]  # nulls are no text
         raise CalibrationDataError(
-            f"unsupported calibration file type {suffix!r}; use .txt, .jsonl, .json, .csv or .parquet."
+            f"unsupported dataset file type {suffix!r}; use .txt, .jsonl, .json, .csv or .parquet."
         )
-    if value.startswith((".", "/", "~")) or path.suffix.lower() in {".txt", ".jsonl", ".json", ".csv", ".parquet"}:
-        raise CalibrationDataError(f"calibration path {value!r} does not exist.")
+    if value.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES:
+        raise CalibrationDataError(f"dataset path {value!r} does not exist.")
     return _load_hub_dataset(value, text_column)
+
+
+#: The suffixes of the files a dataset may be (a name with one is a path, never a `datasets` name).
+DATA_SUFFIXES = frozenset({".txt", ".jsonl", ".json", ".csv", ".parquet"})
+
+#: The files `datasets`' ``save_to_disk`` writes at the top of a Dataset's folder and of a DatasetDict's.
+SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def load_saved_dataset(path: Path) -> Any:
+    """The Dataset or DatasetDict a folder holds when `datasets`' ``save_to_disk`` wrote it (``load_from_disk``
+    reads it back), else None: the way a user of HF tooling keeps a prepared dataset."""
+    if not path.is_dir() or not any((path / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        return None
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"{str(path)!r} is a dataset `datasets` saved; reading it needs `datasets`: "
+            "pip install optimum-flatten[data]"
+        ) from error
+    return datasets.load_from_disk(str(path))
 
 
 def read_text(path: Path) -> str:
@@ -246,7 +278,7 @@ def _load_hub_dataset(name: str, text_column: str) -> list[str]:
         import datasets
     except ImportError as error:
         raise ImportError(
-            f"loading the calibration dataset {name!r} by name needs `datasets`: pip install optimum-flatten[data] "
+            f"loading the dataset {name!r} by name needs `datasets`: pip install optimum-flatten[data] "
             "(or pass a local path or a list of strings)"
         ) from error
     path, subset, split = HUB_DATASETS.get(name, (name, None, "train"))

@@ -11,6 +11,34 @@ from .summary import bundled_license, report_warnings, text_table
 logger = logging.getLogger(__name__)
 
 
+def _check_demo_options(args: argparse.Namespace) -> None:
+    """What the demo's own options can be refused for before the model loads, in the flags' names: each of these
+    used to fail after the dense model was loaded and scored (a minute of work), or deep inside with another name."""
+    from .. import bundled
+    from ..registry import get_method_class
+    from .evaluate_checks import MIN_SPEED_ROUNDS
+
+    if args.speed_rounds < MIN_SPEED_ROUNDS:
+        raise ValueError(
+            f"--speed-rounds must be at least {MIN_SPEED_ROUNDS} (a median needs a spread to be trusted), got "
+            f"{args.speed_rounds}."
+        )
+    for option, value in (("--eval-tokens", args.eval_tokens), ("--eval-seqlen", args.eval_seqlen)):
+        if value < 2:
+            raise ValueError(f"{option} must be at least 2 (a token is scored after one), got {value}.")
+    if get_method_class(args.method).keeps_depth:
+        raise ValueError(
+            f"the demo removes --num-layers-to-remove layers, and {args.method} keeps every layer; run it with "
+            "`optimum-flatten compress smollm2 --method ...` and its own options."
+        )
+    layers = bundled.bundled_config("smollm2").num_hidden_layers  # its config alone, no weights read
+    if not 0 < args.num_layers_to_remove < layers:
+        raise ValueError(
+            f"--num-layers-to-remove must be in 1..{layers - 1} (SmolLM2-135M has {layers} layers), got "
+            f"{args.num_layers_to_remove}."
+        )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Compresses the bundled SmolLM2-135M and prints quality and speed before and after."""
     import copy
@@ -23,8 +51,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
 
-    if args.speed_rounds < 1:
-        raise ValueError(f"--speed-rounds must be at least 1, got {args.speed_rounds}")
+    _check_demo_options(args)
     # Every option is checked before the model loads: a refused method or target costs nothing.
     config = FlattenConfig(
         method=args.method,

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .evaluate_checks import check_arguments, check_models, check_text, check_vocabularies
+from .evaluate_checks import check_arguments, check_models, check_text, check_tokenizers, check_vocabularies
 from .sources import checkpoint_path
 from .summary import text_table
 
@@ -26,6 +26,10 @@ class Evaluation:
     #: Whether KL / top-1 agreement and greedy agreement were measured (same tokens, not switched off).
     compare: bool
     generative: bool
+    #: Where the models ran (``--device auto`` resolved) and in which dtype: in the protocol and the JSON, since a
+    #: perplexity in float16 on a GPU is not the float32 one on the CPU.
+    device: str = "cpu"
+    dtype: str = "float32"
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
@@ -54,6 +58,7 @@ def measure(args: argparse.Namespace) -> Evaluation:
     paths = [checkpoint_path(name) for name in names]
     configs = check_models(paths, args)
     texts = load_texts(args.dataset, args.text_column)  # read once; every measurement scores these texts
+    check_tokenizers(paths, configs, texts, args)
     per_byte = _per_byte_comparison(paths[0], paths[-1], texts, args) if args.baseline else None
     same_tokens = bool(args.baseline) and per_byte is None
     compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
@@ -71,7 +76,7 @@ def measure(args: argparse.Namespace) -> Evaluation:
     # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
     # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the texts.
     _agreements(paths, entries[-1], texts, compare, generative, loading, args)
-    return Evaluation(entries, per_byte, speed, compare, generative)
+    return Evaluation(entries, per_byte, speed, compare, generative, str(device), args.dtype)
 
 
 def _perplexities(
@@ -188,15 +193,20 @@ def _protocol_lines(evaluation: Evaluation, args: Any) -> list[str]:
 
     entries, per_byte, speed = evaluation.entries, evaluation.per_byte, evaluation.speed
     base = entries[0]
-    lines = []
+    lines = [f"every model loaded in {evaluation.dtype} on {evaluation.device}"]
     if per_byte is None:
         lines.append(f"perplexity: {args.dataset}, {base['protocol']}")
     else:
+        covered = per_byte["tokens"][base["path"]]
+        cover = (
+            f"the whole text, {covered} of the baseline's tokens"
+            if args.max_tokens is None or covered < args.max_tokens
+            else f"the text the baseline's first {args.max_tokens} tokens cover"
+        )
         lines.append(
-            f"bits per byte: both models on the same {per_byte['bytes']} UTF-8 bytes of {args.dataset} (the text the "
-            f"baseline's first {args.max_tokens} tokens cover), each in its own tokens; the tokenizers differ "
-            f"({per_byte['difference']}), so perplexities are per different tokens and are not compared, and KL and "
-            "top-1 agreement are not measured"
+            f"bits per byte: both models on the same {per_byte['bytes']} UTF-8 bytes of {args.dataset} ({cover}), "
+            f"each in its own tokens; the tokenizers differ ({per_byte['difference']}), so perplexities are per "
+            "different tokens and are not compared, and KL, top-1 and greedy agreement are not measured"
         )
         lines += [f"perplexity [{entry['path']}]: {entry['protocol']}" for entry in entries]
     if evaluation.compare:
@@ -243,7 +253,12 @@ def _write_outputs(evaluation: Evaluation, args: Any) -> None:
 
     if args.json:
         slim = [{k: v for k, v in e.items() if k != "flatten_report"} for e in evaluation.entries]
-        measured: dict[str, Any] = {"dataset": str(args.dataset), "models": slim}
+        measured: dict[str, Any] = {
+            "dataset": str(args.dataset),
+            "device": evaluation.device,
+            "dtype": evaluation.dtype,
+            "models": slim,
+        }
         if evaluation.per_byte is not None:
             measured["comparison"] = {"measure": "bits_per_byte", "bytes": evaluation.per_byte["bytes"]}
             measured["tokenizers_differ"] = evaluation.per_byte["difference"]

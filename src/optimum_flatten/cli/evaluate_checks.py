@@ -29,15 +29,32 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be at least 2 (a token is scored after one), got {args.max_tokens}")
+    if args.seqlen < 2:
+        raise ValueError(f"--seqlen must be at least 2 (a window scores each token after its first), got {args.seqlen}")
+    if args.stride is not None and not 1 <= args.stride <= args.seqlen:
+        raise ValueError(f"--stride must be in 1..--seqlen ({args.seqlen}), got {args.stride}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         check_output_file(path, option)
     if args.plot:
         check_figure_format(args.plot)
+    _check_companions(args)
     tasks = [t for t in (args.lm_eval_tasks or "").split(",") if t]
     if tasks:
         from ..evaluation.harness import check_tasks
 
         check_tasks(tasks, args.lm_eval_limit)
+
+
+def _check_companions(args: argparse.Namespace) -> None:
+    """Refuses an option that only means something beside another one that was not given, which would otherwise be
+    accepted and do nothing."""
+    companions = (
+        ("--lm-eval-limit", args.lm_eval_limit is not None, "--lm-eval-tasks", bool(args.lm_eval_tasks)),
+        ("--allow-different-tokenizers", args.allow_different_tokenizers, "--baseline", bool(args.baseline)),
+    )
+    for option, given, needed, present in companions:
+        if given and not present:
+            raise ValueError(f"{option} applies with {needed}, which was not given; give both or neither.")
 
 
 def check_output_file(path: str | None, option: str) -> None:
@@ -96,6 +113,32 @@ def check_vocabularies(paths: list[str], configs: list[Any]) -> None:
             f"the baseline predicts over {sizes[0]} tokens and {paths[-1]} over {sizes[-1]}, so KL, top-1 and "
             "greedy agreement cannot compare them position by position; pass --no-fidelity --no-generation."
         )
+
+
+def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], args: argparse.Namespace) -> None:
+    """Each checkpoint has a tokenizer that loads, and every id it gives the evaluation text is a row of its model's
+    embedding: another model's tokenizer saved beside the weights fails deep inside the first forward otherwise
+    (an IndexError on CPU, a device-side assert on CUDA), after the weights have loaded."""
+    from transformers import AutoTokenizer
+
+    from ..evaluation.perplexity import tokenize_corpus
+
+    for path, config in zip(paths, configs, strict=True):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+        except Exception as error:  # transformers raises many kinds, over several lines
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ValueError(
+                f"{path} has no tokenizer that loads ({first}); save the model's tokenizer beside it "
+                "(tokenizer.save_pretrained)."
+            ) from error
+        stream = tokenize_corpus(tokenizer, texts)
+        vocabulary = config.get_text_config().vocab_size
+        if stream.numel() and int(stream.max()) >= vocabulary:
+            raise ValueError(
+                f"the tokenizer of {path} gives the evaluation text the id {int(stream.max())}, and its model has "
+                f"{vocabulary} token embeddings (config.vocab_size): the tokenizer is not this model's."
+            )
 
 
 def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> None:

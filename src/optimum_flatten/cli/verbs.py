@@ -66,11 +66,15 @@ class EvaluateArguments:
     )
     dataset: str = _arg("sotu:from-2000", "evaluation text (same forms as calibration)")
     text_column: str = _arg("text", "the field holding the text in .json/.jsonl/.csv/.parquet and datasets")
-    seqlen: int = _arg(512)
-    stride: int | None = _arg(None, "window step (default: seqlen)")
-    max_tokens: int = _arg(16384, "tokens of the stream scored at most")
-    dtype: str = _arg("float32", choices=DTYPES)
-    device: str = _arg("cpu", "where to load and run the models: cpu (default), cuda, cuda:N, or auto")
+    seqlen: int = _arg(512, "window length in tokens (at least 2)")
+    stride: int | None = _arg(None, "window step, 1..seqlen (none: seqlen)")
+    max_tokens: int | None = _arg(
+        16384,
+        "tokens of the stream the perplexity and KL windows score at most (none: the whole text); the greedy "
+        "prompts are cut from the whole text",
+    )
+    dtype: str = _arg("float32", "the dtype every model is loaded in", choices=DTYPES)
+    device: str = _arg("cpu", "where to load and run the models: cpu, cuda, cuda:N, or auto")
     no_speed: bool = _switch("skip the prefill/decode timing")
     no_progress: bool = _switch("hide progress bars")
     speed_rounds: int = _arg(5, "timed runs per model (with --baseline: rounds alternating baseline and model)")
@@ -129,9 +133,9 @@ class EstimateArguments:
         choices="methods",
     )
     num_layers_to_remove: int | None = _arg(None, required=True)
-    nsamples: int = _arg(128, "calibration sequences (default: 128)")
-    seqlen: int = _arg(2048, "tokens per calibration sequence (default: 2048)")
-    batch_size: int = _arg(8, "calibration sequences per forward (default: 8)")
+    nsamples: int = _arg(128, "calibration sequences")
+    seqlen: int = _arg(2048, "tokens per calibration sequence")
+    batch_size: int = _arg(8, "calibration sequences per forward")
     dtype: str = _arg("float32", "dtype the model is loaded in", choices=DTYPES)
     stack: str | None = _arg(None, "the stack to model on a model with several (encoder, decoder); default: its only")
     json: bool = _switch("print the estimate as one JSON object")
@@ -195,4 +199,4 @@ class DemoArguments:
     speed_rounds: int = _arg(5, "prefill timing rounds, alternating dense and compressed")
     output: str | None = _arg(None, "also save the compressed checkpoint here")
     overwrite: bool = _switch(_OVERWRITE)
-    no_progress: bool = _switch(None)
+    no_progress: bool = _switch("hide progress bars")

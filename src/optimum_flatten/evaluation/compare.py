@@ -196,9 +196,13 @@ def plot_comparison(entries: Sequence[dict[str, Any]], path: str | Path) -> Path
     if left.lines:
         left.legend()
     names = bar_names(entries)
-    right.bar(names, [e["perplexity"] for e in entries], color=["grey", "tab:blue", "tab:orange"][: len(entries)])
-    right.set_ylabel("perplexity")
-    right.set_title("Held-out perplexity")
+    # Tokenizers that differ are compared by bits per byte on a common text: their perplexities are per different
+    # tokens, and a figure of them would show the comparison the protocol says is not made.
+    per_byte = all("bits_per_byte" in e for e in entries)
+    key, title = ("bits_per_byte", "Bits per byte (common text)") if per_byte else ("perplexity", "Held-out perplexity")
+    right.bar(names, [e[key] for e in entries], color=["grey", "tab:blue", "tab:orange"][: len(entries)])
+    right.set_ylabel(key.replace("_", " "))
+    right.set_title(title)
     fig.tight_layout()
     path = Path(path)
     try:

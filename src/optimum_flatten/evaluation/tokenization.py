@@ -26,14 +26,27 @@ class TokenizationDifference:
         position: Index of the first token that differs (or the length of the shorter stream).
         baseline: The baseline's token there, as text (None past the end of its stream).
         model: The model's token there, as text (None past the end of its stream).
+        baseline_id: The baseline's token id there (None past the end of its stream).
+        model_id: The model's token id there (None past the end of its stream).
     """
 
     position: int
     baseline: str | None
     model: str | None
+    baseline_id: int | None = None
+    model_id: int | None = None
 
     def describe(self) -> str:
-        return f"token {self.position} is {self.baseline!r} for the baseline and {self.model!r} for the model"
+        """Where the streams part, each side's token with its id: two vocabularies often spell the same piece
+        with other ids, and the pieces alone would read as the same token twice."""
+        return (
+            f"token {self.position} is {_spelled(self.baseline, self.baseline_id)} for the baseline and "
+            f"{_spelled(self.model, self.model_id)} for the model"
+        )
+
+
+def _spelled(token: str | None, token_id: int | None) -> str:
+    return "the end of its stream" if token is None else f"{token!r} (id {token_id})"
 
 
 def first_difference(
@@ -54,6 +67,8 @@ def first_difference(
         position,
         _token_text(baseline_tokenizer, a, position),
         _token_text(model_tokenizer, b, position),
+        int(a[position]) if position < a.numel() else None,
+        int(b[position]) if position < b.numel() else None,
     )
 
 

@@ -151,9 +151,23 @@ def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:
     for source in sources:
         if source and Path(source).expanduser().is_dir() and Path(source).expanduser().resolve() == path:
             return "it is the folder the model was loaded from, and saving there would replace the original model"
+    if path in _bundled_folders():
+        return (
+            "it is a bundled model's cached checkpoint, which every later use of that model's name (demo, compress, "
+            "--baseline, --teacher) would then load in place of the dense model"
+        )
     if not (path / "config.json").is_file() and not _interrupted_swap(path):
         return "it is not empty and holds no checkpoint (no config.json), so its files are not ours to replace"
     return None
+
+
+def _bundled_folders() -> set[Path]:
+    """The folders the bundled models' converted checkpoints are cached in (`bundled.bundled_model_path`): a bundled
+    model is loaded by its name, so no `sources` argument names these folders."""
+    from ..bundled import BUNDLED_MODELS, cache_dir
+
+    root = cache_dir().expanduser()
+    return {(root / spec.name).resolve() for spec in BUNDLED_MODELS.values()}
 
 
 def _home_folders(path: Path) -> set[Path]:

@@ -33,7 +33,11 @@ def replaceme_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMode
     f = ReplaceMeSizes(z, n, config)
     if held_states(z, n, config):
         return [held_selection_phase(z, n), held_fit_phase(f)], 1.0 + 1 / f.L, False, []
-    uidl_phases, _, _, _ = UIDLMethod.workspace(z, n, config)
+    if config.selection == "loss":
+        selection, passes = loss_selection(z, n, config)
+        uidl_phases, selection_passes = [selection], passes
+    else:
+        uidl_phases, selection_passes = UIDLMethod.workspace(z, n, config)[0], 1.0
     if config.estimator in LEAST_SQUARES_ESTIMATORS and f.blocks == 1 and config.correct_after == 0:
         shortlisted = one_pass_starts(z, n, config)
         if shortlisted:
@@ -41,9 +45,51 @@ def replaceme_workspace(z: WorkspaceSizes, n: int, config: Any) -> WorkspaceMode
             # The fit is a solve beside the chosen statistics, or off the shortlist the streamed walk: its bound.
             phases = [one_pass_selection_phase(f, shortlisted), streamed_fit_phase(f)]
             return phases, 1.0 + 1 / z.cal.batches, False, [note]
-        return [*uidl_phases, streamed_fit_phase(f)], 2.0, True, [BOUND_NOTE]
-    passes = 2.0 + (f.L - n + f.blocks) / f.L
+        return [*uidl_phases, streamed_fit_phase(f)], selection_passes + 1.0, True, [BOUND_NOTE]
+    passes = selection_passes + 1.0 + (f.L - n + f.blocks) / f.L
     return [*uidl_phases, dense_targets_phase(f)], passes, True, [BOUND_NOTE]
+
+
+def loss_selection(z: WorkspaceSizes, n: int, config: Any) -> tuple[Phase, float]:
+    """ReplaceMe's loss search (``selection="loss"``, `ReplaceMeMethod._select_by_loss`) and its stack passes.
+
+    One walk down the stack keeps the last size + 2 boundaries (S each, every batch); at each start it fits a plain
+    least-squares map from a run of layer s − 1 over every batch (`fit_with_outputs`: its float64 statistics, 2·8·d²,
+    the captured M and Y of the scored batches, a fraction f of S each, and the map's outputs, f·S, one batch's
+    float64 product at a time), runs the layers after the block from them and takes the next-token loss (one row's
+    logits, 12·seqlen·V, or a layer run's outputs and temporaries). Cost: the walk (1), and per start s = 1 … L − size
+    layer s − 1 on every batch, then on the scored batches the L − s − size layers after the block and one LM head:
+    Σ(1 + f·(L − s − size + h))/L with h the head's weights over a layer's. The LM head dominates where the vocabulary
+    is large beside the hidden size.
+    """
+    s, L = z.shape, z.shape.num_layers
+    size = n  # the search removes one block of n layers
+    scored = min(config.scoring_batches or z.cal.batches, z.cal.batches)
+    fraction = scored / z.cal.batches
+    scored_states = int(z.S * fraction)
+    nll = 12 * z.cal.seqlen * s.vocab_size
+    phase = Phase(
+        "selection",
+        (
+            z.tokens(),
+            *z.runners(1),
+            Term(f"the walk's last {size + 2} boundaries", (size + 2) * z.S, "the block, its input and its output"),
+            Term(
+                "a start's fit: its statistics, the scored batches' M and Y and the map's outputs on them",
+                2 * 8 * z.d * z.d + 3 * scored_states + 2 * 8 * z.Tb * z.d,
+                f"plain least squares, fraction {fraction:g}",
+            ),
+            Term(
+                "the suffix after the block: its input, and a layer run or one row's next-token loss",
+                scored_states + max(int(z.run_outputs() * fraction) + z.block_forward(), nll),
+                "run outputs + block temporaries, or logits (seqlen × V) with their float32 copies",
+            ),
+        ),
+    )
+    head = s.head_weights / s.layer_weights
+    starts = range(1, L - size + 1)
+    work = sum(1 + fraction * (L - start - size + head) for start in starts)
+    return phase, 1.0 + work / L
 
 
 class ReplaceMeSizes:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..calibration.data import (
+    load_saved_dataset,
     load_texts,
     read_csv,
     read_json,
@@ -107,6 +108,9 @@ def load_recovery_texts(dataset: Any, text_column: str = "text", tokenizer: Any 
     are one training row each (`build_training_rows`).
     """
     records = None
+    if isinstance(dataset, (str, Path)):  # a folder `datasets`' save_to_disk wrote reads as the dataset it holds
+        saved = load_saved_dataset(Path(dataset))
+        dataset = dataset if saved is None else saved
     dataset = single_split(dataset)
     if isinstance(dataset, (str, Path)) and Path(dataset).is_file():
         records = _records(Path(dataset))

@@ -18,6 +18,10 @@ wrong "fits" fails a run mid-way and a wrong "does not fit" only picks the secon
   elements (the residual stream's norms, projections and their inputs; the MLP's up, gate and activation; attention's
   probabilities, only with eager attention: SDPA and flash kernels recompute them), at the weights' dtype. At
   LLaMA-2-7B shape with SDPA, 4 rows of 2048 tokens measured 58 GiB reserved against this bound's 81;
+- the loss's chunk of positions through both LM heads (`distill.chunked_next_token_terms`, `chunk_size` positions at
+  a time, float32): the student's and the teacher's logits, their log-softmaxes, the KL's product and, in the
+  backward's recomputation, the logits' gradient: ``LOSS_CHUNK_COPIES``·chunk·vocabulary·4 bytes, which a large
+  vocabulary beside a small hidden size makes count (SmolLM2, Qwen2.5);
 - the teacher's weights when it is still to be loaded;
 - with teacher text (`RecoveryConfig.teacher_text`), one sampling batch's KV cache and next-token logits
   (`recovery.teacher_text`), held before training starts, so it counts against the training state, not beside it (the
@@ -72,6 +76,10 @@ ADAM_MOMENTS = 2
 LEAN_OPTIMISERS: dict[str, float] = {"adamw_bnb_8bit": 2.0, "adafactor": 0.0}
 #: Share of the free memory the estimate may take before `full` is said not to fit.
 HEADROOM = 0.9
+
+
+#: Float32 copies of one loss chunk's logits alive at once (module docstring).
+LOSS_CHUNK_COPIES = 6
 
 
 @dataclass(frozen=True)
@@ -150,6 +158,7 @@ def full_footprint(
         per_token_layer += 2 * heads * config.seqlen
     tokens = config.per_device_train_batch_size * config.seqlen
     activations = tokens * int(text.num_hidden_layers) * per_token_layer * element
+    activations += LOSS_CHUNK_COPIES * config.chunk_size * int(text.vocab_size) * 4
     sampling = sampling_bytes(student, config) if config.teacher_text > 0 else 0
     return FullFootprint(math.ceil(state_factor * weights), activations, int(teacher_bytes), sampling)
 

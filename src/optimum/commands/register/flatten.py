@@ -13,10 +13,20 @@ from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
 
 class FlattenOptimumCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="flatten", help="depth compression: compress | evaluate | recover | demo")
+    COMMAND = CommandInfo(
+        name="flatten", help="depth compression: compress | evaluate | recover | estimate | layer-collapse | demo"
+    )
 
     @staticmethod
     def parse_args(parser: argparse.ArgumentParser) -> None:
+        # optimum builds this parser with its own -h, and argparse reads a flag before the first positional as the
+        # parser's own: `-v` before the verb is declared here and handed on, and the help optimum's -h prints names
+        # the verbs and where each one's options are.
+        parser.description = (
+            "optimum-flatten's verbs: compress, evaluate, recover, estimate, layer-collapse, demo. "
+            "`optimum-cli flatten VERB --help` lists a verb's options."
+        )
+        parser.add_argument("-v", "--verbose", dest="flatten_verbose", action="store_true", help="log at INFO level")
         parser.add_argument(
             "flatten_argv", nargs=argparse.REMAINDER, help="a verb and its options, as for `optimum-flatten`"
         )
@@ -24,7 +34,8 @@ class FlattenOptimumCommand(BaseOptimumCLICommand):
     def run(self) -> None:
         from optimum_flatten.cli.main import main
 
-        code = main(self.args.flatten_argv or ["--help"])
+        argv = list(self.args.flatten_argv) or ["--help"]
+        code = main(["-v", *argv] if self.args.flatten_verbose else argv)
         if code:
             raise SystemExit(code)
 
