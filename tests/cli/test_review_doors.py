@@ -240,3 +240,8 @@ def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path, capsys, verb):
     }[verb]  # fmt: skip
     assert main(argv) == 2
     assert "intermediate_size" in _error(capsys)
+
+
+def test_a_flag_another_verb_spells_longer_is_pointed_at_this_verbs_own():
+    parser = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
+    assert "--heal-tokens: did you mean '--heal'?" in unrecognized(parser.choices["estimate"], ["--heal-tokens", "9"])

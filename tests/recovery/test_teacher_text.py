@@ -224,6 +224,41 @@ def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_
     assert not record["cached"] and changed.generate_calls == 2  # other weights: another key
 
 
+def test_a_sampling_stopped_part_way_goes_on_from_its_next_batch_with_the_same_rows(tmp_path):
+    """A sampling stopped after two of its three batches (a pre-empted job) keeps their rows, and the next call
+    samples only the third: the rows equal those of a sampling never stopped, and the partial file is gone once the
+    cache holds them. Another batch size draws other batches, so its stopped rows are not read back."""
+    options = dict(seed=0, batch_size=4, progress=False)
+    reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, **options)
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    counted = teacher.generate
+
+    def stopped(*args, **kwargs):
+        if teacher.generate_calls == 2:
+            raise KeyboardInterrupt  # the job is stopped during its third batch
+        return counted(*args, **kwargs)
+
+    teacher.generate = stopped
+    with pytest.raises(KeyboardInterrupt):
+        sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, **options)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.partial-rank0.safetensors"]
+    teacher.generate = counted
+    calls = teacher.generate_calls
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, **options)
+    assert teacher.generate_calls == calls + 1 and record["rows_read_back"] == 8 and not record["cached"]
+    assert torch.equal(_ids(rows), _ids(reference))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.json", "train.safetensors"]
+    other = tmp_path / "other"
+    other.mkdir()
+    teacher.generate = stopped
+    teacher.generate_calls = 0
+    with pytest.raises(KeyboardInterrupt):
+        sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=other, **options)
+    teacher.generate = counted
+    _, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=other, seed=0, batch_size=5, progress=False)
+    assert "rows_read_back" not in record and teacher.generate_calls == 2 + 2  # both batches of 5 sampled
+
+
 def test_the_sampling_batch_is_sized_to_the_free_memory():
     config = tiny_models.tiny_llama_gqa().config  # 6 layers, 2 KV heads of 8
     assert kv_cache_bytes(config, 32, 4) == 2 * 6 * 2 * 8 * 32 * 4

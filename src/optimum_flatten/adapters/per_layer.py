@@ -40,6 +40,9 @@ INDEX_LISTS: tuple[str, ...] = ("mlp_only_layers", "moe_layers")
 LAYER_BOUNDARIES: tuple[str, ...] = ("max_window_layers", "first_k_dense_replace")
 #: Periodic rules (key -> the index list that lists the exceptions): made explicit after a removal.
 SPARSE_STEPS: dict[str, str] = {"decoder_sparse_step": "mlp_only_layers"}
+#: Gemma 2/3's older spelling of ``layer_types`` (layer i is full attention when (i + 1) % pattern == 0), still on the
+#: Hub's configs and read by readers older than ``layer_types``: kept only where the kept layers still follow it.
+SLIDING_PATTERNS: tuple[str, ...] = ("sliding_window_pattern", "_sliding_window_pattern")
 
 
 class LayerKindMergeError(UnsupportedArchitectureError):
@@ -187,13 +190,32 @@ def rewrite_per_layer_config_(config: Any, count_key: str, first_indices: Sequen
         if first != list(range(num_layers)):
             changes[key] = 1
             changes[exceptions] = [new for new, is_sparse in enumerate(sparse[key]) if not is_sparse]
+    if "layer_types" in changes:
+        pattern = _sliding_pattern(changes["layer_types"])
+        for key in SLIDING_PATTERNS:
+            if isinstance(getattr(config, key, None), int):
+                changes[key] = pattern
     for key, value in changes.items():
-        setattr(config, key, value)
+        if value is None and key in SLIDING_PATTERNS:
+            delattr(config, key)  # no period describes the kept layers: layer_types alone does
+        else:
+            setattr(config, key, value)
     if overrides:
         renumbered = {str(position[i]): v for i, v in overrides.items() if i in position}
         config.per_layer_config = renumbered or None
         changes["per_layer_config"] = renumbered
     return changes
+
+
+def _sliding_pattern(layer_types: Sequence[str]) -> int | None:
+    """The period p with layer i full attention exactly when (i + 1) % p == 0 (p past the last layer: none full),
+    that the kept `layer_types` follow; None when no period does (a removal in the middle of a period)."""
+    count = len(layer_types)
+    for period in range(1, count + 2):
+        expected = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(count)]
+        if list(layer_types) == expected:
+            return period
+    return None
 
 
 def per_layer_problems(config: Any, count: int) -> list[str]:

@@ -93,7 +93,11 @@ def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
             continue
         name = extra.split("=", 1)[0]
         longer = [flag for flag in flags if flag.startswith(name)]
-        if len(longer) == 1:
+        # A flag another verb spells longer (`estimate --heal-tokens`, where estimate's flag is `--heal`).
+        shorter = sorted((flag for flag in flags if name.startswith(flag + "-")), key=len)
+        if shorter and not longer:
+            hints.append(f" {name}: did you mean {shorter[-1]!r}?")
+        elif len(longer) == 1:
             hints.append(f" {name}: did you mean {longer[0]!r}?")
         elif longer:
             hints.append(f" {name}: did you mean one of {', '.join(longer)}?")

@@ -46,6 +46,8 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,7 @@ from torch import nn
 
 from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_start import checked_start, prompt_ids
-from .teacher_text_cache import cache_key, read_cache, write_cache
+from .teacher_text_cache import cache_key, clear_partial, read_cache, read_partial, write_cache, write_partial
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
 
@@ -254,6 +256,15 @@ def _sampling_cost(
             "peak_memory_bytes": peak, "peak_memory": measured}  # fmt: skip
 
 
+@dataclass
+class Progress:
+    """A sampling's finished batches on disk (`teacher_text_cache.read_partial`): the rows read back (None: none)
+    and how to keep the rows so far after each batch."""
+
+    rows: torch.Tensor | None
+    save: Callable[[torch.Tensor], None]
+
+
 def _generate(
     teacher: nn.Module,
     starts: torch.Tensor,
@@ -264,16 +275,22 @@ def _generate(
     stream: str,
     rank: int,
     progress: bool,
+    kept: Progress | None = None,
 ) -> torch.Tensor:
-    """`starts` continued to `seqlen` tokens, `batch_size` rows at a time, each batch under its own seed."""
+    """`starts` continued to `seqlen` tokens, `batch_size` rows at a time, each batch under its own seed; with `kept`,
+    after the rows its stopped sampling finished (whole batches), handing it the rows so far after each batch."""
     from tqdm.auto import tqdm
 
     device = next(teacher.parameters()).device
     new_tokens = seqlen - starts.shape[1]
-    outputs = []
+    outputs = [kept.rows] if kept is not None and kept.rows is not None else []
+    done = int(outputs[0].shape[0]) if outputs else 0
     bar = tqdm(total=starts.shape[0] * new_tokens, unit="tok", desc="teacher text", disable=not progress)
+    bar.update(done * new_tokens)
     with bar:
         for index, first in enumerate(range(0, starts.shape[0], batch_size)):
+            if first < done:  # finished before the stop: its rows were read back
+                continue
             batch = starts[first : first + batch_size].to(device)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(batch_seed(seed, stream, rank, index))
@@ -281,6 +298,8 @@ def _generate(
             if out.shape[1] != seqlen:
                 raise RuntimeError(f"the teacher's generate returned rows of {out.shape[1]} tokens, not {seqlen}.")
             outputs.append(out.cpu())
+            if kept is not None:
+                kept.save(torch.cat(outputs))
             bar.update(batch.shape[0] * new_tokens)
     return torch.cat(outputs) if outputs else torch.empty((0, seqlen), dtype=torch.long)
 
@@ -295,9 +314,11 @@ def _continue(
     stream: str,
     rank: int,
     progress: bool,
+    kept: Progress | None = None,
 ) -> tuple[torch.Tensor, int | None]:
     """(this rank's `starts` continued to `seqlen` tokens, the bytes vLLM was given or None): by ``generate`` in
-    batches (`batch_size` given), else by vLLM with one seed a row (`kwargs` hold the sampling either way)."""
+    batches (`batch_size` given; going on after `kept`'s finished batches), else by vLLM with one seed a row
+    (`kwargs` hold the sampling either way)."""
     if batch_size is None:
         seeds = [batch_seed(seed, stream, rank, row) for row in range(starts.shape[0])]
         return sample_with_vllm(
@@ -307,7 +328,7 @@ def _continue(
     was_training = teacher.training
     teacher.eval()
     try:
-        return _generate(teacher, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress), None
+        return _generate(teacher, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress, kept), None
     finally:
         teacher.train(was_training)
 
@@ -438,7 +459,12 @@ def sample_teacher_rows(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size, device)
-    cached, vllm_bytes = ids is not None, None
+    cached, vllm_bytes, kept = ids is not None, None, None
+    if not cached and folder is not None and key is not None and batch_size is not None:
+        kept = Progress(
+            read_partial(folder, stream, key, batch_size, rank, world_size),
+            lambda rows: write_partial(folder, stream, key, batch_size, rank, world_size, rows),
+        )
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
         if start_kind == "random":
@@ -446,11 +472,17 @@ def sample_teacher_rows(
             starts = _random_starts(teacher_model, tokenizer, before, n_rows, kwargs, greedy_batch, seed, stream)
         else:
             starts = _starts(n_rows, (before, after), prompt_list, seed, rank, world_size)
-        mine, vllm_bytes = _continue(teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress)
+        mine, vllm_bytes = _continue(
+            teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress, kept
+        )
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
+    if kept is not None and kept.rows is not None:  # this attempt's seconds: the rows read back cost earlier ones
+        cost["rows_read_back"] = int(kept.rows.shape[0])
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
+    if kept is not None and folder is not None:
+        clear_partial(folder, stream, rank)
     record = {
         "rows": int(ids.shape[0]), "seqlen": int(seqlen), **settings,
         "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows
