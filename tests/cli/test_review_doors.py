@@ -245,3 +245,22 @@ def test_a_config_field_of_the_wrong_type_is_one_line(tmp_path, capsys, verb):
 def test_a_flag_another_verb_spells_longer_is_pointed_at_this_verbs_own():
     parser = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices)
     assert "--heal-tokens: did you mean '--heal'?" in unrecognized(parser.choices["estimate"], ["--heal-tokens", "9"])
+
+
+def test_a_demo_compression_refused_by_its_method_says_where_the_options_are(bundled_cache, monkeypatch, capsys):
+    """The demo takes no method options, so advice naming them (LaCo's threshold) points at `compress`."""
+    from optimum_flatten import bundled
+    from optimum_flatten.quantizer import FlattenQuantizer
+
+    tokenizer = tiny_models.tiny_hf_tokenizer()
+    monkeypatch.setattr(bundled, "load_smollm2", lambda *a, **k: (tiny_models.tiny_llama_gqa(), tokenizer))
+    monkeypatch.setattr(bundled, "load_corpus", lambda *a, **k: tiny_models.sample_texts(20))
+
+    def refused(self, model, tokenizer):
+        raise ValueError("laco could not remove 2 layers at threshold=0.65; lower threshold")
+
+    monkeypatch.setattr(FlattenQuantizer, "compress", refused)
+    argv = ["demo", "--method", "laco", "--num-layers-to-remove", "2", "--eval-seqlen", "16", "--eval-tokens", "64"]
+    assert main(argv) == 2
+    message = _error(capsys)
+    assert "lower threshold" in message and "`optimum-flatten compress smollm2 --method laco ...`" in message

@@ -87,7 +87,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
-    quantizer.compress(model, tokenizer)
+    try:
+        quantizer.compress(model, tokenizer)
+    except ValueError as error:  # its advice names the method's options, which only `compress` takes
+        raise ValueError(
+            f"{error} (the demo runs {args.method} at its defaults; `optimum-flatten compress smollm2 --method "
+            f"{args.method} ...` takes its options)"
+        ) from error
     print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
     # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
     agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
