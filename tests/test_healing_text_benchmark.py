@@ -127,3 +127,19 @@ def test_a_resumed_benchmark_reads_the_untrained_scores_its_first_attempt_measur
     untrained_scores(unkept, measure)
     untrained_scores(unkept, measure)
     assert len(calls) == 4  # nothing kept without a checkpoint folder
+
+
+def test_a_run_with_another_loss_is_named_and_ranked_apart_from_the_default():
+    """A run with hidden-state terms, another temperature or another KL share gets a file of its own (it overwrote
+    the default run's before) and is not ranked with the default runs on the pages."""
+    from benchmarks.recovery import protocol
+    from benchmarks.recovery.run import _variant, build_parser
+
+    parser = build_parser()
+    base = parser.parse_args(["--model", "smollm2", "--method", "replaceme_lstsq_down", "--kd"])
+    assert _variant(base) == "" and protocol.default_loss(vars(base))
+    for extra, suffix in ((["--hidden-weight", "1"], "_hidden1"), (["--temperature", "2"], "_temperature2"),
+                          (["--kd-alpha", "0.5"], "_alpha0.5")):  # fmt: skip
+        args = parser.parse_args(["--model", "smollm2", "--method", "replaceme_lstsq_down", "--kd", *extra])
+        assert _variant(args) == suffix and not protocol.default_loss(vars(args))
+        assert not protocol.is_default(vars(args))

@@ -149,10 +149,9 @@ def measure(dense: torch.nn.Module, model: torch.nn.Module, streams: dict, eval_
     return result
 
 
-def main() -> None:
-    from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
-    from optimum_flatten.evaluation import tokenize_corpus
-    from optimum_flatten.recovery import MODES, recover
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (its own function, so the tests read the names runs get from the same options)."""
+    from optimum_flatten.recovery import MODES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=sorted(DEPTHS), help="a bundled model; depth: DEPTHS")
@@ -266,6 +265,15 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
+    return parser
+
+
+def main() -> None:
+    from optimum_flatten import FlattenConfig, FlattenQuantizer, bundled
+    from optimum_flatten.evaluation import tokenize_corpus
+    from optimum_flatten.recovery import recover
+
+    parser = build_parser()
     args = parser.parse_args()
     args.eval_tokens = args.eval_tokens or EVAL_TOKENS[args.model]
     if args.method not in VARIANTS or not VARIANTS[args.method].get("method"):
