@@ -114,8 +114,7 @@ def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
     columns = dataset.column_names
     if columns is None:  # an IterableDataset from a generator: its rows say what they hold
         return [_field(row, text_column, "the dataset") for row in dataset]
-    if text_column not in columns:
-        raise CalibrationDataError(f"the dataset has no column {text_column!r} (columns: {columns}); set text_column.")
+    _require_column("the dataset", columns, text_column)
     return list(dataset[text_column])
 
 
@@ -152,10 +151,8 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
             return [r if isinstance(r, str) else _field(r, text_column, value) for r in records]
         if suffix == ".csv":
             records = read_csv(path)
-            if records and text_column not in records[0]:
-                raise CalibrationDataError(
-                    f"{value!r} has no column {text_column!r} (columns: {list(records[0])}); set text_column."
-                )
+            if records:
+                _require_column(repr(value), list(records[0]), text_column)
             return [r[text_column] for r in records]
         if suffix == ".parquet":
             try:
@@ -164,11 +161,7 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
                 raise ImportError(
                     "reading .parquet calibration files needs pyarrow: pip install optimum-flatten[data]"
                 ) from error
-            columns = pq.read_schema(path).names
-            if text_column not in columns:
-                raise CalibrationDataError(
-                    f"{value!r} has no column {text_column!r} (columns: {columns}); set text_column."
-                )
+            _require_column(repr(value), pq.read_schema(path).names, text_column)
             table = pq.read_table(path, columns=[text_column])
             return [t for t in table.column(text_column).to_pylist() if isinstance(t, str)]  # nulls are no text
         raise CalibrationDataError(
@@ -199,6 +192,12 @@ def load_saved_dataset(path: Path) -> Any:
             "pip install optimum-flatten[data]"
         ) from error
     return datasets.load_from_disk(str(path))
+
+
+def _require_column(source: str, columns: list[str], text_column: str) -> None:
+    """Refuses a table (`source`: how the message names it) without `text_column`, listing the columns it has."""
+    if text_column not in columns:
+        raise CalibrationDataError(f"{source} has no column {text_column!r} (columns: {columns}); set text_column.")
 
 
 def read_text(path: Path) -> str:

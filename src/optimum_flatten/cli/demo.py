@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from typing import Any
 
 from .summary import bundled_license, report_warnings, text_table
 
@@ -37,6 +38,25 @@ def _check_demo_options(args: argparse.Namespace) -> None:
             f"--num-layers-to-remove must be in 1..{layers - 1} (SmolLM2-135M has {layers} layers), got "
             f"{args.num_layers_to_remove}."
         )
+
+
+def _size(model: Any) -> tuple[int, int]:
+    """(layers, parameters) of the model: its text config's layers (an image-text model's are in text_config)."""
+    from ..utils.torch_utils import count_parameters
+
+    return model.config.get_text_config().num_hidden_layers, count_parameters(model)
+
+
+def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str) -> None:
+    """The compression, whose refusal's advice may name the method's options: the demo takes none, so it says
+    where they are (`compress`)."""
+    try:
+        quantizer.compress(model, tokenizer)
+    except ValueError as error:
+        raise ValueError(
+            f"{error} (the demo runs {method} at its defaults; `optimum-flatten compress smollm2 --method "
+            f"{method} ...` takes its options)"
+        ) from error
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -75,25 +95,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     print("measuring the dense model ...", flush=True)
     dense_ppl, protocol = measure(model)
-    dense_layers = model.config.get_text_config().num_hidden_layers  # text_config's in an image-text model
+    before = _size(model)
     # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
     dense = copy.deepcopy(model)
-    from ..utils.torch_utils import count_parameters
-
-    dense_params = count_parameters(model)
     print(
         f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
         "calibration tokens from the State of the Union speeches before 2000 ...",
         flush=True,
     )
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
-    try:
-        quantizer.compress(model, tokenizer)
-    except ValueError as error:  # its advice names the method's options, which only `compress` takes
-        raise ValueError(
-            f"{error} (the demo runs {args.method} at its defaults; `optimum-flatten compress smollm2 --method "
-            f"{args.method} ...` takes its options)"
-        ) from error
+    _compress(quantizer, model, tokenizer, args.method)
     print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
     # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
     agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
@@ -101,19 +112,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     speed = compare_prefill(dense, model, seqlen=args.eval_seqlen, rounds=args.speed_rounds)
     del dense
     dense_tps, tps = speed.tokens_per_second("baseline"), speed.tokens_per_second("candidate")
+    (layers, params), (dense_layers, dense_params) = _size(model), before
     rows = [
-        (
-            "layers",
-            dense_layers,
-            model.config.get_text_config().num_hidden_layers,
-            f"{model.config.get_text_config().num_hidden_layers / dense_layers:.3f}",
-        ),
-        (
-            "parameters",
-            f"{dense_params:,}",
-            f"{count_parameters(model):,}",
-            f"{count_parameters(model) / dense_params:.3f}",
-        ),
+        ("layers", dense_layers, layers, f"{layers / dense_layers:.3f}"),
+        ("parameters", f"{dense_params:,}", f"{params:,}", f"{params / dense_params:.3f}"),
         ("held-out perplexity", f"{dense_ppl:.2f}", f"{ppl:.2f}", f"{ppl / dense_ppl:.3f}"),
         ("KL to dense (nats/token)", "0", f"{agreement.kl:.4f}", ""),
         ("top-1 agreement with dense", "1", f"{agreement.top1_agreement:.3f}", ""),

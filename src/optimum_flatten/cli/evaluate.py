@@ -58,8 +58,8 @@ def measure(args: argparse.Namespace) -> Evaluation:
     paths = [checkpoint_path(name) for name in names]
     configs = check_models(paths, args)
     texts = load_texts(args.dataset, args.text_column)  # read once; every measurement scores these texts
-    check_tokenizers(paths, configs, texts, args)
-    per_byte = _per_byte_comparison(paths[0], paths[-1], texts, args) if args.baseline else None
+    tokenizers = check_tokenizers(paths, configs, texts, args)
+    per_byte = _per_byte_comparison(tokenizers[0], tokenizers[-1], texts, args) if args.baseline else None
     same_tokens = bool(args.baseline) and per_byte is None
     compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
     if compare or generative:
@@ -270,17 +270,15 @@ def _write_outputs(evaluation: Evaluation, args: Any) -> None:
 
 
 def _per_byte_comparison(
-    baseline: str, model: str, texts: list[str], args: argparse.Namespace
+    baseline: Any, model: Any, texts: list[str], args: argparse.Namespace
 ) -> dict[str, Any] | None:
-    """None when both tokenizers encode the evaluation text alike; else, with --allow-different-tokenizers, the
-    common text and each model's token count on it, for bits per byte (refused without the flag)."""
-    from transformers import AutoTokenizer
-
+    """None when the baseline's and the model's tokenizers encode the evaluation text alike; else, with
+    --allow-different-tokenizers, the common text and each model's token count on it, for bits per byte (refused
+    without the flag)."""
     from ..evaluation.perplexity import tokenize_corpus
     from ..evaluation.tokenization import first_difference, text_budget
 
-    remote = args.trust_remote_code
-    tokenizers = [AutoTokenizer.from_pretrained(p, trust_remote_code=remote) for p in (baseline, model)]
+    tokenizers = [baseline, model]
     difference = first_difference(tokenizers[0], tokenizers[1], texts, args.max_tokens)
     if difference is None:
         return None

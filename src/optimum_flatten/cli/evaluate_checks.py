@@ -115,14 +115,16 @@ def check_vocabularies(paths: list[str], configs: list[Any]) -> None:
         )
 
 
-def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], args: argparse.Namespace) -> None:
+def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], args: argparse.Namespace) -> list[Any]:
     """Each checkpoint has a tokenizer that loads, and every id it gives the evaluation text is a row of its model's
     embedding: another model's tokenizer saved beside the weights fails deep inside the first forward otherwise
-    (an IndexError on CPU, a device-side assert on CUDA), after the weights have loaded."""
+    (an IndexError on CPU, a device-side assert on CUDA), after the weights have loaded. Returns the tokenizers,
+    which the comparison of two of them reads (`evaluate._per_byte_comparison`)."""
     from transformers import AutoTokenizer
 
     from ..evaluation.perplexity import tokenize_corpus
 
+    tokenizers = []
     for path, config in zip(paths, configs, strict=True):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
@@ -139,6 +141,8 @@ def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], arg
                 f"the tokenizer of {path} gives the evaluation text the id {int(stream.max())}, and its model has "
                 f"{vocabulary} token embeddings (config.vocab_size): the tokenizer is not this model's."
             )
+        tokenizers.append(tokenizer)
+    return tokenizers
 
 
 def _check_fixed_lengths(path: str, config: Any, args: argparse.Namespace) -> None:

@@ -53,36 +53,43 @@ def _records(path: Path) -> list[dict[str, Any]] | None:
     return None
 
 
-def _alpaca(records: list[Any] | None) -> list[str] | None:
-    """The records formatted as Alpaca prompts when the first has an ``instruction`` (None otherwise); refuses a
-    later record without one, by its index, rather than failing on it half-way."""
-    if not records or not isinstance(records[0], dict) or "instruction" not in records[0]:
-        return None
-    lacking = next((i for i, r in enumerate(records) if not isinstance(r, dict) or "instruction" not in r), None)
+def _of_one_kind(records: list[Any] | None, field: str, valid: Any, lacks: str, kind: str, give: str) -> bool:
+    """Whether the records are of the kind their first one's `field` says (False when it has none); a later record
+    whose `field` is missing or not `valid` is refused by its index, rather than failing on it half-way."""
+    if not records or not isinstance(records[0], dict) or field not in records[0]:
+        return False
+    lacking = next(
+        (i for i, r in enumerate(records) if not (isinstance(r, dict) and field in r and valid(r[field]))), None
+    )
     if lacking is not None:
         raise CalibrationDataError(
-            f"record {lacking} has no 'instruction' field, and record 0 is an Alpaca record: give every record one "
-            "(instruction, optional input, output), or none (plain text in a 'text' field)."
+            f"record {lacking} has no {lacks}, and record 0 is {kind} record: give every record one{give}, or none "
+            "(plain text in a 'text' field)."
         )
+    return True
+
+
+def _alpaca(records: list[Any] | None) -> list[str] | None:
+    """The records formatted as Alpaca prompts when the first has an ``instruction`` (None otherwise)."""
+    given = " (instruction, optional input, output)"
+    if not _of_one_kind(records, "instruction", lambda _: True, "'instruction' field", "an Alpaca", given):
+        return None
     return [format_alpaca(r) for r in records]
 
 
 def _conversations(records: list[Any] | None) -> list[list[dict[str, Any]]] | None:
     """The records' ``messages`` when the first holds one (None otherwise): TRL's conversational format, a list of
-    ``{"role", "content"}`` turns a record. A later record without such a list is refused by its index."""
-    if not records or not isinstance(records[0], dict) or "messages" not in records[0]:
+    ``{"role", "content"}`` turns a record."""
+
+    def turns(value: Any) -> bool:
+        return (
+            isinstance(value, list)
+            and bool(value)
+            and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in value)
+        )
+
+    if not _of_one_kind(records, "messages", turns, "'messages' list of {'role', 'content'} turns", "a chat", ""):
         return None
-    for index, record in enumerate(records):
-        turns = record.get("messages") if isinstance(record, dict) else None
-        if not (
-            isinstance(turns, list)
-            and turns
-            and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns)
-        ):
-            raise CalibrationDataError(
-                f"record {index} has no 'messages' list of {{'role', 'content'}} turns, and record 0 is a chat "
-                "record: give every record one, or none (plain text in a 'text' field)."
-            )
     return [record["messages"] for record in records]
 
 

@@ -46,8 +46,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +54,7 @@ from torch import nn
 
 from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_start import checked_start, prompt_ids
-from .teacher_text_cache import cache_key, clear_partial, read_cache, read_partial, write_cache, write_partial
+from .teacher_text_cache import FinishedBatches, cache_key, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
 
@@ -242,6 +240,13 @@ def _cached_rows(
     return found if found is not None else (None, None)
 
 
+def _measuring(device: torch.device) -> float:
+    """The clock's start of a sampling, with the device's peak memory counted from here (`_sampling_cost`)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
 def _sampling_cost(
     began: float, generated: int, device: torch.device, processes: int, vllm_bytes: int | None = None
 ) -> dict[str, Any]:
@@ -256,15 +261,6 @@ def _sampling_cost(
             "peak_memory_bytes": peak, "peak_memory": measured}  # fmt: skip
 
 
-@dataclass
-class Progress:
-    """A sampling's finished batches on disk (`teacher_text_cache.read_partial`): the rows read back (None: none)
-    and how to keep the rows so far after each batch."""
-
-    rows: torch.Tensor | None
-    save: Callable[[torch.Tensor], None]
-
-
 def _generate(
     teacher: nn.Module,
     starts: torch.Tensor,
@@ -275,7 +271,7 @@ def _generate(
     stream: str,
     rank: int,
     progress: bool,
-    kept: Progress | None = None,
+    kept: FinishedBatches | None = None,
 ) -> torch.Tensor:
     """`starts` continued to `seqlen` tokens, `batch_size` rows at a time, each batch under its own seed; with `kept`,
     after the rows its stopped sampling finished (whole batches), handing it the rows so far after each batch."""
@@ -314,7 +310,7 @@ def _continue(
     stream: str,
     rank: int,
     progress: bool,
-    kept: Progress | None = None,
+    kept: FinishedBatches | None = None,
 ) -> tuple[torch.Tensor, int | None]:
     """(this rank's `starts` continued to `seqlen` tokens, the bytes vLLM was given or None): by ``generate`` in
     batches (`batch_size` given; going on after `kept`'s finished batches), else by vLLM with one seed a row
@@ -455,16 +451,10 @@ def sample_teacher_rows(
     batch_size = (batch_size or default_batch_size(teacher_model, seqlen)) if backend == "transformers" else None
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
-    began = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    began = _measuring(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size, device)
-    cached, vllm_bytes, kept = ids is not None, None, None
-    if not cached and folder is not None and key is not None and batch_size is not None:
-        kept = Progress(
-            read_partial(folder, stream, key, batch_size, rank, world_size),
-            lambda rows: write_partial(folder, stream, key, batch_size, rank, world_size, rows),
-        )
+    cached, vllm_bytes = ids is not None, None
+    kept = None if cached else FinishedBatches.open(folder, stream, key, batch_size, rank, world_size)
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
         if start_kind == "random":
@@ -481,8 +471,8 @@ def sample_teacher_rows(
         cost["rows_read_back"] = int(kept.rows.shape[0])
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
-    if kept is not None and folder is not None:
-        clear_partial(folder, stream, rank)
+    if kept is not None:
+        kept.clear()
     record = {
         "rows": int(ids.shape[0]), "seqlen": int(seqlen), **settings,
         "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows

@@ -3,7 +3,7 @@ reading them back, so that a resumed healing does not sample again and another k
 
 One job apart from the sampling itself: the key is JSON beside a safetensors file of the rows, whose metadata keeps
 what sampling them cost; the rows are written first and the key last, each atomically, so a key always names
-complete rows. While a sampling runs, each process also keeps the rows of its finished batches (`write_partial`), so
+complete rows. While a sampling runs, each process also keeps the rows of its finished batches (`FinishedBatches`), so
 that a sampling stopped part-way (a pre-empted job, a session's end) goes on from its next batch instead of from
 the first: each batch draws from its own seed (`teacher_text.batch_seed`), so the rows come out as if it never
 stopped.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,49 +85,46 @@ def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor,
     write_bytes_atomically(folder / f"{name}.json", json.dumps(key, indent=1, sort_keys=True).encode())
 
 
-def _partial_path(folder: Path, name: str, rank: int) -> Path:
-    return folder / f"{name}.partial-rank{rank}.safetensors"
+@dataclass
+class FinishedBatches:
+    """One process's finished batches of a sampling in progress, kept beside the cache (`open`): the rows a stopped
+    sampling left (None: none), kept again after each batch (`save`) and removed once the cache holds them all
+    (`clear`). A batch's rows and seed are fixed by its index, the batch size and the process's share of the rows,
+    so they are read back only under the same key, batch size, rank and world size."""
 
+    path: Path
+    identity: str
+    rows: torch.Tensor | None = None
 
-def _partial_identity(key: dict[str, Any], batch_size: int, rank: int, world_size: int) -> str:
-    """What the finished batches depend on beyond the key: a batch's rows and seed are fixed by its index, the batch
-    size and the process's share of the rows."""
-    return json.dumps({"key": key, "batch_size": batch_size, "rank": rank, "world_size": world_size}, sort_keys=True)
+    @classmethod
+    def open(
+        cls, folder: Path | None, name: str, key: dict[str, Any] | None, batch_size: int | None, rank: int, world: int
+    ) -> FinishedBatches | None:
+        """The finished batches of this process under `folder` (None without a cache or a batch size: vLLM batches
+        its own rows), with those a stopped sampling left read back."""
+        if folder is None or key is None or batch_size is None:
+            return None
+        identity = {"key": key, "batch_size": batch_size, "rank": rank, "world_size": world}
+        kept = cls(folder / f"{name}.partial-rank{rank}.safetensors", json.dumps(identity, sort_keys=True))
+        if kept.path.is_file():
+            from safetensors import safe_open
 
+            with safe_open(str(kept.path), framework="pt") as rows:
+                ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+            if metadata.get("identity") == kept.identity:
+                logger.info("teacher text %s: %d rows of a stopped sampling read back", kept.path, len(ids))
+                kept.rows = ids
+            else:
+                logger.info("teacher text %s: another sampling's finished batches, starting from the first", kept.path)
+        return kept
 
-def read_partial(
-    folder: Path, name: str, key: dict[str, Any], batch_size: int, rank: int, world_size: int
-) -> torch.Tensor | None:
-    """The rows of the batches a stopped sampling of this process finished (`write_partial`), when it sampled under
-    the same key, batch size, rank and world size; else None (and a stale file is left to be replaced)."""
-    path = _partial_path(folder, name, rank)
-    if not path.is_file():
-        return None
-    from safetensors import safe_open
+    def save(self, ids: torch.Tensor) -> None:
+        """This process's rows so far, atomically (a stop while writing keeps the last ones)."""
+        from safetensors.torch import save_file
 
-    with safe_open(str(path), framework="pt") as rows:
-        ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
-    if metadata.get("identity") != _partial_identity(key, batch_size, rank, world_size):
-        logger.info("teacher text %s: the finished batches of another sampling, starting from the first", path)
-        return None
-    logger.info("teacher text %s: %d rows of a stopped sampling read back, going on from there", path, len(ids))
-    return ids
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"identity": self.identity}
+        write_atomically(self.path, lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata))
 
-
-def write_partial(
-    folder: Path, name: str, key: dict[str, Any], batch_size: int, rank: int, world_size: int, ids: torch.Tensor
-) -> None:
-    """This process's rows so far, with what they depend on, atomically (a stop while writing keeps the last)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    metadata = {"identity": _partial_identity(key, batch_size, rank, world_size)}
-    write_atomically(
-        _partial_path(folder, name, rank),
-        lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata),
-    )
-
-
-def clear_partial(folder: Path, name: str, rank: int) -> None:
-    """Removes this process's finished batches once the whole sampling is done (the cache holds its rows)."""
-    _partial_path(folder, name, rank).unlink(missing_ok=True)
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
