@@ -460,10 +460,14 @@ class FlattenQuantizer(OptimumQuantizer):
         calibration: N uploads of one checkpoint would race on one repo); the others return `repo_id` at once.
 
         Raises:
+            ValueError: before anything is written, on every rank, for a repo id the Hub rejects or in
+                huggingface_hub's offline mode (`export.hub.check_hub_repo`).
             HubUploadError: when the upload fails; the local folder stays, and the message says where it is.
         """
-        from .export.hub import push_to_hub
+        from .export.hub import check_hub_repo, push_to_hub
 
+        # On every rank, so that all of them refuse together rather than rank 0 alone after its save.
+        check_hub_repo(repo_id, kwargs.get("api"))
         if not is_writer():
             return repo_id
         report = {**self.report, **(extra_report or {})}

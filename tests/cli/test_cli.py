@@ -226,6 +226,10 @@ def test_flags_are_generated_from_the_config_fields():
 def test_push_to_hub_offline_reports_and_keeps_local_save(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     from huggingface_hub import HfApi
 
+    from tests.test_hub import _online
+
+    _online(monkeypatch)  # the upload itself fails here (a closed port), not the offline check before the work
+
     monkeypatch.setattr("huggingface_hub.HfApi", lambda token=None: HfApi(endpoint="http://127.0.0.1:9", token="x"))
     model_path, data = tiny_checkpoint
     out = tmp_path / "out"
@@ -488,3 +492,22 @@ def test_a_shared_options_value_of_another_method_is_refused_in_one_line(tiny_ch
     err = capsys.readouterr().err.strip()
     assert "--flattengpt-selection: invalid choice: 'nll'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["bad repo id", "offline"])
+def test_a_push_that_cannot_happen_is_refused_before_the_model_loads(tiny_checkpoint, tmp_path, capsys, monkeypatch,
+                                                                    offline):  # fmt: skip
+    from tests.test_hub import _online
+
+    _online(monkeypatch)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("optimum_flatten.cli.main._load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    model_path, data = tiny_checkpoint
+    repo = "me/repo" if offline else "a/b/c"
+    argv = ["compress", str(model_path), "--num-layers-to-remove", "1", "--method", "shortgpt", "--dataset",
+            str(data), "--output", str(tmp_path / "out"), "--push-to-hub", repo]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("offline mode is on" if offline else "not a valid Hub repo id") in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -152,3 +152,36 @@ def test_models_of_different_tokenizers_and_vocabularies_compare_by_bits_per_byt
     argv = ["evaluate", str(dense), "--baseline", str(other), "--dataset", str(text), "--seqlen", "32", "--no-speed",
             "--max-tokens", "256", "--allow-different-tokenizers"]  # fmt: skip
     assert main(argv) == 0
+
+
+def test_with_a_baseline_each_checkpoint_loads_once_and_measures_as_if_loaded_alone(on_disk, tmp_path, monkeypatch):
+    """Every measurement against a baseline used to load both checkpoints again (four loads of each, minutes at
+    7B); shared, each loads once, and every number equals the one its measurement gives loading its own."""
+    from transformers import AutoModelForCausalLM
+
+    import optimum_flatten.evaluation.compare as compare
+
+    dense, text = on_disk
+    model = AutoModelForCausalLM.from_pretrained(dense)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    other = _save(model, tmp_path / "other")
+    loads: list[str] = []
+    real = compare._load_model
+    monkeypatch.setattr(compare, "_load_model", lambda path, *rest: loads.append(str(path)) or real(path, *rest))
+    out = tmp_path / "eval.json"
+    argv = ["evaluate", str(other), "--baseline", str(dense), "--dataset", str(text), "--seqlen", "32",
+            "--max-tokens", "256", "--speed-rounds", "2", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert sorted(loads) == sorted([str(dense), str(other)])
+    measured = json.loads(out.read_text())["models"]
+    window = {"seqlen": 32, "max_tokens": 256}
+    for entry, path in zip(measured, (dense, other), strict=True):
+        alone = compare.evaluate_checkpoint(path, str(text), speed=False, **window)
+        assert entry["perplexity"] == pytest.approx(alone["perplexity"], rel=1e-6)
+        assert entry["prefill"]["tokens_per_second"] > 0 and entry["decode"]["tokens_per_second"] > 0
+    fidelity_alone = compare.fidelity_to_baseline(dense, other, str(text), **window)
+    assert measured[-1]["fidelity"]["kl"] == pytest.approx(fidelity_alone["kl"], rel=1e-6)
+    assert measured[-1]["fidelity"]["top1_agreement"] == fidelity_alone["top1_agreement"]
+    generation_alone = compare.generation_against_baseline(dense, other, str(text))
+    assert measured[-1]["generation"]["token_agreement"] == generation_alone["token_agreement"]

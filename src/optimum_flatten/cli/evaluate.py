@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> Evaluation:
     import torch
 
     from ..calibration.data import load_texts
+    from ..evaluation.compare import Checkpoints
     from ..utils.torch_utils import resolve_device
 
     device = resolve_device(args.device)
@@ -58,24 +59,23 @@ def measure(args: argparse.Namespace) -> Evaluation:
     paths = [checkpoint_path(name) for name in names]
     configs = check_models(paths, args)
     texts = load_texts(args.dataset, args.text_column)  # read once; every measurement scores these texts
-    tokenizers = check_tokenizers(paths, configs, texts, args)
+    # Every checkpoint is loaded once, in the same dtype, on the same device, with the same code, and shared by the
+    # measurements below. Held across them only where a comparison will hold both models at once anyway (the
+    # interleaved speed, KL and top-1, greedy agreement); perplexities alone load one model at a time.
+    pairwise = bool(args.baseline) and not (args.no_speed and args.no_fidelity and args.no_generation)
+    checkpoints = Checkpoints(getattr(torch, args.dtype), device, args.trust_remote_code, keep_models=pairwise)
+    tokenizers = check_tokenizers(paths, configs, texts, checkpoints)
     per_byte = _per_byte_comparison(tokenizers[0], tokenizers[-1], texts, args) if args.baseline else None
     same_tokens = bool(args.baseline) and per_byte is None
     compare, generative = same_tokens and not args.no_fidelity, same_tokens and not args.no_generation
     if compare or generative:
         check_vocabularies(paths, configs)
     check_text(paths[0], texts, args, generative)
-    # How every checkpoint is loaded, by each evaluation below: the same dtype, device and code for all of them.
-    loading: dict[str, Any] = {
-        "dtype": getattr(torch, args.dtype),
-        "trust_remote_code": args.trust_remote_code,
-        "device": device,
-    }
-    entries = _perplexities(paths, names, texts, per_byte, loading, args)
-    speed = _interleaved_speed(paths, entries, loading, args) if args.baseline and not args.no_speed else None
+    entries = _perplexities(paths, names, texts, per_byte, checkpoints, args)
+    speed = _interleaved_speed(paths, entries, checkpoints, args) if args.baseline and not args.no_speed else None
     # KL, top-1 and greedy agreement compare the models position by position on the baseline's tokens: meaningless
     # when the tokens differ. Both are run alike, on the baseline's and the model's checkpoints and the texts.
-    _agreements(paths, entries[-1], texts, compare, generative, loading, args)
+    _agreements(paths, entries[-1], texts, compare, generative, checkpoints, args)
     return Evaluation(entries, per_byte, speed, compare, generative, str(device), args.dtype)
 
 
@@ -84,7 +84,7 @@ def _perplexities(
     names: list[str],
     texts: list[str],
     per_byte: dict[str, Any] | None,
-    loading: dict[str, Any],
+    checkpoints: Any,
     args: Any,
 ) -> list[dict[str, Any]]:
     """Each model's perplexity (and its own timing without a baseline, and lm-eval tasks); with tokenizers that
@@ -109,7 +109,7 @@ def _perplexities(
             lm_eval_tasks=[t for t in (args.lm_eval_tasks or "").split(",") if t],
             lm_eval_limit=args.lm_eval_limit,
             speed_repeats=args.speed_rounds,
-            **loading,
+            checkpoints=checkpoints,
         )
         for p in paths
     ]
@@ -120,13 +120,13 @@ def _perplexities(
     return entries
 
 
-def _interleaved_speed(
-    paths: list[str], entries: list[dict[str, Any]], loading: dict[str, Any], args: Any
-) -> dict[str, Any]:
+def _interleaved_speed(paths: list[str], entries: list[dict[str, Any]], checkpoints: Any, args: Any) -> dict[str, Any]:
     """Prefill and decode of the baseline and the model timed in alternating rounds, each side in its entry."""
     from ..evaluation.compare import speed_against_baseline
 
-    speed = speed_against_baseline(paths[0], paths[-1], seqlen=args.seqlen, rounds=args.speed_rounds, **loading)
+    speed = speed_against_baseline(
+        paths[0], paths[-1], seqlen=args.seqlen, rounds=args.speed_rounds, checkpoints=checkpoints
+    )
     for kind, comparison in speed.items():
         entries[0][kind], entries[-1][kind] = comparison.side("baseline"), comparison.side("candidate")
         entries[-1][f"{kind}_comparison"] = comparison.to_dict()
@@ -139,7 +139,7 @@ def _agreements(
     texts: list[str],
     compare: bool,
     generative: bool,
-    loading: dict[str, Any],
+    checkpoints: Any,
     args: Any,
 ) -> None:
     """KL and top-1 agreement on the perplexity's windows, and greedy agreement, into the model's `entry`."""
@@ -151,7 +151,7 @@ def _agreements(
         ("generation", generative, generation_against_baseline, {}),
     ):
         if wanted:
-            entry[key] = against(paths[0], paths[-1], texts, **options, **loading)
+            entry[key] = against(paths[0], paths[-1], texts, **options, checkpoints=checkpoints)
 
 
 def _table(evaluation: Evaluation, args: Any) -> tuple[list[list[Any]], list[str]]:

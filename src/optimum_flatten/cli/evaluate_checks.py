@@ -115,26 +115,23 @@ def check_vocabularies(paths: list[str], configs: list[Any]) -> None:
         )
 
 
-def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], args: argparse.Namespace) -> list[Any]:
+def check_tokenizers(paths: list[str], configs: list[Any], texts: list[str], checkpoints: Any) -> list[Any]:
     """Each checkpoint has a tokenizer that loads, and every id it gives the evaluation text is a row of its model's
     embedding: another model's tokenizer saved beside the weights fails deep inside the first forward otherwise
     (an IndexError on CPU, a device-side assert on CUDA), after the weights have loaded. Returns the tokenizers,
-    which the comparison of two of them reads (`evaluate._per_byte_comparison`)."""
-    from transformers import AutoTokenizer
-
-    from ..evaluation.perplexity import tokenize_corpus
-
+    which the comparison of two of them reads (`evaluate._per_byte_comparison`); they and the token streams stay in
+    `checkpoints` (`evaluation.compare.Checkpoints`) for the measurements."""
     tokenizers = []
     for path, config in zip(paths, configs, strict=True):
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+            tokenizer = checkpoints.tokenizer(path)
         except Exception as error:  # transformers raises many kinds, over several lines
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ValueError(
                 f"{path} has no tokenizer that loads ({first}); save the model's tokenizer beside it "
                 "(tokenizer.save_pretrained)."
             ) from error
-        stream = tokenize_corpus(tokenizer, texts)
+        stream = checkpoints.tokens(path, texts)
         vocabulary = config.get_text_config().vocab_size
         if stream.numel() and int(stream.max()) >= vocabulary:
             raise ValueError(

@@ -180,6 +180,10 @@ def cmd_compress(args: argparse.Namespace) -> int:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir")
+    if args.push_to_hub:  # a repo id the Hub refuses, or offline mode, would fail only after the compression
+        from ..export.hub import check_hub_repo
+
+        check_hub_repo(args.push_to_hub)
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     if calibrates:
         _check_text_calibration(model)
@@ -306,58 +310,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_layer_collapse(args: argparse.Namespace) -> int:
-    """LayerCollapse end to end on a causal LM: prepare the last MLPs, train α to 1 (AdamLC), collapse, save."""
-    import dataclasses
+    """LayerCollapse end to end on a causal LM: prepare the last MLPs, train α to 1 (AdamLC), collapse, save; every
+    refusal the options, the model or the text can give comes before the training (`cli.layer_collapse`)."""
     import json
 
-    from ..adapters import get_adapter
-    from ..config import FlattenConfig
-    from ..export.checkpoint import REPORT_NAME, check_output_dir
-    from ..methods.layer_collapse import LinearisationSchedule, prepare_layer_collapse_, train_to_linear
+    from ..export.checkpoint import REPORT_NAME
     from ..quantizer import FlattenQuantizer
-    from ..recovery.data import build_training_rows, load_recovery_texts
-    from ..utils.launch import launched_world_size
-    from ..utils.positions import check_sequence_length
+    from .layer_collapse import check_request, plan_training, prepare_and_train, summary_rows
 
-    if launched_world_size() > 1:  # its collapse calibrates in one process: refused before either rank trains
-        raise ValueError("layer-collapse trains and collapses in one process; run it without torchrun or a launcher.")
-    check_source(args.model)
-    check_output_dir(args.output, args.overwrite, sources=[args.model])
-    selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
-    if len(selection) != 1:
-        raise ValueError("say which MLPs to collapse: --num-mlps K (the last K not collapsed yet) or --mlp-fraction F.")
-    names = {f.name for f in dataclasses.fields(LinearisationSchedule)}
-    schedule = LinearisationSchedule(**{k: v for k, v in vars(args).items() if k in names})
-    if args.no_progress:  # the Trainer's bars too, as `recover` does
-        extra = {"disable_tqdm": True, **schedule.extra_training_args}
-        schedule = dataclasses.replace(schedule, extra_training_args=extra)
-    # The collapse's options are checked before the training, whose work a refusal afterwards would lose.
-    calibration = {"dataset": args.dataset, "nsamples": args.nsamples, "seqlen": args.seqlen}
-    config = FlattenConfig(method="layer_collapse", threshold=args.threshold, **calibration)
+    request = check_request(args)
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
-    if get_adapter(model).lm_head() is None:
-        raise ValueError(
-            f"the layer-collapse command trains on the next-token loss, and this {type(model).__name__} has no causal "
-            "LM head; for an encoder, train with your own loss through the Python API (see examples/layer_collapse)."
-        )
-    check_sequence_length(model, args.seqlen)
-    texts, kind = load_recovery_texts(args.dataset, tokenizer=tokenizer)
-    rows = build_training_rows(tokenizer, texts, kind, args.seqlen, args.max_samples, schedule.seed)
-    prepared = sorted(prepare_layer_collapse_(model, **selection))
-    log = train_to_linear(model, rows, schedule)
-    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    plan = plan_training(model, tokenizer, args, request)
+    log = prepare_and_train(model, request, plan, args)
+    quantizer = FlattenQuantizer(plan.config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
     path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"training": log})
     report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
-    collapsed = report["layer_collapse"]["collapsed"]
-    rows_shown = [
-        ("MLPs prepared", prepared),
-        ("training", f"{len(rows)} rows of {args.seqlen} tokens; alpha after: {log['snap']['alpha_after']}"),
-        ("collapsed (layer, relative error)", [(r["layer"], f"{r['relative_error']:.2e}") for r in collapsed]),
-        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
-        ("format", report["export_format"]),
-    ]
-    print(text_table(rows_shown, ("", "value")))
+    print(text_table(summary_rows(log, report, args.seqlen), ("", "value")))
     load = report.get("load_with")
     how = f"{load['class']}.from_pretrained(path, trust_remote_code=True)" if load else "its stock class"
     print(f"saved to {path}; load with {how}")

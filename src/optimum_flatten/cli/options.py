@@ -427,4 +427,17 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     from ..options.methods.layer_collapse import LinearisationSchedule
 
     group = parser.add_argument_group("linearisation schedule (AdamLC)")
-    _add_dataclass_fields(group, LinearisationSchedule, set(), helps={})
+    _add_dataclass_fields(group, LinearisationSchedule, set(), helps=_SCHEDULE_HELP)
+
+
+#: The schedule's flags, in a user's words (`LinearisationSchedule` says why each default is what it is).
+_SCHEDULE_HELP = {
+    "pull_steps": "steps that pull each alpha towards 1 while every weight trains",
+    "learning_rate": "learning rate of the pull steps",
+    "pull_per_step": "share of alpha's remaining distance to 1 taken at each pull step",
+    "snap_steps": "steps that hold alpha at 1 while the weights settle",
+    "snap_learning_rate": "learning rate of the snap steps (below the threshold, so Adam cannot move alpha off 1)",
+    "batch_size": "training rows a step",
+    "seed": "seed of the Trainer (data order, dropout)",
+    "logging_steps": "log every N steps (default: a quarter of each phase)",
+}

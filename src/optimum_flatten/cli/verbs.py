@@ -170,7 +170,10 @@ class LayerCollapseArguments:
     """`layer-collapse`'s arguments (then the AdamLC schedule's): which MLPs, on what text, and the collapse bound."""
 
     model: str = _model("checkpoint directory, hub name, or a remote-code LayerCollapse checkpoint")
-    dataset: str | None = _arg(None, "training and calibration text (same forms as compress)", required=True)
+    dataset: str | None = _arg(
+        None, "training and calibration text: the forms compress reads, or Alpaca or chat records", required=True
+    )
+    text_column: str = _arg("text", "the field holding the text in .jsonl/.json/.csv/.parquet records and datasets")
     output: str | None = _arg(None, _OUTPUT, required=True)
     overwrite: bool = _switch(_OVERWRITE)
     num_mlps: int | None = _arg(None, "collapse the last K MLPs not collapsed yet", exclusive="which")
@@ -179,7 +182,9 @@ class LayerCollapseArguments:
     max_samples: int | None = _arg(None, "training rows at most (default: all)")
     nsamples: int = _arg(8, "calibration sequences for the error report")
     threshold: float = _arg(1e-4, "collapse only when |1 - alpha| < this")
-    dtype: str = _arg("float32", choices=DTYPES)
+    #: float16 is left out: the Trainer trains it without loss scaling, and its gradients overflow to NaN at the
+    #: first step (alpha NaN, the collapse refused after the whole training).
+    dtype: str = _arg("float32", "the weights' dtype while training", choices=("float32", "bfloat16"))
     no_progress: bool = _switch("hide progress bars")
     trust_remote_code: bool = _switch(
         "run the modelling code shipped with the checkpoint (a LayerCollapse checkpoint saved mid-training)"

@@ -17,6 +17,60 @@ from .perplexity import perplexity, tokenize_corpus
 from .speed import SpeedComparison, compare_decode, compare_prefill, decode_tokens_per_second, prefill_tokens_per_second
 
 
+class Checkpoints:
+    """The models, tokenizers and token streams that one evaluation reads, each loaded or tokenised once.
+
+    `optimum-flatten evaluate` scores a checkpoint's perplexity and then compares it with its baseline three more
+    ways (speed, KL and top-1, greedy agreement); loaded by each measurement, every checkpoint was read from disk up
+    to four times (minutes each at 7B) and the text tokenised as often. Those comparisons need both models in memory
+    at once anyway, so holding them across the measurements (`keep_models`) costs no peak memory the run did not
+    already need; without it each `model` call loads afresh and the caller's reference is the only one.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+        keep_models: bool = True,
+    ) -> None:
+        self.dtype, self.device, self.trust_remote_code = dtype, device, trust_remote_code
+        self.keep_models = keep_models
+        self._models: dict[str, Any] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self._streams: dict[tuple[str, tuple[str, ...]], torch.Tensor] = {}
+
+    def model(self, path: str | Path) -> Any:
+        """The causal LM at `path` in this evaluation's dtype, on its device, in eval mode."""
+        key = str(path)
+        if key in self._models:
+            return self._models[key]
+        model = _load_model(path, self.dtype, self.device, self.trust_remote_code)
+        if self.keep_models:
+            self._models[key] = model
+        return model
+
+    def tokenizer(self, path: str | Path) -> Any:
+        """The tokenizer saved beside `path` (or the one `add_tokenizer` gave for it)."""
+        key = str(path)
+        if key not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[key] = AutoTokenizer.from_pretrained(path, trust_remote_code=self.trust_remote_code)
+        return self._tokenizers[key]
+
+    def add_tokenizer(self, path: str | Path, tokenizer: Any) -> None:
+        """Uses `tokenizer` for `path` (one the caller loaded already, to check it) instead of loading it again."""
+        self._tokenizers[str(path)] = tokenizer
+
+    def tokens(self, path: str | Path, texts: Sequence[str]) -> torch.Tensor:
+        """`texts` as one stream in the tokens of `path`'s tokenizer (`tokenize_corpus`)."""
+        key = (str(path), tuple(texts))
+        if key not in self._streams:
+            self._streams[key] = tokenize_corpus(self.tokenizer(path), list(texts))
+        return self._streams[key]
+
+
 def evaluate_checkpoint(
     path: str | Path,
     dataset: Any,
@@ -30,19 +84,21 @@ def evaluate_checkpoint(
     trust_remote_code: bool = False,
     device: str | torch.device = "cpu",
     speed_repeats: int = 5,
+    checkpoints: Checkpoints | None = None,
 ) -> dict[str, Any]:
     """Perplexity (with its protocol), prefill/decode throughput and optional lm-eval tasks of one checkpoint.
 
     ``"local_text_perplexity"`` among `lm_eval_tasks` is the offline lm-eval task over the same `dataset` texts
     (capped at 64 documents); other names are lm-eval's own tasks (they download their data). Speeds are medians of
     `speed_repeats` synchronised runs on `device`, with their spread and environment; to compare two checkpoints'
-    speed use `speed_against_baseline`, which interleaves them.
+    speed use `speed_against_baseline`, which interleaves them. `checkpoints` shares loaded models, tokenizers and
+    token streams between measurements (and then sets dtype, device and remote code); by default this call loads
+    its own.
     """
-    from transformers import AutoTokenizer
-
-    model = _load_model(path, dtype, device, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    stream = tokenize_corpus(tokenizer, load_texts(dataset))
+    checkpoints = checkpoints or Checkpoints(dtype, device, trust_remote_code, keep_models=False)
+    model, tokenizer = checkpoints.model(path), checkpoints.tokenizer(path)
+    texts = load_texts(dataset)
+    stream = checkpoints.tokens(path, texts)
     result = perplexity(model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens)
     entry: dict[str, Any] = {
         "path": str(path),
@@ -59,7 +115,7 @@ def evaluate_checkpoint(
         from .harness import local_text_task, run_lm_eval
 
         with tempfile.TemporaryDirectory() as directory:
-            local_text_task(load_texts(dataset)[:64], directory)
+            local_text_task(texts[:64], directory)
             entry["lm_eval"] = run_lm_eval(
                 model,
                 tokenizer,
@@ -84,13 +140,16 @@ def fidelity_to_baseline(
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     device: str | torch.device = "cpu",
+    checkpoints: Checkpoints | None = None,
 ) -> dict[str, Any]:
     """KL(baseline ‖ model) per token and top-1 agreement on the windows `evaluate_checkpoint` scores.
 
     Both checkpoints are loaded at once (the comparison needs both distributions for the same positions), so this
     needs the memory of the two models; the text is tokenised with the baseline's tokenizer, as for its perplexity.
+    `checkpoints`: as for `evaluate_checkpoint`.
     """
-    dense, model, stream = _pair_on_text(baseline, path, dataset, dtype, device, trust_remote_code)
+    checkpoints = checkpoints or Checkpoints(dtype, device, trust_remote_code)
+    dense, model, stream = _pair_on_text(checkpoints, baseline, path, dataset)
     return fidelity(dense, model, stream, seqlen=seqlen, stride=stride, max_tokens=max_tokens).to_dict()
 
 
@@ -104,12 +163,14 @@ def generation_against_baseline(
     prompts: int = 16,
     prompt_length: int = 64,
     new_tokens: int = 32,
+    checkpoints: Checkpoints | None = None,
 ) -> dict[str, Any]:
     """`generation_agreement` of the checkpoint at `path` with `baseline`, on prompts cut from `dataset` (tokenised
-    with the baseline's tokenizer); the protocol is in the result."""
+    with the baseline's tokenizer); the protocol is in the result. `checkpoints`: as for `evaluate_checkpoint`."""
     from .generation import generation_agreement
 
-    dense, model, stream = _pair_on_text(baseline, path, dataset, dtype, device, trust_remote_code)
+    checkpoints = checkpoints or Checkpoints(dtype, device, trust_remote_code)
+    dense, model, stream = _pair_on_text(checkpoints, baseline, path, dataset)
     result = generation_agreement(dense, model, stream, prompts, prompt_length, new_tokens)
     return {**result.to_dict(), "protocol": result.protocol()}
 
@@ -122,11 +183,13 @@ def speed_against_baseline(
     device: str | torch.device = "cpu",
     rounds: int = 5,
     trust_remote_code: bool = False,
+    checkpoints: Checkpoints | None = None,
 ) -> dict[str, SpeedComparison]:
     """Prefill (batch 1 x `seqlen`) and decode speed of `path` against `baseline`, the two loaded at once and timed
-    alternately (baseline, model, baseline, ...) so that machine load hits both; see `compare_prefill`."""
-    dense = _load_model(baseline, dtype, device, trust_remote_code)
-    model = _load_model(path, dtype, device, trust_remote_code)
+    alternately (baseline, model, baseline, ...) so that machine load hits both; see `compare_prefill`.
+    `checkpoints`: as for `evaluate_checkpoint`."""
+    checkpoints = checkpoints or Checkpoints(dtype, device, trust_remote_code)
+    dense, model = checkpoints.model(baseline), checkpoints.model(path)
     return {
         "prefill": compare_prefill(dense, model, seqlen=seqlen, rounds=rounds),
         "decode": compare_decode(dense, model, rounds=rounds),
@@ -141,16 +204,11 @@ def _load_model(path: str | Path, dtype: torch.dtype, device: str | torch.device
 
 
 def _pair_on_text(
-    baseline: str | Path, path: str | Path, dataset: Any, dtype: torch.dtype, device: str | torch.device, remote: bool
+    checkpoints: Checkpoints, baseline: str | Path, path: str | Path, dataset: Any
 ) -> tuple[Any, Any, torch.Tensor]:
     """(the baseline, the model at `path`, `dataset` tokenised with the baseline's tokenizer): what every comparison
-    on text loads, both models at once since it needs both distributions at the same positions."""
-    from transformers import AutoTokenizer
-
-    dense = _load_model(baseline, dtype, device, remote)
-    model = _load_model(path, dtype, device, remote)
-    tokenizer = AutoTokenizer.from_pretrained(baseline, trust_remote_code=remote)
-    return dense, model, tokenize_corpus(tokenizer, load_texts(dataset))
+    on text reads, both models at once since it needs both distributions at the same positions."""
+    return checkpoints.model(baseline), checkpoints.model(path), checkpoints.tokens(baseline, load_texts(dataset))
 
 
 def _layer_figures(report: dict[str, Any]) -> list[Any]:

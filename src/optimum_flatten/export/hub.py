@@ -7,19 +7,65 @@ an ``.env``, evaluation results), and those are not ours to publish.
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from ..utils.loading import hub_offline
 from .atomic import glob_escape
 from .checkpoint import CHECKPOINT_PATTERNS, is_checkpoint_file, method_checkpoint_files, save_compressed
 
 logger = logging.getLogger(__name__)
 
+#: The entries of `CHECKPOINT_PATTERNS` that name a folder (transformers writes one file per extra chat template
+#: into it). The Hub client matches patterns against file paths, so a bare folder name matches none of its files.
+CHECKPOINT_FOLDERS = ("additional_chat_templates",)
+#: The variables that turn huggingface_hub's offline mode on, and the values that do (as `utils.loading.hub_offline`).
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+_TRUE = ("1", "ON", "YES", "TRUE")
+
 
 class HubUploadError(RuntimeError):
     """The upload failed; the local save it was made from is intact."""
+
+
+def check_hub_repo(repo_id: str, api: Any = None) -> None:
+    """Refuses, before any compression or save, a push that cannot succeed: a repo id the Hub rejects, or
+    huggingface_hub's offline mode. Both would otherwise surface only after the work, at the upload.
+
+    Args:
+        repo_id: The Hub repo the checkpoint is to be pushed to.
+        api: The client the upload will use (`push_to_hub`'s ``api``). Offline mode blocks huggingface_hub's own
+            `HfApi` only, so it is checked for that client (the default, None) and not for a stand-in transport.
+
+    Raises:
+        ValueError: one line, naming the repo id or the offline setting and what to do instead.
+    """
+    from huggingface_hub.hf_api import HfApi  # the class, even where a test replaces huggingface_hub.HfApi
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        if not isinstance(repo_id, str):
+            raise HFValidationError("not a string")  # validate_repo_id lets None through: a push needs a repo
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        # Its message spans the rules and the repo_type argument, which a push does not take: say it in one line.
+        raise ValueError(
+            f"{repo_id!r} is not a valid Hub repo id: expected 'name' or 'namespace/name' (letters, digits, '-', '_' "
+            "and '.', at most 96 characters each, no '--' or '..'); choose another repo id."
+        ) from None
+    if (api is None or isinstance(api, HfApi)) and hub_offline():
+        name = next(
+            (v for v in _OFFLINE_VARIABLES if os.environ.get(v, "").strip().upper() in _TRUE), _OFFLINE_VARIABLES[0]
+        )
+        raise ValueError(
+            f"cannot push to the Hub repo {repo_id!r}: huggingface_hub's offline mode is on ({name} is set), so the "
+            f"upload would fail after the work; unset {name}, or save without pushing (--output, or "
+            "FlattenQuantizer.save) and upload the folder later with `hf upload`."
+        )
 
 
 def push_to_hub(
@@ -56,8 +102,10 @@ def push_to_hub(
         The URL of the uploaded commit (or of the repo).
 
     Raises:
+        ValueError: before anything is written, for an invalid repo id or in offline mode (`check_hub_repo`).
         HubUploadError: when creating the repo or uploading fails.
     """
+    check_hub_repo(repo_id, api)
     report = dict(report or {})
     folder = save_compressed(
         model, local_dir or Path(repo_id.split("/")[-1]), tokenizer=tokenizer, report=report, overwrite=overwrite
@@ -78,11 +126,13 @@ def push_to_hub(
             delete_patterns=_stale_patterns(),
         )
     except Exception as error:  # network, auth and HTTP errors come in many types
+        # One message for the CLI and the API: the CLI has no token option (huggingface_hub reads the login or
+        # HF_TOKEN), and only the API takes token=.
         raise HubUploadError(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
-            f"is saved at {folder}; check the network and your login (`hf auth login`, or pass token=), then "
-            f"upload the checkpoint with `hf upload {repo_id} {folder} {_include_options(folder)} "
-            f"{_delete_options()}`."
+            f"is saved at {folder}; check the network and your login (`hf auth login`, or set HF_TOKEN; from "
+            f"Python, push_to_hub(..., token=...)), then upload the checkpoint with `hf upload {repo_id} "
+            f"{shlex.quote(str(folder))} {_include_options(folder)} {_delete_options()}`."
         ) from error
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
@@ -101,20 +151,18 @@ def upload_patterns(folder: Path) -> list[str]:
 def _include_options(folder: Path) -> str:
     """``--include`` options of ``hf upload`` for the checkpoint in `folder` (`upload_patterns`), so that a retry by
     hand publishes the checkpoint and not the other files the folder keeps."""
-    import shlex
-
     return " ".join(f"--include {shlex.quote(pattern)}" for pattern in upload_patterns(folder))
 
 
 def _stale_patterns() -> list[str]:
     """The checkpoint files an upload removes from the repo before adding its own: a repo holding an earlier upload
     (3 shards and their index, say) would otherwise keep the files this checkpoint does not have, and load as a mix
-    of two models."""
-    return list(CHECKPOINT_PATTERNS + method_checkpoint_files())
+    of two models. The Hub client matches each pattern against a file's path, so a folder (`CHECKPOINT_FOLDERS`) is
+    given as ``folder/*``, which matches the files under it; the bare name would match none."""
+    patterns = CHECKPOINT_PATTERNS + method_checkpoint_files()
+    return [glob_escape(p) + "/*" if p in CHECKPOINT_FOLDERS else p for p in patterns]
 
 
 def _delete_options() -> str:
     """``--delete`` options of ``hf upload`` for `_stale_patterns`: a retry by hand clears them as the upload does."""
-    import shlex
-
     return " ".join(f"--delete {shlex.quote(pattern)}" for pattern in _stale_patterns())

@@ -114,6 +114,19 @@ def load_recovery_texts(dataset: Any, text_column: str = "text", tokenizer: Any 
     accepts (plain text files, bundled corpora, lists of strings) is used as plain text. Alpaca and chat records
     are one training row each (`build_training_rows`).
     """
+    kind, read = _read_recovery_data(dataset, text_column)
+    return (render_chat(tokenizer, read), kind) if kind == "chat" else (read, kind)
+
+
+def check_recovery_data(dataset: Any, text_column: str = "text") -> str:
+    """Reads `dataset` as `load_recovery_texts` will and returns its kind, without a tokenizer: a command refuses a
+    missing, malformed or empty file, or a missing column, before it loads a model (chat records are rendered, and
+    their template checked, once the tokenizer is there)."""
+    return _read_recovery_data(dataset, text_column)[0]
+
+
+def _read_recovery_data(dataset: Any, text_column: str) -> tuple[str, Any]:
+    """(kind, what was read): Alpaca prompts, chat conversations (not rendered yet) or plain texts."""
     records = None
     if isinstance(dataset, (str, Path)):  # a folder `datasets`' save_to_disk wrote reads as the dataset it holds
         saved = load_saved_dataset(Path(dataset))
@@ -127,11 +140,11 @@ def load_recovery_texts(dataset: Any, text_column: str = "text", tokenizer: Any 
         records = list(dataset)
     alpaca = _alpaca(records)
     if alpaca is not None:
-        return alpaca, "alpaca"
+        return "alpaca", alpaca
     conversations = _conversations(records)
     if conversations is not None:
-        return render_chat(tokenizer, conversations), "chat"
-    return load_texts(dataset, text_column), "text"
+        return "chat", conversations
+    return "text", load_texts(dataset, text_column)
 
 
 def build_training_rows(

@@ -3,8 +3,10 @@ into plain weights after training (`recovery.trainer`)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..adapters import get_adapter
@@ -31,8 +33,21 @@ def default_target_modules(model: nn.Module) -> list[str]:
     return sorted({name.split(".")[-1] for name, module in model.named_modules() if id(module) in wanted})
 
 
+def adapter_seed(seed: int) -> int:
+    """The seed the adapters start from: a hash of the healing's `seed`, so that the adapters' initial draw is not
+    the stream the Trainer seeds later with the same number (its dropout masks and data order)."""
+    digest = hashlib.sha256(f"{seed}:lora-adapters".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 def wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]:
-    """The peft-wrapped model and its LoraConfig."""
+    """The peft-wrapped model and its LoraConfig.
+
+    The adapters are drawn under a forked random state seeded from `config.seed` (`adapter_seed`): peft draws its
+    A matrices from torch's global generator, which is random in every new process and is seeded by the Trainer
+    only once it is built, after the adapters exist: without this, two runs of one command started from different
+    adapters and `seed` did not fix the result (DDP then broadcast rank 0's draw, so only the ranks agreed). Forking
+    leaves the caller's random state as it was."""
     from peft import LoraConfig, get_peft_model  # its presence is checked before any weight changes
 
     lora = LoraConfig(
@@ -43,4 +58,16 @@ def wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]
         layers_to_transform=config.layers_to_transform,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora), lora
+    seed = adapter_seed(config.seed)
+    # The generators the adapters may draw from: the CPU's (peft builds them there, then moves them to the base
+    # layer's device) and those of the CUDA devices the model is on, each seeded alone: torch.manual_seed would also
+    # queue a seed for every CUDA device, initialised or not, which the fork does not restore.
+    on_cuda = {p.device.index for p in model.parameters() if p.device.type == "cuda"}
+    cuda = sorted(torch.cuda.current_device() if index is None else index for index in on_cuda)
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for index in cuda:
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+        wrapped = get_peft_model(model, lora)
+    return wrapped, lora

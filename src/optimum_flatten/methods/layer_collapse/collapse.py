@@ -210,7 +210,8 @@ def _collapse_targets(
         raise ValueError(
             "no MLP of this model is prepared for LayerCollapse (no ParametricActivation found). Run "
             "prepare_layer_collapse_(model, num_mlps=...) and train alpha towards 1 first "
-            "(build_layer_collapse_trainer or train_to_linear, in optimum_flatten.methods.layer_collapse)."
+            "(build_layer_collapse_trainer or train_to_linear, in optimum_flatten.methods.layer_collapse); on the "
+            "command line, `optimum-flatten layer-collapse` runs all three steps."
         )
     check_not_gated(adapter, sorted(prepared), stack)
     if config.selects:

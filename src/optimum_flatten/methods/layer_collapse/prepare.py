@@ -75,6 +75,13 @@ def _planned(current: Any, alpha: float, where: str) -> tuple[ParametricActivati
     """
     if isinstance(current, ParametricActivation):
         return current, False
+    if type(current).__name__ == "LinearActivation" or isinstance(current, nn.Identity):
+        # What a collapse saved in the stock format leaves (every MLP collapsed: `export`): an MLP whose activation
+        # is already linear, which the refusal below would call an unsupported activation.
+        raise TypeError(
+            f"{where}: its MLP's activation is linear already (a collapse saved in the stock format leaves every MLP "
+            "so): there is nothing left to linearise."
+        )
     try:
         return make_parametric_activation(current, alpha), True
     except TypeError as error:

@@ -131,3 +131,15 @@ class LinearisationSchedule:
             )
         if not 0 < self.pull_per_step <= 1:
             raise ValueError(f"pull_per_step is a fraction of the distance to 1 in (0, 1], got {self.pull_per_step}.")
+        for name in ("learning_rate", "snap_learning_rate"):
+            value = getattr(self, name)
+            # The pull strength is pull_per_step / (2·lr): a rate of 0 divides by zero, and a negative or NaN one
+            # was refused only as a negative lc, a quantity the user never set, after the model had loaded.
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+        if not 0 <= self.seed < 2**32:  # numpy's seed range, which the Trainer would refuse only once training
+            raise ValueError(f"seed must be in 0..2**32 - 1, got {self.seed}.")
+        if self.logging_steps is not None and self.logging_steps < 1:
+            raise ValueError(
+                f"logging_steps must be at least 1 (or None: a quarter of each phase), got {self.logging_steps}."
+            )
