@@ -380,3 +380,12 @@ def launch_two_gloo_processes(script: Path, out: Path, timeout: int) -> None:
     the path; fails the test with both streams' tails when the launch does."""
     done = torchrun_two_cpu_processes([str(script), str(out)], timeout)
     assert done.returncode == 0, f"the 2-process run failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+
+
+def one_error_line(capsys: Any) -> str:
+    """The one ``error:`` line a refused command printed to stderr (the test fails on none or several): what the
+    command line promises for bad input."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]

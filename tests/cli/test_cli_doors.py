@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import dense_and_compressed_on_disk
+from common import dense_and_compressed_on_disk, one_error_line
 from optimum_flatten.cli.main import main
 from optimum_flatten.evaluation.perplexity import perplexity
 
@@ -20,19 +20,12 @@ def _digest(folder) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def test_recover_refuses_to_write_over_the_dense_teachers_folder(tmp_path, capsys):
     dense, compressed = dense_and_compressed_on_disk(tmp_path, tiny_models.tiny_hf_tokenizer())
     before = _digest(dense)
     code = main(["recover", str(compressed), "--teacher", str(dense), "--output", str(dense), "--overwrite",
                  "--dataset", "teacher", "--max-tokens", "64", "--seqlen", "32"])  # fmt: skip
-    assert code == 2 and "the folder the model was loaded from" in _error(capsys)
+    assert code == 2 and "the folder the model was loaded from" in one_error_line(capsys)
     assert _digest(dense) == before
 
 
@@ -49,7 +42,7 @@ def test_a_state_folder_in_the_output_is_refused_before_any_work(tmp_path, capsy
     text.write_text("\n".join(tiny_models.sample_texts(8)))
     code = main(["compress", str(dense), "--method", "flattengpt", "--num-layers-to-remove", "2", "--dataset",
                  str(text), "--resume-dir", str(state), "--output", str(out)])  # fmt: skip
-    message = _error(capsys)
+    message = one_error_line(capsys)
     assert code == 2 and "--resume-dir" in message and ("inside the output" if inside else "is the output") in message
     assert not out.exists()
 
@@ -59,7 +52,7 @@ def test_recover_refuses_its_checkpoints_in_the_output_before_training(tmp_path,
     out = tmp_path / "healed"
     code = main(["recover", str(compressed), "--teacher", str(dense), "--output", str(out), "--checkpoint-dir",
                  str(out), "--dataset", "teacher", "--max-tokens", "64", "--seqlen", "32"])  # fmt: skip
-    assert code == 2 and "--checkpoint-dir" in _error(capsys) and not out.exists()
+    assert code == 2 and "--checkpoint-dir" in one_error_line(capsys) and not out.exists()
 
 
 @pytest.fixture
@@ -90,7 +83,7 @@ def test_layer_collapse_refuses_its_collapse_options_before_it_trains(gpt2_and_t
     seqlen = [] if "--seqlen" in options else ["--seqlen", "16"]
     code = main(["layer-collapse", str(model), "--dataset", str(text), "--num-mlps", "1", *seqlen, *options,
                  "--output", str(tmp_path / "o")])  # fmt: skip
-    assert code == 2 and message in _error(capsys).lower() and not (tmp_path / "o").exists()
+    assert code == 2 and message in one_error_line(capsys).lower() and not (tmp_path / "o").exists()
 
 
 def test_layer_collapse_under_a_launcher_is_refused_before_it_trains(gpt2_and_text, tmp_path, capsys, monkeypatch):
@@ -101,7 +94,7 @@ def test_layer_collapse_under_a_launcher_is_refused_before_it_trains(gpt2_and_te
     monkeypatch.setattr(launch, "join_launcher_group", lambda: False)  # no group to join in this one process
     code = main(["layer-collapse", str(model), "--dataset", str(text), "--num-mlps", "1", "--output",
                  str(tmp_path / "o")])  # fmt: skip
-    assert code == 2 and "in one process" in _error(capsys)
+    assert code == 2 and "in one process" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +118,7 @@ def test_evaluate_refuses_outputs_it_cannot_write_and_budgets_that_score_nothing
     tiny_models.tiny_llama_gqa().save_pretrained(model)
     filled = [o.format(missing=tmp_path / "nowhere", folder=tmp_path) for o in options]
     code = main(["evaluate", str(model), "--dataset", str(model / "config.json"), *filled])
-    assert code == 2 and message in _error(capsys)
+    assert code == 2 and message in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, -5])
@@ -145,6 +138,6 @@ def test_compress_refuses_an_image_model_it_cannot_calibrate_with_advice_it_can_
     text.write_text("\n".join(tiny_models.sample_texts(8)))
     code = main(["compress", str(folder), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset",
                  str(text), "--output", str(tmp_path / "out")])  # fmt: skip
-    message = _error(capsys)
+    message = one_error_line(capsys)
     assert code == 2 and "calibrates on images, and the command line reads text" in message
     assert not (tmp_path / "out").exists()

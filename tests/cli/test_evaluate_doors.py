@@ -12,17 +12,11 @@ import pytest
 import torch
 
 import tiny_models
+from common import one_error_line
 from optimum_flatten.cli.main import main
 from optimum_flatten.evaluation.fidelity import fidelity
 from optimum_flatten.evaluation.perplexity import perplexity
 from optimum_flatten.utils.files import TEMPORARY_PREFIX
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -49,7 +43,7 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_before_it_loads(build, on_di
     _, text = on_disk
     model = _save(build(), tmp_path / "model")
     assert main(["evaluate", str(model), "--dataset", str(text), "--no-speed"]) == 2
-    assert "evaluate scores causal language models" in _error(capsys)
+    assert "evaluate scores causal language models" in one_error_line(capsys)
 
 
 def test_models_over_different_vocabularies_are_not_compared_token_by_token(on_disk, tmp_path, capsys, no_loading):
@@ -58,15 +52,15 @@ def test_models_over_different_vocabularies_are_not_compared_token_by_token(on_d
     model.resize_token_embeddings(model.config.vocab_size + 32)
     resized = _save(model, tmp_path / "resized")
     argv = ["evaluate", str(resized), "--baseline", str(dense), "--dataset", str(text), "--no-speed"]
-    assert main(argv) == 2 and "--no-fidelity --no-generation" in _error(capsys)
+    assert main(argv) == 2 and "--no-fidelity --no-generation" in one_error_line(capsys)
 
 
 def test_positions_the_fixed_length_measurements_run_past_are_refused(tmp_path, on_disk, capsys, no_loading):
     _, text = on_disk
     gpt2 = _save(tiny_models.tiny_gpt2(n_positions=64), tmp_path / "gpt2")
     common = ["evaluate", str(gpt2), "--dataset", str(text), "--seqlen", "32"]
-    assert main(common) == 2 and "--no-speed" in _error(capsys)  # decode timing: 64 + 32 positions
-    assert main([*common, "--baseline", str(gpt2), "--no-speed"]) == 2 and "--no-generation" in _error(capsys)
+    assert main(common) == 2 and "--no-speed" in one_error_line(capsys)  # decode timing: 64 + 32 positions
+    assert main([*common, "--baseline", str(gpt2), "--no-speed"]) == 2 and "--no-generation" in one_error_line(capsys)
 
 
 def test_a_text_too_short_for_the_greedy_prompts_is_refused_before_measuring(on_disk, tmp_path, capsys, no_loading):
@@ -74,7 +68,7 @@ def test_a_text_too_short_for_the_greedy_prompts_is_refused_before_measuring(on_
     short = tmp_path / "short.txt"
     short.write_text("a few words, far fewer than sixteen prompts of sixty-four tokens")
     argv = ["evaluate", str(dense), "--baseline", str(dense), "--dataset", str(short), "--no-speed", "--no-fidelity"]
-    assert main(argv) == 2 and "--no-generation" in _error(capsys)
+    assert main(argv) == 2 and "--no-generation" in one_error_line(capsys)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +88,7 @@ def test_options_that_would_fail_at_the_end_are_refused_first(on_disk, tmp_path,
     monkeypatch.setattr(evaluate, "measure", lambda args: pytest.fail("measured before refusing"))
     dense, text = on_disk
     filled = [o.format(folder=tmp_path) for o in options]
-    assert main(["evaluate", str(dense), "--dataset", str(text), *filled]) == 2 and message in _error(capsys)
+    assert main(["evaluate", str(dense), "--dataset", str(text), *filled]) == 2 and message in one_error_line(capsys)
 
 
 def test_the_text_column_is_read_and_the_json_is_written_whole_before_the_figure(on_disk, tmp_path, monkeypatch):

@@ -12,18 +12,12 @@ import pytest
 import torch
 
 import tiny_models
+from common import one_error_line
 from optimum_flatten.cli.main import main
 from tests.recovery.test_chat_and_csv import CHATML, CONVERSATIONS
 
 #: A short schedule: enough steps to take α to 1 on a tiny GPT-2.
 SCHEDULE = ["--pull-steps", "6", "--pull-per-step", "0.5", "--snap-steps", "2", "--batch-size", "2", "--seqlen", "16"]
-
-
-def _error(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.fixture
@@ -102,7 +96,7 @@ def test_what_would_fail_after_the_training_is_refused_before_it(gpt2, text, tmp
     selection = [] if "--num-mlps" in flags else ["--num-mlps", "1"]
     argv = ["layer-collapse", str(gpt2), "--dataset", str(text), *selection, *base, *options,
             "--output", str(tmp_path / "o")]  # fmt: skip
-    assert main(argv) == 2 and message in _error(capsys) and not (tmp_path / "o").exists()
+    assert main(argv) == 2 and message in one_error_line(capsys) and not (tmp_path / "o").exists()
 
 
 def test_float16_whose_gradients_overflow_is_not_offered(gpt2, text, tmp_path, capsys, no_training):
@@ -120,9 +114,9 @@ def test_a_data_file_it_cannot_read_is_refused_before_the_model_loads(gpt2, tmp_
     records = tmp_path / "other.jsonl"
     records.write_text(json.dumps({"body": "words"}))
     argv = ["layer-collapse", str(gpt2), "--dataset", str(records), "--num-mlps", "1", "--output", str(tmp_path / "o")]
-    assert main(argv) == 2 and "text_column" in _error(capsys)
+    assert main(argv) == 2 and "text_column" in one_error_line(capsys)
     argv[3] = str(tmp_path / "missing.jsonl")
-    assert main(argv) == 2 and "missing.jsonl" in _error(capsys)
+    assert main(argv) == 2 and "missing.jsonl" in one_error_line(capsys)
 
 
 def test_an_encoder_decoder_is_refused_as_not_a_causal_lm(tmp_path, text, capsys, no_training):
@@ -130,7 +124,7 @@ def test_an_encoder_decoder_is_refused_as_not_a_causal_lm(tmp_path, text, capsys
     tiny_models.tiny_marian().save_pretrained(marian)
     tiny_models.tiny_hf_tokenizer().save_pretrained(marian)
     argv = ["layer-collapse", str(marian), "--dataset", str(text), "--num-mlps", "1", "--output", str(tmp_path / "o")]
-    assert main(argv) == 2 and "encoder-decoder" in _error(capsys)
+    assert main(argv) == 2 and "encoder-decoder" in one_error_line(capsys)
 
 
 def test_a_training_that_diverges_saves_nothing(gpt2, text, tmp_path, capsys, monkeypatch):
@@ -142,7 +136,7 @@ def test_a_training_that_diverges_saves_nothing(gpt2, text, tmp_path, capsys, mo
     monkeypatch.setattr(layer_collapse, "train_to_linear", diverged)
     argv = ["layer-collapse", str(gpt2), "--dataset", str(text), "--num-mlps", "1", *SCHEDULE,
             "--output", str(tmp_path / "o")]  # fmt: skip
-    assert main(argv) == 2 and "diverged" in _error(capsys) and not (tmp_path / "o").exists()
+    assert main(argv) == 2 and "diverged" in one_error_line(capsys) and not (tmp_path / "o").exists()
 
 
 def test_an_mlp_an_earlier_run_prepared_is_named_with_the_selection(gpt2, text, tmp_path, capsys):

@@ -167,9 +167,18 @@ def _load_from_string(value: str, text_column: str) -> list[str]:
         raise CalibrationDataError(
             f"unsupported dataset file type {suffix!r}; use .txt, .jsonl, .json, .csv or .parquet."
         )
-    if value.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES:
-        raise CalibrationDataError(f"dataset path {value!r} does not exist.")
+    require_existing(value, "dataset path")
     return _load_hub_dataset(value, text_column)
+
+
+def require_existing(value: str | os.PathLike, what: str) -> None:
+    """Refuses `value` when it names a local file (a path, or a name with a data file's suffix) that does not exist,
+    saying which option it came from (`what`); a `datasets` name passes."""
+    text = os.fspath(value)
+    if Path(text).expanduser().exists():
+        return
+    if text.startswith((".", "/", "~")) or Path(text).suffix.lower() in DATA_SUFFIXES:
+        raise CalibrationDataError(f"{what} {text!r} does not exist.")
 
 
 #: The suffixes of the files a dataset may be (a name with one is a path, never a `datasets` name).

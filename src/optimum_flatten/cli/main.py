@@ -179,7 +179,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     if calibrates or config.heal:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
-    check_state_folder(args.output, config.resume_dir, "--resume-dir")
+    check_state_folder(args.output, config.resume_dir, "--resume-dir", [args.model])
     if args.push_to_hub:  # a repo id the Hub refuses, or offline mode, would fail only after the compression
         from ..export.hub import check_hub_repo
 
@@ -229,8 +229,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
     source = checkpoint_path(args.model)
     # The dense teacher's folder is a source too: overwriting it would lose the model the healing learns from.
     check_output_dir(args.output, args.overwrite, sources=[source, args.teacher])
-    check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir")
-    check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache")
+    models = [source] + ([args.teacher] if args.teacher else [])
+    check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir", models)
+    check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache", models)
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)

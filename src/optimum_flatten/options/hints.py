@@ -33,12 +33,20 @@ def option_converter(hint: Any) -> tuple[Any, list[str] | None]:
         if len(args) != 1:
             return str, None
         inner, choices = option_converter(args[0])
-        return _or_none(inner), ([*choices, "none"] if choices else None)
+        return _or_none(inner), (_ChoicesOrNone([*choices, "none"]) if choices else None)
     if hint is bool:
         return _parse_bool, None
     if hint in (int, float, str):
         return hint, None
     return str, None
+
+
+class _ChoicesOrNone(list):
+    """An Optional Literal's choices as argparse checks them: the converted value of ``none`` is None, which argparse
+    looks for among the choices (and refused, naming the ``'none'`` it listed) after the conversion."""
+
+    def __contains__(self, value: object) -> bool:
+        return super().__contains__("none" if value is None else value)
 
 
 def _or_none(convert: Any) -> Any:

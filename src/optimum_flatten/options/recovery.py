@@ -215,6 +215,33 @@ class RecoveryConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}.")
+        self._check_budget()
+        if self.mode == "lora" and self.train_embeddings:
+            raise ValueError(
+                "mode 'lora' trains adapters on the projections only, so train_embeddings=True would do nothing; it "
+                "applies to modes 'full' and 'last_k' and to mode 'local''s global phase."
+            )
+
+    def _check_budget(self) -> None:
+        """Refuses a row that scores nothing, a budget that trains nothing, and two budgets that disagree (one of
+        them was silently ignored: max_tokens sets the steps)."""
+        if self.seqlen < 2:
+            raise ValueError(
+                f"seqlen must be at least 2 (a row trains each token on those before it), got {self.seqlen}."
+            )
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(
+                f"max_steps must be a positive number of steps, or -1 (the epochs decide), got {self.max_steps}."
+            )
+        if not (math.isfinite(self.num_train_epochs) and self.num_train_epochs > 0):
+            raise ValueError(f"num_train_epochs must be a positive number, got {self.num_train_epochs}.")
+        if self.max_tokens is not None and self.max_steps > 0:
+            raise ValueError(
+                f"give max_tokens ({self.max_tokens}) or max_steps ({self.max_steps}), not both: the token budget sets "
+                "the steps."
+            )
+        if self.heldout_rows < 0:
+            raise ValueError(f"heldout_rows must be at least 0 (0 turns the gate off), got {self.heldout_rows}.")
 
     @property
     def trains_embeddings(self) -> bool:

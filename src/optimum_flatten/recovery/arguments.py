@@ -147,6 +147,11 @@ def check_local_options(config: RecoveryConfig) -> None:
     an unknown `global_scope`."""
     if config.global_scope not in GLOBAL_SCOPES:
         raise ValueError(f"global_scope must be one of {list(GLOBAL_SCOPES)}, got {config.global_scope!r}.")
+    if config.global_scope != "spans" and config.mode not in (None, "local"):
+        raise ValueError(
+            f"global_scope chooses what mode 'local''s global phase trains, but the mode is {config.mode!r}; set "
+            "mode='local' with local_then_global_tokens, or leave global_scope unset."
+        )
     tokens = config.local_then_global_tokens
     if tokens is None:
         return

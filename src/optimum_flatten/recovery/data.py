@@ -61,6 +61,11 @@ def _of_one_kind(records: list[Any] | None, field: str, valid: Any, lacks: str, 
     lacking = next(
         (i for i, r in enumerate(records) if not (isinstance(r, dict) and field in r and valid(r[field]))), None
     )
+    if lacking == 0:  # the record that says the kind is itself malformed
+        raise CalibrationDataError(
+            f"record 0 has a '{field}' field but no {lacks}: give every record one{give}, or none (plain text in a "
+            "'text' field)."
+        )
     if lacking is not None:
         raise CalibrationDataError(
             f"record {lacking} has no {lacks}, and record 0 is {kind} record: give every record one{give}, or none "
@@ -82,13 +87,16 @@ def _conversations(records: list[Any] | None) -> list[list[dict[str, Any]]] | No
     ``{"role", "content"}`` turns a record."""
 
     def turns(value: Any) -> bool:
+        # A conversation whose every turn is empty would train on the template's markup alone.
         return (
             isinstance(value, list)
             and bool(value)
             and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in value)
+            and any(str(t["content"]).strip() for t in value)
         )
 
-    if not _of_one_kind(records, "messages", turns, "'messages' list of {'role', 'content'} turns", "a chat", ""):
+    lacks = "'messages' list of {'role', 'content'} turns with some content"
+    if not _of_one_kind(records, "messages", turns, lacks, "a chat", ""):
         return None
     return [record["messages"] for record in records]
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..calibration.data import require_existing
 from ..options.recovery import RecoveryConfig
 from ..utils.errors import CalibrationDataError
 from .arguments import _global_phase, _replicas, _steps_for_budget, check_fsdp, check_local_options, fsdp_version
@@ -217,6 +218,8 @@ def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_colum
             "guard_text is the training text itself, so its rows would be trained on; give a text the healing does "
             "not train on (in a mix, the training text's held-out rows guard it already)."
         )
+    if isinstance(config.guard_text, (str, os.PathLike)):
+        require_existing(config.guard_text, "guard_text (--guard-text)")
     texts, kind = load_recovery_texts(config.guard_text, text_column, tokenizer)
     try:
         rows = build_training_rows(tokenizer, texts, kind, config.seqlen, None, config.seed)

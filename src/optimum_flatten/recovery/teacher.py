@@ -215,6 +215,11 @@ def checked_teacher(
         raise ValueError(
             "hidden-state terms (hidden_weight > 0) need a teacher; give teacher=..., or set hidden_weight to 0."
         )
+    if model is None and (config.kd_alpha not in (0.0, 1.0) or config.temperature != 1.0):
+        raise ValueError(
+            f"kd_alpha={config.kd_alpha} and temperature={config.temperature} weigh and soften the distillation "
+            "loss, and there is no teacher (the LM loss alone trains); give teacher=..., or leave them unset."
+        )
     notes: list[str] = []
     if model is not None:
         check_compatible(student, model, tokenizer, teacher_tokenizer, texts)

@@ -104,7 +104,10 @@ def recover(
     with scratch_dir, keeping_use_cache(model):  # the Trainer sets it to False
         if dense is not None:
             dense.to(schedule.arguments.device)
-        rows.add_teacher_part_(dense, tokenizer, config, is_writer())
+        # Its sampling bar is hidden as the Trainer's are (`--no-progress` sets disable_tqdm): an explicit
+        # progress=True would override TQDM_DISABLE too.
+        shown = is_writer() and not config.extra_training_args.get("disable_tqdm", False)
+        rows.add_teacher_part_(dense, tokenizer, config, shown)
         if weights is not None:
             run.identity = healing_identity(*weights, rows.train, [*rows.heldout, *rows.guard])
         device = schedule.arguments.device
