@@ -73,6 +73,8 @@ def test_the_records_it_trains_on_are_the_ones_it_calibrates_on(gpt2, tmp_path, 
     assert training["text_kind"] == {"column": "text"}.get(kind, kind)
     assert training["selection"] == {"num_mlps": 1} and training["prepared"] == [5]
     assert training["rows_read"] == (6 + 2) * 2
+    card = (out / "README.md").read_text()  # the card says the weights were trained, on what
+    assert f"6 pull + 2 snap steps on {kind}.jsonl" in card and "16 row reads" in card
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def render_model_card(report: dict[str, Any]) -> str:
         )
     if report.get("total_seconds") is not None:
         lines.append(f"- Compression wall time: {report['total_seconds']} s")
+    lines += _training_lines(report)
     lines += _recovery_lines(report)
     lines.append("")
     for figure in (figure for section in method_sections(report) for figure in section.figures):
@@ -149,6 +150,22 @@ def _correction_lines(report: dict[str, Any]) -> list[str]:
         alphas = ", ".join(f"layer {k}: {v:.4f}" for k, v in compensation.get("alpha", {}).items())
         lines.append(f"- Magnitude compensation (Prune&Comp) folded upstream of each removed layer: {alphas}")
     return lines
+
+
+def _training_lines(report: dict[str, Any]) -> list[str]:
+    """The training `optimum-flatten layer-collapse` ran before its collapse: every weight fine-tuned, which the
+    compression's own lines (a wall time of a fraction of a second, a few calibration sequences) would hide."""
+    training = report.get("training")
+    if not isinstance(training, dict) or not isinstance(training.get("snap"), dict):
+        return []
+    steps = " + ".join(f"{training[p]['steps']} {p}" for p in ("pull", "snap") if isinstance(training.get(p), dict))
+    on = training.get("dataset", "the user's text")
+    kind = f" ({training['text_kind']} records)" if training.get("text_kind") in ("alpaca", "chat") else ""
+    reads = f", {training['rows_read']} row reads" if "rows_read" in training else ""
+    return [
+        f"- Training before the collapse (AdamLC, every weight): {steps} steps on {on}{kind}{reads}; alpha after: "
+        f"{training['snap'].get('alpha_after')}"
+    ]
 
 
 def _recovery_lines(report: dict[str, Any]) -> list[str]:

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Phase:
     """One Trainer run of `recover`: its result, loss log, gate, the gate's decision, whether accelerate sharded the
-    model (FSDP), its training seconds (every attempt's, when resumed) and the step it was resumed from."""
+    model (FSDP), its training seconds (every attempt's, when resumed), the step it was resumed from, its training
+    loss over every step (`run_loss`) and the real (unpadded) tokens it trained on over every step and process (None
+    for a phase replayed from a record written before they were counted)."""
 
     result: Any
     history: list[dict[str, Any]]
@@ -38,6 +40,8 @@ class _Phase:
     sharded: bool = False
     seconds: float = 0.0
     resumed_from: int | None = None
+    train_loss: float | None = None
+    tokens: int | None = None
 
     @property
     def steps(self) -> int:
@@ -47,7 +51,8 @@ class _Phase:
         """What a resume needs to replay this phase once it has finished (`recovery.resume.save_phase`)."""
         return {
             "steps": self.steps,
-            "train_loss": self.result.training_loss,
+            "train_loss": self.train_loss,
+            "tokens": self.tokens,
             "history": self.history,
             "gate": self.gate.summary() if self.gate is not None else None,
             "decision": self.decision,
@@ -55,6 +60,61 @@ class _Phase:
             "seconds": self.seconds,
             "resumed_from": self.resumed_from,
         }
+
+
+def run_loss(history: list[dict[str, Any]], resumed_from: int | None = None) -> float | None:
+    """The mean training loss over the steps of a phase's logged losses (`history`: the Trainer's log entries with a
+    "loss"; None without any), each entry weighted by the steps it averages.
+
+    Not the Trainer's `training_loss`, which averages only the steps this process ran (a resumed run's, not the
+    stopped run's before them) and adds the steps after the last log as this process's own loss (rank 0's alone
+    under DDP). Each logged loss is the mean over the processes of their losses since the previous log (the Trainer
+    gathers them), and the log survives a resume in the checkpoint's trainer_state.json; `_LogAtBoundaries` logs at
+    every checkpoint and at the end, so the entries cover every step and a resumed phase logs the windows an
+    unstopped one does. An entry is the mean since the previous entry or, first after `resumed_from`, since that
+    step (the Trainer starts counting again there); steps a stopped run trained after its last log are lost, and
+    the mean is over the steps the log covers (every step, in a phase checkpointed with `_LogAtBoundaries`)."""
+    total, covered, last = 0.0, 0, 0
+    for entry in history:
+        step = int(entry["step"])
+        start = resumed_from if resumed_from is not None and last < resumed_from < step else last
+        total += float(entry["loss"]) * (step - start)
+        covered += step - start
+        last = step
+    return total / covered if covered else None
+
+
+#: The speed metrics the Trainer adds to each log entry while it counts the tokens seen: the wall clock's, which no
+#: two runs share, so the record's loss history leaves them out (`train_seconds` gives the time).
+_TIMINGS = ("train_runtime", "train_tokens_per_second", "train_samples_per_second", "train_steps_per_second")
+
+
+def _without_timings(entry: dict[str, Any]) -> dict[str, Any]:
+    """A log entry of the Trainer without its wall-clock speed metrics: the same in every run of the same healing."""
+    return {key: value for key, value in entry.items() if key not in _TIMINGS}
+
+
+def _log_at_boundaries() -> Any:
+    """A TrainerCallback (`_LogAtBoundaries`) that has the Trainer log the loss wherever a run can end or be resumed
+    from: before every checkpoint and at the end of every epoch (the end of training included)."""
+    from transformers import TrainerCallback
+
+    class _LogAtBoundaries(TrainerCallback):
+        """Asks for a log at each checkpoint (the Trainer logs before it saves, so the checkpoint's log history ends
+        on it, and a run resumed there starts its first window where the stopped run ended one) and at each epoch's
+        end (the steps after the last log would otherwise reach only `training_loss`, as one process's loss). The
+        same on every process: the log gathers the loss over them, a collective every process must join."""
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if control.should_save:
+                control.should_log = True
+            return control
+
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            control.should_log = True
+            return control
+
+    return _LogAtBoundaries()
 
 
 @dataclasses.dataclass
@@ -87,7 +147,7 @@ def _replayed_phase(model: nn.Module, record: dict[str, Any], trained: dict[str,
     gate = _RecordedGate(record["gate"]) if record["gate"] is not None else None
     return _Phase(
         result, record["history"], gate, record["decision"], record["sharded"], record["seconds"],
-        record["resumed_from"],
+        record["resumed_from"], record["train_loss"], record.get("tokens"),
     )  # fmt: skip
 
 
@@ -118,6 +178,10 @@ def _train_phase(
     saved = read_checkpoint(checkpoint, config, identity) if checkpoint is not None else None
     if folder is not None:
         arguments.output_dir = folder
+    # The Trainer counts the attention mask's tokens of every batch on every process (gathered), and keeps the count
+    # in its checkpoints: the real tokens trained on, padding not included, across a resume.
+    if "include_num_input_tokens_seen" not in config.extra_training_args:  # a user's own choice stands
+        arguments.include_num_input_tokens_seen = "non_padding"
     trainer = _distillation_trainer_class()(model=model, args=arguments, train_dataset=_Rows(rows), healing_loss=loss)
     gate = None
     if heldout:
@@ -138,13 +202,19 @@ def _train_phase(
     if folder is not None:
         clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_writer(), identity)
         trainer.add_callback(clock)
+    trainer.add_callback(_log_at_boundaries())  # last: after the callbacks that ask for a checkpoint
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    history = [_without_timings(entry) for entry in trainer.state.log_history if "loss" in entry]
     decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
     seconds = clock.seconds() if clock is not None else result.metrics.get("train_runtime") or 0.0
+    resumed_from = saved["step"] if saved is not None else None
+    mean_loss = run_loss(history, resumed_from)
+    # None where the Trainer counted nothing (a model whose main input is not input_ids): the record then gives the
+    # positions, as it did before the tokens were counted.
+    tokens = int(trainer.state.num_input_tokens_seen) or None
     phase = _Phase(
-        result, history, gate, decision, bool(getattr(trainer, "is_fsdp_enabled", False)), seconds,
-        saved["step"] if saved is not None else None,
+        result, history, gate, decision, bool(getattr(trainer, "is_fsdp_enabled", False)), seconds, resumed_from,
+        result.training_loss if mean_loss is None else mean_loss, tokens,
     )  # fmt: skip
     if folder is not None:
         trained = trainable_state(model)

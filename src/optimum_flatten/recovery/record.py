@@ -26,6 +26,15 @@ def heldout_parts(
     return entry
 
 
+def tokens_trained(run: HealingRun, phase: _Phase) -> int:
+    """The real tokens `phase` trained on, every process's (the Trainer's count of the attention mask, kept across a
+    resume); a phase without that count (replayed from a record written before it was kept) gives its positions
+    instead, which are the same for packed text and the teacher's rows (no padding)."""
+    if phase.tokens is not None:
+        return phase.tokens
+    return phase.steps * run.config.tokens_per_step() * run.schedule.replicas
+
+
 def healing_log(
     run: HealingRun,
     phases: list[_Phase],
@@ -50,12 +59,17 @@ def healing_log(
         "data_kind": run.rows.kind,
         "rows": len(run.rows.train),
         "seqlen": config.seqlen,
-        "rows_per_step": config.rows_per_step(),  # on each process; `tokens_trained` counts all of them
+        "rows_per_step": config.rows_per_step(),  # on each process; `positions_trained` counts all of them
         "steps": steps,
         "processes": arguments.world_size,
         "fsdp": 2 if first.sharded else None,
-        "tokens_trained": steps * config.tokens_per_step() * run.schedule.replicas,
-        "train_loss": first.result.training_loss,
+        # Real tokens (the attention mask's, every process's): chat and instruction rows are padded to seqlen, and
+        # the padding trains nothing; `positions_trained` counts the rows' positions, padding included.
+        "tokens_trained": sum(tokens_trained(run, p) for p in phases),
+        "positions_trained": steps * config.tokens_per_step() * run.schedule.replicas,
+        # The mean over every step of the first phase (a resumed run's earlier steps included) of the loss logged
+        # at each step, itself the mean over the processes (`phases.run_loss`).
+        "train_loss": first.train_loss,
         "loss_history": first.history,
         "learning_rate": config.rate_for(run.scale),  # the first phase's (a global phase after `local` has its own)
         "optimizer": str(getattr(arguments.optim, "value", arguments.optim)),  # TrainingArguments.optim
@@ -106,8 +120,9 @@ def _local_entries(run: HealingRun, phases: list[_Phase], before_after: tuple[fl
             "trained": "the same blocks" if config.global_scope == "spans" else "every parameter",
             "learning_rate": run.schedule.arguments.learning_rate,
             "steps": last.steps,
-            "tokens_trained": last.steps * config.tokens_per_step() * run.schedule.replicas,
-            "train_loss": last.result.training_loss,
+            "tokens_trained": tokens_trained(run, last),
+            "positions_trained": last.steps * config.tokens_per_step() * run.schedule.replicas,
+            "train_loss": last.train_loss,
             "loss_history": last.history,
             "train_seconds": last.seconds,
             "gate": last.decision,

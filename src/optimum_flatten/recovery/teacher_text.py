@@ -197,6 +197,13 @@ def _everyone(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+def _summed(count: int, device: torch.device) -> int:
+    """`count` summed over the ranks (a collective: every rank calls it at the same point)."""
+    value = torch.tensor([count], dtype=torch.long, device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
+    return int(value.item())
+
+
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     """(bytes, what they measure): CUDA's peak allocation since the sampling began, else the process's peak RSS."""
     if device.type == "cuda":
@@ -467,8 +474,13 @@ def sample_teacher_rows(
         )
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
-    if kept is not None and kept.rows is not None:  # this attempt's seconds: the rows read back cost earlier ones
-        cost["rows_read_back"] = int(kept.rows.shape[0])
+    # Every rank's rows read back (each keeps its own share's), as `rows` counts every rank's rows: whether there is
+    # a `kept` is the same on every rank (the cache, its key and the backend are), so every rank joins the sum.
+    read_back = int(kept.rows.shape[0]) if kept is not None and kept.rows is not None else 0
+    if kept is not None and world_size > 1:
+        read_back = _summed(read_back, device)
+    if read_back:  # this attempt's seconds: the rows read back cost earlier ones
+        cost["rows_read_back"] = read_back
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
     if kept is not None:
@@ -511,9 +523,12 @@ def is_teacher_dataset(dataset: Any) -> bool:
 
 def heldout_split(heldout_rows: int, share: float) -> tuple[int, int]:
     """(user rows, teacher rows) of the gate's `heldout_rows`: the training share, at least one row of each part
-    when both are trained on and there are two rows to hold out."""
-    if heldout_rows <= 0 or share <= 0:
-        return max(heldout_rows, 0), 0
+    when both are trained on and there are two rows to hold out. A negative count is refused: read as 0 it would
+    turn the gate off without a word, which only 0 asks for."""
+    if heldout_rows < 0:
+        raise ValueError(f"heldout_rows must be at least 0 (0 turns the gate off), got {heldout_rows}.")
+    if heldout_rows == 0 or share <= 0:
+        return heldout_rows, 0
     if share >= 1:
         return 0, heldout_rows
     teacher = round(share * heldout_rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,13 +30,12 @@ logger = logging.getLogger(__name__)
 def cache_key(
     teacher: nn.Module, tokenizer: Any, n_rows: int, seqlen: int, settings: dict[str, Any], prompts: Any
 ) -> dict[str, Any]:
-    """What the cached rows depend on: the teacher (its weights' fingerprint and name), the vocabulary, the rows'
-    count and length, and the sampling settings and prompts (hashed)."""
+    """What the cached rows depend on: the teacher (its weights' fingerprint and name, `teacher_name`), the
+    vocabulary, the rows' count and length, and the sampling settings and prompts (hashed)."""
     from ..utils.fingerprint import weights_fingerprint
 
-    config = getattr(teacher, "config", None)
     return {
-        "teacher": str(getattr(config, "_name_or_path", "") or ""),
+        "teacher": teacher_name(teacher),
         "teacher_fingerprint": weights_fingerprint(teacher),
         "vocab_size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
         "n_rows": int(n_rows),
@@ -43,6 +43,19 @@ def cache_key(
         **settings,
         "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest() if prompts else None,
     }
+
+
+def teacher_name(teacher: nn.Module) -> str:
+    """The teacher's name in the key: its config's ``_name_or_path``, a local folder resolved to its absolute path.
+
+    The name stays beside the fingerprint because the fingerprint samples the first values of each tensor only
+    (`utils.fingerprint`), so two checkpoints differing past them would share it; but one folder spelled another way
+    (relative, absolute, a trailing slash, through a link) holds the same weights and must hit the same cache. A hub
+    id (no such folder here) is kept as written."""
+    name = str(getattr(getattr(teacher, "config", None), "_name_or_path", "") or "")
+    if name and os.path.isdir(name):
+        return str(Path(name).resolve())
+    return name
 
 
 def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any] | None] | None:
