@@ -204,6 +204,16 @@ def _summed(count: int, device: torch.device) -> int:
     return int(value.item())
 
 
+def _rows_read_back(kept: Any, world_size: int, device: torch.device) -> int:
+    """Every rank's rows read back from finished batches (each keeps its own share's), as the record's `rows` counts
+    every rank's rows. Whether there is a `kept` is the same on every rank (the cache, its key and the backend are),
+    so every rank joins the sum."""
+    read_back = int(kept.rows.shape[0]) if kept is not None and kept.rows is not None else 0
+    if kept is not None and world_size > 1:
+        read_back = _summed(read_back, device)
+    return read_back
+
+
 def _peak_memory(device: torch.device) -> tuple[int, str]:
     """(bytes, what they measure): CUDA's peak allocation since the sampling began, else the process's peak RSS."""
     if device.type == "cuda":
@@ -474,12 +484,7 @@ def sample_teacher_rows(
         )
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
-    # Every rank's rows read back (each keeps its own share's), as `rows` counts every rank's rows: whether there is
-    # a `kept` is the same on every rank (the cache, its key and the backend are), so every rank joins the sum.
-    read_back = int(kept.rows.shape[0]) if kept is not None and kept.rows is not None else 0
-    if kept is not None and world_size > 1:
-        read_back = _summed(read_back, device)
-    if read_back:  # this attempt's seconds: the rows read back cost earlier ones
+    if read_back := _rows_read_back(kept, world_size, device):  # this attempt's seconds: they cost earlier ones
         cost["rows_read_back"] = read_back
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
