@@ -51,17 +51,13 @@ class Checkpoints:
         return model
 
     def tokenizer(self, path: str | Path) -> Any:
-        """The tokenizer saved beside `path` (or the one `add_tokenizer` gave for it)."""
+        """The tokenizer saved beside `path`."""
         key = str(path)
         if key not in self._tokenizers:
             from transformers import AutoTokenizer
 
             self._tokenizers[key] = AutoTokenizer.from_pretrained(path, trust_remote_code=self.trust_remote_code)
         return self._tokenizers[key]
-
-    def add_tokenizer(self, path: str | Path, tokenizer: Any) -> None:
-        """Uses `tokenizer` for `path` (one the caller loaded already, to check it) instead of loading it again."""
-        self._tokenizers[str(path)] = tokenizer
 
     def tokens(self, path: str | Path, texts: Sequence[str]) -> torch.Tensor:
         """`texts` as one stream in the tokens of `path`'s tokenizer (`tokenize_corpus`)."""
