@@ -31,3 +31,21 @@ def test_the_file_gets_the_permissions_of_a_plain_new_file(tmp_path):
     mode = stat.S_IMODE(os.stat(tmp_path / "sub" / "atomic").st_mode)
     assert mode == stat.S_IMODE(os.stat(plain).st_mode)
     assert not any(p.name.startswith(TEMPORARY_PREFIX) for p in (tmp_path / "sub").iterdir())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_writer_that_makes_its_file_private_gets_the_plain_mode_back(tmp_path, umask):
+    """safetensors writes 0600 whatever the umask: the teacher-text cache's rows were unreadable beside its 0644
+    keys."""
+    import torch
+    from safetensors.torch import save_file
+
+    old = os.umask(umask)
+    try:
+        plain = tmp_path / "plain"
+        plain.write_bytes(b"x")
+        rows = tmp_path / "rows.safetensors"
+        write_atomically(rows, lambda path: save_file({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, str(path)))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(rows).st_mode) == stat.S_IMODE(os.stat(plain).st_mode) == 0o666 & ~umask

@@ -121,3 +121,21 @@ def test_no_progress_hides_the_teachers_sampling_bar(pair, tmp_path, capsys):
             "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     assert "teacher text" not in capsys.readouterr().err
+
+
+def test_a_foreign_teacher_is_said_once(pair, tmp_path, capsys, caplog):
+    """A teacher that is not the model the checkpoint was compressed from is allowed, with one warning: it was both
+    a warning and a log record, and the command line printed the same line twice."""
+    import torch
+
+    _, compressed, text = pair
+    foreign = tmp_path / "foreign"
+    model = tiny_models.tiny_llama_gqa()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.01)  # another fine-tune of the same architecture and tokenizer
+    model.save_pretrained(foreign)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(foreign)
+    with pytest.warns(UserWarning, match="not the model this checkpoint was compressed from") as said:
+        assert main(_recover(foreign, compressed, text, tmp_path, "--no-progress")) == 0, capsys.readouterr().err
+    assert len([w for w in said if "not the model" in str(w.message)]) == 1
+    assert not [r for r in caplog.records if "not the model" in r.getMessage()]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .sources import check_source
+from .sources import check_push, check_source
 
 
 @dataclass
@@ -47,6 +47,7 @@ def check_request(args: argparse.Namespace) -> CollapseRequest:
         raise ValueError("layer-collapse trains and collapses in one process; run it without torchrun or a launcher.")
     check_source(args.model)
     check_output_dir(args.output, args.overwrite, sources=[args.model])
+    check_push(args.push_to_hub, args.private)
     selection = {k: getattr(args, k) for k in ("num_mlps", "mlp_fraction") if getattr(args, k, None) is not None}
     if len(selection) != 1:
         raise ValueError("say which MLPs to collapse: --num-mlps K (the last K not collapsed yet) or --mlp-fraction F.")

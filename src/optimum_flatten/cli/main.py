@@ -31,7 +31,7 @@ from .options import (
     check_method_options,
     config_kwargs,
 )
-from .sources import check_source, check_state_folder, checkpoint_path
+from .sources import check_push, check_source, check_state_folder, checkpoint_path
 from .summary import bundled_license, compression_summary, report_warnings, text_table
 from .verbs import (
     CompressArguments,
@@ -180,10 +180,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir", [args.model])
-    if args.push_to_hub:  # a repo id the Hub refuses, or offline mode, would fail only after the compression
-        from ..export.hub import check_hub_repo
-
-        check_hub_repo(args.push_to_hub)
+    check_push(args.push_to_hub, args.private)  # else an invalid repo id would fail only after the compression
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     if calibrates:
         _check_text_calibration(model)
@@ -198,7 +195,13 @@ def cmd_compress(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     if args.push_to_hub:
         url = quantizer.push_to_hub(
-            model, args.push_to_hub, tokenizer, local_dir=args.output, overwrite=args.overwrite, extra_report=extra
+            model,
+            args.push_to_hub,
+            tokenizer,
+            local_dir=args.output,
+            overwrite=args.overwrite,
+            extra_report=extra,
+            private=args.private or None,
         )
         print(f"saved to {args.output} and uploaded: {url}")
         return 0
@@ -232,6 +235,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     models = [source] + ([args.teacher] if args.teacher else [])
     check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir", models)
     check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache", models)
+    check_push(args.push_to_hub, args.private)
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)
@@ -247,11 +251,16 @@ def cmd_recover(args: argparse.Namespace) -> int:
         return 0
     report["recovery"] = {**log, "dataset": public_dataset_name(args.dataset)}
     path = save_compressed(model, args.output, tokenizer=tokenizer, report=report, overwrite=args.overwrite)
+    uploaded = ""
+    if args.push_to_hub:  # the folder is saved first, so a failed upload loses nothing (its error says how to retry)
+        from ..export.hub import upload_checkpoint
+
+        uploaded = f"; uploaded: {upload_checkpoint(path, args.push_to_hub, report, private=args.private or None)}"
     before, after = log.get("heldout_before"), log.get("heldout_after")
     heldout = f"; held-out objective {before['objective']:.4f} -> {after['objective']:.4f}" if before else ""
     print(
         f"recovered ({log['mode']}, {log['loss']} loss, teacher {log['teacher'] or 'none'}) for {log['steps']} steps, "
-        f"{log['tokens_trained']} tokens{heldout}; gate: {log['gate']}; saved to {path}"
+        f"{log['tokens_trained']} tokens{heldout}; gate: {log['gate']}; saved to {path}{uploaded}"
     )
     if guard := log.get("guard"):  # the text the healing was not allowed to make worse
         refused = (
@@ -325,12 +334,20 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     log = prepare_and_train(model, request, plan, args)
     quantizer = FlattenQuantizer(plan.config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
-    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"training": log})
+    saved = {"overwrite": args.overwrite, "extra_report": {"training": log}}
+    uploaded = ""
+    if args.push_to_hub:
+        url = quantizer.push_to_hub(
+            model, args.push_to_hub, tokenizer, local_dir=args.output, private=args.private or None, **saved
+        )
+        path, uploaded = Path(args.output), f" and uploaded: {url}"
+    else:
+        path = quantizer.save(model, args.output, tokenizer, **saved)
     report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
     print(text_table(summary_rows(log, report, args.seqlen), ("", "value")))
     load = report.get("load_with")
     how = f"{load['class']}.from_pretrained(path, trust_remote_code=True)" if load else "its stock class"
-    print(f"saved to {path}; load with {how}")
+    print(f"saved to {path}{uploaded}; load with {how}")
     return 0
 
 

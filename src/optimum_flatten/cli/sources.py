@@ -1,5 +1,5 @@
-"""Where a command's MODEL argument points: refused early when it cannot be a model, resolved to a folder; and a
-run's own state folder kept apart from its output."""
+"""Where a command's MODEL argument points: refused early when it cannot be a model, resolved to a folder; a run's
+own state folder kept apart from its output; and a Hub push that cannot happen, refused before the work."""
 
 from __future__ import annotations
 
@@ -7,6 +7,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..utils.loading import resolve_model_source
+
+
+def check_push(repo_id: str | None, private: bool) -> None:
+    """Refuses, before the model loads, a ``--push-to-hub`` the Hub would refuse after the whole run (an invalid
+    repo id, offline mode: `export.hub.check_hub_repo`), and ``--private`` without a push, which would otherwise
+    be ignored and leave the user believing a repo was made private."""
+    if private and not repo_id:
+        raise ValueError("--private applies to the repo --push-to-hub creates; give --push-to-hub REPO with it.")
+    if repo_id:
+        from ..export.hub import check_hub_repo
+
+        check_hub_repo(repo_id)
 
 
 def check_source(name: str) -> None:

@@ -26,6 +26,8 @@ _BUNDLED = "smollm2, qwen2.5-0.5b, gemma3-270m"
 _REMOTE_CODE = "run the modelling code shipped with the checkpoint (Baichuan-2, a partly collapsed LayerCollapse model)"
 _OUTPUT = "directory to write (absent or empty, or a checkpoint to replace with --overwrite)"
 _OVERWRITE = "replace the checkpoint files of an existing checkpoint folder (other files are kept)"
+_PUSH = "also upload the saved checkpoint to this Hub repo (created if missing)"
+_PRIVATE = "with --push-to-hub: create the repo private (an existing repo keeps its visibility)"
 
 
 def _arg(default: Any = None, help: str | None = None, **meta: Any) -> Any:
@@ -51,7 +53,8 @@ class CompressArguments:
     dtype: str = _arg("float32", choices=DTYPES)
     no_progress: bool = _switch("hide progress bars")
     trust_remote_code: bool = _switch(_REMOTE_CODE)
-    push_to_hub: str | None = _arg(None, "also upload the result to this Hub repo", metavar="REPO")
+    push_to_hub: str | None = _arg(None, _PUSH, metavar="REPO")
+    private: bool = _switch(_PRIVATE)
 
 
 @dataclass
@@ -114,6 +117,8 @@ class RecoverArguments:
     )
     output: str | None = _arg(None, required=True)
     overwrite: bool = _switch(_OVERWRITE)
+    push_to_hub: str | None = _arg(None, _PUSH, metavar="REPO")
+    private: bool = _switch(_PRIVATE)
     trust_remote_code: bool = _switch(_REMOTE_CODE)
     no_progress: bool = _switch("hide progress bars (the Trainer's too)")
 
@@ -176,6 +181,8 @@ class LayerCollapseArguments:
     text_column: str = _arg("text", "the field holding the text in .jsonl/.json/.csv/.parquet records and datasets")
     output: str | None = _arg(None, _OUTPUT, required=True)
     overwrite: bool = _switch(_OVERWRITE)
+    push_to_hub: str | None = _arg(None, _PUSH, metavar="REPO")
+    private: bool = _switch(_PRIVATE)
     num_mlps: int | None = _arg(None, "collapse the last K MLPs not collapsed yet", exclusive="which")
     mlp_fraction: float | None = _arg(None, "the same as a fraction of the layers", exclusive="which")
     seqlen: int = _arg(256, "tokens per training row and calibration sequence")

@@ -110,6 +110,29 @@ def push_to_hub(
     folder = save_compressed(
         model, local_dir or Path(repo_id.split("/")[-1]), tokenizer=tokenizer, report=report, overwrite=overwrite
     )
+    return upload_checkpoint(folder, repo_id, report, private, token, commit_message, api)
+
+
+def upload_checkpoint(
+    folder: str | Path,
+    repo_id: str,
+    report: dict[str, Any] | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    api: Any = None,
+) -> str:
+    """Uploads a checkpoint `save_compressed` wrote (`recover` saves its healed model first, then calls this):
+    its files only (`upload_patterns`), clearing the stale ones an earlier upload left (`_stale_patterns`).
+
+    Returns:
+        The URL of the uploaded commit (or of the repo).
+
+    Raises:
+        HubUploadError: when creating the repo or uploading fails, naming the saved folder and the retry command.
+    """
+    folder = Path(folder)
+    report = report or {}
     if api is None:
         from huggingface_hub import HfApi
 
@@ -129,7 +152,7 @@ def push_to_hub(
         # One message for the CLI and the API: the CLI has no token option (huggingface_hub reads the login or
         # HF_TOKEN), and only the API takes token=.
         raise HubUploadError(
-            f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The compressed model "
+            f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The model "
             f"is saved at {folder}; check the network and your login (`hf auth login`, or set HF_TOKEN; from "
             f"Python, push_to_hub(..., token=...)), then upload the checkpoint with `hf upload {repo_id} "
             f"{shlex.quote(str(folder))} {_include_options(folder)} {_delete_options()}`."

@@ -143,8 +143,8 @@ def check_source(teacher: nn.Module, report: Mapping[str, Any] | None, stackleve
         "the teacher is not the model this checkpoint was compressed from (its weights' fingerprint differs from "
         "the report's source_fingerprint); distilling from it anyway"
     )
+    # A warning only, not a log record too: the command line prints both, and the user read the same line twice.
     warnings.warn(message, stacklevel=stacklevel)
-    logger.warning(message)
     return message
 
 

@@ -23,7 +23,13 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f"{TEMPORARY_PREFIX}{os.getpid()}-{path.name}")
     try:
+        # The mode a new file gets here (0644 under umask 022): safetensors writes its own file 0600 and renames it
+        # in, which made the teacher-text cache's rows unreadable to the group that could read its keys.
+        temporary.touch()
+        mode = temporary.stat().st_mode & 0o777
         write(temporary)
+        if temporary.stat().st_mode & 0o777 != mode:
+            temporary.chmod(mode)
         with open(temporary, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
