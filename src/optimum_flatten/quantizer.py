@@ -18,6 +18,7 @@ from .adapters.base import ArchitectureAdapter
 from .calibration.data import build_calibration_batches
 from .calibration.distributed import all_reduce_sums, shard_range, sharded_calibration
 from .compression import pipeline
+from .compression.measured_cost import compute_cost, dense_forward_flops_of
 from .compression.method import CompressionMethod, MethodContext
 from .compression.pipeline import Corrections
 from .compression.resume import ResumeState, calibration_fingerprint, job_identity
@@ -27,7 +28,6 @@ from .export.provenance import base_license, drop_own_quantization_config, set_n
 from .plan import LayerPlan
 from .registry import get_method_class, registered_methods, require_capabilities
 from .report import CompressionReport
-from .utils import flops
 from .utils.causal_lm import check_causal_lm
 from .utils.fingerprint import weights_fingerprint
 from .utils.launch import is_writer, process_group
@@ -250,6 +250,8 @@ class FlattenQuantizer(OptimumQuantizer):
             if resolved is not config:
                 config = resolved
                 chosen += f"; {SPLIT_AFTER_MERGES}"
+        if config.mode == "changed" and (nothing := self._nothing_changed(model)):  # known only now, from the plan
+            return self._skip_healing(model, config.mode, nothing)
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
@@ -261,6 +263,31 @@ class FlattenQuantizer(OptimumQuantizer):
         # Not a method entry, but the report's flat view is where the card and `recover` write "recovery" too.
         self.report = dataclasses.replace(self.report, method_entries={**self.report.method_entries, "recovery": log})
         return healed
+
+    def _nothing_changed(self, model: nn.Module) -> str | None:
+        """Why mode 'changed' has nothing to train after this plan (a ShortGPT plan that dropped the first layers,
+        which no bridge can cover), or None."""
+        from .recovery.selection import changed_parameter_names
+
+        try:
+            changed_parameter_names(model, self.report)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def _skip_healing(self, model: nn.Module, mode: str, reason: str) -> nn.Module:
+        """Keeps the compressed model unhealed, with a warning and a report entry, rather than raise after the
+        compression: the command line would then save nothing, losing the compression for a healing option."""
+        import warnings
+
+        message = (
+            f"the healing was skipped and the model kept as compressed: {reason} "
+            "(heal the saved checkpoint with `optimum-flatten recover` and another --mode)"
+        )
+        warnings.warn(message, stacklevel=3)
+        entry = {"skipped": message, "mode": mode}
+        self.report = dataclasses.replace(self.report, method_entries={**self.report.method_entries, "recovery": entry})
+        return model
 
     def preflight(self, model: nn.Module, tokenizer: Any = None) -> Preflight:
         """Every check `compress` makes before it touches a weight, and what they resolved (nothing is changed).
@@ -292,6 +319,7 @@ class FlattenQuantizer(OptimumQuantizer):
             check_sequence_length(model, self.config.calibration.seqlen)
         batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
         rank, world_size = process_group()
+        processes = world_size  # `world_size` below: the ranks that share the calibration
         if world_size > 1 and method.requires_calibration:
             check_shardable(method, corrections, rank, world_size)
         if world_size > 1 and len(batches) >= world_size:
@@ -309,13 +337,17 @@ class FlattenQuantizer(OptimumQuantizer):
         heal = None
         if self.config.heal:
             from .recovery import check_recovery_inputs
+            from .recovery.objectives import local_needs_one_process
 
             check_causal_lm(model)  # healing would refuse it after the compression, whose work would be lost
             heal = self._heal_inputs(model)
             dataset, column, recovery, _ = heal
-            check_sequence_length(model, recovery.seqlen, "the heal's seqlen")  # before the text is tokenised
+            # A table too short is refused before the text is tokenised; a RoPE warning comes once, from `recover`.
+            check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)
             check_recovery_inputs(tokenizer, dataset, recovery, column)
             kept = num_layers - num_to_remove
+            if recovery.mode == "local" and processes > 1:  # `recover` refuses it too, after the compression
+                raise ValueError(local_needs_one_process(processes))
             if recovery.mode == "last_k" and recovery.last_k > kept:  # the compressed model's blocks, not these
                 raise ValueError(
                     f"heal mode 'last_k' trains the last {recovery.last_k} blocks, and the compressed model keeps "
@@ -352,7 +384,7 @@ class FlattenQuantizer(OptimumQuantizer):
         stack_weights = count_parameters(adapter.layers(stack))
         # Real positions per batch, as the adapter defines them on the original stack (read before it changes).
         masks = [adapter.token_mask(stack, b) for b in checked.batches]
-        dense_flops = _dense_forward_flops(adapter, stack, stack_weights, masks)
+        dense_flops = dense_forward_flops_of(adapter, stack, stack_weights, masks)
         context = MethodContext(batches=checked.batches, stack=stack, progress=self.progress, resume=checked.resume)
         if checked.resume is not None:
             checked.resume.begin(context)  # what this attempt spends, added to the earlier ones' in the folder
@@ -382,7 +414,9 @@ class FlattenQuantizer(OptimumQuantizer):
             (tokens,) = all_reduce_sums(sum(int(m.sum()) for m in masks))
         before = checked.resume.before if checked.resume is not None else {"seconds": 0.0, "work": 0}
         positions = sum(int(m.numel()) for m in masks)  # the unit of the stack passes, as `compute_cost` counts
-        cost = compute_cost(run.context, run.stack_weights, positions, run.dense_forward_flops, before["work"])
+        cost = compute_cost(
+            run.context, run.stack_weights, positions, run.dense_forward_flops, before["work"], checked.world_size
+        )
         entries = dict(run.context.report)
         if before["seconds"]:  # resumed: the seconds and stack passes count the earlier attempts' kept work too
             entries["resumed"] = {
@@ -421,6 +455,12 @@ class FlattenQuantizer(OptimumQuantizer):
             method_entries=entries,
         )
 
+    def _report_of(self, model: nn.Module) -> dict[str, Any]:
+        """This quantizer's report, or the one a compression on load left on the model (``from_pretrained(...,
+        quantization_config=FlattenConfig(...))`` compresses with a quantizer of its own): a fresh quantizer saving
+        that model wrote an empty report and a card of question marks, and `recover` then found no plan."""
+        return dict(self.report or getattr(model, "flatten_report", None) or {})
+
     def save(
         self,
         model: nn.Module,
@@ -442,7 +482,7 @@ class FlattenQuantizer(OptimumQuantizer):
         if not is_writer():
             return Path(output_dir)
 
-        report = {**self.report, **(extra_report or {})}
+        report = {**self._report_of(model), **(extra_report or {})}
         return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
 
     def push_to_hub(
@@ -470,7 +510,7 @@ class FlattenQuantizer(OptimumQuantizer):
         check_hub_repo(repo_id, kwargs.get("api"))
         if not is_writer():
             return repo_id
-        report = {**self.report, **(extra_report or {})}
+        report = {**self._report_of(model), **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
 
 
@@ -538,53 +578,3 @@ def check_shardable(method: CompressionMethod, corrections: Corrections, rank: i
             f"{method.name!r} cannot calibrate across processes as configured: {where}, and {refusal}; "
             f"or {one_process}."
         )
-
-
-def compute_cost(
-    context: MethodContext, stack_weights: int, tokens: int, dense_forward_flops: float = 0.0, work_before: int = 0
-) -> dict[str, Any]:
-    """The compute a method spent, in two machine-free parts.
-
-    ``stack_passes``: weight x token products of every block run (and LM-head evaluations), as a multiple of one pass
-    of the calibration tokens through the original stack. ``arithmetic``: the method's own floating-point work
-    between those runs (second and cross moments, solves, factorisations; `utils.flops`), per timed phase, by kind
-    and precision, and in units of one dense forward of the original stack over the same tokens
-    (``dense_forward_flops``, attention's token-pair products included), with its total under ``total``: the phases
-    nest as the timings do, so the total is the sum over the outermost phases, ``plan`` and ``apply``.
-    Neither depends on the machine or on what else ran; `optimum-flatten estimate --device` turns them into seconds.
-    `work_before`: the work earlier attempts of a resumed compression kept (`ResumeState.before`).
-    """
-    if not tokens or not stack_weights:
-        return {"stack_passes": 0.0, "unit": "no calibration"}
-    cost: dict[str, Any] = {
-        "stack_passes": round((context.work + work_before) / (stack_weights * tokens), 3),
-        "unit": f"one pass of {tokens} calibration tokens through the original stack ({stack_weights} weights)",
-    }
-    if dense_forward_flops:
-        count = context.arithmetic
-        total = sum(count.flops(p) for p in ("plan", "apply", "export_prep"))
-        cost["arithmetic"] = {
-            "dense_forwards": round(total / dense_forward_flops, 4),
-            "flops": total,
-            "host_reads": sum(count.host_reads(p) for p in ("plan", "apply", "export_prep")),
-            "launches": sum(count.launches(p) for p in ("plan", "apply", "export_prep")),
-            "dense_forward_flops": dense_forward_flops,
-            "unit": "one dense forward of the original stack over the calibration tokens (2 x weights x tokens + "
-            "attention's token-pair products)",
-            "phases": count.to_dict(dense_forward_flops),
-        }
-    return cost
-
-
-def _dense_forward_flops(adapter: Any, stack: str, stack_weights: int, masks: list[torch.Tensor]) -> float:
-    """One forward of the original stack over the calibration batches (`utils.flops.dense_forward_flops`); without
-    a head geometry (no attention the adapter can describe) only the weight products count."""
-    try:
-        geometry = adapter.block(stack, 0).attention.geometry
-        width = geometry.num_heads * geometry.head_dim
-    except (AttributeError, NotImplementedError, ValueError):
-        width = 0
-    num_layers = adapter.num_layers(stack)
-    return sum(
-        flops.dense_forward_flops(stack_weights, int(m.numel()), int(m.shape[-1]), num_layers, width) for m in masks
-    )

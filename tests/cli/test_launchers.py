@@ -49,6 +49,9 @@ def test_compress_under_torchrun_calibrates_across_ranks_and_writes_what_one_pro
     assert "calibrated by" in printed and "2 processes" in printed
     report = json.loads((tmp_path / "two" / "flatten_report.json").read_text())
     assert report["calibration"]["processes"] == 2
+    # The cost is one rank's (its share of the tokens, its solves), and says so; the tokens are every rank's.
+    assert report["cost"]["per_rank"] and "this rank's share of the calibration (2 processes" in report["cost"]["unit"]
+    assert f"one pass of {report['calibration']['tokens'] // 2} calibration tokens" in report["cost"]["unit"]
     assert main([*arguments, "--output", str(tmp_path / "one")]) == 0
     _assert_same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert "processes" not in json.loads((tmp_path / "one" / "flatten_report.json").read_text())["calibration"]

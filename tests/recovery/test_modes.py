@@ -407,3 +407,18 @@ def test_a_budget_that_is_not_whole_steps_says_how_many_tokens_train(compressed,
         rounded = [r.getMessage() for r in caplog.records if "rounds up" in r.getMessage()]
         assert rounded == ([said] if said else [])
         assert log["tokens_trained"] == 128
+
+
+def test_the_ranks_of_a_cpu_launch_share_the_hosts_memory(compressed, monkeypatch):
+    """Each rank of a CPU launch trains its own copy in one memory: `full` must fit the host's free memory divided
+    by the processes on it (torchrun's ``LOCAL_WORLD_SIZE``), not the whole of it on every rank."""
+    from optimum_flatten.recovery import footprint
+
+    model = copy.deepcopy(compressed[0])
+    config = _config(learning_rate=None, max_tokens=64, train_embeddings=True)
+    needed = footprint.full_footprint(model, config).total
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: int(needed / footprint.HEADROOM * 1.5))
+    assert footprint.ModeChoice(model, config, lambda: 0)()  # one process: fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    choice = footprint.ModeChoice(model, config, lambda: 0)
+    assert not choice() and "this rank's share of the host's memory: 2 processes" in choice.line

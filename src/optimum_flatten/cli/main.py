@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,9 @@ def cmd_compress(args: argparse.Namespace) -> int:
     if calibrates:
         _check_text_calibration(model)
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
-    quantizer.compress(model, tokenizer)
+    with warnings.catch_warnings():  # a skipped healing is printed below with the report's other warnings
+        warnings.filterwarnings("ignore", message="the healing was skipped")
+        quantizer.compress(model, tokenizer)
     if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
         return 0
     report = quantizer.report

@@ -348,6 +348,7 @@ HEAL_FLAGS = {
     "heal_mode": "mode",
     "heal_dataset": "dataset",
     "heal_text_column": "text_column",
+    "heal_seqlen": "seqlen",
 }
 
 
@@ -381,6 +382,12 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="the field holding --heal-dataset's text in records and tables (default: --text-column)",
     )
+    group.add_argument(
+        "--heal-seqlen",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"tokens per healing row (default: {RecoveryConfig.seqlen}; --seqlen is the calibration's)",
+    )
 
 
 def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -390,7 +397,8 @@ def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     if "max_tokens" not in given:
         raise ValueError(
-            "--heal-mode, --heal-dataset and --heal-text-column need --heal-tokens N, the training-token budget."
+            "--heal-mode, --heal-dataset, --heal-text-column and --heal-seqlen need --heal-tokens N, the "
+            "training-token budget."
         )
     return given
 

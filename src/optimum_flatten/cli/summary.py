@@ -29,7 +29,10 @@ def report_warnings(report: dict[str, Any]) -> list[str]:
     whose calibration loss rose past its bound, for one)."""
     from ..export.model_card import method_sections
 
-    return [warning for section in method_sections(dict(report)) for warning in section.warnings]
+    warnings = [warning for section in method_sections(dict(report)) for warning in section.warnings]
+    if skipped := (report.get("recovery") or {}).get("skipped"):  # a heal= the plan left nothing to train for
+        warnings.append(skipped)
+    return warnings
 
 
 def compression_summary(report: dict[str, Any]) -> str:
@@ -46,7 +49,9 @@ def compression_summary(report: dict[str, Any]) -> str:
     if (processes := report["calibration"].get("processes", 1)) > 1:
         rows.insert(-1, ("calibrated by", f"{processes} processes, each on its share of the batches"))
     healing = report.get("recovery")
-    if healing:
+    if healing and healing.get("skipped"):
+        rows.append(("healing", f"skipped ({healing['mode']}: nothing to train)"))
+    elif healing:
         held_out = ""
         before, after = healing.get("heldout_before") or {}, healing.get("heldout_after") or {}
         if "objective" in before and "objective" in after:

@@ -173,6 +173,8 @@ def _recovery_lines(report: dict[str, Any]) -> list[str]:
     recovery = report.get("recovery")
     if not isinstance(recovery, dict):
         return []
+    if recovery.get("skipped"):
+        return [f"- Healing: not run; {recovery['skipped']}"]
     teacher = recovery.get("teacher")
     loss = f"distilled from `{teacher}`" if teacher else "LM loss"
     rows, seqlen = recovery.get("rows_per_step"), recovery.get("seqlen")

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..options.recovery import SHARDED_ACROSS_RANKS, SPLIT_AFTER_MERGES, RecoveryConfig
 from ..plan import LayerPlan
-from ..utils.launch import all_ranks_max
+from ..utils.launch import all_ranks_max, processes_on_this_host
 from ..utils.memory import available_bytes
 from .selection import embedding_tables
 
@@ -293,7 +293,10 @@ class ModeChoice:
         """Whether `full` fits with one of the `candidates`, on every rank of a launch of several processes (each
         checks its own device and the ranks take the worst answer, so that they train one mode together)."""
         teacher = self.teacher_bytes()
-        available = available_bytes(training_device(self.student, self.config))  # read once for every check
+        device = training_device(self.student, self.config)
+        available = available_bytes(device)  # read once for every check
+        sharing = processes_on_this_host() if device.type == "cpu" else 1
+        available //= sharing  # each rank of a CPU launch trains its own copy in the host's one memory
         candidates = self.candidates()
         lines, chosen = [], len(candidates)
         for index, (optim, train) in enumerate(candidates):
@@ -305,6 +308,8 @@ class ModeChoice:
                 chosen = index
                 break
         self.line = "; ".join(lines)
+        if sharing > 1:
+            self.line += f" (this rank's share of the host's memory: {sharing} processes on it)"
         agreed = all_ranks_max(chosen)  # the worst rank's choice: the leanest candidate any rank needs
         if agreed > chosen:
             self.line = f"{self.line}; another rank has less memory"

@@ -34,7 +34,7 @@ def resolve_mode(
     if is_teacher_dataset(dataset):  # the teacher's text only: the log, the footprint and a resume see share 1
         config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
     # A row past a position table fails inside the first step; refused here, before anything is built or changed.
-    check_sequence_length(model, config.seqlen)
+    check_sequence_length(model, config.seqlen, "the healing's seqlen")
     # Under torchrun / accelerate launch the ranks are joined first, so that they agree on the mode (each checks its
     # own memory) before the Trainer wraps the model.
     join_launcher_group()

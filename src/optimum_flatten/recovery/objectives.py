@@ -25,6 +25,16 @@ from .teacher import _LOCAL_NEEDS_TEACHER, _declines_teacher
 logger = logging.getLogger(__name__)
 
 
+def local_needs_one_process(processes: int) -> str:
+    """Why mode 'local' refuses a launch of several processes (`local_spans`; `FlattenQuantizer.preflight` says it
+    before the compression)."""
+    return (
+        "mode='local' trains on one process (its blocks run outside the model's forward, so a data-parallel wrapper "
+        f"would not synchronise them), got {processes} processes; launch it without torchrun / accelerate, or pick "
+        "mode 'changed'."
+    )
+
+
 def local_spans(
     model: nn.Module,
     report: Mapping[str, Any] | None,
@@ -41,11 +51,7 @@ def local_spans(
     if config.mode != "local":
         return []
     if schedule.replicas > 1 or schedule.arguments.world_size > 1:
-        raise ValueError(
-            f"mode='local' trains on one process (its blocks run outside the model's forward, so a data-parallel "
-            f"wrapper would not synchronise them), got {schedule.arguments.world_size} processes; launch it without "
-            "torchrun / accelerate, or pick mode 'changed'."
-        )
+        raise ValueError(local_needs_one_process(schedule.arguments.world_size))
     if _declines_teacher(teacher):
         raise ValueError(_LOCAL_NEEDS_TEACHER)
     spans = changed_spans(model, report)  # refuses without a plan or with nothing changed, before the teacher

@@ -26,6 +26,15 @@ def launched_world_size() -> int:
         return 1
 
 
+def processes_on_this_host() -> int:
+    """How many of the launch's processes share this machine (``LOCAL_WORLD_SIZE``, which torchrun and accelerate
+    launch set; 1 outside a launcher): on the CPU they share one memory, which each would otherwise count as its own."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def join_launcher_group() -> bool:
     """Joins the launcher's process group when there is one to join; returns whether this call created it.
 

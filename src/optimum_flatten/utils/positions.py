@@ -43,13 +43,15 @@ def position_limit(config: Any) -> tuple[int, str, bool] | None:
     return limit, "max_position_embeddings", hard
 
 
-def check_sequence_length(model_or_config: Any, seqlen: int, option: str = "seqlen") -> None:
+def check_sequence_length(model_or_config: Any, seqlen: int, option: str = "seqlen", warn: bool = True) -> None:
     """Refuses a `seqlen` longer than a position table, and warns when it is longer than a RoPE model's training.
 
     Args:
         model_or_config: A model (its ``config`` is read) or a config.
         seqlen: Tokens per sequence that will be run.
         option: The name of the option to lower, for the message (``"seqlen"``, ``"--seqlen"``).
+        warn: Whether to warn for RoPE; False where a later check of the same length warns (a healing's rows are
+            checked before the compression, and again by `recover`: one warning, not two).
 
     Raises:
         CalibrationDataError: for a table of positions shorter than `seqlen`.
@@ -60,6 +62,8 @@ def check_sequence_length(model_or_config: Any, seqlen: int, option: str = "seql
         return
     positions, key, hard = limit
     architecture = (getattr(config, "architectures", None) or [type(model_or_config).__name__])[0]
+    if not hard and not warn:
+        return
     if hard:
         raise CalibrationDataError(
             f"{option}={seqlen} is longer than the {positions} positions of this {architecture} (config.{key}): its "
