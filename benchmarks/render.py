@@ -613,6 +613,7 @@ def _training_rows(run: dict) -> str:
     label += f", hidden-state terms (weight {hidden:g}, each block against the teacher's state)" if hidden else ""
     label += f", healed on {text}" if (text := recovery_protocol.healing_text(settings)) else ""
     label += f", optimiser {optim}" if (optim := recovery_protocol.optimiser(settings)) else ""
+    label += f", calibrated on {choice}" if (choice := recovery_protocol.calibration(settings)) else ""
     seed = recovery_protocol.seed(settings)
     return label + (f", healing seed {seed}" if seed != recovery_protocol.SEED else "")
 
@@ -696,6 +697,8 @@ def healing_text_table(paths: list[Path]) -> str:
         if not recovery_protocol.default_loss(settings):
             continue
         if recovery_protocol.optimiser(settings) or r["recovery"].get("global_phase") or r["loss"] != "distillation":
+            continue
+        if recovery_protocol.calibration(settings):  # another untrained model than the group's (the notebook's)
             continue
         if not _default_rate(r):
             continue

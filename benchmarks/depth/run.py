@@ -260,7 +260,8 @@ for _name, _options in VARIANTS.items():
         VARIANTS[_name] = {**_options, "mlp_target": "parallel"}
 
 
-#: `--calibration` choices: the protocol's speeches, or the same speeches mixed with a text of another genre.
+#: `--calibration` choices: the protocol's speeches, or the same speeches mixed with a text of another genre, or with
+#: text the dense model writes itself.
 CALIBRATIONS = {
     "sotu": "SOTU before 2000",
     "sotu+pydoc": (
@@ -268,26 +269,63 @@ CALIBRATIONS = {
         "characters) in equal shares of characters: the most recent speeches before 2000 up to the documentation's "
         "size, then the documentation (another genre than both evaluation texts)"
     ),
+    "sotu+teacher": (
+        "SOTU before 2000 and the dense model's own text in equal shares of characters: the most recent speeches "
+        "before 2000 up to the size of 40 rows of 512 tokens the dense model sampled from its BOS token "
+        "(`recovery.teacher_text`, temperature 1, no top-k or top-p cut, seed 0; decoded), then those rows"
+    ),
 }
+#: Rows of 512 sampled tokens (and the BOS token) the dense model writes for ``sotu+teacher``: 40, since the mixed
+#: stream must hold more than the 32 x 512 tokens drawn from it once the decoded rows are tokenised again.
+TEACHER_CALIBRATION_ROWS = 40
 
 
-def calibration_dataset(choice: str) -> object:
-    """What `FlattenConfig(dataset=...)` gets for a `--calibration` choice (a corpus name, or the mixed texts)."""
+def calibration_dataset(choice: str, model: str = "smollm2", cache_dir: str | None = None) -> object:
+    """What `FlattenConfig(dataset=...)` gets for a `--calibration` choice (a corpus name, or the mixed texts);
+    `model` (a bundled name) writes the ``sotu+teacher`` rows, kept in `cache_dir` when given."""
     if choice == "sotu":
         return "sotu:before-2000"
+    other = _pydoc_texts() if choice == "sotu+pydoc" else teacher_calibration_texts(model, cache_dir)
+    return latest_speeches(sum(len(t) for t in other)) + other
+
+
+def _pydoc_texts() -> list[str]:
     from pydoc_data.topics import topics
 
+    return [topics[key] for key in sorted(topics)]
+
+
+def latest_speeches(size: int) -> list[str]:
+    """The most recent speeches before 2000 that hold `size` characters (the last one may pass it), in order."""
     from optimum_flatten import bundled
 
-    docs = [topics[key] for key in sorted(topics)]
-    size = sum(len(t) for t in docs)
     speeches, total = [], 0
     for text in reversed(bundled.load_corpus("sotu:before-2000")):
         if total >= size:
             break
         speeches.append(text)
         total += len(text)
-    return speeches[::-1] + docs
+    return speeches[::-1]
+
+
+def teacher_calibration_texts(model: str, cache_dir: str | None = None) -> list[str]:
+    """`TEACHER_CALIBRATION_ROWS` rows the bundled dense `model` samples from its BOS token (seed 0, its own stream
+    name, so never a healing run's rows), decoded without the BOS token. No evaluation text is read."""
+    from optimum_flatten import bundled
+    from optimum_flatten.recovery.teacher_text import sample_teacher_rows
+
+    dense, tokenizer = bundled.load_bundled(model)
+    rows, _ = sample_teacher_rows(
+        dense.eval(),
+        tokenizer,
+        TEACHER_CALIBRATION_ROWS,
+        513,
+        seed=0,
+        cache_dir=cache_dir,
+        stream="calibration",
+        progress=False,
+    )
+    return [tokenizer.decode(row["input_ids"][1:].tolist()) for row in rows]
 
 
 def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -> dict:
@@ -297,7 +335,7 @@ def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -
     from optimum_flatten.config import CalibrationConfig
 
     calibration = CalibrationConfig(
-        dataset=calibration_dataset(args.calibration),
+        dataset=calibration_dataset(args.calibration, args.model, args.calibration_cache),
         nsamples=args.nsamples,
         seqlen=args.seqlen,
         seed=0,
@@ -341,7 +379,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
         options = {
             "num_layers_to_remove": args.num_layers_to_remove,
-            "dataset": calibration_dataset(args.calibration),
+            "dataset": calibration_dataset(args.calibration, args.model, args.calibration_cache),
             "nsamples": args.nsamples,
             "seqlen": args.seqlen,
             "seed": 0,
@@ -406,6 +444,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
     parser.add_argument("--calibration", default="sotu", choices=sorted(CALIBRATIONS), help="calibration text")
+    parser.add_argument("--calibration-cache", default=None, help="folder keeping the sotu+teacher rows")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out, run the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)

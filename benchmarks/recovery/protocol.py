@@ -11,6 +11,8 @@ and the curves (`curve.py`): a run that departs from it writes a file of its own
   (`--teacher-text 1.0`) or a mix (`--teacher-text 0.5`) is a line of its own, and so is a run with another
   optimiser than the Trainer's AdamW (`--optim`). A run on the dense model's text whose gate is guarded by held-out
   speeches (`--guard-speeches`) is one too.
+- The compression calibrated on the speeches (`CALIBRATION` of run.py); one calibrated on a mix
+  (`--calibration sotu+teacher`) starts from another model and is a line of its own.
 - The healing seed 0: it draws the gate's held-out rows and orders the training rows. A run with another seed measures
   the spread between runs; its gate held out other rows, so its objective ranks nothing beside seed 0's.
 """
@@ -51,6 +53,12 @@ def default_loss(settings: Mapping[str, Any]) -> bool:
     )
 
 
+def calibration(settings: Mapping[str, Any]) -> str:
+    """The compression's calibration text, ``""`` for the speeches (runs from before the option had them)."""
+    choice = str(settings.get("calibration") or "sotu")
+    return "" if choice == "sotu" else choice
+
+
 def is_default(settings: Mapping[str, Any]) -> bool:
     """Whether a run trained on the default rows with the default seed, embeddings included, on the speeches with
     AdamW and the default loss: the runs the product table and the curves rank and draw together (a gate's held-out
@@ -62,6 +70,7 @@ def is_default(settings: Mapping[str, Any]) -> bool:
         and not frozen_embeddings(settings)
         and not healing_text(settings)
         and not optimiser(settings)
+        and not calibration(settings)
     )
 
 

