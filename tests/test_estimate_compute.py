@@ -397,6 +397,11 @@ def test_device_options_are_refused_with_what_is_allowed():
         device_from_options(None, "fp8=100", 1000.0)
     with pytest.raises(ValueError, match="positive TFLOPS"):
         device_from_options("h100", "float32=-1", None)
+    # inf predicted 0 s for every phase
+    with pytest.raises(ValueError, match="positive TFLOPS, a finite number"):
+        device_from_options(None, "inf", "3350")
+    with pytest.raises(ValueError, match="bandwidth-gbs must be positive, a finite number"):
+        device_from_options("h100", None, "inf")
 
 
 @pytest.mark.parametrize(
@@ -414,3 +419,20 @@ def test_device_argument_errors_import_neither_torch_nor_transformers(argv, tmp_
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["2", "False", "False"], result.stdout + result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--nsamples", "0"], ["--seqlen", "-3"], ["--batch-size", "0"], ["--num-layers-to-remove", "0"]],
+    ids=["nsamples", "seqlen", "batch", "depth"],
+)
+def test_sizes_out_of_range_are_refused_before_torch_loads(argv, tmp_path):
+    """As compress refuses them: in a fraction of a second, not after torch and the meta model (6-13 s)."""
+    argv = ["estimate", str(tmp_path / "model"), "--num-layers-to-remove", "2", *argv]
+    code = (
+        "import sys\nfrom optimum_flatten.cli.main import main\n"
+        f"code = main({argv!r})\nprint(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "error:" in result.stderr

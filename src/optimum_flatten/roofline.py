@@ -47,6 +47,7 @@ tests/test_estimate_compute.py):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,8 +134,8 @@ def device_from_options(name: str | None, peak_tflops: str | None, bandwidth_gbs
     if peak_tflops is not None:
         peaks.update(parse_peaks(peak_tflops))
     bandwidth = base.bandwidth_gbs if bandwidth_gbs is None else float(bandwidth_gbs)
-    if not bandwidth > 0:
-        raise ValueError(f"--bandwidth-gbs must be positive, got {bandwidth_gbs!r}.")
+    if not 0 < bandwidth < math.inf:  # inf would predict 0 s for every phase
+        raise ValueError(f"--bandwidth-gbs must be positive, a finite number, got {bandwidth_gbs!r}.")
     label = name or "custom"
     if base is not None and (peak_tflops is not None or bandwidth_gbs is not None):
         label += " (figures given)"
@@ -150,8 +151,8 @@ def parse_peaks(text: str) -> dict[str, float]:
             result = float(value)
         except ValueError:
             result = float("nan")
-        if not result > 0:
-            raise ValueError(f"--peak-tflops takes positive TFLOPS, got {value!r} in {text!r}.")
+        if not 0 < result < math.inf:
+            raise ValueError(f"--peak-tflops takes positive TFLOPS, a finite number, got {value!r} in {text!r}.")
         return result
 
     if "=" not in text:

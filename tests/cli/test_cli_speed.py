@@ -135,3 +135,17 @@ def test_demo_prints_and_saves_fidelity_to_the_dense_model(tiny_demo, capsys, tm
     assert report["evaluation"]["compressed"]["perplexity"] == pytest.approx(saved["compressed_perplexity"])
     card = (out / "README.md").read_text()
     assert f"top-1 next-token agreement {saved['top1_agreement']:.3f}" in card
+
+
+def test_demo_refuses_too_little_calibration_text_before_measuring_the_dense_model(tiny_demo, monkeypatch, capsys):
+    """It used to measure the dense model first (a minute on SmolLM2), then refuse with advice to use `compress`
+    for options the demo takes itself."""
+    import optimum_flatten.cli.demo as demo
+
+    monkeypatch.setattr(demo, "_size", lambda *a: pytest.fail("measured the dense model before refusing"))
+    monkeypatch.setattr("optimum_flatten.evaluation.perplexity", lambda *a, **k: pytest.fail("measured"))
+    argv = [*tiny_demo]
+    argv[argv.index("--seqlen") + 1] = "100000"
+    assert main(argv) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "fewer than nsamples x seqlen" in error[0] and "the demo runs" not in error[0]

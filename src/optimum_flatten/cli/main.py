@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 
+from ..options import CalibrationConfig
 from ..registry import get_config_class, get_method_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
@@ -298,6 +299,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     check_method_options(args)
     device = device_from_options(args.device, args.peak_tflops, args.bandwidth_gbs)  # refused before torch loads
+    # Sizes out of range, in the calibration's own words, before torch and the meta model (6-13 s) as compress does.
+    CalibrationConfig(nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size)
+    if args.num_layers_to_remove < 1:
+        raise ValueError(f"--num-layers-to-remove must be at least 1, got {args.num_layers_to_remove}.")
 
     from ..estimate import estimate_checkpoint
     from ..options.corrections import Corrections
