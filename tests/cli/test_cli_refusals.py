@@ -5,6 +5,7 @@ tokenizer differs unless asked to compare bits per byte."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -452,3 +453,38 @@ def test_a_local_source_is_never_named_by_its_path_in_the_saved_checkpoint(dense
     assert leaks == []
     report = json.loads(texts["flatten_report.json"])
     assert report["base_model"] == "dense" and report["base_model_on_hub"] is False
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_hubs_log_lines_show_once_and_only_with_verbose(monkeypatch, verbose):
+    """huggingface_hub's retries of an unreachable Hub were printed twice each (its own handler and the root's),
+    before the command's one error line."""
+    import logging
+
+    from optimum_flatten.cli import main as cli_main
+
+    hub_logger = logging.getLogger("huggingface_hub")
+    seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append((record.getMessage(), hub_logger.propagate))
+
+    collector = Collect()
+    hub_logger.addHandler(collector)
+
+    def command(args):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        return 0
+
+    monkeypatch.setattr(cli_main, "cmd_estimate", command)
+    monkeypatch.setattr(cli_main, "VERBS", tuple(
+        dataclasses.replace(v, command=command) if v.name == "estimate" else v for v in cli_main.VERBS
+    ))  # fmt: skip
+    try:
+        argv = (["-v"] if verbose else []) + ["estimate", "m", "--num-layers-to-remove", "2"]
+        assert cli_main.main(argv) == 0
+    finally:
+        hub_logger.removeHandler(collector)
+    # Shown with -v only, by the hub's own handler alone (not propagated to the root's as well).
+    assert seen == ([("Retrying in 1s [Retry 1/5].", False)] if verbose else [])

@@ -458,6 +458,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     merge_logger = logging.getLogger("optimum_flatten.methods.laco.search")
     level = merge_logger.level
     merge_logger.setLevel(logging.ERROR)
+    # huggingface_hub logs through a handler of its own and the root's (basicConfig above): each line came twice,
+    # and its retries of an unreachable Hub came before the command's one error line. They show with -v, once.
+    hub_logger = logging.getLogger("huggingface_hub")
+    hub_state = hub_logger.level, hub_logger.propagate
+    hub_logger.propagate = not hub_logger.handlers
+    if not args.verbose:
+        hub_logger.setLevel(logging.ERROR)
     hidden: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if getattr(args, "no_progress", False):  # the libraries' bars too (restored after: main may run in-process)
         from ..utils.progress import progress_hidden
@@ -479,6 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         merge_logger.setLevel(level)
+        hub_logger.setLevel(hub_state[0])
+        hub_logger.propagate = hub_state[1]
 
 
 if __name__ == "__main__":
