@@ -16,3 +16,15 @@ def llama_on_disk(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("\n".join(tiny_models.sample_texts(60)))
     return path, text
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(dense, compressed, text) on disk: a tiny LLaMA as a user's dense checkpoint, the same model compressed by
+    FlattenGPT and written by `FlattenQuantizer.save`, and a text of 60 documents: what `recover --teacher` reads."""
+    from common import dense_and_compressed_on_disk
+
+    dense, compressed = dense_and_compressed_on_disk(tmp_path, tiny_models.tiny_hf_tokenizer())
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(tiny_models.sample_texts(60)))
+    return dense, compressed, text

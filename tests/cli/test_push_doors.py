@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import dense_and_compressed_on_disk, one_error_line
+from common import one_error_line
 from optimum_flatten.cli.main import main
 from tests.cli.test_layer_collapse_doors import SCHEDULE
 from tests.test_hub import RecordingApi, _online
@@ -28,15 +28,6 @@ def hub(monkeypatch) -> RecordingApi:
     api = RecordingApi()
     monkeypatch.setattr("huggingface_hub.HfApi", lambda token=None: api)
     return api
-
-
-@pytest.fixture
-def pair(tmp_path):
-    """(dense, compressed, text) on disk."""
-    dense, compressed = dense_and_compressed_on_disk(tmp_path, tiny_models.tiny_hf_tokenizer())
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(tiny_models.sample_texts(60)))
-    return dense, compressed, text
 
 
 def _uploaded_as_saved(folder, api: RecordingApi, remote_code: bool = False) -> None:

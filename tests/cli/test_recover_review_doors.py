@@ -11,17 +11,8 @@ import json
 import pytest
 
 import tiny_models
-from common import dense_and_compressed_on_disk, one_error_line
+from common import one_error_line
 from optimum_flatten.cli.main import build_parser, main
-
-
-@pytest.fixture
-def pair(tmp_path):
-    """(dense, compressed, text) on disk."""
-    dense, compressed = dense_and_compressed_on_disk(tmp_path, tiny_models.tiny_hf_tokenizer())
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(tiny_models.sample_texts(60)))
-    return dense, compressed, text
 
 
 @pytest.fixture
