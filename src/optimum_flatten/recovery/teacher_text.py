@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.launch import all_ranks_min, all_ranks_sum
 from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_start import checked_start, prompt_ids
 from .teacher_text_cache import FinishedBatches, cache_key, read_cache, write_cache
@@ -190,27 +191,13 @@ def _gather(ids: torch.Tensor, n_rows: int, world_size: int, device: torch.devic
     return torch.cat([part[: _share(n_rows, r, world_size)] for r, part in enumerate(parts)]).cpu()
 
 
-def _everyone(flag: bool, device: torch.device) -> bool:
-    """Whether `flag` holds on every rank (a collective: every rank calls it at the same point)."""
-    value = torch.tensor([1 if flag else 0], device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return bool(value.item())
-
-
-def _summed(count: int, device: torch.device) -> int:
-    """`count` summed over the ranks (a collective: every rank calls it at the same point)."""
-    value = torch.tensor([count], dtype=torch.long, device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.SUM)
-    return int(value.item())
-
-
-def _rows_read_back(kept: Any, world_size: int, device: torch.device) -> int:
+def _rows_read_back(kept: Any, world_size: int) -> int:
     """Every rank's rows read back from finished batches (each keeps its own share's), as the record's `rows` counts
     every rank's rows. Whether there is a `kept` is the same on every rank (the cache, its key and the backend are),
     so every rank joins the sum."""
     read_back = int(kept.rows.shape[0]) if kept is not None and kept.rows is not None else 0
     if kept is not None and world_size > 1:
-        read_back = _summed(read_back, device)
+        read_back = all_ranks_sum(read_back)
     return read_back
 
 
@@ -247,12 +234,12 @@ def _starts(
 
 
 def _cached_rows(
-    folder: Path | None, stream: str, key: dict[str, Any] | None, world_size: int, device: torch.device
+    folder: Path | None, stream: str, key: dict[str, Any] | None, world_size: int
 ) -> tuple[torch.Tensor | None, dict[str, Any] | None]:
     """(rows, what sampling them cost) from the cache, or (None, None) where this process must sample: no cache, or
     under torch.distributed a rank without it (another node's folder), since the others must then sample with it."""
     found = read_cache(folder, stream, key) if folder is not None and key is not None else None
-    if world_size > 1 and not _everyone(found is not None, device):
+    if world_size > 1 and not all_ranks_min(int(found is not None)):  # on every rank, or sampled on every rank
         found = None
     return found if found is not None else (None, None)
 
@@ -469,7 +456,7 @@ def sample_teacher_rows(
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
     began = _measuring(device)
-    ids, sampled = _cached_rows(folder, stream, key, world_size, device)
+    ids, sampled = _cached_rows(folder, stream, key, world_size)
     cached, vllm_bytes = ids is not None, None
     kept = None if cached else FinishedBatches.open(folder, stream, key, batch_size, rank, world_size)
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
@@ -484,7 +471,7 @@ def sample_teacher_rows(
         )
         ids = _gather(mine, n_rows, world_size, device)
     cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
-    if read_back := _rows_read_back(kept, world_size, device):  # this attempt's seconds: they cost earlier ones
+    if read_back := _rows_read_back(kept, world_size):  # this attempt's seconds: they cost earlier ones
         cost["rows_read_back"] = read_back
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)

@@ -118,6 +118,11 @@ def all_ranks_min(value: int) -> int:
     return _all_ranks(value, "MIN")
 
 
+def all_ranks_sum(value: int) -> int:
+    """`value` summed over the ranks (`value` itself without a group): a count each rank holds of its own share."""
+    return _all_ranks(value, "SUM")
+
+
 def all_ranks_max(value: int) -> int:
     """The largest of `value` over the ranks (`value` itself without a group): how the ranks agree on a choice
     each makes from its own device, such as how lean a training mode must be to fit its memory."""
