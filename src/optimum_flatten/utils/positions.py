@@ -62,21 +62,20 @@ def check_sequence_length(model_or_config: Any, seqlen: int, option: str = "seql
         return
     positions, key, hard = limit
     architecture = (getattr(config, "architectures", None) or [type(model_or_config).__name__])[0]
-    if not hard and not warn:
-        return
     if hard:
         raise CalibrationDataError(
             f"{option}={seqlen} is longer than the {positions} positions of this {architecture} (config.{key}): its "
             f"position embeddings are a table with no row past {positions - 1}. Use {option} <= {positions}."
         )
-    logger.warning(
-        "%s=%d is longer than this %s was trained on (config.%s = %d): rotary positions run past that length, so the "
-        "measured statistics may not describe the model in use; %s <= %d is safer.",
-        option,
-        seqlen,
-        architecture,
-        key,
-        positions,
-        option,
-        positions,
-    )
+    if warn:
+        logger.warning(
+            "%s=%d is longer than this %s was trained on (config.%s = %d): rotary positions run past that length, so "
+            "the measured statistics may not describe the model in use; %s <= %d is safer.",
+            option,
+            seqlen,
+            architecture,
+            key,
+            positions,
+            option,
+            positions,
+        )
