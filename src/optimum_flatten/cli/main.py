@@ -342,16 +342,13 @@ def cmd_layer_collapse(args: argparse.Namespace) -> int:
     log = prepare_and_train(model, request, plan, args)
     quantizer = FlattenQuantizer(plan.config, progress=not args.no_progress)
     quantizer.compress(model, tokenizer)
-    saved = {"overwrite": args.overwrite, "extra_report": {"training": log}}
-    uploaded = ""
-    if args.push_to_hub:
-        url = quantizer.push_to_hub(
-            model, args.push_to_hub, tokenizer, local_dir=args.output, private=args.private or None, **saved
-        )
-        path, uploaded = Path(args.output), f" and uploaded: {url}"
-    else:
-        path = quantizer.save(model, args.output, tokenizer, **saved)
+    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report={"training": log})
     report = json.loads((Path(path) / REPORT_NAME).read_text(encoding="utf-8"))
+    uploaded = ""
+    if args.push_to_hub:  # the folder is saved first, as `recover` uploads it: a failed upload loses nothing
+        from ..export.hub import upload_checkpoint
+
+        uploaded = f" and uploaded: {upload_checkpoint(path, args.push_to_hub, report, private=args.private or None)}"
     print(text_table(summary_rows(log, report, args.seqlen), ("", "value")))
     load = report.get("load_with")
     how = f"{load['class']}.from_pretrained(path, trust_remote_code=True)" if load else "its stock class"
