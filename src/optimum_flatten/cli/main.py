@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
 import math
 import sys
@@ -46,6 +47,9 @@ from .verbs import (
 
 logger = logging.getLogger(__name__)
 
+#: The console script's name; under optimum's CLI the same parser is built with ``prog="optimum-cli flatten"``.
+PROG = "optimum-flatten"
+
 
 class FlattenArgumentParser(argparse.ArgumentParser):
     """argparse with one-line errors, no abbreviated flags, and a did-you-mean for an unknown flag.
@@ -68,10 +72,22 @@ class FlattenArgumentParser(argparse.ArgumentParser):
     ) -> argparse.Namespace:
         """Parses like argparse, but an unknown flag is named with the closest known one of its verb."""
         parsed, extras = self.parse_known_args(args, namespace)
+        self._require_verb(parsed)
         if extras:
             parser = self._verb_parser(parsed)
             parser.error(unrecognized(parser, extras))
         return parsed
+
+    def _require_verb(self, parsed: argparse.Namespace) -> None:
+        """Refuses a command line without a verb with the usage line first, then the one-line error (exit 2).
+
+        The verbs are not declared required, so that this parser, not argparse, words the refusal: a bare
+        ``optimum-flatten`` (or ``optimum-cli flatten``) is asking what there is, and the usage line answers that
+        with the verbs listed, which a one-line error alone would not."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) is None:
+                self.print_usage(sys.stderr)
+                self.error(f"a verb is required: one of {', '.join(action.choices)}")
 
     def _verb_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
         """The parser of the verb that was given (whose flags a suggestion is drawn from), else this one."""
@@ -420,21 +436,34 @@ VERBS = (
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Help that ends with a flag's default where the flag has one and its text does not say it already: a verb's
     own flags are declared with their defaults (`cli.verbs`), and a user reading ``--help`` should not need the
-    source to learn that ``--seqlen`` is 512."""
+    source to learn that ``--seqlen`` is 512. A flag declared without a help text still shows its default (argparse
+    prints nothing after a help-less flag, which hid ``demo --num-layers-to-remove``'s 6 and ``--dtype``'s float32)."""
+
+    @staticmethod
+    def _shows_default(action: argparse.Action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, "", argparse.SUPPRESS)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help
-        shown = action.default not in (None, False, "", argparse.SUPPRESS) and action.option_strings
-        if text and shown and "default" not in text:
+        if text and self._shows_default(action) and "default" not in text:
             return f"{text} (default: %(default)s)"
         return text
 
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._shows_default(action):
+            action = copy.copy(action)  # the parser's own action keeps its (empty) help
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every verb: its declaration (`cli.verbs`), then the option groups it shares."""
-    parser = FlattenArgumentParser(prog="optimum-flatten", description=__doc__)
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The parser of every verb: its declaration (`cli.verbs`), then the option groups it shares.
+
+    `prog` is the command the user typed (``optimum-cli flatten`` under optimum's CLI): every usage line and
+    refusal names it, so that the advice they give (``see PROG VERB --help``) can be run as it is written."""
+    parser = FlattenArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    verbs = parser.add_subparsers(dest="verb", required=True)
+    verbs = parser.add_subparsers(dest="verb", required=False)  # `FlattenArgumentParser._require_verb` refuses none
     for verb in VERBS:
         sub = verbs.add_parser(verb.name, help=verb.help, formatter_class=DefaultsHelpFormatter)
         add_declared_arguments(sub, verb.arguments)
@@ -444,9 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Runs one verb of `argv` (default: the process's arguments) and returns the exit status.
+
+    `prog` names the command in usage lines and messages: ``optimum-flatten`` for the console script,
+    ``optimum-cli flatten`` when optimum's CLI hands the arguments on (`optimum.commands.register.flatten`).
+    Argument errors exit 2 from argparse (SystemExit); errors of the command itself return 2 after one line."""
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    args.prog = prog  # for the commands whose messages name another command to run (`cli.demo`)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )

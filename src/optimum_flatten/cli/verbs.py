@@ -203,11 +203,11 @@ class DemoArguments:
     """`demo`'s arguments: the bundled SmolLM2-135M compressed and compared with itself."""
 
     method: str = _arg("flattengpt", "compression method", choices="methods")
-    num_layers_to_remove: int = _arg(6)
-    nsamples: int = _arg(32)
-    seqlen: int = _arg(512)
+    num_layers_to_remove: int = _arg(6, "layers the bundled SmolLM2-135M loses")
+    nsamples: int = _arg(32, "calibration sequences (of the bundled text)")
+    seqlen: int = _arg(512, "tokens per calibration sequence")
     eval_tokens: int = _arg(16384, "held-out tokens scored")
-    eval_seqlen: int = _arg(512)
+    eval_seqlen: int = _arg(512, "window length of the held-out scoring, in tokens")
     speed_rounds: int = _arg(5, "prefill timing rounds, alternating dense and compressed")
     output: str | None = _arg(None, "also save the compressed checkpoint here")
     overwrite: bool = _switch(_OVERWRITE)

@@ -11,6 +11,9 @@ import argparse
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
+#: What optimum's CLI names this command (its parser's prog, read at run time; this is the fallback).
+PROG = "optimum-cli flatten"
+
 
 class FlattenOptimumCommand(BaseOptimumCLICommand):
     COMMAND = CommandInfo(
@@ -32,10 +35,16 @@ class FlattenOptimumCommand(BaseOptimumCLICommand):
         )
 
     def run(self) -> None:
+        """Hands the arguments to `optimum_flatten.cli.main.main` under optimum's name for the command.
+
+        No arguments are handed on as none: the shared parser prints the usage line and refuses a missing verb
+        with exit 2, as a bare ``optimum-flatten`` does (they used to become ``--help``, which exits 0, so a script
+        that forgot its verb passed). `prog` is the parser's own, ``optimum-cli flatten``, so that every usage line
+        and refusal names the command the user typed."""
         from optimum_flatten.cli.main import main
 
-        argv = list(self.args.flatten_argv) or ["--help"]
-        code = main(["-v", *argv] if self.args.flatten_verbose else argv)
+        argv = list(self.args.flatten_argv)
+        code = main(["-v", *argv] if self.args.flatten_verbose else argv, prog=self.parser.prog or PROG)
         if code:
             raise SystemExit(code)
 
