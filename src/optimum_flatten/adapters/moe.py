@@ -17,6 +17,7 @@ one down projection whose inputs could be fitted) are refused (`missing_capabili
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -100,6 +101,55 @@ def _mlp_writers(mlp: nn.Module) -> tuple[list[nn.Parameter], list[nn.Linear]]:
         if isinstance(part, nn.Linear):
             linears.append(part)
     return ([experts.down_proj] if experts is not None else []), linears
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What one token runs of a sparse MLP, for the estimates: the arithmetic (a token is multiplied by its `top_k`
+    routed experts, not by all `num_experts` held in memory) and the routing temporaries (`compression.workspace`).
+
+    Attributes:
+        num_experts, top_k: experts held, experts a token is routed to.
+        expert_width: one expert's MLP width (``moe_intermediate_size``; Mixtral's ``intermediate_size``).
+        expert_weights: parameters of every expert together (3-d ``gate_up_proj`` and ``down_proj``).
+        shared_width: the width of the shared expert every token also runs (Qwen2-MoE), 0 without one.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_width: int
+    expert_weights: int
+    shared_width: int = 0
+
+    @property
+    def unrouted_weights(self) -> int:
+        """Parameters of the experts a token is not routed to: held, never multiplied by that token."""
+        return self.expert_weights // self.num_experts * (self.num_experts - self.top_k)
+
+
+def moe_shape(mlp: nn.Module) -> MoeShape | None:
+    """The `MoeShape` of a sparse MLP block (a router ``gate`` with ``top_k`` and ``experts`` holding 3-d
+    parameters, the layout of the module docstring), None for any other module (a dense MLP among sparse ones)."""
+    experts, gate = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    down = getattr(experts, "down_proj", None)
+    if not isinstance(down, nn.Parameter) or down.dim() != 3 or not hasattr(gate, "top_k"):
+        return None
+    shared = getattr(mlp, "shared_expert", None)
+    return MoeShape(
+        num_experts=int(down.shape[0]),
+        top_k=int(gate.top_k),
+        expert_width=int(down.shape[2]),
+        expert_weights=sum(p.numel() for p in experts.parameters()),
+        shared_width=int(shared.down_proj.in_features) if isinstance(shared, nn.Module) else 0,
+    )
+
+
+def unrouted_weights(layer: nn.Module) -> int:
+    """Parameters of `layer` (a decoder layer, or any module) that one token is not multiplied by: the experts it is
+    not routed to, in each sparse MLP block inside it (0 for a dense layer). A forward's flops are 2 x (parameters
+    less these) per token: counting every expert made Mixtral's MLP flops 4x what it computes (8 experts, top-2)."""
+    shapes = (moe_shape(module) for module in layer.modules())
+    return sum(shape.unrouted_weights for shape in shapes if shape is not None)
 
 
 @register_adapter

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.moe import unrouted_weights
 from ..utils import flops
 from .method import MethodContext
 
@@ -63,13 +64,16 @@ def compute_cost(
 
 def dense_forward_flops_of(adapter: Any, stack: str, stack_weights: int, masks: list[torch.Tensor]) -> float:
     """One forward of the original stack over the calibration batches (`utils.flops.dense_forward_flops`); without
-    a head geometry (no attention the adapter can describe) only the weight products count."""
+    a head geometry (no attention the adapter can describe) only the weight products count.
+
+    `stack_weights` are every weight of the stack; a token is multiplied only by its routed experts in a mixture
+    of experts (plus the router and any shared expert), so the experts it is not routed to are taken off, layer by
+    layer (`adapters.moe.unrouted_weights`: a stack may mix dense and sparse layers)."""
     try:
         geometry = adapter.block(stack, 0).attention.geometry
         width = geometry.num_heads * geometry.head_dim
     except (AttributeError, NotImplementedError, ValueError):
         width = 0
     num_layers = adapter.num_layers(stack)
-    return sum(
-        flops.dense_forward_flops(stack_weights, int(m.numel()), int(m.shape[-1]), num_layers, width) for m in masks
-    )
+    active = stack_weights - sum(unrouted_weights(layer) for layer in adapter.layers(stack))
+    return sum(flops.dense_forward_flops(active, int(m.numel()), int(m.shape[-1]), num_layers, width) for m in masks)

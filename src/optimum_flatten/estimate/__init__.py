@@ -31,6 +31,8 @@ Terms every method shares:
 - *block forward*: one decoder layer on one batch holds, at its largest, the gated MLP's act(gate), up and their
   product (3·T_b·i·b) beside the residual and the normed input (2·T_b·d·b); attention holds q, k, v and the rotary
   temporaries (T_b·d_h·b·(2·H + 5·KV) + T_b·d·b). Fused attention (SDPA) is assumed: no T_b·seqlen score matrix.
+  A sparse MLP (a mixture of experts) holds every (token, routed expert) pair at once in transformers' default
+  experts forward, far above its active width read as one dense MLP (`WorkspaceSizes.moe_forward`).
 
 The per-method terms are documented on each method's `workspace` (FlattenGPT's in `methods/flattengpt/workspace.py`;
 the shared terms and sizes in `compression/workspace.py`). Limits: a uniform stack (every layer the shape of
@@ -51,6 +53,7 @@ from torch import nn
 
 from ..adapters import get_adapter
 from ..adapters.base import ArchitectureAdapter
+from ..adapters.moe import MoeShape, moe_shape, unrouted_weights
 from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import with_correction, with_correction_compute
 from ..compression.method import CompressionMethod
@@ -80,6 +83,11 @@ class ModelShape:
             input skips them).
         weights_bytes: every parameter and buffer of the model once, at its own dtype.
         dtype_bytes: bytes of one element of the model's floating-point weights (and of its states).
+        active_weights: parameters of the whole stack that one token is multiplied by, layer by layer (a mixture's
+            routed experts only, `adapters.moe.unrouted_weights`): the flops of a forward, `dense_forward_flops`.
+        moe: the routing of the stack's first sparse MLP (`adapters.moe.MoeShape`), None in a dense stack: its
+            temporaries on a batch (`WorkspaceSizes.block_forward`).
+        dense_mlp_width: with `moe`, the widest dense MLP among the sparse ones (``mlp_only_layers``), 0 for none.
     """
 
     architecture: str
@@ -100,6 +108,9 @@ class ModelShape:
     head_weights: int
     o_weights: int = 0
     down_weights: int = 0
+    active_weights: int = 0
+    moe: MoeShape | None = None
+    dense_mlp_width: int = 0
 
     @property
     def norm_weights(self) -> int:
@@ -124,6 +135,7 @@ class ModelShape:
             mlp_weights, gated = _count(mlp.module), True
             down_weights = sum(p.numel() for p in adapter.mlp_writers(block.module, 0))
         head = adapter.lm_head(stack)
+        layers = adapter.layers(stack)
         floating = [p for p in model.parameters() if p.is_floating_point()]
         return cls(
             architecture=type(model).__name__,
@@ -144,10 +156,13 @@ class ModelShape:
             head_weights=0 if head is None else _count(head),
             o_weights=_count_view(attention.o),
             down_weights=down_weights,
+            active_weights=_count(layers) - sum(unrouted_weights(layer) for layer in layers),
+            **_sparse_mlps(adapter, layers),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in values.items()}
 
 
 @dataclass(frozen=True)
@@ -393,6 +408,21 @@ class MemoryEstimate:
         return lines
 
 
+def _sparse_mlps(adapter: ArchitectureAdapter, layers: nn.ModuleList) -> dict[str, Any]:
+    """``moe`` (the first sparse MLP's routing) and ``dense_mlp_width`` (the widest dense MLP among the sparse ones)
+    of a stack with sparse MLPs; nothing for a dense stack, whose layer 0 stands for every layer."""
+    shapes = [next(filter(None, map(moe_shape, layer.modules())), None) for layer in layers]
+    sparse = [shape for shape in shapes if shape is not None]
+    if not sparse:
+        return {}
+    dense = [
+        adapter.mlp_active_width(layer, k)
+        for k, (layer, shape) in enumerate(zip(layers, shapes, strict=True))
+        if not shape
+    ]
+    return {"moe": sparse[0], "dense_mlp_width": max(dense, default=0)}
+
+
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
 
@@ -547,9 +577,8 @@ def compute_estimate(method_class: type[CompressionMethod], z: WorkspaceSizes, n
     """The compute fields of an estimate: the method's compute model (None when it states none) and the dense
     forward's flops over the calibration tokens (`utils.flops.dense_forward_flops`), its unit."""
     s, cal = z.shape, z.cal
-    dense = flops.dense_forward_flops(
-        s.layer_weights * s.num_layers, cal.tokens, cal.seqlen, s.num_layers, s.num_heads * s.head_dim
-    )
+    weights = s.active_weights or s.layer_weights * s.num_layers  # a token's weights: its routed experts only
+    dense = flops.dense_forward_flops(weights, cal.tokens, cal.seqlen, s.num_layers, s.num_heads * s.head_dim)
     return {"compute": method_class.compute(z, n, config), "dense_forward_flops": dense}
 
 

@@ -29,7 +29,9 @@ requested, even on a CPU that has none): what a GPU would run, which is what the
 The unit a report converts to is one dense forward of the original stack over the same calibration tokens
 (`dense_forward_flops`): 2 × stack weights × tokens, plus attention's two token-pair products, 4 · seqlen ·
 (heads · head_dim) per token and layer (the full square, as PaLM's accounting, Chowdhery et al. 2022, App. B;
-a causal kernel skips about half of it).
+a causal kernel skips about half of it). In a mixture of experts the weights are those a token is multiplied by:
+the router, its top-k routed experts and any shared expert, not every expert the layer holds
+(`adapters.moe.unrouted_weights`).
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def cholesky_inverse(n: int) -> int:
 
 
 def dense_forward_flops(stack_weights: int, tokens: int, seqlen: int, num_layers: int, attention_width: int) -> float:
-    """One forward of a stack of `num_layers` layers (`stack_weights` weights in all) over `tokens` tokens in sequences
-    of `seqlen`: 2·weights·tokens + 4·seqlen·attention_width per token and layer (attention_width = heads · head_dim).
+    """One forward of a stack of `num_layers` layers over `tokens` tokens in sequences of `seqlen`: 2·weights·tokens +
+    4·seqlen·attention_width per token and layer (attention_width = heads · head_dim). `stack_weights` are the
+    weights one token is multiplied by: all of a dense stack's, a mixture's routed experts only.
     """
     return 2.0 * stack_weights * tokens + 4.0 * tokens * seqlen * attention_width * num_layers
 
