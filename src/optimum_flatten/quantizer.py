@@ -60,6 +60,8 @@ class Preflight:
     #: ``FlattenConfig(heal=...)``'s (training text, its column, RecoveryConfig with the mode resolved, how it was
     #: chosen); None without.
     heal: tuple[Any, str, Any, str] | None = None
+    #: The sampling record of the model's own calibration rows (`CalibrationConfig.own_text`); None without.
+    own_text: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -317,23 +319,15 @@ class FlattenQuantizer(OptimumQuantizer):
         if method.requires_calibration:
             # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
             check_sequence_length(model, self.config.calibration.seqlen)
-        batches = build_calibration_batches(tokenizer, self.config.calibration) if method.requires_calibration else []
+        own_text = method.requires_calibration and self.config.calibration.own_text > 0
+        if own_text:  # a model that writes no text is refused now, in one line
+            from .recovery.own_calibration import check_own_text, sample_own_rows
+
+            check_own_text(model, tokenizer, self.config.calibration)
         rank, world_size = process_group()
         processes = world_size  # `world_size` below: the ranks that share the calibration
         if world_size > 1 and method.requires_calibration:
             check_shardable(method, corrections, rank, world_size)
-        if world_size > 1 and len(batches) >= world_size:
-            share = shard_range(len(batches), rank, world_size)
-            batches = batches[share.start : share.stop]
-        else:
-            if world_size > 1 and batches:
-                # Nothing to share out: every rank calibrates on every batch, as one process would (no collective).
-                logger.info(
-                    "%d calibration batches for %d processes: every rank calibrates on all of them",
-                    len(batches),
-                    world_size,
-                )
-            world_size = 1
         heal = None
         if self.config.heal:
             from .recovery import check_recovery_inputs
@@ -367,14 +361,35 @@ class FlattenQuantizer(OptimumQuantizer):
                     "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
                     "trained), or heal with mode 'full', 'last_k' or 'lora'."
                 )
+        own = None  # the model's own rows: sampled once every refusal above is passed
+        if own_text:
+            own = sample_own_rows(model, tokenizer, self.config.calibration, self.config.resume_dir, self.progress)
+        batches = (
+            build_calibration_batches(tokenizer, self.config.calibration, own and own[0])
+            if method.requires_calibration
+            else []
+        )
+        if world_size > 1 and len(batches) >= world_size:
+            share = shard_range(len(batches), rank, world_size)
+            batches = batches[share.start : share.stop]
+        else:
+            if world_size > 1 and batches:
+                # Nothing to share out: every rank calibrates on every batch, as one process would (no collective).
+                logger.info(
+                    "%d calibration batches for %d processes: every rank calibrates on all of them",
+                    len(batches),
+                    world_size,
+                )
+            world_size = 1
         resume = None
         if self.config.resume_dir is not None:
             if world_size > 1:
                 raise ValueError("resume_dir keeps one process's state; run a resumable compression in one process.")
             resume = open_resume_state(self.config, model, stack, num_layers, num_to_remove, batches)
         return Preflight(
-            adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal
-        )
+            adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal,
+            own and own[1],
+        )  # fmt: skip
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
@@ -447,6 +462,7 @@ class FlattenQuantizer(OptimumQuantizer):
                 # Real positions of the stack (text tokens, or image patches and CLS), as the adapter defines them.
                 "tokens": int(tokens),
                 **({"processes": checked.world_size} if checked.world_size > 1 else {}),
+                **({"own_text": checked.own_text} if checked.own_text else {}),
             },
             timings_seconds={k: round(v, 3) for k, v in run.context.timings.items()},
             cost=cost,

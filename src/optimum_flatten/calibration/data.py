@@ -7,7 +7,7 @@ import logging
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -315,7 +315,9 @@ def _describe(dataset: Any) -> str:
     return repr(dataset) if isinstance(dataset, (str, os.PathLike)) else f"<{type(dataset).__name__}>"
 
 
-def build_calibration_batches(tokenizer: Any, config: CalibrationConfig) -> list[CalibrationBatch]:
+def build_calibration_batches(
+    tokenizer: Any, config: CalibrationConfig, own_rows: torch.Tensor | None = None
+) -> list[CalibrationBatch]:
     """Tokenises the calibration texts into ``nsamples`` sequences of ``seqlen`` tokens, in batches.
 
     Image data (see `build_image_batches`) is recognised by its type and gives `CalibrationBatch.from_images`
@@ -324,6 +326,10 @@ def build_calibration_batches(tokenizer: Any, config: CalibrationConfig) -> list
     With packing, the texts are joined (separated by the EOS token when the tokenizer has one) and cut into
     non-overlapping windows, of which ``nsamples`` are drawn with the seed. Without packing, ``nsamples`` texts
     are drawn, truncated to ``seqlen`` and right-padded.
+
+    `own_rows` (``[k, seqlen]`` token ids the model wrote, `CalibrationConfig.own_text`) take the place of ``k`` of the
+    drawn sequences, and all are shuffled with the seed: a method that holds out its last batch, or scores on its
+    first, then sees both texts there, not one.
 
     Raises:
         CalibrationDataError: when the text holds fewer than nsamples x seqlen tokens (packing) or fewer than
@@ -338,10 +344,14 @@ def build_calibration_batches(tokenizer: Any, config: CalibrationConfig) -> list
         )
     texts = load_texts(config.dataset, config.text_column)
     rng = random.Random(config.seed)
+    own = 0 if own_rows is None else int(own_rows.shape[0])
+    drawn = replace(config, nsamples=config.nsamples - own) if own else config
     if config.packing:
-        rows, masks = _packed_rows(tokenizer, texts, config, rng)
+        rows, masks = _packed_rows(tokenizer, texts, drawn, rng)
     else:
-        rows, masks = _padded_rows(tokenizer, texts, config, rng)
+        rows, masks = _padded_rows(tokenizer, texts, drawn, rng)
+    if own:
+        rows, masks = _with_own_rows(rows, masks, own_rows, config.seqlen, rng)
     batches = []
     for start in range(0, len(rows), config.batch_size):
         batches.append(
@@ -358,6 +368,17 @@ def build_calibration_batches(tokenizer: Any, config: CalibrationConfig) -> list
         len(batches),
     )
     return batches
+
+
+def _with_own_rows(
+    rows: list[torch.Tensor], masks: list[torch.Tensor], own_rows: torch.Tensor, seqlen: int, rng: random.Random
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The drawn rows and the model's own, in an order shuffled by `rng` (the same seed, the same order)."""
+    if own_rows.dim() != 2 or own_rows.shape[1] != seqlen:
+        raise ValueError(f"own_rows must be [rows, seqlen={seqlen}] token ids; got shape {tuple(own_rows.shape)}.")
+    mixed = list(zip(rows, masks, strict=True)) + [(r, torch.ones(seqlen, dtype=torch.long)) for r in own_rows]
+    rng.shuffle(mixed)
+    return [r.to(torch.long) for r, _ in mixed], [m for _, m in mixed]
 
 
 def _tokenize(tokenizer: Any, text: str) -> list[int]:

@@ -31,6 +31,8 @@ _HELP = {
     "batch_size": "calibration sequences per forward",
     "packing": "concatenate texts and cut windows (true) or one padded text per row (false)",
     "text_column": "field holding the text in records and tables",
+    "own_text": "share of the calibration sequences the model writes itself before it is compressed (temperature 1 "
+    "from its start token; causal LMs), the rest from --dataset; default 0",
 }
 
 

@@ -9,6 +9,8 @@ last group starts again from the selection. With ``FlattenConfig(resume_dir=...)
 - ``group-<first>-<last>.safetensors``: one per finished merged group, the compressed block's ``state_dict`` with,
   in the file's metadata, what rebuilds the module before the weights are loaded (kept KV groups and MLP channels)
   and the group's report entry.
+- ``own_text/``: the model's own calibration rows (`CalibrationConfig.own_text`, `recovery.own_calibration`),
+  sampled by the first attempt, so that a resumed one calibrates on the same rows without sampling them again.
 
 Every file is written under a temporary name in the folder and renamed over its final name (`os.replace`, atomic
 on one file system), so a kill leaves the old or the new file, never half of one: a group file exists only once its
@@ -35,6 +37,8 @@ from ..utils.files import TEMPORARY_PREFIX, write_atomically, write_bytes_atomic
 
 #: The manifest's file name in `resume_dir`.
 MANIFEST = "manifest.json"
+#: The folder of the model's own calibration rows in `resume_dir` (kept before the manifest is written).
+OWN_TEXT = "own_text"
 #: Version of the folder's layout; a folder written by another version is refused (its files may mean otherwise).
 FORMAT = 1
 
@@ -145,7 +149,7 @@ class ResumeState:
         if not manifest_path.exists():
             listed = path.iterdir() if path.is_dir() else ()
             # A temporary file is a killed write's leftover, not another job's state.
-            others = sorted(p.name for p in listed if not p.name.startswith(TEMPORARY_PREFIX))
+            others = sorted(p.name for p in listed if not p.name.startswith(TEMPORARY_PREFIX) and p.name != OWN_TEXT)
             if others:
                 raise ValueError(
                     f"resume_dir {str(path)!r} holds {others[:3]} but no {MANIFEST}: it is no compression's state; "

@@ -22,6 +22,10 @@ class CalibrationConfig:
             paper's protocol). False keeps one text per row, truncated to ``seqlen`` and right-padded; padding
             is masked out of every statistic.
         text_column: Column holding the text in tabular inputs (jsonl, csv, parquet, `datasets`).
+        own_text: Share of the ``nsamples`` sequences the model writes itself before it is compressed (sampled from
+            its start token at temperature 1, `recovery.own_calibration`); the rest are drawn from `dataset`. 0 (the
+            default) calibrates on the dataset alone. Below 1: the model's text alone was a poor calibration text
+            (benchmarks/NOTEBOOK.md, "Half the calibration text written by the dense model").
     """
 
     dataset: Any = None
@@ -31,6 +35,7 @@ class CalibrationConfig:
     batch_size: int = 8
     packing: bool = True
     text_column: str = "text"
+    own_text: float = 0.0
 
     def __post_init__(self) -> None:
         from .hints import check_option_types
@@ -41,3 +46,10 @@ class CalibrationConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=8.")
+        if not 0.0 <= self.own_text < 1.0:
+            raise ValueError(
+                f"own_text is the share of calibration sequences the model writes itself, in [0, 1); got "
+                f"{self.own_text!r} (the model's text alone is a poor calibration text: mix it with a dataset)."
+            )
+        if self.own_text and self.nsamples < 2:
+            raise ValueError(f"own_text={self.own_text} needs nsamples >= 2 (its rows and the dataset's); got 1.")

@@ -285,7 +285,8 @@ def _generate(
     new_tokens = seqlen - starts.shape[1]
     outputs = [kept.rows] if kept is not None and kept.rows is not None else []
     done = int(outputs[0].shape[0]) if outputs else 0
-    bar = tqdm(total=starts.shape[0] * new_tokens, unit="tok", desc="teacher text", disable=not progress)
+    desc = "the model's own calibration text" if stream == "calibration" else "teacher text"
+    bar = tqdm(total=starts.shape[0] * new_tokens, unit="tok", desc=desc, disable=not progress)
     bar.update(done * new_tokens)
     with bar:
         for index, first in enumerate(range(0, starts.shape[0], batch_size)):
