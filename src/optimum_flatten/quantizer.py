@@ -326,6 +326,8 @@ class FlattenQuantizer(OptimumQuantizer):
             check_own_text(model, tokenizer, self.config.calibration)
         rank, world_size = process_group()
         processes = world_size  # `world_size` below: the ranks that share the calibration
+        if self.config.resume_dir is not None and world_size > 1:
+            raise ValueError("resume_dir keeps one process's state; run a resumable compression in one process.")
         if world_size > 1 and method.requires_calibration:
             check_shardable(method, corrections, rank, world_size)
         heal = None
@@ -383,8 +385,6 @@ class FlattenQuantizer(OptimumQuantizer):
             world_size = 1
         resume = None
         if self.config.resume_dir is not None:
-            if world_size > 1:
-                raise ValueError("resume_dir keeps one process's state; run a resumable compression in one process.")
             resume = open_resume_state(self.config, model, stack, num_layers, num_to_remove, batches)
         return Preflight(
             adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal,

@@ -46,6 +46,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # first batch, the ranking summed over the ranks).
     "replaceme_one_pass": ("replaceme", {"held_states_gb": 4e-5}),
     "flattengpt": ("flattengpt", {}),
+    # Half the rows the model's own: every rank samples all of them, as one process does, before the share-out.
+    "replaceme_down_own_text": ("replaceme", {"estimator": "lstsq_down", "own_text": 0.5}),
 }
 
 

@@ -61,8 +61,9 @@ def sample_own_rows(
     With a `resume_dir` (``FlattenConfig(resume_dir=...)``) the rows are kept in its `OWN_TEXT` folder, so that a
     resumed job calibrates on the rows its first attempt read, without sampling them again.
 
-    Under torch.distributed every rank samples its share and all ranks get every row (`sample_teacher_rows`), so the
-    calibration is the same on each before it is shared out."""
+    Under torch.distributed every rank samples every row, as one process would, before the calibration is shared
+    out: the rows, and so the compression, are those of one process (sharing the sampling out would seed each
+    share by its rank). A rank's seconds are then one process's, not a share of them."""
     check_own_text(model, tokenizer, config)
     opening = len(row_start(tokenizer, "bos")[0])
     was_training = model.training
@@ -77,6 +78,7 @@ def sample_own_rows(
             cache_dir=Path(resume_dir) / OWN_TEXT if resume_dir is not None else None,
             stream=STREAM,
             progress=progress,
+            distributed=False,
         )
     finally:
         model.train(was_training)

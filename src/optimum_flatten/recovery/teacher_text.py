@@ -410,6 +410,7 @@ def sample_teacher_rows(
     stream: str = "train",
     progress: bool = True,
     backend: str = "transformers",
+    distributed: bool = True,
 ) -> tuple[list[Row], dict[str, Any]]:
     """`n_rows` training rows of `seqlen` tokens sampled from `teacher_model` (see the module docstring), and a
     record of the sampling.
@@ -428,6 +429,10 @@ def sample_teacher_rows(
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
         progress: Show a progress bar in tokens.
         backend: ``"transformers"`` (``generate``) or ``"vllm"`` (`recovery.vllm_sampling`, where installed).
+        distributed: True shares the rows out over the ranks of a process group (each samples its share with seeds
+            of its rank, all get every row); False samples every row on each rank as one process would, so that
+            the rows do not depend on the number of processes (`recovery.own_calibration`: the compression of two
+            ranks is then that of one).
 
     Returns:
         (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), the tokens each
@@ -452,7 +457,7 @@ def sample_teacher_rows(
     if start_kind == "chat":  # another template writes other rows
         settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
-    rank, world_size = _process()
+    rank, world_size = _process() if distributed else (0, 1)
     batch_size = (batch_size or default_batch_size(teacher_model, seqlen)) if backend == "transformers" else None
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
