@@ -99,7 +99,7 @@ def test_recovery_data_names_a_malformed_record(tmp_path):
 
 
 def test_a_fast_tokenizer_encodes_the_texts_in_chunks_to_the_same_stream_as_one_call_a_text(monkeypatch):
-    import optimum_flatten.calibration.data as data
+    import optimum_flatten.calibration.tokens as data
     from optimum_flatten.evaluation import tokenize_corpus
     from tiny_models import sample_texts, tiny_hf_tokenizer
 
@@ -119,11 +119,12 @@ def test_a_fast_tokenizer_encodes_the_texts_in_chunks_to_the_same_stream_as_one_
     assert list(data.tokenize_texts(tokenizer, texts)) == one_a_text
     assert [len(c) for c in calls] == [3, 3, 1]  # one call a chunk, each a list of texts
     expected = [i for ids in one_a_text for i in [*ids, tokenizer.eos_token_id]]
-    assert data.token_stream(tokenizer, texts) == expected
+    assert data.token_stream(tokenizer, texts).tolist() == expected
     assert tokenize_corpus(tokenizer, texts).tolist() == expected
     # A tokenizer not known to take a list is called once a text, with the same stream.
     char = CharTokenizer()
-    assert data.token_stream(char, texts) == [i for t in texts for i in [*char(t)["input_ids"], char.eos_token_id]]
+    expected = [i for t in texts for i in [*char(t)["input_ids"], char.eos_token_id]]
+    assert data.token_stream(char, texts).tolist() == expected
 
 
 def test_every_form_of_a_datasets_dataset_reads_its_text_column(tmp_path):

@@ -13,7 +13,8 @@ import torch
 import tiny_models
 from common import TINY_CALIBRATION, compress, one_error_line, tiny_config
 from optimum_flatten import FlattenConfig, FlattenQuantizer
-from optimum_flatten.calibration.data import build_calibration_batches, token_stream
+from optimum_flatten.calibration.data import build_calibration_batches
+from optimum_flatten.calibration.tokens import token_stream
 from optimum_flatten.cli.main import main
 from optimum_flatten.options import CalibrationConfig
 from optimum_flatten.recovery.own_calibration import own_row_count, sample_own_rows
@@ -33,7 +34,7 @@ def _rows(batches) -> list[torch.Tensor]:
 
 def _windows(config: CalibrationConfig) -> set[tuple[int, ...]]:
     """Every packed window of the dataset's token stream (what a drawn row must be one of)."""
-    stream = token_stream(TOKENIZER, tiny_models.sample_texts())
+    stream = token_stream(TOKENIZER, tiny_models.sample_texts()).tolist()
     n = len(stream) // config.seqlen
     return {tuple(stream[i * config.seqlen : (i + 1) * config.seqlen]) for i in range(n)}
 

@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 from ..config import CalibrationConfig
 from ..utils.errors import CalibrationDataError
+from .tokens import token_stream, tokenize_text
 
 logger = logging.getLogger(__name__)
 
@@ -381,41 +381,6 @@ def _with_own_rows(
     return [r.to(torch.long) for r, _ in mixed], [m for _, m in mixed]
 
 
-def _tokenize(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-#: Texts a fast tokenizer encodes in one call (`tokenize_texts`): enough for its Rust pool to share them out, few enough
-#: that one call's encodings (offsets and masks beside the ids) stay small whatever the corpus.
-TOKENIZE_CHUNK_TEXTS = 64
-
-
-def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> Iterator[list[int]]:
-    """Each text's token ids, without special tokens, in order. A fast tokenizer gets the texts in chunks of
-    `TOKENIZE_CHUNK_TEXTS`, which its Rust pool encodes in parallel: the same ids as one call a text (a batch encodes
-    each text alone), in about half the time on the bundled corpus on 2 cores; any other tokenizer is called once a
-    text, since only a fast one is known to take a list."""
-    if not getattr(tokenizer, "is_fast", False):
-        for text in texts:
-            yield _tokenize(tokenizer, text)
-        return
-    for first in range(0, len(texts), TOKENIZE_CHUNK_TEXTS):
-        chunk = list(texts[first : first + TOKENIZE_CHUNK_TEXTS])
-        yield from (list(ids) for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"])
-
-
-def token_stream(tokenizer: Any, texts: Sequence[str]) -> list[int]:
-    """The texts' tokens in one stream, each text followed by the EOS token when the tokenizer has one: the packing
-    of calibration (`build_calibration_batches`) and of the evaluation corpora (`evaluation.tokenize_corpus`)."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    stream: list[int] = []
-    for ids in tokenize_texts(tokenizer, texts):
-        stream.extend(ids)
-        if eos is not None:
-            stream.append(int(eos))
-    return stream
-
-
 def _packed_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rng: random.Random):
     stream = token_stream(tokenizer, texts)
     needed = config.nsamples * config.seqlen
@@ -426,8 +391,8 @@ def _packed_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rn
             f"{config.seqlen} = {needed}. Give more text, or lower nsamples or seqlen."
         )
     chosen = sorted(rng.sample(range(num_windows), config.nsamples))
-    ids = torch.tensor(stream[: num_windows * config.seqlen], dtype=torch.long).view(num_windows, config.seqlen)
-    rows = [ids[i] for i in chosen]
+    ids = stream[: num_windows * config.seqlen].view(num_windows, config.seqlen)
+    rows = [ids[i] for i in chosen]  # views: the batches stack copies of them, and the stream is freed with the rows
     masks = [torch.ones(config.seqlen, dtype=torch.long) for _ in chosen]
     return rows, masks
 
@@ -442,7 +407,7 @@ def _padded_rows(tokenizer: Any, texts: list[str], config: CalibrationConfig, rn
     pad = int(pad) if pad is not None else 0
     rows, masks = [], []
     for index in sorted(rng.sample(range(len(texts)), config.nsamples)):
-        tokens = _tokenize(tokenizer, texts[index])[: config.seqlen]
+        tokens = tokenize_text(tokenizer, texts[index])[: config.seqlen]
         row = torch.full((config.seqlen,), pad, dtype=torch.long)
         mask = torch.zeros(config.seqlen, dtype=torch.long)
         row[: len(tokens)] = torch.tensor(tokens, dtype=torch.long)

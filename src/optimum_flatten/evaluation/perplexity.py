@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calibration.data import token_stream
+from ..calibration.tokens import token_stream
 from ..utils.torch_utils import input_device
 
 
@@ -49,8 +49,9 @@ class PerplexityResult:
 
 
 def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
-    """One token stream: the texts tokenised without special tokens, separated by EOS when the tokenizer has one."""
-    return torch.tensor(token_stream(tokenizer, texts), dtype=torch.long)
+    """One token stream: the texts tokenised without special tokens, separated by EOS when the tokenizer has one
+    (`calibration.data.token_stream`'s int64 tensor, 8 bytes a token, never a list of Python ints)."""
+    return token_stream(tokenizer, texts)
 
 
 #: The largest x whose exp(x) a float holds (math.exp raises OverflowError past it).

@@ -16,9 +16,8 @@ from ..calibration.data import (
     read_json,
     read_jsonl,
     single_split,
-    token_stream,
-    tokenize_texts,
 )
+from ..calibration.tokens import token_stream, tokenize_texts
 from ..utils.errors import CalibrationDataError
 
 ALPACA_WITH_INPUT = (
@@ -168,9 +167,9 @@ def build_training_rows(
     pad = int(pad if pad is not None else (eos if eos is not None else 0))
     rows: list[dict[str, torch.Tensor]] = []
     if kind == "text":
-        stream = token_stream(tokenizer, texts)
+        stream = token_stream(tokenizer, texts)  # int64, 8 bytes a token
         for start in range(0, len(stream) - seqlen + 1, seqlen):
-            ids = torch.tensor(stream[start : start + seqlen], dtype=torch.long)
+            ids = stream[start : start + seqlen].clone()  # its own storage, as each row had from a list
             rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     else:
         for tokens in tokenize_texts(tokenizer, texts):

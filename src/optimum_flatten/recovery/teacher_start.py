@@ -89,7 +89,8 @@ def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: st
 
 def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str) -> list[tuple[str, list[int]]]:
     """(text, its first `prompt_tokens` tokens) of each prompt document long enough to hold them; refuses none."""
-    from ..calibration.data import load_texts, require_existing, tokenize_texts
+    from ..calibration.data import load_texts, require_existing
+    from ..calibration.tokens import tokenize_texts
 
     if isinstance(prompts, (str, os.PathLike)):
         require_existing(prompts, "prompts (--prompts)")
