@@ -571,69 +571,6 @@ def test_flattengpt_estimate_without_the_selection_cache(max_group_size, monkeyp
     assert "propagate" in measured["phases"]
 
 
-def test_heal_adds_the_dense_teacher_copy_to_every_phase(tmp_path, capsys):
-    """`estimate --heal`: every phase holds one more copy of the dense weights (the teacher of `heal=`), exactly
-    the weights' bytes, and the note says what the healing itself adds beyond it."""
-    _write_config(tmp_path)
-    assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json"]) == 0
-    plain = json.loads(capsys.readouterr().out)
-    assert (
-        main(["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json", "--heal"])
-        == 0
-    )
-    healed = json.loads(capsys.readouterr().out)
-    weights = plain["weights_bytes"]
-    for before, after in zip(plain["phases"], healed["phases"], strict=True):
-        assert after["workspace_bytes"] - before["workspace_bytes"] == weights
-    assert healed["peak_bytes"] == plain["peak_bytes"] + weights
-    note = next(note for note in healed["notes"] if "teacher copy" in note)
-    assert "GiB GiB" not in note and "mode='full'" in note
-    # What full healing adds: the footprint the default mode follows, of the compressed shape at the default batch.
-    from optimum_flatten.estimate import compressed_shape_, meta_model
-    from optimum_flatten.recovery import RecoveryConfig
-    from optimum_flatten.recovery.footprint import full_footprint, sampling_bytes
-
-    defaults = RecoveryConfig()
-    student = compressed_shape_(meta_model(str(tmp_path)), 2)  # the healing trains the compressed shape
-    dense = meta_model(str(tmp_path))
-    layer = sum(p.numel() for p in dense.model.layers[0].parameters())
-    assert sum(p.numel() for p in student.parameters()) == sum(p.numel() for p in dense.parameters()) - 2 * layer
-    full = full_footprint(student, defaults)
-    assert full.state + full.activations < sum(vars(full_footprint(dense, defaults)).values())
-    assert healed["heal_full_bytes"] == {"state": full.state, "activations": full.activations}
-    # The note names the batch it was sized at, the healing's own defaults (not a copy of them that could drift).
-    assert f"at {defaults.per_device_train_batch_size} x {defaults.seqlen} tokens a step" in note
-    assert "heal_full_bytes" not in plain
-    # Every fallback the default mode tries before `local`, in its order, each what `full_footprint` gives it.
-    fallbacks = healed["heal_fallbacks"]["full_bytes"]
-    assert next(iter(fallbacks)) == "as asked" and fallbacks["as asked"] == full.state + full.activations
-    frozen = RecoveryConfig(train_embeddings=False)
-    lean = RecoveryConfig(extra_training_args={"optim": "adafactor"})
-    for name, config in (("the token embeddings and the LM head frozen", frozen), ("adafactor", lean)):
-        expected = full_footprint(student, config)
-        assert fallbacks[f"with {name}"] == expected.state + expected.activations < fallbacks["as asked"]
-    assert len(fallbacks) == 6 and "adamw_bnb_8bit" in " ".join(fallbacks)
-    assert healed["heal_fallbacks"]["sampling_bytes"] == sampling_bytes(dense, defaults)  # the dense teacher's
-    assert "heal_fallbacks" not in plain
-
-
-def test_heal_on_a_named_gpu_counts_the_allocators_state(tmp_path, capsys):
-    """`estimate --heal --device h100`: the healing's state is what a CUDA device holds (`ACCELERATOR_STATE_FACTOR`),
-    the host's larger factor only without a device."""
-    from optimum_flatten.estimate import compressed_shape_, meta_model
-    from optimum_flatten.recovery import RecoveryConfig
-    from optimum_flatten.recovery.footprint import full_footprint
-
-    _write_config(tmp_path)
-    command = ["estimate", str(tmp_path), "--num-layers-to-remove", "2", "--method", "shortgpt", "--json", "--heal"]
-    assert main([*command, "--device", "h100"]) == 0
-    on_gpu = json.loads(capsys.readouterr().out)
-    student = compressed_shape_(meta_model(str(tmp_path)), 2)
-    expected = full_footprint(student, RecoveryConfig(), accelerator=True)
-    assert on_gpu["heal_full_bytes"] == {"state": expected.state, "activations": expected.activations}
-    assert expected.state < full_footprint(student, RecoveryConfig()).state
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_a_mixture_of_experts_is_estimated_with_every_expert_held(family, tmp_path, capsys):
     """The shape of a mixture: all experts' weights (memory holds them whether a token is routed or not), the

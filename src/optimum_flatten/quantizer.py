@@ -205,9 +205,8 @@ class FlattenQuantizer(OptimumQuantizer):
         text: the calibration's), its mode resolved on the dense `model` before any change: `full` by default where
         its memory fits beside the teacher copy still to be taken (the dense model, an upper bound of the student it
         will train)."""
-        from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig, with_mode
-        from .recovery.arguments import fsdp_version
-        from .recovery.footprint import ModeChoice, weight_bytes
+        from .options.recovery import HEAL_EXTRA_KEYS, RecoveryConfig
+        from .recovery.mode import compress_heal_mode
         from .recovery.rows import teacher_share
         from .recovery.teacher_text import is_teacher_dataset
 
@@ -219,9 +218,7 @@ class FlattenQuantizer(OptimumQuantizer):
         config = RecoveryConfig(**settings)
         if is_teacher_dataset(dataset):  # the teacher's text only: the footprint counts its sampling, as recover's
             config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
-        fsdp = fsdp_version(config) is not None
-        choice = ModeChoice(model, config, lambda: weight_bytes(model))  # the teacher copy still to be taken
-        config = choice.apply(with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice))
+        config, choice = compress_heal_mode(model, config)  # the check `estimate --heal` makes too
         return dataset, column, config, choice.describe()
 
     @staticmethod

@@ -319,6 +319,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     CalibrationConfig(nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size)
     if args.num_layers_to_remove < 1:
         raise ValueError(f"--num-layers-to-remove must be at least 1, got {args.num_layers_to_remove}.")
+    _check_heal_options(args)
 
     from ..estimate import estimate_checkpoint
     from ..options.corrections import Corrections
@@ -338,9 +339,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         heal=args.heal,
         corrections=Corrections(linear_replacement=args.linear_replacement, compensation=args.compensation),
         stack=args.stack,
+        free_memory=None if args.free_memory_gib is None else round(args.free_memory_gib * 2**30),
+        heal_seqlen=args.heal_seqlen,
     )
     print(result.to_json() if args.json else result.describe())
     return 0
+
+
+def _check_heal_options(args: argparse.Namespace) -> None:
+    """`estimate`'s healing options: only with ``--heal``, and in range (before torch and the meta model load)."""
+    options = (("--free-memory-gib", args.free_memory_gib), ("--heal-seqlen", args.heal_seqlen))
+    given = [flag for flag, value in options if value is not None]
+    if given and not args.heal:
+        raise ValueError(f"{' and '.join(given)} size the healing: give them with --heal.")
+    if args.free_memory_gib is not None and not args.free_memory_gib > 0:
+        raise ValueError(f"--free-memory-gib must be a positive number of GiB, got {args.free_memory_gib}.")
+    if args.heal_seqlen is not None and args.heal_seqlen < 1:
+        raise ValueError(f"--heal-seqlen must be at least 1, got {args.heal_seqlen}.")
 
 
 def cmd_layer_collapse(args: argparse.Namespace) -> int:

@@ -145,8 +145,15 @@ class EstimateArguments:
     stack: str | None = _arg(None, "the stack to model on a model with several (encoder, decoder); default: its only")
     json: bool = _switch("print the estimate as one JSON object")
     heal: bool = _switch(
-        "with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher"
+        "with FlattenConfig(heal=...) / compress --heal-tokens: count the dense copy kept as the teacher, and add the "
+        "healing's phase in the mode compress will choose for the free memory"
     )
+    free_memory_gib: float | None = _arg(
+        None,
+        "with --heal: GiB free on the device the healing trains on, before the model is loaded (about 79 on an "
+        "80 GB H100); default: read on this machine, as compress reads it",
+    )
+    heal_seqlen: int | None = _arg(None, "with --heal: tokens per healing row, as compress --heal-seqlen (default 256)")
     linear_replacement: str | None = _arg(
         None, "count a linear bridge fitted at every cut, as compress --linear-replacement fits it", choices=ESTIMATORS
     )

@@ -39,6 +39,12 @@ the shared terms and sizes in `compression/workspace.py`). Limits: a uniform sta
 layer 0), packing (no padding), the whole model in one memory (with offloaded layers the weights resident drop to
 what the device_map keeps, the workspace does not), and the LLaMA layout of a block (other families are estimated
 with the same formulas; their per-batch temporaries may differ).
+
+Not counted: the tokenised calibration text. `calibration.data.token_stream` holds every token of the corpus at 8 bytes
+(int64) beside the model while the batches are drawn, and frees it before the first phase (2.26M tokens of the
+bundled speeches: 17 MiB, with the tokenizer's own per-chunk encodings about 50 MiB at the peak). The estimate reads
+no text, so it does not know the corpus's size; on a corpus of G tokens add 8·G bytes to the weights before the
+calibration starts.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -58,16 +64,14 @@ from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import with_correction, with_correction_compute
 from ..compression.method import CompressionMethod
 from ..compression.pipeline import Corrections, preflight
-from ..compression.workspace import Phase, Refusal, Term, WorkspaceSizes
+from ..compression.workspace import Phase, Refusal, WorkspaceSizes
 from ..registry import get_method_class, registered_methods, require_capabilities
 from ..roofline import DeviceSpec, TimePrediction, predict
 from ..utils import flops
 from ..utils.errors import UnsupportedArchitectureError
 from ..utils.positions import check_sequence_length
-from .meta import compressed_shape_, meta_model, single_stack
-
-if TYPE_CHECKING:
-    from ..recovery.footprint import FullFootprint
+from .meta import compressed_shape_ as compressed_shape_  # the healed shape, for callers reading an estimate
+from .meta import meta_model, single_stack
 
 GIB = 2**30
 
@@ -211,6 +215,8 @@ class MemoryEstimate:
     dense_forward_flops: float = 0.0
     #: Predicted seconds on a device (`with_device`).
     prediction: TimePrediction | None = None
+    #: With ``heal=``: the mode the run will choose, the memory line behind it and its footprint (`estimate.healing`).
+    heal: dict[str, Any] | None = None
     #: With ``heal=``: what ``mode='full'`` healing adds beside the teacher copy (`recovery.footprint`), in bytes.
     heal_full: dict[str, int] | None = None
     #: With ``heal=``: what each fallback of the default mode adds, and the teacher text's sampling batch, in bytes.
@@ -261,6 +267,7 @@ class MemoryEstimate:
             "stack_passes_is_bound": self.stack_passes_is_bound,
             "phases": [p.to_dict() for p in self.phases],
             "notes": list(self.notes),
+            **({"heal": self.heal} if self.heal is not None else {}),
             **({"heal_full_bytes": self.heal_full} if self.heal_full is not None else {}),
             **({"heal_fallbacks": self.heal_fallbacks} if self.heal_fallbacks is not None else {}),
             **self._compute_dict(),
@@ -268,43 +275,6 @@ class MemoryEstimate:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
-
-    def with_heal_teacher(self, full: FullFootprint, step: str) -> MemoryEstimate:
-        """The estimate of the same compression with ``FlattenConfig(heal=...)``: a copy of the dense weights is taken
-        before the first weight changes and held until the healing ends, so every phase holds one more model's
-        weights. The healing's own training state comes after the compression, so it is no phase here: `full`
-        (`recovery.footprint.full_footprint` of the compressed shape, `compressed_shape_`) goes into a note
-        saying what ``mode='full'`` adds, which decides the default mode; `step` names the batch it was sized at
-        ("rows x tokens"), read from the same `RecoveryConfig`, so the note cannot drift from the defaults."""
-        copy = Term(
-            "dense weights kept as the healing's teacher (heal=)",
-            self.weights_bytes,
-            "a copy taken before the compression's first weight change, held until the healing ends",
-        )
-        phases = [Phase(p.name, (*p.terms, copy)) for p in self.phases]
-        note = (
-            f"heal=: the teacher copy adds {_gib(self.weights_bytes)} to every phase; the healing itself adds at most "
-            f"{_gib(full.state + full.activations)} with mode='full' (training state {_gib(full.state)}, activations "
-            f"{_gib(full.activations)} at {step} tokens a step), beside the student and the teacher: the default "
-            "mode where that fits the free memory, else 'local' (one changed block's state at a time)"
-        )
-        full_bytes = {"state": full.state, "activations": full.activations}
-        return dataclasses.replace(self, phases=phases, notes=[*self.notes, note], heal_full=full_bytes)
-
-    def with_heal_fallbacks(self, candidates: list[tuple[str, FullFootprint]], sampling: int) -> MemoryEstimate:
-        """The estimate with what each fallback of the default healing mode adds (`recovery.footprint.ModeChoice`:
-        AdamW as asked, the embeddings frozen, a lean optimiser, both), and the teacher's text sampling, which runs
-        first and is freed before training, so it adds only where it is larger than the training step."""
-        listed = "; ".join(f"{name} {_gib(full.state + full.activations)}" for name, full in candidates)
-        note = (
-            f"heal: mode='full' adds, by the default's fallbacks in order: {listed} (8-bit AdamW only with CUDA and "
-            f"bitsandbytes); sampling the teacher's own text first (recover's default text) holds "
-            f"{_gib(sampling)} for one batch"
-        )
-        fallbacks = {name: full.state + full.activations for name, full in candidates}
-        return dataclasses.replace(
-            self, notes=[*self.notes, note], heal_fallbacks={"full_bytes": fallbacks, "sampling_bytes": sampling}
-        )
 
     def describe(self) -> str:
         """A table of the phases, the peak with its largest terms, and the stack passes (what the CLI prints)."""
@@ -546,30 +516,31 @@ def estimate_checkpoint(
     heal: bool = False,
     corrections: Corrections | None = None,
     stack: str | None = None,
+    free_memory: int | None = None,
+    heal_seqlen: int | None = None,
 ) -> MemoryEstimate:
     """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
-    with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s (`with_heal_teacher`,
-    the default healing batch)."""
+    with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s: the teacher copy in
+    every phase and the healing's own phase, in the mode the run will choose (`estimate.healing`) on a device with
+    `free_memory` bytes free before the model is loaded (read on this machine when None), with healing rows of
+    `heal_seqlen` tokens (the healing's default when None)."""
     model = meta_model(source, dtype, trust_remote_code)
-    if heal:  # the refusal `compress --heal-tokens` gives before it loads anything
+    if heal:  # the refusals `compress --heal-tokens` gives before it loads anything
+        from ..recovery import RecoveryConfig
         from ..utils.causal_lm import check_causal_lm
 
         check_causal_lm(model)
+        healing = RecoveryConfig() if heal_seqlen is None else RecoveryConfig(seqlen=heal_seqlen)
+        check_sequence_length(model, healing.seqlen, "the heal's seqlen", warn=False)
     result = estimate_memory(
         model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args, stack, corrections
     )
     result.source = source
     if heal:
-        from ..recovery import RecoveryConfig
-        from ..recovery.footprint import candidate_footprints, full_footprint, sampling_bytes
+        from .healing import heal_budget, with_healing  # the recovery package, only for a heal
 
-        healing = RecoveryConfig()
-        step = f"{healing.per_device_train_batch_size} x {healing.seqlen}"
-        sampling = sampling_bytes(model, healing)  # the dense teacher samples
-        student = compressed_shape_(model, num_layers_to_remove)  # (the meta model itself, its estimate taken)
-        accelerator = device is not None  # the presets are GPUs; without one, the host's (larger) state factor
-        result = result.with_heal_teacher(full_footprint(student, healing, accelerator=accelerator), step)
-        result = result.with_heal_fallbacks(candidate_footprints(student, healing, accelerator=accelerator), sampling)
+        budget = heal_budget(model, free_memory, device)
+        result = with_healing(result, model, healing, budget, get_method_class(method).merges_layers)
     return result if device is None else result.with_device(device)
 
 

@@ -250,33 +250,74 @@ def training_device(student: nn.Module, config: RecoveryConfig) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def full_fits(
-    student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None = None
-) -> tuple[bool, str]:
-    """Whether `full_footprint` fits the free memory of the device the student trains on (`training_device`;
-    `available`, read now when None), with its weights where the Trainer moves them there, and a line saying so
-    (logged, and kept in the healing's log, since the default mode follows it)."""
-    device = training_device(student, config)
-    footprint = full_footprint(student, config, teacher_bytes, device.type == "cuda")
-    free = available_bytes(device) if available is None else available
-    # Weights the Trainer moves onto `device` take their share of its free memory first.
-    moved = weight_bytes(student) if device != next(student.parameters()).device else 0
+@dataclass(frozen=True)
+class Budget:
+    """The memory a mode choice is given instead of reading it: what `estimate --heal` asks for a device and a
+    free memory that need not be this process's, so that it answers with the very check `compress` runs.
+
+    Attributes:
+        free: Bytes free on the device the healing trains on, the student's weights already there (what the choice
+            reads there once the model is loaded, or reads less the weights the Trainer moves in).
+        accelerator: Whether that device is a CUDA GPU (`ACCELERATOR_STATE_FACTOR`) rather than host memory.
+        optimisers: The `LEAN_OPTIMISERS` the device can run, in their order.
+        where: How the memory line names the device.
+    """
+
+    free: int
+    accelerator: bool
+    optimisers: tuple[str, ...]
+    where: str
+
+
+def check_full(
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None, budget: Budget | None = None
+) -> tuple[FullFootprint, bool, str]:
+    """(`full_footprint`, whether it fits, the line saying so): on the device the student trains on
+    (`training_device`; `available` bytes free there, read now when None), with its weights where the Trainer moves
+    them there; or within `budget` where one is given (nothing read, nothing moved)."""
+    if budget is None:
+        device = training_device(student, config)
+        accelerator, where = device.type == "cuda", str(device)
+        free = available_bytes(device) if available is None else available
+        # Weights the Trainer moves onto `device` take their share of its free memory first.
+        moved = weight_bytes(student) if device != next(student.parameters()).device else 0
+    else:
+        accelerator, where, free, moved = budget.accelerator, budget.where, budget.free, 0
+    footprint = full_footprint(student, config, teacher_bytes, accelerator)
     fits = footprint.fits(free - moved)
     line = (
-        f"{footprint.describe()}; {free / 2**30:.1f} GiB free on {device}"
+        f"{footprint.describe()}; {free / 2**30:.1f} GiB free on {where}"
         + (f", {moved / 2**30:.1f} of it for the student's weights moved there" if moved else "")
         + f": {'fits' if fits else 'does not fit'} within {HEADROOM:.0%} of it"
     )
     logger.info(line)
+    return footprint, fits, line
+
+
+def full_fits(
+    student: nn.Module, config: RecoveryConfig, teacher_bytes: int, available: int | None = None
+) -> tuple[bool, str]:
+    """Whether `full_footprint` fits the free memory of the device the student trains on, and a line saying so
+    (logged, and kept in the healing's log, since the default mode follows it): `check_full` without its footprint."""
+    _, fits, line = check_full(student, config, teacher_bytes, available)
     return fits, line
 
 
 class ModeChoice:
     """How a healing's mode was chosen: given, or the default and the memory check behind it. Passed to
-    `options.recovery.with_mode` as its `full_fits`, which asks it only when the answer can change the mode."""
+    `options.recovery.with_mode` as its `full_fits`, which asks it only when the answer can change the mode.
 
-    def __init__(self, student: nn.Module, config: RecoveryConfig, teacher_bytes: Callable[[], int]) -> None:
-        self.student, self.config, self.teacher_bytes = student, config, teacher_bytes
+    With a `budget` the free memory, the device's kind and its optimisers are given rather than read here: what
+    `estimate --heal` asks, so that the estimate and the run make one check (`mode.compress_heal_mode`)."""
+
+    def __init__(
+        self,
+        student: nn.Module,
+        config: RecoveryConfig,
+        teacher_bytes: Callable[[], int],
+        budget: Budget | None = None,
+    ) -> None:
+        self.student, self.config, self.teacher_bytes, self.budget = student, config, teacher_bytes, budget
         self.line: str | None = None
         #: Set when `full` fits only with the embeddings frozen (`train_embeddings` left to None): `apply` freezes
         #: them, since `full` led every other mode measured and freezing them changed the model little.
@@ -284,25 +325,34 @@ class ModeChoice:
         #: Set when `full` fits only with a memory-lean optimiser (`LEAN_OPTIMISERS`, the optimiser left to the
         #: default): `apply` asks the Trainer for it, rather than falling back to a mode that trains less.
         self.optimiser: str | None = None
+        #: The footprint of the candidate chosen (None until asked, or where none fits): what `full` will hold.
+        self.footprint: FullFootprint | None = None
 
     def candidates(self) -> list[tuple[str | None, bool | None]]:
-        """`full_candidates` with the lean optimisers this machine can run."""
-        return full_candidates(self.config, lean_optimisers())
+        """`full_candidates` with the lean optimisers this machine (or the `budget`'s device) can run."""
+        optimisers = lean_optimisers() if self.budget is None else list(self.budget.optimisers)
+        return full_candidates(self.config, optimisers)
+
+    def _candidate(self, optim: str | None, train: bool | None) -> RecoveryConfig:
+        extra = {**self.config.extra_training_args, **({"optim": optim} if optim else {})}
+        return dataclasses.replace(self.config, train_embeddings=train, extra_training_args=extra)
 
     def __call__(self) -> bool:
         """Whether `full` fits with one of the `candidates`, on every rank of a launch of several processes (each
         checks its own device and the ranks take the worst answer, so that they train one mode together)."""
         teacher = self.teacher_bytes()
-        device = training_device(self.student, self.config)
-        available = available_bytes(device)  # read once for every check
-        sharing = processes_on_this_host() if device.type == "cpu" else 1
-        available //= sharing  # each rank of a CPU launch trains its own copy in the host's one memory
+        available, sharing = None, 1
+        if self.budget is None:
+            device = training_device(self.student, self.config)
+            available = available_bytes(device)  # read once for every check
+            sharing = processes_on_this_host() if device.type == "cpu" else 1
+            available //= sharing  # each rank of a CPU launch trains its own copy in the host's one memory
         candidates = self.candidates()
-        lines, chosen = [], len(candidates)
+        lines, chosen, footprint = [], len(candidates), None
         for index, (optim, train) in enumerate(candidates):
-            extra = {**self.config.extra_training_args, **({"optim": optim} if optim else {})}
-            config = dataclasses.replace(self.config, train_embeddings=train, extra_training_args=extra)
-            fits, line = full_fits(self.student, config, teacher, available)
+            footprint, fits, line = check_full(
+                self.student, self._candidate(optim, train), teacher, available, self.budget
+            )
             lines.append(line if index == 0 else f"{_variant(optim, train)}, {line}")
             if fits:
                 chosen = index
@@ -316,6 +366,9 @@ class ModeChoice:
         if agreed == len(candidates):
             return False
         optim, train = candidates[agreed]
+        if agreed != chosen:  # another rank's leaner candidate: its footprint here
+            footprint = check_full(self.student, self._candidate(optim, train), teacher, available, self.budget)[0]
+        self.footprint = footprint
         self.optimiser = optim
         self.freezes_embeddings = train is False and self.config.train_embeddings is None
         return True

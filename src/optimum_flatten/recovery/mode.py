@@ -18,7 +18,7 @@ from ..utils.causal_lm import check_causal_lm
 from ..utils.launch import join_launcher_group
 from ..utils.positions import check_sequence_length
 from .arguments import fsdp_version
-from .footprint import ModeChoice, teacher_bytes_to_load, training_device
+from .footprint import Budget, ModeChoice, teacher_bytes_to_load, training_device, weight_bytes
 from .resume import same_options, started_options
 from .rows import teacher_share
 from .teacher import _has_teacher
@@ -55,6 +55,26 @@ def resolve_mode(
         merged=merges_layers((report or {}).get("plan")),
     )
     return choice.apply(config), report, choice
+
+
+def compress_heal_mode(
+    model: nn.Module, config: RecoveryConfig, budget: Budget | None = None
+) -> tuple[RecoveryConfig, ModeChoice]:
+    """(`config` with its mode settled, how it was chosen) for ``FlattenConfig(heal=...)`` / ``compress
+    --heal-tokens``: chosen on the dense `model` before any weight changes, with the dense weights as the teacher
+    copy still to be taken, the plan to come, and `full` by default where its memory fits (`ModeChoice`).
+
+    The dense model stands for the student it will become (an upper bound: the compression only removes weights),
+    since the choice comes before the compression, whose every refusal must come before any work.
+
+    Why one function: `FlattenQuantizer` asks it with the memory read on the loaded model, and `estimate --heal` with
+    a `budget` (a device's free memory given, the model on meta), so that the two cannot size the healing on
+    different models (they did: the estimate sized the compressed model with no teacher, and said AdamW fits at
+    LLaMA-2-7B on 80 GB where the run fell back to a lean optimiser)."""
+    fsdp = fsdp_version(config) is not None
+    choice = ModeChoice(model, config, lambda: weight_bytes(model), budget)  # the teacher copy still to be taken
+    resolved = with_mode(config, has_teacher=True, has_plan=True, fsdp=fsdp, full_fits=choice)
+    return choice.apply(resolved), choice
 
 
 #: How the log and the model card say that a resumed healing kept the mode its first attempt chose.
