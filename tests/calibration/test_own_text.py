@@ -138,9 +138,15 @@ def test_the_command_line_flag_reaches_the_saved_report(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["compress", str(dense), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset", str(text),
                  "--nsamples", "4", "--seqlen", "32", "--own-text", "0.5", "--output", str(out)])  # fmt: skip
-    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
     report = json.loads((out / "flatten_report.json").read_text())
     assert report["calibration"]["own_text"]["rows"] == 2 and report["calibration"]["nsamples"] == 4
+    # What the model wrote, for a person to judge: the summary's row, its first row's opening and its repetition.
+    assert "the model's own sequences" in printed.out and "2 of 4, sampled in" in printed.out
+    excerpt = report["calibration"]["own_text"]["excerpts"][0][:160]
+    assert f"the model's own calibration text began: {excerpt!r}" in printed.out
+    assert "the model's own calibration text: " in printed.out and "-grams repeat one before them" in printed.out
     code = main(["compress", str(dense), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset", str(text),
                  "--own-text", "1", "--output", str(tmp_path / "o2")])  # fmt: skip
     assert code == 2 and "own_text" in one_error_line(capsys) and not (tmp_path / "o2").exists()

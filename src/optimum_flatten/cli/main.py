@@ -35,7 +35,7 @@ from .options import (
     config_kwargs,
 )
 from .sources import check_push, check_source, check_state_folder, checkpoint_path
-from .summary import bundled_license, compression_summary, report_warnings, text_table
+from .summary import bundled_license, compression_summary, own_text_lines, report_warnings, text_table
 from .verbs import (
     CompressArguments,
     DemoArguments,
@@ -211,6 +211,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
     report = quantizer.report
     extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
     print(compression_summary(report))
+    for line in own_text_lines(report):
+        print(line)
     for warning in report_warnings(report):
         print(f"warning: {warning}", file=sys.stderr)
     if args.push_to_hub:

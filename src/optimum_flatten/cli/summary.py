@@ -46,6 +46,10 @@ def compression_summary(report: dict[str, Any]) -> str:
         ("calibration tokens", report["calibration"]["tokens"]),
         ("compression seconds", report["total_seconds"]),
     ]
+    if own := report["calibration"].get("own_text"):
+        read_back = " (read back from --resume-dir)" if own.get("cached") else ""
+        sampled = f"{own['rows']} of {report['calibration']['nsamples']}, sampled in {own['seconds']:.0f} s{read_back}"
+        rows.insert(-1, ("the model's own sequences", sampled))
     if (processes := report["calibration"].get("processes", 1)) > 1:
         rows.insert(-1, ("calibrated by", f"{processes} processes, each on its share of the batches"))
     healing = report.get("recovery")
@@ -64,3 +68,17 @@ def compression_summary(report: dict[str, Any]) -> str:
             )
         )
     return text_table(rows, ("", "value"))
+
+
+def own_text_lines(report: dict[str, Any]) -> list[str]:
+    """What the model wrote for its own calibration (`CalibrationConfig.own_text`), for a person to judge before
+    trusting the compression: the first row's opening and how much the rows repeat themselves. A code or chat model
+    writes code or loops from its start token, and its own rows then calibrate for that (benchmarks/NOTEBOOK.md)."""
+    from ..recovery.text_repetition import describe
+
+    own = report.get("calibration", {}).get("own_text") or {}
+    lines = [f"the model's own calibration text began: {own['excerpts'][0][:160]!r}"] if own.get("excerpts") else []
+    if own.get("repetition"):
+        repeated = describe(own["repetition"], "a compression calibrated on it")
+        lines.append(f"the model's own calibration text: {repeated}")
+    return lines

@@ -71,13 +71,14 @@ def repetition_summary(ids: torch.Tensor, skip: int = 0, n: int = NGRAM) -> dict
     }
 
 
-def describe(summary: dict[str, Any]) -> str:
-    """One line for a person: the median and the looping rows, with written text's figure beside them."""
+def describe(summary: dict[str, Any], use: str = "a healing on it") -> str:
+    """One line for a person: the median and the looping rows, with written text's figure beside them (and, where
+    most rows loop, advice to read them before trusting `use`)."""
     line = (
         f"{summary['median']:.1%} of a row's {summary['ngram']}-grams repeat one before them (median; English "
         f"speeches: 0.4%); {summary['looping_rows']} of {summary['rows']} rows loop (over "
         f"{summary['looping_share']:.0%})"
     )
     if summary["rows"] and summary["looping_rows"] * 2 > summary["rows"]:
-        line += ": most of this text is loops, read it before trusting a healing on it"
+        line += f": most of this text is loops, read it before trusting {use}"
     return line
