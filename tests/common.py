@@ -389,3 +389,24 @@ def one_error_line(capsys: Any) -> str:
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def write_llama2_7b_config(folder: Path, **overrides: Any) -> None:
+    """LLaMA-2-7B's config.json in `folder`, `overrides` replacing its fields (no weights: `estimate` reads nothing
+    else, so the 7B shape costs no memory)."""
+    import json
+
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        **overrides,
+    }
+    (Path(folder) / "config.json").write_text(json.dumps(config))

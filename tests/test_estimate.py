@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import tiny_models
+from common import write_llama2_7b_config
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
 from optimum_flatten.compression.method import MethodContext
@@ -293,26 +294,9 @@ def test_replaceme_down_refit_estimate_where_its_float64_statistics_dominate(mon
     assert _off(phase.bytes - 8 * 1536**2, seen) > 0.10  # the solve's factor forgotten
 
 
-def _write_config(folder, **overrides: Any) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "vocab_size": 32000,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        **overrides,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 def test_cli_estimate_reads_config_json_only(tmp_path, capsys):
     """A folder holding nothing but config.json (LLaMA-2-7B's shape) is estimated: no weights are read."""
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     code = main(["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--dtype", "bfloat16", "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -367,7 +351,7 @@ def _exit_code(argv: list[str]) -> int:
     ],
 )
 def test_cli_estimate_refusals_are_one_line(tmp_path, capsys, argv, message):
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     argv = [a.format(missing=str(tmp_path / "missing"), folder=str(tmp_path)) for a in argv]
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err
@@ -404,7 +388,7 @@ def test_cli_estimate_models_the_stack_it_is_given(tmp_path, capsys):
 
 def test_cli_estimate_refuses_what_the_method_refuses(tmp_path, capsys):
     """Qwen3 is refused by FlattenGPT (as compress refuses it), with the methods that apply."""
-    _write_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8)
+    write_llama2_7b_config(tmp_path, architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_key_value_heads=8)
     assert main(["estimate", str(tmp_path), "--num-layers-to-remove", "2"]) == 2
     err = capsys.readouterr().err
     assert "shortgpt" in err and len(err.strip().splitlines()) == 1
@@ -706,7 +690,7 @@ def test_a_correction_the_method_cannot_take_is_refused_as_compress_refuses_it()
 
 
 def test_cli_estimate_takes_a_correction(tmp_path, capsys):
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     argv = ["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--method", "shortgpt", "--json"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
@@ -780,7 +764,7 @@ def test_a_correction_adds_its_phase_to_the_compute_model():
 
 def test_cli_estimate_takes_auto(tmp_path, capsys):
     """`estimate --method auto` on LLaMA-2-7B's config alone: every listed candidate, the validation pass, the refit."""
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     argv = ["estimate", str(tmp_path), "--method", "auto", "--num-layers-to-remove", "7", "--dtype", "bfloat16"]
     assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

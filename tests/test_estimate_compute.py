@@ -23,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import tiny_models
+from common import write_llama2_7b_config
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.cli.main import main
 from optimum_flatten.compression.compute import Tally
@@ -138,26 +139,9 @@ def test_replaceme_estimated_normal_equations_are_what_the_fit_counts(options):
 )
 def test_flattengpt_phase_passes_add_up_to_the_memory_models_total(options, tmp_path):
     """At LLaMA-2-7B's shape (config.json only): the per-phase split is the total it was split from."""
-    _write_7b(tmp_path)
+    write_llama2_7b_config(tmp_path)
     estimate = estimate_checkpoint(str(tmp_path), "flattengpt", 7, dtype="bfloat16", method_args=options)
     assert sum(estimate.compute.phase_passes.values()) == pytest.approx(estimate.stack_passes, abs=1e-3)
-
-
-def _write_7b(folder: Any, **overrides: Any) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "vocab_size": 32000,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        **overrides,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 #: Issue 31's table: one H100 (SXM5, 80 GB HBM3), random bf16 weights, 128 × 2048 calibration tokens in batches of
@@ -242,7 +226,7 @@ def test_predicted_seconds_on_an_h100_are_within_a_quarter_of_the_measured(row, 
     (the phases' sum: the rest, capture and export, is under a second) within 25%. The check can fail: without the
     arithmetic (stack passes alone, as before issue 31) FlattenGPT's defaults predict a third of the time."""
     label, overrides, method, removed, options, total, phases = row
-    _write_7b(tmp_path, **overrides)
+    write_llama2_7b_config(tmp_path, **overrides)
     arguments = (str(tmp_path), method, removed)
     today = estimate_checkpoint(*arguments, dtype="bfloat16", method_args=options, device=DEVICES["h100"])
     monkeypatch.setattr(flattengpt_compute, "_greedy_elimination", _former_greedy_elimination)
@@ -350,7 +334,7 @@ def test_predicted_phases_on_a_device_match_its_rows_of_today(row, phase, device
     name, overrides, method, removed, options = row
     measured = json.loads((H100_RESULTS / f"{name}.json").read_text())
     assert device in measured["device"].lower(), (device, measured["device"])  # the row was measured on that device
-    _write_7b(tmp_path, **overrides)
+    write_llama2_7b_config(tmp_path, **overrides)
     estimate = estimate_checkpoint(str(tmp_path), method, removed, dtype="bfloat16", method_args=options,
                                    device=DEVICES[device])  # fmt: skip
     phases = {k: dict(v) for k, v in estimate.prediction.phases.items()}
@@ -367,7 +351,7 @@ def test_predicted_phases_on_a_device_match_its_rows_of_today(row, phase, device
 
 
 def test_cli_estimate_on_a_device(tmp_path, capsys):
-    _write_7b(tmp_path)
+    write_llama2_7b_config(tmp_path)
     argv = ["estimate", str(tmp_path), "--num-layers-to-remove", "7", "--dtype", "bfloat16"]
     assert main([*argv, "--device", "h100"]) == 0
     text = capsys.readouterr().out

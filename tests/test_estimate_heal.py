@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tiny_models
+from common import write_llama2_7b_config
 from optimum_flatten.cli.main import main
 from optimum_flatten.estimate import compressed_shape_, meta_model
 from optimum_flatten.recovery import RecoveryConfig
@@ -26,24 +27,6 @@ from optimum_flatten.recovery.footprint import HEADROOM, candidate_footprints, f
 #: The healing rows of these tests (the tiny model has 128 positions; the default is 256).
 HEAL_SEQLEN = 32
 ESTIMATE = ["--method", "shortgpt", "--num-layers-to-remove", "2", "--json", "--heal"]
-
-
-def _write_config(folder, **overrides: Any) -> None:
-    """LLaMA-2-7B's config.json (no weights: the estimate reads nothing else)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "vocab_size": 32000,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-        **overrides,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _estimate(capsys, folder, *argv: str) -> dict[str, Any]:
@@ -105,7 +88,7 @@ def test_the_healing_is_a_phase_and_the_peak_is_the_larger(tmp_path, capsys):
     """LLaMA-2-7B in bfloat16, 8 of 32 layers removed, on an 80 GB GPU (79.6 GiB): the healing's phase is the
     footprint of the candidate the check chose (the teacher copy, AdamW's state or a lean optimiser's, a step's
     activations), and the estimate's peak is the larger of it and the compression's, with the weights."""
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     argv = ["--dtype", "bfloat16", "--device", "h100", "--free-memory-gib", "79.6"]
     capsys.readouterr()
     assert main(["estimate", str(tmp_path), *ESTIMATE[:-2], "--json", *argv[:2]]) == 0
@@ -133,7 +116,7 @@ def test_the_healing_is_a_phase_and_the_peak_is_the_larger(tmp_path, capsys):
 
 
 def test_where_no_full_healing_fits_the_phase_holds_the_teacher_copy_and_says_local(tmp_path, capsys):
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     result = _estimate(capsys, tmp_path, "--dtype", "bfloat16", "--device", "h100", "--free-memory-gib", "30")
     assert result["heal"]["mode"] == "local" and result["heal"]["footprint"] is None
     (phase,) = [p for p in result["phases"] if p["name"].startswith("healing")]
@@ -145,7 +128,7 @@ def test_where_no_full_healing_fits_the_phase_holds_the_teacher_copy_and_says_lo
 def test_the_fallbacks_are_sized_as_the_check_sizes_them(tmp_path, capsys, monkeypatch):
     """`heal_fallbacks` lists what each candidate adds beside the teacher copy, on the dense model (the check's
     student), in the default's order; without a GPU named, in host memory's factor."""
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: 2**45)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = _estimate(capsys, tmp_path)
@@ -167,7 +150,7 @@ def test_the_fallbacks_are_sized_as_the_check_sizes_them(tmp_path, capsys, monke
     ],
 )
 def test_estimate_heal_refusals_are_one_line(tmp_path, capsys, monkeypatch, argv, message):
-    _write_config(tmp_path)
+    write_llama2_7b_config(tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine with no GPU to read
     assert main(["estimate", str(tmp_path), "--method", "shortgpt", "--num-layers-to-remove", "2", *argv]) == 2
     err = capsys.readouterr().err
