@@ -429,10 +429,8 @@ def sample_teacher_rows(
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
         progress: Show a progress bar in tokens.
         backend: ``"transformers"`` (``generate``) or ``"vllm"`` (`recovery.vllm_sampling`, where installed).
-        distributed: True shares the rows out over the ranks of a process group (each samples its share with seeds
-            of its rank, all get every row); False samples every row on each rank as one process would, so that
-            the rows do not depend on the number of processes (`recovery.own_calibration`: the compression of two
-            ranks is then that of one).
+        distributed: True shares the rows out over a process group's ranks (seeded by rank; all get every row);
+            False samples them all on each rank as one process would (`recovery.own_calibration`).
 
     Returns:
         (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), the tokens each
@@ -483,20 +481,37 @@ def sample_teacher_rows(
         write_cache(folder, stream, key, ids, cost)
     if kept is not None:
         kept.clear()
-    record = {
-        "rows": int(ids.shape[0]), "seqlen": int(seqlen), **settings,
-        "batch_size": int(batch_size) if batch_size else None,  # None: vLLM's scheduler batched the rows
-        "cached": cached, **cost,
-        "tokens_per_second": None if cached else cost["tokens_per_second"],  # reading rows back generates none
-        "tokens": int(ids.numel()), "generated_tokens": generated, "opening_tokens": prompt_length,
-        "excerpts": excerpts(tokenizer, ids),
-        "repetition": repetition_summary(ids, skip=prompt_length),
-        **({"sampled": sampled} if sampled is not None else {}),  # read back: what sampling them cost
-    }  # fmt: skip
+    counts = {"batch_size": batch_size, "cached": cached, "generated": generated, "opening": prompt_length}
+    record = _record(tokenizer, ids, seqlen, settings, cost, counts, sampled)
     if record["excerpts"]:
         logger.info("the teacher's text (%s rows), its first row begins: %r", stream, record["excerpts"][0])
     rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row.clone()} for row in ids]
     return rows, record
+
+
+def _record(
+    tokenizer: Any,
+    ids: torch.Tensor,
+    seqlen: int,
+    settings: dict[str, Any],
+    cost: dict[str, Any],
+    counts: dict[str, Any],
+    sampled: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """`sample_teacher_rows`' record of its rows: their settings and cost, the batch size (None: vLLM's scheduler
+    batched them), whether they were read back (then no tokens a second, and ``sampled``: what sampling them cost),
+    the tokens generated and opening each row, two excerpts and how much the rows repeat."""
+    batch_size, cached, opening = counts["batch_size"], counts["cached"], counts["opening"]
+    return {
+        "rows": int(ids.shape[0]), "seqlen": int(seqlen), **settings,
+        "batch_size": int(batch_size) if batch_size else None,
+        "cached": cached, **cost,
+        "tokens_per_second": None if cached else cost["tokens_per_second"],
+        "tokens": int(ids.numel()), "generated_tokens": counts["generated"], "opening_tokens": opening,
+        "excerpts": excerpts(tokenizer, ids),
+        "repetition": repetition_summary(ids, skip=opening),
+        **({"sampled": sampled} if sampled is not None else {}),
+    }  # fmt: skip
 
 
 #: Rows, and tokens of each, the record quotes.
