@@ -360,11 +360,13 @@ class FlattenQuantizer(OptimumQuantizer):
                     "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
                     "trained), or heal with mode 'full', 'last_k' or 'lora'."
                 )
-        own = None  # the model's own rows: sampled once every refusal above is passed
+        own_rows, own_record = None, None  # the model's own rows: sampled once every refusal above is passed
         if own_text:
-            own = sample_own_rows(model, tokenizer, self.config.calibration, self.config.resume_dir, self.progress)
+            own_rows, own_record = sample_own_rows(
+                model, tokenizer, self.config.calibration, self.config.resume_dir, self.progress
+            )
         batches = (
-            build_calibration_batches(tokenizer, self.config.calibration, own and own[0])
+            build_calibration_batches(tokenizer, self.config.calibration, own_rows)
             if method.requires_calibration
             else []
         )
@@ -385,7 +387,7 @@ class FlattenQuantizer(OptimumQuantizer):
             resume = open_resume_state(self.config, model, stack, num_layers, num_to_remove, batches)
         return Preflight(
             adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal,
-            own and own[1],
+            own_record,
         )  # fmt: skip
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:

@@ -1,4 +1,4 @@
-"""The token stream that packing cuts into windows (`calibration.data.token_stream`): 8 bytes a token, and exactly the
+"""The token stream that packing cuts into windows (`calibration.tokens.token_stream`): 8 bytes a token, and exactly the
 ids, windows and batches that the list of Python ints it replaced gave."""
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ layer 0), packing (no padding), the whole model in one memory (with offloaded la
 what the device_map keeps, the workspace does not), and the LLaMA layout of a block (other families are estimated
 with the same formulas; their per-batch temporaries may differ).
 
-Not counted: the tokenised calibration text. `calibration.data.token_stream` holds every token of the corpus at 8 bytes
-(int64) beside the model while the batches are drawn, and frees it before the first phase (2.26M tokens of the
+Not counted: the tokenised calibration text. `calibration.tokens.token_stream` holds every token of the corpus at 8
+bytes (int64) beside the model while the batches are drawn, and frees it before the first phase (2.26M tokens of the
 bundled speeches: 17 MiB, with the tokenizer's own per-chunk encodings about 50 MiB at the peak). The estimate reads
 no text, so it does not know the corpus's size; on a corpus of G tokens add 8·G bytes to the weights before the
 calibration starts.

@@ -50,7 +50,7 @@ class PerplexityResult:
 
 def tokenize_corpus(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     """One token stream: the texts tokenised without special tokens, separated by EOS when the tokenizer has one
-    (`calibration.data.token_stream`'s int64 tensor, 8 bytes a token, never a list of Python ints)."""
+    (`calibration.tokens.token_stream`'s int64 tensor, 8 bytes a token, never a list of Python ints)."""
     return token_stream(tokenizer, texts)
 
 
