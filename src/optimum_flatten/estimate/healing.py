@@ -19,10 +19,8 @@ The check needs the free memory of the device the healing trains on before the m
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from ..compression.workspace import Phase, Term
@@ -32,6 +30,7 @@ from ..recovery.footprint import (
     Budget,
     FullFootprint,
     candidate_footprints,
+    host_training_device,
     lean_optimisers,
     sampling_bytes,
     weight_bytes,
@@ -57,9 +56,7 @@ def heal_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | 
     Raises:
         ValueError: `device` named without `free_memory` on a machine with no GPU to read it from.
     """
-    # Where the run trains (`recovery.footprint.training_device` of a model loaded on this machine).
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    here = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
+    here = host_training_device()  # where the run trains the model it loads on this machine
     if free_memory is None:
         if device is not None and here.type != "cuda":
             raise ValueError(

@@ -245,8 +245,14 @@ def training_device(student: nn.Module, config: RecoveryConfig) -> torch.device:
     device = next(student.parameters()).device
     extra = config.extra_training_args
     stays = device.type != "cpu" or getattr(student, "hf_device_map", None) or extra.get("use_cpu")
-    if stays or not torch.cuda.is_available():
-        return device
+    return device if stays else host_training_device()
+
+
+def host_training_device() -> torch.device:
+    """Where the Trainer trains a model held in host memory: this process's GPU (``LOCAL_RANK``'s under a launch)
+    where CUDA exists, else the CPU (`training_device`; `estimate --heal` asks it for a model not loaded yet)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
