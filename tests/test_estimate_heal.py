@@ -143,7 +143,8 @@ def test_the_fallbacks_are_sized_as_the_check_sizes_them(tmp_path, capsys, monke
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--free-memory-gib", "80"], "--free-memory-gib size the healing: give them with --heal"),
+        (["--free-memory-gib", "80"], "--free-memory-gib sizes the healing and the own rows' sampling: give it with"),
+        (["--heal-seqlen", "128"], "--heal-seqlen sizes the healing: give it with --heal"),
         (["--heal", "--free-memory-gib", "0"], "--free-memory-gib must be a positive number"),
         (["--heal", "--device", "h100"], "needs --free-memory-gib"),
         (["--heal", "--heal-seqlen", "0"], "--heal-seqlen must be at least 1"),

@@ -318,7 +318,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     check_method_options(args)
     device = device_from_options(args.device, args.peak_tflops, args.bandwidth_gbs)  # refused before torch loads
     # Sizes out of range, in the calibration's own words, before torch and the meta model (6-13 s) as compress does.
-    CalibrationConfig(nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size)
+    CalibrationConfig(nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size, own_text=args.own_text)
     if args.num_layers_to_remove < 1:
         raise ValueError(f"--num-layers-to-remove must be at least 1, got {args.num_layers_to_remove}.")
     _check_heal_options(args)
@@ -343,17 +343,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         stack=args.stack,
         free_memory=None if args.free_memory_gib is None else round(args.free_memory_gib * 2**30),
         heal_seqlen=args.heal_seqlen,
+        own_text=args.own_text,
     )
     print(result.to_json() if args.json else result.describe())
     return 0
 
 
 def _check_heal_options(args: argparse.Namespace) -> None:
-    """`estimate`'s healing options: only with ``--heal``, and in range (before torch and the meta model load)."""
-    options = (("--free-memory-gib", args.free_memory_gib), ("--heal-seqlen", args.heal_seqlen))
-    given = [flag for flag, value in options if value is not None]
-    if given and not args.heal:
-        raise ValueError(f"{' and '.join(given)} size the healing: give them with --heal.")
+    """`estimate`'s memory options: the healing's only with ``--heal``, the free memory with what it sizes (the
+    healing, the own rows' sampling), and in range (before torch and the meta model load)."""
+    if args.heal_seqlen is not None and not args.heal:
+        raise ValueError("--heal-seqlen sizes the healing: give it with --heal.")
+    if args.free_memory_gib is not None and not (args.heal or args.own_text):
+        raise ValueError(
+            "--free-memory-gib sizes the healing and the own rows' sampling: give it with --heal or --own-text."
+        )
     if args.free_memory_gib is not None and not args.free_memory_gib > 0:
         raise ValueError(f"--free-memory-gib must be a positive number of GiB, got {args.free_memory_gib}.")
     if args.heal_seqlen is not None and args.heal_seqlen < 1:

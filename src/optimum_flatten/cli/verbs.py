@@ -150,10 +150,15 @@ class EstimateArguments:
     )
     free_memory_gib: float | None = _arg(
         None,
-        "with --heal: GiB free on the device the healing trains on, before the model is loaded (about 79 on an "
-        "80 GB H100); default: read on this machine, as compress reads it",
+        "with --heal or --own-text: GiB free on the device the healing trains on and the model samples on, before "
+        "the model is loaded (about 79 on an 80 GB H100); default: read on this machine, as compress reads it",
     )
     heal_seqlen: int | None = _arg(None, "with --heal: tokens per healing row, as compress --heal-seqlen (default 256)")
+    own_text: float = _arg(
+        0.0,
+        "count the model sampling this share of the calibration rows itself first, as compress --own-text does",
+        metavar="SHARE",
+    )
     linear_replacement: str | None = _arg(
         None, "count a linear bridge fitted at every cut, as compress --linear-replacement fits it", choices=ESTIMATORS
     )

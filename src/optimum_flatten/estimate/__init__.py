@@ -65,6 +65,7 @@ from ..compression.correction_workspace import with_correction, with_correction_
 from ..compression.method import CompressionMethod
 from ..compression.pipeline import Corrections, preflight
 from ..compression.workspace import Phase, Refusal, WorkspaceSizes
+from ..options import CalibrationConfig
 from ..registry import get_method_class, registered_methods, require_capabilities
 from ..roofline import DeviceSpec, TimePrediction, predict
 from ..utils import flops
@@ -518,13 +519,20 @@ def estimate_checkpoint(
     stack: str | None = None,
     free_memory: int | None = None,
     heal_seqlen: int | None = None,
+    own_text: float = 0.0,
 ) -> MemoryEstimate:
     """The estimate for a checkpoint folder, a Hub id (its config.json only) or a bundled name, without weights;
     with `device`, the predicted seconds on it too; with `heal`, ``FlattenConfig(heal=...)``'s: the teacher copy in
     every phase and the healing's own phase, in the mode the run will choose (`estimate.healing`) on a device with
     `free_memory` bytes free before the model is loaded (read on this machine when None), with healing rows of
-    `heal_seqlen` tokens (the healing's default when None)."""
+    `heal_seqlen` tokens (the healing's default when None); with `own_text`, the model's sampling of that share of
+    the calibration rows first, its batch sized within the same free memory (`estimate.own_text`)."""
+    calibration = CalibrationConfig(nsamples=nsamples, seqlen=seqlen, batch_size=batch_size, own_text=own_text)
     model = meta_model(source, dtype, trust_remote_code)
+    if own_text:
+        from .own_text import check_writes_text
+
+        check_writes_text(model, own_text)
     if heal:  # the refusals `compress --heal-tokens` gives before it loads anything
         from ..recovery import RecoveryConfig
         from ..utils.causal_lm import check_causal_lm
@@ -536,11 +544,18 @@ def estimate_checkpoint(
         model, method, num_layers_to_remove, nsamples, seqlen, batch_size, method_args, stack, corrections
     )
     result.source = source
-    if heal:
-        from .healing import heal_budget, with_healing  # the recovery package, only for a heal
+    method_class = get_method_class(method)
+    samples = own_text > 0 and method_class(method_class.config_class(**(method_args or {}))).requires_calibration
+    if heal or samples:
+        from .healing import heal_budget, with_healing  # the recovery package, only for a heal or own rows
 
-        budget = heal_budget(model, free_memory, device)
-        result = with_healing(result, model, healing, budget, get_method_class(method).merges_layers)
+        budget = heal_budget(model, free_memory, device, "--heal" if heal else "--own-text")
+    if heal:
+        result = with_healing(result, model, healing, budget, method_class.merges_layers)
+    if samples:
+        from .own_text import with_own_text  # after the heal's copy is added: the rows are sampled before it is taken
+
+        result = with_own_text(result, model, calibration, budget)
     return result if device is None else result.with_device(device)
 
 

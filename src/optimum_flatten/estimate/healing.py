@@ -48,10 +48,11 @@ GIB = 2**30
 HEALING_PHASE = "healing"
 
 
-def heal_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | None) -> Budget:
+def heal_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | None, asked: str = "--heal") -> Budget:
     """The memory the mode choice is given: `free_memory` bytes free before the model is loaded (read now on this
     machine's training device when None), less the dense weights the run loads first; a GPU with every lean optimiser
-    where `device` names one and the memory is given, else this machine's device and optimisers.
+    where `device` names one and the memory is given, else this machine's device and optimisers (`asked`: the flag
+    that needs it, for the refusal). The model's own calibration rows are sampled within the same budget.
 
     Raises:
         ValueError: `device` named without `free_memory` on a machine with no GPU to read it from.
@@ -60,9 +61,9 @@ def heal_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | 
     if free_memory is None:
         if device is not None and here.type != "cuda":
             raise ValueError(
-                f"estimate --heal with --device {device.name} needs --free-memory-gib: the memory free on that GPU "
+                f"estimate {asked} with --device {device.name} needs --free-memory-gib: the memory free on that GPU "
                 "before the model is loaded (about 79 on an 80 GB H100), since this machine has no GPU to read it "
-                "from; the healing's mode follows it."
+                "from; what it holds follows it."
             )
         free, accelerator, optimisers, where = (
             memory_check.available_bytes(here),

@@ -1,0 +1,85 @@
+"""`estimate --own-text`: the model writing its share of the calibration rows (`CalibrationConfig.own_text`) before
+it is compressed.
+
+The sampling runs in `FlattenQuantizer.preflight`, after every refusal and before the dense copy a heal keeps, so
+its phase holds the resident weights and one sampling batch only: each row's KV cache at its full length (the start
+token and ``seqlen`` sampled tokens) and a step's next-token logits (`recovery.teacher_text.kv_cache_bytes`,
+``LOGIT_BYTES``). The batch is the one the sampler takes (`recovery.teacher_text.default_batch_size`): as many rows
+as fit ``SAMPLING_HEADROOM`` of the memory free with the model loaded, at most ``MAX_BATCH_SIZE`` on a GPU and
+``CPU_BATCH_SIZE`` on a CPU, and no more than there are rows; the free memory is the one `estimate --heal` reads or
+is given (`estimate.healing.heal_budget`). The decoding's seconds are not in the compute model: the note gives its
+sequential steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..compression.workspace import Phase, Term
+from ..options import CalibrationConfig
+from ..recovery.footprint import Budget
+from ..recovery.own_calibration import own_row_count
+from ..recovery.teacher_text import (
+    CPU_BATCH_SIZE,
+    LOGIT_BYTES,
+    MAX_BATCH_SIZE,
+    SAMPLING_HEADROOM,
+    kv_cache_bytes,
+    sampling_batch_size,
+)
+
+if TYPE_CHECKING:
+    from . import MemoryEstimate
+
+#: The phase the model's own calibration rows add to an estimate (before the compression's, as it runs).
+OWN_TEXT_PHASE = "sampling the model's own calibration rows"
+
+GIB = 2**30
+
+
+def check_writes_text(model: nn.Module, own_text: float) -> None:
+    """The refusal `compress --own-text` gives a model that cannot write text, read from the (meta) model."""
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        raise ValueError(
+            f"own_text={own_text} needs a model that writes text (a causal LM with generate); "
+            f"{type(model).__name__} does not: calibrate on the dataset alone (own_text=0)."
+        )
+
+
+def own_text_phase(model: nn.Module, calibration: CalibrationConfig, budget: Budget) -> tuple[Phase, str]:
+    """The sampling phase of `calibration` (with ``own_text`` > 0) on `model`'s shape, its batch sized within
+    `budget` as the sampler sizes it, and the note that says how and what the decoding costs."""
+    rows = own_row_count(calibration)
+    element = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    length = calibration.seqlen + 1  # the start token, then seqlen sampled tokens (the start is dropped after)
+    cache = kv_cache_bytes(model.config, length, element)
+    vocab = int(model.config.get_text_config().vocab_size)
+    logits = LOGIT_BYTES * vocab
+    fitting = sampling_batch_size(cache, vocab, max(budget.free, 0))
+    batch = min(rows, fitting if budget.accelerator else min(CPU_BATCH_SIZE, fitting))
+    terms = (
+        Term(f"KV cache ({batch} rows x {length} tokens)", batch * cache, "grows to the row's length as it samples"),
+        Term(f"next-token logits ({batch} rows)", batch * logits, "one step's float32 scores, freed each step"),
+    )
+    steps = math.ceil(rows / batch) * calibration.seqlen
+    note = (
+        f"own_text={calibration.own_text}: the model samples {rows} of the {calibration.nsamples} calibration rows "
+        f"first ({rows * calibration.seqlen:,} tokens, {steps:,} sequential decoding steps of {batch} rows at most; "
+        f"their seconds are not in the compute model): as many rows a batch as fit {SAMPLING_HEADROOM:.0%} of the "
+        f"{budget.free / GIB:.2f} GiB free on {budget.where} with the model loaded ({(cache + logits) / GIB:.3f} GiB a "
+        f"row), at most {MAX_BATCH_SIZE if budget.accelerator else CPU_BATCH_SIZE}"
+    )
+    return Phase(OWN_TEXT_PHASE, terms), note
+
+
+def with_own_text(
+    result: MemoryEstimate, model: nn.Module, calibration: CalibrationConfig, budget: Budget
+) -> MemoryEstimate:
+    """`result` with the own rows' sampling as its first phase (no heal copy in it: that copy is taken after)."""
+    phase, note = own_text_phase(model, calibration, budget)
+    return dataclasses.replace(result, phases=[phase, *result.phases], notes=[*result.notes, note])
