@@ -141,3 +141,14 @@ def test_a_model_that_writes_no_text_is_refused_in_one_line(tmp_path, capsys):
     assert main(["estimate", str(folder), *ESTIMATE, "--own-text", "0.5"]) != 0
     err = capsys.readouterr().err.strip()
     assert "needs a model that writes text" in err and len(err.splitlines()) == 1
+
+
+def test_an_encoder_decoder_model_is_refused_in_one_line(tmp_path, capsys):
+    """Its decoder writes from a source text; the cache it would hold has cross-attention, which the term does not
+    count, and `compress --own-text` refuses it too."""
+    folder = tmp_path / "marian"
+    tiny_models.tiny_marian().save_pretrained(folder)
+    capsys.readouterr()
+    assert main(["estimate", str(folder), *ESTIMATE, "--stack", "decoder", "--own-text", "0.5"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "is an encoder-decoder model" in err and len(err.splitlines()) == 1

@@ -15,7 +15,7 @@ from torch import nn
 
 from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
-from .calibration.data import build_calibration_batches
+from .calibration.data import batches_of, build_image_batches, draw_dataset_rows, is_image_dataset
 from .calibration.distributed import all_reduce_sums, shard_range, sharded_calibration
 from .compression import pipeline
 from .compression.measured_cost import compute_cost, dense_forward_flops_of
@@ -318,7 +318,7 @@ class FlattenQuantizer(OptimumQuantizer):
             check_sequence_length(model, self.config.calibration.seqlen)
         own_text = method.requires_calibration and self.config.calibration.own_text > 0
         if own_text:  # a model that writes no text is refused now, in one line
-            from .recovery.own_calibration import check_own_text, sample_own_rows
+            from .recovery.own_calibration import check_own_text
 
             check_own_text(model, tokenizer, self.config.calibration)
         rank, world_size = process_group()
@@ -360,15 +360,10 @@ class FlattenQuantizer(OptimumQuantizer):
                     "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
                     "trained), or heal with mode 'full', 'last_k' or 'lora'."
                 )
-        own_rows, own_record = None, None  # the model's own rows: sampled once every refusal above is passed
-        if own_text:
-            own_rows, own_record = sample_own_rows(
-                model, tokenizer, self.config.calibration, self.config.resume_dir, self.progress
-            )
-        batches = (
-            build_calibration_batches(tokenizer, self.config.calibration, own_rows)
+        batches, own_record = (
+            self._calibration_batches(model, tokenizer, (stack, num_layers, num_to_remove), own_text)
             if method.requires_calibration
-            else []
+            else ([], None)
         )
         if world_size > 1 and len(batches) >= world_size:
             share = shard_range(len(batches), rank, world_size)
@@ -389,6 +384,26 @@ class FlattenQuantizer(OptimumQuantizer):
             adapter, method, stack, corrections, num_layers, num_to_remove, batches, world_size, resume, heal,
             own_record,
         )  # fmt: skip
+
+    def _calibration_batches(
+        self, model: nn.Module, tokenizer: Any, job: tuple[str, int, int], own_text: bool
+    ) -> tuple[list[Any], dict[str, Any] | None]:
+        """The calibration batches and, with ``own_text``, the record of the model's own rows. Everything that can
+        refuse comes before the model writes a row (hours at 7B): the dataset's share of the rows is drawn first (too
+        little text), and a `resume_dir` is checked against this job but for its calibration (a file, another job's
+        folder, another share), since the rows are kept there."""
+        calibration = self.config.calibration
+        if is_image_dataset(calibration.dataset, calibration.text_column):
+            return build_image_batches(tokenizer, calibration), None
+        drawn = draw_dataset_rows(tokenizer, calibration)
+        own_rows, own_record = None, None
+        if own_text:
+            from .recovery.own_calibration import sample_own_rows
+
+            if self.config.resume_dir is not None:
+                ResumeState.check(self.config.resume_dir, resume_identity(self.config, model, *job, batches=None))
+            own_rows, own_record = sample_own_rows(model, tokenizer, calibration, self.config.resume_dir, self.progress)
+        return batches_of(drawn, calibration, own_rows), own_record
 
     def _run(self, model: nn.Module, checked: Preflight) -> _Run:
         """Calibrates, plans and applies the method; then the model no longer names the checkpoint it came from."""
@@ -547,26 +562,42 @@ def check_resumable(method: CompressionMethod, corrections: Corrections) -> None
         )
 
 
-def open_resume_state(
-    config: FlattenConfig, model: nn.Module, stack: str, num_layers: int, num_to_remove: int, batches: list[Any]
-) -> ResumeState:
-    """The job's state in ``config.resume_dir``, checked against this job (`compression.resume.job_identity`): the
-    method's options, depth target, dense weights and calibration batches must be the interrupted run's.
-
-    Raises:
-        ValueError: one line, when the folder holds another job's state (nothing is changed or deleted).
-    """
-    identity = job_identity(
+def resume_identity(
+    config: FlattenConfig,
+    model: nn.Module,
+    stack: str,
+    num_layers: int,
+    num_to_remove: int,
+    batches: list[Any] | None,
+) -> dict[str, Any]:
+    """What a job in ``config.resume_dir`` must match (`compression.resume.job_identity`): the method's options, the
+    share of the model's own rows (only where asked, so that older jobs' states still match), the depth target, the
+    dense weights and the calibration batches (None before they exist: `ResumeState.check` then leaves them out)."""
+    own = {"own_text": config.calibration.own_text} if config.calibration.own_text else {}
+    return job_identity(
         method=config.method,
-        options={"method_args": config.method_args, "stacks": config.stacks},
+        options={"method_args": config.method_args, "stacks": config.stacks, **own},
         stack=stack,
         num_layers=num_layers,
         num_to_remove=num_to_remove,
         weights=weights_fingerprint(model),
         dtypes=[str(p.dtype) for p in model.parameters()],
-        calibration=calibration_fingerprint(batches),
+        calibration=None if batches is None else calibration_fingerprint(batches),
     )
-    return ResumeState.open(config.resume_dir, identity)
+
+
+def open_resume_state(
+    config: FlattenConfig, model: nn.Module, stack: str, num_layers: int, num_to_remove: int, batches: list[Any]
+) -> ResumeState:
+    """The job's state in ``config.resume_dir``, checked against this job (`resume_identity`): the method's options,
+    depth target, dense weights and calibration batches must be the interrupted run's.
+
+    Raises:
+        ValueError: one line, when the folder holds another job's state (nothing is changed or deleted).
+    """
+    return ResumeState.open(
+        config.resume_dir, resume_identity(config, model, stack, num_layers, num_to_remove, batches)
+    )
 
 
 def check_shardable(method: CompressionMethod, corrections: Corrections, rank: int, world_size: int) -> None:

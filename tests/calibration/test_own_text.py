@@ -150,3 +150,103 @@ def test_the_command_line_flag_reaches_the_saved_report(tmp_path, capsys):
     code = main(["compress", str(dense), "--method", "shortgpt", "--num-layers-to-remove", "1", "--dataset", str(text),
                  "--own-text", "1", "--output", str(tmp_path / "o2")])  # fmt: skip
     assert code == 2 and "own_text" in one_error_line(capsys) and not (tmp_path / "o2").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What a review of the doors found (2026-12-07): each test failed before its fix.
+
+
+@pytest.mark.parametrize(("nsamples", "share", "own"), [(2, 0.5, 1), (8, 0.9, 7), (4, 0.7, 3)])
+def test_one_row_left_to_the_dataset_is_drawn_not_refused(nsamples, share, own):
+    """Drawing the dataset's share re-checked the options with the share still set, so `nsamples - own == 1` was
+    refused as "nsamples >= 2 ... got 1", after the model had written its rows."""
+    config = _config(nsamples=nsamples, own_text=share)
+    rows = torch.randint(3, 30, (own, config.seqlen), generator=torch.Generator().manual_seed(0))
+    assert len(_rows(build_calibration_batches(TOKENIZER, config, rows))) == nsamples
+
+
+def _no_sampling(monkeypatch) -> None:
+    """Fails the test if the model is asked to write its rows."""
+    from optimum_flatten.recovery import own_calibration
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model sampled its rows before the refusal")
+
+    monkeypatch.setattr(own_calibration, "sample_teacher_rows", refuse)
+
+
+def test_too_little_text_is_refused_before_the_model_writes_and_says_the_datasets_share(monkeypatch):
+    _no_sampling(monkeypatch)
+    model = tiny_models.tiny_llama_gqa()
+    config = tiny_config("shortgpt", num_layers_to_remove=1, own_text=0.5, dataset=["the state of the union"])
+    with pytest.raises(ValueError, match=r"own_text=0.5: the model writes 4 of the nsamples=8 rows, the dataset"):
+        FlattenQuantizer(config).compress(model, TOKENIZER)
+
+
+def test_an_encoder_decoder_model_is_refused_before_any_weight_changes():
+    model = tiny_models.tiny_marian()
+    before = weights_fingerprint(model)
+    config = tiny_config("shortgpt", num_layers_to_remove=1, own_text=0.5, stacks=["decoder"])
+    with pytest.raises(ValueError, match="MarianMTModel is an encoder-decoder model"):
+        FlattenQuantizer(config).compress(model, TOKENIZER)
+    assert weights_fingerprint(model) == before
+
+
+@pytest.mark.parametrize("folder", ["a file", "another job's files"])
+def test_a_resume_dir_that_cannot_hold_the_job_is_refused_before_the_model_writes(tmp_path, monkeypatch, folder):
+    _no_sampling(monkeypatch)
+    state = tmp_path / "state"
+    if folder == "a file":
+        state.write_text("not a folder")
+        message = "is a file; give a folder"
+    else:
+        state.mkdir()
+        (state / "notes.txt").write_text("mine")
+        message = "it is no compression's state"
+    config = tiny_config("flattengpt", num_layers_to_remove=1, own_text=0.5, resume_dir=str(state))
+    with pytest.raises(ValueError, match=message):
+        FlattenQuantizer(config).compress(tiny_models.tiny_llama_gqa(), TOKENIZER)
+    assert folder == "a file" or sorted(p.name for p in state.iterdir()) == ["notes.txt"]  # nothing written there
+
+
+def test_resuming_with_another_share_is_refused_and_leaves_the_kept_rows_as_they_were(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    first = tiny_config("flattengpt", num_layers_to_remove=1, own_text=0.5, resume_dir=str(state))
+    FlattenQuantizer(first).compress(tiny_models.tiny_llama_gqa(), TOKENIZER)
+    kept = {p.name: p.read_bytes() for p in (state / "own_text").iterdir()}
+    _no_sampling(monkeypatch)
+    other = tiny_config("flattengpt", num_layers_to_remove=1, own_text=0.25, resume_dir=str(state))
+    with pytest.raises(ValueError, match="holds the state of another job"):
+        FlattenQuantizer(other).compress(tiny_models.tiny_llama_gqa(), TOKENIZER)
+    assert {p.name: p.read_bytes() for p in (state / "own_text").iterdir()} == kept
+
+
+def test_a_tokenizer_with_no_start_token_is_refused_in_the_options_words():
+    from optimum_flatten.recovery.own_calibration import check_own_text
+    from optimum_flatten.utils.errors import CalibrationDataError
+
+    class NoStart(tiny_models.CharTokenizer):
+        bos_token_id = None
+        eos_token_id = None
+
+    with pytest.raises(CalibrationDataError, match=r"own_text=0.5 samples rows from the tokenizer's start token"):
+        check_own_text(tiny_models.tiny_llama_gqa(), NoStart(), _config(own_text=0.5))
+
+
+def test_the_summary_of_rows_read_back_gives_the_seconds_their_sampling_took():
+    from optimum_flatten.cli.summary import compression_summary
+
+    own = {"rows": 2, "seconds": 0.01, "cached": True, "sampled": {"seconds": 3600.0}}
+    report = {"method": "shortgpt", "plan_summary": "6 -> 5", "num_layers_before": 6, "num_layers_after": 5,
+              "params_before": 10, "params_after": 8, "total_seconds": 1.0,
+              "calibration": {"tokens": 128, "nsamples": 4, "own_text": own}}  # fmt: skip
+    assert "2 of 4, sampled in 3600 s (read back from --resume-dir)" in compression_summary(report)
+
+
+def test_the_model_card_says_the_model_wrote_part_of_its_calibration(tmp_path):
+    model = tiny_models.tiny_llama_gqa()
+    quantizer = FlattenQuantizer(tiny_config("shortgpt", num_layers_to_remove=1, own_text=0.5))
+    quantizer.compress(model, TOKENIZER)
+    quantizer.save(model, tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "; 4 of the sequences written by the model itself before it was compressed (own_text=0.5" in card

@@ -144,9 +144,7 @@ def test_seqlen_past_learned_positions_is_refused_before_calibration(monkeypatch
 
     model = tiny_models.tiny_gpt2()  # n_positions = 128
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    monkeypatch.setattr(
-        "optimum_flatten.quantizer.build_calibration_batches", lambda *a: pytest.fail("calibrated first")
-    )
+    monkeypatch.setattr("optimum_flatten.quantizer.draw_dataset_rows", lambda *a: pytest.fail("calibrated first"))
     config = FlattenConfig(
         method="shortgpt", num_layers_to_remove=1, dataset=tiny_models.sample_texts(), nsamples=2, seqlen=129
     )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..config import CalibrationConfig
+from ..options.calibration import own_row_count
 from ..utils.errors import CalibrationDataError
 from .tokens import token_stream, tokenize_text
 
@@ -315,28 +316,26 @@ def _describe(dataset: Any) -> str:
     return repr(dataset) if isinstance(dataset, (str, os.PathLike)) else f"<{type(dataset).__name__}>"
 
 
-def build_calibration_batches(
-    tokenizer: Any, config: CalibrationConfig, own_rows: torch.Tensor | None = None
-) -> list[CalibrationBatch]:
-    """Tokenises the calibration texts into ``nsamples`` sequences of ``seqlen`` tokens, in batches.
+@dataclass
+class DrawnRows:
+    """The dataset's share of the calibration rows, drawn and checked before the model writes its own (a refusal of
+    too little text then costs no sampling), and the seeded generator that goes on to shuffle the two together."""
 
-    Image data (see `build_image_batches`) is recognised by its type and gives `CalibrationBatch.from_images`
-    batches instead; the text path below is unchanged.
+    rows: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    rng: random.Random
+    #: How many rows the model is to write beside these (`own_row_count`; 0 without `own_text`).
+    own: int = 0
 
-    With packing, the texts are joined (separated by the EOS token when the tokenizer has one) and cut into
-    non-overlapping windows, of which ``nsamples`` are drawn with the seed. Without packing, ``nsamples`` texts
-    are drawn, truncated to ``seqlen`` and right-padded.
 
-    `own_rows` (``[k, seqlen]`` token ids the model wrote, `CalibrationConfig.own_text`) take the place of ``k`` of the
-    drawn sequences, and all are shuffled with the seed: a method that holds out its last batch, or scores on its
-    first, then sees both texts there, not one.
+def draw_dataset_rows(tokenizer: Any, config: CalibrationConfig) -> DrawnRows:
+    """The ``nsamples`` text sequences of `config`, or with ``own_text`` the dataset's share of them: ``nsamples``
+    less the model's rows (`own_row_count`), drawn with the seed as `build_calibration_batches` describes.
 
     Raises:
-        CalibrationDataError: when the text holds fewer than nsamples x seqlen tokens (packing) or fewer than
-            nsamples texts (no packing); the message says how much was found.
+        CalibrationDataError: no tokenizer, or too little text for the rows the dataset gives (with ``own_text`` the
+            message says how many of ``nsamples`` those are).
     """
-    if is_image_dataset(config.dataset, config.text_column):
-        return build_image_batches(tokenizer, config)
     if tokenizer is None:
         raise CalibrationDataError(
             "calibration needs a tokenizer: pass it to FlattenQuantizer.compress(model, tokenizer) or "
@@ -344,14 +343,34 @@ def build_calibration_batches(
         )
     texts = load_texts(config.dataset, config.text_column)
     rng = random.Random(config.seed)
-    own = 0 if own_rows is None else int(own_rows.shape[0])
-    drawn = replace(config, nsamples=config.nsamples - own) if own else config
-    if config.packing:
-        rows, masks = _packed_rows(tokenizer, texts, drawn, rng)
-    else:
-        rows, masks = _padded_rows(tokenizer, texts, drawn, rng)
-    if own:
-        rows, masks = _with_own_rows(rows, masks, own_rows, config.seqlen, rng)
+    own = own_row_count(config) if config.own_text else 0
+    drawn = replace(config, nsamples=config.nsamples - own, own_text=0.0) if own else config
+    try:
+        rows, masks = (_packed_rows if config.packing else _padded_rows)(tokenizer, texts, drawn, rng)
+    except CalibrationDataError as error:
+        if not own:
+            raise
+        raise CalibrationDataError(
+            f"{error} (own_text={config.own_text:g}: the model writes {own} of the nsamples={config.nsamples} rows, "
+            f"the dataset gives the other {config.nsamples - own})"
+        ) from None
+    return DrawnRows(rows, masks, rng, own)
+
+
+def batches_of(
+    drawn: DrawnRows, config: CalibrationConfig, own_rows: torch.Tensor | None = None
+) -> list[CalibrationBatch]:
+    """`drawn` and the model's `own_rows` (``[drawn.own, seqlen]``; None without ``own_text``), shuffled together with
+    the seed's generator, in batches of ``batch_size``."""
+    rows, masks = drawn.rows, drawn.masks
+    given = 0 if own_rows is None else int(own_rows.shape[0])
+    if given != drawn.own:
+        raise ValueError(
+            f"own_text={config.own_text:g} of nsamples={config.nsamples} takes {drawn.own} of the model's rows; "
+            f"got {given}."
+        )
+    if given:
+        rows, masks = _with_own_rows(rows, masks, own_rows, config.seqlen, drawn.rng)
     batches = []
     for start in range(0, len(rows), config.batch_size):
         batches.append(
@@ -368,6 +387,32 @@ def build_calibration_batches(
         len(batches),
     )
     return batches
+
+
+def build_calibration_batches(
+    tokenizer: Any, config: CalibrationConfig, own_rows: torch.Tensor | None = None
+) -> list[CalibrationBatch]:
+    """Tokenises the calibration texts into ``nsamples`` sequences of ``seqlen`` tokens, in batches.
+
+    Image data (see `build_image_batches`) is recognised by its type and gives `CalibrationBatch.from_images`
+    batches instead; the text path below is unchanged.
+
+    With packing, the texts are joined (separated by the EOS token when the tokenizer has one) and cut into
+    non-overlapping windows, of which ``nsamples`` are drawn with the seed. Without packing, ``nsamples`` texts
+    are drawn, truncated to ``seqlen`` and right-padded.
+
+    With ``own_text``, `own_rows` (``[k, seqlen]`` token ids the model wrote, ``k = own_row_count(config)``) take the
+    place of ``k`` of the drawn sequences, and all are shuffled with the seed: a method that holds out its last batch,
+    or scores on its first, then sees both texts there, not one. `FlattenQuantizer` draws the dataset's share first
+    (`draw_dataset_rows`), so that too little text is refused before the model writes anything, then `batches_of`.
+
+    Raises:
+        CalibrationDataError: when the text holds fewer than nsamples x seqlen tokens (packing) or fewer than
+            nsamples texts (no packing); the message says how much was found.
+    """
+    if is_image_dataset(config.dataset, config.text_column):
+        return build_image_batches(tokenizer, config)
+    return batches_of(draw_dataset_rows(tokenizer, config), config, own_rows)
 
 
 def _with_own_rows(

@@ -73,7 +73,7 @@ def job_identity(
     num_to_remove: int,
     weights: str,
     dtypes: Sequence[str],
-    calibration: str,
+    calibration: str | None,
 ) -> dict[str, Any]:
     """What a resumed run must share with the interrupted one for its saved plan and blocks to be this job's.
 
@@ -142,7 +142,23 @@ class ResumeState:
         Raises:
             ValueError: one line, when the folder holds another job's state or files that are no job's state.
         """
-        path = Path(directory)
+        return cls(Path(directory), identity, cls._manifest_of(Path(directory), identity))
+
+    @classmethod
+    def check(cls, directory: str | os.PathLike[str], identity: dict[str, Any]) -> None:
+        """`open`'s refusals, reading only: run before anything is written into the folder (the model's own
+        calibration rows, which are kept there). A key of `identity` that is None is not known yet (the calibration
+        before its rows exist) and is not compared; `open` compares it later.
+
+        Raises:
+            ValueError: as `open`.
+        """
+        cls._manifest_of(Path(directory), identity)
+
+    @staticmethod
+    def _manifest_of(path: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+        """The manifest of the job kept in `path` (None for a new job), once the folder is checked against
+        `identity` (its None values left out)."""
         if path.exists() and not path.is_dir():
             raise ValueError(f"resume_dir {str(path)!r} is a file; give a folder (it is created when absent).")
         manifest_path = path / MANIFEST
@@ -155,13 +171,15 @@ class ResumeState:
                     f"resume_dir {str(path)!r} holds {others[:3]} but no {MANIFEST}: it is no compression's state; "
                     "give an empty or new folder."
                 )
-            return cls(path, identity, None)
+            return None
         try:
             manifest = json.loads(manifest_path.read_text())
             saved = manifest["identity"]
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"resume_dir {str(path)!r}: unreadable {MANIFEST} ({error}); give a new folder.") from None
-        differ = [key for key in sorted(set(identity) | set(saved)) if identity.get(key) != saved.get(key)]
+        unknown = {key for key, value in identity.items() if value is None}
+        compared = sorted((set(identity) | set(saved)) - unknown)
+        differ = [key for key in compared if identity.get(key) != saved.get(key)]
         if differ:
             raise ValueError(
                 f"resume_dir {str(path)!r} holds the state of another job (its {', '.join(differ)} differ from this "
@@ -169,7 +187,7 @@ class ResumeState:
                 "changed or deleted)."
             )
         _check_groups(path)
-        return cls(path, identity, manifest)
+        return manifest
 
     # ------------------------------------------------------------------ plan
 

@@ -21,8 +21,9 @@ from torch import nn
 
 from ..compression.workspace import Phase, Term
 from ..options import CalibrationConfig
+from ..options.calibration import own_row_count
 from ..recovery.footprint import Budget
-from ..recovery.own_calibration import own_row_count
+from ..recovery.own_calibration import check_writes_text as check_writes_text  # compress's refusal
 from ..recovery.teacher_text import (
     CPU_BATCH_SIZE,
     LOGIT_BYTES,
@@ -39,16 +40,6 @@ if TYPE_CHECKING:
 OWN_TEXT_PHASE = "sampling the model's own calibration rows"
 
 GIB = 2**30
-
-
-def check_writes_text(model: nn.Module, own_text: float) -> None:
-    """The refusal `compress --own-text` gives a model that cannot write text, read from the (meta) model."""
-    can_generate = getattr(model, "can_generate", None)
-    if not callable(can_generate) or not can_generate():
-        raise ValueError(
-            f"own_text={own_text} needs a model that writes text (a causal LM with generate); "
-            f"{type(model).__name__} does not: calibrate on the dataset alone (own_text=0)."
-        )
 
 
 def own_text_phase(model: nn.Module, calibration: CalibrationConfig, budget: Budget) -> tuple[Phase, str]:
@@ -74,6 +65,8 @@ def own_text_phase(model: nn.Module, calibration: CalibrationConfig, budget: Bud
         f"{budget.free / GIB:.2f} GiB free on {budget.where} with the model loaded ({(cache + logits) / GIB:.3f} GiB a "
         f"row), at most {MAX_BATCH_SIZE if budget.accelerator else CPU_BATCH_SIZE}"
     )
+    if budget.free <= 0:
+        note += f"; the weights alone take more than the memory free on {budget.where}"
     return Phase(OWN_TEXT_PHASE, terms), note
 
 

@@ -51,6 +51,7 @@ def render_model_card(report: dict[str, Any]) -> str:
         lines.append(
             f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
             f"{calibration.get('seqlen')} tokens ({calibration.get('tokens')} tokens), seed {calibration.get('seed')}"
+            + _own_text_words(calibration.get("own_text"))
         )
     if report.get("total_seconds") is not None:
         lines.append(f"- Compression wall time: {report['total_seconds']} s")
@@ -283,3 +284,13 @@ def describe_parameters(report: dict[str, Any]) -> str:
         return "see flatten_report.json"
     text = next((section.parameters for section in method_sections(report) if section.parameters), None)
     return text if text is not None else f"{before:,} -> {after:,}"
+
+
+def _own_text_words(own: dict[str, Any] | None) -> str:
+    """What the card adds to the calibration line when the model wrote part of it (`CalibrationConfig.own_text`)."""
+    if not own:
+        return ""
+    return (
+        f"; {own['rows']} of the sequences written by the model itself before it was compressed "
+        f"(own_text={own['share']:g}: from its start token, temperature 1)"
+    )

@@ -52,4 +52,12 @@ class CalibrationConfig:
                 f"{self.own_text!r} (the model's text alone is a poor calibration text: mix it with a dataset)."
             )
         if self.own_text and self.nsamples < 2:
-            raise ValueError(f"own_text={self.own_text} needs nsamples >= 2 (its rows and the dataset's); got 1.")
+            raise ValueError(
+                f"own_text={self.own_text} needs nsamples >= 2 (its rows and the dataset's); got {self.nsamples}."
+            )
+
+
+def own_row_count(config: CalibrationConfig) -> int:
+    """How many of the ``nsamples`` rows the model writes (``own_text``): that share of them, at least one, and one
+    fewer than all (the option promises the dataset a share)."""
+    return min(max(1, round(config.own_text * config.nsamples)), config.nsamples - 1)

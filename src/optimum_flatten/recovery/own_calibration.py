@@ -21,6 +21,8 @@ from torch import nn
 
 from ..compression.resume import OWN_TEXT
 from ..options import CalibrationConfig
+from ..options.calibration import own_row_count as own_row_count  # the share's rule, with the option
+from ..utils.errors import CalibrationDataError
 from .teacher_start import row_start
 from .teacher_text import sample_teacher_rows
 
@@ -28,24 +30,33 @@ from .teacher_text import sample_teacher_rows
 STREAM = "calibration"
 
 
-def own_row_count(config: CalibrationConfig) -> int:
-    """How many of the ``nsamples`` rows the model writes: `own_text` of them, at least one, and one fewer than all
-    (the option promises the dataset a share)."""
-    return min(max(1, round(config.own_text * config.nsamples)), config.nsamples - 1)
+def check_writes_text(model: nn.Module, own_text: float) -> None:
+    """Refuses a model that cannot write text from a start token: one without ``generate`` (an encoder), or an
+    encoder-decoder model, whose decoder writes from a source text it would be given none of (and whose rows would
+    then calibrate its encoder). `estimate --own-text` asks it of the model built on meta."""
+    can_generate = getattr(model, "can_generate", None)
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if encoder_decoder or not callable(can_generate) or not can_generate():
+        what = "is an encoder-decoder model, which writes from a source text" if encoder_decoder else "does not"
+        raise ValueError(
+            f"own_text={own_text} needs a model that writes text (a causal LM with generate); "
+            f"{type(model).__name__} {what}: calibrate on the dataset alone (own_text=0)."
+        )
 
 
 def check_own_text(model: nn.Module, tokenizer: Any, config: CalibrationConfig) -> None:
-    """Refuses, before any weight changes, a model that cannot write text (an encoder, a model without
-    ``generate``) or a tokenizer with no start token: one line each."""
-    can_generate = getattr(model, "can_generate", None)
-    if not callable(can_generate) or not can_generate():
-        raise ValueError(
-            f"own_text={config.own_text} needs a model that writes text (a causal LM with generate); "
-            f"{type(model).__name__} does not: calibrate on the dataset alone (own_text=0)."
-        )
+    """Refuses, before any weight changes, a model that cannot write text (`check_writes_text`) or a tokenizer with
+    no start token: one line each."""
+    check_writes_text(model, config.own_text)
     if tokenizer is None:
         raise ValueError(f"own_text={config.own_text} needs the model's tokenizer (its start token).")
-    row_start(tokenizer, "bos")  # no BOS or EOS token: a one-line CalibrationDataError
+    try:
+        row_start(tokenizer, "bos")
+    except CalibrationDataError:  # worded for the healing's sampler, which takes prompts instead
+        raise CalibrationDataError(
+            f"own_text={config.own_text} samples rows from the tokenizer's start token, and it has neither a BOS nor "
+            "an EOS token: calibrate on the dataset alone (own_text=0)."
+        ) from None
 
 
 def sample_own_rows(
