@@ -774,3 +774,18 @@ def test_cli_estimate_takes_auto(tmp_path, capsys):
     assert main([*argv, "--max-candidates", "1", "--json"]) == 0
     single = json.loads(capsys.readouterr().out)
     assert len(single["workspace_bytes"]["phases"]) == 3 and single["stack_passes"] < result["stack_passes"]
+
+
+def test_an_image_model_is_estimated_at_its_images_length_not_the_text_seqlen(tmp_path, capsys):
+    """ViT calibrates on images: a row is CLS + patches at the config's size, whatever --seqlen says (the estimate
+    used to scale with it: 0.4 MB at 17, 1.26 GiB at 100,000)."""
+    tiny_models.tiny_vit().save_pretrained(tmp_path / "vit")
+    peaks = []
+    for seqlen in ("17", "2048"):
+        capsys.readouterr()
+        argv = ["estimate", str(tmp_path / "vit"), "--method", "shortgpt", "--num-layers-to-remove", "1"]
+        assert main([*argv, "--nsamples", "8", "--seqlen", seqlen, "--json"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        peaks.append(result["peak_bytes"])
+        assert result["calibration"]["seqlen"] == 17  # 1 + (16 / 4)^2 for the tiny ViT
+    assert peaks[0] == peaks[1]

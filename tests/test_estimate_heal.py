@@ -147,7 +147,10 @@ def test_the_fallbacks_are_sized_as_the_check_sizes_them(tmp_path, capsys, monke
         (["--heal-seqlen", "128"], "--heal-seqlen sizes the healing: give it with --heal"),
         (["--heal", "--free-memory-gib", "0"], "--free-memory-gib must be a positive number"),
         (["--heal", "--device", "h100"], "needs --free-memory-gib"),
-        (["--heal", "--heal-seqlen", "0"], "--heal-seqlen must be at least 1"),
+        (["--heal", "--heal-seqlen", "0"], "--heal-seqlen must be at least 2"),
+        (["--heal", "--heal-seqlen", "1"], "--heal-seqlen must be at least 2"),  # was RecoveryConfig's, unnamed
+        (["--heal", "--free-memory-gib", "inf"], "a positive number of GiB, and finite"),  # was an OverflowError
+        (["--heal", "--free-memory-gib", "1e300"], "a positive number of GiB, and finite"),
     ],
 )
 def test_estimate_heal_refusals_are_one_line(tmp_path, capsys, monkeypatch, argv, message):
@@ -156,3 +159,19 @@ def test_estimate_heal_refusals_are_one_line(tmp_path, capsys, monkeypatch, argv
     assert main(["estimate", str(tmp_path), "--method", "shortgpt", "--num-layers-to-remove", "2", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_after_a_merge_the_estimate_records_the_split_the_run_records(dense, tmp_path, capsys):
+    """FlattenGPT merges layers, after which a default `full` trains `local` for half the tokens, then the global
+    loss. The estimate's JSON said `full` (its note said otherwise); it now records what the run's report does."""
+    argv = ["--method", "flattengpt", "--num-layers-to-remove", "2", "--nsamples", "4", "--seqlen", "32"]
+    capsys.readouterr()
+    assert main(["estimate", str(dense), *argv, "--json", "--heal", "--heal-seqlen", str(HEAL_SEQLEN)]) == 0
+    heal = json.loads(capsys.readouterr().out)["heal"]
+    out = tmp_path / "out"
+    assert main(["compress", str(dense), *argv, "--dataset", str(dense / "text.txt"), "--no-progress",
+                 "--heal-tokens", "256", "--heal-seqlen", str(HEAL_SEQLEN), "--output", str(out)]) == 0  # fmt: skip
+    ran = json.loads((out / "flatten_report.json").read_text())["recovery"]
+    assert ran["mode"] == heal["mode"] == "local"
+    assert ran["mode_chosen"] == heal["mode_chosen"]
+    assert heal["mode_chosen"].endswith("local, then the global loss, half the budget each")

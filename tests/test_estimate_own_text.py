@@ -152,3 +152,17 @@ def test_an_encoder_decoder_model_is_refused_in_one_line(tmp_path, capsys):
     assert main(["estimate", str(folder), *ESTIMATE, "--stack", "decoder", "--own-text", "0.5"]) != 0
     err = capsys.readouterr().err.strip()
     assert "is an encoder-decoder model" in err and len(err.splitlines()) == 1
+
+
+def test_without_a_device_named_the_rows_are_sampled_in_host_memory_where_compress_loads_the_model(
+    dense, capsys, monkeypatch
+):
+    """On a machine with a GPU, `optimum-flatten compress` still loads the model in host memory and samples there,
+    at most 64 rows a batch: the estimate sized the batch for the GPU (up to 256 rows)."""
+    from optimum_flatten.estimate import own_text
+
+    monkeypatch.setattr(own_text, "host_training_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(own_text, "available_bytes", lambda device: {"cpu": 2**40}[str(device)])
+    result = _estimate(capsys, dense, "--nsamples", "400", "--own-text", "0.5")
+    assert result["phases"][0]["terms"][0]["name"] == f"KV cache ({CPU_BATCH_SIZE} rows x {SEQLEN + 1} tokens)"
+    assert any("free on cpu with the model loaded" in note for note in result["notes"])

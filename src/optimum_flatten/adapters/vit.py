@@ -92,6 +92,12 @@ class ViTAdapter(ArchitectureAdapter):
         patch_h, patch_w = _pair(self.config.patch_size)
         return 1 + (pixel_values.shape[-2] // patch_h) * (pixel_values.shape[-1] // patch_w)
 
+    def image_positions(self) -> int:
+        """CLS + patches of an image at the config's ``image_size``: a calibration row's length (`estimate`)."""
+        height, width = _pair(self.config.image_size)
+        patch_h, patch_w = _pair(self.config.patch_size)
+        return 1 + (height // patch_h) * (width // patch_w)
+
     def forward_inputs(self, stack: str, batch: Any, device: torch.device) -> dict[str, Any]:
         """``{"pixel_values": ...}``: ViTModel embeds the images itself (text batches are refused)."""
         self._check_stack(stack)

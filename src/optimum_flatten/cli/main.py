@@ -319,7 +319,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     device = device_from_options(args.device, args.peak_tflops, args.bandwidth_gbs)  # refused before torch loads
     # Sizes out of range, in the calibration's own words, before torch and the meta model (6-13 s) as compress does.
     CalibrationConfig(nsamples=args.nsamples, seqlen=args.seqlen, batch_size=args.batch_size, own_text=args.own_text)
-    if args.num_layers_to_remove < 1:
+    if args.num_layers_to_remove is None or args.num_layers_to_remove < 1:
         raise ValueError(f"--num-layers-to-remove must be at least 1, got {args.num_layers_to_remove}.")
     _check_heal_options(args)
 
@@ -358,10 +358,11 @@ def _check_heal_options(args: argparse.Namespace) -> None:
         raise ValueError(
             "--free-memory-gib sizes the healing and the own rows' sampling: give it with --heal or --own-text."
         )
-    if args.free_memory_gib is not None and not args.free_memory_gib > 0:
-        raise ValueError(f"--free-memory-gib must be a positive number of GiB, got {args.free_memory_gib}.")
-    if args.heal_seqlen is not None and args.heal_seqlen < 1:
-        raise ValueError(f"--heal-seqlen must be at least 1, got {args.heal_seqlen}.")
+    free = args.free_memory_gib
+    if free is not None and not (free > 0 and math.isfinite(free * 2**30)):
+        raise ValueError(f"--free-memory-gib must be a positive number of GiB, and finite; got {free}.")
+    if args.heal_seqlen is not None and args.heal_seqlen < 2:  # a row predicts its tokens after the first
+        raise ValueError(f"--heal-seqlen must be at least 2, got {args.heal_seqlen}.")
 
 
 def cmd_layer_collapse(args: argparse.Namespace) -> int:

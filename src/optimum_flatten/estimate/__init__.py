@@ -439,7 +439,6 @@ def estimate_memory(
     if method not in modelled_methods():
         raise ValueError(f"no memory model for method {method!r}; the estimate covers {modelled_methods()}.")
     corrections = corrections or Corrections()
-    calibration = CalibrationShape(nsamples, seqlen, batch_size)
     method_class = get_method_class(method)
     config = method_class.config_class(**(method_args or {}))
     from ..config import check_corrections  # FlattenConfig's own refusals of a correction
@@ -461,7 +460,12 @@ def estimate_memory(
             f"num_layers_to_remove must be between 1 and {shape.num_layers - 1} for a stack of {shape.num_layers} "
             f"layers, got {num_layers_to_remove!r}."
         )
-    check_sequence_length(model, seqlen)  # a position table shorter than the rows: compress refuses it too
+    images = adapter.calibrates_on == "images"
+    if images:  # a row is an image: CLS + patches at the config's size, whatever `seqlen` says
+        seqlen = adapter.image_positions()
+    else:
+        check_sequence_length(model, seqlen)  # a position table shorter than the rows: compress refuses it too
+    calibration = CalibrationShape(nsamples, seqlen, batch_size)
     sizes = WorkspaceSizes(shape, calibration, refusal_of(adapter, stack))
     if method_class.measures_compensation(config):  # the factors come from the method's loop: no walk of their own
         corrections = dataclasses.replace(corrections, compensation=None)
@@ -470,7 +474,7 @@ def estimate_memory(
         sizes, num_layers_to_remove, corrections, phases, passes, method_class.keeps_runner_states(config)
     )
     bound = bound or bool(more)
-    notes = [*notes, *more]
+    notes = [*notes, *more, *([f"calibration rows are images: {seqlen} positions each (CLS + patches)"] * images)]
     computed = compute_estimate(method_class, sizes, num_layers_to_remove, config)
     computed["compute"] = with_correction_compute(sizes, num_layers_to_remove, corrections, computed["compute"])
     return MemoryEstimate(
@@ -546,16 +550,15 @@ def estimate_checkpoint(
     result.source = source
     method_class = get_method_class(method)
     samples = own_text > 0 and method_class(method_class.config_class(**(method_args or {}))).requires_calibration
-    if heal or samples:
-        from .healing import heal_budget, with_healing  # the recovery package, only for a heal or own rows
-
-        budget = heal_budget(model, free_memory, device, "--heal" if heal else "--own-text")
     if heal:
+        from .healing import heal_budget, with_healing  # the recovery package, only for a heal
+
+        budget = heal_budget(model, free_memory, device)
         result = with_healing(result, model, healing, budget, method_class.merges_layers)
     if samples:
-        from .own_text import with_own_text  # after the heal's copy is added: the rows are sampled before it is taken
+        from .own_text import sampling_budget, with_own_text  # after the heal's copy: the rows are sampled before it
 
-        result = with_own_text(result, model, calibration, budget)
+        result = with_own_text(result, model, calibration, sampling_budget(model, free_memory, device))
     return result if device is None else result.with_device(device)
 
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..compression.workspace import Phase, Term
+from ..options.recovery import local_then_global
 from ..recovery import footprint as memory_check
 from ..recovery.footprint import (
     LEAN_OPTIMISERS,
@@ -52,7 +53,7 @@ def heal_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | 
     """The memory the mode choice is given: `free_memory` bytes free before the model is loaded (read now on this
     machine's training device when None), less the dense weights the run loads first; a GPU with every lean optimiser
     where `device` names one and the memory is given, else this machine's device and optimisers (`asked`: the flag
-    that needs it, for the refusal). The model's own calibration rows are sampled within the same budget.
+    that needs it, for the refusal; `estimate.own_text.sampling_budget` asks it for a GPU the model samples on).
 
     Raises:
         ValueError: `device` named without `free_memory` on a machine with no GPU to read it from.
@@ -93,7 +94,12 @@ def with_healing(
     phases = [Phase(p.name, (*p.terms, copy)) for p in result.phases]
     phases.append(_healing_phase(resolved, choice.footprint, healing, weight_bytes(model)))
     notes = [*result.notes, _mode_note(resolved, choice.footprint, healing, merges)]
-    heal = _choice_dict(resolved, choice.describe())
+    # What the run records: after a plan that merged layers a default `full` trains `local` first, then the global
+    # loss (`with_mode`'s split, made once the plan is known); the phase above keeps `full`'s footprint, the larger.
+    # `compress --heal-tokens` always gives a token budget, which the split halves; its size changes nothing here.
+    budgeted = dataclasses.replace(resolved, max_tokens=resolved.max_tokens or 2)
+    recorded = local_then_global(budgeted) if merges and healing.mode is None else resolved
+    heal = _choice_dict(recorded, choice.describe(recorded))
     if resolved.extra_training_args.get("optim") == "adamw_bnb_8bit":  # a GPU without bitsandbytes takes the next
         without = tuple(o for o in budget.optimisers if o != "adamw_bnb_8bit")
         other, other_choice = compress_heal_mode(model, healing, dataclasses.replace(budget, optimisers=without))

@@ -6,9 +6,9 @@ its phase holds the resident weights and one sampling batch only: each row's KV 
 token and ``seqlen`` sampled tokens) and a step's next-token logits (`recovery.teacher_text.kv_cache_bytes`,
 ``LOGIT_BYTES``). The batch is the one the sampler takes (`recovery.teacher_text.default_batch_size`): as many rows
 as fit ``SAMPLING_HEADROOM`` of the memory free with the model loaded, at most ``MAX_BATCH_SIZE`` on a GPU and
-``CPU_BATCH_SIZE`` on a CPU, and no more than there are rows; the free memory is the one `estimate --heal` reads or
-is given (`estimate.healing.heal_budget`). The decoding's seconds are not in the compute model: the note gives its
-sequential steps.
+``CPU_BATCH_SIZE`` on a CPU, and no more than there are rows, on the device the model is on (`sampling_budget`: host
+memory for ``optimum-flatten compress``, which loads it there; the GPU ``--device`` names). The decoding's seconds
+are not in the compute model: the note gives its sequential steps.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from ..compression.workspace import Phase, Term
 from ..options import CalibrationConfig
 from ..options.calibration import own_row_count
-from ..recovery.footprint import Budget
+from ..recovery.footprint import Budget, host_training_device, weight_bytes
 from ..recovery.own_calibration import check_writes_text as check_writes_text  # compress's refusal
 from ..recovery.teacher_text import (
     CPU_BATCH_SIZE,
@@ -32,14 +33,30 @@ from ..recovery.teacher_text import (
     kv_cache_bytes,
     sampling_batch_size,
 )
+from ..utils.memory import available_bytes
 
 if TYPE_CHECKING:
+    from ..roofline import DeviceSpec
     from . import MemoryEstimate
 
 #: The phase the model's own calibration rows add to an estimate (before the compression's, as it runs).
 OWN_TEXT_PHASE = "sampling the model's own calibration rows"
 
 GIB = 2**30
+
+
+def sampling_budget(model: nn.Module, free_memory: int | None, device: DeviceSpec | None) -> Budget:
+    """Where the model writes its rows, and what is free there: the model samples where it is. With `device` named,
+    on that GPU (the API or compress-on-load placing the model there; `free_memory` given for it, as
+    `estimate.healing.heal_budget` asks). Else in host memory, where ``optimum-flatten compress`` loads the model:
+    `free_memory` when this machine trains on its CPU too (so the one figure given is the host's), else read here."""
+    if device is not None:
+        from .healing import heal_budget
+
+        return heal_budget(model, free_memory, device, "--own-text")
+    if free_memory is None or host_training_device().type == "cuda":
+        free_memory = available_bytes(torch.device("cpu"))
+    return Budget(free_memory - weight_bytes(model), False, (), "cpu")
 
 
 def own_text_phase(model: nn.Module, calibration: CalibrationConfig, budget: Budget) -> tuple[Phase, str]:
