@@ -315,6 +315,13 @@ class CompressionMethod(ABC):
         """
         return None
 
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        """Refuses, before calibration (and before the model writes its own rows), a target this method's options
+        cannot reach in a stack of `num_layers`: removals its blocks do not divide, more than its protected layers or
+        its groups leave. `estimate` asks it too. The default accepts; the plan still refuses what only the
+        calibration can show (a greedy merge that runs out of candidates)."""
+        return None
+
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         """Refuses, before calibration and before any weight changes, a model this method cannot compress.
 

@@ -142,6 +142,15 @@ class CoMeMethod(CompressionMethod):
         self._built: dict[tuple[int, ...], nn.Module] = {}
 
     # -------------------------------------------------------------- selection
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        """Without chaining each merge joins two layers merged with nothing yet, so at most half the stack goes."""
+        if not self.config.allow_chaining and num_to_remove > num_layers // 2:
+            raise ValueError(
+                f"without chaining (allow_chaining=False) each merge joins two layers merged with nothing yet, so a "
+                f"stack of {num_layers} layers can lose at most {num_layers // 2}; requested {num_to_remove}. Allow "
+                "chaining or remove fewer layers."
+            )
+
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         stack = context.stack
         num_layers = adapter.num_layers(stack)

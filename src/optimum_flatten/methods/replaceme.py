@@ -101,6 +101,10 @@ class ReplaceMeMethod(CompressionMethod):
             notes + down_note,
         )
 
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        blocks = self.config.num_blocks if self.config.selection == "distance" else 1  # the loss search: one block
+        block_size(num_to_remove, blocks, num_layers, first_start=1)
+
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:
         require_bridgeable(adapter, stack, "method 'replaceme'", self.config.estimator)
         if self.config.bridge_options().stream_gain:

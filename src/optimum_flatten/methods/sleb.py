@@ -283,16 +283,24 @@ class SLEBMethod(CompressionMethod):
                 "sliding_window (and flattengpt on pre-norm stacks)."
             )
 
-    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
-        num_layers = adapter.num_layers(context.stack)
+    def _protected(self, num_layers: int) -> set[int]:
         protected = {0} if self.config.protect_first else set()
         if self.config.protect_last:
             protected.add(num_layers - 1)
+        return protected
+
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        protected = self._protected(num_layers)
         if num_layers - len(protected) < num_to_remove:
             raise ValueError(
                 f"with protected layers {sorted(protected)} only {num_layers - len(protected)} layers can be "
                 f"removed, fewer than the {num_to_remove} requested."
             )
+
+    def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
+        num_layers = adapter.num_layers(context.stack)
+        self.check_target(num_layers, num_to_remove)
+        protected = self._protected(num_layers)
         # Only the input of layer 0 is cached by the engine: the search keeps the states of its own current stack.
         states = CalibratedStates.on_first_batches(
             context.new_runner(adapter),

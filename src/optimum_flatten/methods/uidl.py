@@ -211,6 +211,9 @@ class UIDLMethod(CompressionMethod):
         """The distance walk on last-token rows releases its runner's layer-0 states (`walk_block_distances`)."""
         return getattr(config, "tokens", "last") != "last"
 
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        block_size(num_to_remove, self.config.num_blocks, num_layers, first_start=0)
+
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         return select_blocks(adapter, context, num_to_remove, self.config, first_start=0)
 

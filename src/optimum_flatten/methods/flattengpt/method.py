@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -114,6 +115,16 @@ class FlattenGPTMethod(CompressionMethod):
         """`similarity.similarity_matrix`, keeping what the pass leaves for `apply_` on the same context."""
         similarity, self._cache = similarity_matrix(adapter, context, self.config)
         return similarity
+
+    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+        """Groups of at most `max_group_size` layers keep one layer each, so at most ``L - ceil(L / g)`` go."""
+        group = self.config.max_group_size
+        if group is not None and num_to_remove > num_layers - math.ceil(num_layers / group):
+            raise ValueError(
+                f"{num_to_remove} merges cannot be made within max_group_size={group} in a stack of {num_layers} "
+                f"layers (at most {num_layers - math.ceil(num_layers / group)}: every merged group keeps one of at "
+                f"most {group} layers); raise max_group_size or remove fewer layers."
+            )
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         self._prebuilt = None
