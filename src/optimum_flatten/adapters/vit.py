@@ -89,12 +89,13 @@ class ViTAdapter(ArchitectureAdapter):
 
     def num_positions(self, pixel_values: torch.Tensor) -> int:
         """CLS + patches for images of `pixel_values`' height and width (no interpolation)."""
-        patch_h, patch_w = _pair(self.config.patch_size)
-        return 1 + (pixel_values.shape[-2] // patch_h) * (pixel_values.shape[-1] // patch_w)
+        return self._positions(pixel_values.shape[-2], pixel_values.shape[-1])
 
     def image_positions(self) -> int:
         """CLS + patches of an image at the config's ``image_size``: a calibration row's length (`estimate`)."""
-        height, width = _pair(self.config.image_size)
+        return self._positions(*_pair(self.config.image_size))
+
+    def _positions(self, height: int, width: int) -> int:
         patch_h, patch_w = _pair(self.config.patch_size)
         return 1 + (height // patch_h) * (width // patch_w)
 

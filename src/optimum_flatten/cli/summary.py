@@ -47,8 +47,8 @@ def compression_summary(report: dict[str, Any]) -> str:
         ("compression seconds", report["total_seconds"]),
     ]
     if own := report["calibration"].get("own_text"):
-        # Read back, the seconds that matter are the first attempt's sampling (`sampled`), not the read's.
-        cost = (own.get("sampled") or own)["seconds"] if own.get("cached") else own["seconds"]
+        cost = (own.get("sampled") or own)["seconds"]  # read back: the first attempt's sampling, not the read
+
         read_back = " (read back from --resume-dir)" if own.get("cached") else ""
         sampled = f"{own['rows']} of {report['calibration']['nsamples']}, sampled in {cost:.0f} s{read_back}"
         rows.insert(-1, ("the model's own sequences", sampled))

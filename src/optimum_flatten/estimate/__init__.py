@@ -535,7 +535,7 @@ def estimate_checkpoint(
     calibration = CalibrationConfig(nsamples=nsamples, seqlen=seqlen, batch_size=batch_size, own_text=own_text)
     model = meta_model(source, dtype, trust_remote_code)
     if own_text:
-        from .own_text import check_writes_text
+        from ..recovery.own_calibration import check_writes_text  # compress's own refusal
 
         check_writes_text(model, own_text)
     if heal:  # the refusals `compress --heal-tokens` gives before it loads anything

@@ -97,8 +97,9 @@ def with_healing(
     # What the run records: after a plan that merged layers a default `full` trains `local` first, then the global
     # loss (`with_mode`'s split, made once the plan is known); the phase above keeps `full`'s footprint, the larger.
     # `compress --heal-tokens` always gives a token budget, which the split halves; its size changes nothing here.
-    budgeted = dataclasses.replace(resolved, max_tokens=resolved.max_tokens or 2)
-    recorded = local_then_global(budgeted) if merges and healing.mode is None else resolved
+    recorded = resolved
+    if merges and healing.mode is None:
+        recorded = local_then_global(dataclasses.replace(resolved, max_tokens=resolved.max_tokens or 2))
     heal = _choice_dict(recorded, choice.describe(recorded))
     if resolved.extra_training_args.get("optim") == "adamw_bnb_8bit":  # a GPU without bitsandbytes takes the next
         without = tuple(o for o in budget.optimisers if o != "adamw_bnb_8bit")

@@ -24,14 +24,13 @@ from ..compression.workspace import Phase, Term
 from ..options import CalibrationConfig
 from ..options.calibration import own_row_count
 from ..recovery.footprint import Budget, host_training_device, weight_bytes
-from ..recovery.own_calibration import check_writes_text as check_writes_text  # compress's refusal
 from ..recovery.teacher_text import (
     CPU_BATCH_SIZE,
     LOGIT_BYTES,
     MAX_BATCH_SIZE,
     SAMPLING_HEADROOM,
+    device_batch_size,
     kv_cache_bytes,
-    sampling_batch_size,
 )
 from ..utils.memory import available_bytes
 
@@ -68,8 +67,7 @@ def own_text_phase(model: nn.Module, calibration: CalibrationConfig, budget: Bud
     cache = kv_cache_bytes(model.config, length, element)
     vocab = int(model.config.get_text_config().vocab_size)
     logits = LOGIT_BYTES * vocab
-    fitting = sampling_batch_size(cache, vocab, max(budget.free, 0))
-    batch = min(rows, fitting if budget.accelerator else min(CPU_BATCH_SIZE, fitting))
+    batch = min(rows, device_batch_size(cache, vocab, max(budget.free, 0), budget.accelerator))
     terms = (
         Term(f"KV cache ({batch} rows x {length} tokens)", batch * cache, "grows to the row's length as it samples"),
         Term(f"next-token logits ({batch} rows)", batch * logits, "one step's float32 scores, freed each step"),

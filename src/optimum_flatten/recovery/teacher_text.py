@@ -97,15 +97,21 @@ def sampling_batch_size(
     return max(1, min(MAX_BATCH_SIZE, int(headroom * free_bytes) // max(per_row, 1)))
 
 
+def device_batch_size(row_kv_bytes: int, vocab_size: int, free_bytes: int, accelerator: bool) -> int:
+    """`sampling_batch_size` of `free_bytes`, at most `CPU_BATCH_SIZE` rows off an accelerator (where a 7B row's
+    cache is half a GB and more rows stop paying off sooner): the sampler's rule, which `estimate` sizes by too."""
+    rows = sampling_batch_size(row_kv_bytes, vocab_size, free_bytes)
+    return rows if accelerator else min(CPU_BATCH_SIZE, rows)
+
+
 def default_batch_size(model: nn.Module, seqlen: int) -> int:
-    """`sampling_batch_size` of the free memory of the teacher's device now (at most `CPU_BATCH_SIZE` rows on a
-    CPU, where a 7B row's cache is half a GB and more rows stop paying off sooner)."""
+    """`device_batch_size` of the free memory of the teacher's device now."""
     from ..utils.memory import available_bytes
 
     parameter = next(model.parameters())
     row = kv_cache_bytes(model.config, seqlen, parameter.element_size())
-    rows = sampling_batch_size(row, int(model.config.get_text_config().vocab_size), available_bytes(parameter.device))
-    return rows if parameter.device.type == "cuda" else min(CPU_BATCH_SIZE, rows)
+    vocab = int(model.config.get_text_config().vocab_size)
+    return device_batch_size(row, vocab, available_bytes(parameter.device), parameter.device.type == "cuda")
 
 
 def sampling_kwargs(
