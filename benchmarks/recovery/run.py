@@ -347,7 +347,9 @@ def remove_training_checkpoints(folder: Path) -> list[Path]:
     """Deletes the healing phases' checkpoints (``phase-*``) under `folder`, once the result they led to is written:
     resuming a finished run has nothing left to do, and each phase keeps two checkpoints with the optimiser's state.
     What a rerun reads again stays: the untrained model's scores and the dense model's cached samples."""
-    removed = sorted(path for path in folder.glob("phase-*") if path.is_dir())
+    from optimum_flatten.recovery.resume import phase_folders
+
+    removed = phase_folders(folder)
     for path in removed:
         shutil.rmtree(path)
     return removed

@@ -93,6 +93,8 @@ def test_bad_candidates_are_refused_when_the_config_is_made():
         _config(candidates="shortgpt+lsq")
     with pytest.raises(ValueError, match="validation_fraction"):
         _config(validation_fraction=1.0)
+    with pytest.raises(ValueError, match=r"candidates lists 'shortgpt' more than once"):
+        _config(candidates="shortgpt uidl+scale shortgpt")
     with pytest.raises(ValueError, match="fits its own linear replacement"):
         _config(linear_replacement="lstsq")
     model = tiny_models.FACTORIES["llama_gqa"]()

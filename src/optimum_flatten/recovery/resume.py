@@ -64,9 +64,19 @@ def check_checkpoint_options(config: RecoveryConfig) -> None:
         raise ValueError("save_every needs checkpoint_dir, the folder the healing's checkpoints are written to.")
 
 
+#: The start of a phase's folder name under ``checkpoint_dir``; the phase's index follows.
+PHASE_PREFIX = "phase-"
+
+
 def phase_folder(config: RecoveryConfig, index: int) -> str:
     """The Trainer's output folder for phase `index` (1, or 2 for a global phase after `local`)."""
-    return os.path.join(str(config.checkpoint_dir), f"phase-{index}")
+    return os.path.join(str(config.checkpoint_dir), f"{PHASE_PREFIX}{index}")
+
+
+def phase_folders(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
+    """The phases' folders a healing wrote under `checkpoint_dir`, in order: what a caller deletes once the result is
+    kept, leaving the rest of the folder (the teacher's cached text) to a rerun."""
+    return sorted(path for path in Path(checkpoint_dir).glob(f"{PHASE_PREFIX}*") if path.is_dir())
 
 
 def options_fingerprint(config: RecoveryConfig, identity: Mapping[str, Any] | None = None) -> dict[str, Any]:

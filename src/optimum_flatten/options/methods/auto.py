@@ -68,9 +68,11 @@ class AutoConfig(MethodConfig):
 
     def __post_init__(self) -> None:
         specs = self.candidate_specs()
-        self.fallback_specs()  # checked now too, though scored only after a refusal
+        fallbacks = self.fallback_specs()  # checked now too, though scored only after a refusal
         if not specs:
             raise ValueError("auto needs at least one candidate, e.g. candidates='shortgpt uidl+scale'.")
+        for field, listed in (("candidates", specs), ("fallback_candidates", fallbacks)):
+            _refuse_repeats(field, listed)
         if not 0.0 < float(self.validation_fraction) < 1.0:
             raise ValueError(f"validation_fraction must be strictly between 0 and 1, got {self.validation_fraction!r}.")
         if self.max_candidates is not None and (not isinstance(self.max_candidates, int) or self.max_candidates < 1):
@@ -86,6 +88,15 @@ class AutoConfig(MethodConfig):
         """The parsed fallback candidates, less those already among the candidates (by label)."""
         listed = {spec.label for spec in self.candidate_specs()}
         return [spec for spec in _parse(self.fallback_candidates or "") if spec.label not in listed]
+
+
+def _refuse_repeats(field: str, specs: list[Candidate]) -> None:
+    """Refuses a candidate listed twice: it would cost a second compression for the same score, and the report and
+    the estimate name candidates by their label, so the two could not be told apart."""
+    labels = [spec.label for spec in specs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"{field} lists {', '.join(map(repr, repeated))} more than once; give each candidate once.")
 
 
 def _parse(candidates: str) -> list[Candidate]:
