@@ -124,8 +124,9 @@ def test_a_first_run_with_resume_dir_equals_one_without(tmp_path):
     ("model_seed", "options", "differs"),
     [
         (1, {}, "weights"),  # another model
-        (0, {"ridge_ratio": 3.0}, "options"),  # other method options
-        (0, {"nsamples": 6}, "calibration"),  # other calibration batches
+        # The hashed entries name what differs behind them.
+        (0, {"ridge_ratio": 3.0}, r"options differs from this run's: method_args.ridge_ratio: \S+ then, 3.0 now"),
+        (0, {"nsamples": 6}, r"calibration differs from this run's: nsamples: \d+ then, 6 now"),
         (0, {"num_layers_to_remove": 1}, "num_to_remove"),
     ],
 )

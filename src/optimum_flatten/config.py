@@ -242,10 +242,18 @@ _TOP_LEVEL_FIELDS = (
 
 
 def _describe_heal(heal: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The heal settings as JSON (a dataset object is described, never serialised)."""
-    if heal is None or "dataset" not in heal:
+    """The heal settings as JSON (a dataset object is described, never serialised), less the folders it keeps its
+    state in: local paths, which a saved config would publish (as ``resume_dir`` is left out)."""
+    if heal is None:
         return heal
-    return {**heal, "dataset": describe_dataset(heal["dataset"])}
+    described = {k: v for k, v in heal.items() if k not in LOCAL_HEAL_FOLDERS}
+    if "dataset" in heal:
+        described["dataset"] = describe_dataset(heal["dataset"])
+    return described
+
+
+#: The heal settings that name a folder of this machine (`_describe_heal` leaves them out).
+LOCAL_HEAL_FOLDERS = ("checkpoint_dir", "teacher_text_cache")
 
 
 def check_corrections(linear_replacement: str | None, compensation: str | None, method: str, method_class: Any) -> None:

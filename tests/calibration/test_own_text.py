@@ -166,13 +166,13 @@ def test_one_row_left_to_the_dataset_is_drawn_not_refused(nsamples, share, own):
 
 
 def _no_sampling(monkeypatch) -> None:
-    """Fails the test if the model is asked to write its rows."""
-    from optimum_flatten.recovery import own_calibration
+    """Fails the test if the model is asked to write its rows (its generation, past the sampler's own checks)."""
+    from optimum_flatten.recovery import teacher_text
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model sampled its rows before the refusal")
 
-    monkeypatch.setattr(own_calibration, "sample_teacher_rows", refuse)
+    monkeypatch.setattr(teacher_text, "_continue", refuse)
 
 
 def test_too_little_text_is_refused_before_the_model_writes_and_says_the_datasets_share(monkeypatch):
@@ -209,14 +209,26 @@ def test_a_resume_dir_that_cannot_hold_the_job_is_refused_before_the_model_write
     assert folder == "a file" or sorted(p.name for p in state.iterdir()) == ["notes.txt"]  # nothing written there
 
 
-def test_resuming_with_another_share_is_refused_and_leaves_the_kept_rows_as_they_were(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"own_text": 0.25}, r"holds the state of another job \(its options differs from this run's: own_text: 0.5"),
+        # The rows' seed and length are the calibration's, compared on its batches only once the rows exist: the
+        # kept rows' own key refuses them first, instead of sampling over the rows the job needs.
+        ({"seed": 1}, r"holds the calibration rows another job sampled \(seed: 0 then, 1 now\)"),
+        ({"seqlen": 16}, r"holds the calibration rows another job sampled \(seqlen: 25 then, 17 now\)"),
+    ],
+)
+def test_resuming_with_other_rows_is_refused_and_leaves_the_kept_rows_as_they_were(
+    tmp_path, monkeypatch, changed, message
+):
     state = tmp_path / "state"
     first = tiny_config("flattengpt", num_layers_to_remove=1, own_text=0.5, resume_dir=str(state))
     FlattenQuantizer(first).compress(tiny_models.tiny_llama_gqa(), TOKENIZER)
     kept = {p.name: p.read_bytes() for p in (state / "own_text").iterdir()}
     _no_sampling(monkeypatch)
-    other = tiny_config("flattengpt", num_layers_to_remove=1, own_text=0.25, resume_dir=str(state))
-    with pytest.raises(ValueError, match="holds the state of another job"):
+    other = tiny_config("flattengpt", num_layers_to_remove=1, resume_dir=str(state), **{"own_text": 0.5, **changed})
+    with pytest.raises(ValueError, match=message):
         FlattenQuantizer(other).compress(tiny_models.tiny_llama_gqa(), TOKENIZER)
     assert {p.name: p.read_bytes() for p in (state / "own_text").iterdir()} == kept
 

@@ -104,4 +104,40 @@ def test_the_healings_row_length_has_a_flag(llama_on_disk, tmp_path, capsys):
     assert main([*argv, "--heal-tokens", "128", "--heal-mode", "full", "--output", str(out)]) == 0
     assert json.loads((out / "flatten_report.json").read_text())["recovery"]["seqlen"] == 16
     assert main([*argv, "--output", str(tmp_path / "o2")]) == 2
-    assert "--heal-seqlen need --heal-tokens" in one_error_line(capsys)
+    assert "--heal-save-every need --heal-tokens" in one_error_line(capsys)
+
+
+def test_the_healing_in_compress_goes_on_from_its_checkpoints_after_a_stop(llama_on_disk, tmp_path, monkeypatch):
+    """A review stopped `compress --heal-tokens` mid-healing: run again, it trained from step 0 and sampled again,
+    with no flag to keep its state (hours at 7B). ``--heal-checkpoint-dir`` keeps it: the same command goes on from
+    the last checkpoint and ends on the weights of a run never stopped, and no saved config names the folder."""
+    from safetensors.torch import load_file
+
+    from optimum_flatten.recovery import resume as resume_module
+
+    model, text = llama_on_disk
+    argv = ["compress", str(model), "--method", "shortgpt", "--dataset", str(text), *COMPRESS]
+    argv += ["--heal-tokens", "1024", "--heal-mode", "full", "--heal-seqlen", "16"]
+    assert main([*argv, "--output", str(tmp_path / "whole")]) == 0
+    checkpoints, out = tmp_path / "checkpoints", tmp_path / "out"
+    resumable = [*argv, "--heal-checkpoint-dir", str(checkpoints), "--heal-save-every", "2", "--output", str(out)]
+
+    class Stopped(Exception):
+        """Stands for the process being killed (no error the command line turns into a message)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise Stopped
+        return control
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resume_module.CheckpointState, "on_step_end", on_step_end, raising=False)
+        with pytest.raises(Stopped):
+            main(resumable)
+    assert not out.exists()
+    assert main(resumable) == 0
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert report["recovery"]["resumed_from_step"] == [2]
+    whole, resumed = (load_file(str(folder / "model.safetensors")) for folder in (tmp_path / "whole", out))
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert str(checkpoints) not in "".join(path.read_text() for path in out.glob("*.json"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import tiny_models
 from common import compress
@@ -122,3 +123,38 @@ def test_recover_and_compress_read_the_text_column_they_are_given(folders, tmp_p
                      "--heal-dataset", str(rows), "--heal-text-column", "content", "--no-progress", "--output",
                      str(tmp_path / "compressed")]  # fmt: skip
     assert main(compress_argv) == 0
+
+
+def test_a_rerun_with_other_options_is_refused_before_the_teacher_samples_and_no_progress_is_no_option(
+    folders, tmp_path, capsys, monkeypatch
+):
+    """A checkpoint folder holds one healing and its teacher's rows. A rerun with another seed sampled its own rows
+    over them (hours at 7B) before the phase's check refused it, and the interrupted job then had to sample again;
+    it is refused first, naming the seed. ``--no-progress`` changes what is shown, not what is trained: a rerun with
+    or without it is the same healing."""
+    import optimum_flatten.recovery.rows as rows_module
+
+    out, checkpoints = tmp_path / "healed", tmp_path / "checkpoints"
+    arguments = [
+        *_arguments(folders, out, "--max-tokens", "256", "--mode", "full", "--learning-rate", "1e-3"),
+        *("--teacher-text", "0.5", "--checkpoint-dir", str(checkpoints), "--save-every", "2"),
+    ]
+    assert main([*arguments, "--no-progress"]) == 0
+    cache = {path.name: path.read_bytes() for path in (checkpoints / "teacher_text").iterdir()}
+    assert cache
+    sampling = rows_module.sample_teacher_rows
+
+    def refused_first(*args, **kwargs):
+        raise AssertionError("the teacher sampled before the options were checked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(rows_module, "sample_teacher_rows", refused_first)
+        assert main([*arguments, "--seed", "1", "--output", str(tmp_path / "other")]) == 2
+    assert "(seed: 0 then, 1 now)" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert {path.name: path.read_bytes() for path in (checkpoints / "teacher_text").iterdir()} == cache
+    assert rows_module.sample_teacher_rows is sampling
+    assert main([*arguments, "--output", str(tmp_path / "again")]) == 0  # without --no-progress: the same healing
+    from safetensors.torch import load_file
+
+    first, again = (load_file(str(folder / "model.safetensors")) for folder in (out, tmp_path / "again"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)  # replayed

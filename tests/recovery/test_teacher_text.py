@@ -224,6 +224,34 @@ def test_the_cache_is_written_once_reused_and_replaced_when_the_key_changes(tmp_
     assert not record["cached"] and changed.generate_calls == 2  # other weights: another key
 
 
+def test_a_jobs_folder_refuses_rows_of_another_key_before_sampling_and_keeps_its_own(tmp_path):
+    """In one job's folder (a resume folder: `one_job`) the rows kept there, complete or a stopped sampling's, are
+    the job's: another seed is refused, naming it, and writes nothing; another batch size, which the default follows
+    on a GPU, is the same job."""
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    counted = teacher.generate
+    options = dict(batch_size=4, cache_dir=tmp_path, progress=False, one_job=True)
+
+    def stopped(*args, **kwargs):
+        if teacher.generate_calls == 1:
+            raise KeyboardInterrupt  # stopped during its second batch: only a partial file is kept
+        return counted(*args, **kwargs)
+
+    teacher.generate = stopped
+    with pytest.raises(KeyboardInterrupt):
+        sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=0, **options)
+    teacher.generate = counted
+    for kept in ("a stopped sampling's rows", "complete rows"):
+        files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+        calls = teacher.generate_calls
+        with pytest.raises(ValueError, match=r"holds the train rows another job sampled \(seed: 0 then, 1 now\)"):
+            sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=1, **options)
+        assert teacher.generate_calls == calls and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files, kept
+        sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=0, **{**options, "batch_size": 3})
+    _, record = sample_teacher_rows(teacher, TOKENIZER, 6, 16, seed=1, **{**options, "one_job": False})
+    assert not record["cached"]  # a cache of the user's own samples again under another key
+
+
 def test_a_sampling_stopped_part_way_goes_on_from_its_next_batch_with_the_same_rows(tmp_path):
     """A sampling stopped after two of its three batches (a pre-empted job) keeps their rows, and the next call
     samples only the third: the rows equal those of a sampling never stopped, and the partial file is gone once the

@@ -351,6 +351,8 @@ HEAL_FLAGS = {
     "heal_dataset": "dataset",
     "heal_text_column": "text_column",
     "heal_seqlen": "seqlen",
+    "heal_checkpoint_dir": "checkpoint_dir",
+    "heal_save_every": "save_every",
 }
 
 
@@ -390,6 +392,19 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help=f"tokens per healing row (default: {RecoveryConfig.seqlen}; --seqlen is the calibration's)",
     )
+    group.add_argument(
+        "--heal-checkpoint-dir",
+        default=argparse.SUPPRESS,
+        help="folder for the healing's checkpoints and the teacher's sampled rows, so that the same command run again "
+        "after a stop goes on from the last one (recover's --checkpoint-dir); --resume-dir keeps the compression's",
+    )
+    group.add_argument(
+        "--heal-save-every",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="optimiser steps between the healing's checkpoints (recover's --save-every; default: "
+        f"{RecoveryConfig.save_every}, only finished phases)",
+    )
 
 
 def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -399,8 +414,8 @@ def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     if "max_tokens" not in given:
         raise ValueError(
-            "--heal-mode, --heal-dataset, --heal-text-column and --heal-seqlen need --heal-tokens N, the "
-            "training-token budget."
+            "--heal-mode, --heal-dataset, --heal-text-column, --heal-seqlen, --heal-checkpoint-dir and "
+            "--heal-save-every need --heal-tokens N, the training-token budget."
         )
     return given
 

@@ -39,6 +39,8 @@ from ..utils.files import TEMPORARY_PREFIX, write_atomically, write_bytes_atomic
 MANIFEST = "manifest.json"
 #: The folder of the model's own calibration rows in `resume_dir` (kept before the manifest is written).
 OWN_TEXT = "own_text"
+#: The identity's entry of the values behind its hashes (`job_identity`): read to word a refusal, never compared.
+NAMED = "named"
 #: Version of the folder's layout; a folder written by another version is refused (its files may mean otherwise).
 FORMAT = 1
 
@@ -74,14 +76,19 @@ def job_identity(
     weights: str,
     dtypes: Sequence[str],
     calibration: str | None,
+    named: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """What a resumed run must share with the interrupted one for its saved plan and blocks to be this job's.
 
     `weights` is `utils.fingerprint.weights_fingerprint` of the dense model (a sample of every tensor: a full
     checksum of 70B weights would read 140 GB on every start); `dtypes` are the parameters' dtypes, which that
-    fingerprint rounds away and which the saved blocks' values depend on.
+    fingerprint rounds away and which the saved blocks' values depend on. `named`: the values behind the hashed
+    ``options`` and ``calibration`` (the calibration's settings for its batches), kept beside them and never compared,
+    so that a refusal can name the option that differs rather than the hash.
     """
+    extra = {NAMED: json.loads(json.dumps(named, sort_keys=True, default=str))} if named is not None else {}
     return {
+        **extra,
         "format": FORMAT,
         "method": method,
         "options": options_fingerprint(options),
@@ -92,6 +99,33 @@ def job_identity(
         "dtypes": sorted(set(dtypes)),
         "calibration": calibration,
     }
+
+
+def _named_differences(saved: Any, now: Any, differ: Sequence[str]) -> str:
+    """``": seed: 0 then, 1 now, ..."`` for the hashed entries among `differ` whose named values both identities
+    keep (`job_identity`'s `named`), else nothing (a folder written before they were kept)."""
+    if not isinstance(saved, Mapping) or not isinstance(now, Mapping):
+        return ""
+    before: dict[str, Any] = {}
+    after: dict[str, Any] = {}
+    for part in (part for part in differ if part in saved and part in now):
+        before.update(_flat(saved[part]))
+        after.update(_flat(now[part]))
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    if not changed:
+        return ""
+    return ": " + ", ".join(f"{k}: {before.get(k)!r} then, {after.get(k)!r} now" for k in changed[:4])
+
+
+def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`values` with nested mappings' keys joined by dots (``method_args.ridge_ratio``)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 @dataclass(frozen=True)
@@ -177,14 +211,16 @@ class ResumeState:
             saved = manifest["identity"]
         except (ValueError, KeyError, TypeError) as error:
             raise ValueError(f"resume_dir {str(path)!r}: unreadable {MANIFEST} ({error}); give a new folder.") from None
-        unknown = {key for key, value in identity.items() if value is None}
+        unknown = {key for key, value in identity.items() if value is None} | {NAMED}
         compared = sorted((set(identity) | set(saved)) - unknown)
         differ = [key for key in compared if identity.get(key) != saved.get(key)]
         if differ:
+            verb = "differs" if len(differ) == 1 else "differ"
+            detail = _named_differences(saved.get(NAMED), identity.get(NAMED), differ)
             raise ValueError(
-                f"resume_dir {str(path)!r} holds the state of another job (its {', '.join(differ)} differ from this "
-                "run's); rerun with that job's model, options and calibration, or give a new folder (nothing was "
-                "changed or deleted)."
+                f"resume_dir {str(path)!r} holds the state of another job (its {', '.join(differ)} {verb} from this "
+                f"run's{detail}); rerun with that job's model, options and calibration, or give a new folder (nothing "
+                "was changed or deleted)."
             )
         _check_groups(path)
         return manifest

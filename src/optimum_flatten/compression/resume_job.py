@@ -47,15 +47,19 @@ def resume_identity(
     share of the model's own rows (only where asked, so that older jobs' states still match), the depth target, the
     dense weights and the calibration batches (None before they exist: `ResumeState.check` then leaves them out)."""
     own = {"own_text": config.calibration.own_text} if config.calibration.own_text else {}
+    options = {"method_args": config.method_args, "stacks": config.stacks, **own}
+    calibration = config.calibration
+    settings = ("dataset", "text_column", "nsamples", "seqlen", "batch_size", "seed")
     return job_identity(
         method=config.method,
-        options={"method_args": config.method_args, "stacks": config.stacks, **own},
+        options=options,
         stack=stack,
         num_layers=num_layers,
         num_to_remove=num_to_remove,
         weights=weights_fingerprint(model),
         dtypes=[str(p.dtype) for p in model.parameters()],
         calibration=None if batches is None else calibration_fingerprint(batches),
+        named={"options": options, "calibration": {name: getattr(calibration, name) for name in settings}},
     )
 
 

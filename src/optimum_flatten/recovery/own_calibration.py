@@ -90,6 +90,7 @@ def sample_own_rows(
             stream=STREAM,
             progress=progress,
             distributed=False,
+            one_job=True,  # the rows of the job in resume_dir: another seed or size is refused, not sampled over
         )
     finally:
         model.train(was_training)

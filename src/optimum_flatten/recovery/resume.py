@@ -52,7 +52,20 @@ CHECKPOINT_OPTIONS = ("checkpoint_dir", "save_every", "teacher_text_cache")
 #: that does not name one was written at that value, and resumes under it.
 ADDED_OPTIONS: dict[str, Any] = {"sampling_backend": "transformers"}
 
+#: Training arguments that change what a run shows, not what it trains (``--no-progress`` sets ``disable_tqdm``): a
+#: resume may add or drop them.
+DISPLAY_ARGUMENTS = ("disable_tqdm", "report_to", "log_level", "log_level_replica")
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _without_display(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` less the `DISPLAY_ARGUMENTS` among their ``extra_training_args`` (a saved fingerprint's too, which
+    may hold them: they were compared before)."""
+    extra = options.get("extra_training_args")
+    if not isinstance(extra, Mapping):
+        return dict(options)
+    return {**options, "extra_training_args": {k: v for k, v in extra.items() if k not in DISPLAY_ARGUMENTS}}
 
 
 def check_checkpoint_options(config: RecoveryConfig) -> None:
@@ -83,7 +96,7 @@ def options_fingerprint(config: RecoveryConfig, identity: Mapping[str, Any] | No
     """The options a resumed run must share with the run it continues: all but the checkpointing options, as JSON
     (values that JSON cannot hold, such as a callable in `extra_training_args`, by their text), and the job's
     `identity` (`healing_identity`) under ``job``."""
-    options = {k: v for k, v in dataclasses.asdict(config).items() if k not in CHECKPOINT_OPTIONS}
+    options = _without_display({k: v for k, v in dataclasses.asdict(config).items() if k not in CHECKPOINT_OPTIONS})
     if identity is not None:
         options["job"] = dict(identity)
     return json.loads(json.dumps(options, sort_keys=True, default=str))
@@ -168,23 +181,27 @@ def started_options(config: RecoveryConfig) -> dict[str, Any] | None:
 
 def same_options(saved: Mapping[str, Any], config: RecoveryConfig) -> bool:
     """Whether `config` is what the saved options (`options_fingerprint`, the job aside) were."""
-    saved = {**ADDED_OPTIONS, **saved}
+    saved = _without_display({**ADDED_OPTIONS, **saved})
     saved.pop("job", None)
     return saved == options_fingerprint(config)
+
+
+def check_started_options(config: RecoveryConfig) -> None:
+    """Refuses a healing whose `checkpoint_dir` holds one started with other options, naming them, before any row is
+    read or sampled: the teacher's rows are kept in that folder too, and sampling another job's over them would lose
+    the rows the interrupted job needs (hours at 7B), only for the phase's own check to refuse it afterwards."""
+    saved = started_options(config)
+    if saved is not None:
+        _check_same_options(saved, config, phase_folder(config, 1))
 
 
 def _check_same_options(
     saved: Mapping[str, Any], config: RecoveryConfig, where: str, identity: Mapping[str, Any] | None = None
 ) -> None:
-    saved = {**ADDED_OPTIONS, **saved}
+    """Refuses a resume from `where` whose options, then job (`healing_identity`, where given), are not this run's:
+    the options first, since they name what the user changed (another seed also changes the rows)."""
+    saved = _without_display({**ADDED_OPTIONS, **saved})
     job = saved.pop("job", None)  # absent: written before jobs were recorded, which can only be trusted
-    if job is not None and identity is not None:
-        other = [name for k, name in _IDENTITY_NAMES.items() if job.get(k) != identity.get(k)]
-        if other:
-            raise ValueError(
-                f"{where} holds the healing of another job ({', '.join(other)} differ); start it in an empty "
-                "checkpoint_dir, or resume with the model, teacher and text it was started with."
-            )
     now = options_fingerprint(config)
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
@@ -193,6 +210,13 @@ def _check_same_options(
             f"{where} was written by a healing with other options ({detail}); resume with the options it was started "
             "with, or start afresh in an empty checkpoint_dir."
         )
+    if job is not None and identity is not None:
+        other = [name for k, name in _IDENTITY_NAMES.items() if job.get(k) != identity.get(k)]
+        if other:
+            raise ValueError(
+                f"{where} holds the healing of another job ({', '.join(other)} differ); start it in an empty "
+                "checkpoint_dir, or resume with the model, teacher and text it was started with."
+            )
 
 
 def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:

@@ -282,6 +282,9 @@ def _sample_teacher_part(
         start=config.sampling_start,
         batch_size=config.sampling_batch_size,
         cache_dir=_cache_folder(config),
+        # A folder of checkpoint_dir is this job's: another key's rows there are refused. A teacher_text_cache is the
+        # user's to share: another key samples again there.
+        one_job=not config.teacher_text_cache,
         progress=progress,
         backend=config.sampling_backend,
     )

@@ -55,7 +55,7 @@ from torch import nn
 from ..utils.launch import all_ranks_min, all_ranks_sum
 from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_start import checked_start, prompt_ids
-from .teacher_text_cache import FinishedBatches, cache_key, read_cache, write_cache
+from .teacher_text_cache import FinishedBatches, cache_key, check_one_job, read_cache, write_cache
 from .text_repetition import repetition_summary
 from .vllm_sampling import require_vllm, sample_with_vllm, teacher_source
 
@@ -417,6 +417,7 @@ def sample_teacher_rows(
     progress: bool = True,
     backend: str = "transformers",
     distributed: bool = True,
+    one_job: bool = False,
 ) -> tuple[list[Row], dict[str, Any]]:
     """`n_rows` training rows of `seqlen` tokens sampled from `teacher_model` (see the module docstring), and a
     record of the sampling.
@@ -437,6 +438,8 @@ def sample_teacher_rows(
         backend: ``"transformers"`` (``generate``) or ``"vllm"`` (`recovery.vllm_sampling`, where installed).
         distributed: True shares the rows out over a process group's ranks (seeded by rank; all get every row);
             False samples them all on each rank as one process would (`recovery.own_calibration`).
+        one_job: `cache_dir` is one job's resume folder: rows kept there under another key are refused
+            (`teacher_text_cache.check_one_job`) instead of sampled again over them.
 
     Returns:
         (rows as `build_training_rows` makes them, record: seconds, tokens (and those generated), the tokens each
@@ -465,6 +468,8 @@ def sample_teacher_rows(
     batch_size = (batch_size or default_batch_size(teacher_model, seqlen)) if backend == "transformers" else None
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
+    if one_job and folder is not None and key is not None:
+        check_one_job(folder, stream, key)
     began = _measuring(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size)
     cached, vllm_bytes = ids is not None, None

@@ -85,6 +85,44 @@ def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tens
     return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
 
 
+def check_one_job(folder: Path, name: str, key: dict[str, Any]) -> None:
+    """Refuses, before anything is sampled, a folder that holds one job's rows of `name` (complete, or a stopped
+    sampling's finished batches) under another key, naming what differs; nothing in it is changed.
+
+    Why: a resume folder (compress's ``resume_dir``, recover's ``checkpoint_dir``) holds one job, and rows sampled
+    under another key there would be written over the rows the interrupted job needs (hours of sampling at 7B), only
+    for that folder's own check to refuse the new job afterwards."""
+    saved = _saved_key(folder, name)
+    if saved is None:
+        return
+    now = json.loads(json.dumps(key))
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
+        raise ValueError(
+            f"{folder} holds the {name} rows another job sampled ({detail}); rerun with the options that job was "
+            "started with, or give another folder (nothing was changed)."
+        )
+
+
+def _saved_key(folder: Path, name: str) -> dict[str, Any] | None:
+    """The key of the rows of `name` kept in `folder`: the complete rows', else a stopped sampling's (None: none)."""
+    key_path = folder / f"{name}.json"
+    if key_path.is_file():
+        try:
+            return json.loads(key_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            return None  # a key is written atomically: an unreadable one is no job's
+    from safetensors import safe_open
+
+    for partial in sorted(folder.glob(f"{name}.partial-rank*.safetensors")):
+        with safe_open(str(partial), framework="pt") as rows:
+            identity = (rows.metadata() or {}).get("identity")
+        if identity:
+            return json.loads(identity)["key"]
+    return None
+
+
 def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
     """The rows with what sampling them cost and their key (in the file's metadata: a healing resumed from the cache
     still reports the generation's seconds and memory, and rows are never read under another run's key), then the

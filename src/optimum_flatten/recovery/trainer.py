@@ -27,7 +27,7 @@ from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
-from .resume import healing_identity
+from .resume import check_started_options, healing_identity
 from .rows import _teacher_rows, check_recovery_inputs, checked_share, read_rows, unguarded_notes
 from .teacher import _has_teacher, checked_teacher
 
@@ -82,6 +82,7 @@ def recover(
     from ..utils.launch import is_writer
 
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
+    check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
     share = checked_share(dataset, config, _has_teacher(teacher, report))
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     rows = read_rows(tokenizer, dataset, config, text_column, share)
