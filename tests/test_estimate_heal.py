@@ -175,3 +175,21 @@ def test_after_a_merge_the_estimate_records_the_split_the_run_records(dense, tmp
     assert ran["mode"] == heal["mode"] == "local"
     assert ran["mode_chosen"] == heal["mode_chosen"]
     assert heal["mode_chosen"].endswith("local, then the global loss, half the budget each")
+
+
+def test_after_a_merge_the_fallback_without_bitsandbytes_is_recorded_as_the_run_would_split_it(tmp_path, capsys):
+    """A review read `heal.mode` 'local' beside `without_bitsandbytes.mode` 'full' for FlattenGPT at LLaMA-2-7B on
+    an 80 GB GPU: the fallback skipped the split after a merge that the main choice records, and the note said the
+    global phase trains 'this' (full) where it trains the same blocks."""
+    write_llama2_7b_config(tmp_path)
+    argv = ["--method", "flattengpt", "--num-layers-to-remove", "8", "--dtype", "bfloat16", "--device", "h100"]
+    capsys.readouterr()
+    assert main(["estimate", str(tmp_path), *argv, "--free-memory-gib", "79.6", "--json", "--heal"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    heal, other = result["heal"], result["heal"]["without_bitsandbytes"]
+    assert (heal["mode"], heal["optimizer"]) == ("local", "adamw_bnb_8bit")
+    assert (other["mode"], other["optimizer"]) == ("local", "adafactor")
+    assert other["mode_chosen"].endswith("local, then the global loss, half the budget each")
+    words = "mode='local', then the global loss on the same blocks, with optimiser adafactor"
+    assert f"heal: without bitsandbytes on the device: {words}" in result["notes"]
+    assert any("then the global loss on the same blocks (counted at full's footprint" in n for n in result["notes"])

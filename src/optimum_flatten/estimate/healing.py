@@ -97,14 +97,13 @@ def with_healing(
     # What the run records: after a plan that merged layers a default `full` trains `local` first, then the global
     # loss (`with_mode`'s split, made once the plan is known); the phase above keeps `full`'s footprint, the larger.
     # `compress --heal-tokens` always gives a token budget, which the split halves; its size changes nothing here.
-    recorded = resolved
-    if merges and healing.mode is None:
-        recorded = local_then_global(dataclasses.replace(resolved, max_tokens=resolved.max_tokens or 2))
+    recorded = _as_recorded(resolved, healing, merges)
     heal = _choice_dict(recorded, choice.describe(recorded))
     if resolved.extra_training_args.get("optim") == "adamw_bnb_8bit":  # a GPU without bitsandbytes takes the next
         without = tuple(o for o in budget.optimisers if o != "adamw_bnb_8bit")
         other, other_choice = compress_heal_mode(model, healing, dataclasses.replace(budget, optimisers=without))
-        heal["without_bitsandbytes"] = _choice_dict(other, other_choice.describe())
+        other = _as_recorded(other, healing, merges)
+        heal["without_bitsandbytes"] = _choice_dict(other, other_choice.describe(other))
         notes.append(f"heal: without bitsandbytes on the device: {_mode_words(other)}")
     candidates = candidate_footprints(model, healing, weight_bytes(model), budget.accelerator)
     notes.append(_fallbacks_note(candidates, sampling_bytes(model, healing)))
@@ -145,9 +144,25 @@ def _mode_words(resolved: RecoveryConfig) -> str:
     """``mode='full' with AdamW`` (or the lean optimiser, and the embeddings frozen), as the notes say it."""
     how = [f"optimiser {resolved.extra_training_args['optim']}"] if resolved.extra_training_args.get("optim") else []
     how += ["the embeddings frozen"] if resolved.train_embeddings is False else []
+    if resolved.mode == "local" and resolved.local_then_global_tokens is not None:
+        return f"mode='local', then the global loss on {_GLOBAL_SCOPE[resolved.global_scope]}" + (
+            f", with {' and '.join(how)}" if how else ""
+        )
     if resolved.mode != "full":
         return f"mode='{resolved.mode}'"
     return f"mode='full' with {' and '.join(how) if how else 'AdamW'}"
+
+
+#: What the global phase after `local` trains, by `RecoveryConfig.global_scope`, in the notes' words.
+_GLOBAL_SCOPE = {"spans": "the same blocks", "all": "the whole model"}
+
+
+def _as_recorded(resolved: RecoveryConfig, healing: RecoveryConfig, merges: bool) -> RecoveryConfig:
+    """`resolved` as the run records it: after a plan that merged layers a default `full` trains `local` first, then
+    the global loss (`with_mode`'s split, made once the plan is known); the footprint stays `full`'s, the larger."""
+    if merges and healing.mode is None:
+        return local_then_global(dataclasses.replace(resolved, max_tokens=resolved.max_tokens or 2))
+    return resolved
 
 
 def _healing_phase(
@@ -183,8 +198,11 @@ def _mode_note(resolved: RecoveryConfig, footprint: FullFootprint | None, healin
         f"{healing.per_device_train_batch_size} x {healing.seqlen} tokens a step (the student counted at the dense "
         "model's size, as the choice before the compression counts it)"
     )
-    if merges:
-        text += "; after a plan that merged layers it trains 'local' first, then this (the same peak)"
+    if merges and healing.mode is None:
+        text += (
+            f"; after a plan that merged layers it trains 'local' first, then the global loss on "
+            f"{_GLOBAL_SCOPE[healing.global_scope]} (counted at full's footprint, a bound)"
+        )
     return text
 
 
