@@ -222,6 +222,35 @@ def test_an_error_while_swapping_files_puts_the_old_ones_back(tmp_path, monkeypa
     assert _tree(out) == before and _siblings(out) == []
 
 
+def test_at_no_point_of_the_swap_does_a_config_stand_beside_another_saves_weights(tmp_path, monkeypatch, compressed):
+    """A review killed an ``--overwrite`` save part-way through its renames: the old config.json, moved last, stood
+    beside the new weights, and transformers loaded the mix without an error. Each state a kill could leave is
+    either one save's files with its config, or no config (nothing loads it; the next save repairs it)."""
+    model, quantizer = compressed
+    out = tmp_path / "out"
+    _old_checkpoint(out)
+    rename = Path.rename
+    states = []
+
+    def watched(self, target):
+        moved = rename(self, target)
+        config = out / "config.json"
+        saves = (
+            ("old" if json.loads(config.read_text()).get("model_type") == "old" else "new")
+            if config.is_file()
+            else None
+        )
+        new, old = (out / "model.safetensors").is_file(), (out / "model-00001-of-00003.safetensors").is_file()
+        states.append((saves, new, old))
+        return moved
+
+    monkeypatch.setattr(Path, "rename", watched)
+    quantizer.save(model, out, overwrite=True)
+    assert states[-1] == ("new", True, False)
+    assert all(saves is None or (saves, new, old) in {("old", False, True), ("new", True, False)}
+               for saves, new, old in states), states  # fmt: skip
+
+
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time

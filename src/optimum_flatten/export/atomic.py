@@ -196,9 +196,11 @@ def follow_umask(staging: Path) -> None:
 def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool]) -> None:
     """Makes the written checkpoint in `staging` the content of `path`, keeping `path`'s other files.
 
-    A new `path` is `staging` renamed: it appears complete or not at all. In an existing one each checkpoint file is
-    moved to a hidden backup and the new one renamed in, config.json last so that the folder keeps a config while
-    files are swapped; an error puts the old files back. Existing files the save does not write are removed when
+    A new `path` is `staging` renamed: it appears complete or not at all. In an existing one the old config.json is
+    moved to a hidden backup first, then each checkpoint file, each new one renamed in, and the new config.json last:
+    a process killed part-way leaves a folder with no config (which nothing loads, and the next save repairs), never
+    one config beside another save's weights (which transformers loaded without an error); an error puts the old
+    files back. Existing files the save does not write are removed when
     `replaceable(name)` says they are the writer's (they would describe another model); every other file is kept.
     The backup is made inside `path` (`make_hidden_folder`), as `staging` was, so no rename leaves its filesystem.
     """
@@ -219,13 +221,11 @@ def move_into_place(staging: Path, path: Path, replaceable: Callable[[str], bool
     moved_out: list[str] = []
     moved_in: list[str] = []
     try:
-        for name in stale:
-            (path / name).rename(backup / name)
-            moved_out.append(name)
-        for name in new:
-            if (path / name).exists() or (path / name).is_symlink():
+        for name in [name for name in ("config.json",) if name in new] + stale + new:
+            if name not in moved_out and ((path / name).exists() or (path / name).is_symlink()):
                 (path / name).rename(backup / name)
                 moved_out.append(name)
+        for name in new:
             (staging / name).rename(path / name)
             moved_in.append(name)
     except BaseException as error:
