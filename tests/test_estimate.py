@@ -790,3 +790,27 @@ def test_an_image_model_is_estimated_at_its_images_length_not_the_text_seqlen(tm
         peaks.append(result["peak_bytes"])
         assert result["calibration"]["seqlen"] == 17  # 1 + (16 / 4)^2 for the tiny ViT
     assert peaks[0] == peaks[1]
+
+
+def test_a_compress_line_with_its_calibration_seed_runs_as_it_is(tmp_path, capsys, monkeypatch):
+    """``--seed`` on compress is the calibration's seed; on estimate it was ReplaceMe's cosine-fit seed, so one flag
+    meant two things in two verbs. It is the calibration's on both; no size depends on it, and the method is given no
+    seed of the calibration's."""
+    import optimum_flatten.estimate as estimate_module
+
+    write_llama2_7b_config(tmp_path)
+    given = []
+    real = estimate_module.estimate_checkpoint
+
+    def recorded(*args, **kwargs):
+        given.append(kwargs["method_args"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(estimate_module, "estimate_checkpoint", recorded)
+    argv = ["estimate", str(tmp_path), "--method", "replaceme", "--num-layers-to-remove", "8", "--json"]
+    outputs = []
+    for seed in ([], ["--seed", "1"]):
+        capsys.readouterr()
+        assert main([*argv, *seed]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1] and len(given) == 2 and all("seed" not in args for args in given)

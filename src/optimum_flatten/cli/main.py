@@ -335,7 +335,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         seqlen=args.seqlen,
         batch_size=args.batch_size,
         dtype=args.dtype,
-        method_args={k: v for k, v in vars(args).items() if k in own},
+        method_args={k: v for k, v in vars(args).items() if k in own and k != "seed"},  # the calibration's seed
         trust_remote_code=args.trust_remote_code,
         device=device,
         heal=args.heal,
@@ -408,8 +408,13 @@ class Verb:
 
 
 def _estimate_method_options(parser: argparse.ArgumentParser) -> None:
-    """Every method's options, except the calibration sizes `estimate` declares with its own defaults."""
-    add_method_arguments(parser, registered_methods(), skip=("nsamples", "seqlen", "batch_size"))
+    """Every method's options, except the calibration's, which `estimate` declares as compress does (sizes with its
+    own defaults; ``--seed`` the calibration's, not ReplaceMe's cosine-fit seed, which is ``method_args`` there)."""
+    add_method_arguments(parser, registered_methods(), skip=ESTIMATE_CALIBRATION)
+
+
+#: The calibration options `estimate` declares itself, under compress's names and meaning.
+ESTIMATE_CALIBRATION = ("nsamples", "seqlen", "batch_size", "seed")
 
 
 VERBS = (

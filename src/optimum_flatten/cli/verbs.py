@@ -141,6 +141,7 @@ class EstimateArguments:
     nsamples: int = _arg(128, "calibration sequences")
     seqlen: int = _arg(2048, "tokens per calibration sequence")
     batch_size: int = _arg(8, "calibration sequences per forward")
+    seed: int = _arg(0, "the calibration's seed, as compress --seed (so a compress line runs as is); no size uses it")
     dtype: str = _arg("float32", "dtype the model is loaded in", choices=DTYPES)
     stack: str | None = _arg(None, "the stack to model on a model with several (encoder, decoder); default: its only")
     json: bool = _switch("print the estimate as one JSON object")
