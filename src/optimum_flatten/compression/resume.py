@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..plan import LayerPlan
+from ..utils.differences import describe_differences
 from ..utils.files import TEMPORARY_PREFIX, write_atomically, write_bytes_atomically
 
 #: The manifest's file name in `resume_dir`.
@@ -111,10 +112,8 @@ def _named_differences(saved: Any, now: Any, differ: Sequence[str]) -> str:
     for part in (part for part in differ if part in saved and part in now):
         before.update(_flat(saved[part]))
         after.update(_flat(now[part]))
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    if not changed:
-        return ""
-    return ": " + ", ".join(f"{k}: {before.get(k)!r} then, {after.get(k)!r} now" for k in changed[:4])
+    detail = describe_differences(before, after)
+    return f": {detail}" if detail else ""
 
 
 def _flat(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

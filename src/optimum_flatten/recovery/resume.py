@@ -36,6 +36,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..options.recovery import RecoveryConfig
+from ..utils.differences import describe_differences
 from ..utils.files import write_atomically, write_bytes_atomically
 
 #: Written into each Trainer checkpoint beside the Trainer's own files; its presence marks the checkpoint complete.
@@ -202,10 +203,8 @@ def _check_same_options(
     the options first, since they name what the user changed (another seed also changes the rows)."""
     saved = _without_display({**ADDED_OPTIONS, **saved})
     job = saved.pop("job", None)  # absent: written before jobs were recorded, which can only be trusted
-    now = options_fingerprint(config)
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
+    detail = describe_differences(saved, options_fingerprint(config))
+    if detail:
         raise ValueError(
             f"{where} was written by a healing with other options ({detail}); resume with the options it was started "
             "with, or start afresh in an empty checkpoint_dir."

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..utils.differences import describe_differences
 from ..utils.files import write_atomically, write_bytes_atomically
 
 logger = logging.getLogger(__name__)
@@ -95,10 +96,8 @@ def check_one_job(folder: Path, name: str, key: dict[str, Any]) -> None:
     saved = _saved_key(folder, name)
     if saved is None:
         return
-    now = json.loads(json.dumps(key))
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if changed:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} then, {now.get(k)!r} now" for k in changed[:4])
+    detail = describe_differences(saved, json.loads(json.dumps(key)))
+    if detail:
         raise ValueError(
             f"{folder} holds the {name} rows another job sampled ({detail}); rerun with the options that job was "
             "started with, or give another folder (nothing was changed)."
