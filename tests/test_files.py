@@ -49,3 +49,43 @@ def test_a_writer_that_makes_its_file_private_gets_the_plain_mode_back(tmp_path,
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(rows).st_mode) == stat.S_IMODE(os.stat(plain).st_mode) == 0o666 & ~umask
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (a child started and waited for)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write_and_no_other(tmp_path):
+    """A job killed mid-write and resumed left `.tmp-…` files (gigabytes a checkpoint at 7B) that nothing removed.
+    Only this host's dead writers of the same file are cleaned up: a live writer's file, another host's (a shared
+    folder) and another file's stay."""
+    from optimum_flatten.utils import files
+
+    target = tmp_path / "model.safetensors"
+    host = files._host()
+    dead = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-model.safetensors"
+    live = tmp_path / f"{TEMPORARY_PREFIX}{host}-{os.getppid()}-model.safetensors"
+    elsewhere = tmp_path / f"{TEMPORARY_PREFIX}other-host-{_dead_pid()}-model.safetensors"
+    other_file = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-state.json"
+    for left in (dead, live, elsewhere, other_file):
+        left.write_bytes(b"half")
+
+    write_bytes_atomically(target, b"whole")
+
+    assert target.read_bytes() == b"whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (target, live, elsewhere, other_file))
+
+
+def test_the_temporary_name_says_host_and_process(tmp_path, monkeypatch):
+    from optimum_flatten.utils import files
+
+    monkeypatch.setattr(files.socket, "gethostname", lambda: "node/7 a")
+    seen = []
+    write_atomically(tmp_path / "x", lambda temporary: (seen.append(temporary.name), temporary.write_bytes(b"x")))
+    assert seen == [f"{TEMPORARY_PREFIX}node_7_a-{os.getpid()}-x"]
