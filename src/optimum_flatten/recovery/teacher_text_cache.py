@@ -63,19 +63,15 @@ def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tens
     """The cached rows and what sampling them cost (None in a cache written before that was kept) when the folder
     holds them under the same key, else None."""
     key_path, rows_path = folder / f"{name}.json", folder / f"{name}.safetensors"
-    if not (key_path.is_file() and rows_path.is_file()):
+    if not rows_path.is_file():
         return None
-    try:
-        saved = json.loads(key_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
+    saved = _read_key(key_path)
+    if saved is None:
         return None
     if saved != json.loads(json.dumps(key)):
         logger.info("teacher text cache %s: another key, sampling again", key_path)
         return None
-    from safetensors import safe_open
-
-    with safe_open(str(rows_path), framework="pt") as rows:
-        ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+    ids, metadata = _read_rows(rows_path)
     if "key" in metadata and json.loads(metadata["key"]) != saved:  # rows of another run beside this key
         logger.info(
             "teacher text cache %s: rows of another key (a run stopped while writing), sampling again", rows_path
@@ -108,18 +104,32 @@ def _saved_key(folder: Path, name: str) -> dict[str, Any] | None:
     """The key of the rows of `name` kept in `folder`: the complete rows', else a stopped sampling's (None: none)."""
     key_path = folder / f"{name}.json"
     if key_path.is_file():
-        try:
-            return json.loads(key_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            return None  # a key is written atomically: an unreadable one is no job's
-    from safetensors import safe_open
-
+        return _read_key(key_path)
     for partial in sorted(folder.glob(f"{name}.partial-rank*.safetensors")):
-        with safe_open(str(partial), framework="pt") as rows:
-            identity = (rows.metadata() or {}).get("identity")
+        identity = _read_rows(partial, with_rows=False)[1].get("identity")
         if identity:
             return json.loads(identity)["key"]
     return None
+
+
+def _read_key(path: Path) -> dict[str, Any] | None:
+    """The key JSON at `path`; None when it is missing or unreadable (a key is written atomically, last: an
+    unreadable one names no complete rows)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def _read_rows(path: Path, with_rows: bool = True) -> tuple[torch.Tensor | None, dict[str, str]]:
+    """(the rows, the file's metadata) of a rows file: the cache's or a stopped sampling's finished batches; the
+    rows left unread where only the metadata is asked (it sits in the file's header)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as rows:
+        return (rows.get_tensor("input_ids") if with_rows else None), rows.metadata() or {}
 
 
 def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor, sampling: dict[str, Any]) -> None:
@@ -157,10 +167,7 @@ class FinishedBatches:
         identity = {"key": key, "batch_size": batch_size, "rank": rank, "world_size": world}
         kept = cls(folder / f"{name}.partial-rank{rank}.safetensors", json.dumps(identity, sort_keys=True))
         if kept.path.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(kept.path), framework="pt") as rows:
-                ids, metadata = rows.get_tensor("input_ids"), rows.metadata() or {}
+            ids, metadata = _read_rows(kept.path)
             if metadata.get("identity") == kept.identity:
                 logger.info("teacher text %s: %d rows of a stopped sampling read back", kept.path, len(ids))
                 kept.rows = ids
