@@ -338,6 +338,19 @@ class CompressionMethod(ABC):
         """Changes the model so that its stack becomes `plan` (before renumbering and config update)."""
 
 
+class LinearReplacementMethod(CompressionMethod):
+    """A method whose result stands in for the blocks it removes with a linear map folded into what writes the
+    residual stream before them (ReplaceMe, greedy_replace): the declarations that follow from that, in one place.
+
+    It needs layer drops, it reads the MLP projections (the map goes into a down projection, or with ReplaceMe's
+    'diagonal' estimator into a norm's gain), and it is a linear replacement already, so
+    ``FlattenConfig(linear_replacement=...)`` on top would refit the same spans and is refused."""
+
+    required_capabilities = frozenset({"layer_drop"})
+    reads_mlp_projections = True
+    accepts_linear_replacement = False
+
+
 def _multi_stack_hint() -> str:
     """`` (NAME also takes OPTION)`` for every registered method that can change several stacks, else ``""``."""
     from ..registry import get_method_class, registered_methods

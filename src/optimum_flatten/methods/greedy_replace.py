@@ -33,7 +33,7 @@ import torch
 
 from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import mean_angle, next_token_nll
-from ..compression.method import CompressionMethod, MethodContext
+from ..compression.method import LinearReplacementMethod, MethodContext
 from ..corrections.bridge_fit import LayerRun, fit_with_outputs, fold_into_down_
 from ..corrections.linear_bridge import require_bridgeable
 from ..options.methods.greedy_replace import GreedyReplaceConfig
@@ -65,12 +65,8 @@ class _Current:
 
 
 @register_method("greedy_replace")
-class GreedyReplaceMethod(CompressionMethod):
+class GreedyReplaceMethod(LinearReplacementMethod):
     config_class = GreedyReplaceConfig
-    reads_mlp_projections = True  # its map is folded into a down projection
-    required_capabilities = frozenset({"layer_drop"})
-    #: Its replacements are linear replacements already.
-    accepts_linear_replacement = False
     config: GreedyReplaceConfig
 
     def __init__(self, config: GreedyReplaceConfig) -> None:

@@ -27,7 +27,7 @@ from ..adapters.base import ArchitectureAdapter
 from ..calibration.states import CalibratedStates, HeldBlock, next_token_nll
 from ..compression.compute import ComputeModel
 from ..compression.correction_workspace import bridge_fit_tally
-from ..compression.method import CompressionMethod, MethodContext, apply_layer_drop_
+from ..compression.method import LinearReplacementMethod, MethodContext, apply_layer_drop_
 from ..compression.workspace import WorkspaceModel, WorkspaceSizes
 from ..corrections.bridge_fit import BridgeFit, FilledBridge, LayerRun, fit_with_outputs
 from ..corrections.compensation import require_compensable
@@ -44,14 +44,11 @@ from .uidl import block_size, select_blocks_holding
 
 
 @register_method("replaceme")
-class ReplaceMeMethod(CompressionMethod):
+class ReplaceMeMethod(LinearReplacementMethod):
+    """The map is folded after a layer's MLP output: into what writes it (`down_fold`), or, with estimator 'diagonal',
+    into the gain of a norm after the MLP; `preflight` refuses a family that can hold neither."""
+
     config_class = ReplaceMeConfig
-    reads_mlp_projections = True  # its map is folded into a down projection
-    #: The map is folded after a layer's MLP output: into what writes it (`down_fold`), or, with estimator
-    #: 'diagonal', into the gain of a norm after the MLP; `preflight` refuses a family that can hold neither.
-    required_capabilities = frozenset({"layer_drop"})
-    #: ReplaceMe is a linear replacement already; a second one on top would refit the same spans.
-    accepts_linear_replacement = False
     #: The angular distances' sums and counts, and the bridge's normal equations, are summed over the ranks.
     shards_calibration = True
     config: ReplaceMeConfig
