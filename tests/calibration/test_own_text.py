@@ -216,7 +216,11 @@ def test_a_resume_dir_that_cannot_hold_the_job_is_refused_before_the_model_write
         # The rows' seed and length are the calibration's, compared on its batches only once the rows exist: the
         # kept rows' own key refuses them first, instead of sampling over the rows the job needs.
         ({"seed": 1}, r"holds the calibration rows another job sampled \(seed: 0 then, 1 now\)"),
-        ({"seqlen": 16}, r"holds the calibration rows another job sampled \(seqlen: 25 then, 17 now\)"),
+        (
+            {"seqlen": 16},
+            r"holds the calibration rows another job sampled \(seqlen: 25 then, 17 now; a row's seqlen here counts "
+            r"its start token\)",
+        ),
     ],
 )
 def test_resuming_with_other_rows_is_refused_and_leaves_the_kept_rows_as_they_were(

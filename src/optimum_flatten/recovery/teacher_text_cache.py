@@ -68,7 +68,7 @@ def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tens
     saved = _read_key(key_path)
     if saved is None:
         return None
-    if saved != json.loads(json.dumps(key)):
+    if saved != _as_read_back(key):
         logger.info("teacher text cache %s: another key, sampling again", key_path)
         return None
     ids, metadata = _read_rows(rows_path)
@@ -92,8 +92,10 @@ def check_one_job(folder: Path, name: str, key: dict[str, Any]) -> None:
     saved = _saved_key(folder, name)
     if saved is None:
         return
-    detail = describe_differences(saved, json.loads(json.dumps(key)))
+    detail = describe_differences(saved, _as_read_back(key))
     if detail:
+        if saved.get("seqlen") != key["seqlen"]:  # a calibration row is sampled with its start token, then cut
+            detail += "; a row's seqlen here counts its start token"
         raise ValueError(
             f"{folder} holds the {name} rows another job sampled ({detail}); rerun with the options that job was "
             "started with, or give another folder (nothing was changed)."
@@ -110,6 +112,11 @@ def _saved_key(folder: Path, name: str) -> dict[str, Any] | None:
         if identity:
             return json.loads(identity)["key"]
     return None
+
+
+def _as_read_back(key: dict[str, Any]) -> dict[str, Any]:
+    """`key` as its JSON reads back (tuples as lists, keys as strings): what a saved key is compared with."""
+    return json.loads(json.dumps(key))
 
 
 def _read_key(path: Path) -> dict[str, Any] | None:
