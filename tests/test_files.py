@@ -72,14 +72,18 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write_and_no_oth
     dead = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-model.safetensors"
     live = tmp_path / f"{TEMPORARY_PREFIX}{host}-{os.getppid()}-model.safetensors"
     elsewhere = tmp_path / f"{TEMPORARY_PREFIX}other-host-{_dead_pid()}-model.safetensors"
+    # A container on this host under its name (host networking) but in its own process namespace: its pids are not
+    # ours to ask about.
+    container = tmp_path / f"{TEMPORARY_PREFIX}{host.split('.pid')[0]}.pid1-{_dead_pid()}-model.safetensors"
     other_file = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-state.json"
-    for left in (dead, live, elsewhere, other_file):
+    kept = (live, elsewhere, container, other_file)
+    for left in (dead, *kept):
         left.write_bytes(b"half")
 
     write_bytes_atomically(target, b"whole")
 
     assert target.read_bytes() == b"whole"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (target, live, elsewhere, other_file))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (target, *kept))
 
 
 def test_the_temporary_name_says_host_and_process(tmp_path, monkeypatch):
@@ -88,4 +92,5 @@ def test_the_temporary_name_says_host_and_process(tmp_path, monkeypatch):
     monkeypatch.setattr(files.socket, "gethostname", lambda: "node/7 a")
     seen = []
     write_atomically(tmp_path / "x", lambda temporary: (seen.append(temporary.name), temporary.write_bytes(b"x")))
-    assert seen == [f"{TEMPORARY_PREFIX}node_7_a-{os.getpid()}-x"]
+    namespace = f".pid{os.stat('/proc/self/ns/pid').st_ino}" if os.path.exists("/proc/self/ns/pid") else ""
+    assert seen == [f"{TEMPORARY_PREFIX}node_7_a{namespace}-{os.getpid()}-x"]

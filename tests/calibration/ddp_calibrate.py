@@ -12,6 +12,7 @@ compressed state_dict and the report to ``OUT/<case>.pt``; every rank saves the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "flattengpt": ("flattengpt", {}),
     # Half the rows the model's own: every rank samples all of them, as one process does, before the share-out.
     "replaceme_down_own_text": ("replaceme", {"estimator": "lstsq_down", "own_text": 0.5}),
+    # The same where each rank has other free memory, so another sampling batch of its own (`_uneven_memory`): the
+    # ranks agree on one, or they would calibrate on other rows.
+    "replaceme_down_own_text_uneven_memory": ("replaceme", {"estimator": "lstsq_down", "own_text": 0.5}),
 }
 
 
@@ -55,9 +59,24 @@ def run(case: str) -> tuple[Any, Any, dict[str, Any]]:
     """(model, quantizer, what is compared) of `case`."""
     method, options = CASES[case]
     model = tiny_models.tiny_llama_gqa()
-    quantizer = compress(model, method, num_layers_to_remove=2, **CALIBRATION, **options)
+    with _uneven_memory() if case.endswith("uneven_memory") else contextlib.nullcontext():
+        quantizer = compress(model, method, num_layers_to_remove=2, **CALIBRATION, **options)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return model, quantizer, {"plan": quantizer.plan.to_dict(), "state": state, "report": dict(quantizer.report)}
+
+
+def _uneven_memory() -> Any:
+    """The sampler's batch as the free memory would size it on a rank with 1 + 3·rank rows' worth free (one process:
+    rank 0's)."""
+    from unittest import mock
+
+    from optimum_flatten.recovery import own_calibration, teacher_text
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    stack = contextlib.ExitStack()
+    for module in (own_calibration, teacher_text):  # where the rule is read: by the ranks' agreement, by the sampler
+        stack.enter_context(mock.patch.object(module, "default_batch_size", lambda model, seqlen: 1 + 3 * rank))
+    return stack
 
 
 class _RecordingApi:

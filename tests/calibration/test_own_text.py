@@ -218,8 +218,7 @@ def test_a_resume_dir_that_cannot_hold_the_job_is_refused_before_the_model_write
         ({"seed": 1}, r"holds the calibration rows another job sampled \(seed: 0 then, 1 now\)"),
         (
             {"seqlen": 16},
-            r"holds the calibration rows another job sampled \(seqlen: 25 then, 17 now; a row's seqlen here counts "
-            r"its start token\)",
+            r"holds the calibration rows another job sampled \(seqlen: 24 then, 16 now\)",
         ),
     ],
 )

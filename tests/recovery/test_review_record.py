@@ -254,7 +254,7 @@ def _read_back_on_rank(rank: int, init: str, out: str) -> None:
         key = json.loads(Path(f"{out}/whole/train.json").read_text())
         first, _ = _rank_rows(12, rank, 2)
         finished = torch.stack([row["input_ids"] for row in whole[first : first + 2 * (rank + 1)]])
-        FinishedBatches.open(Path(f"{out}/stopped"), "train", key, 2, rank, 2).save(finished)
+        FinishedBatches.open(Path(f"{out}/stopped"), "train", key, rank, 2).save(finished, rank + 1, 2)
         torch.distributed.barrier()
         rows, record = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 12, 16, cache_dir=f"{out}/stopped",
                                            **options)  # fmt: skip

@@ -255,7 +255,7 @@ def test_a_jobs_folder_refuses_rows_of_another_key_before_sampling_and_keeps_its
 def test_a_sampling_stopped_part_way_goes_on_from_its_next_batch_with_the_same_rows(tmp_path):
     """A sampling stopped after two of its three batches (a pre-empted job) keeps their rows, and the next call
     samples only the third: the rows equal those of a sampling never stopped, and the partial file is gone once the
-    cache holds them. Another batch size draws other batches, so its stopped rows are not read back."""
+    cache holds them. Another batch size keeps the stopped rows too and samples only the rest."""
     options = dict(seed=0, batch_size=4, progress=False)
     reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, **options)
     teacher = _counting(tiny_models.tiny_llama_gqa())
@@ -283,8 +283,39 @@ def test_a_sampling_stopped_part_way_goes_on_from_its_next_batch_with_the_same_r
     with pytest.raises(KeyboardInterrupt):
         sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=other, **options)
     teacher.generate = counted
-    _, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=other, seed=0, batch_size=5, progress=False)
-    assert "rows_read_back" not in record and teacher.generate_calls == 2 + 2  # both batches of 5 sampled
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=other, seed=0, batch_size=5,
+                                       progress=False)  # fmt: skip
+    assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + 1  # the last 2 rows in one batch of 5
+    assert torch.equal(_ids(rows), _ids(reference))  # the third batch's index and rows, as a batch of 4 left them
+
+
+@pytest.mark.parametrize(("free_now", "calls"), [(6, 1), (1, 2)])
+def test_a_stopped_sampling_resumed_with_other_free_memory_keeps_its_rows(tmp_path, monkeypatch, free_now, calls):
+    """Without a batch size given, the sampler's batch follows the free memory, which moves between attempts: the
+    rows a stopped sampling kept are read back whatever it is now. With more memory the kept batch size goes on (the
+    rows of a sampling never stopped); with less, the smaller one (the kept rows stay, the rest are sampled)."""
+    from optimum_flatten.recovery import teacher_text
+
+    monkeypatch.setattr(teacher_text, "default_batch_size", lambda model, seqlen: 4)
+    reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, seed=0, progress=False)
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    counted = teacher.generate
+
+    def stopped(*args, **kwargs):
+        if teacher.generate_calls == 2:
+            raise KeyboardInterrupt
+        return counted(*args, **kwargs)
+
+    teacher.generate = stopped
+    with pytest.raises(KeyboardInterrupt):
+        sample_teacher_rows(teacher, TOKENIZER, 10, 16, seed=0, cache_dir=tmp_path, progress=False)
+    teacher.generate = counted
+    monkeypatch.setattr(teacher_text, "default_batch_size", lambda model, seqlen: free_now)
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, seed=0, cache_dir=tmp_path, progress=False)
+    assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + calls
+    assert record["batch_size"] == min(4, free_now)
+    assert torch.equal(_ids(rows)[:8], _ids(reference)[:8])
+    assert torch.equal(_ids(rows), _ids(reference)) == (free_now >= 4)
 
 
 def test_the_sampling_batch_is_sized_to_the_free_memory():

@@ -23,8 +23,10 @@ from ..compression.resume import OWN_TEXT
 from ..options import CalibrationConfig
 from ..options.calibration import own_row_count as own_row_count  # the share's rule, with the option
 from ..utils.errors import CalibrationDataError
+from ..utils.launch import all_ranks_min
 from .teacher_start import row_start
-from .teacher_text import sample_teacher_rows
+from .teacher_text import default_batch_size, sample_teacher_rows
+from .teacher_text_cache import OtherJobsRows
 
 #: The sampler's stream for calibration rows: another stream than the healing's draws other rows with one seed.
 STREAM = "calibration"
@@ -74,9 +76,11 @@ def sample_own_rows(
 
     Under torch.distributed every rank samples every row, as one process would, before the calibration is shared
     out: the rows, and so the compression, are those of one process (sharing the sampling out would seed each
-    share by its rank). A rank's seconds are then one process's, not a share of them."""
+    share by its rank). Each batch draws from its own seed, so the ranks sample in batches of one size, the
+    smallest their free memories allow. A rank's seconds are then one process's, not a share of them."""
     check_own_text(model, tokenizer, config)
     opening = len(row_start(tokenizer, "bos")[0])
+    length = config.seqlen + opening
     was_training = model.training
     model.eval()
     try:
@@ -84,15 +88,27 @@ def sample_own_rows(
             model,
             tokenizer,
             own_row_count(config),
-            config.seqlen + opening,
+            length,
             seed=config.seed,
+            batch_size=_agreed_batch_size(model, length),
             cache_dir=Path(resume_dir) / OWN_TEXT if resume_dir is not None else None,
             stream=STREAM,
             progress=progress,
             distributed=False,
             one_job=True,  # the rows of the job in resume_dir: another seed or size is refused, not sampled over
         )
+    except OtherJobsRows as refusal:  # its rows' length counts the start token; the user's --seqlen does not
+        saved, now = ({**key, "seqlen": key["seqlen"] - opening} for key in (refusal.saved, refusal.now))
+        raise OtherJobsRows(refusal.folder, refusal.name, saved, now) from None
     finally:
         model.train(was_training)
     ids = torch.stack([row["input_ids"][opening:] for row in rows]).cpu()
     return ids, {"share": config.own_text, **record}
+
+
+def _agreed_batch_size(model: nn.Module, length: int) -> int | None:
+    """Under torch.distributed, the smallest batch any rank's free memory allows, so that every rank samples the
+    same rows; in one process None, the sampler's own rule (which a resumed sampling's kept batches inform)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return all_ranks_min(default_batch_size(model, length))

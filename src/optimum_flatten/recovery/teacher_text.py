@@ -291,13 +291,14 @@ def _generate(
     new_tokens = seqlen - starts.shape[1]
     outputs = [kept.rows] if kept is not None and kept.rows is not None else []
     done = int(outputs[0].shape[0]) if outputs else 0
+    # The kept rows were `kept.batches` batches: the next draws from the next index's seed, which with an unchanged
+    # batch size is the index a sampling never stopped gives it.
+    batches_before = kept.batches if outputs else 0
     desc = "the model's own calibration text" if stream == "calibration" else "teacher text"
     bar = tqdm(total=starts.shape[0] * new_tokens, unit="tok", desc=desc, disable=not progress)
     bar.update(done * new_tokens)
     with bar:
-        for index, first in enumerate(range(0, starts.shape[0], batch_size)):
-            if first < done:  # finished before the stop: its rows were read back
-                continue
+        for index, first in enumerate(range(done, starts.shape[0], batch_size), start=batches_before):
             batch = starts[first : first + batch_size].to(device)
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
                 torch.manual_seed(batch_seed(seed, stream, rank, index))
@@ -306,7 +307,7 @@ def _generate(
                 raise RuntimeError(f"the teacher's generate returned rows of {out.shape[1]} tokens, not {seqlen}.")
             outputs.append(out.cpu())
             if kept is not None:
-                kept.save(torch.cat(outputs))
+                kept.save(torch.cat(outputs), index + 1, batch_size)
             bar.update(batch.shape[0] * new_tokens)
     return torch.cat(outputs) if outputs else torch.empty((0, seqlen), dtype=torch.long)
 
@@ -465,7 +466,6 @@ def sample_teacher_rows(
         settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
     rank, world_size = _process() if distributed else (0, 1)
-    batch_size = (batch_size or default_batch_size(teacher_model, seqlen)) if backend == "transformers" else None
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
     if one_job and folder is not None and key is not None:
@@ -473,7 +473,11 @@ def sample_teacher_rows(
     began = _measuring(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size)
     cached, vllm_bytes = ids is not None, None
-    kept = None if cached else FinishedBatches.open(folder, stream, key, batch_size, rank, world_size)
+    generating = backend == "transformers"  # vLLM batches its own rows, and keeps none of a stopped sampling
+    kept = FinishedBatches.open(folder, stream, key, rank, world_size) if generating and not cached else None
+    if generating and batch_size is None:
+        batch_size = default_batch_size(teacher_model, seqlen)
+        batch_size = kept.resumed_batch_size(batch_size) if kept is not None else batch_size
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
         if start_kind == "random":

@@ -5,8 +5,8 @@ One job apart from the sampling itself: the key is JSON beside a safetensors fil
 what sampling them cost; the rows are written first and the key last, each atomically, so a key always names
 complete rows. While a sampling runs, each process also keeps the rows of its finished batches (`FinishedBatches`), so
 that a sampling stopped part-way (a pre-empted job, a session's end) goes on from its next batch instead of from
-the first: each batch draws from its own seed (`teacher_text.batch_seed`), so the rows come out as if it never
-stopped.
+the first: each batch draws from its own seed (`teacher_text.batch_seed`), so at the same batch size the rows come
+out as if it never stopped.
 """
 
 from __future__ import annotations
@@ -82,24 +82,29 @@ def read_cache(folder: Path, name: str, key: dict[str, Any]) -> tuple[torch.Tens
     return ids, json.loads(metadata["sampling"]) if "sampling" in metadata else None
 
 
+class OtherJobsRows(ValueError):
+    """`check_one_job`'s refusal: `folder` holds rows of `name` sampled under the key `saved`, not `now`. The keys are
+    kept so that a caller whose options count otherwise (a calibration row's seqlen is the user's without its start
+    token) can name the difference in its user's terms."""
+
+    def __init__(self, folder: Path, name: str, saved: dict[str, Any], now: dict[str, Any]) -> None:
+        self.folder, self.name, self.saved, self.now = folder, name, saved, now
+        super().__init__(
+            f"{folder} holds the {name} rows another job sampled ({describe_differences(saved, now)}); rerun with the "
+            "options that job was started with, or give another folder (nothing was changed)."
+        )
+
+
 def check_one_job(folder: Path, name: str, key: dict[str, Any]) -> None:
     """Refuses, before anything is sampled, a folder that holds one job's rows of `name` (complete, or a stopped
-    sampling's finished batches) under another key, naming what differs; nothing in it is changed.
+    sampling's finished batches) under another key, naming what differs (`OtherJobsRows`); nothing in it is changed.
 
     Why: a resume folder (compress's ``resume_dir``, recover's ``checkpoint_dir``) holds one job, and rows sampled
     under another key there would be written over the rows the interrupted job needs (hours of sampling at 7B), only
     for that folder's own check to refuse the new job afterwards."""
     saved = _saved_key(folder, name)
-    if saved is None:
-        return
-    detail = describe_differences(saved, _as_read_back(key))
-    if detail:
-        if saved.get("seqlen") != key["seqlen"]:  # a calibration row is sampled with its start token, then cut
-            detail += "; a row's seqlen here counts its start token"
-        raise ValueError(
-            f"{folder} holds the {name} rows another job sampled ({detail}); rerun with the options that job was "
-            "started with, or give another folder (nothing was changed)."
-        )
+    if saved is not None and describe_differences(saved, _as_read_back(key)):
+        raise OtherJobsRows(folder, name, saved, _as_read_back(key))
 
 
 def _saved_key(folder: Path, name: str) -> dict[str, Any] | None:
@@ -156,38 +161,58 @@ def write_cache(folder: Path, name: str, key: dict[str, Any], ids: torch.Tensor,
 class FinishedBatches:
     """One process's finished batches of a sampling in progress, kept beside the cache (`open`): the rows a stopped
     sampling left (None: none), kept again after each batch (`save`) and removed once the cache holds them all
-    (`clear`). A batch's rows and seed are fixed by its index, the batch size and the process's share of the rows,
-    so they are read back only under the same key, batch size, rank and world size."""
+    (`clear`). A batch's rows and seed are fixed by its index, its size and the process's share of the rows, so they
+    are read back only under the same key, rank and world size; with them come how many batches they are (the next
+    batch draws from the next index's seed) and the last batch's size (`resumed_batch_size`).
+
+    Why the batch size is not part of what must match: by default it follows the memory free when the sampling
+    starts, which moves between attempts (another GPU, another job beside it); the kept rows are the teacher's
+    samples under the key whatever size drew them, and refusing them would sample hours of rows again."""
 
     path: Path
     identity: str
     rows: torch.Tensor | None = None
+    batches: int = 0
+    batch_size: int | None = None
 
     @classmethod
     def open(
-        cls, folder: Path | None, name: str, key: dict[str, Any] | None, batch_size: int | None, rank: int, world: int
+        cls, folder: Path | None, name: str, key: dict[str, Any] | None, rank: int, world: int
     ) -> FinishedBatches | None:
-        """The finished batches of this process under `folder` (None without a cache or a batch size: vLLM batches
-        its own rows), with those a stopped sampling left read back."""
-        if folder is None or key is None or batch_size is None:
+        """The finished batches of this process under `folder` (None without a cache), with those a stopped
+        sampling left read back."""
+        if folder is None or key is None:
             return None
-        identity = {"key": key, "batch_size": batch_size, "rank": rank, "world_size": world}
+        identity = {"key": key, "rank": rank, "world_size": world}
         kept = cls(folder / f"{name}.partial-rank{rank}.safetensors", json.dumps(identity, sort_keys=True))
         if kept.path.is_file():
             ids, metadata = _read_rows(kept.path)
-            if metadata.get("identity") == kept.identity:
-                logger.info("teacher text %s: %d rows of a stopped sampling read back", kept.path, len(ids))
+            saved = json.loads(metadata.get("identity", "{}"))
+            size = saved.pop("batch_size", None)  # where files written before it moved out of the identity keep it
+            if saved == _as_read_back(identity) and ids is not None and len(ids):
                 kept.rows = ids
+                kept.batch_size = int(metadata.get("batch_size", size))
+                kept.batches = int(metadata.get("batches", -(-len(ids) // kept.batch_size)))
+                logger.info("teacher text %s: %d rows of a stopped sampling read back", kept.path, len(ids))
             else:
                 logger.info("teacher text %s: another sampling's finished batches, starting from the first", kept.path)
         return kept
 
-    def save(self, ids: torch.Tensor) -> None:
-        """This process's rows so far, atomically (a stop while writing keeps the last ones)."""
+    def resumed_batch_size(self, default: int) -> int:
+        """The batch size to go on with where the caller gave none: the kept batches' while it is at most `default`
+        (the free memory's now), so that the rows are those of a sampling never stopped, else `default` (a larger
+        batch might not fit now; the rows past the kept ones are then other draws of the same distribution)."""
+        if self.rows is None or self.batch_size is None:
+            return default
+        return min(self.batch_size, default)
+
+    def save(self, ids: torch.Tensor, batches: int, batch_size: int) -> None:
+        """This process's rows so far, `batches` batches of which the last was `batch_size` rows at most,
+        atomically (a stop while writing keeps the last ones)."""
         from safetensors.torch import save_file
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"identity": self.identity}
+        metadata = {"identity": self.identity, "batches": str(batches), "batch_size": str(batch_size)}
         write_atomically(self.path, lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata))
 
     def clear(self) -> None:

@@ -4,8 +4,9 @@ The file is written under a temporary name in the same folder (a rename within o
 disk, then renamed over its final name. A temporary file left by a killed writer starts with `TEMPORARY_PREFIX`, so
 that a reader listing the folder can pass over it; the next write of the same file removes it (a checkpoint's weights
 are gigabytes at 7B, and a job killed and resumed many times would otherwise fill the disk with them). The temporary
-name carries the host and the process, so that only a writer known to be dead is cleaned up: one on this host whose
-process no longer exists; a folder shared between machines keeps the other hosts' files. The file gets the
+name carries the host (and its process namespace) and the process, so that only a writer known to be dead is cleaned
+up: one on this host whose process no longer exists; a folder shared between machines, or containers, keeps the
+others' files. The file gets the
 permissions any new file gets (the umask's), as the files the libraries write beside it do.
 """
 
@@ -23,8 +24,14 @@ TEMPORARY_PREFIX = ".tmp-"
 
 
 def _host() -> str:
-    """This machine's name as it can stand in a file name (letters, digits, dots, underscores; others become '_')."""
-    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+    """This machine's name as it can stand in a file name (letters, digits, dots, underscores; others become '_'),
+    with, where Linux names it, the process namespace: containers on one host can share its name (host networking)
+    but not their process ids, so another container's live writer must not look like a dead one of ours."""
+    name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+    try:
+        return f"{name}.pid{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # not Linux
+        return name
 
 
 def _temporary(path: Path) -> Path:
