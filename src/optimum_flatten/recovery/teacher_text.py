@@ -341,6 +341,19 @@ def _continue(
         teacher.train(was_training)
 
 
+def _batch_size(
+    given: int | None, backend: str, kept: FinishedBatches | None, teacher: nn.Module, seqlen: int
+) -> int | None:
+    """The rows a ``generate`` call: as given; else the free memory's now (`default_batch_size`), or a stopped
+    sampling's kept batches' where they still fit (`FinishedBatches.resumed_batch_size`); None for vLLM."""
+    if backend != "transformers":
+        return None
+    if given is not None:
+        return given
+    default = default_batch_size(teacher, seqlen)
+    return kept.resumed_batch_size(default) if kept is not None else default
+
+
 def _settings(
     seed: int,
     stream: str,
@@ -432,7 +445,7 @@ def sample_teacher_rows(
         prompts: None (every row from the start token), a list of texts, or a file / text source.
         prompt_tokens: Tokens of each prompt document kept.
         start: ``"bos"``, ``"chat"`` (`teacher_start.row_start`) or ``"random"`` (`recovery.random_start`; no prompts).
-        batch_size: Rows a ``generate`` call; None: `default_batch_size` (vLLM batches its own rows).
+        batch_size: Rows a ``generate`` call; None: the free memory's (`_batch_size`; vLLM batches its own rows).
         cache_dir: Folder to keep the rows in (under `stream`'s name) and read them back from.
         stream: Which rows these are (``"train"``, ``"heldout"``): another stream draws other rows.
         progress: Show a progress bar in tokens.
@@ -473,11 +486,8 @@ def sample_teacher_rows(
     began = _measuring(device)
     ids, sampled = _cached_rows(folder, stream, key, world_size)
     cached, vllm_bytes = ids is not None, None
-    generating = backend == "transformers"  # vLLM batches its own rows, and keeps none of a stopped sampling
-    kept = FinishedBatches.open(folder, stream, key, rank, world_size) if generating and not cached else None
-    if generating and batch_size is None:
-        batch_size = default_batch_size(teacher_model, seqlen)
-        batch_size = kept.resumed_batch_size(batch_size) if kept is not None else batch_size
+    kept = None if cached or backend != "transformers" else FinishedBatches.open(folder, stream, key, rank, world_size)
+    batch_size = _batch_size(batch_size, backend, kept, teacher_model, seqlen)  # vLLM: None, it batches its own
     generated = n_rows * (seqlen - prompt_length + (GREEDY_TOKENS if start_kind == "random" else 0))
     if ids is None:
         if start_kind == "random":
