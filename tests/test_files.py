@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
@@ -72,13 +73,18 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write_and_no_oth
     dead = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-model.safetensors"
     live = tmp_path / f"{TEMPORARY_PREFIX}{host}-{os.getppid()}-model.safetensors"
     elsewhere = tmp_path / f"{TEMPORARY_PREFIX}other-host-{_dead_pid()}-model.safetensors"
-    # A container on this host under its name (host networking) but in its own process namespace: its pids are not
-    # ours to ask about.
-    container = tmp_path / f"{TEMPORARY_PREFIX}{host.split('.pid')[0]}.pid1-{_dead_pid()}-model.safetensors"
     other_file = tmp_path / f"{TEMPORARY_PREFIX}{host}-{_dead_pid()}-state.json"
-    kept = (live, elsewhere, container, other_file)
-    for left in (dead, *kept):
+    # Another process namespace of this host (a container under the host's name, a restarted one, or a name written
+    # before names carried one): its pids are not ours to ask about, so only a file unchanged for an hour goes.
+    name = files._hostname()
+    container, restarted = (tmp_path / f"{TEMPORARY_PREFIX}{name}.pid{n}-{_dead_pid()}-model.safetensors" for n in "12")
+    unnamed = tmp_path / f"{TEMPORARY_PREFIX}{name}-{_dead_pid()}-model.safetensors"
+    kept = (live, elsewhere, other_file, container)
+    for left in (dead, restarted, unnamed, *kept):
         left.write_bytes(b"half")
+    hours_ago = time.time() - files.STALE_SECONDS - 60
+    for left in (restarted, unnamed):
+        os.utime(left, (hours_ago, hours_ago))
 
     write_bytes_atomically(target, b"whole")
 

@@ -318,6 +318,41 @@ def test_a_stopped_sampling_resumed_with_other_free_memory_keeps_its_rows(tmp_pa
     assert torch.equal(_ids(rows), _ids(reference)) == (free_now >= 4)
 
 
+def test_a_stopped_samplings_rows_kept_before_the_batch_size_left_their_identity_are_read_back(tmp_path):
+    """Finished batches written when the batch size was part of their identity (and their count was not kept) are
+    read back, and the sampling goes on from the next batch's seed: the rows equal those of one never stopped."""
+    from safetensors.torch import load_file, save_file
+
+    options = dict(seed=0, batch_size=4, progress=False)
+    reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, **options)
+    teacher = _counting(tiny_models.tiny_llama_gqa())
+    counted = teacher.generate
+
+    def stopped(*args, **kwargs):
+        if teacher.generate_calls == 2:
+            raise KeyboardInterrupt
+        return counted(*args, **kwargs)
+
+    teacher.generate = stopped
+    with pytest.raises(KeyboardInterrupt):
+        sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, **options)
+    partial = tmp_path / "train.partial-rank0.safetensors"
+    identity = json.loads(_metadata(partial)["identity"])
+    old = {"identity": json.dumps({**identity, "batch_size": 4}, sort_keys=True)}  # as the earlier code wrote it
+    save_file(load_file(str(partial)), str(partial), old)
+    teacher.generate = counted
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, seed=0, progress=False)
+    assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + 1
+    assert torch.equal(_ids(rows), _ids(reference))
+
+
+def _metadata(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as opened:
+        return opened.metadata()
+
+
 def test_the_sampling_batch_is_sized_to_the_free_memory():
     config = tiny_models.tiny_llama_gqa().config  # 6 layers, 2 KV heads of 8
     assert kv_cache_bytes(config, 32, 4) == 2 * 6 * 2 * 8 * 32 * 4

@@ -111,4 +111,6 @@ def _agreed_batch_size(model: nn.Module, length: int) -> int | None:
     same rows; in one process None, the sampler's own rule (which a resumed sampling's kept batches inform)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
+    if torch.distributed.get_world_size() == 1:
+        return None
     return all_ranks_min(default_batch_size(model, length))

@@ -163,7 +163,7 @@ class FinishedBatches:
     sampling left (None: none), kept again after each batch (`save`) and removed once the cache holds them all
     (`clear`). A batch's rows and seed are fixed by its index, its size and the process's share of the rows, so they
     are read back only under the same key, rank and world size; with them come how many batches they are (the next
-    batch draws from the next index's seed) and the last batch's size (`resumed_batch_size`).
+    batch draws from the next index's seed) and the batch size the sampling started with (`resumed_batch_size`).
 
     Why the batch size is not part of what must match: by default it follows the memory free when the sampling
     starts, which moves between attempts (another GPU, another job beside it); the kept rows are the teacher's
@@ -199,20 +199,23 @@ class FinishedBatches:
         return kept
 
     def resumed_batch_size(self, default: int) -> int:
-        """The batch size to go on with where the caller gave none: the kept batches' while it is at most `default`
-        (the free memory's now), so that the rows are those of a sampling never stopped, else `default` (a larger
-        batch might not fit now; the rows past the kept ones are then other draws of the same distribution)."""
+        """The batch size to go on with where the caller gave none: the one the sampling started with while it is at
+        most `default` (the free memory's now), so that the rows are those of a sampling never stopped, else
+        `default` (a larger batch might not fit now; the rows past the kept ones are then other draws of the same
+        distribution)."""
         if self.rows is None or self.batch_size is None:
             return default
         return min(self.batch_size, default)
 
     def save(self, ids: torch.Tensor, batches: int, batch_size: int) -> None:
-        """This process's rows so far, `batches` batches of which the last was `batch_size` rows at most,
-        atomically (a stop while writing keeps the last ones)."""
+        """This process's rows so far, `batches` batches drawn, atomically (a stop while writing keeps the last
+        ones). The batch size kept is the one the sampling started with (`batch_size` where this attempt started
+        it), so that an attempt with little memory does not hold every later one to its smaller batches."""
         from safetensors.torch import save_file
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        metadata = {"identity": self.identity, "batches": str(batches), "batch_size": str(batch_size)}
+        started = self.batch_size if self.rows is not None and self.batch_size is not None else batch_size
+        metadata = {"identity": self.identity, "batches": str(batches), "batch_size": str(started)}
         write_atomically(self.path, lambda path: save_file({"input_ids": ids.contiguous()}, str(path), metadata))
 
     def clear(self) -> None:

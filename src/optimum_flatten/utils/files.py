@@ -4,10 +4,10 @@ The file is written under a temporary name in the same folder (a rename within o
 disk, then renamed over its final name. A temporary file left by a killed writer starts with `TEMPORARY_PREFIX`, so
 that a reader listing the folder can pass over it; the next write of the same file removes it (a checkpoint's weights
 are gigabytes at 7B, and a job killed and resumed many times would otherwise fill the disk with them). The temporary
-name carries the host (and its process namespace) and the process, so that only a writer known to be dead is cleaned
-up: one on this host whose process no longer exists; a folder shared between machines, or containers, keeps the
-others' files. The file gets the
-permissions any new file gets (the umask's), as the files the libraries write beside it do.
+name carries the host, its process namespace and the process, so that only a writer known to be dead is cleaned up:
+one in this process namespace whose process no longer exists, or one in another namespace of this host (another
+container) whose file has gone unchanged for an hour; a folder shared between machines keeps the other hosts' files.
+The file gets the permissions any new file gets (the umask's), as the files the libraries write beside it do.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import glob
 import os
 import re
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,15 +24,28 @@ from pathlib import Path
 TEMPORARY_PREFIX = ".tmp-"
 
 
-def _host() -> str:
-    """This machine's name as it can stand in a file name (letters, digits, dots, underscores; others become '_'),
-    with, where Linux names it, the process namespace: containers on one host can share its name (host networking)
-    but not their process ids, so another container's live writer must not look like a dead one of ours."""
-    name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+#: How long another process namespace's temporary file must have gone unchanged before it counts as a dead writer's:
+#: a live writer fills its file within minutes (a 70B shard), so an hour untouched is a writer that is gone.
+STALE_SECONDS = 3600
+
+
+def _hostname() -> str:
+    """This machine's name as it can stand in a file name (letters, digits, dots, underscores; others become '_')."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
+
+
+def _namespace() -> str:
+    """This process's PID namespace where Linux names it (``".pid<inode>"``), else ``""``: containers on one host can
+    share its name (host networking) but not their process ids."""
     try:
-        return f"{name}.pid{os.stat('/proc/self/ns/pid').st_ino}"
+        return f".pid{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:  # not Linux
-        return name
+        return ""
+
+
+def _host() -> str:
+    """The writer's host as a temporary name carries it: the host name and the process namespace."""
+    return _hostname() + _namespace()
 
 
 def _temporary(path: Path) -> Path:
@@ -52,20 +66,38 @@ def _alive(pid: int) -> bool:
 def remove_dead_writers(path: str | os.PathLike[str]) -> list[Path]:
     """Removes the temporary files that writers of `path` on this host left when they were killed; returns them.
 
-    Only POSIX can ask whether a process exists without touching it (`os.kill(pid, 0)` ends the process on Windows),
-    so elsewhere nothing is removed. A file of a live process, or of another host, is never touched.
+    A writer in this process namespace is dead when its process no longer exists. One in another namespace of this
+    host (a container restarted after a kill gets a new one; a file written before names carried one has none) has
+    process ids this one cannot ask about, so its file counts as left behind once it has gone `STALE_SECONDS`
+    unchanged. Only POSIX can ask whether a process exists without touching it (`os.kill(pid, 0)` ends the process
+    on Windows), so elsewhere nothing is removed. A file of another host is never touched.
     """
     path = Path(path)
     if os.name != "posix":
         return []
-    prefix = f"{TEMPORARY_PREFIX}{_host()}-"
-    removed = []
-    for left in path.parent.glob(f"{glob.escape(prefix)}*-{glob.escape(path.name)}"):
-        pid = left.name[len(prefix) : -len(path.name) - 1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+    written = re.compile(
+        rf"{re.escape(TEMPORARY_PREFIX + _hostname())}(?P<namespace>(\.pid\d+)?)-(?P<pid>\d+)-{re.escape(path.name)}"
+    )
+    namespace, removed = _namespace(), []
+    for left in path.parent.glob(f"{glob.escape(TEMPORARY_PREFIX + _hostname())}*-{glob.escape(path.name)}"):
+        found = written.fullmatch(left.name)
+        if found is None:
+            continue
+        pid, ours = int(found["pid"]), found["namespace"] == namespace
+        if ours and pid == os.getpid():
+            continue
+        if not _alive(pid) if ours else _seconds_unchanged(left) >= STALE_SECONDS:
             left.unlink(missing_ok=True)
             removed.append(left)
     return removed
+
+
+def _seconds_unchanged(path: Path) -> float:
+    """Seconds since `path` last changed (0 when it is already gone)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
