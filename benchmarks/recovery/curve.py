@@ -33,7 +33,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
     """'mode, loss' -> training tokens -> (ratio in domain, ratio out of domain), 0 tokens being the untrained
     model. A local run with another state loss than the pooled one, or with a global phase (a line per split of
     the budget between the phases, and per global rate given by hand) or with other training rows than run.py's
-    default rows (`protocol.py`), is a line of its own,
+    default rows (`protocol.py`), or from another calibration (`--own-text`, `--calibration`: another untrained
+    model), is a line of its own,
     and so is a run scored on another number of evaluation tokens (its ratios, the untrained one included, are of
     other tokens: drawn on the same line, the last file of a budget would replace the other's point).
     Runs of another method, named like the run script's files but of another shape, or with a global phase from
@@ -60,6 +61,7 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
         rows = protocol.training_rows(settings)
         mode += f", rows {rows['seqlen']} × {rows['batch_size']}" if rows != protocol.TRAINING_ROWS else ""
         mode += f", on {text}" if (text := protocol.healing_text(settings)) else ""  # one line per healing text
+        mode += f", from {start}" if (start := protocol.calibration(settings)) else ""  # another untrained model
         mode += f", {optim}" if (optim := protocol.optimiser(settings)) else ""
         default_tokens = protocol.EVAL_TOKENS[model]
         scored = int(run.get("eval_tokens", default_tokens))
