@@ -298,18 +298,7 @@ def test_a_stopped_sampling_resumed_with_other_free_memory_keeps_its_rows(tmp_pa
 
     monkeypatch.setattr(teacher_text, "default_batch_size", lambda model, seqlen: 4)
     reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, seed=0, progress=False)
-    teacher = _counting(tiny_models.tiny_llama_gqa())
-    counted = teacher.generate
-
-    def stopped(*args, **kwargs):
-        if teacher.generate_calls == 2:
-            raise KeyboardInterrupt
-        return counted(*args, **kwargs)
-
-    teacher.generate = stopped
-    with pytest.raises(KeyboardInterrupt):
-        sample_teacher_rows(teacher, TOKENIZER, 10, 16, seed=0, cache_dir=tmp_path, progress=False)
-    teacher.generate = counted
+    teacher = _stopped_in_its_third_batch(tmp_path, seed=0, progress=False)
     monkeypatch.setattr(teacher_text, "default_batch_size", lambda model, seqlen: free_now)
     rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, seed=0, cache_dir=tmp_path, progress=False)
     assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + calls
@@ -325,6 +314,19 @@ def test_a_stopped_samplings_rows_kept_before_the_batch_size_left_their_identity
 
     options = dict(seed=0, batch_size=4, progress=False)
     reference, _ = sample_teacher_rows(tiny_models.tiny_llama_gqa(), TOKENIZER, 10, 16, **options)
+    teacher = _stopped_in_its_third_batch(tmp_path, **options)
+    partial = tmp_path / "train.partial-rank0.safetensors"
+    identity = json.loads(_metadata(partial)["identity"])
+    old = {"identity": json.dumps({**identity, "batch_size": 4}, sort_keys=True)}  # as the earlier code wrote it
+    save_file(load_file(str(partial)), str(partial), old)
+    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, seed=0, progress=False)
+    assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + 1
+    assert torch.equal(_ids(rows), _ids(reference))
+
+
+def _stopped_in_its_third_batch(cache_dir, **options):
+    """A counting teacher whose sampling of 10 rows into `cache_dir` was stopped in its third ``generate`` call (a
+    pre-empted job), its ``generate`` working again."""
     teacher = _counting(tiny_models.tiny_llama_gqa())
     counted = teacher.generate
 
@@ -335,15 +337,9 @@ def test_a_stopped_samplings_rows_kept_before_the_batch_size_left_their_identity
 
     teacher.generate = stopped
     with pytest.raises(KeyboardInterrupt):
-        sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, **options)
-    partial = tmp_path / "train.partial-rank0.safetensors"
-    identity = json.loads(_metadata(partial)["identity"])
-    old = {"identity": json.dumps({**identity, "batch_size": 4}, sort_keys=True)}  # as the earlier code wrote it
-    save_file(load_file(str(partial)), str(partial), old)
+        sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=cache_dir, **options)
     teacher.generate = counted
-    rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, seed=0, progress=False)
-    assert record["rows_read_back"] == 8 and teacher.generate_calls == 2 + 1
-    assert torch.equal(_ids(rows), _ids(reference))
+    return teacher
 
 
 def _metadata(path):
