@@ -348,7 +348,7 @@ def _batch_size(
     sampling's kept batches' where they still fit (`FinishedBatches.resumed_batch_size`); None for vLLM."""
     if backend != "transformers":
         return None
-    if given is not None:
+    if given:  # 0 as None, as before
         return given
     default = default_batch_size(teacher, seqlen)
     return kept.resumed_batch_size(default) if kept is not None else default
