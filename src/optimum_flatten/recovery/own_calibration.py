@@ -23,7 +23,7 @@ from ..compression.resume import OWN_TEXT
 from ..options import CalibrationConfig
 from ..options.calibration import own_row_count as own_row_count  # the share's rule, with the option
 from ..utils.errors import CalibrationDataError
-from ..utils.launch import all_ranks_min
+from ..utils.launch import all_ranks_min, process_group
 from .teacher_start import row_start
 from .teacher_text import default_batch_size, sample_teacher_rows
 from .teacher_text_cache import OtherJobsRows
@@ -109,8 +109,6 @@ def sample_own_rows(
 def _agreed_batch_size(model: nn.Module, length: int) -> int | None:
     """Under torch.distributed, the smallest batch any rank's free memory allows, so that every rank samples the
     same rows; in one process None, the sampler's own rule (which a resumed sampling's kept batches inform)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    if torch.distributed.get_world_size() == 1:
+    if process_group()[1] == 1:
         return None
     return all_ranks_min(default_batch_size(model, length))

@@ -102,9 +102,9 @@ def check_one_job(folder: Path, name: str, key: dict[str, Any]) -> None:
     Why: a resume folder (compress's ``resume_dir``, recover's ``checkpoint_dir``) holds one job, and rows sampled
     under another key there would be written over the rows the interrupted job needs (hours of sampling at 7B), only
     for that folder's own check to refuse the new job afterwards."""
-    saved = _saved_key(folder, name)
-    if saved is not None and describe_differences(saved, _as_read_back(key)):
-        raise OtherJobsRows(folder, name, saved, _as_read_back(key))
+    saved, now = _saved_key(folder, name), _as_read_back(key)
+    if saved is not None and describe_differences(saved, now):
+        raise OtherJobsRows(folder, name, saved, now)
 
 
 def _saved_key(folder: Path, name: str) -> dict[str, Any] | None:

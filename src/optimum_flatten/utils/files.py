@@ -75,11 +75,10 @@ def remove_dead_writers(path: str | os.PathLike[str]) -> list[Path]:
     path = Path(path)
     if os.name != "posix":
         return []
-    written = re.compile(
-        rf"{re.escape(TEMPORARY_PREFIX + _hostname())}(?P<namespace>(\.pid\d+)?)-(?P<pid>\d+)-{re.escape(path.name)}"
-    )
+    prefix = TEMPORARY_PREFIX + _hostname()
+    written = re.compile(rf"{re.escape(prefix)}(?P<namespace>(\.pid\d+)?)-(?P<pid>\d+)-{re.escape(path.name)}")
     namespace, removed = _namespace(), []
-    for left in path.parent.glob(f"{glob.escape(TEMPORARY_PREFIX + _hostname())}*-{glob.escape(path.name)}"):
+    for left in path.parent.glob(f"{glob.escape(prefix)}*-{glob.escape(path.name)}"):
         found = written.fullmatch(left.name)
         if found is None:
             continue
