@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils.launch import all_ranks_min, all_ranks_sum
+from ..utils.launch import all_ranks_min, all_ranks_sum, process_group
 from .random_start import GREEDY_TOKENS, drawn_starts, first_tokens, greedy_kwargs
 from .teacher_start import checked_start, prompt_ids
 from .teacher_text_cache import FinishedBatches, cache_key, check_one_job, read_cache, write_cache
@@ -165,13 +165,6 @@ def batch_seed(seed: int, stream: str, rank: int, index: int) -> int:
     batch's random state (``seed + index`` would give seed 1's first batch to seed 0's second)."""
     digest = hashlib.sha256(f"{seed}:{stream}:{rank}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def _process() -> tuple[int, int]:
-    """(rank, world size) of an initialised torch.distributed group, else (0, 1)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def _share(n_rows: int, rank: int, world_size: int) -> int:
@@ -403,7 +396,7 @@ def _random_starts(
 ) -> torch.Tensor:
     """This rank's rows of the random start (`recovery.random_start`): a drawn word after `before`, then the teacher's
     `GREEDY_TOKENS` greedy words, through `generate` whatever the backend that samples the rest."""
-    rank, world_size = _process()
+    rank, world_size = process_group()
     candidates = first_tokens(tokenizer, teacher_model.get_input_embeddings().num_embeddings)
     drawn = drawn_starts(before, candidates, n_rows, _rank_rows(n_rows, rank, world_size),
                          seed=batch_seed(seed, f"{stream}:first-token", 0, 0))  # fmt: skip
@@ -478,7 +471,7 @@ def sample_teacher_rows(
     if start_kind == "chat":  # another template writes other rows
         settings["start_tokens"] = hashlib.sha256(json.dumps([before, after]).encode()).hexdigest()[:16]
     device = next(teacher_model.parameters()).device
-    rank, world_size = _process() if distributed else (0, 1)
+    rank, world_size = process_group() if distributed else (0, 1)
     folder = Path(cache_dir) if cache_dir is not None else None
     key = cache_key(teacher_model, tokenizer, n_rows, seqlen, settings, prompt_list) if folder is not None else None
     if one_job and folder is not None and key is not None:
