@@ -162,10 +162,14 @@ class FlattenQuantizer(OptimumQuantizer):
         if quantization_config is not None:
             self.config = quantization_config
         from .export.checkpoint import _model_sources, check_output_dir
+        from .utils.state_folders import check_heal_folders
 
         # The same refusals `save` applies (the model's own folder, the current or a home folder, write access), up
-        # front: a refused output found after the compression would waste it.
-        check_output_dir(save_dir, overwrite, sources=_model_sources(self.model))
+        # front: a refused output found after the compression would waste it; so would a healing's state folder
+        # inside it, which the save would find there.
+        sources = _model_sources(self.model)
+        check_output_dir(save_dir, overwrite, sources=sources)
+        check_heal_folders(str(save_dir), self.config.heal, sources)
         self.compress(self.model, self.tokenizer)
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 

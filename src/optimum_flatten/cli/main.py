@@ -21,6 +21,7 @@ from ..options import CalibrationConfig
 from ..registry import get_config_class, get_method_class, registered_methods
 from ..utils.errors import did_you_mean
 from ..utils.loading import one_line, public_dataset_name
+from ..utils.state_folders import check_heal_folders, check_state_folder
 from .demo import cmd_demo
 from .evaluate import cmd_evaluate
 from .options import (
@@ -34,7 +35,7 @@ from .options import (
     check_method_options,
     config_kwargs,
 )
-from .sources import check_push, check_source, check_state_folder, checkpoint_path
+from .sources import check_push, check_source, checkpoint_path
 from .summary import bundled_license, compression_summary, own_text_lines, report_warnings, text_table
 from .verbs import (
     CompressArguments,
@@ -198,6 +199,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         _check_dataset(config.calibration.dataset, config.calibration.text_column)  # else no text is read
     check_output_dir(args.output, args.overwrite, sources=[args.model])  # fail before the expensive part
     check_state_folder(args.output, config.resume_dir, "--resume-dir", [args.model])
+    check_heal_folders(args.output, config.heal, [args.model], command_line=True)
     check_push(args.push_to_hub, args.private)  # else an invalid repo id would fail only after the compression
     model, tokenizer = _load(args.model, args.dtype, trust_remote_code=args.trust_remote_code)
     if calibrates:
