@@ -74,8 +74,10 @@ def gpt2_and_text(tmp_path, monkeypatch):
         (["--threshold", "-1"], "threshold"),
         (["--nsamples", "0"], "nsamples"),
         (["--seqlen", "200"], "position"),
+        (["--threshold", "1e-5"], "--snap-learning-rate (5e-05) must be below --threshold (1e-05)"),
+        (["--snap-learning-rate", "2e-4"], "--snap-learning-rate (0.0002) must be below --threshold (0.0001)"),
     ],
-    ids=["threshold", "nsamples", "rows past the position table"],
+    ids=["threshold", "nsamples", "rows past the position table", "threshold under the snap rate", "snap rate"],
 )
 def test_layer_collapse_refuses_its_collapse_options_before_it_trains(gpt2_and_text, tmp_path, capsys, options,
                                                                     message):  # fmt: skip

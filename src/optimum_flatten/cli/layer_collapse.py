@@ -62,6 +62,11 @@ def check_request(args: argparse.Namespace) -> CollapseRequest:
         extra = {"disable_tqdm": True, **schedule.extra_training_args}
         schedule = dataclasses.replace(schedule, extra_training_args=extra)
     _collapse_config(args, args.dataset)  # the calibration's and the collapse's options
+    if schedule.snap_learning_rate >= args.threshold:  # the collapse would refuse every MLP after the training
+        raise ValueError(
+            f"--snap-learning-rate ({schedule.snap_learning_rate:g}) must be below --threshold ({args.threshold:g}): "
+            "Adam's step after α lands on 1 moves it by up to the rate, leaving |1 - α| at or past the threshold."
+        )
     _check_local_text(args.dataset, args.text_column)
     return CollapseRequest(selection, schedule)
 
