@@ -70,16 +70,36 @@ def shard_on_cpu() -> None:
     AcceleratorState.__init__ = init
 
 
+def record_first_scores(seen: list[bool]) -> None:
+    """Appends to `seen`, at each gate's first scoring, whether the model was sharded then: on a GPU the unsharded
+    model is still on the CPU (the Trainer places it only as it shards it) while the teacher is on the GPU."""
+    from torch.distributed.tensor import DTensor
+
+    from optimum_flatten.recovery.gate import HeldOutGate
+
+    begin = HeldOutGate._begin
+
+    def recorded(self: HeldOutGate) -> None:
+        seen.append(any(isinstance(p, DTensor) for p in self.model.parameters()))
+        begin(self)
+
+    HeldOutGate._begin = recorded
+
+
 def main(out: str) -> None:
     import torch.distributed as dist
 
+    seen: list[bool] = []
+    record_first_scores(seen)
     # First as transformers and accelerate run it on a CPU (DDP, said in the log), then sharded.
     for name, run in [(CPU_AS_IS, RUNS["full"]), *RUNS.items()]:
         if name != CPU_AS_IS:
             shard_on_cpu()
+        seen.clear()
         before, after, log = ddp_heal.heal(processes=int(os.environ["WORLD_SIZE"]), fsdp=True, **run)
         if dist.get_rank() == 0:
-            torch.save({"before": before, "after": after, "log": log}, Path(out) / f"{name}.pt")
+            record = {"before": before, "after": after, "log": log, "first_score_sharded": list(seen)}
+            torch.save(record, Path(out) / f"{name}.pt")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -87,6 +87,9 @@ def test_fsdp2_heals_to_the_weights_of_one_process(two_processes, name):
     assert theirs["fsdp"] == 2 and theirs["processes"] == 2 and "notes" not in theirs
     assert theirs["sharded_parameters"] == len(before) and log["sharded_parameters"] == 0 and log["fsdp"] is None
     assert theirs["steps"] == log["steps"] and theirs["tokens_trained"] == log["tokens_trained"]
+    # The gate scored its start on the sharded model (on a GPU the unsharded one is still on the CPU, the teacher
+    # on the GPU), once.
+    assert sharded["first_score_sharded"] == [True]
     assert theirs["gate"] == log["gate"] and theirs["best_step"] == log["best_step"]
     ours = torch.tensor([h["objective"] for h in log["heldout_history"]])
     # The overshooting runs (rates 0.1 and 0.3) carry the ranks' round-off into the held-out loss: 3.6e-6 relative
@@ -138,6 +141,7 @@ def test_fsdp_on_the_cpu_as_the_libraries_stand_is_ddp_and_the_log_says_so(two_p
     assert theirs["log"]["processes"] == 2 and len(theirs["log"]["notes"]) == 1
     assert theirs["log"]["notes"][0].startswith("FSDP was asked for, but accelerate shards only on accelerators")
     assert theirs["log"]["best_step"] == log["best_step"] == ddp_heal.STEPS
+    assert theirs["first_score_sharded"] == [False]  # DDP: no deferral, the Trainer placed the model at once
     for key, tensor in after.items():
         torch.testing.assert_close(theirs["after"][key], tensor, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 

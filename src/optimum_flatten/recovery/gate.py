@@ -23,9 +23,10 @@ Under FSDP2 (``fsdp_config={"version": 2}``; the Trainer shards the model in pla
 holding one shard per process) the gate works on whole parameters, never on shards: scoring runs the sharded model's
 own forward (it gathers each unit's parameters as it goes), the snapshot gathers every trainable parameter whole
 (`full_tensor`, a collective that every process makes in the same order, since their decisions agree) and the
-restore cuts the whole best state back into this process's shard (`load_full_`). The snapshot before the first
-step is taken on the model before the Trainer shards it, so every snapshot holds whole tensors and any of them
-restores onto either form. After each scoring the units that the forward left gathered (accelerate keeps the
+restore cuts the whole best state back into this process's shard (`load_full_`). The first scoring and snapshot wait
+for the Trainer to shard the model (`on_train_begin`, with ``deferred``): under FSDP the Trainer leaves the model
+where it was loaded, on the CPU, until then, while the teacher is already on the process's GPU, and NCCL moves CUDA
+tensors only. After each scoring the units that the forward left gathered (accelerate keeps the
 final norm and LM head gathered after a forward, since a backward normally follows at once) are resharded
 (`reshard_`), so that the restore writes into the shards, not into a gathered copy that the next reshard would
 throw away (which would leave the LM head and the final norm at their last trained values).
@@ -42,7 +43,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..utils.launch import is_writer
+from ..utils.launch import collective_device, is_writer
 from .distill import LossParts
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def reshard_(model: nn.Module) -> None:
         model.reset_iter_state()
 
 
-def agree(scores: dict[str, float], device: torch.device) -> dict[str, float]:
+def agree(scores: dict[str, float]) -> dict[str, float]:
     """Rank 0's `scores` on every process of a distributed launch (unchanged outside one); see the module
     docstring for why the gate's decisions must not rest on each process's own round-off."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -109,8 +110,8 @@ def agree(scores: dict[str, float], device: torch.device) -> dict[str, float]:
     if torch.distributed.get_world_size() < 2:
         return scores
     keys = sorted(scores)
-    # On the model's device, since NCCL moves CUDA tensors only; gloo takes CPU ones.
-    values = torch.tensor([scores[k] for k in keys], dtype=torch.float64, device=device)
+    # NCCL moves CUDA tensors only, gloo CPU ones: not the model's device, which is the CPU until FSDP places it.
+    values = torch.tensor([scores[k] for k in keys], dtype=torch.float64, device=collective_device())
     torch.distributed.broadcast(values, src=0)
     return dict(zip(keys, values.tolist(), strict=True))
 
@@ -184,6 +185,8 @@ class HeldOutGate(TrainerCallback):
         state: A `state_dict` to continue from (a resumed healing, `recovery.resume`) instead of scoring the model
             as it is now: the starting scores, the best state and the patience count are the saved ones.
         guard: Held-out rows whose objective may not rise above its start for a state to be kept (None: no guard).
+        deferred: Score the start when training begins (`on_train_begin`) instead of now: under FSDP, where the
+            Trainer places the model only as it shards it.
     """
 
     def __init__(
@@ -196,6 +199,7 @@ class HeldOutGate(TrainerCallback):
         batch_size: int,
         state: Mapping[str, Any] | None = None,
         guard: Sequence[dict[str, torch.Tensor]] | None = None,
+        deferred: bool = False,
     ) -> None:
         if eval_every < 1:
             raise ValueError(f"eval_every must be at least 1 step, got {eval_every}.")
@@ -209,6 +213,12 @@ class HeldOutGate(TrainerCallback):
         if state is not None:
             self.load_state_dict(state)
             return
+        self.start: dict[str, float] | None = None
+        if not deferred:
+            self._begin()
+
+    def _begin(self) -> None:
+        """The starting scores and the input weights' snapshot: the state the gate keeps unless a step beats it."""
         self.start = self._score()
         self.best = dict(self.start)
         self.best_step = 0
@@ -252,7 +262,7 @@ class HeldOutGate(TrainerCallback):
     def _score(self, rows: Sequence[dict[str, torch.Tensor]] | None = None) -> dict[str, float]:
         scores = score_rows(self.model, self.loss, self.rows if rows is None else rows, self.batch_size)
         reshard_(self.model)
-        return agree(scores, next(p.device for p in self.model.parameters()))
+        return agree(scores)
 
     @staticmethod
     def _guard_entry(scores: Mapping[str, float] | None) -> dict[str, float]:
@@ -284,6 +294,11 @@ class HeldOutGate(TrainerCallback):
                 )  # fmt: skip
         self.misses += 1
         return self.patience > 0 and self.misses >= self.patience
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.start is None:  # deferred: the Trainer has now sharded the model and placed it on its device
+            self._begin()
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if state.global_step % self.eval_every == 0 or state.global_step >= state.max_steps:

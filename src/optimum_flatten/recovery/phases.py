@@ -196,6 +196,7 @@ def _train_phase(
             config.per_device_train_batch_size,
             state=saved["gate"] if saved is not None else None,
             guard=guard,
+            deferred=trainer.is_fsdp_enabled,  # the Trainer places a sharded model only when it shards it
         )
         trainer.add_callback(gate)
     clock = None
