@@ -170,7 +170,7 @@ class FlattenQuantizer(OptimumQuantizer):
         sources = _model_sources(self.model)
         check_output_dir(save_dir, overwrite, sources=sources)
         check_heal_folders(str(save_dir), self.config.heal, sources)
-        self.compress(self.model, self.tokenizer)
+        self.model = self.compress(self.model, self.tokenizer)  # whole on rank 0 after a sharded healing
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
     def _stack(self, adapter: ArchitectureAdapter, method: CompressionMethod) -> str:
@@ -243,6 +243,7 @@ class FlattenQuantizer(OptimumQuantizer):
         from .options.recovery import SPLIT_AFTER_MERGES, local_then_global, merges_layers
         from .recovery import recover
         from .recovery.arguments import fsdp_version
+        from .recovery.unsharded import cpu_copy, unsharded_for_save
 
         dataset, column, config, chosen = checked.heal
         # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally, on
@@ -256,10 +257,14 @@ class FlattenQuantizer(OptimumQuantizer):
                 chosen += f"; {SPLIT_AFTER_MERGES}"
         if config.mode == "changed" and (nothing := self._nothing_changed(model)):  # known only now, from the plan
             return self._skip_healing(model, config.mode, nothing)
+        # Under FSDP2 the healing leaves the model sharded across the ranks: rank 0 keeps a plain CPU copy to gather
+        # the trained weights into (`recovery.unsharded`), since the save writes one whole model.
+        spare = cpu_copy(model) if fsdp_version(config) is not None and is_writer() else None
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
         )
+        healed = unsharded_for_save(healed, lambda: spare)
         synchronize()
         seconds = round(time.perf_counter() - start, 3)
         # The mode was chosen before the compression, on the dense model: say how, not recover's "given".
@@ -518,7 +523,7 @@ class FlattenQuantizer(OptimumQuantizer):
 
         if not is_writer():
             return Path(output_dir)
-
+        _refuse_sharded(model)
         report = {**self._report_of(model), **(extra_report or {})}
         return save_compressed(model, output_dir, tokenizer=tokenizer, report=report, overwrite=overwrite)
 
@@ -547,8 +552,20 @@ class FlattenQuantizer(OptimumQuantizer):
         check_hub_repo(repo_id, kwargs.get("api"))
         if not is_writer():
             return repo_id
+        _refuse_sharded(model)
         report = {**self._report_of(model), **(extra_report or {})}
         return push_to_hub(model, repo_id, tokenizer=tokenizer, report=report, local_dir=local_dir, **kwargs)
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """Refuses a model FSDP2 left sharded across the ranks: each holds a shard, and the save would write shards."""
+    from .recovery.unsharded import is_sharded
+
+    if is_sharded(model):
+        raise ValueError(
+            "this model's parameters are FSDP2 shards (a healing sharded it across the processes): save the model "
+            "`compress` returned, whole on rank 0, or gather it with recovery.unsharded.unsharded_for_save first."
+        )
 
 
 def check_shardable(method: CompressionMethod, corrections: Corrections, rank: int, world_size: int) -> None:

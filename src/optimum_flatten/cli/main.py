@@ -207,7 +207,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     quantizer = FlattenQuantizer(config, progress=not args.no_progress and is_writer())
     with warnings.catch_warnings():  # a skipped healing is printed below with the report's other warnings
         warnings.filterwarnings("ignore", message="the healing was skipped")
-        quantizer.compress(model, tokenizer)
+        model = quantizer.compress(model, tokenizer)  # whole on rank 0 after a healing FSDP2 sharded
     if not is_writer():  # under torchrun / accelerate launch every rank holds the same model; rank 0 writes it
         return 0
     report = quantizer.report
@@ -238,6 +238,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     """Heals a compressed checkpoint (LoRA or full-parameter, LM loss or distilled from the dense model, behind the
     held-out gate) and saves a plain one; every refusal comes before anything is written."""
     import dataclasses
+    import functools
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -246,6 +247,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     from ..recovery import RecoveryConfig, recover
     from ..recovery.rows import UNGUARDED_NOTE
     from ..recovery.text_repetition import describe as describe_repetition
+    from ..recovery.unsharded import unsharded_for_save
     from ..utils.causal_lm import causal_lm_refusal
     from ..utils.launch import is_writer
 
@@ -271,6 +273,11 @@ def cmd_recover(args: argparse.Namespace) -> int:
     model, log = recover(
         model, tokenizer, args.dataset, config, args.text_column, teacher=args.teacher, report=report or None
     )
+    # FSDP2 leaves the model sharded across the ranks: rank 0 gathers the weights into the checkpoint reloaded.
+    plain = functools.partial(
+        AutoModelForCausalLM.from_pretrained, source, config=model_config, trust_remote_code=args.trust_remote_code
+    )
+    model = unsharded_for_save(model, plain)
     if not is_writer():  # the ranks of a data-parallel launch end on the same weights; rank 0 writes them
         return 0
     report["recovery"] = {**log, "dataset": public_dataset_name(args.dataset)}

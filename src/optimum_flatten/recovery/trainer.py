@@ -70,8 +70,7 @@ def recover(
         Trainer sharded the model, else None), the learning rate and the weight scale its default follows
         (`RecoveryConfig.rate_for`), the held-out objective and LM loss before and after, and the gate's
         decision. Under FSDP2 the model comes back as the Trainer left it, sharded in place (its parameters are
-        DTensors): gather it on every process with ``torch.distributed.checkpoint.state_dict.get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` and save from rank 0.
+        DTensors): call `recovery.unsharded.unsharded_for_save` on every process and save what rank 0 gets back.
 
     Raises:
         ValueError: an unknown mode, a teacher with another vocabulary or tokenizer, hidden-state terms without a
