@@ -30,9 +30,11 @@ def states_and_head(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | No
     Normally the states are the LM head's input and the map is the head. If the model has no output embedding
     module, or its last-position logits differ from head(hidden), the model is marked in `full` (so later batches
     skip the check) and its full logits are returned with the identity map. With autograd on, the states carry the
-    graph; the check itself runs without it.
+    graph; the check itself runs without it. A data-parallel wrapper (DDP, as the Trainer hands `compute_loss` under
+    torchrun) is looked through for the head, and the forward still runs through it, so that its gradients sync.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    owner = _unwrapped(model)
+    head = owner.get_output_embeddings() if hasattr(owner, "get_output_embeddings") else None
     if isinstance(head, nn.Module) and id(model) not in full:
         captured: dict[str, torch.Tensor] = {}
 
@@ -58,3 +60,10 @@ def states_and_head(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | No
                 return hidden, head
         full.add(id(model))
     return model(input_ids=ids, attention_mask=mask, use_cache=False).logits, identity
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP's or DataParallel's wrapper (which has no `get_output_embeddings`: without this, every
+    data-parallel step built the student's full logits), else `model`."""
+    wrappers = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+    return model.module if isinstance(model, wrappers) else model
