@@ -342,10 +342,12 @@ class FlattenQuantizer(OptimumQuantizer):
         heal = None
         if self.config.heal:
             from .recovery import check_recovery_inputs
+            from .recovery.arguments import check_one_device_per_process
             from .recovery.objectives import local_needs_one_process
 
             check_causal_lm(model)  # healing would refuse it after the compression, whose work would be lost
             heal = self._heal_inputs(model)
+            check_one_device_per_process(model, heal[2])
             dataset, column, recovery, _ = heal
             # A table too short is refused before the text is tokenised; a RoPE warning comes once, from `recover`.
             check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)

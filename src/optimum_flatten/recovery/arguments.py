@@ -44,6 +44,28 @@ def _replicas(config: RecoveryConfig, world_size: int | None = None) -> int:
     return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_one_device_per_process(model: Any, config: RecoveryConfig) -> None:
+    """Refuses one process that sees several GPUs, before any weight changes: the Trainer would wrap the student in
+    torch's DataParallel over all of them, so that each step reads a batch per GPU the budget never counted (the
+    rows run out and repeat), mode `local` trains across replicas it cannot, and the hidden-state terms record one
+    replica's slice of the batch. A model already spread over the GPUs (``device_map``) is left alone: the Trainer
+    does not wrap it."""
+    from ..utils.launch import launched_world_size
+
+    if launched_world_size() > 1 or config.extra_training_args.get("use_cpu") or not torch.cuda.is_available():
+        return
+    spread = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(spread) > 1 or getattr(model, "model_parallel", False):
+        return
+    count = torch.cuda.device_count()
+    if count > 1:
+        raise ValueError(
+            f"this one process sees {count} GPUs, and the Trainer would split each batch over them with DataParallel, "
+            f"which the healing does not count: launch a process a GPU (torchrun --nproc-per-node {count} ...), or "
+            "show this one a single GPU (CUDA_VISIBLE_DEVICES=0)."
+        )
+
+
 def fsdp_version(config: RecoveryConfig, arguments: Any = None) -> int | None:
     """The FSDP version the run asks for, None for none: from the built TrainingArguments (``fsdp=True`` with
     ``fsdp_config={"version": ...}`` in `extra_training_args`; transformers defaults to 2), from those arguments

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..options.recovery import RecoveryConfig
 from ..utils.torch_utils import keeping_use_cache
-from .arguments import check_fsdp, fsdp_version, healing_schedule
+from .arguments import check_fsdp, check_one_device_per_process, fsdp_version, healing_schedule
 from .healing_run import HealingRun
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
@@ -82,6 +82,7 @@ def recover(
 
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
     check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
+    check_one_device_per_process(model, config)
     share = checked_share(dataset, config, _has_teacher(teacher, report))
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     rows = read_rows(tokenizer, dataset, config, text_column, share)
