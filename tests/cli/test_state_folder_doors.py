@@ -1,7 +1,8 @@
 """A run's state folder against its output, where a review found the checks missing: `compress --heal-checkpoint-dir`
 inside (or equal to) `--output` and the same through `FlattenQuantizer.quantize(save_dir)` were found only by the save,
 after the whole compression and healing; and `recover --output` inside `--checkpoint-dir` was accepted, then the
-command advised removing that folder, healed model and all."""
+command advised removing that folder, healed model and all. And compress's ``--heal-*`` refusals, which named
+RecoveryConfig's fields (``seqlen``: on compress the calibration's flag) and took ``--heal-mode none`` as a mode."""
 
 from __future__ import annotations
 
@@ -72,3 +73,38 @@ def test_recover_refuses_an_output_inside_its_checkpoint_dir_before_loading(tmp_
     message = one_error_line(capsys)
     assert code == 2 and "is inside --checkpoint-dir" in message and "outside the run's state folder" in message
     assert not state.exists()
+
+
+@pytest.mark.parametrize(
+    "heal, message",
+    [
+        (
+            ["--heal-seqlen", "1"],
+            "seqlen must be at least 2 (a row trains each token on those before it), got 1. "
+            "(on compress: seqlen is --heal-seqlen)",
+        ),
+        (["--heal-save-every", "5"], "--heal-save-every needs --heal-checkpoint-dir"),
+        (["--heal-mode", "none", "--heal-seqlen", "1"], "(on compress: seqlen is --heal-seqlen)"),
+    ],
+    ids=["row length", "checkpoints without a folder", "mode none is the default"],
+)
+def test_compress_names_its_own_heal_flags_in_a_refusal(dense_and_text, tmp_path, capsys, monkeypatch, heal,
+                                                        message):  # fmt: skip
+    """RecoveryConfig's words are another flag's on compress (its --seqlen is the calibration's); `--heal-mode none`,
+    listed among the choices, reached RecoveryConfig as the string 'none'."""
+    import optimum_flatten.cli.main as cli
+
+    monkeypatch.setattr(cli, "_load", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    dense, text = dense_and_text
+    code = main(["compress", str(dense), "--method", "flattengpt", "--num-layers-to-remove", "2", "--dataset",
+                 str(text), "--heal-tokens", "64", *heal, "--output", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2 and message in one_error_line(capsys)
+
+
+def test_heal_mode_none_reads_as_the_default():
+    from optimum_flatten.cli.main import build_parser
+    from optimum_flatten.cli.options import heal_options
+
+    args = build_parser().parse_args(["compress", "m", "--num-layers-to-remove", "2", "--heal-tokens", "64",
+                                      "--heal-mode", "none", "--output", "o"])  # fmt: skip
+    assert args.heal_mode is None and heal_options(args) == {"max_tokens": 64, "mode": None}

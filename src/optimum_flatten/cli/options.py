@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -368,9 +369,10 @@ def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
         help="heal on this many training tokens, distilled from the dense model (holds a copy of the dense weights "
         "meanwhile); default: no healing",
     )
-    modes = option_converter(typing.get_type_hints(RecoveryConfig)["mode"])[1]
+    read_mode, modes = option_converter(typing.get_type_hints(RecoveryConfig)["mode"])
     group.add_argument(
         "--heal-mode",
+        type=read_mode,  # `none` is the default's choice, as recover's --mode none
         choices=modes,
         default=argparse.SUPPRESS,
         help="what is trained (default: full where its memory fits, after merged layers local then the global "
@@ -417,7 +419,25 @@ def heal_options(args: argparse.Namespace) -> dict[str, Any] | None:
             "--heal-mode, --heal-dataset, --heal-text-column, --heal-seqlen, --heal-checkpoint-dir and "
             "--heal-save-every need --heal-tokens N, the training-token budget."
         )
+    if "save_every" in given and "checkpoint_dir" not in given:  # else refused in RecoveryConfig's words, later
+        raise ValueError("--heal-save-every needs --heal-checkpoint-dir, the folder the healing's checkpoints go to.")
+    try:
+        parse_heal(given)  # FlattenConfig reads it again; here its refusal can name compress's flags
+    except ValueError as error:
+        raise ValueError(f"{error} {_heal_flags_named(str(error), given)}".rstrip()) from error
     return given
+
+
+def _heal_flags_named(message: str, given: dict[str, Any]) -> str:
+    """``(on compress: seqlen is --heal-seqlen)`` for the heal keys a refusal names (`RecoveryConfig`'s words, which
+    on compress are another flag's: its --seqlen is the calibration's)."""
+    flags = {key: flag for flag, key in HEAL_FLAGS.items()}
+    named = [
+        f"{key} is --{flags[key].replace('_', '-')}"
+        for key in (*given, "checkpoint_dir")
+        if re.search(rf"\b{key}\b", message) and key in flags
+    ]
+    return f"(on compress: {', '.join(dict.fromkeys(named))})" if named else ""
 
 
 def add_recovery_arguments(parser: argparse.ArgumentParser) -> None:
