@@ -425,3 +425,18 @@ def test_a_full_disk_is_one_line_and_leaves_the_old_checkpoint_intact(tmp_path, 
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%" not in line]
     assert len(err) == 1 and err[0].startswith("error: the disk filled up") and "is intact" in err[0], err
     assert _tree(out) == before and _siblings(out) == []
+
+
+def test_another_ranks_write_probe_does_not_make_an_empty_folder_look_full(tmp_path):
+    """Under torchrun each rank tries the output folder's write access with a probe folder it removes at once
+    (`atomic.check_writable`); the other rank, checking the same empty folder (a mount point) at that moment, saw a
+    folder that is not empty and holds no checkpoint, and refused while the first went on into its collectives."""
+    from optimum_flatten.export.checkpoint import check_output_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".out.probe-k3j4h5ab").mkdir()  # another rank's, between its mkdtemp and its rmdir
+    assert check_output_dir(out, overwrite=False) == out
+    (out / "notes.txt").write_text("the user's")
+    with pytest.raises(OutputDirectoryError, match="not empty"):
+        check_output_dir(out, overwrite=False)

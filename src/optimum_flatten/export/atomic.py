@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 #: ``.NAME.old-PID-HEX`` (the replaced files while they are swapped), beside a new output folder or inside an
 #: existing one. A save killed mid-way leaves them; the next save removes those whose process is gone.
 STAGING, BACKUP = "partial", "old"
+#: The folder `check_writable` makes and removes at once to try a folder's write access.
+PROBE = "probe"
 
 
 def hidden_folder_parent(path: Path) -> Path:
@@ -62,7 +64,7 @@ def check_writable(path: Path) -> None:
             f"cannot create the output folder {str(path)!r}: {str(folder)!r} is a file; choose another path."
         )
     try:
-        probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.probe-", dir=folder)
+        probe = tempfile.mkdtemp(prefix=f".{path.name or 'output'}.{PROBE}-", dir=folder)
     except OSError as error:
         raise OutputDirectoryError(
             f"cannot write the output folder {str(path)!r}: {str(folder)!r} is not writable "

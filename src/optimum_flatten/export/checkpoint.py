@@ -23,6 +23,7 @@ from ..utils.errors import OutputDirectoryError
 from ..utils.offload import is_offloaded
 from .atomic import (
     BACKUP,
+    PROBE,
     STAGING,
     check_writable,
     disk_full_message,
@@ -137,9 +138,10 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
 
 def _holds_files(path: Path) -> bool:
     """Whether the existing folder `path` holds anything but staging folders of saves to it. A save to an existing
-    folder stages inside it, so a killed save to a fresh mount point leaves one there; the folder is still empty."""
-    staged = set(leftovers(path, STAGING))
-    return any(item not in staged for item in path.iterdir())
+    folder stages inside it, so a killed save to a fresh mount point leaves one there; the folder is still empty.
+    Nor do write probes count (`atomic.check_writable`): under torchrun another rank's may be there for a moment."""
+    ours = {*leftovers(path, STAGING), *leftovers(path, PROBE)}
+    return any(item not in ours for item in path.iterdir())
 
 
 def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:
