@@ -486,3 +486,25 @@ def test_the_hubs_log_lines_show_once_and_only_with_verbose(monkeypatch, verbose
         hub_logger.removeHandler(collector)
     # Shown with -v only, by the hub's own handler alone (not propagated to the root's as well).
     assert seen == ([("Retrying in 1s [Retry 1/5].", False)] if verbose else [])
+
+
+@pytest.mark.parametrize(
+    "argv, environment, message",
+    [
+        (["demo", "--overwrite"], {}, "--overwrite applies to the folder --output names"),
+        (["demo", "--output", "{out}"], {"WORLD_SIZE": "2"}, "the demo runs in one process"),
+    ],
+    ids=["overwrite without output", "under a launcher"],
+)
+def test_the_demo_refuses_what_it_would_ignore_or_race_on(tmp_path, capsys, monkeypatch, argv, environment, message):
+    """``demo --overwrite`` without ``--output`` did nothing; under torchrun every rank measured on its own and wrote
+    --output over the others."""
+    import optimum_flatten.bundled as bundled
+    import optimum_flatten.utils.launch as launch
+
+    monkeypatch.setattr(bundled, "load_smollm2", lambda *a, **k: pytest.fail("the model was loaded before refusing"))
+    monkeypatch.setattr(launch, "join_launcher_group", lambda: False)  # no group to join in this one process
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert main([a.format(out=tmp_path / "out") for a in argv]) == 2
+    assert message in _error_line(capsys) and not (tmp_path / "out").exists()

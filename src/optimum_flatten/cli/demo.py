@@ -23,8 +23,16 @@ def _check_demo_options(args: argparse.Namespace) -> None:
     used to fail after the dense model was loaded and scored (a minute of work), or deep inside with another name."""
     from .. import bundled
     from ..registry import get_method_class
+    from ..utils.launch import launched_world_size
     from .evaluate_checks import MIN_SPEED_ROUNDS
 
+    if launched_world_size() > 1:  # every rank would measure on its own and write --output over the others
+        raise ValueError(
+            f"the demo runs in one process; run it without torchrun or a launcher (`{_program(args)} compress` "
+            "shards its calibration under one)."
+        )
+    if args.overwrite and not args.output:
+        raise ValueError("--overwrite applies to the folder --output names; give --output DIR with it.")
     if args.speed_rounds < MIN_SPEED_ROUNDS:
         raise ValueError(
             f"--speed-rounds must be at least {MIN_SPEED_ROUNDS} (a median needs a spread to be trusted), got "

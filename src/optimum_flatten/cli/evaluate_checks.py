@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .verbs import EvaluateArguments
+
 #: Rounds a speed needs for a spread: with one, the interquartile range is not defined, and a ratio of two single
 #: timings would be printed as a measured speed-up.
 MIN_SPEED_ROUNDS = 2
@@ -51,10 +53,14 @@ def _check_companions(args: argparse.Namespace) -> None:
     companions = (
         ("--lm-eval-limit", args.lm_eval_limit is not None, "--lm-eval-tasks", bool(args.lm_eval_tasks)),
         ("--allow-different-tokenizers", args.allow_different_tokenizers, "--baseline", bool(args.baseline)),
+        ("--no-fidelity", args.no_fidelity, "--baseline", bool(args.baseline)),
+        ("--no-generation", args.no_generation, "--baseline", bool(args.baseline)),
     )
     for option, given, needed, present in companions:
         if given and not present:
             raise ValueError(f"{option} applies with {needed}, which was not given; give both or neither.")
+    if args.no_speed and args.speed_rounds != EvaluateArguments.speed_rounds:  # given: it is not the default
+        raise ValueError("--speed-rounds sets the timing that --no-speed skips; give one of them.")
 
 
 def check_output_file(path: str | None, option: str) -> None:
