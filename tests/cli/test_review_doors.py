@@ -66,7 +66,6 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_naming_it(llama_on_disk, tm
         (["--allow-different-tokenizers"], "--allow-different-tokenizers applies with --baseline"),
         (["--no-fidelity"], "--no-fidelity applies with --baseline"),
         (["--no-generation"], "--no-generation applies with --baseline"),
-        (["--no-speed", "--speed-rounds", "3"], "--speed-rounds sets the timing that --no-speed skips"),
     ],
 )
 def test_evaluate_options_are_refused_by_their_flag_before_anything_loads(

@@ -15,8 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .verbs import EvaluateArguments
-
 #: Rounds a speed needs for a spread: with one, the interquartile range is not defined, and a ratio of two single
 #: timings would be printed as a measured speed-up.
 MIN_SPEED_ROUNDS = 2
@@ -59,8 +57,6 @@ def _check_companions(args: argparse.Namespace) -> None:
     for option, given, needed, present in companions:
         if given and not present:
             raise ValueError(f"{option} applies with {needed}, which was not given; give both or neither.")
-    if args.no_speed and args.speed_rounds != EvaluateArguments.speed_rounds:  # given: it is not the default
-        raise ValueError("--speed-rounds sets the timing that --no-speed skips; give one of them.")
 
 
 def check_output_file(path: str | None, option: str) -> None:
