@@ -81,6 +81,7 @@ class FlattenHfQuantizer(HfQuantizer):
         # step, and a model marked quantized is one the Trainer refuses to train (`FlattenConfig(heal=...)`).
         self.remove_quantization_config(model)
         quantizer = FlattenQuantizer(self.quantization_config)
+        quantizer.in_place = True  # transformers keeps the model it loaded, whatever compress returns
         quantizer.compress(model, tokenizer)
         self.report = quantizer.report
         model.flatten_report = quantizer.report

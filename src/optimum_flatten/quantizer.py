@@ -114,6 +114,9 @@ class FlattenQuantizer(OptimumQuantizer):
         #: The last compression's record (empty before the first).
         self.report: CompressionReport | dict[str, Any] = {}
         self.plan: LayerPlan | None = None
+        #: Whether the caller keeps the model it passed, whatever `compress` returns (compress-on-load): a healing
+        #: sharded by FSDP2, which rank 0 gets back as another object, is then refused before any work.
+        self.in_place = False
 
     @classmethod
     def from_pretrained(
@@ -162,7 +165,7 @@ class FlattenQuantizer(OptimumQuantizer):
         if quantization_config is not None:
             self.config = quantization_config
         from .export.checkpoint import _model_sources, check_output_dir
-        from .utils.state_folders import check_heal_folders
+        from .utils.state_folders import check_heal_folders, check_state_folder
 
         # The same refusals `save` applies (the model's own folder, the current or a home folder, write access), up
         # front: a refused output found after the compression would waste it; so would a healing's state folder
@@ -170,6 +173,7 @@ class FlattenQuantizer(OptimumQuantizer):
         sources = _model_sources(self.model)
         check_output_dir(save_dir, overwrite, sources=sources)
         check_heal_folders(str(save_dir), self.config.heal, sources)
+        check_state_folder(str(save_dir), self.config.resume_dir, "resume_dir", sources)
         self.model = self.compress(self.model, self.tokenizer)  # whole on rank 0 after a sharded healing
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
@@ -183,7 +187,9 @@ class FlattenQuantizer(OptimumQuantizer):
         return method.stacks_to_compress(adapter, list(stacks))[-1]
 
     def compress(self, model: nn.Module, tokenizer: Any = None) -> nn.Module:
-        """Compresses `model` in place and returns it; `self.report` then holds what was done and measured.
+        """Compresses `model` in place and returns it; `self.report` then holds what was done and measured. After a
+        healing FSDP2 sharded across the ranks, rank 0 gets another model back, whole (`recovery.unsharded`): save
+        the model this returns.
 
         Three stages: `preflight` (every refusal, before any weight changes), the run (calibrate, plan, apply),
         and the report (a `CompressionReport`).
@@ -244,6 +250,7 @@ class FlattenQuantizer(OptimumQuantizer):
         from .recovery import recover
         from .recovery.arguments import fsdp_version
         from .recovery.unsharded import cpu_copy, unsharded_for_save
+        from .utils.launch import launched_rank
 
         dataset, column, config, chosen = checked.heal
         # The plan is known now: a default `full` after a plan that merged layers trains locally, then globally, on
@@ -259,7 +266,7 @@ class FlattenQuantizer(OptimumQuantizer):
             return self._skip_healing(model, config.mode, nothing)
         # Under FSDP2 the healing leaves the model sharded across the ranks: rank 0 keeps a plain CPU copy to gather
         # the trained weights into (`recovery.unsharded`), since the save writes one whole model.
-        spare = cpu_copy(model) if fsdp_version(config) is not None and is_writer() else None
+        spare = cpu_copy(model) if fsdp_version(config) is not None and launched_rank() == 0 else None
         start = time.perf_counter()
         healed, log = recover(
             model, tokenizer, dataset, config, text_column=column, teacher=teacher, report=self.report
@@ -342,12 +349,18 @@ class FlattenQuantizer(OptimumQuantizer):
         heal = None
         if self.config.heal:
             from .recovery import check_recovery_inputs
-            from .recovery.arguments import check_one_device_per_process
+            from .recovery.arguments import check_one_device_per_process, fsdp_version
             from .recovery.objectives import local_needs_one_process
 
             check_causal_lm(model)  # healing would refuse it after the compression, whose work would be lost
             heal = self._heal_inputs(model)
             check_one_device_per_process(model, heal[2])
+            if self.in_place and fsdp_version(heal[2]) is not None:
+                raise ValueError(
+                    "compress-on-load hands back the model transformers loaded, and a healing sharded by FSDP2 "
+                    "comes back whole on rank 0 only as another model: run `optimum-flatten compress --heal-tokens` "
+                    "under torchrun, or save the model FlattenQuantizer(config).compress(model, tokenizer) returns."
+                )
             dataset, column, recovery, _ = heal
             # A table too short is refused before the text is tokenised; a RoPE warning comes once, from `recover`.
             check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)

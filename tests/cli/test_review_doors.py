@@ -64,8 +64,6 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_naming_it(llama_on_disk, tm
         (["--stride", "17"], r"--stride must be in 1..--seqlen \(16\)"),
         (["--lm-eval-limit", "3"], "--lm-eval-limit applies with --lm-eval-tasks"),
         (["--allow-different-tokenizers"], "--allow-different-tokenizers applies with --baseline"),
-        (["--no-fidelity"], "--no-fidelity applies with --baseline"),
-        (["--no-generation"], "--no-generation applies with --baseline"),
     ],
 )
 def test_evaluate_options_are_refused_by_their_flag_before_anything_loads(

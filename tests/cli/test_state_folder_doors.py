@@ -108,3 +108,29 @@ def test_heal_mode_none_reads_as_the_default():
     args = build_parser().parse_args(["compress", "m", "--num-layers-to-remove", "2", "--heal-tokens", "64",
                                       "--heal-mode", "none", "--output", "o"])  # fmt: skip
     assert args.heal_mode is None and heal_options(args) == {"max_tokens": 64, "mode": None}
+
+
+def test_quantize_refuses_a_resume_dir_in_save_dir_before_compressing(dense_and_text, tmp_path, monkeypatch):
+    from optimum_flatten import FlattenConfig, FlattenQuantizer
+
+    dense, _ = dense_and_text
+    out = tmp_path / "out"
+    quantizer = FlattenQuantizer.from_pretrained(str(dense), tokenizer=tiny_models.CharTokenizer())
+    monkeypatch.setattr(quantizer, "compress", lambda *a, **k: pytest.fail("compressed before refusing"))
+    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=4, seqlen=24,
+                           resume_dir=str(out / "state"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"resume_dir .* is inside the output folder"):
+        quantizer.quantize(save_dir=out, quantization_config=config)
+    assert not out.exists()
+
+
+def test_only_a_folder_the_run_advises_removing_may_not_hold_the_output(tmp_path):
+    """A healing's checkpoint folder is removed once the model is saved; a teacher-text cache or a resume folder is
+    kept, and may hold the output (``--teacher-text-cache work --output work/healed``)."""
+    from optimum_flatten.utils.state_folders import check_state_folder
+
+    work = tmp_path / "work"
+    check_state_folder(str(work / "healed"), str(work), "--teacher-text-cache")
+    check_state_folder(str(work / "model"), str(work), "--resume-dir")
+    with pytest.raises(ValueError, match="is inside --checkpoint-dir"):
+        check_state_folder(str(work / "healed"), str(work), "--checkpoint-dir", removed_after=True)

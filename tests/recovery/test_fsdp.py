@@ -141,7 +141,7 @@ def test_fsdp_on_the_cpu_as_the_libraries_stand_is_ddp_and_the_log_says_so(two_p
     assert theirs["log"]["processes"] == 2 and len(theirs["log"]["notes"]) == 1
     assert theirs["log"]["notes"][0].startswith("FSDP was asked for, but accelerate shards only on accelerators")
     assert theirs["log"]["best_step"] == log["best_step"] == ddp_heal.STEPS
-    assert theirs["first_score_sharded"] == [False]  # DDP: no deferral, the Trainer placed the model at once
+    assert theirs["first_score_sharded"] == [False]  # DDP: the model is never sharded, the gate scores it once
     for key, tensor in after.items():
         torch.testing.assert_close(theirs["after"][key], tensor, atol=1e-5, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
 

@@ -54,9 +54,28 @@ def test_a_launch_the_cpu_and_a_spread_model_are_left_alone(two_gpus, monkeypatc
     check_one_device_per_process(model, tiny_recovery_config(extra_training_args={"use_cpu": True}))
     model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
     check_one_device_per_process(model, tiny_recovery_config())
+    model.hf_device_map = {"": 1}  # the Trainer's model parallelism: not the device it would train on
+    check_one_device_per_process(model, tiny_recovery_config())
+    model.hf_device_map = {"model": 0, "lm_head": "cpu"}  # one GPU, the Trainer's own: it wraps this one
+    with pytest.raises(ValueError, match=MESSAGE):
+        check_one_device_per_process(model, tiny_recovery_config())
     del model.hf_device_map
     monkeypatch.setenv("WORLD_SIZE", "2")
     check_one_device_per_process(model, tiny_recovery_config())
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match=MESSAGE):
         check_one_device_per_process(model, tiny_recovery_config())
+
+
+def test_compress_on_load_refuses_a_healing_fsdp2_would_shard_before_compressing(tmp_path):
+    """transformers keeps the model it loaded whatever the quantizer returns, and after an FSDP2 healing rank 0's
+    whole model is another object: refused in the preflight, before any weight changes."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_models.tiny_llama_gqa().save_pretrained(tmp_path)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(tmp_path)
+    fsdp = {"fsdp": True, "fsdp_config": {"version": 2}}
+    heal = {"max_tokens": 64, "seqlen": 16, "mode": "full", "extra_training_args": fsdp}
+    config = FlattenConfig(num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=4, seqlen=24, heal=heal)
+    with pytest.raises(ValueError, match="compress-on-load hands back the model transformers loaded"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)

@@ -51,8 +51,6 @@ def _check_companions(args: argparse.Namespace) -> None:
     companions = (
         ("--lm-eval-limit", args.lm_eval_limit is not None, "--lm-eval-tasks", bool(args.lm_eval_tasks)),
         ("--allow-different-tokenizers", args.allow_different_tokenizers, "--baseline", bool(args.baseline)),
-        ("--no-fidelity", args.no_fidelity, "--baseline", bool(args.baseline)),
-        ("--no-generation", args.no_generation, "--baseline", bool(args.baseline)),
     )
     for option, given, needed, present in companions:
         if given and not present:

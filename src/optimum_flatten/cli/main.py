@@ -259,7 +259,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     # The dense teacher's folder is a source too: overwriting it would lose the model the healing learns from.
     check_output_dir(args.output, args.overwrite, sources=[source, args.teacher])
     models = [source] + ([args.teacher] if args.teacher else [])
-    check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir", models)
+    check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir", models, removed_after=True)
     check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache", models)
     check_push(args.push_to_hub, args.private)
     report_path = Path(source) / REPORT_NAME

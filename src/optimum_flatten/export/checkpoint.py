@@ -140,8 +140,8 @@ def _holds_files(path: Path) -> bool:
     """Whether the existing folder `path` holds anything but staging folders of saves to it. A save to an existing
     folder stages inside it, so a killed save to a fresh mount point leaves one there; the folder is still empty.
     Nor do write probes count (`atomic.check_writable`): under torchrun another rank's may be there for a moment."""
-    ours = {*leftovers(path, STAGING), *leftovers(path, PROBE)}
-    return any(item not in ours for item in path.iterdir())
+    ours = (f".{path.name}.{STAGING}-", f".{path.name or 'output'}.{PROBE}-")  # by name: a probe may come meanwhile
+    return any(not (item.name.startswith(ours) and item.is_dir()) for item in path.iterdir())
 
 
 def _refusal(path: Path, sources: Iterable[str | Path | None]) -> str | None:

@@ -48,15 +48,17 @@ def check_one_device_per_process(model: Any, config: RecoveryConfig) -> None:
     """Refuses one process that sees several GPUs, before any weight changes: the Trainer would wrap the student in
     torch's DataParallel over all of them, so that each step reads a batch per GPU the budget never counted (the
     rows run out and repeat), mode `local` trains across replicas it cannot, and the hidden-state terms record one
-    replica's slice of the batch. A model already spread over the GPUs (``device_map``) is left alone: the Trainer
-    does not wrap it."""
+    replica's slice of the batch. A model placed by ``device_map`` on other GPUs than the first, or on several, is
+    left alone, by the Trainer's own rule (its CPU and disk entries aside): the Trainer does not wrap it."""
     from ..utils.launch import launched_world_size
 
     if launched_world_size() > 1 or config.extra_training_args.get("use_cpu") or not torch.cuda.is_available():
         return
-    spread = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
-    if len(spread) > 1 or getattr(model, "model_parallel", False):
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} - {"cpu", "disk"}
+    if len(placed) > 1 or getattr(model, "model_parallel", False):
         return
+    if len(placed) == 1 and torch.device(_cuda_index(placed.pop())) != torch.device("cuda", 0):
+        return  # the Trainer's model parallelism: one device, not the one it would train on
     count = torch.cuda.device_count()
     if count > 1:
         raise ValueError(
@@ -64,6 +66,11 @@ def check_one_device_per_process(model: Any, config: RecoveryConfig) -> None:
             f"which the healing does not count: launch a process a GPU (torchrun --nproc-per-node {count} ...), or "
             "show this one a single GPU (CUDA_VISIBLE_DEVICES=0)."
         )
+
+
+def _cuda_index(device: str) -> str:
+    """A device map's entry as torch names it: ``0`` is ``cuda:0``."""
+    return f"cuda:{device}" if device.isdigit() else device
 
 
 def fsdp_version(config: RecoveryConfig, arguments: Any = None) -> int | None:

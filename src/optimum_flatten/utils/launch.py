@@ -26,6 +26,15 @@ def launched_world_size() -> int:
         return 1
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher numbered it (``RANK``; 0 outside a launcher): known before the process
+    group is joined, where `process_group` still says (0, 1) on every rank."""
+    try:
+        return max(0, int(os.environ.get("RANK", "0")))
+    except ValueError:
+        return 0
+
+
 def processes_on_this_host() -> int:
     """How many of the launch's processes share this machine (``LOCAL_WORLD_SIZE``, which torchrun and accelerate
     launch set; 1 outside a launcher): on the CPU they share one memory, which each would otherwise count as its own."""

@@ -13,13 +13,16 @@ from typing import Any
 HEAL_STATE_FOLDERS = {"checkpoint_dir": "--heal-checkpoint-dir", "teacher_text_cache": None}
 
 
-def check_state_folder(output: str, state: str | None, option: str, sources: Sequence[str] = ()) -> None:
+def check_state_folder(
+    output: str, state: str | None, option: str, sources: Sequence[str] = (), removed_after: bool = False
+) -> None:
     """Refuses a folder where a run keeps its state (`option`: ``--resume-dir``, ``--checkpoint-dir``,
     ``--teacher-text-cache``) that is the output folder or inside it, before any work: the save would find the
     state's files there and refuse to write into a folder that holds no checkpoint, after the whole run. Refuses it
     too in a folder the run loads a model from (`sources`: the student, the dense teacher): the state would be
-    written among the model's files, and `recover` ends by advising to remove the state's folder; and refuses an output
-    inside the state's folder, for the same advice."""
+    written among the model's files, and `recover` ends by advising to remove the state's folder. With
+    `removed_after` (a healing's checkpoint folder, which the command advises removing once the model is saved) it
+    refuses an output inside the state's folder too; a resume folder or a teacher-text cache may hold it."""
     if state is None:
         return
     out, kept = Path(output).expanduser().resolve(), Path(state).expanduser().resolve()
@@ -28,7 +31,7 @@ def check_state_folder(output: str, state: str | None, option: str, sources: Seq
             f"{option} {state!r} is {'the output folder' if kept == out else 'inside the output folder'} "
             f"{output!r}, where the save must write the checkpoint alone; keep the run's state in another folder."
         )
-    if kept in out.parents:
+    if removed_after and kept in out.parents:
         raise ValueError(
             f"the output folder {output!r} is inside {option} {state!r}, which is removed once the run is over; "
             "save the model outside the run's state folder."
@@ -54,4 +57,4 @@ def check_heal_folders(
     the command line, by the heal key in the API."""
     for key, flag in HEAL_STATE_FOLDERS.items():
         option = flag if command_line and flag else f"heal[{key!r}]"
-        check_state_folder(output, (heal or {}).get(key), option, sources)
+        check_state_folder(output, (heal or {}).get(key), option, sources, removed_after=key == "checkpoint_dir")
