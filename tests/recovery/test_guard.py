@@ -174,3 +174,13 @@ def test_the_training_texts_given_again_as_the_guard_are_refused():
     config = RecoveryConfig(mode="full", max_tokens=128, guard_text=list(texts), **SMALL)
     with pytest.raises(ValueError, match="guard_text is the training text itself"):
         recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, texts, config, teacher=tiny_models.tiny_llama_gqa())
+
+
+def test_the_teachers_prompts_given_again_as_the_guard_are_refused():
+    """The teacher's training rows open with the prompts' first tokens, trained on: as the guard they are no longer
+    text the healing does not see."""
+    texts, prompts = tiny_models.sample_texts(), tiny_models.sample_texts(30, seed=7)
+    teacher = {"teacher_text": 0.5, "prompts": list(prompts), "teacher_prompt_tokens": 8}
+    config = RecoveryConfig(mode="full", max_tokens=128, guard_text=list(prompts), **teacher, **SMALL)
+    with pytest.raises(ValueError, match="guard_text is the prompts' text"):
+        recover(tiny_models.tiny_llama_gqa(seed=1), TOKENIZER, texts, config, teacher=tiny_models.tiny_llama_gqa())

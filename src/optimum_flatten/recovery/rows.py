@@ -207,8 +207,8 @@ def _same_source(dataset: Any, guard: Any) -> bool:
 
 def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column: str) -> list[Row]:
     """`heldout_rows` rows of `config.guard_text` (a seeded choice), the gate's guard (`recovery.gate`); none
-    without one. Refuses a guard without the gate, the training text given again as its own guard, and a guard
-    text too short for one row, before any model changes."""
+    without one. Refuses a guard without the gate, the training text or the teacher's prompts given again as its own
+    guard, and a guard text too short for one row, before any model changes."""
     if config.guard_text is None:
         return []
     if config.heldout_rows < 1:
@@ -217,6 +217,11 @@ def _guard_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_colum
         raise ValueError(
             "guard_text is the training text itself, so its rows would be trained on; give a text the healing does "
             "not train on (in a mix, the training text's held-out rows guard it already)."
+        )
+    if config.prompts is not None and _same_source(config.prompts, config.guard_text):
+        raise ValueError(
+            "guard_text is the prompts' text, whose openings start the teacher's training rows and are trained on; "
+            "give a guard text the healing does not see."
         )
     if isinstance(config.guard_text, (str, os.PathLike)):
         require_existing(config.guard_text, "guard_text (--guard-text)")
