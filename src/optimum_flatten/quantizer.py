@@ -348,45 +348,12 @@ class FlattenQuantizer(OptimumQuantizer):
             check_shardable(method, corrections, rank, world_size)
         heal = None
         if self.config.heal:
-            from .recovery import check_recovery_inputs
-            from .recovery.arguments import check_one_device_per_process, fsdp_version
-            from .recovery.objectives import local_needs_one_process
+            from .recovery.heal_request import check_heal_request
 
             check_causal_lm(model)  # healing would refuse it after the compression, whose work would be lost
             heal = self._heal_inputs(model)
-            check_one_device_per_process(model, heal[2])
-            if self.in_place and fsdp_version(heal[2]) is not None:
-                raise ValueError(
-                    "compress-on-load hands back the model transformers loaded, and a healing sharded by FSDP2 "
-                    "comes back whole on rank 0 only as another model: run `optimum-flatten compress --heal-tokens` "
-                    "under torchrun, or save the model FlattenQuantizer(config).compress(model, tokenizer) returns."
-                )
-            dataset, column, recovery, _ = heal
-            # A table too short is refused before the text is tokenised; a RoPE warning comes once, from `recover`.
-            check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)
-            check_recovery_inputs(tokenizer, dataset, recovery, column)
             kept = num_layers - num_to_remove
-            if recovery.mode == "local" and processes > 1:  # `recover` refuses it too, after the compression
-                raise ValueError(local_needs_one_process(processes))
-            if recovery.mode == "last_k" and recovery.last_k > kept:  # the compressed model's blocks, not these
-                raise ValueError(
-                    f"heal mode 'last_k' trains the last {recovery.last_k} blocks, and the compressed model keeps "
-                    f"{kept}; lower last_k to at most {kept}."
-                )
-            if recovery.mode == "changed" and method.keeps_depth:
-                raise ValueError(
-                    f"heal mode 'changed' trains the layers a depth compression merged or bridged, and "
-                    f"{self.config.method} keeps every layer; heal with mode 'full', 'last_k' or 'lora'."
-                )
-            drops_only = not (method.merges_layers or corrections.linear_replacement or corrections.compensation)
-            if recovery.mode == "changed" and drops_only and method.accepts_linear_replacement:
-                # A method that only drops whole layers, uncorrected, leaves nothing that 'changed' could train;
-                # said now rather than after the compression. (auto and ReplaceMe fit maps: they pass.)
-                raise ValueError(
-                    f"heal mode 'changed' trains what the compression changed, and {self.config.method} without a "
-                    "correction only drops whole layers; add linear_replacement='lstsq_down' (its bridges are then "
-                    "trained), or heal with mode 'full', 'last_k' or 'lora'."
-                )
+            check_heal_request(model, tokenizer, heal, method, corrections, kept, processes, in_place=self.in_place)
         batches, own_record = (
             self._calibration_batches(model, tokenizer, (stack, num_layers, num_to_remove), own_text)
             if method.requires_calibration
