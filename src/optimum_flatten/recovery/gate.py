@@ -52,7 +52,7 @@ KEPT_INPUT = "kept input weights"
 IMPROVED = "kept the best trained state"
 
 
-def _dtensor() -> type | None:
+def dtensor_class() -> type | None:
     """torch's DTensor class (FSDP2's parameters), or None where torch has no distributed package."""
     if not torch.distributed.is_available():
         return None
@@ -64,7 +64,7 @@ def _dtensor() -> type | None:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of `tensor`: itself, or for an FSDP2 parameter (a DTensor holding this process's shard) the
     parameter gathered from every process; a collective then, which every process must make in the same order."""
-    dtensor = _dtensor()
+    dtensor = dtensor_class()
     return tensor.full_tensor() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
@@ -72,7 +72,7 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def load_full_(parameter: torch.Tensor, value: torch.Tensor) -> None:
     """Copies the whole tensor `value` into `parameter`; into an FSDP2 parameter, the shard of it this process
     holds (every process holds the same `value`, so the shards are cut locally, without communication)."""
-    dtensor = _dtensor()
+    dtensor = dtensor_class()
     if dtensor is not None and isinstance(parameter, dtensor):
         from torch.distributed.tensor import distribute_tensor
 

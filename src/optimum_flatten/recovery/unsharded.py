@@ -12,19 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from ..utils.launch import is_writer
+from .gate import dtensor_class
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of `model` is an FSDP2 shard (a DTensor)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    dtensor = dtensor_class()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def unsharded_for_save(model: nn.Module, plain: Callable[[], nn.Module]) -> nn.Module:
