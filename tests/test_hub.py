@@ -209,3 +209,38 @@ def test_a_failed_upload_suggests_a_login_the_cli_offers(tmp_path, monkeypatch):
     message = _failed_upload_message(tmp_path, monkeypatch)
     assert "`hf auth login`" in message and "HF_TOKEN" in message and "push_to_hub(..., token=...)" in message
     assert "or pass token=)" not in message
+
+
+class GlobbingApi(RecordingApi):
+    """Uploads what `allow_patterns` selects, matched as the Hub client matches it, into a local folder."""
+
+    def __init__(self, repo) -> None:
+        super().__init__()
+        self.repo = repo
+
+    def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, **kwargs):
+        import shutil
+        from pathlib import Path
+
+        files = [str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file()]
+        for name in filter_repo_objects(files, allow_patterns=allow_patterns):
+            (self.repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(folder_path) / name, self.repo / name)
+        return super().upload_folder(repo_id=repo_id, folder_path=folder_path, **kwargs)
+
+
+def test_a_remote_code_tokenizer_is_published_with_its_modules(tmp_path):
+    """The tokenizer's own Python files match no checkpoint pattern (their names are the model's); the upload finds
+    them through the auto_map, so the published repo's tokenizer loads."""
+    from transformers import AutoTokenizer
+
+    model, quantizer = _compressed()
+    tokenizer = tiny_models.remote_code_tokenizer(tmp_path / "source")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    quantizer.push_to_hub(model, "me/flat", tokenizer, local_dir=tmp_path / "flat", api=GlobbingApi(repo))
+    published = sorted(p.name for p in repo.iterdir())
+    assert {"tokenization_tiny.py", "tokenization_tiny_helpers.py", "tokenizer_config.json"} <= set(published)
+    loaded = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
+    assert type(loaded).__name__ == "TinyRemoteTokenizer" and loaded.suffix == "Tiny"
+    assert loaded("a b c")["input_ids"] == tokenizer("a b c")["input_ids"]

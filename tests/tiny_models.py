@@ -454,3 +454,23 @@ NEW_FAMILIES = {
 }
 FACTORIES.update(NEW_FAMILIES)
 MODEL_TYPES.update({name: name for name in NEW_FAMILIES})
+
+
+def remote_code_tokenizer(folder):
+    """The tiny tokenizer saved with its class as remote code (as Baichuan-2's ``tokenization_baichuan.py``), the
+    class's module importing a second one relatively."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tiny_hf_tokenizer().save_pretrained(folder)
+    (folder / "tokenization_tiny_helpers.py").write_text("SUFFIX = 'Tiny'\n")
+    (folder / "tokenization_tiny.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\nfrom .tokenization_tiny_helpers import SUFFIX\n\n\n"
+        "class TinyRemoteTokenizer(PreTrainedTokenizerFast):\n    suffix = SUFFIX\n"
+    )
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyRemoteTokenizer"]}
+    config["tokenizer_class"] = "TinyRemoteTokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=True)

@@ -24,10 +24,13 @@ from .adapters import get_adapter
 from .config import FlattenConfig
 from .plan import LayerPlan
 from .registry import get_method_class
+from .utils.errors import ModelSourceError
 
 logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "flatten"
+#: The calibration tokenizer before `_process_model_before_weight_loading` has resolved it (None is a result).
+_UNRESOLVED = object()
 
 
 class FlattenHfQuantizer(HfQuantizer):
@@ -39,6 +42,7 @@ class FlattenHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: FlattenConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self.report: dict[str, Any] = {}
+        self._tokenizer: Any = _UNRESOLVED
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         # The method class says whether it can run here (a class-level flag, as transformers' quantizers declare
@@ -55,9 +59,15 @@ class FlattenHfQuantizer(HfQuantizer):
                 "plain ones; remove quantization_config from config.json, or pass FlattenConfig only to compress."
             )
 
-    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
-        from .quantizer import FlattenQuantizer
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        # The tokenizer is resolved while the model is still empty: a checkpoint whose tokenizer cannot be loaded is
+        # refused before its weights are read (minutes at 7B), not after.
+        self._tokenizer = self._calibration_tokenizer(model)
+        return model
 
+    def _calibration_tokenizer(self, model: Any) -> Any:
+        """The calibration tokenizer: the config's (a name is loaded), else the checkpoint's own (a tokenizer, an
+        image processor for ViT, or none it needs)."""
         tokenizer = self.quantization_config.tokenizer
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
@@ -66,7 +76,23 @@ class FlattenHfQuantizer(HfQuantizer):
         elif tokenizer is None:  # the checkpoint's own: a tokenizer, an image processor (ViT), or none it needs
             from .utils.loading import load_processor
 
-            tokenizer = load_processor(model.name_or_path)
+            # transformers does not hand its trust_remote_code to a quantizer; a model class that is remote code
+            # says the user trusted this checkpoint's code, its tokenizer's included.
+            remote = type(model).__module__.startswith("transformers_modules")
+            try:
+                tokenizer = load_processor(model.name_or_path, trust_remote_code=remote)
+            except ModelSourceError as error:  # a remote-code tokenizer beside a stock model
+                raise ModelSourceError(
+                    f"the tokenizer saved with {model.name_or_path!r} is remote code, and from_pretrained does not "
+                    "pass trust_remote_code on to a quantization config: load the tokenizer yourself and pass it, "
+                    "FlattenConfig(tokenizer=AutoTokenizer.from_pretrained(path, trust_remote_code=True), ...)."
+                ) from error
+        return tokenizer
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        from .quantizer import FlattenQuantizer
+
+        tokenizer = self._tokenizer if self._tokenizer is not _UNRESOLVED else self._calibration_tokenizer(model)
         adapter = get_adapter(model)
         if adapter.exports_another_model():
             # transformers' save_pretrained would write the loaded class (remote code): only FlattenQuantizer.save

@@ -138,7 +138,8 @@ class FlattenQuantizer(OptimumQuantizer):
         from .utils.loading import load_pretrained, load_processor
 
         model = load_pretrained(model_or_path, **kwargs)
-        return cls(model=model, tokenizer=tokenizer or load_processor(model_or_path))
+        remote = bool(kwargs.get("trust_remote_code", False))
+        return cls(model=model, tokenizer=tokenizer or load_processor(model_or_path, trust_remote_code=remote))
 
     def quantize(
         self,

@@ -6,6 +6,7 @@ an ``.env``, evaluation results), and those are not ours to publish.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -168,7 +169,33 @@ def upload_patterns(folder: Path) -> list[str]:
     it wrote), a folder (``additional_chat_templates``) with everything under it. Names are escaped, since the Hub
     client reads the patterns as globs; without them it would upload every file in the folder."""
     names = sorted(p.name for p in Path(folder).iterdir() if is_checkpoint_file(p.name))
-    return [glob_escape(name) + ("/*" if (Path(folder) / name).is_dir() else "") for name in names]
+    patterns = [glob_escape(name) + ("/*" if (Path(folder) / name).is_dir() else "") for name in names]
+    return patterns + [glob_escape(name) for name in remote_code_files(folder, names)]
+
+
+def remote_code_files(folder: Path, names: list[str]) -> list[str]:
+    """The Python files in `folder` that the checkpoint's remote code loads: each module an ``auto_map`` in its JSON
+    files (`names`) points to (a tokenizer shipped as ``tokenization_*.py``, a config or model class), with the modules
+    those import relatively, as transformers resolves them. `save_pretrained` copies these files, but their names
+    are the model's own, so no pattern of `CHECKPOINT_PATTERNS` can list them; without them the published repo's
+    ``from_pretrained(..., trust_remote_code=True)`` fails. A reference into another repo (``repo--module.Class``)
+    loads from there and is not ours to upload."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    modules: set[Path] = set()
+    for name in (n for n in names if n.endswith(".json")):
+        try:
+            auto_map = json.loads((Path(folder) / name).read_text(encoding="utf-8")).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue  # not a JSON object: it names no code
+        references = (r for value in auto_map.values() for r in (value if isinstance(value, list) else [value]))
+        for reference in references:
+            if isinstance(reference, str) and "--" not in reference and "." in reference:
+                module = Path(folder) / (reference.rsplit(".", 1)[0].replace(".", "/") + ".py")
+                if module.is_file():
+                    modules.add(module)
+                    modules.update(Path(f) for f in get_relative_import_files(module))
+    return sorted(str(m.relative_to(folder)) for m in modules if m.is_file() and m.parent == Path(folder))
 
 
 def _include_options(folder: Path) -> str:

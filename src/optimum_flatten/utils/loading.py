@@ -277,16 +277,36 @@ def load_pretrained(path: str, **kwargs: Any) -> Any:
 
 
 def load_processor(path: str, trust_remote_code: bool = False) -> Any:
-    """The tokenizer saved with the checkpoint, or its image processor for a vision model (None if neither)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """The tokenizer saved with the checkpoint, or its image processor for a vision model (None if neither).
+
+    A tokenizer saved as remote code (Baichuan-2's ``tokenization_baichuan.py``) that was not trusted is refused in
+    one line that says so: taken for "no tokenizer", the calibration would later ask the user for a tokenizer they
+    already have, naming the wrong cause.
+    """
+    from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        if not trust_remote_code and "trust_remote_code" in str(error):
+            raise ModelSourceError(
+                f"the tokenizer saved with {str(path)!r} is remote code, which was not trusted: pass "
+                "trust_remote_code=True (--trust-remote-code on the command line) if you trust it, or pass the "
+                "tokenizer itself (FlattenConfig(tokenizer=...), or to compress)."
+            ) from error
+        return _image_processor(path, trust_remote_code)
+    except (OSError, TypeError):
+        return _image_processor(path, trust_remote_code)
+
+
+def _image_processor(path: str, trust_remote_code: bool) -> Any:
+    """The image processor saved with the checkpoint (a vision model's), or None."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError):
-        try:
-            return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, TypeError):
-            return None
+        return None
 
 
 def one_line(error: BaseException | str, limit: int = 300) -> str:
