@@ -331,7 +331,8 @@ class FlattenQuantizer(OptimumQuantizer):
         # A depth-keeping method must plan the identity; it reports what it changed in `context.report`.
         num_to_remove = 0 if method_class.keeps_depth else self.config.resolve_num_layers_to_remove(num_layers)
         if num_to_remove:
-            method.check_target(num_layers, num_to_remove)  # before the calibration, and any own rows, are made
+            # before the calibration, and any own rows, are made
+            method.check_target(num_layers, num_to_remove, adapter.layer_kind_rule(stack))
         tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
         if method.requires_calibration:
             # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.

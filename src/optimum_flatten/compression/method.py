@@ -315,11 +315,14 @@ class CompressionMethod(ABC):
         """
         return None
 
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
         """Refuses, before calibration (and before the model writes its own rows), a target this method's options
         cannot reach in a stack of `num_layers`: removals its blocks do not divide, more than its protected layers or
-        its groups leave. `estimate` asks it too. The default accepts; the plan still refuses what only the
-        calibration can show (a greedy merge that runs out of candidates)."""
+        its groups leave. `one_kind` is the adapter's layer-kind rule (`ArchitectureAdapter.layer_kind_rule`: sliding
+        and full attention, NoPE layers never share a merged group), for the methods that merge. `estimate` asks it
+        too. The default accepts; the plan still refuses what only the calibration can show."""
         return None
 
     def preflight(self, adapter: ArchitectureAdapter, stack: str) -> None:

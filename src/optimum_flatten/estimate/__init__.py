@@ -460,7 +460,8 @@ def estimate_memory(
             f"num_layers_to_remove must be between 1 and {shape.num_layers - 1} for a stack of {shape.num_layers} "
             f"layers, got {num_layers_to_remove!r}."
         )
-    method_class(config).check_target(shape.num_layers, num_layers_to_remove)  # compress refuses it there too
+    # compress refuses it there too
+    method_class(config).check_target(shape.num_layers, num_layers_to_remove, adapter.layer_kind_rule(stack))
     images = adapter.calibrates_on == "images"
     if images:  # a row is an image: CLS + patches at the config's size, whatever `seqlen` says
         seqlen = adapter.image_positions()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ from ..ops.channel_sensitivity import (
     head_channel_totals,
     proportional_shares,
 )
+from ..ops.selection import max_merges
 from ..options.methods.come import CoMeConfig
 from ..plan import LayerPlan
 from ..registry import register_method
@@ -142,14 +143,28 @@ class CoMeMethod(CompressionMethod):
         self._built: dict[tuple[int, ...], nn.Module] = {}
 
     # -------------------------------------------------------------- selection
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
-        """Without chaining each merge joins two layers merged with nothing yet, so at most half the stack goes."""
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
+        """Without chaining each merge joins two layers merged with nothing yet, so at most half the stack goes; fewer
+        where layers of different kinds (`one_kind`) cannot be merged (`ops.max_merges`)."""
         if not self.config.allow_chaining and num_to_remove > num_layers // 2:
             raise ValueError(
                 f"without chaining (allow_chaining=False) each merge joins two layers merged with nothing yet, so a "
                 f"stack of {num_layers} layers can lose at most {num_layers // 2}; requested {num_to_remove}. Allow "
                 "chaining or remove fewer layers."
             )
+        possible = max_merges([(i,) for i in range(num_layers)], self._limit(num_layers), one_kind)
+        if num_to_remove > possible:
+            raise ValueError(
+                f"{num_to_remove} merges cannot be made in a stack of {num_layers} layers whose layers are of several "
+                f"kinds (sliding and full attention, or layers without rotary positions), which are never merged: "
+                f"at most {possible} (allow_chaining={self.config.allow_chaining}); remove fewer layers."
+            )
+
+    def _limit(self, num_layers: int) -> int:
+        """The largest merged group: two layers without chaining, any number with it."""
+        return num_layers if self.config.allow_chaining else 2
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         stack = context.stack
@@ -177,8 +192,11 @@ class CoMeMethod(CompressionMethod):
                         f"{self.config.allow_chaining}); requested {num_to_remove}. Allow chaining or remove fewer "
                         "layers."
                     )
-                # Smallest distance; ties to the lower position.
-                k = min(candidates, key=lambda c: (measured.distance[c], c))
+                # Smallest distance, ties to the lower position, among the merges that leave the rest of the target
+                # reachable (one that strands it would fail later anyway; see `ops.max_merges`).
+                ranked = sorted(candidates, key=lambda c: (measured.distance[c], c))
+                remaining, limit = num_to_remove - step - 1, self._limit(num_layers)
+                k = next((c for c in ranked if _leaves(entries, c, remaining, limit, one_kind)), ranked[0])
                 with context.timer("merge"):
                     block, record = self._merge_entries(adapter, stack, entries[k], entries[k + 1], k, measured)
                 record = {"step": step, "angular_distance": round(measured.distance[k], 6), **record}
@@ -366,3 +384,11 @@ def concat_merge(
             if bias is not None and norm.bias is not None:
                 norm.bias.copy_(bias)
     return wide
+
+
+def _leaves(entries: list[_Entry], k: int, remaining: int, limit: int, one_kind: Any) -> bool:
+    """Whether `remaining` more merges stay possible after entries k and k + 1 are merged."""
+    if remaining == 0:
+        return True
+    groups = [e.indices for e in entries[:k]] + [entries[k].indices + entries[k + 1].indices]
+    return max_merges(groups + [e.indices for e in entries[k + 2 :]], limit, one_kind) >= remaining

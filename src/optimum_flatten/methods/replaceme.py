@@ -19,6 +19,7 @@ block a linear map replaces best.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,7 +99,9 @@ class ReplaceMeMethod(LinearReplacementMethod):
             notes + down_note,
         )
 
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
         blocks = self.config.num_blocks if self.config.selection == "distance" else 1  # the loss search: one block
         block_size(num_to_remove, blocks, num_layers, first_start=1)
 

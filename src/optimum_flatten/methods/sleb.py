@@ -19,6 +19,7 @@ the same recorded NLLs, bit for bit), and skips only work that cannot change the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,7 +290,9 @@ class SLEBMethod(CompressionMethod):
             protected.add(num_layers - 1)
         return protected
 
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
         protected = self._protected(num_layers)
         if num_layers - len(protected) < num_to_remove:
             raise ValueError(

@@ -211,7 +211,9 @@ class UIDLMethod(CompressionMethod):
         """The distance walk on last-token rows releases its runner's layer-0 states (`walk_block_distances`)."""
         return getattr(config, "tokens", "last") != "last"
 
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
         block_size(num_to_remove, self.config.num_blocks, num_layers, first_start=0)
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:

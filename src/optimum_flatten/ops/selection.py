@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -78,16 +78,19 @@ def greedy_adjacent_groups(
     groups: list[list[int]] = [[i] for i in range(num_layers)]
     limit = max_group_size if max_group_size is not None else num_layers
     for step in range(num_to_remove):
-        best, best_score = None, -math.inf
+        scored = []
         for g in range(len(groups) - 1):
             a, b = groups[g], groups[g + 1]
             if len(a) + len(b) > limit or (one_kind is not None and not one_kind((*a, *b))):
                 continue
             score = float(similarity[a[0], b[-1]])
-            if math.isnan(score):
-                continue
-            if score > best_score:
-                best, best_score = g, score
+            if not math.isnan(score):
+                scored.append((-score, g))
+        # The most similar pair whose merge leaves the rest of the target reachable: a merge that strands it (a
+        # group grown across the only place where two runs of one kind could still join) would fail later anyway,
+        # so skipping it changes no plan that succeeds. Usually the first pair passes, one check a step.
+        remaining = num_to_remove - step - 1
+        best = next((g for _, g in sorted(scored) if _reachable(groups, g, remaining, limit, one_kind)), None)
         if best is None:
             raise ValueError(
                 f"after {step} merge(s) no adjacent groups of one layer kind can be merged within max_group_size="
@@ -95,3 +98,40 @@ def greedy_adjacent_groups(
             )
         groups[best : best + 2] = [groups[best] + groups[best + 1]]
     return [tuple(g) for g in groups]
+
+
+def _reachable(
+    groups: list[list[int]],
+    g: int,
+    remaining: int,
+    limit: int,
+    one_kind: Callable[[tuple[int, ...]], bool] | None,
+) -> bool:
+    """Whether `remaining` more merges are still possible after groups g and g + 1 are merged."""
+    if remaining == 0:
+        return True
+    merged = [tuple(x) for x in (*groups[:g], groups[g] + groups[g + 1], *groups[g + 2 :])]
+    return max_merges(merged, limit, one_kind) >= remaining
+
+
+def max_merges(
+    groups: Sequence[tuple[int, ...]], limit: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+) -> int:
+    """The most merges still possible from `groups` when no group may exceed `limit` layers (nor, with `one_kind`,
+    join layers of different kinds).
+
+    Merging only ever joins adjacent groups, so the best is a partition of the sequence into consecutive runs of
+    total size at most `limit`, with as few runs as possible (each run of k groups is k − 1 merges): a shortest-path
+    recursion over the sequence, G × G at most. A run that mixes kinds stays mixed as it grows, as one too large stays
+    too large, so both end the inner loop.
+    """
+    sizes = [len(g) for g in groups]
+    fewest = [0] + [len(sizes) + 1] * len(sizes)  # fewest[j]: fewest runs covering the first j groups
+    for j in range(1, len(sizes) + 1):
+        total = 0
+        for i in range(j - 1, -1, -1):
+            total += sizes[i]
+            if total > limit or (one_kind is not None and not one_kind(tuple(x for g in groups[i:j] for x in g))):
+                break
+            fewest[j] = min(fewest[j], fewest[i] + 1)
+    return len(sizes) - fewest[-1]

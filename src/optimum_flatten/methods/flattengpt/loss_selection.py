@@ -26,6 +26,7 @@ from torch import nn
 from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import CalibratedStates
 from ...compression.method import MethodContext
+from ...ops.selection import max_merges
 from ...plan import LayerPlan
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import count_parameters
@@ -141,27 +142,6 @@ _STRANDED = (
     "{} merges cannot be made within max_group_size={} and one layer kind in a stack of {} layers (at most {} after "
     "{}); raise max_group_size or remove fewer layers."
 )
-
-
-def max_merges(groups: list[Group], limit: int, one_kind: Callable[[Group], bool] | None = None) -> int:
-    """The most merges still possible from `groups` when no group may exceed `limit` layers (nor, with `one_kind`,
-    join layers of different kinds).
-
-    Merging only ever joins adjacent groups, so the best is a partition of the sequence into consecutive runs of
-    total size at most `limit`, with as few runs as possible (each run of k groups is k − 1 merges): a shortest-path
-    recursion over the sequence, G × G at most. A run that mixes kinds stays mixed as it grows, as one too large stays
-    too large, so both end the inner loop.
-    """
-    sizes = [len(g) for g in groups]
-    fewest = [0] + [len(sizes) + 1] * len(sizes)  # fewest[j]: fewest runs covering the first j groups
-    for j in range(1, len(sizes) + 1):
-        total = 0
-        for i in range(j - 1, -1, -1):
-            total += sizes[i]
-            if total > limit or (one_kind is not None and not one_kind(tuple(x for g in groups[i:j] for x in g))):
-                break
-            fewest[j] = min(fewest[j], fewest[i] + 1)
-    return len(sizes) - fewest[-1]
 
 
 def install_prebuilt_(

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +24,7 @@ from ...compression.compute import ComputeModel
 from ...compression.method import CardSection, CompressionMethod, LayerMatrixFigure, MethodContext
 from ...compression.workspace import WorkspaceModel, WorkspaceSizes
 from ...ops import greedy_adjacent_groups
+from ...ops.selection import max_merges
 from ...options.methods.flattengpt import FlattenGPTConfig
 from ...plan import LayerPlan
 from ...registry import register_method
@@ -116,15 +118,29 @@ class FlattenGPTMethod(CompressionMethod):
         similarity, self._cache = similarity_matrix(adapter, context, self.config)
         return similarity
 
-    def check_target(self, num_layers: int, num_to_remove: int) -> None:
-        """Groups of at most `max_group_size` layers keep one layer each, so at most ``L - ceil(L / g)`` go."""
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
+        """Groups of at most `max_group_size` layers keep one layer each, so at most ``L - ceil(L / g)`` go; fewer
+        where layers of different kinds (`one_kind`) cannot share a group (`ops.max_merges`)."""
         group = self.config.max_group_size
+        singles = [(i,) for i in range(num_layers)]
+        possible = max_merges(singles, group or num_layers, one_kind)
+        if num_to_remove <= possible:
+            return
         if group is not None and num_to_remove > num_layers - math.ceil(num_layers / group):
             raise ValueError(
                 f"{num_to_remove} merges cannot be made within max_group_size={group} in a stack of {num_layers} "
                 f"layers (at most {num_layers - math.ceil(num_layers / group)}: every merged group keeps one of at "
                 f"most {group} layers); raise max_group_size or remove fewer layers."
             )
+        unlimited = max_merges(singles, num_layers, one_kind)
+        advice = "raise max_group_size or remove fewer" if unlimited >= num_to_remove else "remove fewer"
+        raise ValueError(
+            f"{num_to_remove} merges cannot be made in a stack of {num_layers} layers whose layers are of several "
+            f"kinds (sliding and full attention, or layers without rotary positions), which never share a merged "
+            f"group: at most {possible} within max_group_size={group}; {advice} layers."
+        )
 
     def plan(self, adapter: ArchitectureAdapter, context: MethodContext, num_to_remove: int) -> LayerPlan:
         self._prebuilt = None

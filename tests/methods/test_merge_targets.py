@@ -1,0 +1,96 @@
+"""Targets that merging methods (FlattenGPT, CoMe) cannot reach: refused before the calibration, with layer kinds
+(sliding and full attention, NoPE) counted, and never stranded by a greedy step when a plan exists."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tiny_models
+from common import assert_refused_before_any_change
+from optimum_flatten.methods.flattengpt.method import FlattenGPTMethod
+from optimum_flatten.ops.selection import greedy_adjacent_groups, max_merges
+
+
+def _old_greedy(similarity, num_to_remove, limit, one_kind):
+    """FlattenGPT's Algorithm 1 as written before the feasibility check: the most similar admissible pair each step."""
+    groups = [[i] for i in range(similarity.shape[0])]
+    for _ in range(num_to_remove):
+        best, best_score = None, -math.inf
+        for g in range(len(groups) - 1):
+            a, b = groups[g], groups[g + 1]
+            if len(a) + len(b) > limit or not one_kind((*a, *b)):
+                continue
+            if float(similarity[a[0], b[-1]]) > best_score:
+                best, best_score = g, float(similarity[a[0], b[-1]])
+        if best is None:
+            return None
+        groups[best : best + 2] = [groups[best] + groups[best + 1]]
+    return [tuple(g) for g in groups]
+
+
+def test_a_greedy_step_that_would_strand_the_target_is_skipped():
+    similarity = torch.full((6, 6), 0.5)
+    similarity[1, 2] = 0.99  # (1, 2) first would leave 0, 3, 4, 5 with one pair to merge within groups of two
+    assert _old_greedy(similarity, 3, 2, lambda g: True) is None
+    assert greedy_adjacent_groups(similarity, 3, 2) == [(0, 1), (2, 3), (4, 5)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_plan_the_greedy_found_before_is_found_again(seed):
+    generator = torch.Generator().manual_seed(seed)
+    layers = 8
+    similarity = torch.rand(layers, layers, generator=generator)
+    kinds = torch.randint(0, 2, (layers,), generator=generator).tolist() if seed % 2 else [0] * layers
+    one_kind = lambda group: len({kinds[i] for i in group}) == 1  # noqa: E731
+    limit = (2, 3, layers)[seed % 3]
+    for n in range(1, layers):
+        old = _old_greedy(similarity, n, limit, one_kind)
+        possible = max_merges([(i,) for i in range(layers)], limit, one_kind)
+        if old is not None:
+            assert greedy_adjacent_groups(similarity, n, limit, one_kind) == old
+        elif n <= possible:  # a plan exists: the greedy now finds one
+            groups = greedy_adjacent_groups(similarity, n, limit, one_kind)
+            assert len(groups) == layers - n and all(len(g) <= limit and one_kind(g) for g in groups)
+        else:
+            with pytest.raises(ValueError):
+                greedy_adjacent_groups(similarity, n, limit, one_kind)
+
+
+def _no_calibration(monkeypatch):
+    def calibrated(*args, **kwargs):
+        raise AssertionError("the calibration ran before the refusal")
+
+    monkeypatch.setattr(FlattenGPTMethod, "similarity_matrix", calibrated)
+    monkeypatch.setattr("optimum_flatten.methods.come.CoMeMethod.plan", calibrated)
+
+
+def test_flattengpt_counts_layer_kinds_before_the_calibration(monkeypatch):
+    """SmolLM3's NoPE layers (2 and 5 of 6) split the stack into runs of 2, 1, 2, 1: two merges at most, whatever
+    max_group_size says, so asking three is refused before calibrating, and the advice is not to raise it."""
+    _no_calibration(monkeypatch)
+    model = tiny_models.tiny_smollm3()
+    message = r"at most 2 within max_group_size=6; remove fewer layers"
+    assert_refused_before_any_change(model, "flattengpt", message, num_layers_to_remove=3, max_group_size=6)
+
+
+def test_flattengpt_says_when_a_larger_group_would_help(monkeypatch):
+    _no_calibration(monkeypatch)
+    model = tiny_models.tiny_qwen2(max_window_layers=3)  # full attention on 0-2, sliding on 3-5
+    message = r"at most 2 within max_group_size=2; raise max_group_size or remove fewer layers"
+    assert_refused_before_any_change(model, "flattengpt", message, num_layers_to_remove=3, max_group_size=2)
+
+
+def test_come_counts_layer_kinds_before_the_calibration(monkeypatch):
+    _no_calibration(monkeypatch)
+    model = tiny_models.tiny_smollm3()
+    assert_refused_before_any_change(model, "come", r"at most 2 \(allow_chaining=True\)", num_layers_to_remove=3)
+
+
+def test_reachable_targets_still_compress():
+    from common import compress
+
+    quantizer = compress(tiny_models.tiny_smollm3(), "flattengpt", num_layers_to_remove=2, max_group_size=6)
+    assert sorted(g for g in quantizer.plan.merged_groups) == [(0, 1), (3, 4)]
