@@ -3,6 +3,7 @@ import re
 
 import pytest
 
+import tiny_models
 from optimum_flatten import CalibrationConfig, FlattenConfig, LayerPlan
 from optimum_flatten.utils.errors import InvalidTargetError, UnknownMethodError
 
@@ -243,3 +244,31 @@ def test_an_option_given_twice_or_as_the_wrong_type_is_refused_not_dropped(optio
         FlattenConfig(method="shortgpt", num_layers_to_remove=1, **options)
     same = FlattenConfig(method="shortgpt", num_layers_to_remove=1, method_args={"iterative": True}, iterative=True)
     assert same.method_config.iterative is True
+
+
+def test_a_config_rebuilt_from_its_dict_asks_for_the_texts_it_only_described():
+    """to_dict keeps a count of the texts given in memory, not the texts: rebuilt as it is, the count would be read
+    as a `datasets` name after the model loaded. It is refused when the config is made, and a keyword gives the
+    texts back."""
+    texts = tiny_models.sample_texts()
+    saved = FlattenConfig(method="shortgpt", num_layers_to_remove=2, dataset=texts, nsamples=8, seqlen=24).to_dict()
+    with pytest.raises(ValueError, match=r"'<40 texts>' is how a saved config describes texts given in memory"):
+        FlattenConfig.from_dict(saved)
+    rebuilt = FlattenConfig.from_dict(saved, dataset=texts)
+    assert rebuilt.calibration.dataset == texts and rebuilt.to_dict() == saved
+    healing = {"max_tokens": 1024, "dataset": ["a b c"] * 4}
+    saved = FlattenConfig(method="shortgpt", num_layers_to_remove=2, dataset=texts, heal=healing).to_dict()
+    with pytest.raises(ValueError, match=r"heal's dataset '<4 texts>'"):
+        FlattenConfig.from_dict(saved, dataset=texts)
+    assert FlattenConfig.from_dict(saved, dataset=texts, heal=healing).heal["dataset"] == ["a b c"] * 4
+
+
+def test_configs_on_other_texts_are_not_equal():
+    def config(texts, heal_texts):
+        return FlattenConfig(
+            method="shortgpt", num_layers_to_remove=2, dataset=texts, heal={"max_tokens": 8, "dataset": heal_texts}
+        )
+
+    assert config(["a b"] * 3, ["c"]) == config(["a b"] * 3, ["c"])
+    assert config(["a b"] * 3, ["c"]) != config(["x y"] * 3, ["c"])
+    assert config(["a b"] * 3, ["c"]) != config(["a b"] * 3, ["d"])

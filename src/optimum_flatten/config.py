@@ -215,13 +215,23 @@ class FlattenConfig(QuantizationConfigMixin):
 
     @classmethod
     def from_dict(cls, config_dict: Mapping[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
-        """Rebuilds a config from `to_dict` output; unknown keys raise (with a did-you-mean hint)."""
-        data = dict(config_dict)
-        config = cls(**data, **kwargs)
+        """Rebuilds a config from `to_dict` output; unknown keys raise (with a did-you-mean hint). A keyword replaces
+        what the dict says, a calibration option's too: ``from_dict(saved, dataset=texts)`` gives back the texts
+        `to_dict` only described."""
+        data = {**config_dict, **kwargs}
+        if isinstance(config_dict.get("calibration"), Mapping):
+            data["calibration"] = {k: v for k, v in config_dict["calibration"].items() if k not in kwargs}
+        config = cls(**data)
         return (config, {}) if return_unused_kwargs else config
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FlattenConfig) and self.to_dict() == other.to_dict()
+        # to_dict describes texts given in memory by their count alone: two configs on other texts are not equal.
+        return (
+            isinstance(other, FlattenConfig)
+            and self.to_dict() == other.to_dict()
+            and _same_data(self.calibration.dataset, other.calibration.dataset)
+            and _same_data((self.heal or {}).get("dataset"), (other.heal or {}).get("dataset"))
+        )
 
     def __repr__(self) -> str:
         return f"FlattenConfig({self.to_dict()})"
@@ -239,6 +249,14 @@ _TOP_LEVEL_FIELDS = (
     "quant_method",
     "calibration",
 )
+
+
+def _same_data(a: Any, b: Any) -> bool:
+    """Whether two datasets are the same: texts in memory by value, a name or path by itself (in `to_dict` already),
+    any other object (a `datasets.Dataset`) by identity."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a is b or (isinstance(a, (str, int, float, type(None))) and isinstance(b, (str, int, float, type(None))))
 
 
 def _describe_heal(heal: dict[str, Any] | None) -> dict[str, Any] | None:

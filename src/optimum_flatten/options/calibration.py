@@ -38,8 +38,10 @@ class CalibrationConfig:
     own_text: float = 0.0
 
     def __post_init__(self) -> None:
+        from ..utils.loading import check_not_a_description
         from .hints import check_option_types
 
+        check_not_a_description(self.dataset, "dataset", "FlattenConfig.from_dict(saved, dataset=texts)")
         # By the hints (dataset is any source): a string "false" for packing would pack, a string seed another draw.
         check_option_types(CalibrationConfig, {k: v for k, v in vars(self).items() if k != "dataset"})
         for name in ("nsamples", "seqlen", "batch_size"):

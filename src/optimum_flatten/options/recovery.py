@@ -410,4 +410,11 @@ def parse_heal(heal: Any) -> dict[str, Any] | None:
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"heal needs a positive training-token budget (max_tokens), got {budget!r}.")
     RecoveryConfig(**settings)
+    from ..utils.loading import check_not_a_description
+
+    check_not_a_description(
+        options.get("dataset"),
+        "heal's dataset",
+        "FlattenConfig.from_dict(saved, heal={**saved['heal'], 'dataset': texts})",
+    )
     return options

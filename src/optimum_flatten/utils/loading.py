@@ -228,6 +228,20 @@ def describe_dataset(dataset: Any) -> Any:
     return f"<{type(dataset).__name__}>"
 
 
+#: What `describe_dataset` writes for a dataset given in memory: ``<40 texts>``, ``<Dataset>``.
+_DESCRIPTION = re.compile(r"<(\d+ texts|[A-Za-z_]\w*)>")
+
+
+def check_not_a_description(dataset: Any, option: str, again: str) -> None:
+    """Refuses, when a config is made, a dataset that is `describe_dataset`'s stand-in for texts given in memory (a
+    config rebuilt from `to_dict` output): read as a `datasets` name it would fail only after the model loaded."""
+    if isinstance(dataset, str) and _DESCRIPTION.fullmatch(dataset):
+        raise ValueError(
+            f"{option} {dataset!r} is how a saved config describes texts given in memory (it keeps no texts): pass "
+            f"the texts again, e.g. {again}."
+        )
+
+
 def public_dataset_name(dataset: Any) -> Any:
     """How a report and a model card may name a dataset: `describe_dataset`, but never a local path.
 
