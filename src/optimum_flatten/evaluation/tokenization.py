@@ -95,9 +95,27 @@ def text_budget(tokenizer: Any, texts: Sequence[str], max_tokens: int | None) ->
             continue
         room -= 1 if eos is not None else 0  # `tokenize_corpus` ends every text, the cut one too, with EOS
         if room > 0:
-            kept.append(tokenizer.decode(ids[:room], clean_up_tokenization_spaces=False))
+            kept.append(_covered(tokenizer, text, ids, room))
         break
     return kept
+
+
+def _covered(tokenizer: Any, text: str, ids: list[int], room: int) -> str:
+    """The start of `text` that its first `room` tokens cover, cut from the text itself at the tokenizer's character
+    offsets. Decoding the tokens instead need not give the text back (a word-level tokenizer joins its tokens with
+    spaces, a normaliser changes the case), and both models would then be scored on a text neither was given. A
+    tokenizer without offsets (a slow one) is decoded, and refused where that is not the text's start."""
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return text[: offsets[room - 1][1]]
+    decoded = tokenizer.decode(ids[:room], clean_up_tokenization_spaces=False)
+    if not text.startswith(decoded):
+        raise ValueError(
+            f"cannot cut the evaluation text at the baseline's first {room} tokens: its tokenizer gives no character "
+            "offsets and does not decode back to the text; score the whole text (max_tokens=None, --max-tokens none) "
+            "or use the fast version of the tokenizer."
+        )
+    return decoded
 
 
 def bits_per_byte(mean_nll: float, tokens: int, texts: Sequence[str]) -> float:
