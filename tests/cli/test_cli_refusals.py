@@ -508,3 +508,12 @@ def test_the_demo_refuses_what_it_would_ignore_or_race_on(tmp_path, capsys, monk
         monkeypatch.setenv(name, value)
     assert main([a.format(out=tmp_path / "out") for a in argv]) == 2
     assert message in _error_line(capsys) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("name", "hint"), [("sotu:before2000", "sotu:before-2000"), ("bible:kjv1611", "bible:kjv")])
+def test_a_misspelt_bundled_corpus_is_named_before_the_model_loads(dense, name, hint, no_loading, capsys):
+    path, _ = dense
+    args = ["compress", str(path), "--num-layers-to-remove", "2", "--dataset", name, "--output", "unused"]
+    assert main(args) == 2
+    line = _error_line(capsys)
+    assert f"no bundled corpus is named {name!r}" in line and f"Did you mean {hint!r}?" in line, line

@@ -92,11 +92,27 @@ def _dataset_texts(dataset: Any, text_column: str) -> list[str]:
     return list(dataset[text_column])
 
 
+def check_bundled_name(value: str) -> None:
+    """Refuses a name that starts as a bundled corpus does (``sotu:``, ``bible:``) but is none of them, and is no
+    file: read as a `datasets` name it would fail with "no data file" and no word of the names that exist."""
+    from .. import bundled
+    from ..utils.errors import did_you_mean
+
+    family = value.split(":", 1)[0] if ":" in value else None
+    if family in {name.split(":", 1)[0] for name in bundled.CORPORA} and value not in bundled.CORPORA:
+        if not Path(value).expanduser().exists():
+            raise CalibrationDataError(
+                f"no bundled corpus is named {value!r}; the bundled corpora are {sorted(bundled.CORPORA)}."
+                + did_you_mean(value, bundled.CORPORA)
+            )
+
+
 def _load_from_string(value: str, text_column: str) -> list[str]:
     from .. import bundled
 
     if value in bundled.CORPORA:
         return bundled.load_corpus(value)
+    check_bundled_name(value)
     path = Path(value)
     saved = load_saved_dataset(path)
     if saved is not None:

