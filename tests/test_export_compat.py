@@ -100,3 +100,38 @@ def test_models_without_rope_get_no_rope_keys(tmp_path):
 def test_compat_is_checked(tmp_path):
     with pytest.raises(ValueError, match="compat must be"):
         save_compressed(tiny_models.tiny_llama_gqa(), tmp_path / "out", compat="v3")
+
+
+def _scaled_gemma3(multimodal: bool):
+    """Gemma 3 as released at 4B and up: linear RoPE scaling (factor 8) on its full-attention layers only."""
+    model = tiny_models.tiny_gemma3() if multimodal else tiny_models.tiny_gemma3_text()
+    text = model.config.get_text_config()
+    text.rope_parameters = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    return model
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_gemma3_per_layer_type_rope_gets_the_keys_4x_reads(tmp_path, multimodal):
+    """4.x's Gemma3TextConfig reads rope_theta and rope_scaling for the full-attention layers and
+    rope_local_base_freq for the sliding ones; without them it runs unscaled RoPE at 4.x's default thetas. An image-text
+    model keeps them in text_config. transformers 5 reloads the same config and the same logits."""
+    model = _scaled_gemma3(multimodal)
+    model.save_pretrained(tmp_path / "plain")
+    model.save_pretrained(tmp_path / "v4")
+    where = "text_config." if multimodal else ""
+    added = add_v4_compat(tmp_path / "v4")
+    assert added == [f"config.json: {where}{k}" for k in ("rope_theta", "rope_local_base_freq", "rope_scaling")]
+    saved = _read(tmp_path / "v4" / "config.json")
+    saved = saved["text_config"] if multimodal else saved
+    assert (saved["rope_theta"], saved["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
+    assert saved["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    v4, plain = AutoConfig.from_pretrained(tmp_path / "v4"), AutoConfig.from_pretrained(tmp_path / "plain")
+    assert v4.get_text_config().rope_parameters == plain.get_text_config().rope_parameters
+    assert add_v4_compat(tmp_path / "v4") == []
+    if not multimodal:
+        ids = sample_ids()
+        reloaded = [logits(AutoModelForCausalLM.from_pretrained(tmp_path / f).eval(), ids) for f in ("v4", "plain")]
+        assert torch.equal(*reloaded)

@@ -342,6 +342,39 @@ def remote_code_loader(directory: str | Path) -> dict[str, Any] | None:
 V4_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
 
 
+#: 4.x's key for the RoPE theta of each layer type, for the model types whose 5.x config keeps per-layer-type
+#: ``rope_parameters``; the first layer type's scaling is 4.x's ``rope_scaling`` (Gemma 3 scales only its
+#: full-attention layers, and 4.x's local rotary embedding is always the default one).
+V4_LAYER_TYPE_THETAS = {"gemma3_text": {"full_attention": "rope_theta", "sliding_attention": "rope_local_base_freq"}}
+
+
+def _v4_rope(config: dict[str, Any], label: str) -> list[str]:
+    """`add_v4_compat`'s RoPE keys for one config (the top level, or a ``text_config``), added in place."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return []
+    if not any(isinstance(v, dict) for v in rope.values()):
+        if "rope_theta" not in rope:
+            return []
+        thetas, parameters = {"rope_theta": rope}, rope
+    else:
+        keys = V4_LAYER_TYPE_THETAS.get(str(config.get("model_type")))
+        if keys is None or set(rope) != set(keys):
+            return []
+        if any(rope[kind].get("rope_type", "default") != "default" for kind in list(keys)[1:]):
+            return []  # 4.x scales one layer type only
+        thetas, parameters = {name: rope[kind] for kind, name in keys.items()}, rope[next(iter(keys))]
+    added = []
+    for name, params in thetas.items():
+        if "rope_theta" in params and name not in config:
+            config[name] = params["rope_theta"]
+            added.append(label + name)
+    if parameters.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
+        config["rope_scaling"] = {k: v for k, v in parameters.items() if k != "rope_theta"}
+        added.append(label + "rope_scaling")
+    return added
+
+
 def add_v4_compat(directory: str | Path) -> list[str]:
     """Adds to a checkpoint's config.json / tokenizer_config.json the keys transformers 4.x reads; returns them.
 
@@ -351,7 +384,9 @@ def add_v4_compat(directory: str | Path) -> list[str]:
     ``rope_theta`` (and, for a scaled RoPE, ``rope_scaling``: ``rope_parameters`` without the theta, as 4.x names
     it) to the top level. transformers 5 reads them back into the same ``rope_parameters`` (its loader merges
     ``rope_scaling`` and ``rope_theta`` into it), so its reload is unchanged. Per-layer-type (nested)
-    ``rope_parameters`` have no single 4.x equivalent and are left alone.
+    ``rope_parameters`` are copied where 4.x has a key for each layer type (`V4_LAYER_TYPE_THETAS`: Gemma 3's
+    ``rope_theta`` and ``rope_scaling`` for its full-attention layers, ``rope_local_base_freq`` for its sliding ones),
+    in an image-text model's ``text_config`` too; others have no 4.x equivalent and are left alone.
 
     A tokenizer saved by transformers 5 as the generic ``TokenizersBackend`` (unknown to 4.x, whose AutoTokenizer
     then fails) is declared as ``PreTrainedTokenizerFast``, the 4.x class for a bare tokenizer.json; transformers 5
@@ -362,15 +397,9 @@ def add_v4_compat(directory: str | Path) -> list[str]:
     config_path = directory / "config.json"
     if config_path.is_file():
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        rope = config.get("rope_parameters")
-        nested = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
-        if isinstance(rope, dict) and not nested and "rope_theta" in rope:
-            if "rope_theta" not in config:
-                config["rope_theta"] = rope["rope_theta"]
-                added.append("config.json: rope_theta")
-            if rope.get("rope_type", "default") != "default" and config.get("rope_scaling") is None:
-                config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-                added.append("config.json: rope_scaling")
+        added += _v4_rope(config, "config.json: ")
+        if isinstance(config.get("text_config"), dict):  # an image-text model's decoder (Gemma 3)
+            added += _v4_rope(config["text_config"], "config.json: text_config.")
         if added:
             config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tokenizer_path = directory / "tokenizer_config.json"
