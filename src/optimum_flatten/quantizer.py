@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,8 @@ class FlattenQuantizer(OptimumQuantizer):
         #: Whether the caller keeps the model it passed, whatever `compress` returns (compress-on-load): a healing
         #: sharded by FSDP2, which rank 0 gets back as another object, is then refused before any work.
         self.in_place = False
+        self._changing: nn.Module | None = None  # the model `compress` last went past its preflight with
+        self._bound_compressed = False  # whether `quantize` changed the bound model (then it refuses a second call)
 
     @classmethod
     def from_pretrained(
@@ -163,8 +166,14 @@ class FlattenQuantizer(OptimumQuantizer):
             raise TypeError(f"quantize got unexpected arguments {sorted(kwargs)}.")
         if self.model is None:
             raise ValueError("no model is bound: create the quantizer with FlattenQuantizer.from_pretrained(...).")
+        if isinstance(quantization_config, Mapping):  # as from_pretrained(quantization_config=) takes one
+            quantization_config = FlattenConfig.from_dict(quantization_config)
+        if quantization_config is not None and not isinstance(quantization_config, FlattenConfig):
+            raise TypeError(f"quantize needs a FlattenConfig, got {type(quantization_config).__name__}.")
         if quantization_config is not None:
             self.config = quantization_config
+        if self.config is None:
+            raise ValueError("no FlattenConfig: pass quantize(quantization_config=...) or FlattenQuantizer(config).")
         from .export.checkpoint import _model_sources, check_output_dir
         from .utils.state_folders import check_heal_folders, check_state_folder
 
@@ -175,7 +184,19 @@ class FlattenQuantizer(OptimumQuantizer):
         check_output_dir(save_dir, overwrite, sources=sources)
         check_heal_folders(str(save_dir), self.config.heal, sources)
         check_state_folder(str(save_dir), self.config.resume_dir, "resume_dir", sources)
-        self.model = self.compress(self.model, self.tokenizer)  # whole on rank 0 after a sharded healing
+        if self._bound_compressed:
+            # optimum's quantizers read their model again on every call; this one compresses the bound model in
+            # place, so a second call (a retry after a refusal, a sweep of configs) would compress it again.
+            raise ValueError(
+                "quantize() already compressed this quantizer's model (in place): bind the dense model again with "
+                "FlattenQuantizer.from_pretrained(...) to start from it, or compress the compressed model on purpose "
+                "with FlattenQuantizer(config).compress(model, tokenizer)."
+            )
+        bound = self.model
+        try:
+            self.model = self.compress(bound, self.tokenizer)  # whole on rank 0 after a sharded healing
+        finally:  # past the preflight the bound model is changed, whether the rest succeeded or not
+            self._bound_compressed = self._changing is bound
         return self.save(self.model, save_dir, self.tokenizer, overwrite=overwrite)
 
     def _stack(self, adapter: ArchitectureAdapter, method: CompressionMethod) -> str:
@@ -202,6 +223,7 @@ class FlattenQuantizer(OptimumQuantizer):
         """
         start = time.perf_counter()
         checked = self.preflight(model, tokenizer)
+        self._changing = model  # from here on its weights change (`quantize` will not compress it twice)
         # With heal=..., the dense weights are the teacher: a copy is taken before the first weight changes.
         teacher = self._dense_copy(model) if self.config.heal else None
         run = self._run(model, checked)

@@ -175,3 +175,23 @@ def test_the_memory_check_reads_the_gpu_the_trainer_will_move_a_cpu_model_onto(m
     teacher = tiny_models.tiny_llama_gqa()
     assert teacher_bytes_to_load(model, teacher, None, torch.device("cuda", 0)) == weight_bytes(teacher)
     assert teacher_bytes_to_load(model, teacher, None, torch.device("cpu")) == 0
+
+
+def test_a_table_of_prompts_is_read_in_the_healing_texts_column(tmp_path):
+    """--prompts prompts.jsonl with --text-column content: the prompts are that column's documents, checked before any
+    change and sampled from, as the same documents given as a list."""
+    import json
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"content": text}) + "\n" for text in PROMPTS))
+    config = RecoveryConfig(prompts=str(path), teacher_prompt_tokens=12, teacher_text=1.0, **SMALL)
+    check_teacher_text_options(TOKENIZER, config, 1.0, "content")
+    with pytest.raises(CalibrationDataError, match="no field 'text'"):
+        check_teacher_text_options(TOKENIZER, config, 1.0)
+    plan = _TeacherRows(share=1.0, train=8, heldout=3, user=0)
+    teacher = tiny_models.tiny_llama_gqa()
+    from_table = _sample_teacher_part(teacher, TOKENIZER, config, plan, False, "content")
+    listed = RecoveryConfig(prompts=PROMPTS, teacher_prompt_tokens=12, teacher_text=1.0, **SMALL)
+    from_list = _sample_teacher_part(teacher, TOKENIZER, listed, plan, False)
+    for part in (0, 1):
+        assert [r["input_ids"].tolist() for r in from_table[part]] == [r["input_ids"].tolist() for r in from_list[part]]

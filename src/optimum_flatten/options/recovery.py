@@ -216,11 +216,20 @@ class RecoveryConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}.")
         self._check_budget()
+        self._check_lora_options()
         if self.mode == "lora" and self.train_embeddings:
             raise ValueError(
                 "mode 'lora' trains adapters on the projections only, so train_embeddings=True would do nothing; it "
                 "applies to modes 'full' and 'last_k' and to mode 'local''s global phase."
             )
+
+    def _check_lora_options(self) -> None:
+        """Refuses LoRA's options given to another mode, where nothing reads them: a user who sets a rank or target
+        modules means LoRA, and would get every weight trained instead (with several times the memory). The default
+        mode (None) is checked once it is chosen (`recovery.lora.check_lora_targets`): without a teacher it is
+        LoRA."""
+        if self.mode is not None:
+            check_lora_options(self, f"mode {self.mode!r}")
 
     def _check_budget(self) -> None:
         """Refuses a row that scores nothing, a budget that trains nothing, and two budgets that disagree (one of
@@ -378,6 +387,22 @@ def sharded_full(config: RecoveryConfig) -> RecoveryConfig:
 
 #: Keys a ``heal`` mapping may hold besides `RecoveryConfig`'s fields.
 HEAL_EXTRA_KEYS = ("dataset", "text_column")
+#: The fields only mode 'lora' reads.
+LORA_OPTIONS = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
+
+
+def check_lora_options(config: RecoveryConfig, mode: str) -> None:
+    """Refuses `LORA_OPTIONS` set to other than their defaults when `config.mode` is not 'lora' (`mode` names it)."""
+    if config.mode == "lora":
+        return
+    defaults = {f.name: f.default for f in dataclasses.fields(config) if f.name in LORA_OPTIONS}
+    given = [name for name in LORA_OPTIONS if getattr(config, name) != defaults[name]]
+    if given:
+        one = len(given) == 1
+        raise ValueError(
+            f"{', '.join(given)} {'is an option' if one else 'are options'} of mode 'lora', and {mode} would ignore "
+            f"{'it' if one else 'them'}: pass mode='lora' (--mode lora), or leave {'it' if one else 'them'} out."
+        )
 
 
 def parse_heal(heal: Any) -> dict[str, Any] | None:

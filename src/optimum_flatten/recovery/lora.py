@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..adapters import get_adapter
-from ..options.recovery import RecoveryConfig
+from ..options.recovery import RecoveryConfig, check_lora_options
 
 
 def default_target_modules(model: nn.Module) -> list[str]:
@@ -29,8 +29,54 @@ def default_target_modules(model: nn.Module) -> list[str]:
                     mlp.add(id(view.module))
             except AttributeError:  # a mixture-of-experts block
                 mixture = True
-    wanted = attention if mixture else attention | mlp
-    return sorted({name.split(".")[-1] for name, module in model.named_modules() if id(module) in wanted})
+    # Only layers peft can adapt: a collapsed MLP's down slot is an nn.Identity (LayerCollapse).
+    from transformers.pytorch_utils import Conv1D
+
+    adaptable = {id(m) for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, Conv1D))}
+    wanted = (attention if mixture else attention | mlp) & adaptable
+    # peft matches a short name against every module so named; a name some other module also carries (GPT-2's
+    # c_proj is attention's out projection and the MLP's down one, and the latter an nn.Identity in a partly
+    # collapsed LayerCollapse model) is given by its full paths, which match those modules alone.
+    modules = list(model.named_modules())
+    elsewhere = {name.split(".")[-1] for name, module in modules if id(module) not in wanted}
+    short = {name: name.split(".")[-1] for name, module in modules if id(module) in wanted}
+    return sorted({name if last in elsewhere else last for name, last in short.items()})
+
+
+def check_lora_targets(model: nn.Module, config: RecoveryConfig, layers: int) -> None:
+    """Refuses, before any weight changes, LoRA settings peft would refuse only once the adapters are made (after a
+    compression, whose work would be lost) or would merge wrong: target modules that name no module of `model`
+    (matched as peft matches them), `layers_to_transform` outside the `layers` the healed model has (numbered after
+    the compression), and an adapter on the embedding or the head where the two share one table (its merge would
+    write the update into both ends). Another mode, chosen by default, refuses LoRA's options (`check_lora_options`).
+    """
+    if config.mode != "lora":
+        check_lora_options(config, f"mode {config.mode!r}, the one chosen,")
+        return
+    names = [name for name, _ in model.named_modules()]
+    targets = list(config.target_modules or [])
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ValueError(
+            f"LoRA target_modules {missing} name no module of this {type(model).__name__}; its projections are "
+            f"{default_target_modules(model)}."
+        )
+    bad = [i for i in config.layers_to_transform or () if not 0 <= i < layers]
+    if bad:
+        raise ValueError(
+            f"LoRA layers_to_transform {bad} are not layers of the healed model, which has {layers} (numbered 0 to "
+            f"{layers - 1} after the compression)."
+        )
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None or getattr(inputs, "weight", None) is not getattr(outputs, "weight", None):
+        return
+    ends = {n for n, module in model.named_modules() if module is inputs or module is outputs}
+    tied = [t for t in targets if any(n == t or n.endswith("." + t) for n in ends)]
+    if tied:
+        raise ValueError(
+            f"LoRA target_modules {tied} name the embedding or the LM head, which this model ties into one table: "
+            "merging the adapter would write its update into both ends. Leave them out, or heal with mode 'full'."
+        )
 
 
 def adapter_seed(seed: int) -> int:

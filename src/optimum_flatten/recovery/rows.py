@@ -28,7 +28,7 @@ from .resume import check_checkpoint_options
 from .seeded import seeded_split, seeded_subset
 from .selection import check_mode
 from .teacher import _TEXT_NEEDS_TEACHER
-from .teacher_start import checked_start, mask_opening, prompt_ids, split_prompts
+from .teacher_start import checked_start, mask_opening, prompt_ids, prompt_texts, split_prompts
 from .teacher_text import heldout_split, is_teacher_dataset, sample_teacher_rows
 from .text_repetition import mask_repeats
 from .vllm_sampling import require_vllm
@@ -147,7 +147,7 @@ def _sampling_options_given(config: RecoveryConfig) -> list[str]:
     return [f"{name}={getattr(config, name)!r}" for name in SAMPLING_OPTIONS if getattr(config, name) != defaults[name]]
 
 
-def check_teacher_text_options(tokenizer: Any, config: RecoveryConfig, share: float) -> None:
+def check_teacher_text_options(tokenizer: Any, config: RecoveryConfig, share: float, text_column: str = "text") -> None:
     """The teacher text's checks that need no model, so that `recover` and `FlattenConfig(heal=...)` refuse them (one
     line each) before any weight changes: vLLM where it samples, a start that leaves tokens to sample (a chat
     template where the chat turn starts the rows), prompts that hold `teacher_prompt_tokens` tokens, and the loops'
@@ -165,7 +165,7 @@ def check_teacher_text_options(tokenizer: Any, config: RecoveryConfig, share: fl
     prompted = config.prompts is not None
     checked_start(tokenizer, config.sampling_start, config.seqlen, config.teacher_prompt_tokens, prompted)
     if prompted:
-        prompt_ids(tokenizer, config.prompts, config.teacher_prompt_tokens)
+        prompt_ids(tokenizer, config.prompts, config.teacher_prompt_tokens, text_column)
     if config.teacher_text_loops == "mask" and (config.mode == "local" or config.hidden_weight):
         raise ValueError(
             "teacher_text_loops='mask' leaves tokens out of the next-token losses, but mode 'local' and the hidden-"
@@ -189,7 +189,7 @@ def _training_text(
         except ImportError as error:
             raise ImportError("healing with mode='lora' needs peft: pip install optimum-flatten[recovery]") from error
     share = teacher_share(dataset, config)
-    check_teacher_text_options(tokenizer, config, share)
+    check_teacher_text_options(tokenizer, config, share, text_column)
     if share >= 1:
         return [], "teacher", [], []
     texts, kind = load_recovery_texts(dataset, text_column, tokenizer)
@@ -274,7 +274,12 @@ def _cache_folder(config: RecoveryConfig) -> str | None:
 
 
 def _sample_teacher_part(
-    teacher: nn.Module, tokenizer: Any, config: RecoveryConfig, plan: _TeacherRows, progress: bool
+    teacher: nn.Module,
+    tokenizer: Any,
+    config: RecoveryConfig,
+    plan: _TeacherRows,
+    progress: bool,
+    text_column: str = "text",
 ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]], dict[str, Any]]:
     """(training rows, held-out rows, record) the teacher samples for `plan`; the held-out rows come from another
     seed stream and other prompts, so they are never training rows, and they score only what the teacher wrote."""
@@ -293,10 +298,12 @@ def _sample_teacher_part(
         progress=progress,
         backend=config.sampling_backend,
     )
-    train_prompts = heldout_prompts = config.prompts
-    if config.prompts is not None and plan.heldout:  # held-out rows continue prompts no training row continues
+    # A table of prompts is read in the healing text's column.
+    prompts = None if config.prompts is None else prompt_texts(config.prompts, text_column)
+    train_prompts = heldout_prompts = prompts
+    if prompts is not None and plan.heldout:  # held-out rows continue prompts no training row continues
         train_prompts, heldout_prompts = split_prompts(
-            tokenizer, config.prompts, config.teacher_prompt_tokens, plan.heldout, config.seed
+            tokenizer, prompts, config.teacher_prompt_tokens, plan.heldout, config.seed
         )
     train, record = sample_teacher_rows(
         teacher, tokenizer, plan.train, config.seqlen, stream="train", prompts=train_prompts, **options
@@ -370,6 +377,7 @@ class HealingRows:
         record: The teacher's sampling record for the log (None without teacher text).
         parts: The held-out rows by part (``user``, ``teacher``) when both have some, scored apart for the log.
         guard: Rows the gate may not let get worse (`guard_text`'s, else in a mix the user's held-out part).
+        text_column: The healing text's column, in which a table of teacher prompts is read too.
     """
 
     texts: list[str]
@@ -382,6 +390,7 @@ class HealingRows:
     record: dict[str, Any] | None = None
     parts: dict[str, list[Row]] = dataclasses.field(default_factory=dict)
     guard: list[Row] = dataclasses.field(default_factory=list)
+    text_column: str = "text"
 
     def plan_(self, config: RecoveryConfig, replicas: int) -> None:
         """Plans the teacher's part for a step reading `replicas` per-process batches, keeping a seeded choice of the
@@ -394,7 +403,9 @@ class HealingRows:
         """Samples the planned teacher rows (nothing without a plan) and adds them to the training and held-out rows."""
         if self.plan is None:
             return
-        sampled, sampled_heldout, self.record = _sample_teacher_part(teacher, tokenizer, config, self.plan, progress)
+        sampled, sampled_heldout, self.record = _sample_teacher_part(
+            teacher, tokenizer, config, self.plan, progress, self.text_column
+        )
         if self.heldout and sampled_heldout:
             self.parts = {"user": self.heldout, "teacher": sampled_heldout}
             self.guard = self.guard or list(self.heldout)  # the user's text, which a mix must not make worse
@@ -416,4 +427,4 @@ def read_rows(tokenizer: Any, dataset: Any, config: RecoveryConfig, text_column:
     """The user's text and rows (`_training_text`, with its checks that need no model), before any model changes."""
     texts, kind, train, heldout = _training_text(tokenizer, dataset, config, text_column)
     guard = _guard_rows(tokenizer, dataset, config, text_column)
-    return HealingRows(texts, kind, share, train, heldout, guard=guard)
+    return HealingRows(texts, kind, share, train, heldout, guard=guard, text_column=text_column)

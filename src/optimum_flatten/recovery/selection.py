@@ -80,6 +80,7 @@ def changed_parameter_names(model: nn.Module, report: Mapping[str, Any] | None) 
     Raises:
         ValueError: without a plan, or when the plan keeps only plain layers and nothing carries a correction.
     """
+    _refuse_collapsed(report, "changed")
     adapter = get_adapter(model)
     blocks = adapter.blocks()
     plan = report_plan(
@@ -131,6 +132,7 @@ def changed_spans(model: nn.Module, report: Mapping[str, Any] | None) -> list[Sp
     Raises:
         ValueError: without a plan, or when every block is one plain original layer (nothing to train).
     """
+    _refuse_collapsed(report, "local")
     blocks = get_adapter(model).blocks()
     plan = report_plan(
         report,
@@ -160,6 +162,17 @@ def span_parameter_names(model: nn.Module, spans: list[Span]) -> list[str]:
     blocks = get_adapter(model).blocks()
     wanted = {id(p) for span in spans for p in blocks[span.block].module.parameters()}
     return [name for name, p in model.named_parameters() if id(p) in wanted]
+
+
+def _refuse_collapsed(report: Mapping[str, Any] | None, mode: str) -> None:
+    """Refuses modes 'changed' and 'local' after LayerCollapse: its plan is the identity and its change, the collapsed
+    MLPs, is recorded elsewhere (``report["layer_collapse"]``), so both would find nothing changed in a model that
+    is not the teacher."""
+    if isinstance((report or {}).get("layer_collapse"), Mapping):
+        raise ValueError(
+            f"mode={mode!r} reads the layers a depth compression merged, dropped or bridged, and a LayerCollapse "
+            "model keeps every layer and changes its MLPs instead; heal it with mode 'full', 'last_k' or 'lora'."
+        )
 
 
 def _corrected_blocks(report: Mapping[str, Any] | None, plan: LayerPlan) -> tuple[set[int], set[int]]:

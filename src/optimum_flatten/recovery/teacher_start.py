@@ -87,17 +87,23 @@ def prompt_ids(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: st
     return [ids for _, ids in _usable_prompts(tokenizer, prompts, prompt_tokens, text_column)]
 
 
-def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str) -> list[tuple[str, list[int]]]:
-    """(text, its first `prompt_tokens` tokens) of each prompt document long enough to hold them; refuses none."""
+def prompt_texts(prompts: Any, text_column: str) -> list[str]:
+    """The prompt documents: a ``.txt`` file one a line, a table's `text_column` (the healing text's column), or any
+    other source `calibration.data.load_texts` reads."""
     from ..calibration.data import load_texts, require_existing
-    from ..calibration.tokens import tokenize_texts
 
     if isinstance(prompts, (str, os.PathLike)):
         require_existing(prompts, "prompts (--prompts)")
     if isinstance(prompts, (str, os.PathLike)) and Path(prompts).is_file() and Path(prompts).suffix.lower() == ".txt":
-        texts = [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
-    else:
-        texts = load_texts(prompts, text_column)
+        return [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return load_texts(prompts, text_column)
+
+
+def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_column: str) -> list[tuple[str, list[int]]]:
+    """(text, its first `prompt_tokens` tokens) of each prompt document long enough to hold them; refuses none."""
+    from ..calibration.tokens import tokenize_texts
+
+    texts = prompt_texts(prompts, text_column)
     usable = [
         (text, tokens[:prompt_tokens])
         for text, tokens in zip(texts, tokenize_texts(tokenizer, texts), strict=True)
@@ -112,13 +118,13 @@ def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_colum
 
 
 def split_prompts(
-    tokenizer: Any, prompts: Any, prompt_tokens: int, heldout_rows: int, seed: int
+    tokenizer: Any, prompts: Any, prompt_tokens: int, heldout_rows: int, seed: int, text_column: str = "text"
 ) -> tuple[list[str], list[str]]:
     """(the training rows' prompts, the held-out rows'): a seeded choice of up to `heldout_rows` prompts, at most half
     of them, that only held-out rows continue. A prompt's tokens are trained on as part of its rows, so a held-out row
     continuing a training row's prompt would be partly trained text; with a single prompt both parts take it (and
     `mask_opening` keeps the gate off its tokens)."""
-    texts = [text for text, _ in _usable_prompts(tokenizer, prompts, prompt_tokens, "text")]
+    texts = [text for text, _ in _usable_prompts(tokenizer, prompts, prompt_tokens, text_column)]
     held = min(heldout_rows, len(texts) // 2)
     if held == 0:
         return texts, texts

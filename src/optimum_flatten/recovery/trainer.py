@@ -22,6 +22,7 @@ from ..options.recovery import RecoveryConfig
 from ..utils.torch_utils import keeping_use_cache
 from .arguments import check_fsdp, check_one_device_per_process, fsdp_version, healing_schedule
 from .healing_run import HealingRun
+from .lora import check_lora_targets
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
@@ -83,6 +84,7 @@ def recover(
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
     check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
     check_one_device_per_process(model, config)
+    check_lora_targets(model, config, model.config.get_text_config().num_hidden_layers)
     share = checked_share(dataset, config, _has_teacher(teacher, report))
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     rows = read_rows(tokenizer, dataset, config, text_column, share)
