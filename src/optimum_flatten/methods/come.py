@@ -42,7 +42,7 @@ from ..ops.channel_sensitivity import (
     head_channel_totals,
     proportional_shares,
 )
-from ..ops.selection import max_merges
+from ..ops.selection import max_merges, merge_leaves_room
 from ..options.methods.come import CoMeConfig
 from ..plan import LayerPlan
 from ..registry import register_method
@@ -196,7 +196,8 @@ class CoMeMethod(CompressionMethod):
                 # reachable (one that strands it would fail later anyway; see `ops.max_merges`).
                 ranked = sorted(candidates, key=lambda c: (measured.distance[c], c))
                 remaining, limit = num_to_remove - step - 1, self._limit(num_layers)
-                k = next((c for c in ranked if _leaves(entries, c, remaining, limit, one_kind)), ranked[0])
+                groups = [entry.indices for entry in entries]
+                k = next((c for c in ranked if merge_leaves_room(groups, c, remaining, limit, one_kind)), ranked[0])
                 with context.timer("merge"):
                     block, record = self._merge_entries(adapter, stack, entries[k], entries[k + 1], k, measured)
                 record = {"step": step, "angular_distance": round(measured.distance[k], 6), **record}
@@ -384,11 +385,3 @@ def concat_merge(
             if bias is not None and norm.bias is not None:
                 norm.bias.copy_(bias)
     return wide
-
-
-def _leaves(entries: list[_Entry], k: int, remaining: int, limit: int, one_kind: Any) -> bool:
-    """Whether `remaining` more merges stay possible after entries k and k + 1 are merged."""
-    if remaining == 0:
-        return True
-    groups = [e.indices for e in entries[:k]] + [entries[k].indices + entries[k + 1].indices]
-    return max_merges(groups + [e.indices for e in entries[k + 2 :]], limit, one_kind) >= remaining

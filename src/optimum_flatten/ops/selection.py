@@ -90,7 +90,7 @@ def greedy_adjacent_groups(
         # group grown across the only place where two runs of one kind could still join) would fail later anyway,
         # so skipping it changes no plan that succeeds. Usually the first pair passes, one check a step.
         remaining = num_to_remove - step - 1
-        best = next((g for _, g in sorted(scored) if _reachable(groups, g, remaining, limit, one_kind)), None)
+        best = next((g for _, g in sorted(scored) if merge_leaves_room(groups, g, remaining, limit, one_kind)), None)
         if best is None:
             raise ValueError(
                 f"after {step} merge(s) no adjacent groups of one layer kind can be merged within max_group_size="
@@ -100,17 +100,18 @@ def greedy_adjacent_groups(
     return [tuple(g) for g in groups]
 
 
-def _reachable(
-    groups: list[list[int]],
+def merge_leaves_room(
+    groups: Sequence[Sequence[int]],
     g: int,
     remaining: int,
     limit: int,
     one_kind: Callable[[tuple[int, ...]], bool] | None,
 ) -> bool:
-    """Whether `remaining` more merges are still possible after groups g and g + 1 are merged."""
+    """Whether `remaining` more merges are still possible after groups g and g + 1 are merged: a greedy merging
+    method (FlattenGPT's pairing, CoMe's) skips a merge that would strand the rest of its target."""
     if remaining == 0:
         return True
-    merged = [tuple(x) for x in (*groups[:g], groups[g] + groups[g + 1], *groups[g + 2 :])]
+    merged = [tuple(x) for x in (*groups[:g], (*groups[g], *groups[g + 1]), *groups[g + 2 :])]
     return max_merges(merged, limit, one_kind) >= remaining
 
 

@@ -118,13 +118,13 @@ def _usable_prompts(tokenizer: Any, prompts: Any, prompt_tokens: int, text_colum
 
 
 def split_prompts(
-    tokenizer: Any, prompts: Any, prompt_tokens: int, heldout_rows: int, seed: int, text_column: str = "text"
+    tokenizer: Any, prompts: Any, prompt_tokens: int, heldout_rows: int, seed: int
 ) -> tuple[list[str], list[str]]:
     """(the training rows' prompts, the held-out rows'): a seeded choice of up to `heldout_rows` prompts, at most half
     of them, that only held-out rows continue. A prompt's tokens are trained on as part of its rows, so a held-out row
     continuing a training row's prompt would be partly trained text; with a single prompt both parts take it (and
     `mask_opening` keeps the gate off its tokens)."""
-    texts = [text for text, _ in _usable_prompts(tokenizer, prompts, prompt_tokens, text_column)]
+    texts = [text for text, _ in _usable_prompts(tokenizer, prompts, prompt_tokens, "text")]
     held = min(heldout_rows, len(texts) // 2)
     if held == 0:
         return texts, texts
