@@ -162,3 +162,26 @@ def test_an_mlp_an_earlier_run_prepared_is_named_with_the_selection(gpt2, text, 
     assert "[5], and [4] prepared by an earlier run" in capsys.readouterr().out
     training = json.loads((out / "flatten_report.json").read_text())["training"]
     assert training["prepared"] == [5] and training["prepared_earlier"] == [4]
+
+
+def test_a_stock_checkpoint_counts_the_parameters_it_holds(gpt2, text, tmp_path, capsys):
+    """Every MLP collapsed saves as a plain GPT-2 with an identity down map per MLP (d² + d each), which the model in
+    memory does not hold: the printed table and the card used to give the in-memory count (39,680 for 46,016 saved on
+    this model), and the card's options read ``num_mlps: None`` with no word of the selection that was trained."""
+    from transformers import GPT2LMHeadModel
+
+    from optimum_flatten.utils.torch_utils import count_parameters
+
+    out = tmp_path / "out"
+    argv = ["layer-collapse", str(gpt2), "--dataset", str(text), "--num-mlps", "6", "--nsamples", "2", *SCHEDULE,
+            "--output", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    report = json.loads((out / "flatten_report.json").read_text())
+    assert report["export_format"] == "stock"
+    saved = count_parameters(GPT2LMHeadModel.from_pretrained(out))
+    assert saved == report["parameters_after"] + report["stock_identity_parameters"] > report["parameters_after"]
+    said = f"{report['parameters_before']:,} -> {saved:,} as saved"
+    card = (out / "README.md").read_text()
+    assert said in printed and said in card
+    assert "Trained to linear before the collapse: the MLPs of layers [0, 1, 2, 3, 4, 5] (num_mlps=6)" in card

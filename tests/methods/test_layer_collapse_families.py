@@ -210,6 +210,9 @@ def test_export_all_collapsed_reloads_with_the_plain_class(name, tmp_path):
     # The reload carries identity down maps: d² + d more parameters per MLP than the collapsed model in memory.
     num_mlps = sum(n for n, _ in family.stacks.values())
     assert count_parameters(reloaded) == count_parameters(model) + num_mlps * (HIDDEN * HIDDEN + HIDDEN)
+    # ...which the report counts for the card (both of Marian's stacks).
+    report = json.loads((path / REPORT_NAME).read_text())
+    assert report["stock_identity_parameters"] == count_parameters(reloaded) - count_parameters(model)
 
 
 def _assert_stock_refused(model: nn.Module, tmp_path, match: str) -> None:

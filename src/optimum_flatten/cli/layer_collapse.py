@@ -153,6 +153,8 @@ def prepare_and_train(
 
 def summary_rows(log: dict[str, Any], report: dict[str, Any], seqlen: int) -> list[tuple[str, Any]]:
     """The printed table: what was prepared and trained, what collapsed, and what was saved."""
+    from ..export.model_card import describe_parameters  # the saved checkpoint's count, as the card says it
+
     earlier = log["prepared_earlier"]
     prepared = f"{log['prepared']}, and {earlier} prepared by an earlier run" if earlier else log["prepared"]
     trained = (
@@ -164,6 +166,6 @@ def summary_rows(log: dict[str, Any], report: dict[str, Any], seqlen: int) -> li
         ("MLPs prepared", prepared),
         ("training", trained),
         ("collapsed (layer, relative error)", [(r["layer"], f"{r['relative_error']:.2e}") for r in collapsed]),
-        ("parameters", f"{report['parameters_before']:,} -> {report['parameters_after']:,}"),
+        ("parameters", describe_parameters(report)),
         ("format", report["export_format"]),
     ]

@@ -34,7 +34,7 @@ from ...utils.errors import NotCollapsibleError, UnsupportedArchitectureError
 from ...utils.torch_utils import count_parameters
 from .activation import ParametricActivation
 from .config import METHOD_NAME, LayerCollapseConfig
-from .export import write_layer_collapse_model
+from .export import stock_format_problem, stock_identity_parameters, write_layer_collapse_model
 from .mlp import collapse_mlp_
 from .prepare import check_not_gated, collapsed_mlp_indices, prepared_mlps, single_stack
 from .reload import adopt_reloaded_
@@ -281,6 +281,19 @@ def _card_summary(report: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _stock_parameters(report: Mapping[str, Any]) -> str | None:
+    """The card's parameter count for a stock checkpoint, which holds an identity down map per MLP that the model in
+    memory does not (``parameters_after``); None (the generic count) for any other format."""
+    before, after = report.get("parameters_before"), report.get("parameters_after")
+    added = report.get("stock_identity_parameters")
+    if report.get("export_format") != "stock" or not all(isinstance(n, int) for n in (before, after, added)):
+        return None
+    return (
+        f"{before:,} -> {after + added:,} as saved and reloaded ({after:,} in memory: the stock format adds an "
+        f"identity down map to each MLP, {added:,} parameters)"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- the method
 @register_method(METHOD_NAME)
 class LayerCollapseMethod(CompressionMethod):
@@ -326,7 +339,10 @@ class LayerCollapseMethod(CompressionMethod):
             layout[stack] = {"collapsed": collapsed, "linearisable": linearisable}
         if not any(entry["collapsed"] or entry["linearisable"] for entry in layout.values()):
             return None
-        return CheckpointWriter(function=write_layer_collapse_model, report={"mlp_layout": layout})
+        report: dict[str, Any] = {"mlp_layout": layout}
+        if stock_format_problem(model) is None:  # the card counts what a stock checkpoint holds (`card_section`)
+            report["stock_identity_parameters"] = stock_identity_parameters(model)
+        return CheckpointWriter(function=write_layer_collapse_model, report=report)
 
     @classmethod
     def adopt_reloaded_(cls, model: nn.Module) -> list[str]:
@@ -336,7 +352,8 @@ class LayerCollapseMethod(CompressionMethod):
 
     @classmethod
     def card_section(cls, report: dict[str, Any]) -> CardSection | None:
-        """Which MLPs are one linear map (from ``mlp_layout``) and how the written format loads (``export_format``)."""
+        """Which MLPs are one linear map (from ``mlp_layout``), which the CLI trained (its ``training`` record), how
+        the written format loads (``export_format``) and, for the stock format, the parameters it holds."""
         layouts = report.get("mlp_layout") or {}
         if not layouts:
             return None
@@ -345,7 +362,12 @@ class LayerCollapseMethod(CompressionMethod):
             + (f", learned linearity alpha still in layers {layout['linearisable']}" if layout["linearisable"] else "")
             for stack, layout in layouts.items()
         )
-        return CardSection(summary=_card_summary(report), lines=lines)
+        training = report.get("training") or {}
+        if training.get("selection"):  # the collapse step takes every trained MLP; the selection was the training's
+            selection = ", ".join(f"{key}={value}" for key, value in training["selection"].items())
+            prepared = training["prepared"]
+            lines += (f"- Trained to linear before the collapse: the MLPs of layers {prepared} ({selection})",)
+        return CardSection(summary=_card_summary(report), lines=lines, parameters=_stock_parameters(report))
 
     def __init__(self, config: LayerCollapseConfig) -> None:
         super().__init__(config)

@@ -177,6 +177,14 @@ def save_layer_collapse(
 
 
 # ------------------------------------------------------------------------------------------------------ stock
+def stock_identity_parameters(model: nn.Module) -> int:
+    """The parameters the stock format adds to `model` as it is in memory: an identity down map of d² + d for every
+    collapsed MLP (`_write_stock`), which the checkpoint and its reload hold and `count_parameters(model)` does not."""
+    adapter = get_adapter(model)
+    widths = [b.mlp.up.out_features for stack in adapter.stacks() for b in adapter.blocks(stack) if is_mlp_collapsed(b)]
+    return sum(width * width + width for width in widths)
+
+
 def _identity_like(up: nn.Module, width: int) -> nn.Module:
     """A map computing ``x·I + 0`` (exact in floating point) of the up map's kind, dtype and device: an nn.Linear,
     or a GPT-2 Conv1D (its (in, out) storage of the symmetric I is the same tensor)."""
@@ -229,5 +237,6 @@ __all__ = [
     "layer_collapse_states",
     "save_layer_collapse",
     "stock_format_problem",
+    "stock_identity_parameters",
     "write_layer_collapse_model",
 ]
