@@ -1,7 +1,8 @@
 """LoRA settings checked where a user gives them: a target that names nothing, a layer the healed model does not have
 or an adapter on a tied embedding are refused before any weight changes (`quantize` used to refuse them only after
 the compression, and a retry then compressed the model again); LoRA's options given to another mode are refused;
-and the default targets skip what peft cannot adapt (a collapsed MLP's identity)."""
+and the default targets skip what peft cannot adapt (a collapsed MLP's identity), naming by full path only the blocks
+`layers_to_transform` keeps (peft's layer filter passes a full path by)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def _heal(**lora):
         (
             {"layers_to_transform": [5]},
             r"LoRA layers_to_transform \[5\] are not layers of the healed model, which has 4",
+        ),
+        (  # peft adapts a full path whatever layers_to_transform says
+            {"target_modules": ["model.layers.0.self_attn.q_proj", "v_proj"], "layers_to_transform": [1]},
+            r"LoRA target_modules \['model.layers.0.self_attn.q_proj'\] are full module paths, which peft adapts",
         ),
     ],
 )
@@ -125,3 +130,11 @@ def test_default_targets_skip_a_collapsed_mlps_identity():
         if n.endswith("lora_A")
     }
     assert adapted == projections and not adapted & set(identities)
+    # The full paths and peft's layer filter together: layers_to_transform keeps the projections of those layers
+    # only, the full-path ones (every c_proj) included.
+    model = wrapped.unload()
+    wrapped, _ = wrap_lora(model, RecoveryConfig(mode="lora", layers_to_transform=[0, 5]))
+    kept = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in wrapped.named_modules()
+            if n.endswith("lora_A")}  # fmt: skip
+    assert kept == {n for n in projections if n.startswith(("transformer.h.0.", "transformer.h.5."))}
+    assert "transformer.h.5.attn.c_proj" in kept and "transformer.h.5.mlp.c_fc" in kept

@@ -4,6 +4,7 @@ into plain weights after training (`recovery.trainer`)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -13,15 +14,20 @@ from ..adapters import get_adapter
 from ..options.recovery import RecoveryConfig, check_lora_options
 
 
-def default_target_modules(model: nn.Module) -> list[str]:
+def default_target_modules(model: nn.Module, layers: Sequence[int] | None = None) -> list[str]:
     """Names (last path component) of the projections the adapter exposes in every block: attention's q, k, v and o,
     and the MLP's up, gate and down. On a model with a mixture-of-experts block, attention's only: its experts are
     no single projection (transformers 5 fuses them into 3-D parameters), and peft maps every target named like an
-    MLP projection onto those fused parameters (its v4-to-v5 conversion), which it adapts only without dropout."""
+    MLP projection onto those fused parameters (its v4-to-v5 conversion), which it adapts only without dropout.
+
+    `layers` (LoRA's ``layers_to_transform``) keeps the full paths of those blocks only: peft applies its layer
+    filter to the names matched by their last component, but adapts a name matched whole wherever it is."""
     adapter = get_adapter(model)
     attention, mlp, mixture = set(), set(), False
+    block_of: dict[int, int] = {}
     for block in adapter.blocks():
         attention.update(id(getattr(block.attention, name).module) for name in ("q", "k", "v", "o"))
+        block_of.update({id(module): block.index for module in block.module.modules()})
         for name in ("up", "gate", "down"):
             try:
                 view = getattr(block.mlp, name)
@@ -40,7 +46,12 @@ def default_target_modules(model: nn.Module) -> list[str]:
     modules = list(model.named_modules())
     elsewhere = {name.split(".")[-1] for name, module in modules if id(module) not in wanted}
     short = {name: name.split(".")[-1] for name, module in modules if id(module) in wanted}
-    return sorted({name if last in elsewhere else last for name, last in short.items()})
+    kept = {
+        name for name, module in modules if id(module) in wanted and (layers is None or block_of[id(module)] in layers)
+    }
+    return sorted(
+        {name if last in elsewhere else last for name, last in short.items() if last not in elsewhere or name in kept}
+    )
 
 
 def check_lora_targets(model: nn.Module, config: RecoveryConfig, layers: int) -> None:
@@ -60,6 +71,12 @@ def check_lora_targets(model: nn.Module, config: RecoveryConfig, layers: int) ->
         raise ValueError(
             f"LoRA target_modules {missing} name no module of this {type(model).__name__}; its projections are "
             f"{default_target_modules(model)}."
+        )
+    whole = [t for t in targets if "." in t and t in names]
+    if whole and config.layers_to_transform is not None:
+        raise ValueError(
+            f"LoRA target_modules {whole} are full module paths, which peft adapts whatever layers_to_transform says; "
+            "name those modules by their last component, or leave layers_to_transform out."
         )
     bad = [i for i in config.layers_to_transform or () if not 0 <= i < layers]
     if bad:
@@ -100,7 +117,7 @@ def wrap_lora(model: nn.Module, config: RecoveryConfig) -> tuple[nn.Module, Any]
         r=config.r,
         lora_alpha=config.lora_alpha,
         lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or default_target_modules(model),
+        target_modules=config.target_modules or default_target_modules(model, config.layers_to_transform),
         layers_to_transform=config.layers_to_transform,
         task_type="CAUSAL_LM",
     )
