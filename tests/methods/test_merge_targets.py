@@ -1,5 +1,6 @@
-"""Targets that merging methods (FlattenGPT, CoMe) cannot reach: refused before the calibration, with layer kinds
-(sliding and full attention, NoPE) counted, and never stranded by a greedy step when a plan exists."""
+"""Targets that merging methods (FlattenGPT, CoMe, LaCo, Sliding-Window Merging) cannot reach: refused before the
+calibration, with layer kinds (sliding and full attention, NoPE) counted, and never stranded by a greedy step when a
+plan exists."""
 
 from __future__ import annotations
 
@@ -87,6 +88,32 @@ def test_come_counts_layer_kinds_before_the_calibration(monkeypatch):
     _no_calibration(monkeypatch)
     model = tiny_models.tiny_smollm3()
     assert_refused_before_any_change(model, "come", r"at most 2 \(allow_chaining=True\)", num_layers_to_remove=3)
+
+
+@pytest.mark.parametrize("method", ["laco", "sliding_window"])
+def test_window_merges_count_layer_kinds_before_the_calibration(monkeypatch, method):
+    """LaCo and Sliding-Window Merging used to score every window on the calibration before saying that the NoPE
+    layers (2 and 5) leave one merge in their default range [1, 5] (runs 1, 2, 3-4, 5); the range counts alone too."""
+    monkeypatch.setattr("optimum_flatten.methods.laco.search.StackEvaluator.__init__", _calibrated)
+    model = tiny_models.tiny_smollm3()
+    message = r"the layer range \[1, 5\] can lose at most 1 that way, fewer than the 2 requested"
+    assert_refused_before_any_change(model, method, message, num_layers_to_remove=2)
+    message = r"the layer range \[1, 3\] holds 3 layers, so merging within it can remove at most 2"
+    assert_refused_before_any_change(model, method, message, num_layers_to_remove=3, max_layer=3)
+
+
+def _calibrated(*args, **kwargs):
+    raise AssertionError("the calibration ran before the refusal")
+
+
+@pytest.mark.parametrize(("method", "options"), [("laco", {"window_size": 2}), ("sliding_window", {})])
+def test_window_merges_reach_what_the_kinds_allow(method, options):
+    """The count is a bound, not a promise: LaCo's windows of 4 span a NoPE layer wherever they stand here."""
+    from common import compress
+
+    model = tiny_models.tiny_smollm3()
+    quantizer = compress(model, method, num_layers_to_remove=2, threshold=None, min_layer=0, **options)
+    assert sorted(quantizer.plan.merged_groups) == [(0, 1), (3, 4)]
 
 
 def test_reachable_targets_still_compress():

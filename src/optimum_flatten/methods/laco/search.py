@@ -21,6 +21,7 @@ from ...adapters.base import ArchitectureAdapter
 from ...calibration.states import CalibratedStates
 from ...compression.method import CardSection, CompressionMethod, MethodContext
 from ...ops import MERGE_RULES
+from ...ops.selection import max_merges
 from ...plan import LayerPlan
 from ...utils.offload import dispatch_like
 from ...utils.torch_utils import count_parameters
@@ -267,6 +268,23 @@ class ParameterMergeMethod(CompressionMethod):
     def accepts(self, score: float, threshold: float) -> bool:
         """Whether a candidate with similarity `score` passes `threshold` (at least it; LaCo: strictly above)."""
         return score >= threshold
+
+    def check_target(
+        self, num_layers: int, num_to_remove: int, one_kind: Callable[[tuple[int, ...]], bool] | None = None
+    ) -> None:
+        """The protected range, and within it the layer kinds (`one_kind`: a window never joins sliding and full
+        attention, or a layer without rotary positions), bound what merging can remove (`ops.max_merges`): a target
+        past that is refused before calibrating, where the search would score every window first."""
+        top = check_layer_range(num_layers, self.config.min_layer, self.config.max_layer, num_to_remove)
+        layers = [(i,) for i in range(self.config.min_layer, top + 1)]
+        possible = max_merges(layers, len(layers), one_kind)
+        if num_to_remove > possible:
+            raise ValueError(
+                f"{self.name} merges windows of adjacent layers of one kind (sliding and full attention, or layers "
+                f"without rotary positions, are never merged), and the layer range [{self.config.min_layer}, {top}] "
+                f"can lose at most {possible} that way, fewer than the {num_to_remove} requested. Remove fewer layers, "
+                "or widen min_layer/max_layer."
+            )
 
     def shortfall_hints(self) -> list[str]:
         """Method options whose lowering helps a fixed threshold reach the target, for the refusal (none here)."""
