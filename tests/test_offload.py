@@ -48,6 +48,7 @@ def _config(method: str) -> FlattenConfig:
     method, _, correction = method.partition("+")
     extra: dict[str, Any] = dict([option.split("=")]) if option else {}
     extra |= {"threshold": None, "search_steps": 4} if method in ("laco", "sliding_window") else {}
+    extra |= {"batch_size": 4} if method == "auto" else {}  # a batch to fit, one to choose on
     if correction:
         extra["compensation" if correction == "scale" else "linear_replacement"] = correction
     return FlattenConfig(
@@ -68,8 +69,11 @@ def _config(method: str) -> FlattenConfig:
         "replaceme",
         "greedy_replace",
         "shortgpt+lstsq",
+        "flattengpt+lstsq_down",  # read an offloaded down projection's meta weight after the layers were dropped
+        "sleb+lstsq_down",
         "uidl+scale",
         "come",
+        "auto",  # its candidates include lstsq_down
     ],
 )
 def test_offloaded_compression_equals_in_memory_compression(dense_dir, tmp_path, method):

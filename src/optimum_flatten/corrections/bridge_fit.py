@@ -26,7 +26,7 @@ from ..ops.linear_map import (
     solve_least_squares_with_gain,
 )
 from ..options.corrections import BridgeOptions
-from ..utils.offload import edit_block_
+from ..utils.offload import edit_block_, onloaded
 from ..utils.torch_utils import first_output
 from .compensation import fold_stream_scales_
 
@@ -266,7 +266,9 @@ def _refit_down_from_(
     is 0.
     """
     ridge = options.down_ridge
-    lifted = down.weight.T if down.bias is None else torch.cat([down.weight.T, down.bias[None]], dim=0)
+    with onloaded(adapter.layers(stack)[k]):  # an offloaded layer's weight is a meta tensor outside this block
+        weight, bias = down.weight, down.bias
+        lifted = (weight.T if bias is None else torch.cat([weight.T, bias[None]], dim=0)).clone()
     ridges = RIDGE_GRID if ridge is None else (ridge,)
     solution, choice = fit_towards_prior(fit, held_out, folded_map_prior(lifted), ridges=ridges)
     weight = solution[: down.in_features].T
