@@ -321,8 +321,12 @@ def test_method_compresses_and_reloads_as_plain_vit(tmp_path, model, method, met
     _check_reload(model, quantizer.save(model, tmp_path / "compressed"))
 
 
-def test_flattengpt_on_vit(tmp_path, model):
-    """Pre-LN with LayerNorm biases (folded) and a plain GELU MLP: FlattenGPT merges and prunes back to the width."""
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_flattengpt_on_vit(tmp_path, qkv_bias):
+    """Pre-LN with LayerNorm biases (folded) and a plain GELU MLP: FlattenGPT merges and prunes back to the width.
+    Without q/k/v biases the fold gives the merged layer's q/k/v the LayerNorm's: the saved config used to keep
+    ``qkv_bias=False``, and the reload dropped them (logits 0.23 off)."""
+    model = tiny_models.tiny_vit(qkv_bias=qkv_bias)
     pixels = tiny_models.sample_pixel_values()
     original = vit_outputs(model, pixels)
     quantizer = _compress(model, "flattengpt", num_layers_to_remove=1)

@@ -20,6 +20,7 @@ in parallel on one input, the non-gated MLP prunes by channel).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -108,6 +109,24 @@ class ViTAdapter(ArchitectureAdapter):
         """All ones over CLS + patches: every position of an image is real."""
         pixel_values = _pixel_values(batch)
         return torch.ones(pixel_values.shape[0], self.num_positions(pixel_values), dtype=torch.long)
+
+    # ------------------------------------------------------------------ config
+    def update_config_(self, stack: str, first_indices: Sequence[int]) -> None:
+        """Also keeps ``qkv_bias`` true to the weights: a LayerNorm folded into q/k/v (FlattenGPT, CoMe with
+        ``fold_norms``) gives them its bias, which a ``qkv_bias=False`` config would drop on reload. Then every layer
+        without one gets an exact zero bias and the config says ``qkv_bias=True``: one config, the same function."""
+        super().update_config_(stack, first_indices)
+        if getattr(self.config, "qkv_bias", True):
+            return
+        projections = [getattr(b.attention, n).module for b in self.blocks(stack) for n in ("q", "k", "v")]
+        if all(p.bias is None for p in projections):
+            return
+        for projection in projections:
+            if projection.bias is None:
+                device = "cpu" if projection.weight.is_meta else projection.weight.device  # offloaded: held here
+                zeros = torch.zeros(projection.out_features, dtype=projection.weight.dtype, device=device)
+                projection.bias = nn.Parameter(zeros, requires_grad=projection.weight.requires_grad)
+        self.config.qkv_bias = True
 
     # -------------------------------------------------------------- validating
     def check_forward(self) -> None:
