@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import tiny_models
 from common import one_error_line
@@ -130,3 +131,27 @@ def test_a_foreign_teacher_is_said_once(pair, tmp_path, capsys, caplog):
         assert main(_recover(foreign, compressed, text, tmp_path, "--no-progress")) == 0, capsys.readouterr().err
     assert len([w for w in said if "not the model" in str(w.message)]) == 1
     assert not [r for r in caplog.records if "not the model" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["bert", "marian"])
+def test_a_teacher_that_is_not_a_causal_lm_is_refused_before_it_loads(pair, tmp_path, capsys, no_training, kind):
+    """AutoModelForCausalLM loads a BERT masked LM as a BertLMHeadModel that sees the tokens it predicts, and Marian
+    as a decoder with a fresh head: the healing ran and saved against either (the student alone was checked)."""
+    dense, compressed, text = pair
+    teacher = tmp_path / kind
+    model = tiny_models.tiny_bert() if kind == "bert" else tiny_models.tiny_marian()
+    model.config.vocab_size = tiny_models.tiny_hf_tokenizer().vocab_size  # not refused for its vocabulary instead
+    model.save_pretrained(teacher)
+    argv = _recover(dense, compressed, text, tmp_path)
+    argv[argv.index("--teacher") + 1] = str(teacher)
+    assert main(argv) == 2
+    message = one_error_line(capsys)
+    assert "the teacher must be a causal language model" in message and str(teacher) in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_loaded_teacher_that_is_not_a_causal_lm_is_refused():
+    from optimum_flatten.recovery.teacher import load_teacher
+
+    with pytest.raises(ValueError, match=r"is a BertForMaskedLM, not a causal language model"):
+        load_teacher(tiny_models.tiny_bert(), torch.float32)

@@ -51,6 +51,7 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
     tokenizer = None
     if isinstance(teacher, nn.Module):
         model, name = teacher, str(getattr(getattr(teacher, "config", None), "_name_or_path", "") or "<model>")
+        _check_causal_teacher(getattr(model, "config", None), name, _transformers_class(model))
     elif isinstance(teacher, (str, Path)):
         key = _bundled_key(str(teacher))
         if key is not None:
@@ -59,12 +60,14 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
             model, tokenizer = load_bundled(key, dtype=dtype)
             name = str(teacher)
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
             from ..utils.loading import public_base_name, resolve_model_source
 
             source = resolve_model_source(teacher)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            config = AutoConfig.from_pretrained(source)
+            _check_causal_teacher(config, str(teacher))  # before its weights load as a head it never had
+            model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(source)
             name = public_base_name(str(teacher))[0]
     else:
@@ -77,6 +80,28 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
     if next(model.parameters()).dtype != dtype:
         model.to(dtype=dtype)
     return model, tokenizer, name
+
+
+def _transformers_class(model: nn.Module) -> str | None:
+    """The model's class name when transformers defines that class (what it was built as), else None."""
+    import transformers
+
+    name = type(model).__name__
+    return name if getattr(transformers, name, None) is type(model) else None
+
+
+def _check_causal_teacher(config: Any, name: str, architecture: str | None = None) -> None:
+    """Refuses a teacher that is not a causal LM (`utils.causal_lm`): `AutoModelForCausalLM` loads BERT as a
+    `BertLMHeadModel` that sees the tokens it should predict, and Marian as a decoder with a fresh head, and either
+    distils without an error into a student that learns nothing true."""
+    from ..utils.causal_lm import non_causal_description
+
+    what = None if config is None else non_causal_description(config, architecture)
+    if what is not None:
+        raise ValueError(
+            f"the teacher must be a causal language model (the student learns its next-token distributions), and "
+            f"{name} is {what}; pass the dense causal LM the student was compressed from."
+        )
 
 
 #: Text every teacher's tokenizer must encode as the student's does: letters, digits, punctuation, whitespace and
