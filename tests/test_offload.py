@@ -239,3 +239,24 @@ def test_a_tied_final_norm_offloaded_is_refused_for_a_fold(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", device_map=device_map, offload_folder=tmp_path)
     with pytest.raises(UnsupportedArchitectureError, match=r"transformer\.ln_f"):
         FlattenQuantizer(_config("shortgpt+scale"), progress=False).compress(model, tiny_models.CharTokenizer())
+
+
+def test_healing_an_offloaded_model_is_refused_before_any_change(dense_dir, tmp_path):
+    """The compression ran first and the healing then failed moving the offloaded teacher copy (the work lost);
+    `recover` failed copying meta weights at its gate and left peft's LoRA modules in the model."""
+    from optimum_flatten.options.recovery import RecoveryConfig
+    from optimum_flatten.recovery import recover
+
+    offloaded = _offloaded(dense_dir, tmp_path)
+    heal = {"max_tokens": 256, "seqlen": 16, "heldout_rows": 0}
+    config = FlattenConfig(
+        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, heal=heal
+    )
+    with pytest.raises(ValueError, match=r"^healing trains weights in memory, and this model has layers offloaded"):
+        FlattenQuantizer(config, progress=False).compress(offloaded, tiny_models.CharTokenizer())
+    assert len(offloaded.model.layers) == NUM_LAYERS
+    for mode in ("full", "lora"):
+        with pytest.raises(ValueError, match=r"has layers offloaded to CPU or disk by its device_map"):
+            texts, config = tiny_models.sample_texts(), RecoveryConfig(mode=mode, **heal)
+            recover(offloaded, tiny_models.CharTokenizer(), texts, config, teacher=False)
+        assert not any("lora" in name for name, _ in offloaded.named_modules())

@@ -44,6 +44,19 @@ def _replicas(config: RecoveryConfig, world_size: int | None = None) -> int:
     return world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def check_in_memory(model: Any) -> None:
+    """Refuses, before any weight changes, a model with layers offloaded to CPU or disk by ``device_map`` (accelerate's
+    hooks keep their weights on the meta device between forwards): the optimiser steps on weights that are not there,
+    the gate copies them, and the teacher copy cannot be moved, each failing only once the healing has begun."""
+    from ..utils.offload import is_offloaded
+
+    if is_offloaded(model):
+        raise ValueError(
+            "healing trains weights in memory, and this model has layers offloaded to CPU or disk by its device_map; "
+            "load it without offloading (device_map=None or a single device) to heal it, or compress it without heal."
+        )
+
+
 def check_one_device_per_process(model: Any, config: RecoveryConfig) -> None:
     """Refuses one process that sees several GPUs, before any weight changes: the Trainer would wrap the student in
     torch's DataParallel over all of them, so that each step reads a batch per GPU the budget never counted (the

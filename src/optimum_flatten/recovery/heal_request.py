@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..utils.positions import check_sequence_length
-from .arguments import check_one_device_per_process, fsdp_version
+from .arguments import check_in_memory, check_one_device_per_process, fsdp_version
 from .lora import check_lora_targets
 from .objectives import local_needs_one_process
 from .rows import check_recovery_inputs
@@ -30,6 +30,7 @@ def check_heal_request(
     the launch's; `in_place` whether the caller keeps the model it passed (compress-on-load), which a healing sharded
     by FSDP2 cannot give back (rank 0's whole model is another object)."""
     dataset, column, recovery, _ = heal
+    check_in_memory(model)
     check_one_device_per_process(model, recovery)
     if in_place and fsdp_version(recovery) is not None:
         raise ValueError(

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..options.recovery import RecoveryConfig
 from ..utils.torch_utils import keeping_use_cache
-from .arguments import check_fsdp, check_one_device_per_process, fsdp_version, healing_schedule
+from .arguments import check_fsdp, check_in_memory, check_one_device_per_process, fsdp_version, healing_schedule
 from .healing_run import HealingRun
 from .lora import check_lora_targets
 from .mode import resolve_mode
@@ -81,6 +81,7 @@ def recover(
     """
     from ..utils.launch import is_writer
 
+    check_in_memory(model)
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
     check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
     check_one_device_per_process(model, config)
