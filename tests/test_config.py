@@ -272,3 +272,8 @@ def test_configs_on_other_texts_are_not_equal():
     assert config(["a b"] * 3, ["c"]) == config(["a b"] * 3, ["c"])
     assert config(["a b"] * 3, ["c"]) != config(["x y"] * 3, ["c"])
     assert config(["a b"] * 3, ["c"]) != config(["a b"] * 3, ["d"])
+
+
+def test_one_stack_name_is_one_stack():
+    """``stacks="decoder"`` used to be read as the stacks 'd', 'e', 'c', ... and refused naming its letters."""
+    assert FlattenConfig(method="shortgpt", num_layers_to_remove=1, stacks="decoder").stacks == ["decoder"]

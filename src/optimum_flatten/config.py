@@ -48,7 +48,7 @@ class FlattenConfig(QuantizationConfigMixin):
             for a depth-keeping method (``ffn_merge``), which takes neither and is steered by its own options.
         target_sparsity: Fraction of layers to remove, rounded to the nearest whole layer.
         method_args: The method's options as a dict (merged with any flat method options).
-        stacks: Which block stacks to compress (``["decoder"]`` for decoder-only LMs).
+        stacks: Which block stacks to compress (``["decoder"]`` for decoder-only LMs; one name alone is one stack).
         layer_plan: Filled in after compression with the applied plan (provenance); not an input.
         tokenizer: Only for compress-on-load; never serialised.
         version: Config format version; a mismatch warns.
@@ -90,7 +90,8 @@ class FlattenConfig(QuantizationConfigMixin):
         self.method = method
         self.num_layers_to_remove = num_layers_to_remove
         self.target_sparsity = target_sparsity
-        self.stacks = list(stacks) if stacks is not None else None
+        # One name is one stack ("decoder"), not its letters.
+        self.stacks = ([stacks] if isinstance(stacks, str) else list(stacks)) if stacks is not None else None
         self.layer_plan = dict(layer_plan) if layer_plan is not None else None
         self.version = int(version)
         if self.version != CONFIG_VERSION:

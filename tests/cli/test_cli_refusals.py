@@ -517,3 +517,17 @@ def test_a_misspelt_bundled_corpus_is_named_before_the_model_loads(dense, name, 
     assert main(args) == 2
     line = _error_line(capsys)
     assert f"no bundled corpus is named {name!r}" in line and f"Did you mean {hint!r}?" in line, line
+
+
+def test_evaluate_under_a_launcher_is_refused_before_the_models_load(dense, capsys, monkeypatch, tmp_path):
+    """Every rank measured the whole evaluation, timed on the same cores or GPU, and wrote the same --json."""
+    import optimum_flatten.utils.launch as launch
+
+    path, _ = dense
+    monkeypatch.setattr(launch, "join_launcher_group", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    assert main(["evaluate", str(path), "--json", str(tmp_path / "e.json")]) == 2
+    assert "evaluate measures in one process" in _error_line(capsys) and not (tmp_path / "e.json").exists()

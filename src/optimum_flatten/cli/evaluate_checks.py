@@ -21,7 +21,15 @@ MIN_SPEED_ROUNDS = 2
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """The options alone: the budgets, the output files (and the figure's format) and lm-eval's tasks."""
+    """The options alone: the budgets, the output files (and the figure's format) and lm-eval's tasks; and one
+    process (under a launcher every rank measured the whole evaluation and timed on the same cores or GPU)."""
+    from ..utils.launch import launched_world_size
+
+    if launched_world_size() > 1:
+        raise ValueError(
+            "evaluate measures in one process; run it without torchrun or a launcher (its timings would share the "
+            "device with the other ranks, and every rank would write the same outputs)."
+        )
     if args.speed_rounds < 1 or (args.speed_rounds < MIN_SPEED_ROUNDS and not args.no_speed):
         raise ValueError(
             f"--speed-rounds must be at least {MIN_SPEED_ROUNDS} (a median needs a spread to be trusted), got "
