@@ -18,6 +18,7 @@ from .adapters import get_adapter
 from .adapters.base import ArchitectureAdapter
 from .calibration.data import batches_of, build_image_batches, draw_dataset_rows, is_image_dataset
 from .calibration.distributed import all_reduce_sums, shard_range, sharded_calibration
+from .calibration.images import check_data_kind
 from .compression import pipeline
 from .compression.measured_cost import compute_cost, dense_forward_flops_of
 from .compression.method import CompressionMethod, MethodContext
@@ -248,8 +249,7 @@ class FlattenQuantizer(OptimumQuantizer):
         dataset = heal.get("dataset") if heal.get("dataset") is not None else self.config.calibration.dataset
         column = heal.get("text_column", self.config.calibration.text_column)
         settings = {k: v for k, v in heal.items() if k not in HEAL_EXTRA_KEYS}
-        # The dense model teaches, and the compression about to run gives the plan.
-        config = RecoveryConfig(**settings)
+        config = RecoveryConfig(**settings)  # the dense model teaches; the compression about to run gives the plan
         if is_teacher_dataset(dataset):  # the teacher's text only: the footprint counts its sampling, as recover's
             config = dataclasses.replace(config, teacher_text=teacher_share(dataset, config))
         config, choice = compress_heal_mode(model, config)  # the check `estimate --heal` makes too
@@ -356,8 +356,8 @@ class FlattenQuantizer(OptimumQuantizer):
             # before the calibration, and any own rows, are made
             method.check_target(num_layers, num_to_remove, adapter.layer_kind_rule(stack))
         tokenizer = tokenizer if tokenizer is not None else self.config.tokenizer
-        if method.requires_calibration:
-            # A sequence past a position table fails deep in the forward; past RoPE's trained length it warns.
+        if method.requires_calibration:  # the data's kind; a sequence past a position table, or RoPE's trained length
+            check_data_kind(model, adapter.calibrates_on, self.config.calibration)
             check_sequence_length(model, self.config.calibration.seqlen)
         own_text = method.requires_calibration and self.config.calibration.own_text > 0
         if own_text:  # a model that writes no text is refused now, in one line

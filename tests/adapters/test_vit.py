@@ -389,3 +389,21 @@ def test_compress_on_load_calibrated_on_pixels_needs_no_tokenizer(tmp_path):
     assert_close(vit_outputs(on_load, pixels), vit_outputs(explicit, pixels))
     on_load.save_pretrained(tmp_path / "out")
     _check_reload(on_load, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("family", "dataset", "message"),
+    [
+        ("vit", "texts", r"this ViTForImageClassification calibrates on images, and dataset= holds text"),
+        ("bert", "images", r"this BertForMaskedLM calibrates on text, and dataset= holds images"),
+        ("llama", "images", r"this LlamaForCausalLM calibrates on text, and dataset= holds images"),
+    ],
+)
+def test_calibration_data_of_the_other_kind_is_refused_first(family, dataset, message):
+    """Text for a ViT used to fail as "too few tokens for nsamples x seqlen" (or, at a small seqlen, with the right
+    words), images for BERT or LLaMA as a reshape of 0 elements deep in the forward."""
+    from common import assert_refused_before_any_change
+
+    model = {"vit": tiny_models.tiny_vit, "bert": tiny_models.tiny_bert, "llama": tiny_models.tiny_llama_gqa}[family]()
+    data = tiny_models.sample_texts() if dataset == "texts" else tiny_models.sample_pixel_values(16)
+    assert_refused_before_any_change(model, "shortgpt", message, dataset=data, num_layers_to_remove=2)

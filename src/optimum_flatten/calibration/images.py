@@ -22,6 +22,27 @@ logger = logging.getLogger(__name__)
 IMAGE_COLUMNS = ("pixel_values", "image", "img")
 
 
+def check_data_kind(model: Any, calibrates_on: str, calibration: Any) -> None:
+    """Refuses images given to a model that reads text, and text given to one that reads images (the adapter's
+    `calibrates_on`), before anything is tokenised: either used to fail later with another fault's words (a reshape
+    of 0 elements deep in BERT's forward; "too few tokens for nsamples x seqlen" for a ViT)."""
+    from ..utils.errors import CalibrationDataError
+
+    images = is_image_dataset(calibration.dataset, calibration.text_column)
+    if images == (calibrates_on == "images"):
+        return
+    name = type(model).__name__
+    if images:
+        raise CalibrationDataError(
+            f"this {name} calibrates on {calibrates_on}, and dataset= holds images (pixel values); pass texts, a "
+            "text file or a datasets name."
+        )
+    raise CalibrationDataError(
+        f"this {name} calibrates on images, and dataset= holds text; pass a (N, C, H, W) tensor of pixel values, a "
+        "list of image tensors, or images with an image processor (see docs/adapters/vit.md)."
+    )
+
+
 def is_image_dataset(dataset: Any, text_column: str = "text") -> bool:
     """Whether `dataset` is image calibration data (see `build_image_batches`) rather than text.
 
