@@ -341,8 +341,8 @@ class FlattenQuantizer(OptimumQuantizer):
         adapter = get_adapter(model)
         method_class = get_method_class(self.config.method)
         method = method_class(self.config.method_config)
-        require_capabilities(adapter, self.config.method)
         stack = self._stack(adapter, method)
+        require_capabilities(adapter, self.config.method, stack)
         corrections = Corrections(
             self.config.linear_replacement, self.config.compensation, seed=self.config.calibration.seed
         )

@@ -97,22 +97,48 @@ def methods_for(capabilities: frozenset[str] | set[str]) -> list[str]:
     ]
 
 
-def require_capabilities(adapter: Any, method: str) -> None:
+def runnable_methods(adapter: Any, stack: str | None = None) -> list[str]:
+    """`methods_for` the adapter's capabilities, less those whose own `preflight` refuses `stack` (default: the
+    adapter's first) with their default options: SLEB, auto and greedy_replace need an LM head reading the stack,
+    ReplaceMe a stack its bridge folds into. A refusal names these as the alternatives, so each of them runs."""
+    global _LISTING
+    stack = stack if stack is not None else adapter.stacks()[0]
+    names, _LISTING = [], True
+    try:
+        for name in methods_for(adapter.capabilities):
+            method_class = get_method_class(name)
+            try:
+                method_class(method_class.config_class()).preflight(adapter, stack)
+            except (UnsupportedArchitectureError, ValueError):
+                continue
+            names.append(name)
+    finally:
+        _LISTING = False
+    return names
+
+
+#: Whether `runnable_methods` is running the methods' preflights: a refusal they raise then names no alternatives
+#: (greedy_replace's preflight asks `require_capabilities` for FlattenGPT, whose list would run it again).
+_LISTING = False
+
+
+def require_capabilities(adapter: Any, method: str, stack: str | None = None) -> None:
     """Refuses `method` on `adapter`'s architecture when the family lacks a capability the method declares.
 
     The refusal lives here, above the adapters: an adapter states what it offers and why not (`missing_capabilities`),
-    the registry knows which method needs what and which registered methods the architecture can run instead.
-    `adapter` is an `ArchitectureAdapter`; the registry sits below the adapters in the import layers (the adapters
-    ask it for methods' reload hooks), so it does not import the type.
+    the registry knows which method needs what and which registered methods the architecture can run instead
+    (`runnable_methods`, on `stack`). `adapter` is an `ArchitectureAdapter`; the registry sits below the adapters in
+    the import layers (the adapters ask it for methods' reload hooks), so it does not import the type.
 
     Raises:
         UnsupportedArchitectureError: naming the method, what is missing with the family's reasons, and the
-            methods whose requirements the architecture meets.
+            methods that run on the architecture instead.
     """
     missing = adapter.missing_capabilities(get_method_class(method).required_capabilities)
     if missing:
+        runnable = "" if _LISTING else runnable_methods(adapter, stack)
+        alternatives = f" Methods that run on this {type(adapter.model).__name__}: {runnable}." if runnable else ""
         raise UnsupportedArchitectureError(
             f"method {method!r} needs {sorted(missing)}, which model_type {adapter.config.model_type!r} does not "
-            f"offer ({'; '.join(missing.values())}). Methods whose requirements {type(adapter.model).__name__} "
-            f"meets: {methods_for(adapter.capabilities)}."
+            f"offer ({'; '.join(missing.values())}).{alternatives}"
         )

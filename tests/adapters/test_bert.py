@@ -8,6 +8,7 @@ merges computed by hand. The compressed models reload through plain ``AutoModelF
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -302,3 +303,18 @@ def test_refused_methods_leave_the_model_untouched(model, method, match):
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert model.config.num_hidden_layers == len(model.bert.encoder.layer) == LAYERS
+
+
+def test_a_refusal_offers_only_methods_that_run_on_bert():
+    """FlattenGPT's refusal offered auto, greedy_replace, replaceme and sleb, each refused in turn (and replaceme's
+    refusal offered sleb again): the alternatives are now those whose own preflight passes."""
+    model = tiny_models.tiny_bert()
+    with pytest.raises(UnsupportedArchitectureError, match=r"Methods that run on this BertForMaskedLM") as refused:
+        compress(model, "flattengpt", num_layers_to_remove=2)
+    offered = re.search(r"run on this BertForMaskedLM: (\[.*?\])", str(refused.value)).group(1)
+    assert "'shortgpt'" in offered and not {"'sleb'", "'replaceme'", "'auto'", "'greedy_replace'"} & set(
+        offered.strip("[]").split(", ")
+    )
+    with pytest.raises(UnsupportedArchitectureError) as refused:
+        compress(model, "replaceme", num_layers_to_remove=2)
+    assert "(shortgpt, laco, sliding_window)" in str(refused.value)

@@ -503,5 +503,11 @@ def test_capabilities_are_honest(model):
 
     assert {"laco", "shortgpt", "sleb", "sliding_window"} <= set(methods_for(adapter.capabilities))
     assert "flattengpt" not in methods_for(adapter.capabilities)
-    with pytest.raises(UnsupportedArchitectureError, match=r"Methods whose requirements .* meets: \[.*'shortgpt'"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"Methods that run on this MarianMTModel: \[.*'shortgpt'"):
         compress(model, _config("flattengpt", "decoder"))
+    # The alternatives are those whose own preflight passes on the stack: SLEB scores with an LM head, which reads
+    # the decoder only; ReplaceMe folds into pre-norm blocks (it used to be offered, then refused, offering SLEB).
+    from optimum_flatten.registry import runnable_methods
+
+    assert "sleb" in runnable_methods(adapter, "decoder") and "sleb" not in runnable_methods(adapter, "encoder")
+    assert not {"replaceme", "greedy_replace", "flattengpt"} & set(runnable_methods(adapter, "decoder"))

@@ -51,18 +51,19 @@ def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, esti
     if estimator == "diagonal" and adapter.mlp_output_norm is not None:
         return
     diagonal = " or estimator 'diagonal' (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
+    sleb = ", sleb" if adapter.lm_head(stack) is not None else ""  # SLEB scores with a head reading the stack
     require_pre_norm(
         adapter,
         stack,
         f"{what} folds a linear map into the down projection of the layer before the removed ones, which is exact "
         "only when that layer adds its MLP output to an unnormalised residual stream",
-        f"Use a method without a linear replacement (shortgpt, sleb, laco, sliding_window){diagonal} on it.",
+        f"Use a method without a linear replacement (shortgpt{sleb}, laco, sliding_window){diagonal} on it.",
     )
     if missing := adapter.missing_capabilities({"down_fold"}):
         raise UnsupportedArchitectureError(
             f"{what} folds a linear map into the down projection of the layer before the removed ones, which "
             f"model_type {adapter.config.model_type!r} does not allow: {missing['down_fold']}. Use a method without "
-            "a linear replacement (shortgpt, sleb, uidl) on it."
+            f"a linear replacement (shortgpt{sleb}, uidl) on it."
         )
     if estimator == "lstsq_down" and (missing := adapter.missing_capabilities({"dense_mlp"})):
         raise UnsupportedArchitectureError(

@@ -445,9 +445,9 @@ def estimate_memory(
 
     check_corrections(corrections.linear_replacement, corrections.compensation, method, method_class)
     adapter = get_adapter(model)
-    require_capabilities(adapter, method)
     if stack is not None and stack not in adapter.stacks():
         raise ValueError(f"this {type(model).__name__} has the stacks {adapter.stacks()}, not {stack!r}.")
+    require_capabilities(adapter, method, stack)
     stack = stack or single_stack(adapter)
     preflight(adapter, method_class(config), stack, corrections)
     shape = ModelShape.of(model, stack)
