@@ -277,3 +277,20 @@ def test_configs_on_other_texts_are_not_equal():
 def test_one_stack_name_is_one_stack():
     """``stacks="decoder"`` used to be read as the stacks 'd', 'e', 'c', ... and refused naming its letters."""
     assert FlattenConfig(method="shortgpt", num_layers_to_remove=1, stacks="decoder").stacks == ["decoder"]
+
+
+def test_images_given_in_memory_are_described_as_images():
+    """Pixels were described as "<12 texts>" (the card then said texts), and the description was not refused back."""
+    import torch
+
+    pixels = tiny_models.sample_pixel_values(12)
+    saved = FlattenConfig(method="shortgpt", num_layers_to_remove=2, dataset=pixels).to_dict()
+    assert saved["calibration"]["dataset"] == "<12 images>"
+    assert (
+        FlattenConfig(method="shortgpt", num_layers_to_remove=2, dataset=list(torch.unbind(pixels))).to_dict()[
+            "calibration"
+        ]["dataset"]
+        == "<12 images>"
+    )
+    with pytest.raises(ValueError, match=r"'<12 images>' is how a saved config describes"):
+        FlattenConfig.from_dict(saved)

@@ -491,8 +491,8 @@ class FlattenQuantizer(OptimumQuantizer):
                 "seqlen": calibration.seqlen,
                 "seed": calibration.seed,
                 "packing": calibration.packing,
-                # Real positions of the stack (text tokens, or image patches and CLS), as the adapter defines them.
-                "tokens": int(tokens),
+                "tokens": int(tokens),  # real positions (text tokens, or CLS and patches), as the adapter counts them
+                **({"inputs": "images"} if checked.adapter.calibrates_on == "images" else {}),
                 **({"processes": checked.world_size} if checked.world_size > 1 else {}),
                 **({"own_text": checked.own_text} if checked.own_text else {}),
             },

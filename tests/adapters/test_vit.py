@@ -407,3 +407,11 @@ def test_calibration_data_of_the_other_kind_is_refused_first(family, dataset, me
     model = {"vit": tiny_models.tiny_vit, "bert": tiny_models.tiny_bert, "llama": tiny_models.tiny_llama_gqa}[family]()
     data = tiny_models.sample_texts() if dataset == "texts" else tiny_models.sample_pixel_values(16)
     assert_refused_before_any_change(model, "shortgpt", message, dataset=data, num_layers_to_remove=2)
+
+
+def test_the_card_describes_images_and_loads_an_image_processor(tmp_path, model):
+    """The card said "<12 texts>, 8 sequences x 2048 tokens" and showed AutoTokenizer, which a ViT folder lacks."""
+    quantizer = _compress(model, "shortgpt")
+    card = (quantizer.save(model, tmp_path / "out") / "README.md").read_text()
+    assert "- Calibration: <12 images>, 8 images (136 positions, CLS and patches), seed 0" in card
+    assert "AutoImageProcessor.from_pretrained" in card and "AutoTokenizer" not in card

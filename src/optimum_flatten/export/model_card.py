@@ -47,7 +47,13 @@ def render_model_card(report: dict[str, Any]) -> str:
     lines += _correction_lines(report)
     lines += [line for section in method_sections(report) for line in section.lines]
     lines.append(f"- Parameters: {describe_parameters(report)}")
-    if calibration:
+    images = bool(calibration) and calibration.get("inputs") == "images"  # positions are CLS and patches, no seqlen
+    if images:
+        lines.append(
+            f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} images "
+            f"({calibration.get('tokens')} positions, CLS and patches), seed {calibration.get('seed')}"
+        )
+    elif calibration:
         lines.append(
             f"- Calibration: {calibration.get('dataset')}, {calibration.get('nsamples')} sequences x "
             f"{calibration.get('seqlen')} tokens ({calibration.get('tokens')} tokens), seed {calibration.get('seed')}"
@@ -76,13 +82,14 @@ def render_model_card(report: dict[str, Any]) -> str:
             ]
         lines.append("")
     loader, remote = _loader(report), bool((report.get("load_with") or {}).get("trust_remote_code"))
+    processor, variable = ("AutoImageProcessor", "processor") if images else ("AutoTokenizer", "tokenizer")
     lines += [
         "## How to load",
         "",
         "```python",
-        f"from transformers import {loader}, AutoTokenizer",
+        f"from transformers import {loader}, {processor}",
         f'model = {loader}.from_pretrained("path/or/repo"{", trust_remote_code=True" if remote else ""})',
-        'tokenizer = AutoTokenizer.from_pretrained("path/or/repo")',
+        f'{variable} = {processor}.from_pretrained("path/or/repo")',
         "```",
         "",
         "## Licence",

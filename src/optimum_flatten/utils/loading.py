@@ -223,13 +223,16 @@ def describe_dataset(dataset: Any) -> Any:
     """A JSON-friendly description of a calibration dataset (texts themselves are never serialised)."""
     if dataset is None or isinstance(dataset, (str, int, float)):
         return dataset
-    if isinstance(dataset, (list, tuple)):
-        return f"<{len(dataset)} texts>"
+    if isinstance(dataset, (list, tuple)):  # texts or records; anything else is images (PIL, arrays, tensors)
+        texts = not dataset or any(isinstance(item, (str, dict)) for item in dataset)
+        return f"<{len(dataset)} {'texts' if texts else 'images'}>"
+    if type(dataset).__name__ == "Tensor" and getattr(dataset, "dim", lambda: 0)() == 4:  # (N, C, H, W) pixels
+        return f"<{dataset.shape[0]} images>"
     return f"<{type(dataset).__name__}>"
 
 
-#: What `describe_dataset` writes for a dataset given in memory: ``<40 texts>``, ``<Dataset>``.
-_DESCRIPTION = re.compile(r"<(\d+ texts|[A-Za-z_]\w*)>")
+#: What `describe_dataset` writes for a dataset given in memory: ``<40 texts>``, ``<12 images>``, ``<Dataset>``.
+_DESCRIPTION = re.compile(r"<(\d+ (?:texts|images)|[A-Za-z_]\w*)>")
 
 
 def check_not_a_description(dataset: Any, option: str, again: str) -> None:
