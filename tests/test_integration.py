@@ -121,7 +121,6 @@ def test_device_map_keys_of_every_family_follow_the_kept_layers(case):
     """A per-layer hf_device_map (one entry per layer, some split into submodules) is renumbered exactly: kept
     layers move to their new index, dropped and merged-away layers disappear, other stacks and modules stay."""
     from optimum_flatten import get_adapter
-    from optimum_flatten.integration import _renumber_device_map
     from optimum_flatten.plan import LayerPlan
 
     stack, path, count, others = DEVICE_MAP_CASES[case]
@@ -132,9 +131,10 @@ def test_device_map_keys_of_every_family_follow_the_kept_layers(case):
     model.hf_device_map = dict(device_map)
     # Drop layer 2 and merge layer 1 into layer 0: the output layers start at original 0, 3, 4, ..., count - 1.
     plan = LayerPlan(num_layers=count, groups=[[0, 1], *[[i] for i in range(3, count)]], stack=stack)
-    get_adapter(model).keep_layers_(stack, plan.first_indices)
+    adapter = get_adapter(model)
+    adapter.keep_layers_(stack, plan.first_indices)
 
-    _renumber_device_map(model, plan)
+    model.hf_device_map = adapter.renumber_module_keys(model.hf_device_map, stack, plan.first_indices)
 
     expected = {name: "cpu" for name in others}
     expected.update({f"{path}.{new}": f"cpu:{old}" for new, old in enumerate(plan.first_indices)})
@@ -142,21 +142,28 @@ def test_device_map_keys_of_every_family_follow_the_kept_layers(case):
     assert model.hf_device_map == expected
 
 
+@pytest.mark.parametrize("door", ["compress_on_load", "api"])
 @pytest.mark.parametrize("factory", ["llama_gqa", "gpt2"])
-def test_compress_on_load_renumbers_a_per_layer_device_map(tmp_path, factory):
+def test_compression_renumbers_a_per_layer_device_map(tmp_path, factory, door):
     """Loaded with one device_map entry per layer (odd layers on disk, so that transformers dispatches and records
     `hf_device_map` before compressing), the compressed model's map names exactly its kept layers, each on the
-    device its original layer had."""
+    device its original layer had: through compress-on-load and `FlattenQuantizer.compress` alike (the API used to
+    leave the removed layers in the map)."""
     dense_dir = tmp_path / "dense"
     tiny_models.FACTORIES[factory]().save_pretrained(dense_dir)
     _, path, count, others = DEVICE_MAP_CASES[factory]
     layer_devices = {f"{path}.{i}": "disk" if i % 2 else "cpu" for i in range(count)}
+    config = _config(method="shortgpt", tokenizer=tiny_models.CharTokenizer())
     model = AutoModelForCausalLM.from_pretrained(
         dense_dir,
         device_map={name: "cpu" for name in others} | layer_devices,
         offload_folder=tmp_path / "offload",
-        quantization_config=_config(method="shortgpt", tokenizer=tiny_models.CharTokenizer()),
+        **({"quantization_config": config} if door == "compress_on_load" else {}),
     )
+    if door == "api":
+        quantizer = FlattenQuantizer(config, progress=False)
+        quantizer.compress(model, config.tokenizer)
+        model.flatten_report = quantizer.report
     first_indices = [group[0] for group in model.flatten_report["plan"]["groups"]]
     expected = {name: "cpu" for name in others}
     expected.update({f"{path}.{new}": layer_devices[f"{path}.{old}"] for new, old in enumerate(first_indices)})

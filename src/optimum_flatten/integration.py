@@ -22,7 +22,6 @@ from transformers.quantizers.base import HfQuantizer
 
 from .adapters import get_adapter
 from .config import FlattenConfig
-from .plan import LayerPlan
 from .registry import get_method_class
 from .utils.errors import ModelSourceError
 
@@ -110,8 +109,7 @@ class FlattenHfQuantizer(HfQuantizer):
         quantizer.in_place = True  # transformers keeps the model it loaded, whatever compress returns
         quantizer.compress(model, tokenizer)
         self.report = quantizer.report
-        model.flatten_report = quantizer.report
-        _renumber_device_map(model, quantizer.plan)
+        model.flatten_report = quantizer.report  # the compression renumbered hf_device_map (`compression.pipeline`)
         return model
 
     @property
@@ -120,15 +118,6 @@ class FlattenHfQuantizer(HfQuantizer):
 
     def is_serializable(self) -> bool:
         return True
-
-
-def _renumber_device_map(model: Any, plan: LayerPlan | None) -> None:
-    """Rewrites the `hf_device_map` keys of the compressed stack's layers to their new indices (dropped layers
-    disappear); where the layers live comes from the model's adapter, so every family's map follows."""
-    device_map = getattr(model, "hf_device_map", None)
-    if not device_map or plan is None:
-        return
-    model.hf_device_map = get_adapter(model).renumber_module_keys(device_map, plan.stack, plan.first_indices)
 
 
 def register() -> None:

@@ -84,6 +84,9 @@ def plan_and_apply_(
     with context.timer("export_prep"):
         adapter.reindex_(stack)
         adapter.update_config_(stack, plan.first_indices)
+        if getattr(adapter.model, "hf_device_map", None):  # transformers' placement record, by module name
+            device_map = adapter.model.hf_device_map
+            adapter.model.hf_device_map = adapter.renumber_module_keys(device_map, stack, plan.first_indices)
         adapter.validate()
     return plan
 
