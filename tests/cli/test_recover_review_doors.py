@@ -155,3 +155,25 @@ def test_a_loaded_teacher_that_is_not_a_causal_lm_is_refused():
 
     with pytest.raises(ValueError, match=r"is a BertForMaskedLM, not a causal language model"):
         load_teacher(tiny_models.tiny_bert(), torch.float32)
+
+
+def test_recover_dtype_float32_heals_a_bfloat16_checkpoint_in_float32(pair, tmp_path, capsys):
+    """The command loaded a checkpoint in its own dtype, so a bfloat16 one could only heal in bfloat16."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    dense, compressed_dir, text = pair
+    half = tmp_path / "half"
+    AutoModelForCausalLM.from_pretrained(compressed_dir).to(torch.bfloat16).save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json", "flatten_report.json"):
+        if (compressed_dir / name).exists():
+            (half / name).write_bytes((compressed_dir / name).read_bytes())
+    base = ["recover", str(half), "--teacher", str(dense), "--dataset", str(text), "--seqlen", "32",
+            "--max-tokens", "256", "--mode", "full", "--no-progress"]  # fmt: skip
+    assert main([*base, "--dtype", "float16", "--output", str(tmp_path / "f16")]) == 2
+    assert "float16 weights in place" in one_error_line(capsys) and not (tmp_path / "f16").exists()
+    assert main([*base, "--dtype", "float32", "--output", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as saved:
+        assert {saved.get_slice(k).get_dtype() for k in saved.keys()} == {"F32"}
+    recovery = json.loads((tmp_path / "out" / "flatten_report.json").read_text())["recovery"]
+    assert not any("most steps will be lost" in note for note in recovery.get("notes", []))

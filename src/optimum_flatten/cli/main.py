@@ -243,6 +243,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     import functools
     import json
 
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
@@ -270,14 +271,21 @@ def cmd_recover(args: argparse.Namespace) -> int:
     refusal = causal_lm_refusal(model_config)
     if refusal is not None:  # AutoModelForCausalLM would load BERT or Marian as something they are not
         raise ValueError(refusal)
-    model = AutoModelForCausalLM.from_pretrained(source, config=model_config, trust_remote_code=args.trust_remote_code)
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, config=model_config, dtype=dtype, trust_remote_code=args.trust_remote_code
+    )
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     model, log = recover(
         model, tokenizer, args.dataset, config, args.text_column, teacher=args.teacher, report=report or None
     )
     # FSDP2 leaves the model sharded across the ranks: rank 0 gathers the weights into the checkpoint reloaded.
     plain = functools.partial(
-        AutoModelForCausalLM.from_pretrained, source, config=model_config, trust_remote_code=args.trust_remote_code
+        AutoModelForCausalLM.from_pretrained,
+        source,
+        config=model_config,
+        dtype=dtype,
+        trust_remote_code=args.trust_remote_code,
     )
     model = unsharded_for_save(model, plain)
     if not is_writer():  # the ranks of a data-parallel launch end on the same weights; rank 0 writes them

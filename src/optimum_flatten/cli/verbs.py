@@ -120,6 +120,12 @@ class RecoverArguments:
     push_to_hub: str | None = _arg(None, _PUSH, metavar="REPO")
     private: bool = _switch(_PRIVATE)
     trust_remote_code: bool = _switch(_REMOTE_CODE)
+    dtype: str = _arg(
+        "auto",
+        "the dtype the model and the teacher are loaded, trained and saved in; 'auto': the checkpoint's own. float32 "
+        "heals a bfloat16 checkpoint with updates bfloat16 would round away",
+        choices=("auto", *DTYPES),
+    )
     no_progress: bool = _switch("hide progress bars (the Trainer's too)")
 
 

@@ -12,6 +12,7 @@ from ..utils.positions import check_sequence_length
 from .arguments import check_in_memory, check_one_device_per_process, fsdp_version
 from .lora import check_lora_targets
 from .objectives import local_needs_one_process
+from .precision import check_training_precision
 from .rows import check_recovery_inputs
 
 
@@ -42,6 +43,7 @@ def check_heal_request(
     check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)
     check_recovery_inputs(tokenizer, dataset, recovery, column)
     check_lora_targets(model, recovery, kept)
+    check_training_precision(model, recovery)
     if recovery.mode == "local" and processes > 1:  # `recover` refuses it too, after the compression
         raise ValueError(local_needs_one_process(processes))
     if recovery.mode == "last_k" and recovery.last_k > kept:  # the compressed model's blocks, not these

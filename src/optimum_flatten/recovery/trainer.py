@@ -26,6 +26,7 @@ from .lora import check_lora_targets
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
+from .precision import check_training_precision, precision_notes
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
 from .resume import check_started_options, healing_identity
@@ -86,6 +87,7 @@ def recover(
     check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
     check_one_device_per_process(model, config)
     check_lora_targets(model, config, model.config.get_text_config().num_hidden_layers)
+    check_training_precision(model, config)
     share = checked_share(dataset, config, _has_teacher(teacher, report))
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     rows = read_rows(tokenizer, dataset, config, text_column, share)
@@ -101,7 +103,7 @@ def recover(
     dense, name, notes = checked_teacher(model, tokenizer, teacher, report, config, rows.texts, rows.plan is not None)
     weights = _weights_before(model, dense, config)  # before LoRA or a local span wraps the student
     objectives = healing_objectives(model, dense, config, report, spans, ends, notes)
-    notes += unguarded_notes(config, share)
+    notes += unguarded_notes(config, share) + precision_notes(model, config, schedule.arguments.learning_rate, scale)
     for note in notes if is_writer() else ():
         logger.info(note)
     run = HealingRun(config, choice, scale, rows, schedule, spans, name, dense is not None, notes, objectives)
