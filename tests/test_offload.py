@@ -260,3 +260,16 @@ def test_healing_an_offloaded_model_is_refused_before_any_change(dense_dir, tmp_
             texts, config = tiny_models.sample_texts(), RecoveryConfig(mode=mode, **heal)
             recover(offloaded, tiny_models.CharTokenizer(), texts, config, teacher=False)
         assert not any("lora" in name for name, _ in offloaded.named_modules())
+
+
+def test_a_model_with_no_weights_behind_its_meta_tensors_is_refused_in_one_line(dense_dir):
+    """Built on meta and never loaded (offloaded layers are meta too, but with a hook): the calibration failed with
+    "Tensor.item() cannot be called on meta tensors"."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(dense_dir))
+    message = r"parameters of this LlamaForCausalLM \(the first: model.embed_tokens.weight\) are on the meta device"
+    with pytest.raises(ValueError, match=message):
+        FlattenQuantizer(_config("shortgpt"), progress=False).compress(model, tiny_models.CharTokenizer())
+    assert len(model.model.layers) == NUM_LAYERS

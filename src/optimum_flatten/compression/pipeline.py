@@ -13,13 +13,19 @@ from ..corrections.compensation import compensated_apply_, require_compensable
 from ..corrections.linear_bridge import BridgeOptions, bridged_apply_, require_bridgeable
 from ..options.corrections import Corrections
 from ..plan import LayerPlan
+from ..utils.offload import check_weights_present
 from .method import CompressionMethod, MethodContext
 
 logger = logging.getLogger(__name__)
 
 
-def preflight(adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections) -> None:
-    """Every refusal that depends on the model, before calibration and before any weight changes."""
+def preflight(
+    adapter: ArchitectureAdapter, method: CompressionMethod, stack: str, corrections: Corrections, weights: bool = True
+) -> None:
+    """Every refusal that depends on the model, before calibration and before any weight changes; `weights=False`
+    for a model built on meta to be measured, not run (`estimate`)."""
+    if weights:
+        check_weights_present(adapter.model)
     method.preflight(adapter, stack)
     if method.reads_mlp_projections:
         require_whole_mlps(adapter, stack, method.name)

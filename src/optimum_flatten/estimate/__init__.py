@@ -449,7 +449,7 @@ def estimate_memory(
         raise ValueError(f"this {type(model).__name__} has the stacks {adapter.stacks()}, not {stack!r}.")
     require_capabilities(adapter, method, stack)
     stack = stack or single_stack(adapter)
-    preflight(adapter, method_class(config), stack, corrections)
+    preflight(adapter, method_class(config), stack, corrections, weights=False)  # built on meta, never run
     shape = ModelShape.of(model, stack)
     if (
         not isinstance(num_layers_to_remove, int)
@@ -499,7 +499,7 @@ def refusal_of(adapter: ArchitectureAdapter, stack: str) -> Refusal:
     def refusal(name: str, config: Any, corrections: Corrections) -> str | None:
         try:
             require_capabilities(adapter, name)
-            preflight(adapter, get_method_class(name)(config), stack, corrections)
+            preflight(adapter, get_method_class(name)(config), stack, corrections, weights=False)
         except UnsupportedArchitectureError:
             return "architecture"
         except ValueError:

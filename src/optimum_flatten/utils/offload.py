@@ -37,6 +37,20 @@ def offloaded_submodules(module: nn.Module) -> list[nn.Module]:
     return [sub for sub in module.modules() if has_offloaded_params(sub)]
 
 
+def check_weights_present(model: nn.Module) -> None:
+    """Refuses a model whose parameters are on the meta device without an accelerate hook to bring them in (built
+    with ``torch.device("meta")`` or ``init_empty_weights`` and never loaded), before anything runs: its first
+    forward failed deep in the calibration ("Tensor.item() cannot be called on meta tensors")."""
+    offloaded = {id(p) for sub in offloaded_submodules(model) for p in sub.parameters(recurse=False)}
+    empty = [name for name, p in model.named_parameters() if p.is_meta and id(p) not in offloaded]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} parameters of this {type(model).__name__} (the first: {empty[0]}) are on the meta device "
+            "with no weights behind them; load the weights first (from_pretrained, or load_state_dict with "
+            "assign=True), or load with a device_map that offloads them."
+        )
+
+
 def is_offloaded(module: nn.Module) -> bool:
     return bool(offloaded_submodules(module))
 
