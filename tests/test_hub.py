@@ -244,3 +244,17 @@ def test_a_remote_code_tokenizer_is_published_with_its_modules(tmp_path):
     loaded = AutoTokenizer.from_pretrained(repo, trust_remote_code=True)
     assert type(loaded).__name__ == "TinyRemoteTokenizer" and loaded.suffix == "Tiny"
     assert loaded("a b c")["input_ids"] == tokenizer("a b c")["input_ids"]
+
+
+def test_the_retry_of_a_private_upload_stays_private(tmp_path, monkeypatch):
+    """`hf upload` creates a missing repo public unless told: the retry dropped --private (and the commit message)."""
+    import shlex
+
+    _online(monkeypatch)
+    model, quantizer = _compressed()
+    with pytest.raises(HubUploadError) as info:
+        quantizer.push_to_hub(model, "me/flat", local_dir=tmp_path / "flat", private=True, api=FailingApi())
+    retry = shlex.split(str(info.value).split("`hf upload", 1)[1].split("`.", 1)[0])
+    assert "--private" in retry and retry[retry.index("--commit-message") + 1].startswith("optimum-flatten: flattengpt")
+    public = _failed_upload_message(tmp_path / "public", monkeypatch)
+    assert "--private" not in public

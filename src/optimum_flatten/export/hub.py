@@ -156,7 +156,9 @@ def upload_checkpoint(
             f"could not upload to the Hub repo {repo_id!r} ({type(error).__name__}: {error}). The model "
             f"is saved at {folder}; check the network and your login (`hf auth login`, or set HF_TOKEN; from "
             f"Python, push_to_hub(..., token=...)), then upload the checkpoint with `hf upload {repo_id} "
-            f"{shlex.quote(str(folder))} {_include_options(folder)} {_delete_options()}`."
+            f"{shlex.quote(str(folder))} {_include_options(folder)} {_delete_options()}"
+            # `hf upload` creates a missing repo public unless told: the retry keeps what was asked.
+            f"{' --private' if private else ''} --commit-message {shlex.quote(message)}`."
         ) from error
     url = str(getattr(info, "commit_url", None) or getattr(info, "repo_url", None) or info)
     logger.info("uploaded %s to %s", folder, url)
