@@ -169,12 +169,18 @@ def test_a_folder_holding_another_jobs_healing_is_refused_before_any_change(
         other.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     kept = {name: tensor.clone() for name, tensor in other.state_dict().items()}
     texts = tiny_models.sample_texts()
-    for student, text, named in ((other, texts, "the model being healed"), (model, texts[::-1], "the training rows")):
+    cases = (
+        (other, texts, "the model being healed"),
+        (model, texts[::-1], "the training rows"),
+        # The weights' fingerprint is blind to the dtype: recover --dtype bfloat16 used to go on from float32 state.
+        (copy.deepcopy(model).bfloat16(), texts, "the dtype of the weights trained .*: float32 then, bfloat16 now"),
+    )
+    for student, text, named in cases:
         target = copy.deepcopy(student)
         before = {name: tensor.clone() for name, tensor in target.state_dict().items()}
         with pytest.raises(ValueError, match=f"holds the healing of another job \\({named}"):
-            recover(target, tiny_models.CharTokenizer(), text, tiny_recovery_config(**base), teacher=dense,
-                    report=report)  # fmt: skip
+            recover(target, tiny_models.CharTokenizer(), text, tiny_recovery_config(**base),
+                    teacher=copy.deepcopy(dense), report=report)  # fmt: skip
         for name, tensor in target.state_dict().items():
             assert torch.equal(tensor, before[name]), name
     assert all(torch.equal(tensor, kept[name]) for name, tensor in other.state_dict().items())
@@ -245,3 +251,18 @@ def test_a_default_mode_healing_resumed_with_less_free_memory_keeps_the_mode_it_
     assert log["resumed_from_step"] == [2, None] and AS_STARTED in log["mode_chosen"]
     for name, tensor in resumed.state_dict().items():
         assert torch.equal(tensor, whole.state_dict()[name]), name
+
+
+def test_a_resume_on_another_number_of_processes_is_refused():
+    """The global batch, and so the steps of the budget, follow the processes: a healing started on 2 ranks went on
+    silently on 1 (another step count, a report saying 1 process) or trained 0 steps on more."""
+    from optimum_flatten.recovery.resume import _check_same_options, healing_identity, options_fingerprint
+
+    config = tiny_recovery_config()
+    saved = options_fingerprint(config, healing_identity("s", "t", [], [], processes=2, dtype="float32"))
+    now = healing_identity("s", "t", [], [], processes=1, dtype="float32")
+    message = r"the number of processes \(so the global batch and the steps\): 2 then, 1 now"
+    with pytest.raises(ValueError, match=message):
+        _check_same_options(saved, config, "checkpoint-4", now)
+    old = {**saved, "job": {k: v for k, v in saved["job"].items() if k not in ("processes", "dtype")}}
+    _check_same_options(old, config, "checkpoint-4", now)  # recorded before the processes were: not compared

@@ -21,8 +21,6 @@ import logging
 import warnings
 from typing import Any
 
-import torch
-
 from ..options.recovery import RecoveryConfig
 
 logger = logging.getLogger(__name__)
@@ -34,13 +32,14 @@ IN_PLACE_MODES = frozenset({"full", "changed", "last_k", "local"})
 _BFLOAT16_HALF_STEP = 2.0**-9
 
 
-def _trained_dtypes(model: Any) -> set[torch.dtype]:
-    return {p.dtype for p in model.parameters() if p.is_floating_point()}
+def trained_dtypes(model: Any) -> set[str]:
+    """The dtypes of the model's floating-point weights, by name (``"bfloat16"``): what its training steps round to."""
+    return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
 
 
 def check_training_precision(model: Any, config: RecoveryConfig) -> None:
     """Refuses float16 weights for a mode that trains them (see the module docstring), before any weight changes."""
-    if config.mode in IN_PLACE_MODES and torch.float16 in _trained_dtypes(model):
+    if config.mode in IN_PLACE_MODES and "float16" in trained_dtypes(model):
         raise ValueError(
             f"mode {config.mode!r} trains the model's float16 weights in place, whose gradients overflow without loss "
             "scaling (NaN at the first step); load the model in float32 or bfloat16 (on the command line --dtype), "
@@ -52,7 +51,7 @@ def precision_notes(model: Any, config: RecoveryConfig, rate: float, scale: floa
     """A warning, also returned as a note for the log, when bfloat16 weights would round most of Adam's steps away:
     weights above 512 x `rate` in magnitude do not move, and `scale` (`rate.weight_scale`, the weight matrices'
     median RMS entry) is above that; else none."""
-    if config.mode not in IN_PLACE_MODES or torch.bfloat16 not in _trained_dtypes(model):
+    if config.mode not in IN_PLACE_MODES or "bfloat16" not in trained_dtypes(model):
         return []
     frozen_above = rate / _BFLOAT16_HALF_STEP
     if scale <= frozen_above:
@@ -67,4 +66,4 @@ def precision_notes(model: Any, config: RecoveryConfig, rate: float, scale: floa
     return [note]
 
 
-__all__ = ["IN_PLACE_MODES", "check_training_precision", "precision_notes"]
+__all__ = ["IN_PLACE_MODES", "check_training_precision", "precision_notes", "trained_dtypes"]

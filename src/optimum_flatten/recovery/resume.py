@@ -109,6 +109,8 @@ _IDENTITY_NAMES = {
     "teacher": "the teacher",
     "rows": "the training rows",
     "heldout": "the held-out and guard rows",
+    "processes": "the number of processes (so the global batch and the steps)",
+    "dtype": "the dtype of the weights trained (recover --dtype)",
 }
 
 
@@ -117,12 +119,17 @@ def healing_identity(
     teacher: str | None,
     train: list[Mapping[str, torch.Tensor]],
     heldout: list[Mapping[str, torch.Tensor]],
+    processes: int = 1,
+    dtype: str = "",
 ) -> dict[str, Any]:
     """What a resumed healing must share with the run it continues besides its options: the student's and the
-    teacher's `utils.fingerprint.weights_fingerprint` (taken before training), and digests of the rows it trains and
-    is gated on (the teacher's sampled rows included, which a resume reads from its cache). Without it a folder
-    reused for another model or text would replay the first healing's finished state into this one."""
-    return {"student": student, "teacher": teacher, "rows": _rows_digest(train), "heldout": _rows_digest(heldout)}
+    teacher's `utils.fingerprint.weights_fingerprint` (taken before training, and blind to the dtype), digests of
+    the rows it trains and is gated on (the teacher's sampled rows included, which a resume reads from its cache),
+    the number of processes (the global batch, hence the steps of the budget) and the trained weights' dtype. Without
+    it a folder reused for another model or text would replay the first healing's finished state into this one, and
+    a resume on other ranks or in another dtype would go on silently towards weights no single run reaches."""
+    rows = {"rows": _rows_digest(train), "heldout": _rows_digest(heldout)}
+    return {"student": student, "teacher": teacher, **rows, "processes": processes, "dtype": dtype}
 
 
 def _rows_digest(rows: list[Mapping[str, torch.Tensor]]) -> str:
@@ -209,12 +216,16 @@ def _check_same_options(
             f"{where} was written by a healing with other options ({detail}); resume with the options it was started "
             "with, or start afresh in an empty checkpoint_dir."
         )
-    if job is not None and identity is not None:
-        other = [name for k, name in _IDENTITY_NAMES.items() if job.get(k) != identity.get(k)]
+    if job is not None and identity is not None:  # a field the saved job lacks was not recorded then: not compared
+        other = [
+            name + (f": {job[k]} then, {identity.get(k)} now" if k in ("processes", "dtype") else "")
+            for k, name in _IDENTITY_NAMES.items()
+            if k in job and job[k] != identity.get(k)
+        ]
         if other:
             raise ValueError(
-                f"{where} holds the healing of another job ({', '.join(other)} differ); start it in an empty "
-                "checkpoint_dir, or resume with the model, teacher and text it was started with."
+                f"{where} holds the healing of another job ({'; '.join(other)} differ); start it in an empty "
+                "checkpoint_dir, or resume with the model, teacher, text, processes and dtype it was started with."
             )
 
 

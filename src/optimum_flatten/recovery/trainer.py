@@ -26,7 +26,7 @@ from .lora import check_lora_targets
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
-from .precision import check_training_precision, precision_notes
+from .precision import check_training_precision, precision_notes, trained_dtypes
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
 from .resume import check_started_options, healing_identity
@@ -115,7 +115,8 @@ def recover(
         shown = is_writer() and not config.extra_training_args.get("disable_tqdm", False)
         rows.add_teacher_part_(dense, tokenizer, config, shown)
         if weights is not None:
-            run.identity = healing_identity(*weights, rows.train, [*rows.heldout, *rows.guard])
+            processes, dtype = schedule.arguments.world_size, ",".join(sorted(trained_dtypes(model)))
+            run.identity = healing_identity(*weights, rows.train, [*rows.heldout, *rows.guard], processes, dtype)
         device = schedule.arguments.device
         parts_before = rows.part_scores(objectives.trained, objectives.healing_loss, config, device)
         phases, local_scores = run_phases(run)
