@@ -266,3 +266,22 @@ def test_a_resume_on_another_number_of_processes_is_refused():
         _check_same_options(saved, config, "checkpoint-4", now)
     old = {**saved, "job": {k: v for k, v in saved["job"].items() if k not in ("processes", "dtype")}}
     _check_same_options(old, config, "checkpoint-4", now)  # recorded before the processes were: not compared
+
+
+def test_a_phase_its_gate_had_stopped_trains_no_further_step_when_resumed(compressed, tmp_path):
+    """The gate ran out of patience at a checkpoint and the run was killed before the phase was recorded as done:
+    the resume trained on past the stop, to a state the uninterrupted run never reached."""
+    from optimum_flatten.recovery.resume import PHASE_DONE, PHASE_STATE
+
+    dense, model, report = compressed
+    folder = tmp_path / "checkpoints"
+    options = {"mode": "full", "max_tokens": 1024, "learning_rate": 3e-2, "heldout_rows": 2, "eval_every": 2,
+               "patience": 2, "save_every": 2, "checkpoint_dir": str(folder)}  # fmt: skip
+    whole, log = _heal(model, tiny_recovery_config(**options), dense, report)
+    assert log["steps"] < 1024 // 64, "the gate must stop this run early for the test to mean anything"
+    for name in (PHASE_DONE, PHASE_STATE):  # killed between the stop and the phase's record
+        (folder / "phase-1" / name).unlink()
+    resumed, again = _heal(model, tiny_recovery_config(**options), dense, report)
+    assert again["steps"] == log["steps"] and again["gate"] == log["gate"]
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name

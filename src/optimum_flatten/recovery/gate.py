@@ -293,6 +293,11 @@ class HeldOutGate(TrainerCallback):
                     step, self.guard_start["objective"], guarded["objective"],
                 )  # fmt: skip
         self.misses += 1
+        return self.stopped
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the gate has run out of patience (restored so from a checkpoint: the run had stopped there)."""
         return self.patience > 0 and self.misses >= self.patience
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,6 +153,19 @@ def _replayed_phase(model: nn.Module, record: dict[str, Any], trained: dict[str,
     )  # fmt: skip
 
 
+def _train(trainer: Any, gate: Any, checkpoint: str | None) -> Any:
+    """`trainer.train`, resumed from `checkpoint`; no step where the gate restored from it had already stopped the
+    phase (a run killed between that stop and the phase's record): the run it continues trained no further step. The
+    Trainer's state, its log included, is then the checkpoint's."""
+    if checkpoint is None or gate is None or not gate.stopped:
+        return trainer.train(resume_from_checkpoint=checkpoint)
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+    return TrainOutput(trainer.state.global_step, math.nan, {})
+
+
 def _train_phase(
     model: nn.Module,
     arguments: Any,
@@ -204,7 +219,7 @@ def _train_phase(
         clock = CheckpointState(gate, config, saved["seconds"] if saved is not None else 0.0, is_writer(), identity)
         trainer.add_callback(clock)
     trainer.add_callback(_log_at_boundaries())  # last: after the callbacks that ask for a checkpoint
-    result = trainer.train(resume_from_checkpoint=checkpoint)
+    result = _train(trainer, gate, checkpoint)
     history = [_without_timings(entry) for entry in trainer.state.log_history if "loss" in entry]
     decision = gate.restore_best_() if gate is not None else "no gate (heldout_rows=0)"
     seconds = clock.seconds() if clock is not None else result.metrics.get("train_runtime") or 0.0
