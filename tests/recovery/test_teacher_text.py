@@ -274,6 +274,9 @@ def test_a_sampling_stopped_part_way_goes_on_from_its_next_batch_with_the_same_r
     calls = teacher.generate_calls
     rows, record = sample_teacher_rows(teacher, TOKENIZER, 10, 16, cache_dir=tmp_path, **options)
     assert teacher.generate_calls == calls + 1 and record["rows_read_back"] == 8 and not record["cached"]
+    # The rate is this attempt's: the 2 rows it sampled over its seconds (every row's tokens over them was ~5x high).
+    this_attempt = record["generated_tokens"] * 2 // 10
+    assert record["tokens_per_second"] == pytest.approx(this_attempt / record["seconds"], rel=0.01, abs=0.2)
     assert torch.equal(_ids(rows), _ids(reference))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.json", "train.safetensors"]
     other = tmp_path / "other"

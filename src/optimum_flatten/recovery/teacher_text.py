@@ -492,9 +492,9 @@ def sample_teacher_rows(
             teacher_model, starts, seqlen, kwargs, batch_size, seed, stream, rank, progress, kept
         )
         ids = _gather(mine, n_rows, world_size, device)
-    cost = _sampling_cost(began, generated, device, world_size, vllm_bytes)
-    if read_back := _rows_read_back(kept, world_size):  # this attempt's seconds: they cost earlier ones
-        cost["rows_read_back"] = read_back
+    read_back = _rows_read_back(kept, world_size)  # sampled by an earlier attempt: not in this attempt's seconds
+    cost = _sampling_cost(began, generated - read_back * generated // n_rows, device, world_size, vllm_bytes)
+    cost.update({"rows_read_back": read_back} if read_back else {})
     if not cached and folder is not None and key is not None and rank == 0:
         write_cache(folder, stream, key, ids, cost)
     if kept is not None:
