@@ -273,3 +273,21 @@ def test_a_model_with_no_weights_behind_its_meta_tensors_is_refused_in_one_line(
     with pytest.raises(ValueError, match=message):
         FlattenQuantizer(_config("shortgpt"), progress=False).compress(model, tiny_models.CharTokenizer())
     assert len(model.model.layers) == NUM_LAYERS
+
+
+def test_a_block_placed_twice_outlives_the_block_it_replaced(dense_dir, tmp_path):
+    """A block edited twice on disk (FlattenGPT's merged block, then lstsq_down's refit) had its folder made inside
+    the first new block's, which went with that block when it was collected: a flaky FileNotFoundError later."""
+    import gc
+
+    from optimum_flatten.utils.offload import onloaded
+
+    offloaded = _offloaded(dense_dir, tmp_path)
+    layers = offloaded.model.layers
+    expected = {k: v.clone() for k, v in detached_copy(layers[1]).state_dict().items()}
+    layers[1] = dispatch_like(detached_copy(layers[1]), layers[1])  # the first placement: a folder of its own
+    layers[1] = dispatch_like(detached_copy(layers[1]), layers[1])  # the second replaces it
+    gc.collect()  # the first new block is gone, and its folder with it
+    with onloaded(layers[1]):
+        for name, tensor in layers[1].state_dict().items():
+            assert torch.equal(tensor, expected[name]), name

@@ -121,3 +121,22 @@ def test_reachable_targets_still_compress():
 
     quantizer = compress(tiny_models.tiny_smollm3(), "flattengpt", num_layers_to_remove=2, max_group_size=6)
     assert sorted(g for g in quantizer.plan.merged_groups) == [(0, 1), (3, 4)]
+
+
+def test_qwen25s_inert_window_boundary_is_no_layer_kind():
+    """Qwen2.5's released configs keep max_window_layers (21 of 24) with the sliding window off: every layer is full
+    attention, yet the boundary split the stack into two kinds, refusing targets and keeping merges across it out of
+    every plan. Off, it is no kind: the same model with the boundary anywhere plans alike."""
+    from transformers import Qwen2Config
+
+    from common import compress
+    from optimum_flatten import get_adapter
+
+    def model(boundary):
+        config = Qwen2Config(**tiny_models._common(num_key_value_heads=2, use_sliding_window=False,
+                                                   max_window_layers=boundary))  # fmt: skip
+        return tiny_models._build(config, 0)
+
+    assert get_adapter(model(3)).layer_kind_rule("decoder")((2, 3))
+    plans = [compress(model(b), "flattengpt", num_layers_to_remove=3).plan for b in (3, 6)]
+    assert plans[0] == plans[1] and len(plans[0].merged_groups) == 3

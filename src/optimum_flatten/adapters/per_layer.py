@@ -89,7 +89,7 @@ def layer_kinds(config: Any, num_layers: int) -> list[dict[str, Any]]:
                 kinds[i][key] = i in members
     for key in LAYER_BOUNDARIES:
         value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and not _inert_boundary(config, key):
             for i in range(num_layers):
                 kinds[i][key] = i < value
     for key, exceptions in steps.items():
@@ -100,6 +100,18 @@ def layer_kinds(config: Any, num_layers: int) -> list[dict[str, Any]]:
         if i < num_layers:
             kinds[i]["per_layer_config"] = overrides
     return kinds
+
+
+def _inert_boundary(config: Any, key: str) -> bool:
+    """Whether a boundary tells the layers apart in nothing they compute: Qwen2's ``max_window_layers`` with the
+    sliding window off (Qwen2.5's released configs: 21 of 24 layers, every one full attention), or beside the
+    ``layer_types`` transformers 5 reads instead, which then say each layer's attention. Counted as a kind, it kept
+    merges across it out of every plan, and refused targets naming sliding and full attention the model has not."""
+    if key != "max_window_layers":
+        return False
+    return getattr(config, "use_sliding_window", True) is False or isinstance(
+        getattr(config, "layer_types", None), list | tuple
+    )
 
 
 def _differing_field(kinds: list[dict[str, Any]], group: Sequence[int]) -> str | None:

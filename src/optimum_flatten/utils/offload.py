@@ -26,6 +26,9 @@ from typing import Any
 
 from torch import nn
 
+#: The folders `dispatch_like` writes a new block's weights into, each deleted with its block.
+_FOLDER_PREFIX = "optimum-flatten-offload-"
+
 #: Instance attributes through which accelerate's `add_hook_to_module` attaches a hook.
 _HOOK_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")
 
@@ -112,8 +115,12 @@ def dispatch_like(block: nn.Module, reference: nn.Module) -> nn.Module:
         if not on_disk:
             return cpu_offload(block, execution_device=device)
         parent = getattr(loader, "save_folder", None)
+        # Never inside the folder of a block placed here before (a block edited twice): that folder goes with its
+        # block, and took this one's files along when the replaced block was collected.
+        while parent is not None and os.path.basename(os.path.normpath(parent)).startswith(_FOLDER_PREFIX):
+            parent = os.path.dirname(os.path.normpath(parent))
         parent = parent if parent is not None and os.path.isdir(parent) else None
-        folder = tempfile.mkdtemp(prefix="optimum-flatten-offload-", dir=parent)
+        folder = tempfile.mkdtemp(prefix=_FOLDER_PREFIX, dir=parent)
         weakref.finalize(block, shutil.rmtree, folder, True)
         return disk_offload(block, folder, execution_device=device)
     hook = getattr(reference, "_hf_hook", None)
