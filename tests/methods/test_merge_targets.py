@@ -140,3 +140,18 @@ def test_qwen25s_inert_window_boundary_is_no_layer_kind():
     assert get_adapter(model(3)).layer_kind_rule("decoder")((2, 3))
     plans = [compress(model(b), "flattengpt", num_layers_to_remove=3).plan for b in (3, 6)]
     assert plans[0] == plans[1] and len(plans[0].merged_groups) == 3
+
+
+def test_greedy_replace_flattens_only_pairs_of_one_kind():
+    """SmolLM3's NoPE layers (2 and 5): greedy_replace's flatten action could take the pair [2, 3] (on a text where it
+    scored best) and have the plan refused after its whole search, with range advice it has no option for."""
+    from optimum_flatten import get_adapter
+    from optimum_flatten.compression.method import MethodContext
+    from optimum_flatten.methods.greedy_replace import GreedyReplaceMethod, _Current
+    from optimum_flatten.options.methods.greedy_replace import GreedyReplaceConfig
+
+    adapter = get_adapter(tiny_models.tiny_smollm3())
+    method = GreedyReplaceMethod(GreedyReplaceConfig(allow_flatten=True))
+    layers = list(adapter.layers("decoder"))
+    current = _Current(adapter, None, layers, {}, list(range(6)), MethodContext(batches=[], stack="decoder"))
+    assert [p for p in range(5) if method._flattenable(current, p)] == [0, 3]  # (0, 1) and (3, 4)

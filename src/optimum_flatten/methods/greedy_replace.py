@@ -185,12 +185,16 @@ class GreedyReplaceMethod(LinearReplacementMethod):
                 yield "replace", position, index, transform, start
 
     def _flattenable(self, current: _Current, position: int) -> bool:
-        """The layer at `position` and the original layer after it are both kept and untouched (no map, no merge)."""
+        """The layer at `position` and the original layer after it are both kept, untouched (no map, no merge) and of
+        one kind."""
         kept, modules = current.kept, current.modules
         if not self.config.allow_flatten or position + 1 >= len(kept):
             return False
         index = kept[position]
-        return kept[position + 1] == index + 1 and index not in modules and index + 1 not in modules
+        untouched = kept[position + 1] == index + 1 and index not in modules and index + 1 not in modules
+        # Layers of two kinds (sliding and full attention, NoPE) are never merged: the plan would be refused after the
+        # whole search, which has no range option to steer it off the pair.
+        return untouched and current.adapter.layer_kind_rule(current.context.stack)((index, index + 1))
 
     def _score(self, current: _Current, position: int, start: list[torch.Tensor], scored: list[Any]) -> float:
         """Next-token NLL of the model with the action taken: the layers after it run from `start`."""
