@@ -51,6 +51,8 @@ def _refusal(family: str, run: str) -> str | None:
             return "norm|down_proj"
     if run == "compensation" and family == "olmo2":
         return "norm"
+    if run == "compensation" and family == "gemma3":  # the projector writes image features the fold leaves unscaled
+        return "also writes image features into the stream"
     return None
 
 

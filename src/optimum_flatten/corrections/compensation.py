@@ -66,6 +66,13 @@ def require_compensable(adapter: ArchitectureAdapter, stack: str) -> None:
             f"compensation='scale' cannot be folded into model_type {adapter.config.model_type!r}: "
             f"{missing['stream_scale']}. Drop compensation."
         )
+    if getattr(adapter.config, "vision_config", None) is not None:  # an image-text model: its projector writes too
+        raise UnsupportedArchitectureError(
+            f"folding a factor into the stream (compensation='scale', or a bridge's stream gain) scales the token "
+            f"embeddings, and this {type(adapter.model).__name__} also writes image features into the stream at "
+            "image positions, which the fold would leave unscaled (text and images then on different scales); drop "
+            "the compensation or the gain, or compress the text-only model."
+        )
     for source in _stream_sources(adapter):
         if not isinstance(source, torch.nn.Embedding):
             raise UnsupportedArchitectureError(
