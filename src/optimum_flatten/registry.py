@@ -102,6 +102,8 @@ def runnable_methods(adapter: Any, stack: str | None = None) -> list[str]:
     adapter's first) with their default options: SLEB, auto and greedy_replace need an LM head reading the stack,
     ReplaceMe a stack its bridge folds into. A refusal names these as the alternatives, so each of them runs."""
     global _LISTING
+    if _LISTING:  # asked by a refusal one of the preflights below raises: that one is not listed anyway
+        return []
     stack = stack if stack is not None else adapter.stacks()[0]
     names, _LISTING = [], True
     try:

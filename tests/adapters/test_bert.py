@@ -317,4 +317,4 @@ def test_a_refusal_offers_only_methods_that_run_on_bert():
     )
     with pytest.raises(UnsupportedArchitectureError) as refused:
         compress(model, "replaceme", num_layers_to_remove=2)
-    assert "(shortgpt, laco, sliding_window)" in str(refused.value)
+    assert "(laco, shortgpt, sliding_window, uidl)" in str(refused.value)

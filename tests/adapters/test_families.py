@@ -292,3 +292,18 @@ def test_gemma3_image_text_drop_rewrites_text_config_and_leaves_the_vision_tower
     assert reloaded.config.text_config.layer_types == text.layer_types
     windows = [layer.self_attn.sliding_window for layer in reloaded.model.language_model.layers]
     assert windows == [4 if types[i] == "sliding_attention" else None for i in kept]
+
+
+@pytest.mark.parametrize("door", ["method", "correction"])
+def test_a_bridge_refusal_on_olmo2_names_methods_that_run_there(door):
+    """OLMo-2's norms follow each sublayer: the refusal offered laco and sliding_window, which OLMo-2 refuses too, and
+    'estimator diagonal' to a user who had given linear_replacement."""
+    from optimum_flatten.utils.errors import UnsupportedArchitectureError
+
+    model = tiny_models.FACTORIES["olmo2"]()
+    method, options = ("replaceme", {}) if door == "method" else ("shortgpt", {"linear_replacement": "lstsq"})
+    with pytest.raises(UnsupportedArchitectureError) as refused:
+        compress(model, method, num_layers_to_remove=2, **options)
+    offered = str(refused.value).split("Use a method without a linear replacement (", 1)[1].split(")", 1)[0]
+    assert "laco" not in offered and "sliding_window" not in offered and "shortgpt" in offered
+    assert ("linear_replacement='diagonal'" if door == "correction" else "estimator 'diagonal'") in str(refused.value)

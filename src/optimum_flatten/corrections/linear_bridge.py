@@ -40,6 +40,15 @@ from .bridge_fit import (
 from .compensation import require_pre_norm
 
 
+def _alternatives(adapter: ArchitectureAdapter, stack: str) -> str:
+    """The methods that remove layers and run on `stack` without a bridge (`registry.runnable_methods`: a method
+    folding one refuses the stack in its own preflight), as the refusal names them."""
+    from ..registry import get_method_class, runnable_methods
+
+    names = [name for name in runnable_methods(adapter, stack) if not get_method_class(name).keeps_depth]
+    return ", ".join(names) or "none applies to this stack"
+
+
 def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, estimator: str | None = None) -> None:
     """Refuses (before any change) a stack a bridge cannot be folded into: blocks that normalise after the residual
     add, a family whose MLP output does not take a fold (`down_fold`), and with ``estimator="lstsq_down"`` one
@@ -50,20 +59,20 @@ def require_bridgeable(adapter: ArchitectureAdapter, stack: str, what: str, esti
     rescaling of its gain."""
     if estimator == "diagonal" and adapter.mlp_output_norm is not None:
         return
-    diagonal = " or estimator 'diagonal' (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
-    sleb = ", sleb" if adapter.lm_head(stack) is not None else ""  # SLEB scores with a head reading the stack
+    option = "linear_replacement='diagonal'" if what.startswith("linear_replacement") else "estimator 'diagonal'"
+    diagonal = f" or {option} (it folds into the norm after the MLP)" if adapter.mlp_output_norm else ""
     require_pre_norm(
         adapter,
         stack,
         f"{what} folds a linear map into the down projection of the layer before the removed ones, which is exact "
         "only when that layer adds its MLP output to an unnormalised residual stream",
-        f"Use a method without a linear replacement (shortgpt{sleb}, laco, sliding_window){diagonal} on it.",
+        f"Use a method without a linear replacement ({_alternatives(adapter, stack)}){diagonal} on it.",
     )
     if missing := adapter.missing_capabilities({"down_fold"}):
         raise UnsupportedArchitectureError(
             f"{what} folds a linear map into the down projection of the layer before the removed ones, which "
             f"model_type {adapter.config.model_type!r} does not allow: {missing['down_fold']}. Use a method without "
-            f"a linear replacement (shortgpt{sleb}, uidl) on it."
+            f"a linear replacement ({_alternatives(adapter, stack)}) on it."
         )
     if estimator == "lstsq_down" and (missing := adapter.missing_capabilities({"dense_mlp"})):
         raise UnsupportedArchitectureError(
