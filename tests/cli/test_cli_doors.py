@@ -143,3 +143,24 @@ def test_compress_refuses_an_image_model_it_cannot_calibrate_with_advice_it_can_
     message = one_error_line(capsys)
     assert code == 2 and "calibrates on images, and the command line reads text" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_compress_keeps_an_image_text_models_processor(tmp_path, capsys):
+    """Gemma 3's image-text checkpoint ships a processor (its image processor and processor_config.json besides the
+    tokenizer): the command saved the tokenizer alone, and AutoProcessor could not load the compressed folder."""
+    from transformers import AutoProcessor, AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+
+    dense = tmp_path / "gemma3"
+    tiny_models.FACTORIES["gemma3"]().save_pretrained(dense)
+    tiny_models.tiny_hf_tokenizer().save_pretrained(dense)
+    special = {"boi_token": "<s>", "eoi_token": "</s>", "image_token": "<unk>"}
+    tokenizer = AutoTokenizer.from_pretrained(dense, extra_special_tokens=special)
+    image = Gemma3ImageProcessor(size={"height": 16, "width": 16})
+    Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4).save_pretrained(dense)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(tiny_models.sample_texts(40)))
+    out = tmp_path / "out"
+    argv = ["compress", str(dense), "--method", "shortgpt", "--num-layers-to-remove", "2", "--dataset", str(text),
+            "--nsamples", "8", "--seqlen", "32", "--batch-size", "4", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    assert type(AutoProcessor.from_pretrained(out)).__name__ == "Gemma3Processor"

@@ -193,6 +193,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
     from ..export.checkpoint import check_output_dir
     from ..quantizer import FlattenQuantizer
     from ..utils.launch import is_writer
+    from ..utils.loading import processor_to_save
 
     config = FlattenConfig(**config_kwargs(args))
     calibrates = get_method_class(config.method)(config.method_config).requires_calibration
@@ -214,6 +215,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         return 0
     report = quantizer.report
     extra = {"license": bundled_license(args.model)} if bundled_license(args.model) else {}
+    saved_with = processor_to_save(args.model, tokenizer, args.trust_remote_code)  # an image-text model's processor
     print(compression_summary(report))
     for line in own_text_lines(report):
         print(line)
@@ -223,7 +225,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         url = quantizer.push_to_hub(
             model,
             args.push_to_hub,
-            tokenizer,
+            saved_with,
             local_dir=args.output,
             overwrite=args.overwrite,
             extra_report=extra,
@@ -231,7 +233,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
         )
         print(f"saved to {args.output} and uploaded: {url}")
         return 0
-    path = quantizer.save(model, args.output, tokenizer, overwrite=args.overwrite, extra_report=extra)
+    path = quantizer.save(model, args.output, saved_with, overwrite=args.overwrite, extra_report=extra)
     print(f"saved to {path}")
     return 0
 

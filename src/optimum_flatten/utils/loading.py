@@ -316,6 +316,26 @@ def load_processor(path: str, trust_remote_code: bool = False) -> Any:
         return _image_processor(path, trust_remote_code)
 
 
+#: Files a multimodal processor saves beside the tokenizer (an image-text model's image processor and its own).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def processor_to_save(path: str, tokenizer: Any, trust_remote_code: bool = False) -> Any:
+    """What a checkpoint compressed from the folder `path` saves beside its weights: the processor saved there
+    (Gemma 3's image-text processor: its image processor, processor_config.json and the tokenizer), else
+    `tokenizer`. The calibration reads text through the tokenizer alone; the processor is what the compressed
+    folder is loaded with (``AutoProcessor``), and saving only the tokenizer lost it."""
+    folder = Path(path)
+    if not folder.is_dir() or not any((folder / name).is_file() for name in PROCESSOR_FILES):
+        return tokenizer
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return tokenizer
+
+
 def _image_processor(path: str, trust_remote_code: bool) -> Any:
     """The image processor saved with the checkpoint (a vision model's), or None."""
     from transformers import AutoImageProcessor
