@@ -107,7 +107,8 @@ def test_the_healings_row_length_has_a_flag(llama_on_disk, tmp_path, capsys):
     assert "--heal-save-every need --heal-tokens" in one_error_line(capsys)
 
 
-def test_the_healing_in_compress_goes_on_from_its_checkpoints_after_a_stop(llama_on_disk, tmp_path, monkeypatch):
+def test_the_healing_in_compress_goes_on_from_its_checkpoints_after_a_stop(llama_on_disk, tmp_path, monkeypatch,
+                                                                          capsys):  # fmt: skip
     """A review stopped `compress --heal-tokens` mid-healing: run again, it trained from step 0 and sampled again,
     with no flag to keep its state (hours at 7B). ``--heal-checkpoint-dir`` keeps it: the same command goes on from
     the last checkpoint and ends on the weights of a run never stopped, and no saved config names the folder."""
@@ -135,7 +136,10 @@ def test_the_healing_in_compress_goes_on_from_its_checkpoints_after_a_stop(llama
         with pytest.raises(Stopped):
             main(resumable)
     assert not out.exists()
+    capsys.readouterr()
     assert main(resumable) == 0
+    # The checkpoints left behind are said, as recover says them (the command printed nothing of them).
+    assert f"GiB left in {checkpoints}, needed only to resume this healing" in capsys.readouterr().out
     report = json.loads((out / "flatten_report.json").read_text())
     assert report["recovery"]["resumed_from_step"] == [2]
     whole, resumed = (load_file(str(folder / "model.safetensors")) for folder in (tmp_path / "whole", out))

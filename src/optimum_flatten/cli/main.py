@@ -36,7 +36,14 @@ from .options import (
     config_kwargs,
 )
 from .sources import check_push, check_source, checkpoint_path
-from .summary import bundled_license, compression_summary, own_text_lines, report_warnings, text_table
+from .summary import (
+    bundled_license,
+    compression_summary,
+    healing_notes,
+    own_text_lines,
+    report_warnings,
+    text_table,
+)
 from .verbs import (
     CompressArguments,
     DemoArguments,
@@ -221,6 +228,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
         print(line)
     for warning in report_warnings(report):
         print(f"warning: {warning}", file=sys.stderr)
+    for line in healing_notes(report.get("recovery") or {}, config.heal and config.heal.get("checkpoint_dir")):
+        print(line)
     if args.push_to_hub:
         url = quantizer.push_to_hub(
             model,
@@ -250,7 +259,6 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
-    from ..recovery.rows import UNGUARDED_NOTE
     from ..recovery.text_repetition import describe as describe_repetition
     from ..recovery.unsharded import unsharded_for_save
     from ..utils.causal_lm import causal_lm_refusal
@@ -319,13 +327,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     if repetition := teacher_text.get("repetition"):
         print(f"the teacher's own text: {describe_repetition(repetition)}")
-    if log.get("checkpoint_bytes"):  # up to two checkpoints a phase, optimiser state included: often GBs
-        print(
-            f"checkpoints: {log['checkpoint_bytes'] / 2**30:.2f} GiB left in {args.checkpoint_dir}, needed only to "
-            "resume this healing; remove the folder once the healed model is saved"
-        )
-    if UNGUARDED_NOTE in log.get("notes", ()):  # the gate saw only the teacher's rows (`recovery.rows`)
-        print(UNGUARDED_NOTE)
+    for line in healing_notes(log, args.checkpoint_dir):
+        print(line)
     return 0
 
 

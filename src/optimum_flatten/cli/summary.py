@@ -84,3 +84,20 @@ def own_text_lines(report: dict[str, Any]) -> list[str]:
         repeated = describe(own["repetition"], "a compression calibrated on it")
         lines.append(f"the model's own calibration text: {repeated}")
     return lines
+
+
+def healing_notes(log: dict[str, Any], checkpoint_dir: str | None) -> list[str]:
+    """What a healing leaves a person to act on, for `recover` and `compress --heal-tokens` alike: the checkpoints
+    still on disk (up to two a phase, optimiser state included: often GBs) and a gate that saw the teacher's rows
+    only (`recovery.rows.UNGUARDED_NOTE`)."""
+    from ..recovery.rows import UNGUARDED_NOTE
+
+    lines = []
+    if log.get("checkpoint_bytes"):
+        lines.append(
+            f"checkpoints: {log['checkpoint_bytes'] / 2**30:.2f} GiB left in {checkpoint_dir}, needed only to "
+            "resume this healing; remove the folder once the healed model is saved"
+        )
+    if UNGUARDED_NOTE in log.get("notes", ()):
+        lines.append(UNGUARDED_NOTE)
+    return lines

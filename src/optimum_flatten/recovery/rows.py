@@ -350,7 +350,7 @@ def checked_share(dataset: Any, config: RecoveryConfig, has_teacher: bool) -> fl
 #: (benchmarks/NOTEBOOK.md, "A guard for the text a user cares about").
 UNGUARDED_NOTE = (
     "unguarded: the gate scored the teacher's own rows only, which can improve while real text gets worse; "
-    "guard_text (--guard-text FILE) keeps no state that makes your text worse"
+    "guard_text (recover --guard-text FILE; heal={'guard_text': ...}) keeps no state that makes your text worse"
 )
 
 
