@@ -327,7 +327,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
         print(f"the teacher's own text began: {excerpts[0][:160]!r}")
     if repetition := teacher_text.get("repetition"):
         print(f"the teacher's own text: {describe_repetition(repetition)}")
-    for line in healing_notes(log, args.checkpoint_dir):
+    for line in healing_notes(log, config.checkpoint_dir):
         print(line)
     return 0
 
