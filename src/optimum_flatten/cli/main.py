@@ -45,6 +45,7 @@ from .summary import (
     text_table,
 )
 from .verbs import (
+    DTYPES,
     CompressArguments,
     DemoArguments,
     EstimateArguments,
@@ -281,7 +282,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
     refusal = causal_lm_refusal(model_config)
     if refusal is not None:  # AutoModelForCausalLM would load BERT or Marian as something they are not
         raise ValueError(refusal)
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype) if args.dtype in DTYPES else args.dtype  # else the checkpoint's own
     model = AutoModelForCausalLM.from_pretrained(
         source, config=model_config, dtype=dtype, trust_remote_code=args.trust_remote_code
     )
