@@ -109,9 +109,9 @@ def runnable_methods(adapter: Any, stack: str | None = None) -> list[str]:
     try:
         for name in methods_for(adapter.capabilities):
             method_class = get_method_class(name)
-            try:
+            try:  # a method whose options have no defaults to try it with is not offered either
                 method_class(method_class.config_class()).preflight(adapter, stack)
-            except (UnsupportedArchitectureError, ValueError):
+            except (UnsupportedArchitectureError, ValueError, TypeError):
                 continue
             names.append(name)
     finally:

@@ -17,13 +17,10 @@ weight changes:
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
 from ..options.recovery import RecoveryConfig
-
-logger = logging.getLogger(__name__)
 
 #: Modes that train the model's own weights (LoRA trains float32 adapters beside them; 'none' trains nothing).
 IN_PLACE_MODES = frozenset({"full", "changed", "last_k", "local"})
