@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import tiny_models
-from common import assert_close, logits, sample_ids
+from common import assert_close, logits, sample_ids, tiny_config
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.utils.errors import UnsupportedArchitectureError
 from optimum_flatten.utils.offload import detached_copy, dispatch_like, is_offloaded
@@ -249,9 +249,7 @@ def test_healing_an_offloaded_model_is_refused_before_any_change(dense_dir, tmp_
 
     offloaded = _offloaded(dense_dir, tmp_path)
     heal = {"max_tokens": 256, "seqlen": 16, "heldout_rows": 0}
-    config = FlattenConfig(
-        method="shortgpt", num_layers_to_remove=2, dataset=tiny_models.sample_texts(), nsamples=8, seqlen=24, heal=heal
-    )
+    config = tiny_config("shortgpt", num_layers_to_remove=2, heal=heal)
     with pytest.raises(ValueError, match=r"^healing trains weights in memory, and this model has layers offloaded"):
         FlattenQuantizer(config, progress=False).compress(offloaded, tiny_models.CharTokenizer())
     assert len(offloaded.model.layers) == NUM_LAYERS

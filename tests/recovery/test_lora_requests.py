@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models
-from common import tiny_recovery_config
+from common import tiny_config, tiny_recovery_config
 from optimum_flatten import FlattenConfig, FlattenQuantizer
 from optimum_flatten.options.recovery import RecoveryConfig
 from optimum_flatten.recovery import recover
@@ -49,14 +49,7 @@ def test_quantize_refuses_lora_settings_before_compressing(tmp_path, lora, messa
     dense = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(dense)
     quantizer = FlattenQuantizer.from_pretrained(dense, tokenizer=tiny_models.CharTokenizer())
-    config = FlattenConfig(
-        method="shortgpt",
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        heal=_heal(**lora),
-    )
+    config = tiny_config("shortgpt", num_layers_to_remove=2, heal=_heal(**lora))
     with pytest.raises(ValueError, match=message):
         quantizer.quantize(save_dir=tmp_path / "out", quantization_config=config)
     assert quantizer.model.config.num_hidden_layers == 6 and not (tmp_path / "out").exists()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tiny_models
-from common import compress, tiny_recovery_config
-from optimum_flatten import FlattenConfig, FlattenQuantizer
+from common import compress, tiny_config, tiny_recovery_config
+from optimum_flatten import FlattenQuantizer
 from optimum_flatten.recovery import recover
 
 
@@ -42,14 +42,8 @@ def test_float16_weights_trained_in_place_are_refused_before_any_change(compress
 
 def test_float16_healing_in_compress_is_refused_before_the_compression():
     model = tiny_models.tiny_llama_gqa().half()
-    config = FlattenConfig(
-        method="shortgpt",
-        num_layers_to_remove=2,
-        dataset=tiny_models.sample_texts(),
-        nsamples=8,
-        seqlen=24,
-        heal={"mode": "full", "max_tokens": 256, "seqlen": 16, "heldout_rows": 0},
-    )
+    heal = {"mode": "full", "max_tokens": 256, "seqlen": 16, "heldout_rows": 0}
+    config = tiny_config("shortgpt", num_layers_to_remove=2, heal=heal)
     with pytest.raises(ValueError, match=r"float16 weights in place, whose gradients overflow"):
         FlattenQuantizer(config, progress=False).compress(model, tiny_models.CharTokenizer())
     assert len(model.model.layers) == 6

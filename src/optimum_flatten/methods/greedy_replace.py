@@ -25,7 +25,8 @@ before it to hold a map).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,11 @@ class _Current:
     def layer(self, index: int) -> torch.nn.Module:
         """Original layer `index` as the current model runs it: its private copy where it has one."""
         return self.modules.get(index, self.layers[index])
+
+    @functools.cached_property
+    def one_kind(self) -> Callable[[Sequence[int]], bool]:
+        """The stack's layer-kind rule (`ArchitectureAdapter.layer_kind_rule`), read once for the whole search."""
+        return self.adapter.layer_kind_rule(self.context.stack)
 
 
 @register_method("greedy_replace")
@@ -194,7 +200,7 @@ class GreedyReplaceMethod(LinearReplacementMethod):
         untouched = kept[position + 1] == index + 1 and index not in modules and index + 1 not in modules
         # Layers of two kinds (sliding and full attention, NoPE) are never merged: the plan would be refused after the
         # whole search, which has no range option to steer it off the pair.
-        return untouched and current.adapter.layer_kind_rule(current.context.stack)((index, index + 1))
+        return untouched and current.one_kind((index, index + 1))
 
     def _score(self, current: _Current, position: int, start: list[torch.Tensor], scored: list[Any]) -> float:
         """Next-token NLL of the model with the action taken: the layers after it run from `start`."""

@@ -16,6 +16,15 @@ from .precision import check_training_precision
 from .rows import check_recovery_inputs
 
 
+def check_healable(model: nn.Module, config: Any, layers: int) -> None:
+    """The refusals of a model and its chosen mode that `recover` and `check_heal_request` both make, before any
+    weight changes: one process seeing several GPUs, LoRA settings peft would refuse or merge wrong (`layers`: the
+    healed model's), and weights too narrow to train in place. A check added here serves both doors."""
+    check_one_device_per_process(model, config)
+    check_lora_targets(model, config, layers)
+    check_training_precision(model, config)
+
+
 def check_heal_request(
     model: nn.Module,
     tokenizer: Any,
@@ -32,7 +41,7 @@ def check_heal_request(
     by FSDP2 cannot give back (rank 0's whole model is another object)."""
     dataset, column, recovery, _ = heal
     check_in_memory(model)
-    check_one_device_per_process(model, recovery)
+    check_healable(model, recovery, kept)
     if in_place and fsdp_version(recovery) is not None:
         raise ValueError(
             "compress-on-load hands back the model transformers loaded, and a healing sharded by FSDP2 comes back "
@@ -42,8 +51,6 @@ def check_heal_request(
     # A table too short is refused before the text is tokenised; a RoPE warning comes once, from `recover`.
     check_sequence_length(model, recovery.seqlen, "the heal's seqlen", warn=False)
     check_recovery_inputs(tokenizer, dataset, recovery, column)
-    check_lora_targets(model, recovery, kept)
-    check_training_precision(model, recovery)
     if recovery.mode == "local" and processes > 1:  # `recover` refuses it too, after the compression
         raise ValueError(local_needs_one_process(processes))
     if recovery.mode == "last_k" and recovery.last_k > kept:  # the compressed model's blocks, not these

@@ -51,7 +51,9 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
     tokenizer = None
     if isinstance(teacher, nn.Module):
         model, name = teacher, str(getattr(getattr(teacher, "config", None), "_name_or_path", "") or "<model>")
-        _check_causal_teacher(getattr(model, "config", None), name, _transformers_class(model))
+        from ..utils.causal_lm import transformers_class_name
+
+        _check_causal_teacher(getattr(model, "config", None), name, transformers_class_name(model))
     elif isinstance(teacher, (str, Path)):
         key = _bundled_key(str(teacher))
         if key is not None:
@@ -80,14 +82,6 @@ def load_teacher(teacher: Any, dtype: torch.dtype) -> tuple[nn.Module, Any | Non
     if next(model.parameters()).dtype != dtype:
         model.to(dtype=dtype)
     return model, tokenizer, name
-
-
-def _transformers_class(model: nn.Module) -> str | None:
-    """The model's class name when transformers defines that class (what it was built as), else None."""
-    import transformers
-
-    name = type(model).__name__
-    return name if getattr(transformers, name, None) is type(model) else None
 
 
 def _check_causal_teacher(config: Any, name: str, architecture: str | None = None) -> None:

@@ -20,13 +20,13 @@ from torch import nn
 
 from ..options.recovery import RecoveryConfig
 from ..utils.torch_utils import keeping_use_cache
-from .arguments import check_fsdp, check_in_memory, check_one_device_per_process, fsdp_version, healing_schedule
+from .arguments import check_fsdp, check_in_memory, fsdp_version, healing_schedule
+from .heal_request import check_healable
 from .healing_run import HealingRun
-from .lora import check_lora_targets
 from .mode import resolve_mode
 from .objectives import healing_objectives, hidden_state_ends, local_spans
 from .phases import note_sharding_, run_phases
-from .precision import check_training_precision, precision_notes, trained_dtypes
+from .precision import precision_notes, trained_dtypes
 from .rate import weight_scale
 from .record import healing_log, heldout_parts
 from .resume import check_started_options, healing_identity
@@ -85,9 +85,7 @@ def recover(
     check_in_memory(model)
     config, report, choice = resolve_mode(model, dataset, config or RecoveryConfig(), teacher, report)
     check_started_options(config)  # before any row is read or sampled into its checkpoint_dir
-    check_one_device_per_process(model, config)
-    check_lora_targets(model, config, model.config.get_text_config().num_hidden_layers)
-    check_training_precision(model, config)
+    check_healable(model, config, model.config.get_text_config().num_hidden_layers)
     share = checked_share(dataset, config, _has_teacher(teacher, report))
     scale = weight_scale(model)  # before any wrapper: every process reads the same weights, so the same rate
     rows = read_rows(tokenizer, dataset, config, text_column, share)

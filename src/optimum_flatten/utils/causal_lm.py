@@ -58,6 +58,15 @@ def causal_lm_refusal(config: Any, architecture: str | None = None) -> str | Non
     )
 
 
+def transformers_class_name(model: Any) -> str | None:
+    """The model's class name when transformers defines that class (what it was built as, which outranks the
+    config's ``architectures``), else None."""
+    import transformers
+
+    name = type(model).__name__
+    return name if getattr(transformers, name, None) is type(model) else None
+
+
 def check_causal_lm(model: Any) -> None:
     """Refuses to heal `model` unless it is a causal LM (`causal_lm_refusal`, read from its class when transformers
     defines that class, else from its config), before anything is built or changed.
@@ -65,11 +74,7 @@ def check_causal_lm(model: Any) -> None:
     Raises:
         ValueError: one line saying what the model is.
     """
-    import transformers
-
-    name = type(model).__name__
-    architecture = name if getattr(transformers, name, None) is type(model) else None
     config = getattr(model, "config", None)
-    refusal = causal_lm_refusal(config, architecture) if config is not None else None
+    refusal = causal_lm_refusal(config, transformers_class_name(model)) if config is not None else None
     if refusal is not None:
         raise ValueError(refusal)

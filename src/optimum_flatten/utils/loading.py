@@ -226,7 +226,7 @@ def describe_dataset(dataset: Any) -> Any:
     if isinstance(dataset, (list, tuple)):  # texts or records; anything else is images (PIL, arrays, tensors)
         texts = not dataset or any(isinstance(item, (str, dict)) for item in dataset)
         return f"<{len(dataset)} {'texts' if texts else 'images'}>"
-    if type(dataset).__name__ == "Tensor" and getattr(dataset, "dim", lambda: 0)() == 4:  # (N, C, H, W) pixels
+    if type(dataset).__name__ == "Tensor" and dataset.ndim == 4:  # (N, C, H, W) pixels
         return f"<{dataset.shape[0]} images>"
     return f"<{type(dataset).__name__}>"
 
