@@ -3,9 +3,9 @@
 The same tiny model, compressed the same way, is healed by `ddp_heal.py` once under ``torch.distributed.run
 --nproc_per_node 2`` and once here in one process, with the same global batch per step (4 rows) and the same seeded
 row order: `full` with accelerate's default per-process batches (2 processes x 2 rows against 1 x 4: the sampler's
-one order, dealt out batch by batch), `changed` with ``split_batches`` (each step's 4 rows cut in two). The loss is a
-mean over the scored tokens of a process's rows and every packed row scores the same count, so DDP's average of the
-per-process means is the one-process mean; what is left is float round-off (the gradient sums in another order).
+one order, dealt out batch by batch), `changed` with ``split_batches`` (each step's 4 rows cut in two). The step's
+loss is a mean over the scored tokens of every process's rows (each process's mean weighted by its share of the
+step's count, gathered across processes), so what is left is float round-off (the gradient sums in another order).
 The gate (held-out scoring every step) must take the same decisions, and the token budget must give the same steps.
 """
 

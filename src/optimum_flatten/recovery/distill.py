@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -49,22 +49,35 @@ class LossParts:
     tokens: int
 
 
-#: A healing objective: one batch's `LossParts` for a model (`DistillationLoss`, `local.LocalSpanLoss`).
-Objective = Callable[[nn.Module, dict[str, torch.Tensor]], LossParts]
+class Objective(Protocol):
+    """A healing objective (`DistillationLoss`, `local.LocalSpanLoss`): one batch's `LossParts` for a model, whose
+    `total` is a mean over the positions `tokens(inputs)` counts. The Trainer weights each batch of an optimiser
+    step by that count (`distillation_trainer`), so the count must be known before the forward."""
+
+    def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> LossParts: ...
+
+    def tokens(self, inputs: dict[str, torch.Tensor]) -> int: ...
 
 
 def scored_positions(
     attention_mask: torch.Tensor | None, labels: torch.Tensor | None, input_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows, columns, targets) of the positions whose next token is scored (see the module docstring)."""
+    rows, cols = scored_mask(attention_mask, labels, input_ids).nonzero(as_tuple=True)
+    source = labels if labels is not None else input_ids
+    return rows, cols, source[rows, cols + 1]
+
+
+def scored_mask(
+    attention_mask: torch.Tensor | None, labels: torch.Tensor | None, input_ids: torch.Tensor
+) -> torch.Tensor:
+    """Whether each position t < last is scored: t and t + 1 are real tokens and the label of t + 1 is not -100."""
     valid = torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
     if attention_mask is not None:
         valid &= (attention_mask[:, :-1] != 0) & (attention_mask[:, 1:] != 0)
-    source = labels if labels is not None else input_ids
     if labels is not None:
         valid &= labels[:, 1:] != -100
-    rows, cols = valid.nonzero(as_tuple=True)
-    return rows, cols, source[rows, cols + 1]
+    return valid
 
 
 def _chunk_terms(
@@ -257,6 +270,10 @@ class DistillationLoss:
             raise ValueError(
                 f"got {len(self.student_blocks)} student blocks but {len(self.teacher_blocks)} teacher span ends."
             )
+
+    def tokens(self, inputs: dict[str, torch.Tensor]) -> int:
+        """The positions a batch's KL and LM means run over (`scored_mask`)."""
+        return int(scored_mask(inputs.get("attention_mask"), inputs.get("labels"), inputs["input_ids"]).sum())
 
     def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> LossParts:
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")

@@ -31,19 +31,49 @@ def _distillation_trainer_class() -> type:
 
     class DistillationTrainer(Trainer):
         """transformers' Trainer with the healing loss; everything else (optimiser, schedule, devices) is the
-        library's."""
+        library's.
+
+        An optimiser step's loss is the mean over every position it scores, whichever micro-batch (gradient
+        accumulation) or process (DDP, FSDP) a position falls in: each batch's mean is weighted by its share of the
+        step's positions, as the Trainer does for a model's own loss with ``num_items_in_batch``. A per-batch mean
+        would weigh a token of a short (padded or masked) row above one of a full row, so that accumulated or
+        data-parallel batches trained another objective than one batch of the same rows, and than the gate scores.
+        """
+
+        # The loss is normalised over the whole step here, so the Trainer must not divide it by the accumulation.
+        loss_is_scaled_for_ga = True
 
         def __init__(self, *args: Any, healing_loss: Objective, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.healing_loss = healing_loss
-            # Our loss is a mean over the batch's scored tokens, not a sum the Trainer normalises by the items in
-            # the accumulated batch; so the Trainer divides it by the accumulation steps itself.
-            self.model_accepts_loss_kwargs = False
+            # transformers releases without `loss_is_scaled_for_ga` take a loss as scaled when the model "accepts
+            # loss kwargs" and the step's count is given, which `get_batch_samples` below always gives.
+            self.model_accepts_loss_kwargs = "loss_is_scaled_for_ga" not in vars(Trainer)
+
+        def get_batch_samples(
+            self, epoch_iterator: Any, num_batches: int, device: torch.device
+        ) -> tuple[list[Any], torch.Tensor]:
+            """The step's micro-batches and the positions they score on every process (the healing loss's count)."""
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            count = torch.tensor([sum(self.healing_loss.tokens(batch) for batch in batches)], device=device)
+            if self.accelerator.num_processes > 1:
+                count = self.accelerator.gather(count)
+            return batches, count.sum()
 
         def compute_loss(
-            self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False, **_: Any
+            self,
+            model: nn.Module,
+            inputs: dict[str, torch.Tensor],
+            return_outputs: bool = False,
+            num_items_in_batch: torch.Tensor | int | None = None,
+            **_: Any,
         ) -> Any:
             parts = self.healing_loss(model, inputs)
-            return (parts.total, None) if return_outputs else parts.total
+            loss = parts.total
+            if num_items_in_batch is not None:
+                # The processes' gradients are averaged, hence the factor: the step's sum over its positions.
+                share = parts.tokens * self.accelerator.num_processes / max(int(num_items_in_batch), 1)
+                loss = loss * share
+            return (loss, None) if return_outputs else loss
 
     return DistillationTrainer

@@ -103,6 +103,11 @@ class LocalSpanLoss:
         pairs, mask = self.span_outputs(inputs)
         return [self.compare(output, target, mask) for output, target in pairs], int((mask != 0).sum())
 
+    def tokens(self, inputs: dict[str, torch.Tensor]) -> int:
+        """The real tokens of a batch, which the state loss compares."""
+        mask = inputs.get("attention_mask")
+        return int(inputs["input_ids"].numel() if mask is None else (mask != 0).sum())
+
     def __call__(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> LossParts:
         """The mean over spans of the state loss (`model` is the student the blocks belong to; the Trainer passes
         it, possibly wrapped, and only its blocks run)."""
