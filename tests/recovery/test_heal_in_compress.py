@@ -118,6 +118,21 @@ def test_the_default_heal_mode_is_chosen_once_before_compressing_from_the_dense_
         ({**HEAL, "mode": "last_k", "last_k": 5}, "the compressed model keeps 4; lower last_k"),
         ({**HEAL, "mode": "last_k", "last_k": 0}, "last_k must be a whole number of at least 1"),
         ({**HEAL, "per_device_train_batch_size": 0}, "per_device_train_batch_size must be"),
+        # Loss, gate and optimiser options the losses, the gate, peft, torch or the Trainer refused only once the
+        # healing started, after the compression (review J).
+        ({**HEAL, "temperature": 0.0}, "temperature must be a positive number"),
+        ({**HEAL, "kd_alpha": float("nan")}, r"kd_alpha must be in \[0, 1\]"),
+        ({**HEAL, "hidden_weight": -1.0}, "hidden_weight must be a number of at least 0"),
+        ({**HEAL, "chunk_size": 0}, "chunk_size must be a whole number of at least 1"),
+        ({**HEAL, "eval_every": 0}, "eval_every must be a whole number of at least 1"),
+        ({**HEAL, "patience": -1}, "patience must be a whole number of at least 0"),
+        ({**HEAL, "logging_steps": 0}, "logging_steps must be a whole number of at least 1"),
+        ({**HEAL, "learning_rate": 0.0}, "learning_rate must be a positive number"),
+        ({**HEAL, "learning_rate": float("nan")}, "learning_rate must be a positive number"),
+        ({**HEAL, "mode": "lora", "learning_rate": None, "r": 0}, "r must be a whole number of at least 1"),
+        ({**HEAL, "mode": "lora", "learning_rate": None, "lora_dropout": 2.0}, r"lora_dropout must be in \[0, 1\)"),
+        ({**HEAL, "extra_training_args": {"no_such_arg": 1}}, "TrainingArguments has no field for"),
+        ({**HEAL, "extra_training_args": {"learning_rate": -1}}, "learning_rate must be a positive number"),
     ],
 )
 def test_a_heal_that_cannot_run_is_refused_before_any_weight_changes(heal, message):

@@ -216,11 +216,40 @@ class RecoveryConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}.")
         self._check_budget()
+        self._check_training_options()
         self._check_lora_options()
         if self.mode == "lora" and self.train_embeddings:
             raise ValueError(
                 "mode 'lora' trains adapters on the projections only, so train_embeddings=True would do nothing; it "
                 "applies to modes 'full' and 'last_k' and to mode 'local''s global phase."
+            )
+
+    def _check_training_options(self) -> None:
+        """Refuses a loss, gate or optimiser option out of range when the config is made: the losses, the gate and
+        the Trainer would each refuse it only once the healing starts, after a compression asked to heal had
+        changed the weights."""
+        positive = {"temperature": self.temperature, "learning_rate": self.learning_rate}
+        positive["global_learning_rate"] = self.global_learning_rate
+        for name, value in positive.items():
+            if value is not None and not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}.")
+        if not (_is_number(self.kd_alpha) and 0.0 <= self.kd_alpha <= 1.0):
+            raise ValueError(
+                f"kd_alpha must be in [0, 1] (the weight of the KL against the LM loss), got {self.kd_alpha!r}."
+            )
+        if not (_is_number(self.hidden_weight) and math.isfinite(self.hidden_weight) and self.hidden_weight >= 0):
+            raise ValueError(f"hidden_weight must be a number of at least 0, got {self.hidden_weight!r}.")
+        if not (_is_number(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0):
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}.")
+        for name, least in (("chunk_size", 1), ("eval_every", 1), ("logging_steps", 1), ("r", 1), ("patience", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be a whole number of at least {least}, got {value!r}.")
+        if not (_is_number(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be a positive number, got {self.lora_alpha!r}.")
+        if not isinstance(self.extra_training_args, Mapping):
+            raise ValueError(
+                f"extra_training_args must be a mapping of TrainingArguments fields, got {self.extra_training_args!r}."
             )
 
     def _check_lora_options(self) -> None:
@@ -389,6 +418,11 @@ def sharded_full(config: RecoveryConfig) -> RecoveryConfig:
 HEAL_EXTRA_KEYS = ("dataset", "text_column")
 #: The fields only mode 'lora' reads.
 LORA_OPTIONS = ("r", "lora_alpha", "lora_dropout", "target_modules", "layers_to_transform")
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float that is not a bool (True would pass for 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_lora_options(config: RecoveryConfig, mode: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..options.recovery import RecoveryConfig
-from ..utils.errors import CalibrationDataError
+from ..utils.errors import CalibrationDataError, did_you_mean
 from .resume import phase_folder
 
 logger = logging.getLogger(__name__)
@@ -227,6 +227,25 @@ def _global_phase(config: RecoveryConfig) -> RecoveryConfig:
         rate = {}  # the rate given, for both phases
     tokens = config.local_then_global_tokens
     return dataclasses.replace(config, max_tokens=tokens, local_then_global_tokens=None, **rate)
+
+
+def check_extra_training_args(config: RecoveryConfig) -> None:
+    """Refuses `extra_training_args` that `TrainingArguments` would refuse only when the healing starts (after a
+    compression asked to heal had changed the weights): a key it has no field for, and a rate that is not a positive
+    number (the optimiser's own refusal)."""
+    from transformers import TrainingArguments
+
+    extra = config.extra_training_args
+    fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    unknown = sorted(set(extra) - set(fields))
+    if unknown:
+        raise ValueError(
+            f"extra_training_args got {unknown}, which TrainingArguments has no field for."
+            f"{did_you_mean(unknown[0], fields)}"
+        )
+    rate = extra.get("learning_rate", 1.0)
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"extra_training_args' learning_rate must be a positive number, got {rate!r}.")
 
 
 def training_arguments(config: RecoveryConfig, scale: float, output_dir: str) -> Any:

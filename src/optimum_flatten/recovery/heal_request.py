@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 
 from ..utils.positions import check_sequence_length
-from .arguments import check_in_memory, check_one_device_per_process, fsdp_version
+from .arguments import check_extra_training_args, check_in_memory, check_one_device_per_process, fsdp_version
 from .lora import check_lora_targets
 from .objectives import local_needs_one_process
 from .precision import check_training_precision
@@ -21,6 +21,7 @@ def check_healable(model: nn.Module, config: Any, layers: int) -> None:
     weight changes: one process seeing several GPUs, LoRA settings peft would refuse or merge wrong (`layers`: the
     healed model's), and weights too narrow to train in place. A check added here serves both doors."""
     check_one_device_per_process(model, config)
+    check_extra_training_args(config)
     check_lora_targets(model, config, layers)
     check_training_precision(model, config)
 
