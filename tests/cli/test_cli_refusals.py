@@ -102,6 +102,25 @@ def test_a_corrupt_config_is_one_line_in_evaluate_too(dense, capsys):
     assert "is not valid JSON (Expecting property name" in _error_line(capsys)
 
 
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (lambda path, data: ["--json", str(path / "config.json")], "would be written over the checkpoint"),
+        (lambda path, data: ["--plot", str(path / "figure.png")], "would be written over the checkpoint"),
+        (lambda path, data: ["--json", str(data)], "would be written over --dataset"),
+        (lambda path, data: ["--json", str(path.parent / "m.png"), "--plot", str(path.parent / "m.png")], "the same"),
+    ],
+    ids=["config.json", "into-the-checkpoint", "the-text", "json-is-plot"],
+)
+def test_evaluate_never_writes_its_outputs_over_what_it_reads(dense, capsys, no_loading, outputs, message):
+    """`--json` over the checkpoint's config.json left a folder that no longer loads (review J)."""
+    path, data = dense
+    before = {f: f.read_bytes() for f in [*path.iterdir(), data]}
+    assert main(["evaluate", str(path), "--dataset", str(data), "--no-speed", *outputs(path, data)]) == 2
+    assert message in _error_line(capsys)
+    assert {f: f.read_bytes() for f in [*path.iterdir(), data]} == before
+
+
 def _unwritable_parent(tmp_path: Path) -> Path:
     """A folder this process cannot create anything in, whoever runs the tests (root ignores permission bits)."""
     if os.name == "posix" and os.geteuid() != 0:

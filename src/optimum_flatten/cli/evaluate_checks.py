@@ -43,6 +43,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"--stride must be in 1..--seqlen ({args.seqlen}), got {args.stride}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         check_output_file(path, option)
+    check_outputs_apart(args)
     if args.plot:
         check_figure_format(args.plot)
     _check_companions(args)
@@ -78,6 +79,31 @@ def check_output_file(path: str | None, option: str) -> None:
         raise ValueError(f"{option} {path!r}: its folder {str(parent)!r} does not exist; create it or give another.")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise ValueError(f"{option} {path!r} is not writable; give another path.")
+
+
+def check_outputs_apart(args: argparse.Namespace) -> None:
+    """Refuses a --json or --plot that would be written over what the evaluation reads (a file of the checkpoint or
+    the baseline, the text) or over the other output: the write replaces whatever is there, and a config.json
+    written over with measurements leaves a checkpoint that no longer loads."""
+    outputs = {
+        option: Path(path).expanduser().resolve()
+        for option, path in (("--json", args.json), ("--plot", args.plot))
+        if path
+    }
+    if len(outputs) == 2 and outputs["--json"] == outputs["--plot"]:
+        raise ValueError(f"--json and --plot are the same file {args.json!r}; give each its own path.")
+    inputs = {"the checkpoint": args.model, "--baseline": args.baseline, "--dataset": args.dataset}
+    for option, target in outputs.items():
+        for what, given in inputs.items():
+            source = Path(given).expanduser() if given else None
+            if source is None or not source.exists():
+                continue  # a Hub name, a bundled model or corpus: nothing of the user's on disk to write over
+            source = source.resolve()
+            if target == source or (source.is_dir() and source in target.parents):
+                raise ValueError(
+                    f"{option} {str(target)!r} would be written over {what} {given!r}, which the evaluation reads; "
+                    "give a path outside it."
+                )
 
 
 def check_figure_format(path: str) -> None:
