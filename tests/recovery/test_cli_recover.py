@@ -98,12 +98,18 @@ def test_recover_with_checkpoints_says_what_they_leave_on_disk(folders, tmp_path
     """A finished healing's checkpoints (weights and optimiser state) stay for a resume; the command says how much
     they hold and where, so that a user frees the space (a Qwen2.5-0.5B benchmark healing left 19 GB)."""
     out, checkpoints = tmp_path / "healed", tmp_path / "checkpoints"
+    # A folder the user keeps other files in: they are neither counted nor advised for removal (review J).
+    checkpoints.mkdir()
+    (checkpoints / "notes.txt").write_text("the user's own file" * 1000)
     arguments = _arguments(folders, out, "--max-tokens", "256", "--mode", "full", "--learning-rate", "1e-3")
     assert main([*arguments, "--checkpoint-dir", str(checkpoints), "--save-every", "2"]) == 0
     recovery = json.loads((out / "flatten_report.json").read_text())["recovery"]
-    held = sum(path.stat().st_size for path in checkpoints.rglob("*") if path.is_file())
+    held = sum(path.stat().st_size for path in (checkpoints / "phase-1").rglob("*") if path.is_file())
     assert recovery["checkpoint_bytes"] == held > 0 and str(checkpoints) not in json.dumps(recovery)  # no paths
-    assert f"checkpoints: {held / 2**30:.2f} GiB left in {checkpoints}" in capsys.readouterr().out
+    assert (checkpoints / "notes.txt").read_text() == "the user's own file" * 1000
+    printed = capsys.readouterr().out
+    assert f"checkpoints: {held / 2**30:.2f} GiB left in {checkpoints} (phase-1), needed only to resume" in printed
+    assert "remove those folders once the healed model is saved" in printed
 
 
 def test_recover_and_compress_read_the_text_column_they_are_given(folders, tmp_path):

@@ -90,13 +90,16 @@ def healing_notes(log: dict[str, Any], checkpoint_dir: str | None) -> list[str]:
     """What a healing leaves a person to act on, for `recover` and `compress --heal-tokens` alike: the checkpoints
     still on disk (up to two a phase, optimiser state included: often GBs) and a gate that saw the teacher's rows
     only (`recovery.rows.UNGUARDED_NOTE`)."""
+    from ..recovery.resume import phase_folders
     from ..recovery.rows import UNGUARDED_NOTE
 
     lines = []
-    if log.get("checkpoint_bytes"):
+    if log.get("checkpoint_bytes") and checkpoint_dir:
+        # The phases' folders by name, not the folder given: it may hold the user's own files beside them.
+        phases = ", ".join(path.name for path in phase_folders(checkpoint_dir))
         lines.append(
-            f"checkpoints: {log['checkpoint_bytes'] / 2**30:.2f} GiB left in {checkpoint_dir}, needed only to "
-            "resume this healing; remove the folder once the healed model is saved"
+            f"checkpoints: {log['checkpoint_bytes'] / 2**30:.2f} GiB left in {checkpoint_dir} ({phases}), needed "
+            "only to resume this healing; remove those folders once the healed model is saved"
         )
     if UNGUARDED_NOTE in log.get("notes", ()):
         lines.append(UNGUARDED_NOTE)

@@ -8,7 +8,7 @@ from typing import Any
 
 from .healing_run import HealingRun
 from .phases import _combined_decision, _Phase
-from .resume import folder_bytes
+from .resume import folder_bytes, phase_folders
 from .rows import HealingRows
 
 
@@ -80,7 +80,7 @@ def healing_log(
         **(
             {
                 "resumed_from_step": [p.resumed_from for p in phases],
-                "checkpoint_bytes": folder_bytes(config.checkpoint_dir),
+                "checkpoint_bytes": sum(folder_bytes(f) for f in phase_folders(config.checkpoint_dir)),
             }
             if config.checkpoint_dir
             else {}
