@@ -159,6 +159,21 @@ def test_the_quantizers_save_refuses_the_folder_the_compressed_model_was_loaded_
     assert quantizer.save(model, out, overwrite=True) == out
 
 
+def test_the_quantizers_save_refuses_a_model_its_report_does_not_describe(tmp_path, compressed):
+    """The report and card are written beside the weights: a quantizer that compressed one model wrote that plan
+    ("6 -> 4") beside another model's six layers, and a quantizer that compressed nothing wrote a card of question
+    marks (review J). Nothing is written."""
+    from optimum_flatten import FlattenQuantizer
+
+    _, quantizer = compressed
+    other = tiny_models.FACTORIES["llama_gqa"]()
+    with pytest.raises(ValueError, match="is not the model this quantizer compressed"):
+        quantizer.save(other, tmp_path / "other")
+    with pytest.raises(ValueError, match="carries no compression report and the quantizer compressed none"):
+        FlattenQuantizer(quantizer.config).save(other, tmp_path / "never")
+    assert not any(tmp_path.iterdir())
+
+
 def test_cli_refuses_to_overwrite_the_model_it_compresses_before_loading_it(tmp_path, capsys, monkeypatch):
     source = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(source)

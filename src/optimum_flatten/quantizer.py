@@ -30,7 +30,7 @@ from .export.checkpoint import COMPRESSED_FROM
 from .export.provenance import base_license, drop_own_quantization_config, set_name_or_path, source_name_or_path
 from .plan import LayerPlan
 from .registry import get_method_class, registered_methods, require_capabilities
-from .report import CompressionReport
+from .report import CompressionReport, check_describes
 from .utils.causal_lm import check_causal_lm
 from .utils.fingerprint import weights_fingerprint
 from .utils.launch import is_writer, process_group
@@ -507,7 +507,7 @@ class FlattenQuantizer(OptimumQuantizer):
         """This quantizer's report, or the one a compression on load left on the model (``from_pretrained(...,
         quantization_config=FlattenConfig(...))`` compresses with a quantizer of its own): a fresh quantizer saving
         that model wrote an empty report and a card of question marks, and `recover` then found no plan."""
-        return dict(self.report or getattr(model, "flatten_report", None) or {})
+        return check_describes(model, self.report or getattr(model, "flatten_report", None) or {})
 
     def save(
         self,

@@ -1,4 +1,5 @@
-"""The method registry: ``@register_method("name")`` in the method's file plus one import in methods/__init__.py."""
+"""The method registry: ``@register_method("name")`` in the method's file, and its name and options class in
+`BUILTIN_OPTIONS` (which `load_builtin_methods` imports by)."""
 
 from __future__ import annotations
 

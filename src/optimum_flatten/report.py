@@ -110,3 +110,27 @@ def core_fields() -> tuple[str, ...]:
 
 
 _CORE_FIELDS = tuple(f.name for f in dataclasses.fields(CompressionReport) if f.name != "method_entries")
+
+
+def check_describes(model: Any, report: Mapping[str, Any]) -> dict[str, Any]:
+    """`report` as a dict, once it is known to describe `model`: a save writes it beside the weights as
+    flatten_report.json and the model card, so a report of another model (a quantizer that compressed one model and
+    is asked to save another) or none at all (a model never compressed) would publish a false plan and card.
+
+    Raises:
+        ValueError: an empty report, or one whose parameter count after the compression is not `model`'s.
+    """
+    from .utils.torch_utils import count_parameters
+
+    if not report:
+        raise ValueError(
+            "this model carries no compression report and the quantizer compressed none: compress it first "
+            "(FlattenQuantizer(config).compress(model, tokenizer)), or save an uncompressed model with save_pretrained."
+        )
+    expected, found = report.get("parameters_after"), count_parameters(model)
+    if isinstance(expected, int) and expected != found:
+        raise ValueError(
+            f"this model has {found:,} parameters, and the compression this report describes left {expected:,}: it "
+            "is not the model this quantizer compressed; save that one, or compress this one with its own quantizer."
+        )
+    return dict(report)

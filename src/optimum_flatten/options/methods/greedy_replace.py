@@ -18,7 +18,8 @@ class GreedyReplaceConfig(MethodConfig):
     Attributes:
         scoring_batches: Score actions on the first this-many calibration batches (None: all); maps are always fitted
             on every batch. A step costs about L²/2 layer runs and 2L LM-head evaluations over the scored tokens.
-        allow_drop: Consider plain drops besides replacements.
+        allow_drop: Consider plain drops besides replacements. False still drops the first layer kept (layer 0,
+            or layer 1 once 0 is gone), which has no kept layer before it to be replaced from.
         shortlist: Score by NLL only the this-many actions whose state right after the action is closest (mean
             angle over the scored tokens) to the current model's state there; None scores every action. The
             pre-ranking needs no suffix run, so a step costs about one pass over the layers (the fits) plus
