@@ -79,9 +79,9 @@ def test_invalid_targets(kwargs, match):
 
 def test_resolve_target_against_depth():
     assert FlattenConfig(target_sparsity=0.2).resolve_num_layers_to_remove(30) == 6
-    with pytest.raises(InvalidTargetError, match="at most 29"):
+    with pytest.raises(InvalidTargetError, match=r"at most 29.*Choose a smaller target"):
         FlattenConfig(num_layers_to_remove=30).resolve_num_layers_to_remove(30)
-    with pytest.raises(InvalidTargetError, match="remove 0 layer"):
+    with pytest.raises(InvalidTargetError, match=r"remove 0 layer.*Choose a larger target"):  # not "smaller" (review J)
         FlattenConfig(target_sparsity=0.01).resolve_num_layers_to_remove(30)
 
 
@@ -90,7 +90,9 @@ def test_resolve_target_against_depth():
     [
         (dict(calibration_mode="twice"), r"calibration_mode must be 'one_pass' or 'sequential', got 'twice'"),
         (dict(max_group_size=1), r"max_group_size must be an integer >= 2 or None, got 1\."),
-        (dict(ridge_ratio=0), r"ridge_ratio must be > 0, got 0\."),
+        (dict(ridge_ratio=0), r"ridge_ratio must be > 0 and finite, got 0\."),
+        (dict(ridge_ratio=float("inf")), r"ridge_ratio must be > 0 and finite, got inf\."),
+        (dict(similarity_memory_gb=-1), r"similarity_memory_gb must be a positive number of GB, got -1\."),
     ],
 )
 def test_method_options_are_validated(bad, match):
@@ -98,6 +100,24 @@ def test_method_options_are_validated(bad, match):
     another option, a failure further in) would pass a test without `match`."""
     with pytest.raises(ValueError, match=match):
         FlattenConfig(num_layers_to_remove=1, **bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (dict(calibration="abc"), "calibration must be a mapping of option names to values, got 'abc'"),
+        (dict(method_args="x"), "method_args must be a mapping of option names to values"),
+        (dict(layer_plan="x"), r"layer_plan must be a mapping of a LayerPlan's fields"),
+        (dict(stacks=5), r"stacks must be a stack name or a non-empty list of them"),
+        (dict(stacks=[]), r"stacks must be a stack name or a non-empty list of them"),
+        (dict(version="abc"), "version must be an integer, got 'abc'"),
+    ],
+)
+def test_options_of_the_wrong_shape_are_refused_by_name(bad, match):
+    """Review J: Python's own errors named no option ("'int' object is not iterable"), and stacks=[] ran as the
+    default stack."""
+    with pytest.raises(TypeError, match=match):
+        FlattenConfig.from_dict({"num_layers_to_remove": 1, **bad})
 
 
 def test_version_mismatch_warns():

@@ -174,7 +174,10 @@ def test_the_quantizers_save_refuses_a_model_its_report_does_not_describe(tmp_pa
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_refuses_to_overwrite_the_model_it_compresses_before_loading_it(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("output", [".", "compressed"], ids=["the-source", "inside-the-source"])
+def test_cli_refuses_to_overwrite_the_model_it_compresses_before_loading_it(tmp_path, capsys, monkeypatch, output):
+    """The source folder itself, and (review J) a new folder inside it, which left the model's folder with a
+    compressed model's folder among its files."""
     source = tmp_path / "dense"
     tiny_models.tiny_llama_gqa().save_pretrained(source)
     before = _tree(source)
@@ -186,7 +189,7 @@ def test_cli_refuses_to_overwrite_the_model_it_compresses_before_loading_it(tmp_
     monkeypatch.setattr("optimum_flatten.cli.main._load", never_load)
     data = tmp_path / "calibration.txt"
     data.write_text("\n".join(tiny_models.sample_texts()))
-    args = ["compress", str(source), "--output", str(source), "--overwrite", "--num-layers-to-remove", "2"]
+    args = ["compress", str(source), "--output", str(source / output), "--overwrite", "--num-layers-to-remove", "2"]
     assert main([*args, "--dataset", str(data)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: refusing to save into") and "the folder the model was loaded from" in err

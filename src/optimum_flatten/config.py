@@ -90,6 +90,7 @@ class FlattenConfig(QuantizationConfigMixin):
         self.method = method
         self.num_layers_to_remove = num_layers_to_remove
         self.target_sparsity = target_sparsity
+        _check_shapes(stacks=stacks, method_args=method_args, layer_plan=layer_plan, version=version, **kwargs)
         # One name is one stack ("decoder"), not its letters.
         self.stacks = ([stacks] if isinstance(stacks, str) else list(stacks)) if stacks is not None else None
         self.layer_plan = dict(layer_plan) if layer_plan is not None else None
@@ -177,7 +178,7 @@ class FlattenConfig(QuantizationConfigMixin):
         if not 1 <= n < num_layers:
             raise InvalidTargetError(
                 f"cannot remove {n} layer(s) ({source}) from a stack of {num_layers}: at least 1 and at most "
-                f"{num_layers - 1} can be removed. Choose a smaller target."
+                f"{num_layers - 1} can be removed. Choose a {'larger' if n < 1 else 'smaller'} target."
             )
         return n
 
@@ -250,6 +251,25 @@ _TOP_LEVEL_FIELDS = (
     "quant_method",
     "calibration",
 )
+
+
+def _check_shapes(
+    stacks: Any, method_args: Any, layer_plan: Any, version: Any, calibration: Any = None, **_: Any
+) -> None:
+    """Refuses, in one line naming the option, a value of the wrong shape where Python's own error would name none
+    (``stacks=5``: "'int' object is not iterable"; ``method_args="x"``: "dictionary update sequence ...")."""
+    shapes = {"method_args": "option names to values", "calibration": "option names to values"}
+    shapes["layer_plan"] = "a LayerPlan's fields (LayerPlan.to_dict())"
+    for name, value in (("method_args", method_args), ("layer_plan", layer_plan), ("calibration", calibration)):
+        if value is not None and not isinstance(value, (Mapping, CalibrationConfig)):
+            raise TypeError(f"{name} must be a mapping of {shapes[name]}, got {value!r}.")
+    names = [stacks] if isinstance(stacks, str) else stacks
+    if stacks is not None and (
+        not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names)
+    ):
+        raise TypeError(f"stacks must be a stack name or a non-empty list of them (e.g. ['decoder']), got {stacks!r}.")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"version must be an integer, got {version!r}.")
 
 
 def _same_data(a: Any, b: Any) -> bool:

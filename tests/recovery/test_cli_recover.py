@@ -164,3 +164,26 @@ def test_a_rerun_with_other_options_is_refused_before_the_teacher_samples_and_no
 
     first, again = (load_file(str(folder / "model.safetensors")) for folder in (out, tmp_path / "again"))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)  # replayed
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("missing.txt", "does not exist"), ("empty.txt", "empty"), ("sotu:before2000", "sotu:before-2000")],
+    ids=["missing", "empty", "misspelt-bundled"],
+)
+def test_recover_refuses_a_text_it_cannot_read_before_loading_a_model(folders, tmp_path, capsys, monkeypatch, text,
+                                                                     message):  # fmt: skip
+    """Review J: a missing --dataset was refused only after the student had loaded (compress checked it first)."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was loaded although the text could be refused first")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", never)
+    (tmp_path / "empty.txt").write_text("")
+    dataset = str(tmp_path / text) if text.endswith(".txt") else text
+    arguments = _arguments(folders, tmp_path / "healed", "--max-tokens", "256")
+    arguments[arguments.index("--dataset") + 1] = dataset
+    assert main(arguments) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "healed").exists()

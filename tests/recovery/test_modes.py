@@ -139,6 +139,20 @@ def test_bad_input_is_refused_before_any_change(compressed, tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_teacher_that_cannot_be_the_dense_model_is_refused_before_any_change(compressed):
+    """Review J: the compressed model as its own teacher, the two given the other way round, and in mode 'local' a
+    teacher of another depth than the plan's were healed towards (a warning at most)."""
+    dense, model, report = compressed
+    model = copy.deepcopy(model)
+    _refused(model, "the teacher is the model being healed", config=_config(), teacher=copy.deepcopy(model))
+    swapped = copy.deepcopy(dense)
+    _refused(swapped, "the teacher has 4 layers, fewer than the 6", config=_config(), teacher=model, report=None)
+    config = tiny_models.LlamaConfig(**tiny_models._common(num_key_value_heads=2, num_hidden_layers=4))
+    shallow = tiny_models._build(config, seed=3)  # the student's depth, not the plan's 6
+    _refused(model, "maps the model's blocks onto 6 original layers", config=_config(mode="local"), teacher=shallow,
+             report=report)  # fmt: skip
+
+
 def test_each_mode_takes_its_measured_learning_rate_unless_one_is_given():
     """A full fine-tune at LoRA's rate (1e-4) or a local block at full fine-tuning's would be a default nobody
     measured: the rate follows the mode, and the one given wins."""

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .sources import check_push, check_source
@@ -41,6 +40,7 @@ def check_request(args: argparse.Namespace) -> CollapseRequest:
     """Everything the options, the output folder and a local text can say, before the model loads."""
     from ..export.checkpoint import check_output_dir
     from ..options.methods.layer_collapse import LayerCollapseConfig, LinearisationSchedule
+    from ..recovery.data import check_local_recovery_data
     from ..utils.launch import launched_world_size
 
     if launched_world_size() > 1:  # its collapse calibrates in one process: refused before either rank trains
@@ -67,19 +67,8 @@ def check_request(args: argparse.Namespace) -> CollapseRequest:
             f"--snap-learning-rate ({schedule.snap_learning_rate:g}) must be below --threshold ({args.threshold:g}): "
             "Adam's step after α lands on 1 moves it by up to the rate, leaving |1 - α| at or past the threshold."
         )
-    _check_local_text(args.dataset, args.text_column)
+    check_local_recovery_data(args.dataset, args.text_column)
     return CollapseRequest(selection, schedule)
-
-
-def _check_local_text(dataset: str, text_column: str) -> None:
-    """Reads a local file or folder as the training will (a missing, malformed or empty one, a missing column);
-    bundled corpora and `datasets` names are read once, after the load."""
-    from ..calibration.data import DATA_SUFFIXES
-    from ..recovery.data import check_recovery_data
-
-    path = Path(dataset).expanduser()
-    if path.exists() or path.suffix.lower() in DATA_SUFFIXES:
-        check_recovery_data(str(path) if path.exists() else dataset, text_column)
 
 
 def _collapse_config(args: argparse.Namespace, dataset: Any) -> Any:

@@ -260,6 +260,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
 
     from ..export.checkpoint import REPORT_NAME, check_output_dir, save_compressed
     from ..recovery import RecoveryConfig, recover
+    from ..recovery.data import check_local_recovery_data
+    from ..recovery.teacher_text import is_teacher_dataset
     from ..recovery.text_repetition import describe as describe_repetition
     from ..recovery.unsharded import unsharded_for_save
     from ..utils.causal_lm import causal_lm_refusal
@@ -276,6 +278,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     check_state_folder(args.output, config.checkpoint_dir, "--checkpoint-dir", models, removed_after=True)
     check_state_folder(args.output, config.teacher_text_cache, "--teacher-text-cache", models)
     check_push(args.push_to_hub, args.private)
+    if not is_teacher_dataset(args.dataset):  # the text of the user's, read now rather than after the load
+        check_local_recovery_data(args.dataset, args.text_column)
     report_path = Path(source) / REPORT_NAME
     report = json.loads(report_path.read_text(encoding="utf-8")) if report_path.exists() else {}
     model_config = AutoConfig.from_pretrained(source, trust_remote_code=args.trust_remote_code)

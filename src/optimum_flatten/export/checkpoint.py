@@ -121,6 +121,7 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
     if path.exists() and not path.is_dir():
         raise OutputDirectoryError(f"output path {str(path)!r} exists and is a file; choose a directory path.")
     check_writable(path)
+    _refuse_inside_source(path, sources)
     if not path.is_dir() or not _holds_files(path):
         return path
     reason = _refusal(path.resolve(), sources)
@@ -134,6 +135,19 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, sources: Iterable[
             "overwrite=True (--overwrite on the command line) to replace its checkpoint files (other files are kept)."
         )
     return path
+
+
+def _refuse_inside_source(path: Path, sources: Iterable[str | Path | None]) -> None:
+    """Refuses an output folder inside a folder the model was loaded from: the source checkpoint (or a Hub cache's
+    snapshot) would gain a folder of the compressed model's files, and a run's input stays as it was."""
+    resolved = path.resolve()
+    for source in sources:
+        folder = Path(source).expanduser() if source else None
+        if folder is not None and folder.is_dir() and folder.resolve() in resolved.parents:
+            raise OutputDirectoryError(
+                f"refusing to save into {str(path)!r}: it is inside the folder the model was loaded from "
+                f"({str(source)!r}), which stays as it was; choose an output folder outside it."
+            )
 
 
 def _holds_files(path: Path) -> bool:

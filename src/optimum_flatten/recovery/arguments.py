@@ -204,9 +204,6 @@ def check_local_options(config: RecoveryConfig) -> None:
         )
     if tokens < 1:
         raise ValueError(f"local_then_global_tokens must be a positive token budget, got {tokens}.")
-    rate = config.global_learning_rate
-    if rate is not None and not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"global_learning_rate must be a positive number, got {rate}.")
 
 
 #: What mode 'local''s global phase can train (`RecoveryConfig.global_scope`), and the mode whose default learning

@@ -132,6 +132,20 @@ def check_recovery_data(dataset: Any, text_column: str = "text") -> str:
     return _read_recovery_data(dataset, text_column)[0]
 
 
+def check_local_recovery_data(dataset: Any, text_column: str = "text") -> None:
+    """`check_recovery_data` for a local file or folder (and a misspelt bundled corpus), before a command loads a
+    model: a missing, malformed or empty file, or a missing column, was refused only after the load. Bundled corpora
+    and `datasets` names are read once, after it."""
+    from ..calibration.data import DATA_SUFFIXES, check_bundled_name
+
+    if not isinstance(dataset, (str, Path)):
+        return
+    check_bundled_name(str(dataset))
+    path = Path(dataset).expanduser()
+    if path.exists() or path.suffix.lower() in DATA_SUFFIXES:
+        check_recovery_data(str(path) if path.exists() else str(dataset), text_column)
+
+
 def _read_recovery_data(dataset: Any, text_column: str) -> tuple[str, Any]:
     """(kind, what was read): Alpaca prompts, chat conversations (not rendered yet) or plain texts."""
     records = None

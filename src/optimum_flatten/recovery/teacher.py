@@ -144,6 +144,31 @@ def check_compatible(
             )
 
 
+def check_teacher_depth(student: nn.Module, teacher: nn.Module, report: Mapping[str, Any] | None, config: Any) -> None:
+    """Refuses a teacher that cannot be the dense model the student was compressed from: the student itself, one
+    shallower than the student (the two given the other way round), or, where the report's plan maps the student's
+    blocks onto the teacher's layers (mode 'local', hidden-state terms), one of another depth than the plan's. Each
+    healed without a word (or with the fingerprint's warning only) towards a model that is not the dense one.
+    """
+    from ..utils.fingerprint import weights_fingerprint
+
+    ours, theirs = (m.config.get_text_config().num_hidden_layers for m in (student, teacher))
+    given = "give the dense model the checkpoint was compressed from as the teacher"
+    if teacher is student or weights_fingerprint(teacher) == weights_fingerprint(student):
+        raise ValueError(f"the teacher is the model being healed (the same weights); {given}.")
+    if theirs < ours:
+        raise ValueError(
+            f"the teacher has {theirs} layers, fewer than the {ours} of the model it would heal: were the compressed "
+            f"checkpoint and the teacher given the other way round? {given[0].upper()}{given[1:]}."
+        )
+    planned = (report or {}).get("num_layers_before")
+    if isinstance(planned, int) and theirs != planned and (config.mode == "local" or config.hidden_weight > 0):
+        raise ValueError(
+            f"the report's plan maps the model's blocks onto {planned} original layers, and the teacher has {theirs}: "
+            f"mode 'local' and hidden-state terms train each block towards the teacher's state at its layer; {given}."
+        )
+
+
 def check_source(teacher: nn.Module, report: Mapping[str, Any] | None, stacklevel: int = 3) -> str | None:
     """A warning (also returned for the log) when `teacher` is not the model the checkpoint was compressed from.
 
@@ -242,6 +267,7 @@ def checked_teacher(
     notes: list[str] = []
     if model is not None:
         check_compatible(student, model, tokenizer, teacher_tokenizer, texts)
+        check_teacher_depth(student, model, report, config)
         mismatch = check_source(model, report, stacklevel=4)  # the warning names recover's caller
         notes += [mismatch] if mismatch else []
     return model, name, notes

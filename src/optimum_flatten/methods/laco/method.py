@@ -5,6 +5,10 @@ is collapsed into its first by parameter differences, θ* = θ_l + Σ_k (θ_{l+k
 the unmodified parameters. The collapse is kept when the cosine similarity between the final hidden states of
 the collapsed and the original model on the calibration text stays above `threshold`; the window then moves
 down by `interval`, otherwise by one layer. It stops when the requested number of layers is removed.
+
+Not the paper's when windows chain (a window taking in a layer an earlier one collapsed): the paper collapses the
+current model, so that member enters as its collapsed parameters; here every group is merged flat from its members'
+original parameters (docs/methods/laco.md, "Known departure from the paper").
 """
 
 from __future__ import annotations

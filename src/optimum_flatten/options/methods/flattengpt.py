@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -192,14 +193,19 @@ class FlattenGPTConfig(MethodConfig):
                 "mlp_target='sequential' (the default) changes what the kept channels' down projection is refitted "
                 "towards; with mlp_correction=False nothing is refitted. Also pass mlp_target='parallel'."
             )
-        if self.attention_ridge_ratio is not None and not self.attention_ridge_ratio > 0:
-            raise ValueError(f"attention_ridge_ratio must be > 0 or None, got {self.attention_ridge_ratio!r}.")
+        ratio = self.attention_ridge_ratio
+        if ratio is not None and not (ratio > 0 and math.isfinite(ratio)):
+            raise ValueError(f"attention_ridge_ratio must be > 0 and finite, or None, got {ratio!r}.")
         if self.calibration_mode not in ("one_pass", "sequential"):
             raise ValueError(f"calibration_mode must be 'one_pass' or 'sequential', got {self.calibration_mode!r}.")
         if self.max_group_size is not None and (not isinstance(self.max_group_size, int) or self.max_group_size < 2):
             raise ValueError(f"max_group_size must be an integer >= 2 or None, got {self.max_group_size!r}.")
-        if not self.ridge_ratio > 0:
-            raise ValueError(f"ridge_ratio must be > 0, got {self.ridge_ratio!r}.")
+        if not (self.ridge_ratio > 0 and math.isfinite(self.ridge_ratio)):
+            raise ValueError(f"ridge_ratio must be > 0 and finite, got {self.ridge_ratio!r}.")
+        if not (self.similarity_memory_gb > 0 and math.isfinite(self.similarity_memory_gb)):
+            raise ValueError(
+                f"similarity_memory_gb must be a positive number of GB, got {self.similarity_memory_gb!r}."
+            )
         if self.similarity_band is not None:
             if not isinstance(self.similarity_band, int) or self.similarity_band < 1:
                 raise ValueError(f"similarity_band must be a positive integer or None, got {self.similarity_band!r}.")
