@@ -15,6 +15,10 @@ class CalibrationBatch:
     (batch, channels, height, width) and no text: its ``input_ids`` / ``attention_mask`` are empty (batch, 0)
     tensors, so code that counts text tokens sees none, and the adapter's ``token_mask`` says which positions of the
     image encoder's states are real (all of them: CLS and patches).
+
+    Text rows are right-padded (`calibration.data` builds them so, whatever the tokenizer's padding side): the
+    calibration forwards pass no ``position_ids``, so a left-padded row built by hand would start its tokens at the
+    padding's length, which changes the states of a model with absolute positions (GPT-2) though not RoPE's.
     """
 
     input_ids: torch.Tensor
