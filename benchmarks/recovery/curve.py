@@ -58,6 +58,8 @@ def healing_points(model: str, method: str) -> dict[str, dict[int, tuple[float, 
         settings = run.get("settings", {})
         if protocol.seed(settings) != protocol.SEED or protocol.frozen_embeddings(settings):
             continue  # another healing seed, or the embeddings frozen: checks in the notebook, not points of a line
+        if not protocol.default_loss(settings):
+            continue  # hidden-state terms, a temperature or a mix of the LM loss: the notebook's, not the curve's
         rows = protocol.training_rows(settings)
         mode += f", rows {rows['seqlen']} × {rows['batch_size']}" if rows != protocol.TRAINING_ROWS else ""
         mode += f", on {text}" if (text := protocol.healing_text(settings)) else ""  # one line per healing text

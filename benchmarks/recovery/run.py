@@ -162,6 +162,8 @@ def untrained_scores(args: argparse.Namespace, measure_untrained: Callable[[], d
         key["calibration"] = args.calibration
     if getattr(args, "own_text", 0.0):
         key["own_text"], key["calibration_seed"] = args.own_text, args.calibration_seed
+    elif getattr(args, "calibration_seed", 0):  # a mixed calibration's rows, another seed's untrained scores
+        key["calibration_seed"] = args.calibration_seed
     if path.exists():
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
@@ -371,6 +373,11 @@ def main() -> None:
         raise SystemExit("a global phase's rate needs a global phase: add --local-then-global-tokens")
     if args.checkpoint_dir and (args.sweep_learning_rates or args.sweep_global_learning_rates):
         raise SystemExit("--checkpoint-dir checkpoints one measured run, not a sweep of several")
+    if args.calibration_seed and not args.own_text and args.calibration == "sotu":
+        # The speeches' windows are always drawn with seed 0; the healing text would exclude seed N's instead and
+        # train on the windows the compression calibrated on.
+        raise SystemExit("--calibration-seed seeds the dense model's calibration rows: give it with --own-text or a "
+                         "mixed --calibration")  # fmt: skip
     if not 0.0 <= args.teacher_text <= 1.0:
         raise SystemExit(f"--teacher-text is a share of the training rows, in [0, 1], got {args.teacher_text}")
     if args.teacher_text and not args.kd:
