@@ -101,7 +101,7 @@ class LocalSpanLoss:
     def span_terms(self, inputs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """(the state loss of each span, in `spans` order, real tokens of the batch); the terms carry the graph."""
         pairs, mask = self.span_outputs(inputs)
-        return [self.compare(output, target, mask) for output, target in pairs], int((mask != 0).sum())
+        return [self.compare(output, target, mask) for output, target in pairs], self.tokens(inputs)
 
     def tokens(self, inputs: dict[str, torch.Tensor]) -> int:
         """The real tokens of a batch, which the state loss compares."""

@@ -154,7 +154,8 @@ def check_teacher_depth(student: nn.Module, teacher: nn.Module, report: Mapping[
 
     ours, theirs = (m.config.get_text_config().num_hidden_layers for m in (student, teacher))
     given = "give the dense model the checkpoint was compressed from as the teacher"
-    if teacher is student or weights_fingerprint(teacher) == weights_fingerprint(student):
+    # Only a teacher of the student's depth can hold its weights: the common, deeper teacher is not fingerprinted.
+    if teacher is student or (theirs == ours and weights_fingerprint(teacher) == weights_fingerprint(student)):
         raise ValueError(f"the teacher is the model being healed (the same weights); {given}.")
     if theirs < ours:
         raise ValueError(
